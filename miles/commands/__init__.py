@@ -1,0 +1,1 @@
+"""Subcommands of the ``miles`` command line, one module per command group."""
