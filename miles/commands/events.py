@@ -1,0 +1,171 @@
+"""``miles events DIR``: show an event log as a table or JSON lines, and check it with the analyzer.
+
+Mounted by the ``miles`` command with ``add_typer(events.app, name="events")``. Exit status: 0 when
+all went well, 1 when ``--check`` found violations, 2 when the log could not be read or an option is
+invalid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import IntEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from miles.errors import EventLogError
+from miles.utils.audit_utils.event_analyzer import AnalysisReport, analyze_events
+from miles.utils.audit_utils.event_logger.models import EVENT_TYPES, Event
+from miles.utils.audit_utils.event_logger.logger import read_events
+
+_MAX_SERVERS_SHOWN = 3
+
+app = typer.Typer(
+    name="events",
+    help="Show and check a miles event log directory.",
+    add_completion=False,
+    no_args_is_help=True,
+    invoke_without_command=True,
+    pretty_exceptions_enable=False,
+    # The app is a group only so that ``add_typer`` mounts its callback as ``miles events``; it has
+    # no subcommands, so options may follow DIR as they would on a plain command.
+    subcommand_metavar="",
+    context_settings={"allow_interspersed_args": True},
+)
+
+
+class ExitCode(IntEnum):
+    """What ``miles events`` exits with."""
+
+    OK = 0
+    FINDINGS = 1
+    UNREADABLE = 2
+
+
+@app.callback(invoke_without_command=True)
+def events(
+    directory: Annotated[
+        Path,
+        typer.Argument(
+            metavar="DIR", help="Event log directory (its *.jsonl files).", show_default=False
+        ),
+    ],
+    types: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--type", "-t", help="Only events of this type (repeatable).", show_default=False
+        ),
+    ] = None,
+    server: Annotated[
+        str | None, typer.Option("--server", "-s", help="Only events about this server id.")
+    ] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option("--limit", "-n", min=1, help="Show only the N most recent matching events."),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON lines instead of a table.")
+    ] = False,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Run the analyzer over the whole log (filters do not apply); exit 1 on findings.",
+        ),
+    ] = False,
+) -> None:
+    """Print the events logged in DIR, oldest first; with --check, also what the analyzer finds."""
+    wanted_types = _validate_types(types or ())
+    try:
+        logged = read_events(directory)
+    except EventLogError as exc:
+        typer.echo(f"error: cannot read event log {directory}: {exc}", err=True)
+        raise typer.Exit(ExitCode.UNREADABLE) from exc
+
+    shown = [
+        event
+        for event in logged
+        if (not wanted_types or event.type in wanted_types)
+        and (server is None or server in event.involved_servers())
+    ]
+    if limit is not None:
+        shown = shown[-limit:]
+
+    console = Console(highlight=False)
+    if as_json:
+        for event in shown:
+            typer.echo(event.model_dump_json())
+    else:
+        console.print(_event_table(shown, total=len(logged)))
+
+    if not check:
+        return
+    report = analyze_events(logged)
+    _print_report(report, console=console, as_json=as_json)
+    if not report.passed:
+        raise typer.Exit(ExitCode.FINDINGS)
+
+
+def _validate_types(types: Sequence[str]) -> frozenset[str]:
+    unknown = sorted(set(types) - set(EVENT_TYPES))
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown event type(s) {', '.join(unknown)}; valid types: {', '.join(EVENT_TYPES)}",
+            param_hint="--type",
+        )
+    return frozenset(types)
+
+
+def _event_table(events: Sequence[Event], *, total: int) -> Table:
+    table = Table(title=f"{len(events)} of {total} events", title_justify="left")
+    for column in ("time", "type"):
+        table.add_column(column, no_wrap=True)
+    for column in ("source", "model", "server", "step", "version", "details"):
+        table.add_column(column, overflow="fold")
+    for event in events:
+        table.add_row(
+            *(
+                Text(cell)
+                for cell in (
+                    event.timestamp.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
+                    event.type,
+                    f"{event.source.component}/{event.source.id}",
+                    _text(getattr(event, "model_name", None)),
+                    _servers(event),
+                    _text(getattr(event, "step", None)),
+                    _text(getattr(event, "weight_version", None)),
+                    event.summary(),
+                )
+            )
+        )
+    return table
+
+
+def _servers(event: Event) -> str:
+    servers = event.involved_servers()
+    if len(servers) <= _MAX_SERVERS_SHOWN:
+        return ",".join(servers)
+    return ",".join(servers[:_MAX_SERVERS_SHOWN]) + f",… ({len(servers)})"
+
+
+def _text(value: object) -> str:
+    return "" if value is None else str(value)
+
+
+def _print_report(report: AnalysisReport, *, console: Console, as_json: bool) -> None:
+    if as_json:
+        for finding in report.findings:
+            typer.echo(finding.model_dump_json())
+        return
+    if report.passed:
+        console.print(Text(f"check passed: {report.events_checked} events, no findings"))
+        return
+    console.print(
+        Text(f"check failed: {len(report.findings)} finding(s) in {report.events_checked} events")
+    )
+    for finding in report.findings:
+        console.print(Text(f"[{finding.rule}] {finding.message}"))

@@ -1,0 +1,28 @@
+"""Offline checks over an event log: does what the fleet reported agree with what was published?"""
+
+from miles.utils.audit_utils.event_analyzer.analyzer import analyze_events
+from miles.utils.audit_utils.event_analyzer.report import AnalysisReport, Finding
+from miles.utils.audit_utils.event_analyzer.rules import (
+    CHECKSUM_CONSISTENCY,
+    RULES,
+    WEIGHT_VERSION_ORDER,
+    Rule,
+    RuleCheck,
+    check_checksum_consistency,
+    check_weight_version_order,
+    integer_version,
+)
+
+__all__ = [
+    "CHECKSUM_CONSISTENCY",
+    "RULES",
+    "WEIGHT_VERSION_ORDER",
+    "AnalysisReport",
+    "Finding",
+    "Rule",
+    "RuleCheck",
+    "analyze_events",
+    "check_checksum_consistency",
+    "check_weight_version_order",
+    "integer_version",
+]

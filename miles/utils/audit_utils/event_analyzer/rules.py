@@ -1,0 +1,175 @@
+"""The invariants an event log must satisfy, one small rule each, and the registry that lists them.
+
+A rule reads events in timestamp order and yields a ``Finding`` per violation. To add one, write a
+function with that shape and append a ``Rule`` to ``RULES``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from miles.utils.audit_utils.event_analyzer.report import Finding
+from miles.utils.audit_utils.event_logger.models import (
+    ChecksumRole,
+    Event,
+    InferenceEngineWeightChecksumEvent,
+    WeightUpdateCommittedEvent,
+)
+
+RuleCheck = Callable[[Sequence[Event]], Iterable[Finding]]
+"""Takes every event of a log in timestamp order and yields the violations it finds."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """A named invariant over an event log."""
+
+    name: str
+    description: str
+    check: RuleCheck
+
+
+CHECKSUM_CONSISTENCY = "checksum_consistency"
+WEIGHT_VERSION_ORDER = "weight_version_order"
+
+# Only plain base-10 integers are comparable versions; int() alone would also accept "1_000",
+# " 7" and non-ASCII digits, which nobody means as an ordered version.
+_INTEGER_VERSION = re.compile(r"-?[0-9]+")
+
+
+def integer_version(version: str | None) -> int | None:
+    """Return ``version`` as an int when it is a base-10 integer, else None (not comparable)."""
+    if version is None or not _INTEGER_VERSION.fullmatch(version):
+        return None
+    return int(version)
+
+
+def check_checksum_consistency(events: Sequence[Event]) -> Iterator[Finding]:
+    """Yield a finding for each server report (confirmed or restored) whose checksum differs
+    from the latest checksum training published before it for the same model and step.
+
+    A report with no earlier published checksum for its model and step cannot be judged and is
+    not a finding.
+    """
+    published: dict[tuple[str, int], InferenceEngineWeightChecksumEvent] = {}
+    for event in events:
+        if not isinstance(event, InferenceEngineWeightChecksumEvent):
+            continue
+        key = (event.model_name, event.step)
+        if event.role is ChecksumRole.PUBLISHED:
+            published[key] = event
+            continue
+        expected = published.get(key)
+        if expected is None or expected.checksum == event.checksum:
+            continue
+        yield Finding(
+            rule=CHECKSUM_CONSISTENCY,
+            message=(
+                f"server {event.server_id} reported a {event.role.value} checksum for model "
+                f"{event.model_name} step {event.step} that differs from the published one: "
+                f"expected {expected.checksum}, actual {event.checksum}"
+            ),
+            model_name=event.model_name,
+            server_id=event.server_id,
+            step=event.step,
+            weight_version=event.weight_version,
+            event_ids=(expected.event_id, event.event_id),
+        )
+
+
+def check_weight_version_order(events: Sequence[Event]) -> Iterator[Finding]:
+    """Yield a finding when versions go backwards where they must only move forward.
+
+    Per model, each committed update's version must be greater than every integer version
+    committed before it. Per server, each confirmed checksum's version must not be below the
+    highest version the server confirmed before. Restored checksums (rollbacks, restarts) may go
+    back and are not checked, but they do not lower the bar for later confirmations. Versions that
+    are not base-10 integers are not compared.
+    """
+    committed: dict[str, tuple[int, WeightUpdateCommittedEvent]] = {}
+    confirmed: dict[tuple[str, str], tuple[int, InferenceEngineWeightChecksumEvent]] = {}
+    for event in events:
+        if isinstance(event, WeightUpdateCommittedEvent):
+            finding = _committed_in_order(event, committed)
+        elif (
+            isinstance(event, InferenceEngineWeightChecksumEvent)
+            and event.role is ChecksumRole.CONFIRMED
+        ):
+            finding = _confirmed_in_order(event, confirmed)
+        else:
+            continue
+        if finding is not None:
+            yield finding
+
+
+def _committed_in_order(
+    event: WeightUpdateCommittedEvent,
+    highest: dict[str, tuple[int, WeightUpdateCommittedEvent]],
+) -> Finding | None:
+    version = integer_version(event.weight_version)
+    if version is None:
+        return None
+    previous = highest.get(event.model_name)
+    if previous is None or version > previous[0]:
+        highest[event.model_name] = (version, event)
+        return None
+    earlier = previous[1]
+    return Finding(
+        rule=WEIGHT_VERSION_ORDER,
+        message=(
+            f"model {event.model_name} committed weight version {event.weight_version} "
+            f"(update {event.update_id}) after already committing version {earlier.weight_version} "
+            f"(update {earlier.update_id}); committed versions must strictly increase"
+        ),
+        model_name=event.model_name,
+        step=event.step,
+        weight_version=event.weight_version,
+        event_ids=(earlier.event_id, event.event_id),
+    )
+
+
+def _confirmed_in_order(
+    event: InferenceEngineWeightChecksumEvent,
+    highest: dict[tuple[str, str], tuple[int, InferenceEngineWeightChecksumEvent]],
+) -> Finding | None:
+    version = integer_version(event.weight_version)
+    if version is None or event.server_id is None:
+        return None
+    key = (event.model_name, event.server_id)
+    previous = highest.get(key)
+    if previous is None or version >= previous[0]:
+        highest[key] = (version, event)
+        return None
+    earlier = previous[1]
+    return Finding(
+        rule=WEIGHT_VERSION_ORDER,
+        message=(
+            f"server {event.server_id} confirmed weight version {event.weight_version} of model "
+            f"{event.model_name} (step {event.step}) after having confirmed version "
+            f"{earlier.weight_version}; a server's confirmed versions must not go backwards"
+        ),
+        model_name=event.model_name,
+        server_id=event.server_id,
+        step=event.step,
+        weight_version=event.weight_version,
+        event_ids=(earlier.event_id, event.event_id),
+    )
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        name=CHECKSUM_CONSISTENCY,
+        description="servers report the checksum training published for the same model and step",
+        check=check_checksum_consistency,
+    ),
+    Rule(
+        name=WEIGHT_VERSION_ORDER,
+        description=(
+            "committed versions increase per model; confirmed versions never go back per server"
+        ),
+        check=check_weight_version_order,
+    ),
+)
+"""Every rule ``analyze_events`` runs by default, in the order their findings are reported."""

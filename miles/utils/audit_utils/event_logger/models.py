@@ -1,0 +1,327 @@
+"""The typed events miles records: one frozen pydantic model per event type, and their union.
+
+Every event serialises to one JSON object whose ``type`` field names its model, so a log line can be
+parsed back without knowing in advance what it holds (``parse_event``). Models are strict: unknown
+fields are refused, timestamps must carry a time zone (they are normalised to UTC), and sequences
+are tuples so an event cannot change after it was logged.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal, TypeVar, Union
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from miles.errors import EventValidationError
+
+_CHECKSUM_PREVIEW_CHARS = 12
+
+
+def short_checksum(checksum: str) -> str:
+    """Return ``checksum`` cut to a prefix long enough to tell checksums apart in a table."""
+    if len(checksum) <= _CHECKSUM_PREVIEW_CHARS:
+        return checksum
+    return checksum[:_CHECKSUM_PREVIEW_CHARS] + "…"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EventSource(_Frozen):
+    """Who logged an event: a component name and an id unique to one process of it."""
+
+    component: str = Field(min_length=1)
+    id: str = Field(min_length=1)
+
+    @classmethod
+    def of_this_process(cls, component: str = "miles") -> EventSource:
+        """Return a source naming ``component`` in this process (id ``"{hostname}:{pid}"``)."""
+        return cls(component=component, id=f"{socket.gethostname()}:{os.getpid()}")
+
+
+class ChecksumRole(StrEnum):
+    """Why a checksum was reported."""
+
+    PUBLISHED = "published"
+    """Training wrote a checkpoint and published its checksum: the value servers must match."""
+    CONFIRMED = "confirmed"
+    """A server hashed the weights it holds after loading an update."""
+    RESTORED = "restored"
+    """A server hashed the weights it rolled back to, or reloaded after a restart."""
+
+
+class BaseEvent(_Frozen):
+    """Fields every event carries. Subclasses add a ``type`` literal that names them on the wire."""
+
+    type: str
+    event_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1)
+    # Naive datetimes are refused rather than guessed at: a log merged from several hosts is
+    # ordered by this field, and a silently wrong zone would reorder it.
+    timestamp: AwareDatetime = Field(default_factory=lambda: datetime.now(UTC))
+    source: EventSource = Field(default_factory=EventSource.of_this_process)
+
+    @field_validator("timestamp")
+    @classmethod
+    def _to_utc(cls, value: datetime) -> datetime:
+        return value.astimezone(UTC)
+
+    def involved_servers(self) -> tuple[str, ...]:
+        """Return the ids of the rollout servers this event is about (empty when none)."""
+        return ()
+
+    def summary(self) -> str:
+        """Return a short human description of the event's payload, for logs and tables."""
+        return ""
+
+
+class InferenceEngineWeightChecksumEvent(BaseEvent):
+    """A model checksum, as published by training or as reported by a server about its weights."""
+
+    type: Literal["inference_engine_weight_checksum"] = "inference_engine_weight_checksum"
+    model_name: str
+    checksum: str = Field(min_length=1)
+    step: NonNegativeInt
+    weight_version: str | None = None
+    server_id: str | None = None
+    role: ChecksumRole = ChecksumRole.PUBLISHED
+
+    @model_validator(mode="after")
+    def _server_reports_name_the_server(self) -> InferenceEngineWeightChecksumEvent:
+        if self.role is not ChecksumRole.PUBLISHED and self.server_id is None:
+            raise ValueError(
+                f"a {self.role.value} checksum is reported by a server: set server_id"
+            )
+        return self
+
+    def involved_servers(self) -> tuple[str, ...]:
+        return () if self.server_id is None else (self.server_id,)
+
+    def summary(self) -> str:
+        return f"{self.role.value} {short_checksum(self.checksum)}"
+
+
+class WeightUpdateStartedEvent(BaseEvent):
+    """The controller took the update lock and began moving servers to a new weight version."""
+
+    type: Literal["weight_update_started"] = "weight_update_started"
+    update_id: str
+    model_name: str
+    weight_version: str
+    step: NonNegativeInt | None = None
+    checkpoint: str | None = None
+    strategy: str
+    pause_mode: str
+    server_ids: tuple[str, ...]
+    fencing_token: int | None = None
+
+    def involved_servers(self) -> tuple[str, ...]:
+        return self.server_ids
+
+    def summary(self) -> str:
+        return (
+            f"update {self.update_id} {self.strategy}/{self.pause_mode} "
+            f"on {len(self.server_ids)} server(s)"
+        )
+
+
+class WeightUpdateCommittedEvent(BaseEvent):
+    """Every server of an update confirmed the expected checksum; they now serve the new version."""
+
+    type: Literal["weight_update_committed"] = "weight_update_committed"
+    update_id: str
+    model_name: str
+    weight_version: str
+    step: NonNegativeInt | None = None
+    checksum: str = Field(min_length=1)
+    server_ids: tuple[str, ...]
+    duration_s: NonNegativeFloat
+
+    def involved_servers(self) -> tuple[str, ...]:
+        return self.server_ids
+
+    def summary(self) -> str:
+        return f"update {self.update_id} {short_checksum(self.checksum)} in {self.duration_s:.3f}s"
+
+
+class WeightUpdateAbortedEvent(BaseEvent):
+    """An update was halted; ``server_versions`` says what each server holds afterwards."""
+
+    type: Literal["weight_update_aborted"] = "weight_update_aborted"
+    update_id: str
+    model_name: str
+    weight_version: str
+    step: NonNegativeInt | None = None
+    reason: str
+    # A dict, not a tuple of pairs, because that is the natural JSON shape; the model is frozen,
+    # so the mapping is only ever read.
+    server_versions: dict[str, str]
+
+    def involved_servers(self) -> tuple[str, ...]:
+        return tuple(self.server_versions)
+
+    def summary(self) -> str:
+        return f"update {self.update_id} aborted: {self.reason}"
+
+
+class ChecksumMismatchEvent(BaseEvent):
+    """A server reported a checksum other than the expected one and was kept from serving."""
+
+    type: Literal["checksum_mismatch"] = "checksum_mismatch"
+    update_id: str | None = None
+    model_name: str
+    server_id: str
+    step: NonNegativeInt | None = None
+    weight_version: str | None = None
+    expected: str
+    actual: str
+
+    def involved_servers(self) -> tuple[str, ...]:
+        return (self.server_id,)
+
+    def summary(self) -> str:
+        return f"expected {short_checksum(self.expected)} got {short_checksum(self.actual)}"
+
+
+class ServerStateChangedEvent(BaseEvent):
+    """A rollout server moved from one state of its state machine to another."""
+
+    type: Literal["server_state_changed"] = "server_state_changed"
+    server_id: str
+    model_name: str
+    from_state: str
+    to_state: str
+    weight_version: str | None = None
+    reason: str | None = None
+
+    def involved_servers(self) -> tuple[str, ...]:
+        return (self.server_id,)
+
+    def summary(self) -> str:
+        text = f"{self.from_state} -> {self.to_state}"
+        return text if self.reason is None else f"{text} ({self.reason})"
+
+
+class LockAcquiredEvent(BaseEvent):
+    """A holder took a lock after waiting ``waited_s``; ``token`` fences out earlier holders."""
+
+    type: Literal["lock_acquired"] = "lock_acquired"
+    lock_name: str
+    holder: str
+    token: int
+    waited_s: NonNegativeFloat
+
+    def summary(self) -> str:
+        return (
+            f"{self.lock_name} by {self.holder} token={self.token} "
+            f"waited {self.waited_s:.3f}s"
+        )
+
+
+class LockReleasedEvent(BaseEvent):
+    """A lock was given up, by its holder (``released``) or by its lease running out."""
+
+    type: Literal["lock_released"] = "lock_released"
+    lock_name: str
+    holder: str
+    token: int
+    held_s: NonNegativeFloat
+    # A free string rather than an enum: the lock module owns the list of reasons
+    # ("released", "lease_expired", ...), and the log must accept any it adds.
+    reason: str = "released"
+
+    def summary(self) -> str:
+        return (
+            f"{self.lock_name} by {self.holder} token={self.token} "
+            f"{self.reason} after {self.held_s:.3f}s"
+        )
+
+
+_E = TypeVar("_E", bound=BaseEvent)
+
+Event = Annotated[
+    Union[
+        InferenceEngineWeightChecksumEvent,
+        WeightUpdateStartedEvent,
+        WeightUpdateCommittedEvent,
+        WeightUpdateAbortedEvent,
+        ChecksumMismatchEvent,
+        ServerStateChangedEvent,
+        LockAcquiredEvent,
+        LockReleasedEvent,
+    ],
+    Field(discriminator="type"),
+]
+"""Any event miles logs; pydantic picks the model from the ``type`` field."""
+
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+EVENT_CLASSES: tuple[type[BaseEvent], ...] = (
+    InferenceEngineWeightChecksumEvent,
+    WeightUpdateStartedEvent,
+    WeightUpdateCommittedEvent,
+    WeightUpdateAbortedEvent,
+    ChecksumMismatchEvent,
+    ServerStateChangedEvent,
+    LockAcquiredEvent,
+    LockReleasedEvent,
+)
+
+EVENT_TYPES: tuple[str, ...] = tuple(cls.model_fields["type"].default for cls in EVENT_CLASSES)
+"""The ``type`` value of every event model, in the order of ``EVENT_CLASSES``."""
+
+
+def parse_event(data: str | bytes | Mapping[str, Any]) -> Event:
+    """Build the event that ``data`` (a JSON document or an already decoded dict) describes.
+
+    Raises:
+        EventValidationError: ``data`` is not valid JSON, names no known event type, or does not
+            fit that type's model (missing, extra or ill-typed fields).
+    """
+    try:
+        if isinstance(data, (str, bytes)):
+            return EVENT_ADAPTER.validate_json(data)
+        return EVENT_ADAPTER.validate_python(data)
+    except ValidationError as exc:
+        raise EventValidationError("not a valid event", errors=_describe(exc)) from exc
+
+
+def build_event(event_cls: type[_E], fields: Mapping[str, Any]) -> _E:
+    """Validate ``fields`` as an ``event_cls`` (its ``type`` may be omitted).
+
+    Raises:
+        EventValidationError: the fields do not fit ``event_cls``: missing, extra or ill-typed
+            fields, or a ``type`` naming another event.
+    """
+    try:
+        return event_cls.model_validate(fields)
+    except ValidationError as exc:
+        raise EventValidationError(
+            f"not a valid {event_cls.__name__}", errors=_describe(exc)
+        ) from exc
+
+
+def _describe(exc: ValidationError) -> str:
+    """Condense pydantic's errors to one line: ``loc: message; loc: message``."""
+    parts = []
+    for error in exc.errors(include_url=False):
+        location = ".".join(str(part) for part in error["loc"]) or "<event>"
+        parts.append(f"{location}: {error['msg']}")
+    return "; ".join(parts)
