@@ -57,11 +57,23 @@ class LockDisciplineError(LockError, TypeError):
     """A class that owns a lock declared a method without saying how it relates to the lock."""
 
 
+class LockTimeoutError(LockError, TimeoutError):
+    """Acquiring a ContextLock did not succeed within its timeout; the waiter left no trace."""
+
+
 # --- events ------------------------------------------------------------------------------------
 
 
 class EventLogError(MilesError):
     """An event log could not be written or read."""
+
+
+class EventValidationError(EventLogError, ValueError):
+    """Data offered as an event (a dict, a JSON line) does not match the event model."""
+
+
+class EventTypeMismatchError(EventLogError, TypeError):
+    """An event was logged under an event class other than its own."""
 
 
 # --- weights and checkpoints -------------------------------------------------------------------
@@ -73,3 +85,62 @@ class CheckpointError(MilesError):
 
 class ChecksumMismatchError(MilesError):
     """Weights hashed to a checksum other than the one expected."""
+
+
+class TensorNameError(MilesError, ValueError):
+    """A tensor name cannot be written in the canonical checksum listing (tab, newline, empty)."""
+
+
+class UnsupportedTensorError(MilesError, TypeError):
+    """A tensor has no plain byte layout to hash (sparse, quantized, nested ...)."""
+
+
+class UnknownPresetError(MilesError, ValueError):
+    """A model preset name that miles.models.presets.PRESETS does not define."""
+
+
+class ManifestMissingError(CheckpointError):
+    """A directory has no miles_manifest.json; seal it (``miles checkpoint seal``) or re-export it."""
+
+
+class ManifestInvalidError(CheckpointError):
+    """miles_manifest.json exists but is not JSON or does not match the Manifest model."""
+
+
+class CheckpointFileError(CheckpointError):
+    """A weights file of a checkpoint is missing or unreadable."""
+
+
+class CheckpointFileMissingError(CheckpointFileError):
+    """A weights file named by the manifest (or given by the caller) does not exist."""
+
+
+class CheckpointFileTruncatedError(CheckpointFileError):
+    """A safetensors file is shorter than its own header says: it was cut while written or copied."""
+
+
+class CheckpointFileInvalidError(CheckpointFileError):
+    """A safetensors file has a malformed header (bad length, not JSON, bad dtype/shape/offsets)."""
+
+
+class CheckpointExistsError(CheckpointError):
+    """The target directory of a checkpoint write already exists and overwrite was not asked for."""
+
+
+class CheckpointVerificationError(CheckpointError):
+    """A checkpoint failed verification; ``report`` holds every problem found."""
+
+    def __init__(self, message: str, *, report: Any, **context: Any) -> None:
+        self.report = report
+        super().__init__(message, **context)
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+class InvalidRequestError(MilesError):
+    """A request is malformed or impossible to serve; HTTP adapters answer it with a 4xx."""
+
+    def __init__(self, message: str, *, status_code: int = 400, **context: Any) -> None:
+        self.status_code = status_code
+        super().__init__(message, **context)

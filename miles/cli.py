@@ -1,0 +1,26 @@
+"""The ``miles`` command: one entry point, one module per command group under ``miles.commands``."""
+
+from __future__ import annotations
+
+import typer
+
+from miles.commands import checkpoint, demo, events
+
+app = typer.Typer(
+    name="miles",
+    help="Keep serving a model while you train it: verified weight updates for a rollout fleet.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(checkpoint.app, name="checkpoint")
+app.add_typer(events.app, name="events")
+app.command(name="demo")(demo.demo)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

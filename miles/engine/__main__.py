@@ -1,0 +1,71 @@
+"""``python -m miles.engine``: start one engine server process."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import uvicorn
+
+from miles.engine.settings import EngineSettings
+
+cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this process when the process that started it dies, so no engine is ever orphaned."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="miles-parent-watch", daemon=True).start()
+
+
+@cli.command()
+def main(
+    model_path: Annotated[Path, typer.Option(help="Hugging Face checkpoint directory to serve.")],
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 30000,
+    device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
+    served_model_name: Annotated[str | None, typer.Option()] = None,
+    max_running_requests: Annotated[int, typer.Option()] = 32,
+    num_threads: Annotated[int | None, typer.Option(help="torch intra-op threads")] = None,
+    context_length: Annotated[int | None, typer.Option()] = None,
+    log_level: Annotated[str, typer.Option()] = "warning",
+    exit_with_parent: Annotated[bool, typer.Option(help="exit when the launching process dies")] = False,
+) -> None:
+    """Serve MODEL_PATH over SGLang's native HTTP API (subset) and OpenAI-compatible endpoints."""
+    if exit_with_parent:
+        _exit_with_parent()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = EngineSettings(
+        model_path=model_path,
+        host=host,
+        port=port,
+        device=device,
+        served_model_name=served_model_name,
+        max_running_requests=max_running_requests,
+        num_threads=num_threads,
+        context_length=context_length,
+        allowed_checkpoint_roots=EngineSettings.roots_from_env(),
+        log_level=log_level,
+    )
+    # Imported here so `--help` answers without loading torch and transformers.
+    from miles.engine.engine import Engine
+    from miles.engine.http_server import create_app
+
+    engine = Engine(settings)
+    uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    cli()

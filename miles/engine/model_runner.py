@@ -1,0 +1,141 @@
+"""The model on its device, and the batched forward passes the scheduler drives.
+
+A running batch is a ``BatchKV``: one KV cache whose rows are left-padded to a common length, the
+attention mask that marks the padding, and each row's next position id. Rows can join (a new
+prefill group is merged in, padding the shorter side on the left) and leave (rows are selected
+out, and columns that became padding for every row are cropped), which is what lets the scheduler
+batch continuously: new requests join at the next step instead of waiting for the batch to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+
+@dataclass
+class BatchKV:
+    """KV state of the running batch (owned and mutated by the scheduler thread only)."""
+
+    cache: DynamicCache
+    attention_mask: torch.Tensor  # [B, T] long, 0 on left padding
+    next_positions: torch.Tensor  # [B] long
+
+    @property
+    def size(self) -> int:
+        return int(self.attention_mask.shape[0])
+
+
+def load_model(model_path: str | Path, *, device: torch.device) -> PreTrainedModel:
+    """Load a Hugging Face causal LM for inference on ``device`` in the checkpoint's dtype."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype="auto")
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+class ModelRunner:
+    """Runs prefill and decode forwards for a batch on one device."""
+
+    def __init__(self, model: PreTrainedModel, *, device: torch.device, pad_token_id: int) -> None:
+        self.model = model
+        self.device = device
+        self.pad_token_id = pad_token_id
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]]) -> tuple[BatchKV, torch.Tensor]:
+        """Run the prompts as one left-padded batch; returns their KV state and last logits [B, V]."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        batch = BatchKV(cache=out.cache, attention_mask=mask.to(self.device), next_positions=lengths.to(self.device))
+        return batch, out.logits[:, -1, :]
+
+    @torch.inference_mode()
+    def decode(self, batch: BatchKV, tokens: list[int]) -> torch.Tensor:
+        """Feed one token per row; returns the next logits [B, V] and advances ``batch``."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
+        ones = torch.ones((batch.size, 1), dtype=torch.long, device=self.device)
+        batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.next_positions.unsqueeze(1),
+            cache=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        batch.cache = out.cache
+        batch.next_positions = batch.next_positions + 1
+        return out.logits[:, -1, :]
+
+    @staticmethod
+    def merge(left: BatchKV, right: BatchKV) -> BatchKV:
+        """One batch holding the rows of ``left`` then ``right`` (the shorter is padded on the left)."""
+        width = max(left.attention_mask.shape[1], right.attention_mask.shape[1])
+        layers = []
+        for (lk, lv), (rk, rv) in zip(_layers(left.cache), _layers(right.cache), strict=True):
+            layers.append(
+                (
+                    torch.cat([_pad_time(lk, width), _pad_time(rk, width)], dim=0),
+                    torch.cat([_pad_time(lv, width), _pad_time(rv, width)], dim=0),
+                )
+            )
+        mask = torch.cat([_pad_mask(left.attention_mask, width), _pad_mask(right.attention_mask, width)], dim=0)
+        return BatchKV(
+            cache=DynamicCache(ddp_cache_data=layers),
+            attention_mask=mask,
+            next_positions=torch.cat([left.next_positions, right.next_positions]),
+        )
+
+    @staticmethod
+    def select(batch: BatchKV, keep: list[int]) -> BatchKV:
+        """Keep only rows ``keep`` and crop columns that are padding for every remaining row."""
+        index = torch.tensor(keep, dtype=torch.long, device=batch.attention_mask.device)
+        mask = batch.attention_mask.index_select(0, index)
+        # Leading columns that no remaining row uses are dead weight in every later step.
+        used = mask.any(dim=0).nonzero()
+        start = int(used[0].item()) if used.numel() else mask.shape[1]
+        layers = [
+            (k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
+            for k, v in _layers(batch.cache)
+        ]
+        return BatchKV(
+            cache=DynamicCache(ddp_cache_data=layers),
+            attention_mask=mask[:, start:],
+            next_positions=batch.next_positions.index_select(0, index),
+        )
+
+
+def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _pad_time(states: torch.Tensor, width: int) -> torch.Tensor:
+    # states: [B, heads, T, head_dim]; pad T on the left with zeros (masked out by the attention mask).
+    missing = width - states.shape[2]
+    return F.pad(states, (0, 0, missing, 0)) if missing else states
+
+
+def _pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - mask.shape[1]
+    return F.pad(mask, (missing, 0)) if missing else mask

@@ -1,0 +1,45 @@
+"""Settings of one embedded engine process (command-line flags, with MILES_* fallbacks)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ALLOWED_ROOTS_ENV = "MILES_ALLOWED_CHECKPOINT_ROOTS"
+
+
+class EngineSettings(BaseModel):
+    """How one engine process serves one model."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: Path
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 30000
+    device: str = "cpu"
+    served_model_name: str | None = None
+    max_running_requests: Annotated[int, Field(ge=1, le=1024)] = 32
+    # Torch intra-op threads; engines sharing a small machine should split the cores between them.
+    num_threads: Annotated[int, Field(ge=1)] | None = None
+    context_length: Annotated[int, Field(ge=8)] | None = None
+    # Checkpoint directories that /update_weights_from_disk may read; empty means any local path.
+    allowed_checkpoint_roots: tuple[Path, ...] = ()
+    health_generate_timeout_s: Annotated[float, Field(gt=0)] = 20.0
+    log_level: str = "warning"
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value != "cpu" and not value.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {value!r}")
+        return value
+
+    @staticmethod
+    def roots_from_env(environ: dict[str, str] | None = None) -> tuple[Path, ...]:
+        """Parse ``MILES_ALLOWED_CHECKPOINT_ROOTS`` (paths separated by ``os.pathsep`` or commas)."""
+        raw = (environ if environ is not None else os.environ).get(ALLOWED_ROOTS_ENV, "")
+        parts = [p.strip() for chunk in raw.split(os.pathsep) for p in chunk.split(",")]
+        return tuple(Path(p).expanduser().resolve() for p in parts if p)

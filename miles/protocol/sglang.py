@@ -1,0 +1,243 @@
+"""Typed requests and responses of SGLang's native HTTP API (the subset miles serves and uses).
+
+Field names and defaults follow SGLang's ``GenerateReqInput``, ``SamplingParams`` and the weight
+update request structs, so a client written for SGLang works unchanged. Differences are listed in
+``docs/ENGINE.md``. Requests are strict: an unknown field is an error naming the field, never
+silently ignored, because a typo in a sampling parameter would otherwise change results quietly.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingParams(_Strict):
+    """Per-request decoding settings, with SGLang's names and defaults."""
+
+    max_new_tokens: Annotated[int, Field(ge=0)] = 128
+    min_new_tokens: Annotated[int, Field(ge=0)] = 0
+    temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: int = -1
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: Annotated[int, Field(ge=1, le=64)] = 1
+    sampling_seed: int | None = None
+    # Accepted as a shorter alias of ``sampling_seed`` (OpenAI's name for the same thing).
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParams:
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError("top_k must be -1 (disabled) or a positive integer")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError("min_new_tokens must not exceed max_new_tokens")
+        if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
+            raise ValueError("give either seed or sampling_seed, not two different values")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return self
+
+    @property
+    def effective_seed(self) -> int | None:
+        return self.sampling_seed if self.sampling_seed is not None else self.seed
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class GenerateRequest(_Strict):
+    """``POST /generate``: one prompt or a batch (lists), as text or token ids."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: Annotated[int, Field(ge=0, le=20)] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    session_id: str | None = None
+    log_metrics: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        if self.logprob_start_len != -1:
+            raise ValueError(
+                "logprob_start_len other than -1 (prompt logprobs) is not supported; "
+                "output-token logprobs come with return_logprob=true"
+            )
+        if self.stream and self.is_batch:
+            raise ValueError("streaming is supported for a single prompt, not a batch")
+        n = self.batch_size
+        for name, value in (("sampling_params", self.sampling_params), ("rid", self.rid)):
+            if isinstance(value, list) and len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        if isinstance(self.input_ids, list) and self.input_ids and isinstance(self.input_ids[0], list):
+            if any(len(ids) == 0 for ids in self.input_ids):  # type: ignore[arg-type]
+                raise ValueError("input_ids must not contain an empty prompt")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if isinstance(self.text, list):
+            return True
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+
+    @property
+    def batch_size(self) -> int:
+        if isinstance(self.text, list):
+            return len(self.text)
+        if self.input_ids and isinstance(self.input_ids[0], list):
+            return len(self.input_ids)
+        return 1
+
+
+class FinishReason(BaseModel):
+    """Why a generation ended: ``length``, ``stop`` (with what matched) or ``abort``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["length", "stop", "abort"]
+    length: int | None = None
+    matched: int | str | None = None
+    message: str | None = None
+
+
+class GenerateMetaInfo(BaseModel):
+    """``meta_info`` of a generation response; ``weight_version`` is the version at the end."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    e2e_latency: float
+    weight_version: str
+    weight_version_start: str
+    weight_version_end: str
+    # True when the request was cut short by a pause or an update (``retract``/``abort``): the
+    # tokens so far are returned so the caller can resubmit (partial rollout).
+    interrupted: bool = False
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
+
+
+class GenerateResponse(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+
+
+class PauseMode(StrEnum):
+    """What happens to in-flight requests when generation pauses.
+
+    ``drain``: requests already running finish on the current weights; new ones wait.
+    ``abort``: running and queued requests end at once with an ``abort`` finish reason.
+    ``retract``: running requests end at once and return their partial output marked
+    ``interrupted`` (the caller resubmits); queued requests wait.
+    ``in_place``: running requests stay where they are and continue after the pause, possibly on
+    new weights (their ``weight_version_start`` and ``weight_version_end`` then differ).
+    """
+
+    DRAIN = "drain"
+    ABORT = "abort"
+    RETRACT = "retract"
+    IN_PLACE = "in_place"
+
+
+class PauseGenerationRequest(_Strict):
+    mode: PauseMode = PauseMode.ABORT
+
+
+class ContinueGenerationRequest(_Strict):
+    torch_empty_cache: bool = False
+
+
+class AbortRequest(_Strict):
+    rid: str = ""
+    abort_all: bool = False
+    abort_message: str | None = None
+
+
+class UpdateWeightsFromDiskRequest(_Strict):
+    """``POST /update_weights_from_disk``: load a checkpoint directory into the live weights."""
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _single_path(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("model_path"), list):
+            raise ValueError("model_path must be one checkpoint directory, not a list of paths")
+        return data
+
+
+class UpdateWeightsResponse(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+    weight_version: str | None = None
+    checksum: str | None = None
+
+
+class UpdateWeightVersionRequest(_Strict):
+    """``POST /update_weight_version``. Unlike SGLang, ``abort_all_requests`` defaults to false:
+    renaming the version must never cost the requests in flight."""
+
+    new_version: str = Field(min_length=1)
+    abort_all_requests: bool = False
+
+
+class WeightsCheckerRequest(_Strict):
+    action: Literal["checksum"] = "checksum"
+
+
+class WeightsCheckerResponse(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    success: bool
+    message: str
+    payload: dict[str, Any] | None = None
+
+
+class WeightVersionResponse(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    weight_version: str

@@ -1,0 +1,1 @@
+"""InferenceController, the RolloutServer base and its server state machine, router, health."""

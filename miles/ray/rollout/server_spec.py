@@ -1,0 +1,64 @@
+"""What a rollout server is asked to run: its checkpoint, size, devices, health and timeouts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class HealthSettings(BaseModel):
+    """How often a rollout server probes its engines and when it gives up on one."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    interval_s: Annotated[float, Field(gt=0)] = 2.0
+    timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    failure_threshold: Annotated[int, Field(ge=1)] = 3
+
+
+class RolloutServerSpec(BaseModel):
+    """One model served by ``num_servers`` engines of one server type."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] = "rollout"
+    checkpoint: Path
+    model_name: str | None = None
+    num_servers: Annotated[int, Field(ge=1, le=64)] = 1
+    # One device per server ("cpu", "cuda:0", ...); default: one GPU each when there are GPUs.
+    devices: tuple[str, ...] | None = None
+    health: HealthSettings = HealthSettings()
+    startup_timeout_s: Annotated[float, Field(gt=0)] = 180.0
+    update_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    max_running_requests: Annotated[int, Field(ge=1)] = 32
+    # Torch threads per engine; default splits this machine's cores between the engines.
+    num_threads: Annotated[int, Field(ge=1)] | None = None
+    log_dir: Path | None = None
+    engine_args: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutServerSpec:
+        if self.devices is not None and len(self.devices) != self.num_servers:
+            raise ValueError(
+                f"devices lists {len(self.devices)} entries for {self.num_servers} servers; give one per server"
+            )
+        return self
+
+    def resolved_devices(self) -> list[str]:
+        if self.devices is not None:
+            return list(self.devices)
+        import torch  # only here: a spec must be cheap to build and validate
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus:
+            return [f"cuda:{i % gpus}" for i in range(self.num_servers)]
+        return ["cpu"] * self.num_servers
+
+    def threads_per_engine(self) -> int:
+        if self.num_threads is not None:
+            return self.num_threads
+        return max(1, (os.cpu_count() or 1) // self.num_servers)

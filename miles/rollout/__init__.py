@@ -1,0 +1,1 @@
+"""Rollout server implementations: the fleets of inference engines the controller drives."""

@@ -1,0 +1,87 @@
+"""SFTRollout: the reference rollout server, N embedded engine processes on this machine."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from miles.ray.rollout.rollout_server import RolloutServer, RolloutServerError
+from miles.ray.rollout.server_spec import RolloutServerSpec
+from miles.ray.rollout.server_state import ServerCell
+from miles.rollout.engine_process import EngineProcess, EngineStartError, free_port
+
+_LAUNCH_ATTEMPTS = 3  # a freshly picked free port can be taken before the engine binds it
+
+
+class SFTRollout(RolloutServer):
+    """Runs each server as ``python -m miles.engine`` on a free loopback port and its own device."""
+
+    def __init__(self, spec: RolloutServerSpec, **hooks: Any) -> None:
+        super().__init__(spec, **hooks)
+        self._processes: dict[str, EngineProcess] = {}
+        self._log_root = spec.log_dir or Path(tempfile.mkdtemp(prefix=f"miles-{spec.name}-logs-"))
+
+    async def _launch(self, cell: ServerCell, checkpoint: Path) -> str:
+        last_error: EngineStartError | None = None
+        for _ in range(_LAUNCH_ATTEMPTS):
+            port = free_port()
+            process = EngineProcess(
+                command=self._command(cell, checkpoint, port),
+                log_path=self._log_root / f"{cell.server_id}.log",
+            )
+            process.start()
+            self._processes[cell.server_id] = process
+            cell.pid = process.pid
+            url = f"http://127.0.0.1:{port}"
+            try:
+                await process.wait_healthy(url, timeout_s=self.spec.startup_timeout_s, http=self.http)
+                return url
+            except EngineStartError as exc:
+                last_error = exc
+                await process.stop(grace_s=2.0)
+                if "address already in use" not in str(exc.context.get("tail", "")).lower():
+                    break
+        assert last_error is not None
+        raise last_error
+
+    def _command(self, cell: ServerCell, checkpoint: Path, port: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "miles.engine",
+            "--model-path",
+            str(checkpoint),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            cell.device,
+            "--served-model-name",
+            self.model_name,
+            "--max-running-requests",
+            str(self.spec.max_running_requests),
+            "--num-threads",
+            str(self.spec.threads_per_engine()),
+            "--exit-with-parent",
+            *self.spec.engine_args,
+        ]
+
+    async def _terminate(self, cell: ServerCell) -> None:
+        process = self._processes.pop(cell.server_id, None)
+        if process is not None:
+            await process.stop()
+        cell.pid = None
+
+    def _alive(self, cell: ServerCell) -> bool:
+        process = self._processes.get(cell.server_id)
+        return process is not None and process.alive()
+
+    def process(self, server_id: str) -> EngineProcess:
+        """The local process behind a server (for operators and fault-injection tests)."""
+        try:
+            return self._processes[server_id]
+        except KeyError:
+            raise RolloutServerError("server has no running process", server_id=server_id) from None

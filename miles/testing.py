@@ -1,0 +1,64 @@
+"""Helpers for tests and benchmarks: tiny checkpoints and engine processes that clean up after
+themselves. Nothing in the product imports this module."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from miles.rollout.engine_process import EngineProcess, free_port
+
+
+@contextmanager
+def running_engine(
+    checkpoint: Path,
+    *,
+    log_dir: Path,
+    extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    num_threads: int = 1,
+    startup_timeout_s: float = 120.0,
+) -> Iterator[str]:
+    """Start ``python -m miles.engine`` on a free port; yield its base URL; always stop it."""
+    port = free_port()
+    process = EngineProcess(
+        command=[
+            sys.executable,
+            "-m",
+            "miles.engine",
+            "--model-path",
+            str(checkpoint),
+            "--port",
+            str(port),
+            "--num-threads",
+            str(num_threads),
+            "--exit-with-parent",
+            *extra_args,
+        ],
+        log_path=log_dir / f"engine-{port}.log",
+        env=env,
+    )
+    process.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import asyncio
+
+        async def wait() -> None:
+            async with httpx.AsyncClient(trust_env=False) as http:
+                await process.wait_healthy(url, timeout_s=startup_timeout_s, http=http)
+
+        asyncio.run(wait())
+        yield url
+    finally:
+        process.kill()
+
+
+def copy_checkpoint(source: Path, target: Path) -> Path:
+    """A writable copy of a checkpoint directory (to corrupt in tests)."""
+    shutil.copytree(source, target)
+    return target

@@ -1,0 +1,51 @@
+"""Weights: canonical checksums (``checksum``) and verified, atomically written checkpoints (``checkpoint``)."""
+
+from miles.weights.checkpoint import (
+    MANIFEST_NAME,
+    CheckpointProblem,
+    CheckpointReader,
+    Manifest,
+    ProblemKind,
+    TensorEntry,
+    TensorInfo,
+    VerificationReport,
+    open_checkpoint,
+    read_manifest,
+    save_checkpoint,
+    seal_checkpoint,
+    verify_checkpoint,
+    verify_checkpoint_or_raise,
+)
+from miles.weights.checksum import (
+    ModelChecksum,
+    TensorDigest,
+    checksum_module,
+    checksum_safetensors,
+    checksum_state_dict,
+    combine_digests,
+    digest_tensor,
+)
+
+__all__ = [
+    "MANIFEST_NAME",
+    "CheckpointProblem",
+    "CheckpointReader",
+    "Manifest",
+    "ModelChecksum",
+    "ProblemKind",
+    "TensorDigest",
+    "TensorEntry",
+    "TensorInfo",
+    "VerificationReport",
+    "checksum_module",
+    "checksum_safetensors",
+    "checksum_state_dict",
+    "combine_digests",
+    "digest_tensor",
+    "open_checkpoint",
+    "read_manifest",
+    "save_checkpoint",
+    "seal_checkpoint",
+    "verify_checkpoint",
+    "verify_checkpoint_or_raise",
+]

@@ -1,0 +1,336 @@
+"""Canonical weight checksums: the same weights give the same checksum from every representation.
+
+Per tensor, the digest is xxh3-128 (``xxhash.xxh3_128``) over the tensor's raw bytes: row-major,
+native little-endian, exactly what ``tensor.reshape(-1).view(torch.uint8)`` holds and exactly
+the bytes a safetensors file stores. Any dtype hashes (bfloat16, float8, bool, ...), 0-d tensors
+hash their one element, empty tensors hash zero bytes. Digests are 32 lowercase hex characters.
+
+The model checksum is xxh3-128 over this UTF-8 text, with nothing before or after it::
+
+    for every tensor, sorted by name (Unicode code point order, i.e. Python's ``sorted``):
+        "{name}\\t{dtype}\\t[{d0},{d1},...]\\t{digest}\\n"
+
+``dtype`` is the torch dtype name without ``torch.`` (``bfloat16``); the shape is the sizes
+joined by commas without spaces in brackets (``[]`` for a 0-d tensor). Example line:
+``model.norm.weight\\tfloat32\\t[64]\\t3f1c...\\n``. Because name, dtype and shape are part of each
+line, changing an element, a dtype, a shape (even with the same bytes) or which name holds which
+bytes changes the checksum. Names holding a tab or newline are refused (TensorNameError): they
+would make the listing ambiguous.
+
+Tensors are hashed zero-copy (a memoryview of the tensor's memory or of the file's memory map);
+xxhash releases the GIL, so large models hash on several threads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+import xxhash
+
+from miles.errors import (
+    CheckpointFileInvalidError,
+    CheckpointFileMissingError,
+    TensorNameError,
+    UnsupportedTensorError,
+)
+from miles.weights.safetensors_io import MappedSafetensors, TensorSlot, dtype_name, index_files
+
+ALGORITHM = "xxh3_128"
+
+# Below this many bytes a thread pool costs more than it saves.
+_PARALLEL_MIN_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDigest:
+    """One tensor's line in the canonical listing."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str
+
+    def canonical_line(self) -> str:
+        """This tensor's line of the canonical listing (see the module docstring)."""
+        if not self.name or any(c in self.name for c in "\t\n\r"):
+            raise TensorNameError("tensor name is empty or holds a tab or newline", tensor=self.name)
+        dims = ",".join(str(d) for d in self.shape)
+        return f"{self.name}\t{self.dtype}\t[{dims}]\t{self.digest}\n"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelChecksum:
+    """The checksum of a set of named tensors, with the per-tensor digests it was built from."""
+
+    checksum: str
+    algorithm: str = ALGORITHM
+    tensors: Mapping[str, TensorDigest] = field(default_factory=lambda: MappingProxyType({}))
+    num_bytes: int = 0
+
+
+def default_threads() -> int:
+    """The default hashing parallelism: ``min(8, os.cpu_count())``."""
+    return min(8, os.cpu_count() or 1)
+
+
+def digest_buffer(buffer: object) -> str:
+    """xxh3-128 hex digest of any object exposing the buffer protocol (bytes, memoryview, mmap)."""
+    return xxhash.xxh3_128(buffer).hexdigest()  # type: ignore[arg-type]
+
+
+def digest_tensor(tensor: torch.Tensor) -> str:
+    """The digest of ``tensor``'s raw bytes (see the module docstring).
+
+    Zero-copy for a contiguous CPU tensor; a non-contiguous or non-CPU tensor is first made
+    contiguous / copied to CPU.
+
+    Raises:
+        UnsupportedTensorError: the tensor is not a dense strided tensor, or is on the meta device.
+    """
+    return digest_buffer(_raw_bytes(tensor))
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+        raise UnsupportedTensorError(
+            "only dense strided tensors have a canonical byte layout", layout=str(tensor.layout)
+        )
+    if tensor.device.type == "meta":
+        raise UnsupportedTensorError("a meta tensor holds no data to hash", shape=tuple(tensor.shape))
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    # Lazy conjugation / negation bits are not in the bytes; materialise them.
+    t = t.resolve_conj().resolve_neg().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def combine_digests(digests: Iterable[TensorDigest]) -> str:
+    """The model checksum of ``digests``: xxh3-128 over their canonical listing, sorted by name.
+
+    Raises:
+        TensorNameError: a name is empty, holds a tab or newline, or appears twice.
+    """
+    ordered = sorted(digests, key=lambda d: d.name)
+    hasher = xxhash.xxh3_128()
+    previous: str | None = None
+    for entry in ordered:
+        if entry.name == previous:
+            raise TensorNameError("tensor name appears twice in one checksum", tensor=entry.name)
+        previous = entry.name
+        hasher.update(entry.canonical_line().encode("utf-8"))
+    return hasher.hexdigest()
+
+
+def _resolve_threads(threads: int | None) -> int:
+    if threads is None:
+        return default_threads()
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return threads
+
+
+def _run_digests(jobs: Sequence[tuple[int, Callable[[], str]]], threads: int) -> list[str]:
+    """Run ``(nbytes, job)`` pairs, in order of the result; on a pool when worth it."""
+    total = sum(nbytes for nbytes, _ in jobs)
+    if threads == 1 or len(jobs) < 2 or total < _PARALLEL_MIN_BYTES:
+        return [job() for _, job in jobs]
+    # Largest first, so one huge tensor (the embedding) does not start last and run alone.
+    order = sorted(range(len(jobs)), key=lambda i: jobs[i][0], reverse=True)
+    results: list[str] = [""] * len(jobs)
+    with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="miles-hash") as pool:
+        futures = {i: pool.submit(jobs[i][1]) for i in order}
+        for i, future in futures.items():
+            results[i] = future.result()
+    return results
+
+
+def checksum_from_digests(digests: Sequence[TensorDigest], *, num_bytes: int) -> ModelChecksum:
+    """Combine per-tensor digests (already computed) into a ModelChecksum.
+
+    Raises:
+        TensorNameError: as ``combine_digests``.
+    """
+    return ModelChecksum(
+        checksum=combine_digests(digests),
+        tensors=MappingProxyType({d.name: d for d in sorted(digests, key=lambda d: d.name)}),
+        num_bytes=num_bytes,
+    )
+
+
+def checksum_state_dict(state: Mapping[str, torch.Tensor], *, threads: int | None = None) -> ModelChecksum:
+    """The checksum of every tensor in ``state``, under the names it has there.
+
+    Aliased entries are hashed once per name (a state dict has no way to say which alias a file
+    keeps); use ``checksum_module`` for a live model with tied weights.
+
+    Raises:
+        TensorNameError: a name cannot be encoded (see the module docstring).
+        UnsupportedTensorError: a value is not a dense strided tensor.
+        ValueError: ``threads`` < 1.
+    """
+    n_threads = _resolve_threads(threads)
+    items = list(state.items())
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise UnsupportedTensorError(
+                "state dict value is not a tensor", tensor=name, type=type(tensor).__name__
+            )
+    jobs = [(t.numel() * t.element_size(), (lambda t=t: digest_tensor(t))) for _, t in items]
+    hexes = _run_digests(jobs, n_threads)
+    digests = [
+        TensorDigest(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), digest=h)
+        for (name, t), h in zip(items, hexes, strict=True)
+    ]
+    return checksum_from_digests(digests, num_bytes=sum(n for n, _ in jobs))
+
+
+def checksum_module(module: torch.nn.Module, *, threads: int | None = None) -> ModelChecksum:
+    """The checksum of ``module``'s state dict as Hugging Face ``save_pretrained`` writes it.
+
+    Tied / aliased tensors (``lm_head.weight`` sharing ``model.embed_tokens.weight``) are counted
+    once, under the name ``save_pretrained`` keeps: of the names viewing the same memory, those
+    matching a ``_tied_weights_keys`` target of the module or a submodule are dropped (keeping at
+    least one, the last in sorted order); of several left, the first in state-dict order stays.
+    Keys in ``_keys_to_ignore_on_save`` are left out. So a live model and its saved checkpoint
+    give the same checksum.
+
+    Raises:
+        as ``checksum_state_dict``.
+    """
+    return checksum_state_dict(saved_state_dict(module), threads=threads)
+
+
+def saved_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` without the aliases and ignored keys ``save_pretrained`` drops."""
+    state = dict(module.state_dict())
+    for key in getattr(module, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    groups: dict[tuple[object, ...], list[str]] = {}
+    for name, tensor in state.items():
+        if isinstance(tensor, torch.Tensor) and tensor.numel() > 0:
+            groups.setdefault(_view_identity(tensor), []).append(name)
+    patterns = _tied_target_patterns(module)
+    for names in groups.values():
+        if len(names) > 1:
+            for name in _aliases_to_drop(names, patterns):
+                del state[name]
+    return state
+
+
+def _view_identity(tensor: torch.Tensor) -> tuple[object, ...]:
+    # Two names alias when they view exactly the same memory the same way; overlapping but
+    # different views (a fused weight split in parts) are separate tensors in the files too.
+    return (
+        tensor.device,
+        tensor.dtype,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tensor.stride(),
+    )
+
+
+def _tied_target_patterns(module: torch.nn.Module) -> list[str]:
+    patterns: list[str] = []
+    for prefix, submodule in module.named_modules():
+        tied = getattr(submodule, "_tied_weights_keys", None) or ()
+        # transformers 5 maps target -> source; older versions list the targets.
+        targets = tied.keys() if isinstance(tied, Mapping) else tied
+        patterns.extend(f"{prefix}.{key}" if prefix else key for key in targets)
+    return patterns
+
+
+def _aliases_to_drop(names: list[str], patterns: list[str]) -> list[str]:
+    # Mirrors transformers' remove_tied_weights_from_state_dict, so we keep the name it keeps.
+    matched = [n for n in sorted(names) if any(re.search(p, n) for p in patterns)]
+    drop = matched[: len(names) - 1] if len(matched) == len(names) else matched
+    rest = [n for n in names if n not in drop]
+    return drop + rest[1:]
+
+
+def digest_mapped(
+    slots: Sequence[tuple[MappedSafetensors, TensorSlot]], *, threads: int | None = None
+) -> list[TensorDigest]:
+    """The digests of tensors in mapped safetensors files, hashed straight from the maps.
+
+    Raises:
+        ValueError: ``threads`` < 1.
+    """
+    n_threads = _resolve_threads(threads)
+
+    def job(mapped: MappedSafetensors, slot: TensorSlot) -> str:
+        with mapped.region(slot) as view:
+            return digest_buffer(view)
+
+    hexes = _run_digests([(slot.nbytes, (lambda m=m, s=slot: job(m, s))) for m, slot in slots], n_threads)
+    return [
+        TensorDigest(name=slot.name, dtype=dtype_name(slot.dtype), shape=slot.shape, digest=h)
+        for (_, slot), h in zip(slots, hexes, strict=True)
+    ]
+
+
+def checksum_safetensors(
+    paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], *, threads: int | None = None
+) -> ModelChecksum:
+    """The checksum of the tensors stored in one or more safetensors files.
+
+    ``paths_or_dir`` is a file, several files, or a directory (the files its
+    ``model.safetensors.index.json`` names, else all its ``*.safetensors``). The result does not
+    depend on how the tensors are sharded and equals ``checksum_module`` of the loaded model.
+
+    Raises:
+        CheckpointFileMissingError: no file, or a named file does not exist.
+        CheckpointFileTruncatedError / CheckpointFileInvalidError: a file is cut or malformed,
+            or one tensor name appears in two files.
+    """
+    paths = _expand_paths(paths_or_dir)
+    with ExitStack() as stack:
+        slots = collect_slots([stack.enter_context(MappedSafetensors(p)) for p in paths])
+        digests = digest_mapped(slots, threads=threads)
+    return checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots))
+
+
+def collect_slots(files: Iterable[MappedSafetensors]) -> list[tuple[MappedSafetensors, TensorSlot]]:
+    """Every tensor of ``files`` with the file holding it.
+
+    Raises:
+        CheckpointFileInvalidError: one tensor name appears in two files.
+    """
+    slots: list[tuple[MappedSafetensors, TensorSlot]] = []
+    owner: dict[str, Path] = {}
+    for mapped in files:
+        for name, slot in mapped.tensors.items():
+            if name in owner:
+                raise CheckpointFileInvalidError(
+                    "tensor appears in two safetensors files",
+                    tensor=name,
+                    first=str(owner[name]),
+                    second=str(mapped.path),
+                )
+            owner[name] = mapped.path
+            slots.append((mapped, slot))
+    return slots
+
+
+def _expand_paths(paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[Path]:
+    if isinstance(paths_or_dir, str | os.PathLike):
+        single = Path(paths_or_dir)
+        paths = index_files(single) if single.is_dir() else [single]
+        if not paths:
+            raise CheckpointFileMissingError("directory holds no safetensors files", path=str(single))
+        return paths
+    paths = [Path(p) for p in paths_or_dir]
+    if not paths:
+        raise CheckpointFileMissingError("no safetensors files given")
+    return paths

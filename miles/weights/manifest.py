@@ -1,0 +1,212 @@
+"""The checkpoint manifest (``miles_manifest.json``): what a checkpoint holds and its checksum.
+
+A manifest is computed from the written files, never from memory, so it describes exactly the
+bytes a rollout server will load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import ExitStack
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from miles.errors import CheckpointFileMissingError, ManifestInvalidError, ManifestMissingError
+from miles.weights.checksum import (
+    ALGORITHM,
+    TensorDigest,
+    checksum_from_digests,
+    collect_slots,
+    combine_digests,
+    digest_mapped,
+)
+from miles.weights.safetensors_io import MappedSafetensors, index_files
+
+MANIFEST_NAME = "miles_manifest.json"
+FORMAT_VERSION = 1
+
+
+class TensorEntry(BaseModel):
+    """One tensor of a checkpoint: its dtype name, shape, digest and the file holding it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str = Field(pattern=r"^[0-9a-f]{32}$")
+    file: str
+
+
+class Manifest(BaseModel):
+    """What a checkpoint holds: model, step, weight version, per-tensor digests and checksum."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format_version: int = FORMAT_VERSION
+    model_name: str = Field(min_length=1)
+    step: int = Field(ge=0)
+    weight_version: str = ""
+    algorithm: Literal["xxh3_128"] = ALGORITHM
+    checksum: str = Field(pattern=r"^[0-9a-f]{32}$")
+    num_bytes: int = Field(ge=0)
+    tensors: dict[str, TensorEntry]
+    files: dict[str, int]
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+    @field_validator("format_version")
+    @classmethod
+    def _known_version(cls, value: int) -> int:
+        if value != FORMAT_VERSION:
+            raise ValueError(
+                f"format_version {value} is not supported (this miles reads {FORMAT_VERSION}); "
+                "upgrade miles or re-seal the checkpoint"
+            )
+        return value
+
+    @field_validator("created_at")
+    @classmethod
+    def _utc(cls, value: datetime) -> datetime:
+        if value.tzinfo is None:
+            raise ValueError("created_at must carry a timezone (write it in UTC, e.g. '...Z')")
+        return value.astimezone(UTC)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_weight_version(cls, data: object) -> object:
+        # weight_version defaults to str(step); a validator, since a field default cannot see step.
+        if isinstance(data, dict) and not data.get("weight_version") and "step" in data:
+            data = {**data, "weight_version": str(data["step"])}
+        return data
+
+    @field_validator("files")
+    @classmethod
+    def _files_stay_inside(cls, value: dict[str, int]) -> dict[str, int]:
+        # A reader opens directory / name; a manifest must not send it elsewhere.
+        for name in value:
+            parts = PurePosixPath(name).parts
+            if not parts or name.startswith("/") or ".." in parts or "\\" in name:
+                raise ValueError(f"file name {name!r} must be a relative path inside the checkpoint")
+        return value
+
+    @model_validator(mode="after")
+    def _entries_name_listed_files(self) -> Manifest:
+        unlisted = sorted({e.file for e in self.tensors.values()} - self.files.keys())
+        if unlisted:
+            raise ValueError(f"tensor entries name files missing from 'files': {unlisted}; re-seal the checkpoint")
+        return self
+
+    def tensor_digests(self) -> list[TensorDigest]:
+        """The manifest's tensor entries as digests (the input of its model checksum)."""
+        return [
+            TensorDigest(name=name, dtype=entry.dtype, shape=entry.shape, digest=entry.digest)
+            for name, entry in self.tensors.items()
+        ]
+
+    def combined_checksum(self) -> str:
+        """The model checksum its tensor entries combine to (equals ``checksum`` when consistent)."""
+        return combine_digests(self.tensor_digests())
+
+
+def manifest_from_files(
+    directory: str | os.PathLike[str],
+    *,
+    model_name: str,
+    step: int,
+    weight_version: str | None = None,
+    threads: int | None = None,
+) -> Manifest:
+    """A manifest for the Hugging Face model in ``directory``, every digest hashed from its files.
+
+    The files are those ``from_pretrained`` would load (the index's, else all ``*.safetensors``).
+
+    Raises:
+        CheckpointFileMissingError: no safetensors file, or one the index names is missing.
+        CheckpointFileTruncatedError / CheckpointFileInvalidError: a file is cut or malformed.
+    """
+    directory = Path(directory)
+    paths = index_files(directory)
+    if not paths:
+        raise CheckpointFileMissingError("directory holds no safetensors files", path=str(directory))
+    with ExitStack() as stack:
+        slots = collect_slots([stack.enter_context(MappedSafetensors(p)) for p in paths])
+        digests = digest_mapped(slots, threads=threads)
+        owners = {slot.name: mapped.path.relative_to(directory).as_posix() for mapped, slot in slots}
+    checksum = checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots))
+    return Manifest(
+        model_name=model_name,
+        step=step,
+        weight_version=weight_version or str(step),
+        checksum=checksum.checksum,
+        num_bytes=checksum.num_bytes,
+        tensors={
+            name: TensorEntry(dtype=d.dtype, shape=d.shape, digest=d.digest, file=owners[name])
+            for name, d in checksum.tensors.items()
+        },
+        files={p.relative_to(directory).as_posix(): p.stat().st_size for p in paths},
+    )
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """Read and validate ``directory/miles_manifest.json``.
+
+    Raises:
+        ManifestMissingError: the directory or the manifest file does not exist.
+        ManifestInvalidError: the file is not JSON or its fields are invalid (each one named).
+    """
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ManifestMissingError(
+            f"checkpoint has no {MANIFEST_NAME}; seal it (`miles checkpoint seal`) or re-export it",
+            path=str(path),
+        ) from None
+    except NotADirectoryError:
+        raise ManifestMissingError("checkpoint path is not a directory", path=str(directory)) from None
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestInvalidError(f"manifest is not JSON: {exc}", path=str(path)) from None
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
+        raise ManifestInvalidError(f"manifest fields are invalid: {fields}", path=str(path)) from None
+
+
+def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> Path:
+    """Write ``manifest`` into ``directory`` atomically (temp file, fsync, rename, fsync dir).
+
+    Raises:
+        CheckpointFileMissingError: ``directory`` does not exist.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointFileMissingError("checkpoint directory does not exist", path=str(directory))
+    target = directory / MANIFEST_NAME
+    fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f".{MANIFEST_NAME}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(manifest.model_dump_json(indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    fsync_directory(directory)
+    return target
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a directory's entries (created, renamed files) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

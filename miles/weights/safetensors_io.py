@@ -1,0 +1,288 @@
+"""Read safetensors files ourselves: parse the header, memory-map the data, hand out byte ranges.
+
+We parse the header instead of using ``safetensors.safe_open`` because the checksum and the
+verifier need each tensor's *byte offsets* in the file: they hash the mapped bytes directly,
+without materialising a tensor (no allocation, no copy), and a reader hands out tensors that are
+views over the map. ``safe_open`` only gives tensors or slices, never offsets, and it cannot tell
+a truncated file from a malformed one, which the verifier must name apart.
+
+The format: 8 bytes little-endian unsigned header length ``N``, then ``N`` bytes of UTF-8 JSON
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``), then
+the data buffer; offsets are relative to the start of the buffer (byte ``8 + N`` of the file).
+Tensor bytes are row-major little-endian, exactly torch's in-memory layout on every machine we
+run on, so a digest of the file bytes equals the digest of the loaded tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+from miles.errors import (
+    CheckpointFileInvalidError,
+    CheckpointFileMissingError,
+    CheckpointFileTruncatedError,
+)
+
+# A header larger than this is not a real header but garbage in the length field (the
+# safetensors library uses the same bound).
+MAX_HEADER_BYTES = 100_000_000
+
+METADATA_KEY = "__metadata__"
+
+SAFETENSORS_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U64": torch.uint64,
+        "U32": torch.uint32,
+        "U16": torch.uint16,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "C64": torch.complex64,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+        "F8_E5M2": torch.float8_e5m2,
+        "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+        "F8_E8M0": torch.float8_e8m0fnu,
+    }
+)
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian machine runs torch wheels we pin
+    raise ImportError("miles.weights assumes a little-endian machine (safetensors byte order)")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The canonical name of a torch dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlot:
+    """Where one tensor lives in a safetensors file; ``begin``/``end`` are absolute file offsets."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True, slots=True)
+class SafetensorsHeader:
+    """The parsed header of one safetensors file, checked against the file's size."""
+
+    path: Path
+    size: int
+    data_start: int
+    tensors: Mapping[str, TensorSlot]
+    metadata: Mapping[str, str]
+
+
+def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
+    """Parse and validate the header of the safetensors file at ``path``.
+
+    Reads only the header bytes. Every tensor's byte range is checked to lie inside the file and
+    to match its dtype and shape.
+
+    Raises:
+        CheckpointFileMissingError: the file does not exist.
+        CheckpointFileTruncatedError: the file ends before the header or a tensor's bytes do.
+        CheckpointFileInvalidError: the header is malformed (length, JSON, dtype, shape, offsets).
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointFileTruncatedError(
+                    "safetensors file is shorter than its 8-byte header length", path=str(path), size=size
+                )
+            header_len = int.from_bytes(prefix, "little")
+            if header_len > MAX_HEADER_BYTES:
+                raise CheckpointFileInvalidError(
+                    "safetensors header length is implausibly large", path=str(path), header_len=header_len
+                )
+            raw = f.read(header_len)
+    except FileNotFoundError:
+        raise CheckpointFileMissingError("safetensors file does not exist", path=str(path)) from None
+    if len(raw) < header_len:
+        raise CheckpointFileTruncatedError(
+            "safetensors file ends inside its header", path=str(path), size=size, header_len=header_len
+        )
+    data_start = 8 + header_len
+    try:
+        parsed = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointFileInvalidError(f"safetensors header is not JSON: {exc}", path=str(path)) from None
+    if not isinstance(parsed, dict):
+        raise CheckpointFileInvalidError("safetensors header is not a JSON object", path=str(path))
+    metadata = parsed.pop(METADATA_KEY, None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointFileInvalidError("safetensors __metadata__ is not a str -> str object", path=str(path))
+    tensors = {name: _parse_entry(path, name, entry, data_start) for name, entry in parsed.items()}
+    # Check truncation after parsing every entry, so a malformed entry is reported as invalid
+    # rather than hidden behind a truncation of an earlier one.
+    for slot in tensors.values():
+        if slot.end > size:
+            raise CheckpointFileTruncatedError(
+                f"safetensors file ends before the bytes of tensor {slot.name!r}",
+                path=str(path),
+                size=size,
+                needed=slot.end,
+            )
+    return SafetensorsHeader(
+        path=path,
+        size=size,
+        data_start=data_start,
+        tensors=MappingProxyType(tensors),
+        metadata=MappingProxyType(dict(metadata)),
+    )
+
+
+def _parse_entry(path: Path, name: str, entry: object, data_start: int) -> TensorSlot:
+    def invalid(what: str) -> CheckpointFileInvalidError:
+        return CheckpointFileInvalidError(f"safetensors entry {name!r}: {what}", path=str(path))
+
+    if not isinstance(entry, dict):
+        raise invalid("is not an object")
+    dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise invalid(f"unknown dtype {entry.get('dtype')!r}")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise invalid(f"shape {shape!r} is not a list of non-negative integers")
+    offsets = entry.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise invalid(f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+    expected = math.prod(shape) * dtype.itemsize
+    if offsets[1] - offsets[0] != expected:
+        raise invalid(f"holds {offsets[1] - offsets[0]} bytes but dtype and shape need {expected}")
+    return TensorSlot(
+        name=name, dtype=dtype, shape=tuple(shape), begin=data_start + offsets[0], end=data_start + offsets[1]
+    )
+
+
+class MappedSafetensors:
+    """One safetensors file, header parsed and data memory-mapped copy-on-write.
+
+    The map is ``ACCESS_COPY``: tensors handed out are writable (torch warns on read-only
+    buffers) but writes stay private to this process and never reach the file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        """Parse the header and map the file.
+
+        Raises:
+            CheckpointFileMissingError, CheckpointFileTruncatedError, CheckpointFileInvalidError:
+                as ``read_header``.
+        """
+        self.header = read_header(path)
+        self._map: mmap.mmap | None = None
+        if self.header.size > 0:
+            with open(self.header.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    @property
+    def path(self) -> Path:
+        return self.header.path
+
+    @property
+    def tensors(self) -> Mapping[str, TensorSlot]:
+        return self.header.tensors
+
+    @contextmanager
+    def region(self, slot: TensorSlot) -> Iterator[memoryview]:
+        """A zero-copy view of ``slot``'s bytes, released on exit (so the map can be closed)."""
+        if self._map is None:
+            raise CheckpointFileInvalidError("safetensors file is closed", path=str(self.path))
+        base = memoryview(self._map)
+        try:
+            view = base[slot.begin : slot.end]
+            try:
+                yield view
+            finally:
+                view.release()
+        finally:
+            base.release()
+
+    def tensor(self, slot: TensorSlot) -> torch.Tensor:
+        """A CPU tensor over the mapped bytes of ``slot``: no copy, writable copy-on-write.
+
+        The tensor keeps the mapping alive on its own, so it stays valid after ``close()``.
+        """
+        if self._map is None:
+            raise CheckpointFileInvalidError("safetensors file is closed", path=str(self.path))
+        numel = math.prod(slot.shape)
+        if numel == 0:
+            # torch.frombuffer refuses zero-length buffers; there are no bytes to share anyway.
+            return torch.empty(slot.shape, dtype=slot.dtype)
+        if slot.begin % slot.dtype.itemsize:
+            # The map is page aligned, so this offset would give a misaligned tensor; copy it
+            # into an aligned one (safetensors writers align, so this is the rare case).
+            with self.region(slot) as view:
+                return torch.frombuffer(bytearray(view), dtype=slot.dtype).reshape(slot.shape)
+        return torch.frombuffer(self._map, dtype=slot.dtype, count=numel, offset=slot.begin).view(slot.shape)
+
+    def close(self) -> None:
+        """Drop our mapping. Tensors from ``tensor()`` that are still alive keep it mapped."""
+        # Never mmap.close(): torch.frombuffer keeps a reference to the mmap object but no buffer
+        # export, so close() would succeed and unmap memory that live tensors still point into
+        # (a segfault on the next read). Dropping our reference unmaps it as soon as the last
+        # tensor over it dies, or right now when there is none.
+        self._map = None
+
+    def __enter__(self) -> MappedSafetensors:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def index_files(directory: Path) -> list[Path]:
+    """The safetensors files that make up the Hugging Face model in ``directory``.
+
+    With ``model.safetensors.index.json`` these are the files its weight map names (so a stale
+    shard left beside them is ignored, as ``from_pretrained`` ignores it); otherwise every
+    ``*.safetensors`` file in the directory, sorted by name.
+
+    Raises:
+        CheckpointFileInvalidError: the index file is not JSON or has no ``weight_map``.
+    """
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointFileInvalidError(
+                f"safetensors index is not valid: {exc!r}", path=str(index)
+            ) from None
+        return [directory / name for name in names]
+    return sorted(p for p in directory.glob("*.safetensors") if p.is_file())

@@ -1,0 +1,268 @@
+"""Verify a checkpoint against its manifest: every digest recomputed from the files, every problem named."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from miles.errors import (
+    CheckpointFileError,
+    CheckpointFileInvalidError,
+    CheckpointFileMissingError,
+    CheckpointFileTruncatedError,
+    CheckpointVerificationError,
+    ManifestInvalidError,
+    ManifestMissingError,
+)
+from miles.weights.checksum import TensorDigest, checksum_from_digests, digest_mapped
+from miles.weights.manifest import MANIFEST_NAME, Manifest, TensorEntry, read_manifest
+from miles.weights.safetensors_io import MappedSafetensors, TensorSlot
+
+_RESEAL = "re-export the checkpoint, or re-seal it (`miles checkpoint seal`) if the files are what you want"
+
+
+class ProblemKind(StrEnum):
+    """What is wrong with a checkpoint; one kind per way it can be wrong."""
+
+    MISSING_MANIFEST = "missing_manifest"
+    INVALID_MANIFEST = "invalid_manifest"
+    MISSING_FILE = "missing_file"
+    TRUNCATED_FILE = "truncated_file"
+    INVALID_FILE = "invalid_file"
+    MISSING_TENSOR = "missing_tensor"
+    EXTRA_TENSOR = "extra_tensor"
+    WRONG_SHAPE = "wrong_shape"
+    WRONG_DTYPE = "wrong_dtype"
+    DIGEST_MISMATCH = "digest_mismatch"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointProblem:
+    """One problem: its kind, where (tensor, file), expected vs actual, and how to fix it."""
+
+    kind: ProblemKind
+    message: str
+    tensor: str | None = None
+    file: str | None = None
+    expected: str | None = None
+    actual: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class VerificationReport:
+    """The outcome of verifying a checkpoint.
+
+    ``checksum`` is the model checksum recomputed from the files (None when a file could not be
+    read or a tensor name is duplicated, so no complete checksum exists).
+    """
+
+    directory: Path
+    manifest: Manifest | None
+    problems: tuple[CheckpointProblem, ...]
+    checksum: str | None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_checkpoint(directory: str | os.PathLike[str], *, threads: int | None = None) -> VerificationReport:
+    """Check the checkpoint in ``directory`` against its manifest, hashing every tensor from disk.
+
+    Never raises for a broken checkpoint: every problem found is in the report.
+    """
+    directory = Path(directory)
+    try:
+        manifest = read_manifest(directory)
+    except ManifestMissingError:
+        problem = CheckpointProblem(
+            kind=ProblemKind.MISSING_MANIFEST,
+            file=MANIFEST_NAME,
+            message=f"no {MANIFEST_NAME} in {directory}: seal the directory (`miles checkpoint seal DIR "
+            "--model-name NAME --step N`) or re-export it with save_checkpoint.",
+        )
+        return VerificationReport(directory, None, (problem,), None)
+    except ManifestInvalidError as exc:
+        problem = CheckpointProblem(
+            kind=ProblemKind.INVALID_MANIFEST,
+            file=MANIFEST_NAME,
+            message=f"{exc.message}; re-seal the checkpoint or re-export it.",
+        )
+        return VerificationReport(directory, None, (problem,), None)
+    with ExitStack() as stack:
+        opened: dict[str, MappedSafetensors] = {}
+        problems: list[CheckpointProblem] = []
+        for file_name in sorted(manifest.files):
+            try:
+                opened[file_name] = stack.enter_context(MappedSafetensors(directory / file_name))
+            except CheckpointFileError as exc:
+                problems.append(file_problem(file_name, exc))
+        found, checksum = compare_with_manifest(manifest, opened, threads=threads)
+    if len(opened) < len(manifest.files):
+        checksum = None
+    return VerificationReport(directory, manifest, tuple(problems + found), checksum)
+
+
+def verify_checkpoint_or_raise(directory: str | os.PathLike[str], *, threads: int | None = None) -> Manifest:
+    """Verify the checkpoint in ``directory`` and return its manifest.
+
+    Raises:
+        CheckpointVerificationError: any problem; ``.report`` holds them all, the message lists them.
+    """
+    report = verify_checkpoint(directory, threads=threads)
+    if report.manifest is None or report.problems:
+        raise CheckpointVerificationError(
+            "checkpoint failed verification: " + "; ".join(f"{p.kind}: {p.message}" for p in report.problems),
+            report=report,
+            path=str(directory),
+            problems=len(report.problems),
+        )
+    return report.manifest
+
+
+def file_problem(file_name: str, exc: CheckpointFileError) -> CheckpointProblem:
+    """The problem a file-level read error stands for, named by its kind."""
+    if isinstance(exc, CheckpointFileMissingError):
+        return CheckpointProblem(
+            kind=ProblemKind.MISSING_FILE,
+            file=file_name,
+            message=f"{file_name} is named by the manifest but does not exist; copy the checkpoint "
+            "again or re-export it.",
+        )
+    if isinstance(exc, CheckpointFileTruncatedError):
+        return CheckpointProblem(
+            kind=ProblemKind.TRUNCATED_FILE,
+            file=file_name,
+            expected=_str_or_none(exc.context.get("needed") or exc.context.get("header_len")),
+            actual=_str_or_none(exc.context.get("size")),
+            message=f"{file_name} is truncated ({exc.message}); the write or copy was cut short: copy the "
+            "checkpoint again or re-export it.",
+        )
+    kind = ProblemKind.INVALID_FILE if isinstance(exc, CheckpointFileInvalidError) else ProblemKind.MISSING_FILE
+    return CheckpointProblem(
+        kind=kind,
+        file=file_name,
+        message=f"{file_name} is not a valid safetensors file ({exc.message}); re-export the checkpoint.",
+    )
+
+
+def compare_with_manifest(
+    manifest: Manifest, opened: Mapping[str, MappedSafetensors], *, threads: int | None = None
+) -> tuple[list[CheckpointProblem], str | None]:
+    """Compare the tensors of the readable files with the manifest, hashing each from its map.
+
+    ``opened`` maps the manifest's file names to the files that could be opened; tensors of the
+    others are not reported again (their file's problem already covers them). Returns the
+    problems and the model checksum of the tensors found (None if a name is duplicated).
+    """
+    problems: list[CheckpointProblem] = []
+    combined = manifest.combined_checksum()
+    if combined != manifest.checksum:
+        problems.append(
+            CheckpointProblem(
+                kind=ProblemKind.CHECKSUM_MISMATCH,
+                file=MANIFEST_NAME,
+                expected=manifest.checksum,
+                actual=combined,
+                message="the manifest's model checksum does not match what its tensor entries combine "
+                "to: the manifest was edited or written by a broken tool; re-seal the checkpoint.",
+            )
+        )
+    found: dict[str, tuple[str, MappedSafetensors, TensorSlot]] = {}
+    duplicated = False
+    for file_name in sorted(opened):
+        for name, slot in opened[file_name].tensors.items():
+            if name in found:
+                duplicated = True
+                problems.append(
+                    CheckpointProblem(
+                        kind=ProblemKind.EXTRA_TENSOR,
+                        tensor=name,
+                        file=file_name,
+                        message=f"tensor {name!r} appears again in {file_name} (first in "
+                        f"{found[name][0]}); {_RESEAL}.",
+                    )
+                )
+                continue
+            found[name] = (file_name, opened[file_name], slot)
+    for name, entry in sorted(manifest.tensors.items()):
+        if name not in found and entry.file in opened:
+            problems.append(
+                CheckpointProblem(
+                    kind=ProblemKind.MISSING_TENSOR,
+                    tensor=name,
+                    file=entry.file,
+                    message=f"tensor {name!r} is in the manifest (file {entry.file}) but in no weights file; "
+                    "re-export the checkpoint.",
+                )
+            )
+    for name in sorted(found.keys() - manifest.tensors.keys()):
+        problems.append(
+            CheckpointProblem(
+                kind=ProblemKind.EXTRA_TENSOR,
+                tensor=name,
+                file=found[name][0],
+                message=f"tensor {name!r} in {found[name][0]} is not in the manifest; {_RESEAL}.",
+            )
+        )
+    names = sorted(found)
+    digests = digest_mapped([(found[n][1], found[n][2]) for n in names], threads=threads)
+    for name, digest in zip(names, digests, strict=True):
+        entry = manifest.tensors.get(name)
+        if entry is None:
+            continue
+        problems.extend(_entry_problems(name, found[name][0], entry, digest))
+    checksum = None if duplicated else checksum_from_digests(digests, num_bytes=0).checksum
+    return problems, checksum
+
+
+def _entry_problems(name: str, file_name: str, entry: TensorEntry, digest: TensorDigest) -> list[CheckpointProblem]:
+    problems: list[CheckpointProblem] = []
+    if entry.dtype != digest.dtype:
+        problems.append(
+            CheckpointProblem(
+                kind=ProblemKind.WRONG_DTYPE,
+                tensor=name,
+                file=file_name,
+                expected=entry.dtype,
+                actual=digest.dtype,
+                message=f"tensor {name!r} is {digest.dtype} in {file_name}, the manifest says "
+                f"{entry.dtype}; {_RESEAL}.",
+            )
+        )
+    if tuple(entry.shape) != digest.shape:
+        problems.append(
+            CheckpointProblem(
+                kind=ProblemKind.WRONG_SHAPE,
+                tensor=name,
+                file=file_name,
+                expected=str(list(entry.shape)),
+                actual=str(list(digest.shape)),
+                message=f"tensor {name!r} has shape {list(digest.shape)} in {file_name}, the manifest "
+                f"says {list(entry.shape)}; {_RESEAL}.",
+            )
+        )
+    # Only compare bytes once dtype and shape agree: a different layout is already named above.
+    if not problems and entry.digest != digest.digest:
+        problems.append(
+            CheckpointProblem(
+                kind=ProblemKind.DIGEST_MISMATCH,
+                tensor=name,
+                file=file_name,
+                expected=entry.digest,
+                actual=digest.digest,
+                message=f"the bytes of tensor {name!r} in {file_name} differ from the manifest "
+                f"(corrupted on disk or changed after sealing); {_RESEAL}.",
+            )
+        )
+    return problems
+
+
+def _str_or_none(value: object) -> str | None:
+    return None if value is None else str(value)
+

@@ -1,0 +1,183 @@
+"""The embedded engine's HTTP API against one real engine process serving a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles.testing import running_engine
+
+
+@pytest.fixture(scope="module")
+def engine_url(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with running_engine(checkpoints["v1"], log_dir=tmp_path_factory.mktemp("logs")) as url:
+        yield url
+
+
+@pytest.fixture
+def http(engine_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=engine_url, timeout=60, trust_env=False) as client:
+        yield client
+
+
+def greedy(text: str, n: int = 8, **extra: object) -> dict[str, object]:
+    return {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, **extra}}
+
+
+def test_health_and_info(http: httpx.Client, checkpoints: dict[str, Path]) -> None:
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] is True
+    assert info["weight_version"] == "1"
+    assert info["served_model_name"] == "tiny"
+    assert http.get("/get_weight_version").json() == {"weight_version": "1"}
+    server = http.get("/get_server_info").json()
+    assert server["internal_states"][0]["generation_state"] == "serving"
+
+
+def test_generate_text_and_ids_agree(http: httpx.Client) -> None:
+    by_text = http.post("/generate", json=greedy("12+34=")).json()
+    ids = http.post("/generate", json={"text": "12+34=", "sampling_params": {"max_new_tokens": 0}}).json()
+    assert ids["meta_info"]["prompt_tokens"] == by_text["meta_info"]["prompt_tokens"]
+    meta = by_text["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 8, "matched": None, "message": None}
+    assert meta["completion_tokens"] == len(by_text["output_ids"]) == 8
+    assert meta["weight_version_start"] == meta["weight_version_end"] == meta["weight_version"] == "1"
+
+
+def test_greedy_is_deterministic_alone_and_in_a_batch(http: httpx.Client) -> None:
+    prompts = ["a", "hello world", "1+1=", "the quick brown fox jumps"]
+    alone = [http.post("/generate", json=greedy(p, 12)).json()["output_ids"] for p in prompts]
+    again = [http.post("/generate", json=greedy(p, 12)).json()["output_ids"] for p in prompts]
+    batch = http.post(
+        "/generate", json={"text": prompts, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    ).json()
+    assert alone == again
+    assert [r["output_ids"] for r in batch] == alone
+
+
+def test_seeded_sampling_reproduces_and_n_expands(http: httpx.Client) -> None:
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 7, "n": 3}}
+    first = http.post("/generate", json=body).json()
+    second = http.post("/generate", json=body).json()
+    assert len(first) == 3
+    assert [r["output_ids"] for r in first] == [r["output_ids"] for r in second]
+    assert len({tuple(r["output_ids"]) for r in first}) > 1, "the n samples should differ"
+
+
+def test_logprobs_are_reported_per_token(http: httpx.Client) -> None:
+    body = {**greedy("abc", 5), "return_logprob": True, "top_logprobs_num": 3}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    assert len(meta["output_token_logprobs"]) == 5
+    for (logprob, _token, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True):
+        assert logprob <= 0
+        # Greedy: the chosen token is the most likely one.
+        assert top[0][0] == pytest.approx(logprob)
+
+
+def test_stop_strings_and_token_ids(http: httpx.Client) -> None:
+    full = http.post("/generate", json=greedy("zz", 16)).json()
+    stop_token = full["output_ids"][3]
+    by_token = http.post("/generate", json=greedy("zz", 16, stop_token_ids=[stop_token])).json()
+    assert by_token["meta_info"]["finish_reason"]["type"] == "stop"
+    assert by_token["meta_info"]["finish_reason"]["matched"] == stop_token
+    assert by_token["output_ids"] == full["output_ids"][: full["output_ids"].index(stop_token) + 1]
+    text = full["text"]
+    stop = text[4:6] if len(text) >= 6 and text[4:6].strip() else None
+    if stop:
+        by_text = http.post("/generate", json=greedy("zz", 16, stop=stop)).json()
+        assert by_text["meta_info"]["finish_reason"] == {
+            "type": "stop",
+            "matched": stop,
+            "length": None,
+            "message": None,
+        }
+        assert stop not in by_text["text"]
+
+
+def test_streaming_sends_cumulative_snapshots(http: httpx.Client) -> None:
+    chunks = []
+    with http.stream("POST", "/generate", json={**greedy("hi", 4), "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line.removeprefix("data: "))
+    assert chunks[-1] == "[DONE]"
+    snapshots = [json.loads(c) for c in chunks[:-1]]
+    assert [len(s["output_ids"]) for s in snapshots] == [1, 2, 3, 4]
+    assert snapshots[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert snapshots[-1]["output_ids"] == http.post("/generate", json=greedy("hi", 4)).json()["output_ids"]
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"text": "x", "bogus": 1}, "unknown field 'bogus'"),
+        ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"text": "x", "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"text": "x", "sampling_params": {"top_k": 0}}, "top_k"),
+        ({"text": "x", "sampling_params": {"max_new_tokens": 100000}}, "context length"),
+        ({"text": "x", "sampling_params": {"nucleus": 0.5}}, "unknown field 'sampling_params.nucleus'"),
+        ({"input_ids": [1, 2, 10**6]}, "outside the vocabulary"),
+        ({"text": "x", "input_ids": [1]}, "exactly one of text or input_ids"),
+        ({}, "exactly one of text or input_ids"),
+        ({"text": ["a", "b"], "stream": True}, "streaming"),
+        ({"input_ids": []}, "empty"),
+    ],
+)
+def test_bad_generate_requests_get_400_with_a_message(http: httpx.Client, body: dict, needle: str) -> None:
+    response = http.post("/generate", json=body)
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]["message"]
+
+
+def test_malformed_json_is_400(http: httpx.Client) -> None:
+    response = http.post("/generate", content=b'{"text": "x",', headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "not valid JSON" in response.json()["error"]["message"]
+
+
+def test_openai_endpoints(http: httpx.Client) -> None:
+    models = http.get("/v1/models").json()
+    assert models["data"][0]["id"] == "tiny"
+    completion = http.post("/v1/completions", json={"prompt": "12+", "max_tokens": 5, "temperature": 0}).json()
+    assert completion["object"] == "text_completion"
+    assert completion["usage"]["completion_tokens"] == 5
+    assert completion["choices"][0]["weight_version"] == "1"
+    native = http.post("/generate", json=greedy("12+", 5)).json()
+    assert completion["choices"][0]["text"] == native["text"]
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0},
+    ).json()
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["usage"]["completion_tokens"] <= 4
+    bad = http.post("/v1/chat/completions", json={"messages": [], "max_tokens": 4})
+    assert bad.status_code == 400
+    lines = []
+    with http.stream(
+        "POST", "/v1/completions", json={"prompt": "12+", "max_tokens": 5, "temperature": 0, "stream": True}
+    ) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    deltas = [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]]
+    assert "".join(deltas) == native["text"]
+
+
+def test_abort_request_needs_a_target(http: httpx.Client) -> None:
+    assert http.post("/abort_request", json={}).status_code == 400
+    assert http.post("/abort_request", json={"rid": "nobody"}).json() == {"success": True, "num_aborted": 0}
+
+
+def test_flush_cache_and_weights_checker(http: httpx.Client, checkpoints: dict[str, Path]) -> None:
+    from miles.weights.checkpoint import read_manifest
+
+    assert http.post("/flush_cache").status_code == 200
+    body = http.post("/weights_checker", json={"action": "checksum"}).json()
+    assert body["success"] is True
+    assert body["payload"]["checksum"] == read_manifest(checkpoints["v1"]).checksum
+    assert http.post("/weights_checker", json={"action": "snapshot"}).status_code == 400

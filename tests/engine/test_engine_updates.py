@@ -1,0 +1,322 @@
+"""Weight updates on a real engine: verified loads, refused checkpoints, pause modes, no torn reads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles.testing import copy_checkpoint, running_engine
+from miles.weights.checkpoint import read_manifest
+
+
+@pytest.fixture(scope="module")
+def allowed_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("allowed")
+
+
+@pytest.fixture(scope="module")
+def bad_checkpoints(checkpoints: dict[str, Path], allowed_root: Path) -> dict[str, Path]:
+    """Broken variants of v2 inside the allowed root, one per way a checkpoint goes wrong."""
+    from miles.models.presets import get_preset
+    from miles.weights.checkpoint import save_checkpoint
+
+    made: dict[str, Path] = {}
+    corrupt = copy_checkpoint(checkpoints["v2"], allowed_root / "corrupt")
+    weights = corrupt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF  # one byte inside the last tensor
+    weights.write_bytes(bytes(data))
+    made["corrupt"] = corrupt
+
+    truncated = copy_checkpoint(checkpoints["v2"], allowed_root / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4096])
+    made["truncated"] = truncated
+
+    no_manifest = copy_checkpoint(checkpoints["v2"], allowed_root / "no_manifest")
+    (no_manifest / "miles_manifest.json").unlink()
+    made["no_manifest"] = no_manifest
+
+    import transformers
+    import torch
+
+    config = get_preset("tiny").build_config()
+    config.intermediate_size = 96  # same tensor names, other shapes
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    save_checkpoint(allowed_root / "wrong_shape", model=model, model_name="tiny", step=9)
+    made["wrong_shape"] = allowed_root / "wrong_shape"
+    return made
+
+
+@pytest.fixture(scope="module")
+def engine_url(
+    checkpoints: dict[str, Path], allowed_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    roots = f"{checkpoints['v1'].parent},{allowed_root}"
+    with running_engine(
+        checkpoints["v1"],
+        log_dir=tmp_path_factory.mktemp("logs"),
+        env={"MILES_ALLOWED_CHECKPOINT_ROOTS": roots},
+    ) as url:
+        yield url
+
+
+@pytest.fixture
+def http(engine_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=engine_url, timeout=120, trust_env=False) as client:
+        # Every test starts serving v1 and unpaused.
+        client.post("/continue_generation", json={})
+        client.post("/update_weights_from_disk", json={"model_path": str(read_manifest_dir(client))})
+        yield client
+
+
+def read_manifest_dir(client: httpx.Client) -> Path:
+    return Path(client.get("/get_model_info").json()["tokenizer_path"])
+
+
+PROMPTS = ["a", "12+7=", "hello", "the cat", "zz top", "999"]
+
+
+def greedy(prompt: str, n: int = 10) -> dict[str, object]:
+    return {"text": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0}}
+
+
+def outputs(http: httpx.Client) -> list[list[int]]:
+    return [http.post("/generate", json=greedy(p)).json()["output_ids"] for p in PROMPTS]
+
+
+def load(http: httpx.Client, path: Path, **extra: object) -> httpx.Response:
+    return http.post("/update_weights_from_disk", json={"model_path": str(path), **extra})
+
+
+def test_update_loads_verified_weights_and_back(http: httpx.Client, checkpoints: dict[str, Path]) -> None:
+    before = outputs(http)
+    response = load(http, checkpoints["v2"])
+    body = response.json()
+    assert response.status_code == 200 and body["success"] is True, body
+    assert body["weight_version"] == "2"
+    assert body["checksum"] == read_manifest(checkpoints["v2"]).checksum
+    checker = http.post("/weights_checker", json={"action": "checksum"}).json()["payload"]
+    assert checker["checksum"] == read_manifest(checkpoints["v2"]).checksum
+    assert http.get("/get_weight_version").json()["weight_version"] == "2"
+    after = outputs(http)
+    assert after != before
+    assert load(http, checkpoints["v1"]).json()["success"] is True
+    assert outputs(http) == before
+
+
+def test_custom_weight_version_is_kept(http: httpx.Client, checkpoints: dict[str, Path]) -> None:
+    assert load(http, checkpoints["v2"], weight_version="step-2-rc").json()["weight_version"] == "step-2-rc"
+    response = http.post("/generate", json=greedy("a")).json()
+    assert response["meta_info"]["weight_version"] == "step-2-rc"
+
+
+@pytest.mark.parametrize(
+    ("kind", "needle"),
+    [
+        ("corrupt", "digest_mismatch"),
+        ("truncated", "truncated_file"),
+        ("no_manifest", "manifest"),
+        ("wrong_shape", "shape"),
+    ],
+)
+def test_bad_checkpoints_are_refused_and_old_weights_keep_serving(
+    http: httpx.Client, checkpoints: dict[str, Path], bad_checkpoints: dict[str, Path], kind: str, needle: str
+) -> None:
+    before = outputs(http)
+    response = load(http, bad_checkpoints[kind])
+    assert response.status_code == 400
+    body = response.json()
+    assert body["success"] is False
+    assert needle in body["message"].lower(), body["message"]
+    assert http.get("/get_weight_version").json()["weight_version"] == "1"
+    checker = http.post("/weights_checker", json={}).json()["payload"]
+    assert checker["checksum"] == read_manifest(checkpoints["v1"]).checksum
+    assert outputs(http) == before
+
+
+def test_paths_outside_allowed_roots_lists_and_missing_dirs_are_refused(
+    http: httpx.Client, tmp_path: Path, checkpoints: dict[str, Path]
+) -> None:
+    outside = copy_checkpoint(checkpoints["v2"], tmp_path / "outside")
+    response = load(http, outside)
+    assert response.status_code == 403
+    assert "allowed checkpoint roots" in response.json()["error"]["message"]
+    listed = http.post("/update_weights_from_disk", json={"model_path": [str(checkpoints["v2"])]})
+    assert listed.status_code == 400 and "not a list" in listed.json()["error"]["message"]
+    missing = load(http, checkpoints["v1"].parent / "nope")
+    assert missing.status_code == 404
+    assert http.get("/get_weight_version").json()["weight_version"] == "1"
+
+
+def long_request(prompt: str = "a", tokens: int = 400) -> dict[str, object]:
+    return {"text": prompt, "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+
+
+def start_long(engine_url: str, count: int = 1, tokens: int = 400) -> tuple[ThreadPoolExecutor, list]:
+    pool = ThreadPoolExecutor(count)
+
+    def run(i: int) -> dict:
+        with httpx.Client(base_url=engine_url, timeout=120, trust_env=False) as client:
+            return client.post("/generate", json=long_request(f"p{i}", tokens)).json()
+
+    futures = [pool.submit(run, i) for i in range(count)]
+    return pool, futures
+
+
+def wait_running(http: httpx.Client, count: int, futures: list) -> None:
+    # Polling the server's own counters: the only way to observe "the request is now running"
+    # from outside the process.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        finished = [f.result() for f in futures if f.done()]
+        assert not finished, f"a long request ended before it was observed running: {finished}"
+        state = http.get("/get_server_info").json()["internal_states"][0]
+        if state["running_requests"] >= count:
+            return
+        time.sleep(0.01)
+    raise AssertionError("requests never started running")
+
+
+def test_pause_drain_finishes_in_flight_work(http: httpx.Client, engine_url: str) -> None:
+    pool, futures = start_long(engine_url, 2, tokens=200)
+    wait_running(http, 2, futures)
+    paused = http.post("/pause_generation", json={"mode": "drain"}).json()
+    assert paused["num_paused_requests"] == 2
+    for future in futures:
+        result = future.result(timeout=60)
+        assert result["meta_info"]["finish_reason"]["type"] == "length"
+        assert result["meta_info"]["completion_tokens"] == 200
+    # New work waits while paused, then runs after continue.
+    waiting = pool.submit(lambda: httpx.post(f"{engine_url}/generate", json=greedy("x", 3), timeout=60).json())
+    time.sleep(0.3)
+    assert not waiting.done()
+    http.post("/continue_generation", json={})
+    assert waiting.result(timeout=60)["meta_info"]["completion_tokens"] == 3
+    pool.shutdown()
+
+
+def test_pause_abort_ends_in_flight_work(http: httpx.Client, engine_url: str) -> None:
+    pool, futures = start_long(engine_url, 2, tokens=480)
+    wait_running(http, 2, futures)
+    http.post("/pause_generation", json={"mode": "abort"})
+    for future in futures:
+        meta = future.result(timeout=60)["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort"
+        assert meta["completion_tokens"] < 480
+    http.post("/continue_generation", json={})
+    pool.shutdown()
+
+
+def test_pause_retract_returns_partial_outputs_marked_interrupted(http: httpx.Client, engine_url: str) -> None:
+    pool, futures = start_long(engine_url, 1, tokens=480)
+    wait_running(http, 1, futures)
+    http.post("/pause_generation", json={"mode": "retract"})
+    result = futures[0].result(timeout=60)
+    meta = result["meta_info"]
+    assert meta["interrupted"] is True
+    assert "retracted" in meta["finish_reason"]["message"]
+    assert 0 < meta["completion_tokens"] == len(result["output_ids"]) < 480
+    # The caller resubmits prompt + partial output and gets exactly the uninterrupted continuation.
+    http.post("/continue_generation", json={})
+    prompt_ids = http.post("/generate", json={"text": "p0", "sampling_params": {"max_new_tokens": 0}}).json()
+    resumed = http.post(
+        "/generate",
+        json={
+            "input_ids": _ids(http, "p0") + result["output_ids"],
+            "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True},
+        },
+    ).json()
+    straight = http.post("/generate", json=long_request("p0", len(result["output_ids"]) + 20)).json()
+    assert straight["output_ids"] == result["output_ids"] + resumed["output_ids"]
+    assert prompt_ids["meta_info"]["completion_tokens"] == 0
+    pool.shutdown()
+
+
+def _ids(http: httpx.Client, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(http.get("/get_model_info").json()["tokenizer_path"])
+    return list(tokenizer.encode(text))
+
+
+def test_in_place_pause_lets_requests_span_an_update(
+    http: httpx.Client, engine_url: str, checkpoints: dict[str, Path]
+) -> None:
+    pool, futures = start_long(engine_url, 1, tokens=480)
+    wait_running(http, 1, futures)
+    http.post("/pause_generation", json={"mode": "in_place"})
+    assert load(http, checkpoints["v2"]).json()["success"] is True
+    http.post("/continue_generation", json={})
+    meta = futures[0].result(timeout=60)["meta_info"]
+    assert meta["finish_reason"]["type"] == "length"
+    assert (meta["weight_version_start"], meta["weight_version_end"]) == ("1", "2")
+    pool.shutdown()
+
+
+def test_version_only_change_never_aborts(http: httpx.Client, engine_url: str) -> None:
+    pool, futures = start_long(engine_url, 1, tokens=300)
+    wait_running(http, 1, futures)
+    assert http.post("/update_weight_version", json={"new_version": "1b"}).json()["success"] is True
+    meta = futures[0].result(timeout=60)["meta_info"]
+    assert meta["finish_reason"]["type"] == "length"
+    assert meta["completion_tokens"] == 300
+    assert http.get("/get_weight_version").json()["weight_version"] == "1b"
+    pool.shutdown()
+
+
+def test_no_torn_reads_while_updates_alternate(http: httpx.Client, engine_url: str, checkpoints: dict[str, Path]) -> None:
+    """Concurrent greedy clients while v1/v2 alternate: every response is exactly what one version
+    produces alone, and says which."""
+    reference = {"1": outputs(http)}
+    load(http, checkpoints["v2"])
+    reference["2"] = outputs(http)
+    load(http, checkpoints["v1"])
+    assert reference["1"] != reference["2"]
+
+    stop = threading.Event()
+    seen: list[tuple[int, dict]] = []
+    errors: list[str] = []
+
+    def client(worker: int) -> None:
+        with httpx.Client(base_url=engine_url, timeout=120, trust_env=False) as c:
+            i = worker
+            while not stop.is_set():
+                index = i % len(PROMPTS)
+                response = c.post("/generate", json=greedy(PROMPTS[index]))
+                if response.status_code != 200:
+                    errors.append(response.text)
+                else:
+                    seen.append((index, response.json()))
+                i += 1
+
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        round_ = 0
+        # At least 10 updates, and enough responses around them to mean something.
+        while round_ < 10 or (len(seen) < 60 and round_ < 200):
+            target = checkpoints["v2"] if round_ % 2 == 0 else checkpoints["v1"]
+            assert load(http, target).json()["success"] is True
+            round_ += 1
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert not errors
+    assert len(seen) >= 60
+    versions = set()
+    for index, response in seen:
+        meta = response["meta_info"]
+        assert meta["weight_version_start"] == meta["weight_version_end"]
+        versions.add(meta["weight_version"])
+        assert response["output_ids"] == reference[meta["weight_version"]][index]
+    assert versions == {"1", "2"}

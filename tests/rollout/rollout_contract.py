@@ -1,0 +1,142 @@
+"""The contract every RolloutServer implementation must meet, as a reusable test class.
+
+A server type's test module subclasses ``RolloutServerContract`` and provides two fixtures:
+``server`` (a started server of that type with two engines on the ``v1`` checkpoint, module
+scoped) and ``kill_engine`` (a callable that kills one server's engine process outright).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from miles.protocol.sglang import PauseMode
+from miles.ray.rollout.rollout_server import RolloutServer
+from miles.ray.rollout.server_state import ServerState, VerifiedWeights
+from miles.weights.checkpoint import read_manifest
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def wait_for(predicate, *, timeout: float = 60.0, what: str = "condition") -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def greedy(prompt: str, tokens: int = 8) -> dict[str, object]:
+    return {"text": prompt, "sampling_params": {"max_new_tokens": tokens, "temperature": 0}}
+
+
+async def update_all(server: RolloutServer, checkpoint: Path) -> str:
+    """The minimal protocol the controller runs: load, confirm, admit (per server)."""
+    manifest = read_manifest(checkpoint)
+    for server_id in server.server_ids:
+        server.begin_update(server_id, reason="contract test update")
+        response = await server.load(server_id, checkpoint, weight_version=manifest.weight_version)
+        assert response.success, response.message
+        confirmed = await server.confirm(server_id)
+        assert confirmed.checksum == manifest.checksum
+        server.admit(
+            server_id,
+            VerifiedWeights(checkpoint=checkpoint, weight_version=manifest.weight_version, checksum=manifest.checksum),
+            reason="contract test admit",
+        )
+    return manifest.weight_version
+
+
+class RolloutServerContract:
+    async def test_started_servers_serve_confirmed_weights(
+        self, server: RolloutServer, checkpoints: dict[str, Path]
+    ) -> None:
+        manifest = read_manifest(checkpoints["v1"])
+        snapshots = server.snapshot()
+        assert len(snapshots) == 2
+        for snap in snapshots:
+            assert snap.state is ServerState.SERVING
+            assert snap.checksum == manifest.checksum
+            assert snap.verified is not None and snap.verified.checksum == manifest.checksum
+            assert snap.weight_version == manifest.weight_version
+        assert len({snap.url for snap in snapshots}) == 2
+
+    async def test_each_server_generates(self, server: RolloutServer) -> None:
+        outputs = [await server.client(sid).generate(greedy("hello")) for sid in server.server_ids]
+        assert outputs[0]["output_ids"] == outputs[1]["output_ids"]
+        assert all(o["meta_info"]["weight_version"] == "1" for o in outputs)
+
+    async def test_update_from_disk_and_confirm_checksum(
+        self, server: RolloutServer, checkpoints: dict[str, Path]
+    ) -> None:
+        before = await server.client(server.server_ids[0]).generate(greedy("abc"))
+        assert await update_all(server, checkpoints["v2"]) == "2"
+        for sid in server.server_ids:
+            confirmed = await server.confirm(sid)
+            assert confirmed.checksum == read_manifest(checkpoints["v2"]).checksum
+            assert confirmed.weight_version == "2"
+            assert server.cell(sid).state is ServerState.SERVING
+        after = await server.client(server.server_ids[0]).generate(greedy("abc"))
+        assert after["output_ids"] != before["output_ids"]
+        assert await update_all(server, checkpoints["v1"]) == "1"
+
+    async def test_refused_load_leaves_old_weights(
+        self, server: RolloutServer, checkpoints: dict[str, Path], tmp_path: Path
+    ) -> None:
+        sid = server.server_ids[0]
+        server.begin_update(sid, reason="contract: refused load")
+        response = await server.load(sid, tmp_path, weight_version="x")  # an empty directory
+        assert response.success is False
+        assert (await server.confirm(sid)).checksum == read_manifest(checkpoints["v1"]).checksum
+        await server.rollback(sid, reason="contract: restore after refused load")
+        assert server.cell(sid).state is ServerState.SERVING
+
+    async def test_pause_modes(self, server: RolloutServer) -> None:
+        sid = server.server_ids[1]
+        client = server.client(sid)
+        long = {"text": "z", "sampling_params": {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True}}
+        task = asyncio.create_task(client.generate(long))
+        await _wait_running(server, sid)
+        await server.pause(sid, PauseMode.RETRACT)
+        result = await task
+        assert result["meta_info"]["interrupted"] is True
+        assert 0 < len(result["output_ids"]) < 480
+        await server.resume(sid)
+        shorter = {**long, "sampling_params": {**long["sampling_params"], "max_new_tokens": 100}}
+        task = asyncio.create_task(client.generate(shorter))
+        await _wait_running(server, sid)
+        assert await server.pause(sid, PauseMode.DRAIN) == 1
+        assert (await task)["meta_info"]["completion_tokens"] == 100
+        await server.resume(sid)
+
+    async def test_crashed_engine_comes_back_on_last_verified_weights(
+        self, server: RolloutServer, checkpoints: dict[str, Path], kill_engine
+    ) -> None:  # noqa: ANN001
+        await update_all(server, checkpoints["v2"])
+        sid = server.server_ids[0]
+        restarts = server.cell(sid).restarts
+        kill_engine(server, sid)
+        await wait_for(
+            lambda: server.cell(sid).restarts > restarts and server.cell(sid).state is ServerState.SERVING,
+            timeout=120,
+            what="the engine to be restarted",
+        )
+        confirmed = await server.confirm(sid)
+        assert confirmed.checksum == read_manifest(checkpoints["v2"]).checksum
+        assert confirmed.weight_version == "2"
+        out = await server.client(sid).generate(greedy("after restart"))
+        assert out["meta_info"]["weight_version"] == "2"
+        await update_all(server, checkpoints["v1"])
+
+
+async def _wait_running(server: RolloutServer, sid: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        info = await server.client(sid).server_info()
+        if info["internal_states"][0]["running_requests"] >= 1:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("request never started running")
