@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from miles.commands import checkpoint, demo, events
+from miles.commands import checkpoint, controller, demo, events
 
 app = typer.Typer(
     name="miles",
@@ -15,6 +15,9 @@ app = typer.Typer(
 )
 app.add_typer(checkpoint.app, name="checkpoint")
 app.add_typer(events.app, name="events")
+app.command(name="serve")(controller.serve)
+app.command(name="update")(controller.update)
+app.command(name="health")(controller.health)
 app.command(name="demo")(demo.demo)
 
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from miles.rollout.engine_process import EngineProcess, free_port
+
+if TYPE_CHECKING:
+    from miles.ray.rollout.inference_controller import AsyncInferenceController
 
 
 @contextmanager
@@ -62,3 +66,33 @@ def copy_checkpoint(source: Path, target: Path) -> Path:
     """A writable copy of a checkpoint directory (to corrupt in tests)."""
     shutil.copytree(source, target)
     return target
+
+
+@asynccontextmanager
+async def running_controller(
+    rollout_server_cls: Any = "miles.rollout.sft_rollout.SFTRollout",
+    model_checkpoint: Path | None = None,
+    *,
+    num_servers: int = 2,
+    http: bool = True,
+    **overrides: Any,
+) -> AsyncIterator[tuple[AsyncInferenceController, str | None]]:
+    """Start an AsyncInferenceController (and its HTTP API on a free port); always close both."""
+    from miles.ray.rollout.inference_controller import AsyncInferenceController
+    from miles.server.http_runner import HttpServer
+
+    overrides.setdefault("port", 0)
+    overrides.setdefault("health_interval_s", 0.2)
+    overrides.setdefault("health_failure_threshold", 2)
+    controller = AsyncInferenceController(rollout_server_cls, model_checkpoint, num_servers=num_servers, **overrides)
+    server = None
+    try:
+        await controller.start()
+        if http:
+            server = HttpServer(controller)
+            await server.start()
+        yield controller, server.url if server else None
+    finally:
+        if server is not None:
+            await server.stop()
+        await controller.close()

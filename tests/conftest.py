@@ -15,12 +15,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two versions of one tiny model (``v1``, ``v2``: same architecture, different weights)."""
+    """Versions of one tiny model (``v1``..``v4``: same architecture, different weights, steps 1-4)
+    and ``b1``, step 1 of a second model ``tiny-b``."""
     from miles.models.presets import init_checkpoint
 
     root = tmp_path_factory.mktemp("checkpoints")
     made = {}
-    for name, seed, step in (("v1", 0, 1), ("v2", 1, 2)):
-        init_checkpoint(root / name, model_name="tiny", preset="tiny", seed=seed, step=step)
+    for name, model, seed, step in (
+        ("v1", "tiny", 0, 1),
+        ("v2", "tiny", 1, 2),
+        ("v3", "tiny", 2, 3),
+        ("v4", "tiny", 3, 4),
+        ("b1", "tiny-b", 10, 1),
+    ):
+        init_checkpoint(root / name, model_name=model, preset="tiny", seed=seed, step=step)
         made[name] = root / name
     return made

@@ -49,6 +49,9 @@ class _Owner:
 
     cls: type | None = None
     lock_attribute: str = "_lock"
+    # Attribute (or property) holding how long @with_lock / @acquires_lock wait for the lock;
+    # None means they wait as long as it takes.
+    timeout_attribute: str | None = None
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -132,6 +135,11 @@ def _lock_of(instance: object, declaration: _Declaration) -> ContextLock:
     return lock
 
 
+def _timeout_of(instance: object, declaration: _Declaration) -> float | None:
+    attribute = declaration.owner.timeout_attribute
+    return None if attribute is None else getattr(instance, attribute)
+
+
 def with_lock(func: FuncT) -> FuncT:
     """Run the async method holding the lock (holder: its qualname); released in ``finally``.
 
@@ -144,7 +152,7 @@ def with_lock(func: FuncT) -> FuncT:
     @functools.wraps(func)
     async def wrapper(self: object, /, *args: Any, **kwargs: Any) -> Any:
         lock = _lock_of(self, declaration)
-        async with lock.hold(holder=declaration.qualname):
+        async with lock.hold(holder=declaration.qualname, timeout=_timeout_of(self, declaration)):
             return await func(self, *args, **kwargs)
 
     return _mark(wrapper, declaration)  # type: ignore[return-value]
@@ -164,7 +172,7 @@ def acquires_lock(func: FuncT) -> FuncT:
     @functools.wraps(func)
     async def wrapper(self: object, /, *args: Any, **kwargs: Any) -> Any:
         lock = _lock_of(self, declaration)
-        await lock.acquire(holder=declaration.qualname)
+        await lock.acquire(holder=declaration.qualname, timeout=_timeout_of(self, declaration))
         try:
             result = await func(self, *args, **kwargs)
         except BaseException:
@@ -284,28 +292,32 @@ def enforce_lock_discipline(cls: ClassT, /) -> ClassT: ...
 
 
 @overload
-def enforce_lock_discipline(*, lock_attribute: str = "_lock") -> Callable[[ClassT], ClassT]: ...
+def enforce_lock_discipline(
+    *, lock_attribute: str = "_lock", timeout_attribute: str | None = None
+) -> Callable[[ClassT], ClassT]: ...
 
 
 def enforce_lock_discipline(
-    cls: ClassT | None = None, /, *, lock_attribute: str = "_lock"
+    cls: ClassT | None = None, /, *, lock_attribute: str = "_lock", timeout_attribute: str | None = None
 ) -> ClassT | Callable[[ClassT], ClassT]:
     """Refuse a class whose body defines a function without a lock declaration.
 
     Checks every function in the class body, dunders, static and class methods and property
     accessors included (inherited members are not re-checked), and raises LockDisciplineError
     naming the class and the undeclared methods. On success it tells each guarded method which
-    class owns it and where the lock lives, and returns the class unchanged.
+    class owns it and where the lock lives, and returns the class unchanged. ``timeout_attribute``
+    names an attribute or property giving how long ``@with_lock`` and ``@acquires_lock`` wait for
+    the lock (LockTimeoutError after that); without it they wait indefinitely.
     """
 
     def check(target: ClassT) -> ClassT:
-        _check_class(target, lock_attribute=lock_attribute)
+        _check_class(target, lock_attribute=lock_attribute, timeout_attribute=timeout_attribute)
         return target
 
     return check if cls is None else check(cls)
 
 
-def _check_class(cls: type, *, lock_attribute: str) -> None:
+def _check_class(cls: type, *, lock_attribute: str, timeout_attribute: str | None = None) -> None:
     undeclared: list[str] = []
     misplaced: list[str] = []
     declarations: list[_Declaration] = []
@@ -342,3 +354,4 @@ def _check_class(cls: type, *, lock_attribute: str) -> None:
         if declaration.owner.cls is None:
             declaration.owner.cls = cls
             declaration.owner.lock_attribute = lock_attribute
+            declaration.owner.timeout_attribute = timeout_attribute

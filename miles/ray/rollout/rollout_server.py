@@ -19,12 +19,13 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
 from miles.errors import CheckpointError, MilesError
 from miles.protocol.sglang import PauseMode, UpdateWeightsFromDiskRequest, UpdateWeightsResponse
-from miles.ray.rollout.server_spec import RolloutServerSpec
+from miles.ray.rollout.server_spec import HealthSettings, RolloutServerSpec
 from miles.ray.rollout.server_state import (
     ProbeResult,
     ServerCell,
@@ -38,8 +39,17 @@ from miles.weights.checkpoint import read_manifest
 
 logger = logging.getLogger("miles.rollout")
 
-ExclusiveSection = Callable[[str], AbstractAsyncContextManager[None]]
-StateListener = Callable[[StateChange], None]
+ExclusiveSection = Callable[[str], AbstractAsyncContextManager[object]]
+
+
+class RolloutObserver(Protocol):
+    """What a rollout server reports as it goes (the controller turns these into events)."""
+
+    def state_changed(self, change: StateChange) -> None: ...
+
+    def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
+        """A server was confirmed (by checksum) to hold ``verified`` again after a start,
+        restart or rollback."""
 
 
 class RolloutServerError(MilesError):
@@ -59,13 +69,13 @@ class RolloutServer(ABC):
         spec: RolloutServerSpec,
         *,
         exclusive: ExclusiveSection | None = None,
-        on_state_change: StateListener | None = None,
+        observer: RolloutObserver | None = None,
     ) -> None:
         self.spec = spec
         # Restarts triggered by the health loop run inside this section (the controller passes
         # its lock) so a restart never interleaves with an update or a training window.
         self._exclusive = exclusive or _no_guard
-        self._on_state_change = on_state_change
+        self._observer = observer
         manifest = _manifest_or_none(spec.checkpoint)
         self.model_name = spec.model_name or (manifest.model_name if manifest else spec.checkpoint.name)
         self._initial_step = manifest.step if manifest else None
@@ -204,13 +214,19 @@ class RolloutServer(ABC):
         if cell.state is not ServerState.UPDATING:
             self._apply(cell, ServerState.UPDATING, reason)
         try:
-            response = await self.load(server_id, verified.checkpoint, weight_version=verified.weight_version)
-            confirmed = await self.confirm(server_id) if response.success else None
+            confirmed: WeightsChecksum | None = await self.confirm(server_id)
+            if confirmed is not None and confirmed.checksum != verified.checksum:
+                response = await self.load(server_id, verified.checkpoint, weight_version=verified.weight_version)
+                confirmed = await self.confirm(server_id) if response.success else None
+            elif confirmed is not None and confirmed.weight_version != verified.weight_version:
+                # Never loaded the new weights (or loaded and restored them): only the label moved.
+                await self.client(server_id).update_weight_version(verified.weight_version)
         except EngineCallError:
             confirmed = None
         if confirmed is not None and confirmed.checksum == verified.checksum:
             await self._resume_quietly(cell)
             self.admit(server_id, verified, reason=f"rolled back to {verified.weight_version}: {reason}")
+            self._restored(cell, verified)
             return confirmed
         logger.warning("rollback of %s did not confirm; replacing the process", server_id)
         await self.restart(server_id, reason=f"rollback failed: {reason}")
@@ -236,8 +252,8 @@ class RolloutServer(ABC):
     def _apply(self, cell: ServerCell, to: ServerState, reason: str) -> None:
         change = cell.transition(to, reason=reason)
         logger.info("%s: %s -> %s (%s)", cell.server_id, change.from_state, change.to_state, reason)
-        if self._on_state_change is not None:
-            self._on_state_change(change)
+        if self._observer is not None:
+            self._observer.state_changed(change)
 
     async def _bring_up(self, cell: ServerCell, checkpoint: Path, *, restart: bool) -> None:
         """Launch, wait healthy, confirm the checksum against what should be there, admit."""
@@ -271,6 +287,11 @@ class RolloutServer(ABC):
                 actual=confirmed.checksum,
             )
         self.admit(cell.server_id, expected, reason="weights confirmed after start")
+        self._restored(cell, expected)
+
+    def _restored(self, cell: ServerCell, verified: VerifiedWeights) -> None:
+        if self._observer is not None:
+            self._observer.weights_restored(cell.server_id, cell.model_name, verified)
 
     def _initial_weights(self, checkpoint: Path) -> VerifiedWeights:
         manifest = _manifest_or_none(checkpoint)
@@ -289,6 +310,10 @@ class RolloutServer(ABC):
             await self.client(cell.server_id).continue_generation()
         except EngineCallError as exc:
             logger.warning("could not resume %s after rollback: %s", cell.server_id, exc)
+
+    def set_health(self, health: HealthSettings) -> None:
+        """Apply new probe settings from the next tick on (runtime reconfiguration)."""
+        self.spec = self.spec.model_copy(update={"health": health})
 
     async def _health_loop(self) -> None:
         while True:

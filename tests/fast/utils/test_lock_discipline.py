@@ -13,6 +13,7 @@ from miles.errors import (
     LockDisciplineError,
     LockNotHeldError,
     LockReentryError,
+    LockTimeoutError,
     StaleLockError,
 )
 from miles.utils.context_lock import (
@@ -433,3 +434,33 @@ async def test_decorated_methods_keep_their_names_and_docs() -> None:
     assert Controller.end_update_weights.__qualname__ == "Controller.end_update_weights"
     assert Controller.update_rollout_weights.__wrapped__.__name__ == "update_rollout_weights"
     assert Controller.__dict__["weights"].fget.__name__ == "weights"
+
+
+async def test_timeout_attribute_bounds_how_long_with_lock_waits() -> None:
+    @enforce_lock_discipline(timeout_attribute="lock_timeout")
+    class Bounded:
+        @lock_exempt
+        def __init__(self) -> None:
+            self._lock = ContextLock("Bounded")
+            self.lock_timeout = 0.05
+
+        @with_lock
+        async def guarded(self) -> str:
+            return "ran"
+
+    owner = Bounded()
+    entered = asyncio.Event()
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with owner._lock.hold(holder="blocker"):
+            entered.set()
+            await release.wait()
+
+    blocker = asyncio.create_task(hold())
+    await entered.wait()
+    with pytest.raises(LockTimeoutError):
+        await owner.guarded()
+    release.set()
+    await blocker
+    assert await owner.guarded() == "ran"

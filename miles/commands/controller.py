@@ -1,0 +1,128 @@
+"""``miles serve``, ``miles update``, ``miles health``: run a controller and talk to a running one."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from miles.config import UpdatePauseMode, UpdateStrategy
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+UrlOption = Annotated[str, typer.Option(help="The controller's base URL.", envvar="MILES_URL")]
+
+
+def serve(
+    checkpoint: Annotated[Path, typer.Option(help="Checkpoint directory the servers start on.")],
+    servers: Annotated[int, typer.Option(help="Rollout servers (engine processes).")] = 1,
+    port: Annotated[int | None, typer.Option(help="HTTP port (default MILES_PORT or 8000).")] = None,
+    host: Annotated[str | None, typer.Option(help="HTTP host (default MILES_HOST or 127.0.0.1).")] = None,
+    server_cls: Annotated[str, typer.Option(help="RolloutServer class.")] = "miles.rollout.sft_rollout.SFTRollout",
+    events_dir: Annotated[Path | None, typer.Option(help="Write the event log here.")] = None,
+) -> None:
+    """Start a controller with SERVERS rollout servers on CHECKPOINT and serve until interrupted."""
+    from miles.ray.rollout.inference_controller import InferenceController
+
+    console = Console(stderr=True)
+    overrides: dict[str, Any] = {"num_servers": servers}
+    if host is not None:
+        overrides["host"] = host
+    if events_dir is not None:
+        overrides["events_dir"] = events_dir
+    console.print(f"starting {servers} server(s) on {checkpoint} ...")
+    with InferenceController(server_cls, checkpoint, port, **overrides) as controller:
+        report = controller.health()
+        console.print(f"[green]serving[/] {', '.join(report.models)} at {controller.url} (Ctrl-C to stop)")
+        stopped = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stopped.set())
+        stopped.wait()
+        console.print("stopping ...")
+
+
+def update(
+    checkpoint: Annotated[Path, typer.Option(help="Checkpoint directory to load.")],
+    strategy: Annotated[UpdateStrategy | None, typer.Option(help="barrier or rolling.")] = None,
+    pause_mode: Annotated[UpdatePauseMode | None, typer.Option(help="drain, abort or retract.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model to update (when several are served).")] = None,
+    weight_version: Annotated[str | None, typer.Option(help="Version to serve it as.")] = None,
+    url: UrlOption = DEFAULT_URL,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Ask a running controller to load CHECKPOINT into every server; exit 1 unless committed."""
+    payload = {
+        "checkpoint": str(checkpoint.resolve()),
+        "strategy": strategy.value if strategy else None,
+        "pause_mode": pause_mode.value if pause_mode else None,
+        "model_name": model,
+        "weight_version": weight_version,
+    }
+    body = _call("POST", f"{url}/update_weights", json={k: v for k, v in payload.items() if v is not None}, timeout=None)
+    if as_json:
+        typer.echo(json.dumps(body, indent=2))
+    else:
+        console = Console()
+        colour = "green" if body["status"] == "committed" else "red"
+        console.print(f"[{colour}]{body['status']}[/] {body['model_name']} -> {body['weight_version']}: {body['message']}")
+        table = Table("server", "state", "version", "checksum", "matched", "error")
+        for server in body["servers"]:
+            table.add_row(
+                server["server_id"], server["state"], str(server["weight_version"]), str(server["checksum"])[:12],
+                str(server["matched"]), server["error"] or "",
+            )
+        console.print(table)
+        console.print(f"took {body['duration_s']:.3f}s " + " ".join(f"{k}={v:.3f}s" for k, v in body["timings"].items()))
+    raise typer.Exit(0 if body["status"] == "committed" else 1)
+
+
+def health(
+    url: UrlOption = DEFAULT_URL,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Show a running controller's health; exit 1 when the fleet cannot serve."""
+    body = _call("GET", f"{url}/health", timeout=10)
+    if as_json:
+        typer.echo(json.dumps(body, indent=2))
+        raise typer.Exit(0 if body["ok"] else 1)
+    console = Console()
+    colour = {"ok": "green", "updating": "yellow", "degraded": "yellow"}.get(body["status"], "red")
+    console.print(f"fleet: [{colour}]{body['status']}[/]  up {body['uptime_s']:.0f}s")
+    table = Table("server", "model", "state", "version", "checksum", "in flight", "probe", "restarts")
+    for s in body["servers"]:
+        probe = "-" if s["last_probe_ok"] is None else ("ok" if s["last_probe_ok"] else "failing")
+        table.add_row(
+            s["server_id"], s["model_name"], s["state"], str(s["weight_version"]), str(s["checksum"])[:12],
+            str(s["in_flight"]), probe, str(s["restarts"]),
+        )
+    console.print(table)
+    lock = body["lock"]
+    holder = f"held by {lock['holder']} (token {lock['token']})" if lock["held"] else "free"
+    console.print(f"lock: {holder}, {lock['waiters']} waiting")
+    last = body.get("last_update")
+    if last:
+        console.print(f"last update: {last['status']} {last['weight_version']} in {last['duration_s']:.3f}s")
+    raise typer.Exit(0 if body["ok"] else 1)
+
+
+def _call(method: str, url: str, *, json: dict[str, Any] | None = None, timeout: float | None) -> dict[str, Any]:
+    try:
+        response = httpx.request(method, url, json=json, timeout=timeout, trust_env=False)
+    except httpx.HTTPError as exc:
+        typer.echo(f"cannot reach the controller at {url}: {exc}; is `miles serve` running?", err=True)
+        raise typer.Exit(2) from exc
+    try:
+        body = response.json()
+    except ValueError:
+        typer.echo(f"{url} answered {response.status_code}: {response.text[:300]}", err=True)
+        raise typer.Exit(2) from None
+    if "error" in body and isinstance(body["error"], dict):
+        typer.echo(f"refused ({response.status_code}): {body['error']['message']}", err=True)
+        raise typer.Exit(2)
+    return body

@@ -1,0 +1,176 @@
+"""The fleet: one RolloutServer per served model, built from specs the controller was given.
+
+``rollout_server_cls`` (the seed's argument) may be a dotted path, a class, or a mapping of names to
+specs for several models and server types under one controller; this module turns any of those
+into ``ModelServerSpec``s and RolloutServers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles.config import ControllerSettings
+from miles.errors import CheckpointError, InvalidRequestError, MilesError
+from miles.ray.rollout.rollout_server import ExclusiveSection, RolloutObserver, RolloutServer
+from miles.ray.rollout.server_spec import HealthSettings, RolloutServerSpec
+from miles.ray.rollout.server_state import ServerSnapshot
+from miles.weights.checkpoint import read_manifest
+
+DEFAULT_SERVER_CLS = "miles.rollout.sft_rollout.SFTRollout"
+
+
+class ModelServerSpec(BaseModel):
+    """One served model: which server type runs it, on which checkpoint, with how many servers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    server_cls: str | type = DEFAULT_SERVER_CLS
+    checkpoint: Path
+    model_name: str | None = None
+    num_servers: Annotated[int, Field(ge=1, le=64)] = 1
+    devices: tuple[str, ...] | None = None
+    max_running_requests: Annotated[int, Field(ge=1)] = 32
+    num_threads: Annotated[int, Field(ge=1)] | None = None
+    engine_args: tuple[str, ...] = ()
+
+
+def resolve_server_cls(server_cls: str | type) -> type[RolloutServer]:
+    """Import ``server_cls`` when given as a dotted path and check it is a RolloutServer."""
+    if isinstance(server_cls, str):
+        module_name, _, attr = server_cls.rpartition(".")
+        try:
+            resolved = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise InvalidRequestError(f"cannot import rollout server class {server_cls!r}: {exc}") from exc
+    else:
+        resolved = server_cls
+    if not (isinstance(resolved, type) and issubclass(resolved, RolloutServer)):
+        raise InvalidRequestError(f"{server_cls!r} is not a RolloutServer subclass")
+    return resolved
+
+
+def normalize_specs(
+    rollout_server_cls: str | type | Mapping[str, Any], model_checkpoint: str | Path | None, num_servers: int
+) -> dict[str, ModelServerSpec]:
+    """Turn the controller's constructor arguments into named specs (name -> spec)."""
+    if isinstance(rollout_server_cls, Mapping):
+        if model_checkpoint is not None:
+            raise InvalidRequestError("give checkpoints inside the mapping of server specs, not as model_checkpoint")
+        specs = {}
+        for name, raw in rollout_server_cls.items():
+            spec = raw if isinstance(raw, ModelServerSpec) else ModelServerSpec.model_validate(raw)
+            specs[str(name)] = spec
+        if not specs:
+            raise InvalidRequestError("the mapping of server specs is empty")
+        return specs
+    if model_checkpoint is None:
+        raise InvalidRequestError("model_checkpoint is required: the checkpoint directory the servers start on")
+    return {"default": ModelServerSpec(server_cls=rollout_server_cls, checkpoint=Path(model_checkpoint), num_servers=num_servers)}
+
+
+class Fleet:
+    """Every RolloutServer of the controller, by model name."""
+
+    def __init__(
+        self,
+        specs: Mapping[str, ModelServerSpec],
+        *,
+        settings: ControllerSettings,
+        exclusive: ExclusiveSection,
+        observer: RolloutObserver,
+    ) -> None:
+        self._servers: dict[str, RolloutServer] = {}
+        self._gated = settings.gated_launch
+        for name, spec in specs.items():
+            server_cls = resolve_server_cls(spec.server_cls)
+            model_name = spec.model_name or _model_name(spec.checkpoint, fallback=name)
+            if model_name in self._servers:
+                raise InvalidRequestError(f"two server specs serve the same model {model_name!r}; give each its own model_name")
+            rollout_spec = RolloutServerSpec(
+                name=_server_prefix(model_name),
+                checkpoint=spec.checkpoint.resolve(),
+                model_name=model_name,
+                num_servers=spec.num_servers,
+                devices=spec.devices,
+                health=health_from(settings),
+                startup_timeout_s=settings.startup_timeout_s,
+                update_timeout_s=settings.update_timeout_s,
+                request_timeout_s=settings.request_timeout_s,
+                max_running_requests=spec.max_running_requests,
+                num_threads=spec.num_threads,
+                log_dir=settings.log_dir,
+                engine_args=spec.engine_args,
+            )
+            self._servers[model_name] = server_cls(rollout_spec, exclusive=exclusive, observer=observer)
+
+    @property
+    def model_names(self) -> list[str]:
+        return list(self._servers)
+
+    def server(self, model_name: str | None) -> RolloutServer:
+        """The RolloutServer for ``model_name`` (optional when there is only one model)."""
+        if model_name is None:
+            if len(self._servers) == 1:
+                return next(iter(self._servers.values()))
+            raise InvalidRequestError(f"several models are served ({', '.join(self._servers)}); name one")
+        try:
+            return self._servers[model_name]
+        except KeyError:
+            raise InvalidRequestError(
+                f"no model {model_name!r} is served; served models: {', '.join(self._servers)}", status_code=404
+            ) from None
+
+    def snapshots(self, model_name: str) -> list[ServerSnapshot]:
+        server = self._servers.get(model_name)
+        return server.snapshot() if server else []
+
+    def all(self) -> list[RolloutServer]:
+        return list(self._servers.values())
+
+    async def start(self) -> None:
+        """Start every RolloutServer (one at a time with gated launch); stop all if one fails."""
+        try:
+            if self._gated:
+                for server in self._servers.values():
+                    await server.start()
+            else:
+                await asyncio.gather(*(server.start() for server in self._servers.values()))
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(server.stop() for server in self._servers.values()), return_exceptions=True)
+
+    def set_health(self, health: HealthSettings) -> None:
+        for server in self._servers.values():
+            server.set_health(health)
+
+
+def health_from(settings: ControllerSettings) -> HealthSettings:
+    return HealthSettings(
+        interval_s=settings.health_interval_s,
+        timeout_s=settings.health_timeout_s,
+        failure_threshold=settings.health_failure_threshold,
+    )
+
+
+def _model_name(checkpoint: Path, *, fallback: str) -> str:
+    try:
+        return read_manifest(checkpoint).model_name
+    except CheckpointError:
+        return fallback if fallback != "default" else checkpoint.name
+
+
+def _server_prefix(model_name: str) -> str:
+    prefix = re.sub(r"[^A-Za-z0-9_.-]+", "-", model_name).strip("-")
+    if not prefix:
+        raise MilesError("model name has no usable characters for server ids", model=model_name)
+    return prefix

@@ -1,0 +1,145 @@
+"""The fleet's one health report: servers, the lock, the last update; and whether it can serve."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+from pydantic import BaseModel, ConfigDict
+
+from miles.ray.rollout.server_state import ServerSnapshot, ServerState
+from miles.ray.rollout.update_types import UpdateResult
+from miles.utils.context_lock import LockStatistics
+
+
+class ServerHealth(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    server_id: str
+    model_name: str
+    url: str | None
+    device: str
+    state: str
+    state_for_s: float
+    weight_version: str | None
+    checksum: str | None
+    verified_checkpoint: str | None
+    last_probe_ok: bool | None
+    last_probe_age_s: float | None
+    last_probe_latency_s: float | None
+    consecutive_failures: int
+    restarts: int
+    in_flight: int
+    pid: int | None
+
+
+class ModelHealth(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    model_name: str
+    # The version every serving server agrees on, or None while the fleet holds several.
+    weight_version: str | None
+    versions: dict[str, int]
+    serving: int
+    total: int
+    accepting_requests: bool  # False while a barrier update holds requests at the router
+
+
+class LockHealth(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    held: bool
+    holder: str | None
+    held_since: datetime | None
+    held_for_s: float | None
+    token: int | None
+    waiters: int
+    detached: bool
+    lease_expires_at: datetime | None
+
+
+class FleetHealth(BaseModel):
+    """``GET /health``: ``ok`` and HTTP 200 while every model has a serving server, else 503."""
+
+    model_config = ConfigDict(frozen=True)
+
+    # "ok"; "updating" (a barrier update holds requests, which wait); "degraded" (some server is
+    # not serving); "unavailable" (a model has no serving server and requests would fail).
+    status: str
+    ok: bool
+    models: dict[str, ModelHealth]
+    servers: list[ServerHealth]
+    lock: LockHealth
+    last_update: UpdateResult | None
+    uptime_s: float
+
+
+def server_health(snapshot: ServerSnapshot, *, in_flight: int, now: float) -> ServerHealth:
+    probe = snapshot.last_probe
+    return ServerHealth(
+        server_id=snapshot.server_id,
+        model_name=snapshot.model_name,
+        url=snapshot.url,
+        device=snapshot.device,
+        state=snapshot.state.value,
+        state_for_s=round(now - snapshot.state_since, 3),
+        weight_version=snapshot.weight_version,
+        checksum=snapshot.checksum,
+        verified_checkpoint=str(snapshot.verified.checkpoint) if snapshot.verified else None,
+        last_probe_ok=probe.ok if probe else None,
+        last_probe_age_s=round(now - probe.at, 3) if probe else None,
+        last_probe_latency_s=round(probe.latency_s, 4) if probe else None,
+        consecutive_failures=snapshot.consecutive_failures,
+        restarts=snapshot.restarts,
+        in_flight=in_flight,
+        pid=snapshot.pid,
+    )
+
+
+def model_health(model_name: str, snapshots: list[ServerSnapshot], *, accepting: bool) -> ModelHealth:
+    serving = [s for s in snapshots if s.state is ServerState.SERVING]
+    versions: dict[str, int] = {}
+    for snap in serving:
+        key = snap.weight_version or "unknown"
+        versions[key] = versions.get(key, 0) + 1
+    return ModelHealth(
+        model_name=model_name,
+        weight_version=next(iter(versions)) if len(versions) == 1 else None,
+        versions=versions,
+        serving=len(serving),
+        total=len(snapshots),
+        accepting_requests=accepting,
+    )
+
+
+def lock_health(stats: LockStatistics) -> LockHealth:
+    held_for = None
+    if stats.held_since is not None:
+        held_for = round((datetime.now(UTC) - stats.held_since).total_seconds(), 3)
+    return LockHealth(
+        name=stats.name,
+        held=stats.held,
+        holder=stats.holder,
+        held_since=stats.held_since,
+        held_for_s=held_for,
+        token=stats.token,
+        waiters=stats.waiters,
+        detached=stats.detached,
+        lease_expires_at=stats.lease_expires_at,
+    )
+
+
+def overall(models: dict[str, ModelHealth]) -> tuple[str, bool]:
+    """``ok`` while every model can serve (requests held by a barrier update count: they wait)."""
+    if not models or any(m.serving == 0 and m.accepting_requests for m in models.values()):
+        return "unavailable", False
+    if any(not m.accepting_requests for m in models.values()):
+        return "updating", True
+    if any(m.serving < m.total for m in models.values()):
+        return "degraded", True
+    return "ok", True
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,198 @@
+"""Routing: which serving server gets a request, and waiting when none may take it yet.
+
+The router only ever hands out ``SERVING`` servers. While a barrier update holds a model's gate
+closed, requests for it wait instead of failing; a request with ``min_weight_version`` waits for a
+server at that version or later. It counts outstanding requests per server (for the
+least-outstanding policy and for health) and keeps sessions on the server they started on while
+that server serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from miles.config import RoutingPolicy
+from miles.errors import InvalidRequestError
+from miles.ray.rollout.server_state import ServerSnapshot, ServerState
+
+_MAX_SESSIONS = 10_000
+
+
+class NoServerAvailableError(InvalidRequestError):
+    """No serving server could take the request before its deadline (answered with 503)."""
+
+    def __init__(self, message: str, **context: object) -> None:
+        super().__init__(message, status_code=503, **context)
+
+
+@dataclass(frozen=True)
+class RouteLease:
+    """A request's claim on one server; give it back with ``Router.release``."""
+
+    model_name: str
+    server_id: str
+    url: str
+    weight_version: str | None
+
+
+def version_at_least(version: str | None, minimum: str) -> bool:
+    """Whether ``version`` satisfies ``minimum``: numerically when both are integers, else equal."""
+    if version is None:
+        return False
+    try:
+        return int(version) >= int(minimum)
+    except ValueError:
+        return version == minimum
+
+
+class Router:
+    """Picks servers for requests; every method runs on the controller's event loop."""
+
+    def __init__(
+        self,
+        *,
+        servers: Callable[[str], list[ServerSnapshot]],
+        policy: Callable[[], RoutingPolicy],
+    ) -> None:
+        self._servers = servers
+        self._policy = policy
+        self._outstanding: dict[str, int] = {}
+        self._sessions: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._gates: dict[str, asyncio.Event] = {}
+        self._changed = asyncio.Condition()
+        self._turn = itertools.count()
+
+    # --- what the controller tells the router -----------------------------------------------
+
+    def close_gate(self, model_name: str) -> None:
+        """Hold new requests for ``model_name`` (a barrier update is switching every server)."""
+        self._gate(model_name).clear()
+
+    def open_gate(self, model_name: str) -> None:
+        self._gate(model_name).set()
+        self.fleet_changed()
+
+    def gate_open(self, model_name: str) -> bool:
+        return self._gate(model_name).is_set()
+
+    def fleet_changed(self) -> None:
+        """Wake waiting requests: a server's state or version changed."""
+
+        async def notify() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        asyncio.get_running_loop().create_task(notify())
+
+    def outstanding(self, server_id: str) -> int:
+        return self._outstanding.get(server_id, 0)
+
+    # --- per request -------------------------------------------------------------------------
+
+    async def acquire(
+        self,
+        model_name: str,
+        *,
+        timeout_s: float,
+        session_id: str | None = None,
+        min_weight_version: str | None = None,
+        exclude: frozenset[str] = frozenset(),
+    ) -> RouteLease:
+        """Wait (up to ``timeout_s``) for a serving server that may take the request, and claim it.
+
+        Raises NoServerAvailableError when none became available in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            gate = self._gate(model_name)
+            if gate.is_set():
+                lease = self._pick(model_name, session_id, min_weight_version, exclude)
+                if lease is not None:
+                    self._outstanding[lease.server_id] = self._outstanding.get(lease.server_id, 0) + 1
+                    return lease
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NoServerAvailableError(
+                    self._why_none(model_name, min_weight_version, gate.is_set()),
+                    model=model_name,
+                    min_weight_version=min_weight_version,
+                )
+            await self._wait_for_change(gate, remaining)
+
+    def release(self, lease: RouteLease) -> None:
+        left = self._outstanding.get(lease.server_id, 0) - 1
+        if left > 0:
+            self._outstanding[lease.server_id] = left
+        else:
+            self._outstanding.pop(lease.server_id, None)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _gate(self, model_name: str) -> asyncio.Event:
+        gate = self._gates.get(model_name)
+        if gate is None:
+            gate = self._gates[model_name] = asyncio.Event()
+            gate.set()
+        return gate
+
+    def _pick(
+        self, model_name: str, session_id: str | None, min_version: str | None, exclude: frozenset[str]
+    ) -> RouteLease | None:
+        candidates = [
+            s
+            for s in self._servers(model_name)
+            if s.state is ServerState.SERVING
+            and s.url is not None
+            and s.server_id not in exclude
+            and (min_version is None or version_at_least(s.weight_version, min_version))
+        ]
+        if not candidates:
+            return None
+        chosen = None
+        if session_id is not None:
+            bound = self._sessions.get((model_name, session_id))
+            chosen = next((s for s in candidates if s.server_id == bound), None)
+        if chosen is None:
+            if self._policy() is RoutingPolicy.ROUND_ROBIN:
+                chosen = candidates[next(self._turn) % len(candidates)]
+            else:
+                # Least outstanding; ties rotate so equal servers share the load.
+                offset = next(self._turn)
+                order = sorted(range(len(candidates)), key=lambda i: (self.outstanding(candidates[i].server_id), (i - offset) % len(candidates)))
+                chosen = candidates[order[0]]
+            if session_id is not None:
+                self._bind(model_name, session_id, chosen.server_id)
+        assert chosen.url is not None
+        return RouteLease(
+            model_name=model_name, server_id=chosen.server_id, url=chosen.url, weight_version=chosen.weight_version
+        )
+
+    def _bind(self, model_name: str, session_id: str, server_id: str) -> None:
+        key = (model_name, session_id)
+        self._sessions[key] = server_id
+        self._sessions.move_to_end(key)
+        while len(self._sessions) > _MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+
+    async def _wait_for_change(self, gate: asyncio.Event, timeout_s: float) -> None:
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=min(timeout_s, 1.0))
+            except TimeoutError:
+                pass  # re-check anyway: a bounded wait guards against a missed notification
+
+    def _why_none(self, model_name: str, min_version: str | None, gate_open: bool) -> str:
+        if not gate_open:
+            return f"model {model_name!r} is being updated and the update did not finish in time; retry later"
+        servers = self._servers(model_name)
+        if not servers:
+            return f"no servers for model {model_name!r}"
+        states = ", ".join(f"{s.server_id}={s.state.value}@{s.weight_version}" for s in servers)
+        if min_version is not None:
+            return f"no serving server of {model_name!r} has weight version >= {min_version} ({states})"
+        return f"no serving server for model {model_name!r} ({states}); retry later"

@@ -1,0 +1,118 @@
+"""What a weight update reports: its outcome per server and as a whole, and a training window."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict
+
+from miles.errors import MilesError
+
+
+class UpdateStatus(StrEnum):
+    COMMITTED = "committed"  # every server verified and serving the new version
+    REJECTED = "rejected"  # refused before any server was touched (nothing changed)
+    ROLLED_BACK = "rolled_back"  # servers were touched; a failure put them back on verified weights
+    PARTIAL = "partial"  # a rolling update halted after some servers committed the new version
+    ABORTED = "aborted"  # a training window was aborted, or its lease expired
+    TIMED_OUT = "timed_out"  # the lock was not granted in time (nothing changed)
+
+
+class ChecksumSource(StrEnum):
+    PUBLISHED = "published"  # training published it (InferenceEngineWeightChecksumEvent)
+    MANIFEST = "manifest"  # nothing was published; the checkpoint's own manifest
+    TRAINING = "training"  # given by training when it ended its window
+
+
+class ServerOutcome(BaseModel):
+    """One server after an update: what it holds now, and what the update saw of it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    server_id: str
+    state: str
+    weight_version: str | None
+    checksum: str | None
+    loaded: bool = False
+    confirmed_checksum: str | None = None
+    matched: bool | None = None
+    error: str | None = None
+
+
+class UpdateResult(BaseModel):
+    """The whole story of one update, returned by every way of updating weights."""
+
+    model_config = ConfigDict(frozen=True)
+
+    update_id: str
+    status: UpdateStatus
+    model_name: str
+    weight_version: str | None
+    previous_version: str | None
+    step: int | None
+    checkpoint: str | None
+    expected_checksum: str | None
+    checksum_source: ChecksumSource | None
+    strategy: str
+    pause_mode: str
+    servers: tuple[ServerOutcome, ...] = ()
+    message: str
+    duration_s: float
+    timings: dict[str, float] = {}
+    fencing_token: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is UpdateStatus.COMMITTED
+
+    @property
+    def versions(self) -> dict[str, str | None]:
+        """Which weight version each server holds after the update."""
+        return {s.server_id: s.weight_version for s in self.servers}
+
+    def raise_for_status(self) -> UpdateResult:
+        """Return self when committed; raise WeightUpdateError carrying this result otherwise."""
+        if not self.ok:
+            raise WeightUpdateError(self)
+        return self
+
+
+class WeightUpdateError(MilesError):
+    """An update did not commit; ``result`` says what happened to every server."""
+
+    def __init__(self, result: UpdateResult) -> None:
+        self.result = result
+        super().__init__(
+            f"weight update {result.status.value}: {result.message}",
+            model=result.model_name,
+            weight_version=result.weight_version,
+            versions=result.versions,
+        )
+
+
+class WindowServer(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    server_id: str
+    url: str
+    weight_version: str | None
+
+
+class UpdateWindow(BaseModel):
+    """A training-driven update in progress: push to ``servers``, then end or abort it with ``token``.
+
+    The controller's lock is held as a lease until ``expires_at``; after that the window is rolled
+    back and its token refused.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    window_id: str
+    update_id: str
+    model_name: str
+    token: int
+    expires_at: datetime | None
+    ttl_s: float
+    pause_mode: str
+    servers: tuple[WindowServer, ...]

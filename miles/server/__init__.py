@@ -1,0 +1,1 @@
+"""HTTP adapters of the controller: the FastAPI app, request forwarding, and the server runner."""

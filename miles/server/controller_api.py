@@ -1,0 +1,242 @@
+"""The controller's HTTP API (port 8000 by default): a thin adapter over AsyncInferenceController.
+
+Inference: ``/generate`` (SGLang native) and ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models`` (OpenAI), routed to a serving server. Three request fields are miles extensions and
+are removed before forwarding: ``model`` on ``/generate`` (which model, when several are served),
+``min_weight_version`` (wait for a server at that version or later) and, on the OpenAI endpoints,
+``session_id`` (keep a conversation on one server; SGLang's ``/generate`` has it natively).
+
+Operations: ``GET /health`` (200 while the fleet can serve, else 503), ``/metrics``,
+``POST /update_weights`` (+ ``/start``, ``/end``, ``/abort`` for training-driven windows),
+``POST/GET /events``, ``GET/PATCH /config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import httpx
+from fastapi import Body, FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from miles.config import UpdatePauseMode, UpdateStrategy
+from miles.engine.http_server import error_body, install_error_handlers
+from miles.errors import EventLogError, InvalidRequestError, LockError
+from miles.protocol.openai import ChatCompletionRequest, CompletionRequest
+from miles.protocol.sglang import GenerateRequest
+from miles.server.metrics import CONTENT_TYPE, ControllerMetrics
+from miles.server.proxy import Proxy, RouteOptions
+from miles.utils.audit_utils.event_logger.models import EVENT_ADAPTER, EVENT_TYPES
+
+if TYPE_CHECKING:
+    from miles.ray.rollout.inference_controller import AsyncInferenceController
+
+_EXTENSIONS = ("model", "min_weight_version")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class UpdateRequest(_Strict):
+    checkpoint: str
+    model_name: str | None = None
+    strategy: UpdateStrategy | None = None
+    pause_mode: UpdatePauseMode | None = None
+    timeout_s: Annotated[float, Field(gt=0)] | None = None
+    weight_version: str | None = None
+
+
+class StartWindowRequest(_Strict):
+    model_name: str | None = None
+    ttl_s: Annotated[float, Field(gt=0)] | None = None
+    pause_mode: UpdatePauseMode | None = None
+
+
+class EndWindowRequest(_Strict):
+    token: int
+    checksum: str = Field(min_length=1)
+    step: Annotated[int, Field(ge=0)]
+    checkpoint: str | None = None
+    weight_version: str | None = None
+
+
+class AbortWindowRequest(_Strict):
+    token: int
+    reason: str = "aborted by training"
+
+
+def create_app(controller: AsyncInferenceController) -> FastAPI:
+    metrics = ControllerMetrics(controller.health)
+    controller.on_update(metrics.update_done)
+    settings = controller.settings
+    # Loopback connections to our own servers: no environment proxies, a generous pool.
+    http = httpx.AsyncClient(
+        trust_env=False, timeout=settings.request_timeout_s, limits=httpx.Limits(max_connections=512, max_keepalive_connections=128)
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await http.aclose()
+
+    app = FastAPI(title="miles inference controller", lifespan=lifespan)
+    install_error_handlers(app)
+
+    def proxy() -> Proxy:
+        assert controller.router is not None, "the controller was not started"
+        servers = sum(len(controller.fleet.snapshots(m)) for m in controller.fleet.model_names)
+        return Proxy(router=controller.router, http=http, metrics=metrics, max_attempts=max(2, servers + 1))
+
+    def options(model: str | None, session_id: str | None, min_version: str | None) -> RouteOptions:
+        return RouteOptions(
+            model_name=controller.fleet.server(model).model_name,
+            session_id=session_id,
+            min_weight_version=min_version,
+            timeout_s=controller.settings.request_timeout_s,
+        )
+
+    # --- inference -----------------------------------------------------------------------------
+
+    @app.post("/generate")
+    async def generate(body: Annotated[dict[str, Any], Body()]) -> Response:
+        ext = {k: body.pop(k) for k in _EXTENSIONS if k in body}
+        request = _validated(GenerateRequest, body)
+        route = options(ext.get("model"), request.session_id, ext.get("min_weight_version"))
+        if request.stream:
+            return await proxy().stream("/generate", body, route)
+        return await proxy().forward("/generate", body, route)
+
+    @app.post("/v1/completions")
+    async def completions(body: Annotated[dict[str, Any], Body()]) -> Response:
+        return await _openai("/v1/completions", CompletionRequest, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: Annotated[dict[str, Any], Body()]) -> Response:
+        return await _openai("/v1/chat/completions", ChatCompletionRequest, body)
+
+    async def _openai(path: str, model_cls: type[BaseModel], body: dict[str, Any]) -> Response:
+        request = _validated(model_cls, body)
+        session_id = body.pop("session_id", None)
+        min_version = body.pop("min_weight_version", None)
+        route = options(getattr(request, "model", None), session_id, min_version)
+        body.pop("model", None)  # the engine serves one model; it answers under its own name
+        if getattr(request, "stream", False):
+            return await proxy().stream(path, body, route)
+        return await proxy().forward(path, body, route)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        report = controller.health()
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "owned_by": "miles", "weight_version": m.weight_version, "serving": m.serving}
+                for name, m in report.models.items()
+            ],
+        }
+
+    # --- operations ----------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        report = controller.health()
+        return JSONResponse(report.model_dump(mode="json"), status_code=200 if report.ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/update_weights")
+    async def update_weights(request: UpdateRequest) -> JSONResponse:
+        result = await controller.update_rollout_weights(
+            Path(request.checkpoint),
+            model_name=request.model_name,
+            strategy=request.strategy,
+            pause_mode=request.pause_mode,
+            timeout=request.timeout_s,
+            weight_version=request.weight_version,
+        )
+        return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.ok else 409)
+
+    @app.post("/update_weights/start")
+    async def start_window(request: StartWindowRequest) -> dict[str, Any]:
+        window = await controller.start_update_weights(request.model_name, ttl_s=request.ttl_s, pause_mode=request.pause_mode)
+        return window.model_dump(mode="json")
+
+    @app.post("/update_weights/end")
+    async def end_window(request: EndWindowRequest) -> JSONResponse:
+        result = await controller.end_update_weights(
+            request.token,
+            checksum=request.checksum,
+            step=request.step,
+            checkpoint=request.checkpoint,
+            weight_version=request.weight_version,
+        )
+        return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.ok else 409)
+
+    @app.post("/update_weights/abort")
+    async def abort_window(request: AbortWindowRequest) -> dict[str, Any]:
+        result = await controller.abort_update_weights(request.token, reason=request.reason)
+        return result.model_dump(mode="json")
+
+    @app.post("/events")
+    async def post_event(body: Annotated[dict[str, Any], Body()]) -> dict[str, str]:
+        """Record an event from another process (a trainer publishing its checksum)."""
+        try:
+            event = EVENT_ADAPTER.validate_python(body)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
+            raise InvalidRequestError(f"not a valid event ({problems}); known types: {', '.join(EVENT_TYPES)}") from exc
+        try:
+            logged = controller.event_logger.log(type(event), event, print_log=False)
+        except EventLogError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        return {"event_id": logged.event_id, "type": logged.type}
+
+    @app.get("/events")
+    async def get_events(
+        type: Annotated[str | None, Query()] = None,  # noqa: A002 - the field is called "type"
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
+    ) -> dict[str, Any]:
+        if type is not None and type not in EVENT_TYPES:
+            raise InvalidRequestError(f"unknown event type {type!r}; known types: {', '.join(EVENT_TYPES)}")
+        events = [e for e in controller.event_logger.events if type is None or e.type == type]
+        return {"events": [e.model_dump(mode="json") for e in events[-limit:]]}
+
+    @app.get("/config")
+    async def get_config() -> dict[str, Any]:
+        return controller.settings.runtime_view()
+
+    @app.patch("/config")
+    async def patch_config(patch: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+        await controller.reconfigure(patch)
+        return controller.settings.runtime_view()
+
+    @app.exception_handler(LockError)
+    async def _lock_refused(_: Request, exc: LockError) -> JSONResponse:
+        # A stale, expired or already-ended window token, or a lock that was not granted in time.
+        code = 503 if isinstance(exc, TimeoutError) else 409
+        return JSONResponse(error_body(str(exc), code=code, kind="lock"), status_code=code)
+
+    @app.exception_handler(TimeoutError)
+    async def _timeout(_: Request, exc: TimeoutError) -> JSONResponse:
+        return JSONResponse(error_body(f"timed out: {exc}", code=503, kind="timeout"), status_code=503)
+
+    return app
+
+
+def _validated(model_cls: type[BaseModel], body: dict[str, Any]) -> BaseModel:
+    """Check a request before routing, so a bad one is answered here with the engine's 400."""
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        from fastapi.exceptions import RequestValidationError
+
+        raise RequestValidationError(exc.errors()) from exc

@@ -1,0 +1,61 @@
+"""Runs the controller's FastAPI app with uvicorn on the controller's own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from miles.errors import MilesError
+
+if TYPE_CHECKING:
+    from miles.ray.rollout.inference_controller import AsyncInferenceController
+
+
+class HttpServer:
+    """The controller's HTTP API on ``settings.host:settings.port`` (port 0 picks a free one)."""
+
+    def __init__(self, controller: AsyncInferenceController) -> None:
+        from miles.server.controller_api import create_app
+
+        self._controller = controller
+        settings = controller.settings
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._socket.bind((settings.host, settings.port))
+        except OSError as exc:
+            self._socket.close()
+            raise MilesError(
+                f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}; pick another port "
+                "(MILES_PORT or port=...)",
+                host=settings.host,
+                port=settings.port,
+            ) from exc
+        self.host, self.port = self._socket.getsockname()[:2]
+        config = uvicorn.Config(create_app(controller), log_level="warning", access_log=False, lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        # The socket is bound up front so the port is known (and a clash reported) before serving.
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]), name="controller-http")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the startup error
+                raise MilesError("the controller's HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+        self._socket.close()

@@ -1,0 +1,184 @@
+"""The controller's HTTP API over a real fleet: routing, health, events, config, windows, errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from miles.ray.rollout.inference_controller import AsyncInferenceController
+from miles.testing import running_controller
+from miles.weights.checkpoint import read_manifest
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInferenceController, httpx.AsyncClient]]:
+    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2) as (controller, url):
+        async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
+            yield controller, http
+
+
+def greedy(prompt: str = "hi", **extra: object) -> dict[str, object]:
+    return {"text": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}, **extra}
+
+
+async def test_health_reports_servers_lock_and_versions(fleet) -> None:  # noqa: ANN001
+    _, http = fleet
+    response = await http.get("/health")
+    assert response.status_code == 200
+    report = response.json()
+    assert report["status"] == "ok" and report["ok"] is True
+    assert report["models"]["tiny"]["serving"] == 2
+    assert {s["server_id"] for s in report["servers"]} == {"tiny-0", "tiny-1"}
+    for server in report["servers"]:
+        assert server["state"] == "serving"
+        assert server["checksum"] and server["weight_version"]
+        assert server["url"].startswith("http://127.0.0.1:")
+    assert report["lock"] == {
+        "name": "InferenceController",
+        "held": False,
+        "holder": None,
+        "held_since": None,
+        "held_for_s": None,
+        "token": None,
+        "waiters": 0,
+        "detached": False,
+        "lease_expires_at": None,
+    }
+
+
+async def test_generate_and_openai_routes_spread_over_servers(fleet) -> None:  # noqa: ANN001
+    _, http = fleet
+    answers = await asyncio.gather(*(http.post("/generate", json=greedy()) for _ in range(8)))
+    assert all(a.status_code == 200 for a in answers)
+    assert {a.headers["x-miles-server"] for a in answers} == {"tiny-0", "tiny-1"}
+    assert len({tuple(a.json()["output_ids"]) for a in answers}) == 1
+    completion = await http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0})
+    assert completion.status_code == 200
+    assert completion.json()["choices"][0]["text"] == answers[0].json()["text"]
+    chat = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+    assert chat.status_code == 200
+    models = (await http.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+
+
+async def test_sessions_stick_to_one_server(fleet) -> None:  # noqa: ANN001
+    _, http = fleet
+    servers = set()
+    for _ in range(6):
+        answer = await http.post("/generate", json=greedy(session_id="conversation-7"))
+        servers.add(answer.headers["x-miles-server"])
+    assert len(servers) == 1
+
+
+async def test_streaming_through_the_controller(fleet) -> None:  # noqa: ANN001
+    _, http = fleet
+    async with http.stream("POST", "/generate", json=greedy(stream=True)) as response:
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert len(lines) == 5
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("/generate", {"text": "x", "bogus": 1}, 400, "unknown field 'bogus'"),
+        ("/generate", {"text": "x", "model": "nope"}, 404, "no model 'nope'"),
+        ("/generate", {"text": "x", "sampling_params": {"temperature": -1}}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ("/update_weights", {"checkpoint": "/nonexistent"}, 409, "not a directory"),
+        ("/update_weights", {"checkpoint": "/x", "strategy": "sideways"}, 400, "strategy"),
+        ("/update_weights/end", {"token": 999, "checksum": "c", "step": 1}, 409, "token"),
+        ("/events", {"type": "nope"}, 400, "not a valid event"),
+    ],
+)
+async def test_bad_requests_get_a_clear_error(fleet, path: str, body: dict, status: int, needle: str) -> None:  # noqa: ANN001
+    _, http = fleet
+    response = await http.post(path, json=body)
+    assert response.status_code == status, response.text
+    text = response.text
+    assert needle in text, text
+
+
+async def test_min_weight_version_waits_for_the_update(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+    controller, http = fleet
+    current = int(controller.health().models["tiny"].weight_version)
+    target = str(current + 1)
+    waiting = asyncio.create_task(http.post("/generate", json=greedy(min_weight_version=target)))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    update = await http.post("/update_weights", json={"checkpoint": str(checkpoints["v2"]), "weight_version": target})
+    assert update.status_code == 200, update.text
+    answer = await waiting
+    assert answer.status_code == 200
+    assert answer.json()["meta_info"]["weight_version"] == target
+
+
+async def test_a_checksum_published_over_http_gates_updates(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+    controller, http = fleet
+    v3 = read_manifest(checkpoints["v3"])
+    wrong = {"type": "inference_engine_weight_checksum", "model_name": "tiny", "checksum": "0" * 32, "step": v3.step}
+    assert (await http.post("/events", json=wrong)).status_code == 200
+    refused = await http.post("/update_weights", json={"checkpoint": str(checkpoints["v3"]), "weight_version": "100"})
+    assert refused.status_code == 409
+    assert refused.json()["status"] == "rejected"
+    assert "checksum mismatch" in refused.json()["message"]
+    right = {**wrong, "checksum": v3.checksum}
+    assert (await http.post("/events", json=right)).status_code == 200
+    accepted = await http.post("/update_weights", json={"checkpoint": str(checkpoints["v3"]), "weight_version": "100"})
+    assert accepted.status_code == 200, accepted.text
+    assert accepted.json()["checksum_source"] == "published"
+    events = (await http.get("/events", params={"type": "weight_update_committed"})).json()["events"]
+    assert events[-1]["weight_version"] == "100"
+
+
+async def test_a_training_window_over_http(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+    controller, http = fleet
+    v4 = read_manifest(checkpoints["v4"])
+    window = (await http.post("/update_weights/start", json={"ttl_s": 30})).json()
+    assert {s["server_id"] for s in window["servers"]} == {"tiny-0", "tiny-1"}
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as direct:
+        for server in window["servers"]:
+            pushed = await direct.post(
+                f"{server['url']}/update_weights_from_disk", json={"model_path": str(checkpoints["v4"])}
+            )
+            assert pushed.json()["success"] is True
+    ended = await http.post(
+        "/update_weights/end",
+        json={"token": window["token"], "checksum": v4.checksum, "step": 101, "checkpoint": str(checkpoints["v4"])},
+    )
+    assert ended.status_code == 200, ended.text
+    assert {s["weight_version"] for s in ended.json()["servers"]} == {"101"}
+    again = await http.post("/update_weights/abort", json={"token": window["token"]})
+    assert again.status_code == 409
+
+
+async def test_config_changes_what_may_change_and_refuses_the_rest(fleet) -> None:  # noqa: ANN001
+    controller, http = fleet
+    view = (await http.get("/config")).json()
+    assert "rolling_batch_size" in view["runtime_changeable"]
+    assert "port" in view["fixed"]
+    changed = await http.patch("/config", json={"rolling_batch_size": 2, "health_interval_s": 0.3})
+    assert changed.status_code == 200
+    assert controller.settings.rolling_batch_size == 2
+    assert controller.fleet.server(None).spec.health.interval_s == 0.3
+    refused = await http.patch("/config", json={"port": 1, "rolling_batch_size": 3})
+    assert refused.status_code == 409
+    assert "port" in refused.json()["error"]["message"]
+    assert controller.settings.rolling_batch_size == 2  # nothing applied
+    invalid = await http.patch("/config", json={"rolling_batch_size": 0})
+    assert invalid.status_code == 400
+
+
+async def test_metrics_count_requests_and_updates(fleet) -> None:  # noqa: ANN001
+    _, http = fleet
+    text = (await http.get("/metrics")).text
+    assert 'miles_requests_total{model="tiny",outcome="ok"}' in text
+    assert 'miles_updates_total{model="tiny",status="committed"}' in text
+    assert 'miles_servers{model="tiny",state="serving"} 2.0' in text

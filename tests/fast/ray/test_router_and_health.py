@@ -1,0 +1,81 @@
+"""Routing decisions and the health verdict, on server snapshots (pure logic, no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from miles.config import RoutingPolicy
+from miles.ray.rollout.health import model_health, overall
+from miles.ray.rollout.router import NoServerAvailableError, Router, version_at_least
+from miles.ray.rollout.server_state import ServerSnapshot, ServerState
+
+
+def snap(server_id: str, state: ServerState = ServerState.SERVING, version: str = "1") -> ServerSnapshot:
+    return ServerSnapshot(
+        server_id=server_id,
+        model_name="m",
+        url=f"http://127.0.0.1/{server_id}",
+        device="cpu",
+        state=state,
+        state_since=time.time(),
+        weight_version=version,
+        checksum="c",
+        verified=None,
+        last_probe=None,
+        consecutive_failures=0,
+        restarts=0,
+        pid=None,
+    )
+
+
+def test_version_order() -> None:
+    assert version_at_least("10", "9")
+    assert not version_at_least("9", "10")
+    assert version_at_least("abc", "abc")
+    assert not version_at_least("abc", "abd")
+    assert not version_at_least(None, "1")
+
+
+def test_health_verdicts() -> None:
+    serving = model_health("m", [snap("a"), snap("b")], accepting=True)
+    assert overall({"m": serving}) == ("ok", True)
+    one_down = model_health("m", [snap("a"), snap("b", ServerState.RESTARTING)], accepting=True)
+    assert overall({"m": one_down}) == ("degraded", True)
+    none_serving = model_health("m", [snap("a", ServerState.QUARANTINED)], accepting=True)
+    assert overall({"m": none_serving}) == ("unavailable", False)
+    updating = model_health("m", [snap("a", ServerState.UPDATING)], accepting=False)
+    assert overall({"m": updating}) == ("updating", True)
+    mixed = model_health("m", [snap("a", version="1"), snap("b", version="2")], accepting=True)
+    assert mixed.weight_version is None and mixed.versions == {"1": 1, "2": 1}
+
+
+async def test_least_outstanding_skips_non_serving_and_balances() -> None:
+    servers = [snap("a"), snap("b"), snap("c", ServerState.UPDATING)]
+    router = Router(servers=lambda _: servers, policy=lambda: RoutingPolicy.LEAST_OUTSTANDING)
+    leases = [await router.acquire("m", timeout_s=1) for _ in range(4)]
+    assert sorted(lease.server_id for lease in leases) == ["a", "a", "b", "b"]
+    router.release(leases[0])
+    assert router.outstanding(leases[0].server_id) == 1
+
+
+async def test_a_closed_gate_holds_requests_until_it_opens() -> None:
+    servers = [snap("a")]
+    router = Router(servers=lambda _: servers, policy=lambda: RoutingPolicy.ROUND_ROBIN)
+    router.close_gate("m")
+    waiting = asyncio.create_task(router.acquire("m", timeout_s=5))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    router.open_gate("m")
+    assert (await waiting).server_id == "a"
+
+
+async def test_no_server_in_time_says_why() -> None:
+    router = Router(servers=lambda _: [snap("a", ServerState.QUARANTINED)], policy=lambda: RoutingPolicy.ROUND_ROBIN)
+    with pytest.raises(NoServerAvailableError, match="a=quarantined"):
+        await router.acquire("m", timeout_s=0.1)
+    router2 = Router(servers=lambda _: [snap("a", version="3")], policy=lambda: RoutingPolicy.ROUND_ROBIN)
+    with pytest.raises(NoServerAvailableError, match=">= 4"):
+        await router2.acquire("m", timeout_s=0.1, min_weight_version="4")
