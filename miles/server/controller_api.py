@@ -13,6 +13,8 @@ Operations: ``GET /health`` (200 while the fleet can serve, else 503), ``/metric
 
 from __future__ import annotations
 
+import json
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,8 +28,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from miles.config import UpdatePauseMode, UpdateStrategy
 from miles.engine.http_server import error_body, install_error_handlers
 from miles.errors import EventLogError, InvalidRequestError, LockError
-from miles.protocol.openai import ChatCompletionRequest, CompletionRequest
-from miles.protocol.sglang import GenerateRequest
 from miles.server.metrics import CONTENT_TYPE, ControllerMetrics
 from miles.server.proxy import Proxy, RouteOptions
 from miles.utils.audit_utils.event_logger.models import EVENT_ADAPTER, EVENT_TYPES
@@ -75,8 +75,15 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     controller.on_update(metrics.update_done)
     settings = controller.settings
     # Loopback connections to our own servers: no environment proxies, a generous pool.
+    # TCP_NODELAY: a request's headers and body go out in separate writes, and Nagle's algorithm
+    # would hold the body until the server's delayed ACK (~40 ms per routed request).
     http = httpx.AsyncClient(
-        trust_env=False, timeout=settings.request_timeout_s, limits=httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        trust_env=False,
+        timeout=settings.request_timeout_s,
+        transport=httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+        ),
     )
 
     @asynccontextmanager
@@ -89,10 +96,14 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     app = FastAPI(title="miles inference controller", lifespan=lifespan)
     install_error_handlers(app)
 
+    proxies: list[Proxy] = []
+
     def proxy() -> Proxy:
-        assert controller.router is not None, "the controller was not started"
-        servers = sum(len(controller.fleet.snapshots(m)) for m in controller.fleet.model_names)
-        return Proxy(router=controller.router, http=http, metrics=metrics, max_attempts=max(2, servers + 1))
+        if not proxies:
+            assert controller.router is not None, "the controller was not started"
+            servers = sum(len(controller.fleet.snapshots(m)) for m in controller.fleet.model_names)
+            proxies.append(Proxy(router=controller.router, http=http, metrics=metrics, max_attempts=max(2, servers + 1)))
+        return proxies[0]
 
     def options(model: str | None, session_id: str | None, min_version: str | None) -> RouteOptions:
         return RouteOptions(
@@ -103,33 +114,36 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         )
 
     # --- inference -----------------------------------------------------------------------------
+    # The body is routed as it came, without a second validation here: the server validates it
+    # and its 400 (with the same message) comes back unchanged. Only the extension fields are
+    # read and removed.
 
     @app.post("/generate")
-    async def generate(body: Annotated[dict[str, Any], Body()]) -> Response:
+    async def generate(request: Request) -> Response:
+        raw, body = await _json_object(request)
         ext = {k: body.pop(k) for k in _EXTENSIONS if k in body}
-        request = _validated(GenerateRequest, body)
-        route = options(ext.get("model"), request.session_id, ext.get("min_weight_version"))
-        if request.stream:
-            return await proxy().stream("/generate", body, route)
-        return await proxy().forward("/generate", body, route)
+        route = options(_text(ext.get("model")), _text(body.get("session_id")), _text(ext.get("min_weight_version")))
+        payload = raw if not ext else json.dumps(body).encode()
+        if body.get("stream") is True:
+            return await proxy().stream("/generate", payload, route)
+        return await proxy().forward("/generate", payload, route)
 
     @app.post("/v1/completions")
-    async def completions(body: Annotated[dict[str, Any], Body()]) -> Response:
-        return await _openai("/v1/completions", CompletionRequest, body)
+    async def completions(request: Request) -> Response:
+        return await _openai("/v1/completions", request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: Annotated[dict[str, Any], Body()]) -> Response:
-        return await _openai("/v1/chat/completions", ChatCompletionRequest, body)
+    async def chat_completions(request: Request) -> Response:
+        return await _openai("/v1/chat/completions", request)
 
-    async def _openai(path: str, model_cls: type[BaseModel], body: dict[str, Any]) -> Response:
-        request = _validated(model_cls, body)
-        session_id = body.pop("session_id", None)
-        min_version = body.pop("min_weight_version", None)
-        route = options(getattr(request, "model", None), session_id, min_version)
-        body.pop("model", None)  # the engine serves one model; it answers under its own name
-        if getattr(request, "stream", False):
-            return await proxy().stream(path, body, route)
-        return await proxy().forward(path, body, route)
+    async def _openai(path: str, request: Request) -> Response:
+        _, body = await _json_object(request)
+        model = _text(body.pop("model", None))  # the engine serves one model and answers under its name
+        route = options(model, _text(body.pop("session_id", None)), _text(body.pop("min_weight_version", None)))
+        payload = json.dumps(body).encode()
+        if body.get("stream") is True:
+            return await proxy().stream(path, payload, route)
+        return await proxy().forward(path, payload, route)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -232,11 +246,20 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     return app
 
 
-def _validated(model_cls: type[BaseModel], body: dict[str, Any]) -> BaseModel:
-    """Check a request before routing, so a bad one is answered here with the engine's 400."""
+async def _json_object(request: Request) -> tuple[bytes, dict[str, Any]]:
+    raw = await request.body()
     try:
-        return model_cls.model_validate(body)
-    except ValidationError as exc:
-        from fastapi.exceptions import RequestValidationError
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    return raw, body
 
-        raise RequestValidationError(exc.errors()) from exc
+
+def _text(value: object) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise InvalidRequestError(f"expected a string, got {value!r}")

@@ -7,13 +7,10 @@ a failed request. Anything the server answered is passed through as it is.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
-
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
@@ -41,9 +38,8 @@ class Proxy:
         self._metrics = metrics
         self._max_attempts = max_attempts
 
-    async def forward(self, path: str, body: dict[str, Any], options: RouteOptions) -> Response:
-        """Send ``body`` to ``path`` on a routed server and return its answer unchanged."""
-        payload = json.dumps(body).encode()
+    async def forward(self, path: str, payload: bytes, options: RouteOptions) -> Response:
+        """Send the JSON ``payload`` to ``path`` on a routed server and return its answer unchanged."""
         started = time.perf_counter()
         excluded: set[str] = set()
         for attempt in range(self._max_attempts):
@@ -74,9 +70,8 @@ class Proxy:
             tried=sorted(excluded),
         )
 
-    async def stream(self, path: str, body: dict[str, Any], options: RouteOptions) -> StreamingResponse:
+    async def stream(self, path: str, payload: bytes, options: RouteOptions) -> StreamingResponse:
         """Stream a server's server-sent events through; retried only before the first byte."""
-        payload = json.dumps(body).encode()
         started = time.perf_counter()
         excluded: set[str] = set()
         for _ in range(self._max_attempts):
