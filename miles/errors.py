@@ -144,3 +144,22 @@ class InvalidRequestError(MilesError):
     def __init__(self, message: str, *, status_code: int = 400, **context: Any) -> None:
         self.status_code = status_code
         super().__init__(message, **context)
+
+
+# --- reference trainer -------------------------------------------------------------------------
+
+
+class TrainerError(MilesError):
+    """The reference trainer (``miles.train``) could not carry on."""
+
+
+class RolloutRequestError(TrainerError):
+    """A ``/generate`` call for training samples failed or answered something unusable."""
+
+
+class PublishError(TrainerError):
+    """A trained checkpoint could not be published: written, announced, or applied to the servers."""
+
+
+class PublishNotReadyError(PublishError, TimeoutError):
+    """The serving side never reported ready before the publish deadline; nothing was pushed."""

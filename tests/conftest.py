@@ -31,3 +31,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         init_checkpoint(root / name, model_name=model, preset="tiny", seed=seed, step=step)
         made[name] = root / name
     return made
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # save_pretrained draws a progress bar per checkpoint; in test output it is only noise.
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()

@@ -28,7 +28,7 @@ from miles.engine.rwlock import WeightsLock
 from miles.engine.sampling import RowSampler
 from miles.engine.scheduler import GenerationState, Scheduler, Sequence
 from miles.engine.settings import EngineSettings
-from miles.engine.weight_loader import apply_update, prepare_update
+from miles.engine.weight_loader import PreparedUpdate, apply_update, prepare_update
 from miles.errors import CheckpointError, InvalidRequestError
 from miles.protocol.sglang import (
     GenerateRequest,
@@ -284,11 +284,13 @@ class Engine:
                 version = request.weight_version or prepared.weight_version
                 pausing = self._scheduler.state is GenerationState.SERVING
                 paused = 0
+                pause_started = time.perf_counter()
                 if pausing:
                     mode = PauseMode.ABORT if request.abort_all_requests else PauseMode.DRAIN
                     paused = await asyncio.to_thread(self._scheduler.pause, mode)
                 elif request.abort_all_requests:
                     self._scheduler.abort(None, message="aborted by update_weights_from_disk")
+                prepared.timings["pause"] = time.perf_counter() - pause_started
                 checksum = await asyncio.to_thread(self._copy_in, prepared, version)
                 ok = checksum.checksum == prepared.manifest_checksum
                 if pausing and ok and not request.keep_pause:
@@ -305,6 +307,7 @@ class Engine:
                 num_paused_requests=paused,
                 weight_version=self._weight_version,
                 checksum=checksum.checksum,
+                timings=prepared.timings,
             )
         return UpdateWeightsResponse(
             success=True,
@@ -312,10 +315,13 @@ class Engine:
             num_paused_requests=paused,
             weight_version=version,
             checksum=checksum.checksum,
+            timings=prepared.timings,
         )
 
-    def _copy_in(self, prepared: Any, version: str) -> ModelChecksum:
+    def _copy_in(self, prepared: PreparedUpdate, version: str) -> ModelChecksum:
+        waiting = time.perf_counter()
         with self._weights_lock.write():
+            prepared.timings["write_lock_wait"] = time.perf_counter() - waiting
             checksum = apply_update(self.model, prepared)
             if checksum.checksum == prepared.manifest_checksum:
                 self._weights_status = WeightsStatus.VERIFIED

@@ -10,7 +10,8 @@ is made: the source tensors are views of the file's page-cache pages.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ class PreparedUpdate:
 
     reader: CheckpointReader
     targets: dict[str, torch.Tensor]
+    # Seconds per phase of this load (open, verify, match, copy, checksum), for the response.
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def manifest_checksum(self) -> str:
@@ -51,6 +54,7 @@ def prepare_update(model: torch.nn.Module, checkpoint: Path) -> PreparedUpdate:
     IncompatibleCheckpointError (names, shapes or dtypes differ from the live model), naming what
     is wrong; the live weights are untouched either way.
     """
+    started = time.perf_counter()
     try:
         reader = open_checkpoint(checkpoint)
     except CheckpointError:
@@ -58,10 +62,13 @@ def prepare_update(model: torch.nn.Module, checkpoint: Path) -> PreparedUpdate:
         _raise_if_bad(verify_checkpoint(checkpoint), checkpoint)
         raise
     try:
+        opened = time.perf_counter()
         _raise_if_bad(reader.verify(), checkpoint)
+        verified = time.perf_counter()
         targets = saved_state_dict(model)
         _match(targets, reader, checkpoint)
-        return PreparedUpdate(reader=reader, targets=targets)
+        timings = {"open": opened - started, "verify": verified - opened, "match": time.perf_counter() - verified}
+        return PreparedUpdate(reader=reader, targets=targets, timings=timings)
     except BaseException:
         reader.close()
         raise
@@ -104,6 +111,11 @@ def apply_update(model: torch.nn.Module, update: PreparedUpdate) -> ModelChecksu
 
     The caller must hold the write side of the weights lock.
     """
+    started = time.perf_counter()
     for name, live in update.targets.items():
         live.copy_(update.reader.tensor(name))
-    return checksum_module(model)
+    copied = time.perf_counter()
+    checksum = checksum_module(model)
+    update.timings["copy"] = copied - started
+    update.timings["checksum"] = time.perf_counter() - copied
+    return checksum

@@ -215,6 +215,9 @@ class UpdateWeightsResponse(BaseModel):
     num_paused_requests: int = 0
     weight_version: str | None = None
     checksum: str | None = None
+    # miles extension: seconds per phase of the load (pause, open, verify, match, lock, copy,
+    # checksum), so an operator can see where an update's time went.
+    timings: dict[str, float] = {}
 
 
 class UpdateWeightVersionRequest(_Strict):

@@ -58,6 +58,7 @@ class _Progress:
     confirmed: str | None = None
     matched: bool | None = None
     error: str | None = None
+    load_timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class UpdateRun:
     async def load(self, server_ids: list[str], checkpoint: Path) -> None:
         async def one(server_id: str) -> None:
             response = await self.server.load(server_id, checkpoint, weight_version=self.plan.weight_version)
+            self._note(server_id).load_timings = dict(response.timings)
             if response.success:
                 self._note(server_id).loaded = True
             else:
@@ -153,6 +155,7 @@ class UpdateRun:
                     confirmed_checksum=note.confirmed,
                     matched=note.matched,
                     error=note.error,
+                    load_timings=note.load_timings,
                 )
             )
         return tuple(outcomes)

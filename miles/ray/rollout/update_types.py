@@ -38,6 +38,8 @@ class ServerOutcome(BaseModel):
     confirmed_checksum: str | None = None
     matched: bool | None = None
     error: str | None = None
+    # Seconds per phase of the server's load, as the server reported them.
+    load_timings: dict[str, float] = {}
 
 
 class UpdateResult(BaseModel):

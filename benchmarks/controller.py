@@ -1,0 +1,120 @@
+"""What the controller costs: latency added per routed request, and its own overhead per update.
+
+Side by side in one run, on one tiny-model engine:
+- a request sent straight to the engine vs. the same request through the controller's router
+  (``POST /generate``, one new token, sequential from a separate client process; median and p90);
+- ``update_rollout_weights`` through the controller vs. the engine's own
+  ``/update_weights_from_disk`` of the same checkpoint (the data movement): the difference is the
+  protocol's overhead (lock, validation, pause, checksum confirmation, admission, events).
+
+    .venv/bin/python benchmarks/controller.py [--requests 500] [--updates 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from miles.models.presets import init_checkpoint
+from miles.testing import running_controller
+
+CLIENT = r"""
+import json, statistics, sys, time, httpx
+url, n = sys.argv[1], int(sys.argv[2])
+body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+with httpx.Client(trust_env=False) as http:
+    for _ in range(50):
+        http.post(url + "/generate", json=body)
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        http.post(url + "/generate", json=body).raise_for_status()
+        times.append(time.perf_counter() - t)
+print(json.dumps(times))
+"""
+
+
+def latencies(url: str, n: int) -> list[float]:
+    done = subprocess.run([sys.executable, "-c", CLIENT, url, str(n)], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def main(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="miles-bench-controller-") as tmp:
+        root = Path(tmp)
+        for name, seed in (("a", 0), ("b", 1)):
+            init_checkpoint(root / name, model_name="tiny", seed=seed, step=1)
+        async with running_controller(model_checkpoint=root / "a", num_servers=1, health_interval_s=2.0) as (
+            controller,
+            url,
+        ):
+            assert url is not None
+            engine = controller.health().servers[0].url
+            assert engine is not None
+            # Interleave rounds so drift on a shared machine hits both paths alike.
+            direct: list[float] = []
+            routed: list[float] = []
+            for _ in range(args.rounds):
+                direct += await asyncio.to_thread(latencies, engine, args.requests // args.rounds)
+                routed += await asyncio.to_thread(latencies, url, args.requests // args.rounds)
+
+            # Updates: the engine alone (data movement + its own verification) vs. the protocol.
+            async with httpx.AsyncClient(trust_env=False, timeout=120) as http:
+                engine_only = []
+                for i in range(args.updates):
+                    target = root / ("b" if i % 2 == 0 else "a")
+                    t = time.perf_counter()
+                    answer = await http.post(f"{engine}/update_weights_from_disk", json={"model_path": str(target)})
+                    engine_only.append(time.perf_counter() - t)
+                    assert answer.json()["success"], answer.text
+                # Put the engine back on what the controller verified before the protocol runs.
+                await http.post(f"{engine}/update_weights_from_disk", json={"model_path": str(root / "a")})
+            protocol = []
+            phases: dict[str, list[float]] = {}
+            for i in range(args.updates):
+                target = root / ("b" if i % 2 == 0 else "a")
+                t = time.perf_counter()
+                result = await controller.update_rollout_weights(target, weight_version=str(10 + i))
+                protocol.append(time.perf_counter() - t)
+                assert result.ok, result.message
+                for phase, seconds in result.timings.items():
+                    phases.setdefault(phase, []).append(seconds)
+
+    d50, r50 = statistics.median(direct), statistics.median(routed)
+    print(f"Routed request latency ({len(direct)} requests per path, 1 new token, sequential client)")
+    print(f"{'path':<22}{'p50 ms':>10}{'p90 ms':>10}")
+    print(f"{'engine directly':<22}{d50 * 1e3:>10.3f}{p(direct, 0.9) * 1e3:>10.3f}")
+    print(f"{'through controller':<22}{r50 * 1e3:>10.3f}{p(routed, 0.9) * 1e3:>10.3f}")
+    print(f"added by routing: p50 {(r50 - d50) * 1e3:.3f} ms (target < 1 ms), p90 {(p(routed, 0.9) - p(direct, 0.9)) * 1e3:.3f} ms")
+    print(f"ratio routed/direct p50: {r50 / d50:.2f}x")
+    print()
+    e50, c50 = statistics.median(engine_only), statistics.median(protocol)
+    print(f"Update of a tiny model, 1 server, {args.updates} updates each")
+    print(f"{'what':<34}{'p50 ms':>10}")
+    print(f"{'engine /update_weights_from_disk':<34}{e50 * 1e3:>10.2f}")
+    print(f"{'controller update_rollout_weights':<34}{c50 * 1e3:>10.2f}")
+    for phase, values in phases.items():
+        print(f"{'  ' + phase:<34}{statistics.median(values) * 1e3:>10.2f}")
+    print(f"protocol overhead (everything but the load): {(c50 - e50) * 1e3:.2f} ms per update ({c50 / e50:.2f}x the load)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=600)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--updates", type=int, default=30)
+    asyncio.run(main(parser.parse_args()))

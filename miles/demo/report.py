@@ -1,0 +1,231 @@
+"""What a demo run leaves behind: ``summary.json``, ``report.md`` and PNG plots in its run directory."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; the demo runs on machines without a display
+
+import matplotlib.pyplot as plt  # noqa: E402
+from pydantic import BaseModel, ConfigDict  # noqa: E402
+
+from miles.demo.traffic import TrafficStats  # noqa: E402
+from miles.ray.rollout.update_types import UpdateResult, UpdateStatus  # noqa: E402
+from miles.train.reports import TrainingSummary  # noqa: E402
+from miles.utils.audit_utils.event_analyzer import analyze_events  # noqa: E402
+from miles.utils.audit_utils.event_logger.logger import read_events  # noqa: E402
+from miles.utils.audit_utils.event_logger.models import ChecksumMismatchEvent  # noqa: E402
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    at: float  # seconds since the run started, when the update finished
+    result: UpdateResult
+
+
+class DemoSummary(BaseModel):
+    """``summary.json``: the invariants a run must show, and the figures behind them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    steps: int
+    updates_committed: int
+    updates_failed: int
+    update_latency_p50_s: float
+    update_latency_p95_s: float
+    publish_latency_p50_s: float
+    requests_served: int
+    requests_failed: int
+    request_latency_p50_s: float
+    request_latency_p95_s: float
+    checksum_mismatches: int
+    reward_first: float
+    reward_last: float
+    exact_first: float
+    exact_last: float
+    final_weight_version: str | None
+    events_check_passed: bool
+    event_findings: list[str]
+    servers: int
+    strategy: str
+    pause_mode: str
+    wall_s: float
+    run_dir: str
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarize(
+    run_dir: Path,
+    *,
+    training: TrainingSummary,
+    updates: list[UpdateRecord],
+    traffic: TrafficStats,
+    events_dir: Path,
+    servers: int,
+    strategy: str,
+    pause_mode: str,
+    wall_s: float,
+) -> DemoSummary:
+    events = read_events(events_dir)
+    analysis = analyze_events(events)
+    committed = [u.result for u in updates if u.result.status is UpdateStatus.COMMITTED]
+    latencies = [r.duration_s for r in committed]
+    publishes = [s.publish.latency_s for s in training.steps if s.publish is not None]
+    request_latencies = [r.latency_s for r in traffic.records if r.ok]
+    return DemoSummary(
+        steps=len(training.steps),
+        updates_committed=len(committed),
+        updates_failed=len(updates) - len(committed),
+        update_latency_p50_s=_quantile(latencies, 0.5),
+        update_latency_p95_s=_quantile(latencies, 0.95),
+        publish_latency_p50_s=_quantile(publishes, 0.5),
+        requests_served=traffic.served,
+        requests_failed=traffic.failed,
+        request_latency_p50_s=_quantile(request_latencies, 0.5),
+        request_latency_p95_s=_quantile(request_latencies, 0.95),
+        checksum_mismatches=sum(1 for e in events if isinstance(e, ChecksumMismatchEvent)),
+        reward_first=training.reward_first,
+        reward_last=training.reward_last,
+        exact_first=training.exact_first,
+        exact_last=training.exact_last,
+        final_weight_version=committed[-1].weight_version if committed else None,
+        events_check_passed=analysis.passed,
+        event_findings=[f.message for f in analysis.findings],
+        servers=servers,
+        strategy=strategy,
+        pause_mode=pause_mode,
+        wall_s=wall_s,
+        run_dir=str(run_dir),
+    )
+
+
+def write_report(
+    run_dir: Path, summary: DemoSummary, *, training: TrainingSummary, updates: list[UpdateRecord], traffic: TrafficStats
+) -> list[Path]:
+    """Write summary.json, report.md and the plots; return the files written."""
+    written = [run_dir / "summary.json", run_dir / "report.md"]
+    written[0].write_text(summary.model_dump_json(indent=2) + "\n")
+    plots = [
+        _plot_rewards(run_dir / "reward.png", training),
+        _plot_updates(run_dir / "updates.png", updates),
+        _plot_requests(run_dir / "requests.png", traffic, updates),
+    ]
+    written[1].write_text(_markdown(summary, training, updates, plots))
+    return written + plots
+
+
+def _plot_rewards(path: Path, training: TrainingSummary) -> Path:
+    fig, (by_step, by_version) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [s.step for s in training.steps]
+    by_step.plot(steps, [s.mean_reward for s in training.steps], label="mean reward", color="tab:blue")
+    by_step.plot(steps, [s.exact_rate for s in training.steps], label="exact answers", color="tab:green", alpha=0.7)
+    for s in training.steps:
+        if s.phase.value == "grpo":
+            by_step.axvspan(s.step - 0.5, s.step + 0.5, color="tab:orange", alpha=0.04, lw=0)
+    by_step.set(xlabel="trainer step (shaded: GRPO)", ylabel="reward of server samples", title="Reward by step", ylim=(0, 1.05))
+    by_step.legend(loc="lower right")
+    totals: dict[int, list[float]] = defaultdict(list)
+    for s in training.steps:
+        for v in s.rewards_by_version:
+            try:
+                totals[int(v.weight_version)].extend([v.mean_reward] * v.num_samples)
+            except ValueError:
+                continue
+    versions = sorted(totals)
+    by_version.plot(versions, [statistics.fmean(totals[v]) for v in versions], marker=".", color="tab:purple")
+    by_version.set(xlabel="weight version that generated the sample", ylabel="mean reward", title="Reward by weight version", ylim=(0, 1.05))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_updates(path: Path, updates: list[UpdateRecord]) -> Path:
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    good = [u for u in updates if u.result.status is UpdateStatus.COMMITTED]
+    bad = [u for u in updates if u.result.status is not UpdateStatus.COMMITTED]
+    ax.scatter([u.at for u in good], [u.result.duration_s * 1e3 for u in good], s=8, color="tab:green", label="committed")
+    if bad:
+        ax.scatter([u.at for u in bad], [u.result.duration_s * 1e3 for u in bad], s=20, marker="x", color="tab:red", label="not committed")
+    ax.set(xlabel="seconds since start (when the update finished)", ylabel="update latency (ms)",
+           title="Weight updates: latency from taking the lock to commit")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_requests(path: Path, traffic: TrafficStats, updates: list[UpdateRecord]) -> Path:
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    ok = [r for r in traffic.records if r.ok]
+    bad = [r for r in traffic.records if not r.ok]
+    ax.scatter([r.started for r in ok], [r.latency_s * 1e3 for r in ok], s=6, color="tab:blue", label="served")
+    if bad:
+        ax.scatter([r.started for r in bad], [r.latency_s * 1e3 for r in bad], s=14, color="tab:red", marker="x", label="failed")
+    for record in updates:
+        ax.axvline(record.at, color="tab:green", alpha=0.15, lw=1)
+    ax.set(xlabel="seconds since start (green lines: updates committed)", ylabel="request latency (ms)", title="User requests around updates")
+    ax.set_yscale("log")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _markdown(summary: DemoSummary, training: TrainingSummary, updates: list[UpdateRecord], plots: list[Path]) -> str:
+    verdict = (
+        "PASS"
+        if summary.requests_failed == 0 and summary.checksum_mismatches == 0 and summary.events_check_passed
+        else "ATTENTION"
+    )
+    lines = [
+        "# miles demo run",
+        "",
+        f"Verdict: **{verdict}**: {summary.requests_failed} failed requests, {summary.checksum_mismatches} checksum "
+        f"mismatches, event audit {'passed' if summary.events_check_passed else 'FAILED'}.",
+        "",
+        f"{summary.servers} rollout servers, strategy `{summary.strategy}`, pause mode `{summary.pause_mode}`, "
+        f"{summary.wall_s:.0f} s wall time.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| trainer steps | {summary.steps} |",
+        f"| updates committed / not committed | {summary.updates_committed} / {summary.updates_failed} |",
+        f"| update latency p50 / p95 | {summary.update_latency_p50_s * 1e3:.1f} ms / {summary.update_latency_p95_s * 1e3:.1f} ms |",
+        f"| publish latency p50 (write + checksum + update) | {summary.publish_latency_p50_s * 1e3:.1f} ms |",
+        f"| user requests served / failed | {summary.requests_served} / {summary.requests_failed} |",
+        f"| request latency p50 / p95 | {summary.request_latency_p50_s * 1e3:.1f} ms / {summary.request_latency_p95_s * 1e3:.1f} ms |",
+        f"| mean reward of server samples, first / last steps | {summary.reward_first:.3f} / {summary.reward_last:.3f} |",
+        f"| exact answers, first / last steps | {summary.exact_first:.3f} / {summary.exact_last:.3f} |",
+        f"| final weight version | {summary.final_weight_version} |",
+        "",
+    ]
+    if summary.event_findings:
+        lines += ["## Event audit findings", "", *[f"- {f}" for f in summary.event_findings], ""]
+    lines += ["## Plots", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    failed = [u for u in updates if u.result.status is not UpdateStatus.COMMITTED]
+    if failed:
+        lines += ["", "## Updates that did not commit", ""]
+        lines += [f"- {u.result.update_id}: {u.result.status.value}: {u.result.message}" for u in failed]
+    lines += [
+        "",
+        f"Files: `{summary.run_dir}/events/` (the event log; `miles events {summary.run_dir}/events --check` "
+        "audits it), `summary.json`, `logs/` (one log per engine process).",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,175 @@
+"""``miles demo``: train a tiny model with GRPO while a controller serves it to simulated users.
+
+One process hosts the controller (and its HTTP API on a free port), the trainer and the user
+traffic; the rollout servers are real engine processes. The trainer samples from the servers
+through the controller, publishes a checkpoint after every step (checksum event, then
+``update_rollout_weights``), and the users keep getting answers throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import transformers
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Console
+
+from miles.config import UpdatePauseMode, UpdateStrategy
+from miles.demo.display import LiveDisplay
+from miles.demo.report import DemoSummary, UpdateRecord, summarize, write_report
+from miles.demo.traffic import UserTraffic
+from miles.errors import MilesError
+from miles.ray.rollout.inference_controller import AsyncInferenceController
+from miles.server.http_runner import HttpServer
+from miles.train.config import TrainerConfig
+from miles.train.publisher import DiskPublisher
+from miles.train.rollout import HttpSampler
+from miles.train.trainer import Trainer, write_initial_checkpoint
+from miles.weights.checkpoint import Manifest
+
+
+class DemoConfig(BaseModel):
+    """Everything ``miles demo`` can be told; defaults finish in a few minutes on 2 CPU cores."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sft_steps: Annotated[int, Field(ge=0)] = TrainerConfig().sft_steps
+    grpo_steps: Annotated[int, Field(ge=0)] = TrainerConfig().grpo_steps
+    servers: Annotated[int, Field(ge=1, le=8)] = 2
+    strategy: UpdateStrategy = UpdateStrategy.BARRIER
+    pause_mode: UpdatePauseMode = UpdatePauseMode.DRAIN
+    publish_every: Annotated[int, Field(ge=1)] = 1
+    users: Annotated[int, Field(ge=0)] = 2
+    user_think_s: Annotated[float, Field(gt=0)] = 0.25
+    seed: int = 0
+    runs_dir: Path = Path("runs")
+    live: bool = True
+
+
+class DemoFailedError(MilesError):
+    """The demo ran but broke one of its promises (a failed request, a mismatch, a failed audit)."""
+
+
+def _run_dir(root: Path) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = root / stamp
+    suffix = 1
+    while run_dir.exists():
+        suffix += 1
+        run_dir = root / f"{stamp}-{suffix}"
+    run_dir.mkdir(parents=True)
+    latest = root / "latest"
+    if latest.is_symlink() or latest.exists():
+        latest.unlink()
+    latest.symlink_to(run_dir.name)
+    return run_dir
+
+
+async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
+    """Run the whole demo and write its run directory; returns the summary."""
+    run_dir = _run_dir(config.runs_dir).resolve()
+    checkpoints, events_dir = run_dir / "checkpoints", run_dir / "events"
+    trainer_config = TrainerConfig(
+        sft_steps=config.sft_steps,
+        grpo_steps=config.grpo_steps,
+        publish_every=config.publish_every,
+        seed=config.seed,
+        summary_window=max(1, min(10, (config.sft_steps + config.grpo_steps) // 10)),
+    )
+    console.print(f"run directory: {run_dir}")
+    initial: Manifest = await asyncio.to_thread(
+        write_initial_checkpoint, checkpoints / "step-000000", trainer_config
+    )
+    t0 = time.monotonic()
+    updates: list[UpdateRecord] = []
+    controller = AsyncInferenceController(
+        model_checkpoint=checkpoints / "step-000000",
+        num_servers=config.servers,
+        port=0,
+        seed=config.seed,
+        events_dir=events_dir,
+        log_dir=run_dir / "logs",
+        allowed_checkpoint_roots=(checkpoints,),
+        default_strategy=config.strategy,
+        default_pause_mode=config.pause_mode,
+        health_interval_s=1.0,
+    )
+    controller.on_update(lambda result: updates.append(UpdateRecord(at=time.monotonic() - t0, result=result)))
+    http_server: HttpServer | None = None
+    traffic: UserTraffic | None = None
+    display = LiveDisplay(console, total_steps=trainer_config.total_steps, controller=controller, live=config.live)
+    try:
+        console.print(f"starting {config.servers} rollout servers on {initial.model_name} step 0 ...")
+        await controller.start()
+        http_server = HttpServer(controller)
+        await http_server.start()
+        url = http_server.url
+        console.print(f"controller at {url}; training {trainer_config.sft_steps} SFT + {trainer_config.grpo_steps} GRPO steps")
+        async with httpx.AsyncClient(trust_env=False, timeout=300.0) as http:
+
+            async def ready() -> bool:
+                # The seed's discipline: poll /health before pushing a checkpoint.
+                return (await http.get(f"{url}/health")).status_code == 200
+
+            async def apply(checkpoint_dir: Path, manifest: Manifest) -> None:
+                result = await controller.update_rollout_weights(checkpoint_dir)
+                result.raise_for_status()
+
+            publisher = DiskPublisher(
+                checkpoints,
+                model_name=trainer_config.model_name,
+                event_logger=controller.event_logger,
+                apply=apply,
+                ready=ready,
+            )
+            traffic = UserTraffic(url, clients=config.users, think_s=config.user_think_s, t0=t0, seed=config.seed)
+            display.attach_traffic(traffic.stats)
+            trainer = Trainer(
+                trainer_config,
+                sampler=HttpSampler([url], http=http, timeout_s=300.0),
+                publisher=publisher,
+                on_step=display.step,
+            )
+            traffic.start()
+            with display:
+                training = await trainer.run()
+            await traffic.stop()
+            traffic_stats = traffic.stats
+            traffic = None
+    finally:
+        if traffic is not None:
+            await traffic.stop()
+        if http_server is not None:
+            await http_server.stop()
+        await controller.close()
+    summary = summarize(
+        run_dir,
+        training=training,
+        updates=updates,
+        traffic=traffic_stats,
+        events_dir=events_dir,
+        servers=config.servers,
+        strategy=config.strategy.value,
+        pause_mode=config.pause_mode.value,
+        wall_s=time.monotonic() - t0,
+    )
+    write_report(run_dir, summary, training=training, updates=updates, traffic=traffic_stats)
+    display.final(summary)
+    return summary
+
+
+def quiet_logs() -> None:
+    """Keep the live display readable: only warnings from libraries and our own loggers."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("httpx", "miles.rollout", "miles.controller", "miles.events"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # save_pretrained draws a progress bar per checkpoint; hundreds of them would bury the view.
+    transformers.utils.logging.disable_progress_bar()

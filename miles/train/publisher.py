@@ -1,0 +1,179 @@
+"""Publishing trained weights: the ``Publisher`` protocol and ``DiskPublisher``, its disk reference.
+
+``DiskPublisher.publish`` runs the training side of the weight-update protocol (DESIGN.md):
+write the checkpoint (its manifest carries the checksum), announce the checksum as an
+``InferenceEngineWeightChecksumEvent``, wait until the serving side says it is ready, then hand
+the checkpoint to an injected ``apply`` (the demo passes the controller's
+``update_rollout_weights``; tests pass ``EngineDiskApply``), which must not return before the
+servers hold the new weights, verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles.errors import CheckpointError, PublishError, PublishNotReadyError
+from miles.utils.audit_utils.event_logger import EventLogger, InferenceEngineWeightChecksumEvent
+from miles.weights.checkpoint import Manifest, save_checkpoint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+ApplyFn = Callable[[Path, Manifest], Awaitable[Any]]
+"""Load the checkpoint at the path into the servers and verify it; raise on any failure."""
+
+ReadyFn = Callable[[], Awaitable[bool]]
+"""True when the serving side can take an update now (e.g. the controller's /health is 200)."""
+
+
+class PublishResult(BaseModel):
+    """One published checkpoint and what publishing it cost."""
+
+    model_config = ConfigDict(frozen=True)
+
+    step: Annotated[int, Field(ge=0)]
+    weight_version: str
+    checksum: str
+    checkpoint_dir: Path
+    save_s: float
+    ready_wait_s: float
+    apply_s: float
+    # Wall time of the whole publish: save, announce, wait for ready, apply.
+    latency_s: float
+
+
+class Publisher(Protocol):
+    """Makes the trainer's current weights the ones the servers serve."""
+
+    async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
+        """Return once the servers serve ``model``'s weights as version ``step``.
+
+        The model must not change while this runs.
+
+        Raises:
+            PublishError: anything went wrong; the servers may still serve the previous version.
+        """
+        ...
+
+
+async def always_ready() -> bool:
+    """A ``ReadyFn`` for setups without a readiness signal."""
+    return True
+
+
+class DiskPublisher:
+    """Publishes checkpoints written under ``root`` as ``step-000042`` directories (version = step).
+
+    Keeps the ``keep_last`` newest checkpoints it wrote and deletes older ones once a newer one
+    has been applied (at least two: the one serving and the one before it, to roll back to).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        model_name: str,
+        event_logger: EventLogger,
+        apply: ApplyFn,
+        ready: ReadyFn = always_ready,
+        keep_last: int = 2,
+        ready_timeout_s: float = 120.0,
+        ready_poll_s: float = 0.05,
+    ) -> None:
+        """Raises ``ValueError`` for ``keep_last`` < 2 or a non-positive timeout or poll interval."""
+        if keep_last < 2:
+            raise ValueError(f"keep_last must be at least 2 (serving + rollback target), got {keep_last}")
+        if ready_timeout_s <= 0 or ready_poll_s <= 0:
+            raise ValueError("ready_timeout_s and ready_poll_s must be positive")
+        self._root = Path(root)
+        self._model_name = model_name
+        self._events = event_logger
+        self._apply = apply
+        self._ready = ready
+        self._keep_last = keep_last
+        self._ready_timeout_s = ready_timeout_s
+        self._ready_poll_s = ready_poll_s
+        self._written: deque[Path] = deque()
+
+    @property
+    def root(self) -> Path:
+        """The directory the checkpoints are written under."""
+        return self._root
+
+    def checkpoint_dir(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` is written."""
+        return self._root / f"step-{step:06d}"
+
+    async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
+        """Write, announce, wait for ready, apply, prune (see the class and module docstrings).
+
+        Raises:
+            PublishError: the checkpoint could not be written, or ``apply`` failed.
+            PublishNotReadyError: ``ready()`` never said yes within ``ready_timeout_s``.
+        """
+        started = time.monotonic()
+        target = self.checkpoint_dir(step)
+        try:
+            manifest = await asyncio.to_thread(
+                save_checkpoint, target, model=model, tokenizer=tokenizer, model_name=self._model_name, step=step
+            )
+        except CheckpointError as exc:
+            raise PublishError(f"writing the checkpoint failed: {exc.message}", step=step, path=str(target)) from exc
+        self._written.append(target)
+        saved = time.monotonic()
+        # Announce before applying: the controller gates the update on this expected checksum.
+        self._events.log(
+            InferenceEngineWeightChecksumEvent,
+            {
+                "model_name": self._model_name,
+                "checksum": manifest.checksum,
+                "step": step,
+                "weight_version": manifest.weight_version,
+            },
+            print_log=False,
+        )
+        await self._wait_ready(step=step)
+        ready_at = time.monotonic()
+        try:
+            await self._apply(target, manifest)
+        except Exception as exc:
+            # ``apply`` is injected (controller, engines, a test double) and may raise anything;
+            # re-raise it as one type that says which step and checksum failed.
+            raise PublishError(
+                f"applying the checkpoint failed: {exc}", step=step, checksum=manifest.checksum, path=str(target)
+            ) from exc
+        done = time.monotonic()
+        self._prune()
+        return PublishResult(
+            step=step,
+            weight_version=manifest.weight_version,
+            checksum=manifest.checksum,
+            checkpoint_dir=target,
+            save_s=saved - started,
+            ready_wait_s=ready_at - saved,
+            apply_s=done - ready_at,
+            latency_s=done - started,
+        )
+
+    async def _wait_ready(self, *, step: int) -> None:
+        deadline = time.monotonic() + self._ready_timeout_s
+        while not await self._ready():
+            if time.monotonic() >= deadline:
+                raise PublishNotReadyError(
+                    "the serving side did not become ready; nothing was pushed",
+                    step=step,
+                    waited_s=self._ready_timeout_s,
+                )
+            await asyncio.sleep(self._ready_poll_s)
+
+    def _prune(self) -> None:
+        while len(self._written) > self._keep_last:
+            shutil.rmtree(self._written.popleft(), ignore_errors=True)

@@ -1,0 +1,148 @@
+"""What the trainer reports: one ``StepReport`` per optimizer step and a ``TrainingSummary``.
+
+Rewards are always measured on samples the servers generated (never on the trainer's own
+model), so the curve shows what serving actually delivered, version by version.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles.train.publisher import PublishResult
+
+
+class Phase(StrEnum):
+    """Which objective a step optimised."""
+
+    SFT = "sft"
+    GRPO = "grpo"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class VersionReward(_Frozen):
+    """Mean reward of the samples one weight version produced within a step."""
+
+    weight_version: str
+    mean_reward: float
+    num_samples: Annotated[int, Field(ge=1)]
+
+
+class Staleness(_Frozen):
+    """How many optimizer steps behind the trainer the weights that produced the samples were.
+
+    ``staleness = steps the trainer had taken when it asked - int(sample's weight_version)``.
+    Samples whose version is not a step number are counted in ``unparsed`` and left out of the
+    figures; with no parsed sample every figure is 0.
+    """
+
+    min: int = 0
+    max: int = 0
+    mean: float = 0.0
+    unparsed: Annotated[int, Field(ge=0)] = 0
+
+    @classmethod
+    def of(cls, versions: Sequence[str], *, trainer_step: int) -> Staleness:
+        """The staleness of samples with ``versions``, asked for after ``trainer_step`` steps."""
+        gaps: list[int] = []
+        unparsed = 0
+        for version in versions:
+            try:
+                gaps.append(trainer_step - int(version))
+            except ValueError:
+                unparsed += 1
+        if not gaps:
+            return cls(unparsed=unparsed)
+        return cls(min=min(gaps), max=max(gaps), mean=sum(gaps) / len(gaps), unparsed=unparsed)
+
+
+def rewards_by_version(versions: Sequence[str], rewards: Sequence[float]) -> tuple[VersionReward, ...]:
+    """Group ``rewards`` by the version that produced each, in order of first appearance."""
+    grouped: dict[str, list[float]] = defaultdict(list)
+    for version, reward in zip(versions, rewards, strict=True):
+        grouped[version].append(reward)
+    return tuple(
+        VersionReward(weight_version=v, mean_reward=sum(r) / len(r), num_samples=len(r)) for v, r in grouped.items()
+    )
+
+
+class StepReport(_Frozen):
+    """One optimizer step: its loss, the reward of the samples it saw, and what it published."""
+
+    step: Annotated[int, Field(ge=1)]
+    phase: Phase
+    loss: float
+    # Over the step's server samples (0 when there were none): partial credit included, and
+    # the share of exact answers.
+    mean_reward: float
+    exact_rate: float
+    rewards_by_version: tuple[VersionReward, ...]
+    num_samples: Annotated[int, Field(ge=0)]
+    # Samples a pause or update cut short; they are left out of rewards and the loss.
+    num_interrupted: Annotated[int, Field(ge=0)] = 0
+    staleness: Staleness
+    # GRPO only: groups whose rewards were all equal (no learning signal; a sign of collapse).
+    num_flat_groups: Annotated[int, Field(ge=0)] = 0
+    # GRPO only (0 in SFT): share of tokens whose gradient the clip cut, and the mean ratio.
+    clip_fraction: float = 0.0
+    mean_ratio: float = 1.0
+    # None on steps that did not publish (``publish_every`` > 1).
+    publish: PublishResult | None = None
+    step_s: float
+
+    @property
+    def published_version(self) -> str | None:
+        """The weight version this step published, or None when it did not publish."""
+        return None if self.publish is None else self.publish.weight_version
+
+    @property
+    def publish_latency_s(self) -> float:
+        """Seconds the publish took (0 when the step did not publish)."""
+        return 0.0 if self.publish is None else self.publish.latency_s
+
+
+class TrainingSummary(_Frozen):
+    """A whole run: reward at the start and the end (means over ``window`` steps), every step."""
+
+    reward_first: float
+    reward_last: float
+    exact_first: float
+    exact_last: float
+    window: Annotated[int, Field(ge=1)]
+    steps: tuple[StepReport, ...]
+    wall_s: float
+    # The last checkpoint published: what the servers serve when the run ends.
+    final_publish: PublishResult
+
+    @classmethod
+    def of(cls, steps: Sequence[StepReport], *, window: int, wall_s: float) -> TrainingSummary:
+        """Summarise ``steps`` (at least one, the last of them published)."""
+        publishes = [s.publish for s in steps if s.publish is not None]
+        if not steps or not publishes:
+            raise ValueError("a summary needs at least one step and one publish")
+        first, last = steps[:window], steps[-window:]
+        return cls(
+            reward_first=_sample_mean(first, exact=False),
+            reward_last=_sample_mean(last, exact=False),
+            exact_first=_sample_mean(first, exact=True),
+            exact_last=_sample_mean(last, exact=True),
+            window=window,
+            steps=tuple(steps),
+            wall_s=wall_s,
+            final_publish=publishes[-1],
+        )
+
+
+def _sample_mean(steps: Sequence[StepReport], *, exact: bool) -> float:
+    # Weighted by sample count, so a step whose samples were all interrupted counts for nothing.
+    total = sum(s.num_samples for s in steps)
+    if total == 0:
+        return 0.0
+    return sum((s.exact_rate if exact else s.mean_reward) * s.num_samples for s in steps) / total
