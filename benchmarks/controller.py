@@ -117,4 +117,6 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--updates", type=int, default=30)
-    asyncio.run(main(parser.parse_args()))
+    import uvloop
+
+    uvloop.run(main(parser.parse_args()))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
+import uvloop
 from rich.console import Console
 
 from miles.config import UpdatePauseMode, UpdateStrategy
@@ -46,6 +46,6 @@ def demo(
         runs_dir=runs_dir,
         live=live and sys.stdout.isatty(),
     )
-    summary = asyncio.run(run_demo(config, console=console))
+    summary = uvloop.run(run_demo(config, console=console))
     healthy = summary.requests_failed == 0 and summary.checksum_mismatches == 0 and summary.events_check_passed
     raise typer.Exit(0 if healthy else 1)

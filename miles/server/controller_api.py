@@ -14,13 +14,12 @@ Operations: ``GET /health`` (200 while the fleet can serve, else 503), ``/metric
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
+import aiohttp
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -29,7 +28,7 @@ from miles.config import UpdatePauseMode, UpdateStrategy
 from miles.engine.http_server import error_body, install_error_handlers
 from miles.errors import EventLogError, InvalidRequestError, LockError
 from miles.server.metrics import CONTENT_TYPE, ControllerMetrics
-from miles.server.proxy import Proxy, RouteOptions
+from miles.server.proxy import Proxy, RouteOptions, new_session
 from miles.utils.audit_utils.event_logger.models import EVENT_ADAPTER, EVENT_TYPES
 
 if TYPE_CHECKING:
@@ -73,25 +72,15 @@ class AbortWindowRequest(_Strict):
 def create_app(controller: AsyncInferenceController) -> FastAPI:
     metrics = ControllerMetrics(controller.health)
     controller.on_update(metrics.update_done)
-    settings = controller.settings
-    # Loopback connections to our own servers: no environment proxies, a generous pool.
-    # TCP_NODELAY: a request's headers and body go out in separate writes, and Nagle's algorithm
-    # would hold the body until the server's delayed ACK (~40 ms per routed request).
-    http = httpx.AsyncClient(
-        trust_env=False,
-        timeout=settings.request_timeout_s,
-        transport=httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
-        ),
-    )
+    sessions: list[aiohttp.ClientSession] = []
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        sessions.append(new_session())  # created on the serving loop, which it must belong to
         try:
             yield
         finally:
-            await http.aclose()
+            await sessions.pop().close()
 
     app = FastAPI(title="miles inference controller", lifespan=lifespan)
     install_error_handlers(app)
@@ -102,7 +91,9 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         if not proxies:
             assert controller.router is not None, "the controller was not started"
             servers = sum(len(controller.fleet.snapshots(m)) for m in controller.fleet.model_names)
-            proxies.append(Proxy(router=controller.router, http=http, metrics=metrics, max_attempts=max(2, servers + 1)))
+            proxies.append(
+                Proxy(router=controller.router, session=sessions[0], metrics=metrics, max_attempts=max(2, servers + 1))
+            )
         return proxies[0]
 
     def options(model: str | None, session_id: str | None, min_version: str | None) -> RouteOptions:

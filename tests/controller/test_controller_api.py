@@ -182,3 +182,31 @@ async def test_metrics_count_requests_and_updates(fleet) -> None:  # noqa: ANN00
     assert 'miles_requests_total{model="tiny",outcome="ok"}' in text
     assert 'miles_updates_total{model="tiny",status="committed"}' in text
     assert 'miles_servers{model="tiny",state="serving"} 2.0' in text
+
+
+async def test_a_server_dying_under_load_costs_no_request(fleet) -> None:  # noqa: ANN001
+    import os
+    import signal
+    import time
+
+    controller, http = fleet
+    server = controller.fleet.server(None)
+    restarts = server.cell("tiny-1").restarts
+    stop = asyncio.Event()
+    answers: list[int] = []
+
+    async def user() -> None:
+        while not stop.is_set():
+            answers.append((await http.post("/generate", json=greedy())).status_code)
+
+    users = [asyncio.create_task(user()) for _ in range(4)]
+    await asyncio.sleep(0.3)
+    os.kill(server.process("tiny-1").pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while not (server.cell("tiny-1").restarts > restarts and server.cell("tiny-1").state.value == "serving"):
+        assert time.monotonic() < deadline, "the killed server never came back"
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.gather(*users)
+    assert answers and set(answers) == {200}
+    assert controller.health().ok
