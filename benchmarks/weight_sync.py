@@ -98,7 +98,7 @@ async def sync_times(root: Path, servers: int, repeats: int, threads: int) -> tu
             times.append(elapsed)
             phase = dict(result.timings)
             engine = [o.load_timings for o in result.servers]
-            for key in ("verify", "copy", "checksum", "pause", "open"):
+            for key in ("verify", "copy_and_checksum", "pause", "open"):
                 phase[f"engine_{key}"] = max(t.get(key, 0.0) for t in engine)
             breakdowns.append(phase)
     return times, breakdowns
@@ -134,13 +134,13 @@ async def main(args: argparse.Namespace) -> None:
         print(f"{servers:>7} {sync:>9.3f} {floor:>9.3f} {sync / floor:>8.2f} {restart:>10.2f} {restart / sync:>14.1f} {loaded:>18.2f}")
     print()
     print("where the time goes (median seconds; engine phases are the slowest server's):")
-    keys = ["lock_wait", "validate", "transaction", "engine_pause", "engine_open", "engine_verify", "engine_copy", "engine_checksum"]
-    print(f"{'servers':>7} " + " ".join(f"{k:>15}" for k in keys) + f" {'protocol':>9}")
+    keys = ["lock_wait", "validate", "transaction", "engine_pause", "engine_open", "engine_verify", "engine_copy_and_checksum"]
+    print(f"{'servers':>7} " + " ".join(f"{k.removeprefix('engine_'):>17}" for k in keys) + f" {'protocol':>9}")
     for servers, sync, _, _, phases in rows:
         med = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in keys}
-        engine = med["engine_pause"] + med["engine_open"] + med["engine_verify"] + med["engine_copy"] + med["engine_checksum"]
+        engine = med["engine_pause"] + med["engine_open"] + med["engine_verify"] + med["engine_copy_and_checksum"]
         protocol = sync - med["validate"] - engine
-        print(f"{servers:>7} " + " ".join(f"{med[k]:>15.3f}" for k in keys) + f" {protocol:>9.3f}")
+        print(f"{servers:>7} " + " ".join(f"{med[k]:>17.3f}" for k in keys) + f" {protocol:>9.3f}")
     print()
     print("targets: miles within 3x of the floor; restart at least 10x slower than miles")
 

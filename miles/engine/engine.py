@@ -322,7 +322,7 @@ class Engine:
         waiting = time.perf_counter()
         with self._weights_lock.write():
             prepared.timings["write_lock_wait"] = time.perf_counter() - waiting
-            checksum = apply_update(self.model, prepared)
+            checksum = apply_update(prepared)
             if checksum.checksum == prepared.manifest_checksum:
                 self._weights_status = WeightsStatus.VERIFIED
                 self._weight_version = version

@@ -334,3 +334,60 @@ def _expand_paths(paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathL
     if not paths:
         raise CheckpointFileMissingError("no safetensors files given")
     return paths
+
+
+# Copy and hash in slices this big: the slice just written is still in cache when it is hashed,
+# so the hash costs a cache read instead of a second pass over memory.
+_COPY_SLICE_BYTES = 4 * 1024 * 1024
+
+
+def copy_and_checksum(
+    targets: Mapping[str, torch.Tensor],
+    source: Callable[[str], torch.Tensor],
+    *,
+    threads: int | None = None,
+) -> ModelChecksum:
+    """Copy ``source(name)`` into each ``targets[name]`` in place and checksum what was written.
+
+    The digest of every tensor is computed from the target's memory after the copy (slice by
+    slice, while the slice is in cache), so the result is the checksum of the weights the
+    targets now hold, not of the source. Sources must match their targets' dtype and shape.
+    Targets not on the CPU are copied whole and then hashed.
+
+    Raises:
+        UnsupportedTensorError: a dtype or shape differs, or a target is not a dense tensor.
+        TensorNameError: as ``combine_digests``.
+    """
+    n_threads = _resolve_threads(threads)
+
+    def one(name: str, target: torch.Tensor) -> str:
+        src = source(name)
+        if src.dtype != target.dtype or tuple(src.shape) != tuple(target.shape):
+            raise UnsupportedTensorError(
+                "source and target differ in dtype or shape",
+                tensor=name,
+                target=f"{dtype_name(target.dtype)}{list(target.shape)}",
+                source=f"{dtype_name(src.dtype)}{list(src.shape)}",
+            )
+        with torch.no_grad():
+            if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
+                target.copy_(src)
+                return digest_tensor(target)
+            dst = target.detach().reshape(-1).view(torch.uint8)
+            raw = src.detach().contiguous().reshape(-1).view(torch.uint8)
+            hasher = xxhash.xxh3_128()
+            view = memoryview(dst.numpy())
+            for start in range(0, dst.numel(), _COPY_SLICE_BYTES):
+                end = min(start + _COPY_SLICE_BYTES, dst.numel())
+                dst[start:end].copy_(raw[start:end])
+                hasher.update(view[start:end])
+            return hasher.hexdigest()
+
+    items = list(targets.items())
+    jobs = [(t.numel() * t.element_size(), (lambda n=n, t=t: one(n, t))) for n, t in items]
+    hexes = _run_digests(jobs, n_threads)
+    digests = [
+        TensorDigest(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), digest=h)
+        for (name, t), h in zip(items, hexes, strict=True)
+    ]
+    return checksum_from_digests(digests, num_bytes=sum(n for n, _ in jobs))

@@ -311,7 +311,7 @@ class AsyncInferenceController:
     def _validate(
         self, checkpoint: Path, model_name: str, weight_version: str | None, previous: str | None
     ) -> tuple[Path, Manifest, str, ChecksumSource]:
-        """Protocol step 3: the checkpoint is allowed, intact, for this model, and the one published."""
+        """Protocol step 3: the checkpoint is allowed, well-formed, for this model, and the one published."""
         path = checkpoint.expanduser().resolve()
         roots = self._settings.allowed_checkpoint_roots
         if roots and not any(path.is_relative_to(root) for root in roots):
@@ -321,7 +321,10 @@ class AsyncInferenceController:
             )
         if not path.is_dir():
             raise _Rejected(f"checkpoint {path} is not a directory")
-        report = verify_checkpoint(path)
+        # Structure only (manifest, files, headers): every server hashes the bytes against the
+        # manifest before it touches its weights, so a second full pass here would only add a
+        # read of the whole checkpoint per update (minutes for large models on disk).
+        report = verify_checkpoint(path, digests=False)
         if not report.ok or report.manifest is None:
             problems = "; ".join(f"{p.kind.value}: {p.message}" for p in report.problems[:5])
             raise _Rejected(f"checkpoint {path} failed verification: {problems}")
@@ -683,6 +686,7 @@ class AsyncInferenceController:
             failures = [f"{o.server_id}: {o.error}" for o in outcomes if o.error]
             message = {
                 UpdateStatus.COMMITTED: f"every server verified and serving {plan.weight_version}",
+                UpdateStatus.REJECTED: "every server refused the checkpoint before touching its weights",
                 UpdateStatus.ROLLED_BACK: "rolled back to verified weights",
                 UpdateStatus.PARTIAL: "halted part-way; some servers serve the new version",
             }.get(status, status.value)

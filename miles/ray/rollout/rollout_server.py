@@ -185,10 +185,14 @@ class RolloutServer(ABC):
     async def confirm(self, server_id: str) -> WeightsChecksum:
         """The checksum the engine computes now over the weights it holds."""
         result = await self.client(server_id).weights_checksum(timeout=self.spec.update_timeout_s)
+        return self.record_checksum(server_id, result)
+
+    def record_checksum(self, server_id: str, reported: WeightsChecksum) -> WeightsChecksum:
+        """Note what a server reported it holds (from ``confirm`` or from its load's answer)."""
         cell = self.cell(server_id)
-        cell.checksum = result.checksum
-        cell.weight_version = result.weight_version
-        return result
+        cell.checksum = reported.checksum
+        cell.weight_version = reported.weight_version
+        return reported
 
     def admit(self, server_id: str, verified: VerifiedWeights, *, reason: str) -> None:
         """Mark the server as serving ``verified`` (its checksum was confirmed by the caller)."""

@@ -24,6 +24,7 @@ from miles.ray.rollout.rollout_server import RolloutServer
 from miles.ray.rollout.router import Router
 from miles.ray.rollout.server_state import ServerState, VerifiedWeights
 from miles.ray.rollout.update_types import ChecksumSource, ServerOutcome, UpdateStatus
+from miles.rollout.engine_client import WeightsChecksum
 
 logger = logging.getLogger("miles.controller")
 
@@ -59,6 +60,8 @@ class _Progress:
     matched: bool | None = None
     error: str | None = None
     load_timings: dict[str, float] = field(default_factory=dict)
+    # The checksum the server computed over its live weights right after loading, if it said.
+    reported: WeightsChecksum | None = None
 
 
 @dataclass
@@ -84,20 +87,34 @@ class UpdateRun:
     async def load(self, server_ids: list[str], checkpoint: Path) -> None:
         async def one(server_id: str) -> None:
             response = await self.server.load(server_id, checkpoint, weight_version=self.plan.weight_version)
-            self._note(server_id).load_timings = dict(response.timings)
+            note = self._note(server_id)
+            note.load_timings = dict(response.timings)
             if response.success:
-                self._note(server_id).loaded = True
+                note.loaded = True
+                if response.checksum is not None and response.weight_version is not None:
+                    note.reported = WeightsChecksum(
+                        checksum=response.checksum, algorithm="xxh3_128", weight_version=response.weight_version
+                    )
             else:
                 self._note(server_id).error = f"load refused: {response.message}"
 
         await asyncio.gather(*(self._guard(sid, "load", one(sid)) for sid in self._healthy(server_ids)))
 
     async def confirm(self, server_ids: list[str], expected: str) -> None:
-        """Ask each server for the checksum of what it holds; record whether it matches."""
+        """Get each server's checksum of what it holds; record whether it matches.
+
+        A server whose load answer carried the checksum it computed over its live weights after
+        the copy (the embedded engine does) is not asked again: hashing the whole model a second
+        time moments later would only repeat the same measurement. Others (a window's pushes, a
+        server whose load answer had none) are asked through ``/weights_checker``.
+        """
 
         async def one(server_id: str) -> None:
-            confirmed = await self.server.confirm(server_id)
             note = self._note(server_id)
+            if note.reported is not None:
+                confirmed = self.server.record_checksum(server_id, note.reported)
+            else:
+                confirmed = await self.server.confirm(server_id)
             note.confirmed = confirmed.checksum
             note.matched = confirmed.checksum == expected
             self.events.confirmed(self.plan, server_id, confirmed.checksum)
@@ -107,6 +124,11 @@ class UpdateRun:
                 self.events.mismatch(self.plan, server_id, confirmed.checksum)
 
         await asyncio.gather(*(self._guard(sid, "confirm", one(sid)) for sid in self._healthy(server_ids)))
+
+    def refused_by_all(self, server_ids: list[str]) -> bool:
+        """Whether every server answered the load with a refusal (none of them loaded anything)."""
+        notes = [self._note(sid) for sid in server_ids]
+        return all(not n.loaded and n.error is not None and n.error.startswith("load refused") for n in notes)
 
     def matched(self, server_ids: list[str]) -> list[str]:
         return [sid for sid in server_ids if self._note(sid).matched]
@@ -186,6 +208,11 @@ async def run_barrier(run: UpdateRun, checkpoint: Path) -> UpdateStatus:
     try:
         await run.take_out(ids)
         await run.load(ids, checkpoint)
+        if run.refused_by_all(ids):
+            # Every server refused the checkpoint before touching its weights (its bytes do not
+            # match the manifest): nothing changed, so the update is rejected, not rolled back.
+            await run.restore(ids, reason=f"update {run.plan.update_id} refused by every server")
+            return UpdateStatus.REJECTED
         await run.confirm(ids, run.plan.expected_checksum)
         if run.failed(ids):
             # All-or-nothing: a barrier update never leaves the fleet on two versions.
@@ -206,6 +233,9 @@ async def run_rolling(run: UpdateRun, checkpoint: Path, *, batch_size: int) -> U
         batch = ids[start : start + batch_size]
         await run.take_out(batch)
         await run.load(batch, checkpoint)
+        if not committed and run.refused_by_all(batch):
+            await run.restore(batch, reason=f"update {run.plan.update_id} refused by every server")
+            return UpdateStatus.REJECTED
         await run.confirm(batch, run.plan.expected_checksum)
         good = run.matched(batch)
         if good:

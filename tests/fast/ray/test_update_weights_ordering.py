@@ -116,7 +116,22 @@ async def test_the_seven_steps_happen_in_order(controller: AsyncInferenceControl
     assert analyze_events(controller.event_logger.events).passed
 
 
-async def test_a_rejected_checkpoint_touches_nothing(
+async def test_a_malformed_checkpoint_is_rejected_before_any_server_is_touched(
+    controller: AsyncInferenceController, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    truncated = copy_checkpoint(checkpoints["v3"], tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    mark = len(controller.event_logger.events)
+    result = await controller.update_rollout_weights(truncated)
+    assert result.status is UpdateStatus.REJECTED
+    assert "truncated_file" in result.message
+    assert not any(isinstance(e, ServerStateChangedEvent) for e in events_since(controller, mark))
+    assert any(isinstance(e, WeightUpdateAbortedEvent) for e in events_since(controller, mark))
+    all_serving_verified(controller, "2", read_manifest(checkpoints["v2"]).checksum)
+
+
+async def test_corrupt_bytes_are_refused_by_every_server_and_change_nothing(
     controller: AsyncInferenceController, checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     corrupt = copy_checkpoint(checkpoints["v3"], tmp_path / "corrupt")
@@ -128,8 +143,12 @@ async def test_a_rejected_checkpoint_touches_nothing(
     result = await controller.update_rollout_weights(corrupt)
     assert result.status is UpdateStatus.REJECTED
     assert "digest_mismatch" in result.message
-    assert not any(isinstance(e, ServerStateChangedEvent) for e in events_since(controller, mark))
-    assert any(isinstance(e, WeightUpdateAbortedEvent) for e in events_since(controller, mark))
+    assert all(not o.loaded for o in result.servers)
+    events = events_since(controller, mark)
+    assert not any(isinstance(e, ChecksumMismatchEvent) for e in events)
+    assert not any(
+        isinstance(e, InferenceEngineWeightChecksumEvent) and e.role is ChecksumRole.CONFIRMED for e in events
+    )
     all_serving_verified(controller, "2", read_manifest(checkpoints["v2"]).checksum)
 
 
