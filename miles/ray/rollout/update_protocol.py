@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -23,7 +24,7 @@ from miles.protocol.sglang import PauseMode
 from miles.ray.rollout.rollout_server import RolloutServer
 from miles.ray.rollout.router import Router
 from miles.ray.rollout.server_state import ServerState, VerifiedWeights
-from miles.ray.rollout.update_types import ChecksumSource, ServerOutcome, UpdateStatus
+from miles.ray.rollout.update_types import ChecksumSource, ServerOutcome, UpdateResult, UpdateStatus
 from miles.rollout.engine_client import WeightsChecksum
 
 logger = logging.getLogger("miles.controller")
@@ -182,6 +183,40 @@ class UpdateRun:
             )
         return tuple(outcomes)
 
+    def result(
+        self, status: UpdateStatus, *, started: float, message: str = "", timings: dict[str, float] | None = None
+    ) -> UpdateResult:
+        """The run's ``UpdateResult``: its plan, every server's outcome, and a message."""
+        plan = self.plan
+        outcomes = self.outcomes()
+        if not message:
+            message = {
+                UpdateStatus.COMMITTED: f"every server verified and serving {plan.weight_version}",
+                UpdateStatus.REJECTED: "every server refused the checkpoint before touching its weights",
+                UpdateStatus.ROLLED_BACK: "rolled back to verified weights",
+                UpdateStatus.PARTIAL: "halted part-way; some servers serve the new version",
+            }.get(status, status.value)
+            failures = [f"{o.server_id}: {o.error}" for o in outcomes if o.error]
+            if failures:
+                message = f"{message}: " + "; ".join(failures)
+        return UpdateResult(
+            update_id=plan.update_id,
+            status=status,
+            model_name=plan.model_name,
+            weight_version=plan.weight_version,
+            previous_version=plan.previous_version,
+            step=plan.step,
+            checkpoint=str(plan.checkpoint) if plan.checkpoint else None,
+            expected_checksum=plan.expected_checksum,
+            checksum_source=plan.checksum_source,
+            strategy=plan.strategy.value,
+            pause_mode=plan.pause_mode.value,
+            servers=outcomes,
+            message=message,
+            duration_s=time.monotonic() - started,
+            timings=timings or {},
+        )
+
     def _healthy(self, server_ids: list[str]) -> list[str]:
         return [sid for sid in server_ids if self._note(sid).error is None]
 
@@ -246,3 +281,4 @@ async def run_rolling(run: UpdateRun, checkpoint: Path, *, batch_size: int) -> U
             await run.restore(bad, reason=f"update {run.plan.update_id} failed on {', '.join(bad)}")
             return UpdateStatus.PARTIAL if committed else UpdateStatus.ROLLED_BACK
     return UpdateStatus.COMMITTED
+

@@ -1,0 +1,167 @@
+"""The controller's typed events: what it, its lock, its servers and its updates log.
+
+``ControllerEvents`` is both the rollout servers' observer and the update runs' event sink, so
+every event the controller emits is written in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from miles.ray.rollout.server_state import StateChange, VerifiedWeights
+from miles.ray.rollout.update_protocol import UpdatePlan
+from miles.ray.rollout.update_types import UpdateResult
+from miles.utils.audit_utils.event_logger.logger import EventLogger
+from miles.utils.audit_utils.event_logger.models import (
+    ChecksumMismatchEvent,
+    ChecksumRole,
+    InferenceEngineWeightChecksumEvent,
+    LockAcquiredEvent,
+    LockReleasedEvent,
+    ServerStateChangedEvent,
+    WeightUpdateAbortedEvent,
+    WeightUpdateCommittedEvent,
+    WeightUpdateStartedEvent,
+)
+from miles.utils.context_lock import LockTransition, LockTransitionKind
+
+
+class ControllerEvents:
+    def __init__(self, logger: EventLogger, *, fleet_changed: Callable[[], None]) -> None:
+        self.logger = logger
+        # Server states feed routing decisions: every change wakes requests waiting for a server.
+        self._fleet_changed = fleet_changed
+
+    # --- RolloutObserver -----------------------------------------------------------------------
+
+    def state_changed(self, change: StateChange) -> None:
+        self.logger.log(
+            ServerStateChangedEvent,
+            {
+                "server_id": change.server_id,
+                "model_name": change.model_name,
+                "from_state": change.from_state.value,
+                "to_state": change.to_state.value,
+                "weight_version": change.weight_version,
+                "reason": change.reason,
+            },
+            print_log=False,
+        )
+        self._fleet_changed()
+
+    def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
+        self._checksum(model_name, verified.checksum, verified.step or 0, verified.weight_version, server_id, ChecksumRole.RESTORED)
+
+    # --- ProtocolEvents ------------------------------------------------------------------------
+
+    def confirmed(self, plan: UpdatePlan, server_id: str, checksum: str) -> None:
+        self._checksum(plan.model_name, checksum, plan.step, plan.weight_version, server_id, ChecksumRole.CONFIRMED)
+
+    def mismatch(self, plan: UpdatePlan, server_id: str, actual: str) -> None:
+        self.logger.log(
+            ChecksumMismatchEvent,
+            {
+                "update_id": plan.update_id,
+                "model_name": plan.model_name,
+                "server_id": server_id,
+                "step": plan.step,
+                "weight_version": plan.weight_version,
+                "expected": plan.expected_checksum or "",
+                "actual": actual,
+            },
+            print_log=True,
+        )
+
+    # --- the controller's own ------------------------------------------------------------------
+
+    def published(self, model_name: str, checksum: str, step: int, weight_version: str) -> None:
+        """Training's checksum, recorded on its behalf when it ends a window without logging one."""
+        self._checksum(model_name, checksum, step, weight_version, None, ChecksumRole.PUBLISHED)
+
+    def started(self, plan: UpdatePlan, *, server_ids: list[str], fencing_token: int, strategy: str) -> None:
+        self.logger.log(
+            WeightUpdateStartedEvent,
+            {
+                "update_id": plan.update_id,
+                "model_name": plan.model_name,
+                "weight_version": plan.weight_version,
+                "step": plan.step if plan.checkpoint is not None else None,
+                "checkpoint": str(plan.checkpoint) if plan.checkpoint else None,
+                "strategy": strategy,
+                "pause_mode": plan.pause_mode.value,
+                "server_ids": tuple(server_ids),
+                "fencing_token": fencing_token,
+            },
+            print_log=False,
+        )
+
+    def finished(self, result: UpdateResult) -> None:
+        """A committed update, or one that ended any other way (with every server's version)."""
+        if result.ok:
+            self.logger.log(
+                WeightUpdateCommittedEvent,
+                {
+                    "update_id": result.update_id,
+                    "model_name": result.model_name,
+                    "weight_version": result.weight_version or "",
+                    "step": result.step,
+                    "checksum": result.expected_checksum or "",
+                    "server_ids": tuple(o.server_id for o in result.servers),
+                    "duration_s": result.duration_s,
+                },
+                print_log=False,
+            )
+            return
+        self.logger.log(
+            WeightUpdateAbortedEvent,
+            {
+                "update_id": result.update_id,
+                "model_name": result.model_name,
+                "weight_version": result.weight_version or "",
+                "step": result.step,
+                "reason": f"{result.status.value}: {result.message}",
+                "server_versions": {o.server_id: o.weight_version or "" for o in result.servers},
+            },
+            print_log=False,
+        )
+
+    def lock_transition(self, transition: LockTransition) -> None:
+        if transition.kind is LockTransitionKind.ACQUIRED:
+            self.logger.log(
+                LockAcquiredEvent,
+                {
+                    "lock_name": transition.lock_name,
+                    "holder": transition.holder,
+                    "token": transition.token,
+                    "waited_s": transition.waited_s or 0.0,
+                },
+                print_log=False,
+            )
+            return
+        self.logger.log(
+            LockReleasedEvent,
+            {
+                "lock_name": transition.lock_name,
+                "holder": transition.holder,
+                "token": transition.token,
+                "held_s": transition.held_s or 0.0,
+                "reason": "lease_expired" if transition.kind is LockTransitionKind.LEASE_EXPIRED else "released",
+            },
+            print_log=False,
+        )
+
+    def _checksum(
+        self, model_name: str, checksum: str, step: int, version: str | None, server_id: str | None, role: ChecksumRole
+    ) -> None:
+        self.logger.log(
+            InferenceEngineWeightChecksumEvent,
+            {
+                "model_name": model_name,
+                "checksum": checksum,
+                "step": step,
+                "weight_version": version,
+                "server_id": server_id,
+                "role": role,
+            },
+            print_log=False,
+        )
