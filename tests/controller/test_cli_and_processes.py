@@ -1,0 +1,114 @@
+"""The controller's command line against a real `miles serve`, and no engine outliving its parent."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+
+from miles.rollout.engine_process import free_port
+
+
+def _miles(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "miles.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read() if process.stderr else "serve exited"
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("miles serve never became healthy")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) is gone for every practical purpose.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_serve_update_health_commands(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "miles.cli", "serve", "--checkpoint", str(checkpoints["v1"]), "--servers", "2",
+         "--port", str(port), "--events-dir", str(tmp_path / "events")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _wait_healthy(url, serve)
+        health = _miles("health", "--url", url, "--json")
+        assert health.returncode == 0, health.stderr
+        report = json.loads(health.stdout)
+        assert [s["state"] for s in report["servers"]] == ["serving", "serving"]
+        pids = [s["pid"] for s in report["servers"]]
+
+        table = _miles("health", "--url", url)
+        assert table.returncode == 0 and "tiny-0" in table.stdout and "lock: free" in table.stdout
+
+        updated = _miles("update", "--checkpoint", str(checkpoints["v2"]), "--url", url, "--strategy", "rolling")
+        assert updated.returncode == 0, updated.stdout + updated.stderr
+        assert "committed" in updated.stdout
+        older = _miles("update", "--checkpoint", str(checkpoints["v1"]), "--url", url, "--json")
+        assert older.returncode == 1
+        assert json.loads(older.stdout)["status"] == "rejected"
+        unreachable = _miles("health", "--url", f"http://127.0.0.1:{free_port()}")
+        assert unreachable.returncode == 2 and "cannot reach" in unreachable.stderr
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(timeout=60)
+    assert serve.returncode == 0
+    assert not any(_alive(pid) for pid in pids)
+    audit = _miles("events", str(tmp_path / "events"), "--check")
+    assert audit.returncode == 0, audit.stdout
+
+
+def test_engines_die_with_a_parent_that_is_killed(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f'''
+        import asyncio, sys
+        from pathlib import Path
+        from miles.ray.rollout.server_spec import RolloutServerSpec
+        from miles.rollout.sft_rollout import SFTRollout
+
+        async def main():
+            fleet = SFTRollout(RolloutServerSpec(name="orphan", checkpoint=Path("{checkpoints['v1']}"), num_servers=2, num_threads=1))
+            await fleet.start()
+            print(" ".join(str(s.pid) for s in fleet.snapshot()), flush=True)
+            await asyncio.sleep(3600)
+
+        asyncio.run(main())
+    '''))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline() if parent.stdout else ""
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        parent.kill()  # no cleanup code runs in the parent: the engines must notice on their own
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in pids):
+            assert time.monotonic() < deadline, "engines outlived their killed parent"
+            time.sleep(0.2)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
