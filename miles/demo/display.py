@@ -61,7 +61,7 @@ class LiveDisplay:
         elif report.step - self._printed >= 25 or report.step == 1:
             # Without a live terminal (CI logs), a line every 25 steps.
             self._printed = report.step
-            self._console.print(self._line())
+            self._console.print(self._line(), soft_wrap=True)
 
     def _line(self) -> str:
         report = self._last
