@@ -70,6 +70,12 @@ def machine_line() -> str:
     )
 
 
+def load_line() -> str:
+    """The 1/5/15-minute load averages: other work on the machine skews every number here."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
+
+
 def wait_until_healthy(process: EngineProcess, url: str, *, timeout_s: float, poll_s: float = 0.02) -> None:
     """Poll ``url/health`` every ``poll_s`` until it answers 200.
 
