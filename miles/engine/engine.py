@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from miles import __version__
 from miles.engine.model_runner import ModelRunner, load_model
@@ -92,8 +99,10 @@ class Engine:
             torch.set_num_threads(settings.num_threads)
         self.device = torch.device(settings.device)
         self.model_path = settings.model_path.resolve()
-        self.model: PreTrainedModel = load_model(self.model_path, device=self.device)
+        self.config = AutoConfig.from_pretrained(str(self.model_path))
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.model_path))
+        # Loaded on the scheduler thread by start(): all parallel torch work stays on one thread.
+        self.model: PreTrainedModel | None = None
         try:
             manifest = read_manifest(self.model_path)
         except CheckpointError:
@@ -104,15 +113,12 @@ class Engine:
         self._weight_version = manifest.weight_version if manifest else DEFAULT_WEIGHT_VERSION
         self._weights_status = WeightsStatus.VERIFIED
         self._loaded_from = self.model_path
-        self.context_length = settings.context_length or int(
-            getattr(self.model.config, "max_position_embeddings", 2048)
-        )
-        self.vocab_size = int(self.model.config.vocab_size)
-        self._eos_ids = _eos_ids(self.model, self.tokenizer)
-        pad = self.tokenizer.pad_token_id
+        self.context_length = settings.context_length or int(getattr(self.config, "max_position_embeddings", 2048))
+        self.vocab_size = int(self.config.vocab_size)
+        self._eos_ids = _eos_ids(self.model_path, self.config, self.tokenizer)
         self._weights_lock = WeightsLock()
         self._scheduler = Scheduler(
-            runner=ModelRunner(self.model, device=self.device, pad_token_id=pad if pad is not None else 0),
+            setup=self._build_runner,
             detokenizer=_Detokenizer(self.tokenizer),
             weights_lock=self._weights_lock,
             weight_version=lambda: self._weight_version,
@@ -124,9 +130,20 @@ class Engine:
 
     # --- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Load the model (on the scheduler thread) and start serving; raises if loading fails."""
         self._update_lock = asyncio.Lock()
-        self._scheduler.start()
+        await asyncio.to_thread(self._scheduler.start)
+
+    def _build_runner(self) -> ModelRunner:
+        self.model = load_model(self.model_path, device=self.device)
+        pad = self.tokenizer.pad_token_id
+        return ModelRunner(self.model, device=self.device, pad_token_id=pad if pad is not None else 0)
+
+    @property
+    def _model(self) -> PreTrainedModel:
+        assert self.model is not None, "Engine.start() has not loaded the model yet"
+        return self.model
 
     def stop(self) -> None:
         self._scheduler.stop()
@@ -274,7 +291,7 @@ class Engine:
         assert self._update_lock is not None, "Engine.start() was not called"
         async with self._update_lock:
             try:
-                prepared = await asyncio.to_thread(prepare_update, self.model, path)
+                prepared = await asyncio.to_thread(prepare_update, self._model, path)
             except CheckpointError as exc:
                 logger.warning("refused checkpoint %s: %s", path, exc)
                 return UpdateWeightsResponse(
@@ -287,11 +304,14 @@ class Engine:
                 pause_started = time.perf_counter()
                 if pausing:
                     mode = PauseMode.ABORT if request.abort_all_requests else PauseMode.DRAIN
-                    paused = await asyncio.to_thread(self._scheduler.pause, mode)
+                    paused = await asyncio.to_thread(
+                        self._scheduler.pause, mode, message="aborted by update_weights_from_disk"
+                    )
                 elif request.abort_all_requests:
                     self._scheduler.abort(None, message="aborted by update_weights_from_disk")
                 prepared.timings["pause"] = time.perf_counter() - pause_started
-                checksum = await asyncio.to_thread(self._copy_in, prepared, version)
+                # The copy runs on the scheduler thread, between two steps (one torch thread).
+                checksum = await asyncio.to_thread(self._scheduler.call, lambda: self._copy_in(prepared, version))
                 ok = checksum.checksum == prepared.manifest_checksum
                 if pausing and ok and not request.keep_pause:
                     self._scheduler.resume()
@@ -362,7 +382,7 @@ class Engine:
 
         def compute() -> ModelChecksum:
             with self._weights_lock.read():
-                return checksum_module(self.model)
+                return checksum_module(self._model)
 
         return await asyncio.to_thread(compute)
 
@@ -401,10 +421,10 @@ class Engine:
             "preferred_sampling_params": None,
             "weight_version": self._weight_version,
             "served_model_name": self.served_model_name,
-            "architectures": list(getattr(self.model.config, "architectures", None) or []),
+            "architectures": list(getattr(self.config, "architectures", None) or []),
             "context_length": self.context_length,
             "vocab_size": self.vocab_size,
-            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "dtype": str(self._model.dtype).removeprefix("torch."),
         }
 
     def server_info(self) -> dict[str, Any]:
@@ -455,9 +475,13 @@ def _per_prompt(value: Any, count: int, default: Any) -> list[Any]:
     return [value if value is not None else default] * count
 
 
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+def _eos_ids(model_path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
+    try:
+        generation = GenerationConfig.from_pretrained(str(model_path))
+    except OSError:
+        generation = None  # no generation_config.json: the model config and tokenizer decide
+    for source in (generation, config):
         value = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(value, int):
             ids.add(value)

@@ -7,11 +7,12 @@ never a 500: malformed JSON and unknown or invalid fields are 400, like SGLang.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +40,8 @@ from miles.protocol.sglang import (
 )
 
 logger = logging.getLogger("miles.engine")
+
+T = TypeVar("T")
 
 
 def error_body(message: str, *, code: int, kind: str = "invalid_request_error") -> dict[str, Any]:
@@ -84,6 +87,32 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(exc), code=exc.status_code), status_code=exc.status_code)
 
 
+_DISCONNECT_POLL_S = 0.25
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
+    """Await ``work``, cancelling it if the client goes away meanwhile.
+
+    Starlette never cancels a handler whose client left, so a long generation would run to its
+    end for nobody; cancelling the handler's work aborts its sequences in the engine (and, in the
+    controller, closes the upstream request, which the engine sees the same way).
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                # Nobody reads this answer; 499 ("client closed request") is what proxies log.
+                return Response(status_code=499)
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 def sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload)
     return f"data: {data}\n\n".encode()
@@ -92,7 +121,7 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 def create_app(engine: Engine) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        await engine.start()
         try:
             yield
         finally:
@@ -125,10 +154,12 @@ def create_app(engine: Engine) -> FastAPI:
         return {"weight_version": engine.weight_version}
 
     @app.post("/generate")
-    async def generate(request: GenerateRequest) -> Response:
+    async def generate(request: GenerateRequest, http_request: Request) -> Response:
         if request.stream:
             return StreamingResponse(_native_stream(engine.stream(request)), media_type="text/event-stream")
-        result = await engine.generate(request)
+        result = await until_disconnected(http_request, engine.generate(request))
+        if isinstance(result, Response):
+            return result
         if isinstance(result, list):
             return JSONResponse([r.model_dump(mode="json") for r in result])
         return JSONResponse(result.model_dump(mode="json"))
@@ -205,13 +236,15 @@ def create_app(engine: Engine) -> FastAPI:
         }
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest) -> Response:
+    async def completions(request: CompletionRequest, http_request: Request) -> Response:
         generate_request = _completion_to_generate(request)
         rid = new_id("cmpl")
         if request.stream:
             chunks = _openai_stream(engine.stream(generate_request), model=engine.served_model_name, rid=rid, chat=False)
             return StreamingResponse(chunks, media_type="text/event-stream")
-        result = await engine.generate(generate_request)
+        result = await until_disconnected(http_request, engine.generate(generate_request))
+        if isinstance(result, Response):
+            return result
         responses = result if isinstance(result, list) else [result]
         return JSONResponse(
             completion_body(
@@ -220,13 +253,15 @@ def create_app(engine: Engine) -> FastAPI:
         )
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
+    async def chat_completions(request: ChatCompletionRequest, http_request: Request) -> Response:
         generate_request = _chat_to_generate(engine, request)
         rid = new_id("chatcmpl")
         if request.stream:
             chunks = _openai_stream(engine.stream(generate_request), model=engine.served_model_name, rid=rid, chat=True)
             return StreamingResponse(chunks, media_type="text/event-stream")
-        result = await engine.generate(generate_request)
+        result = await until_disconnected(http_request, engine.generate(generate_request))
+        if isinstance(result, Response):
+            return result
         responses = result if isinstance(result, list) else [result]
         return JSONResponse(
             chat_body(responses, model=engine.served_model_name, request_id=rid, with_logprobs=request.logprobs)

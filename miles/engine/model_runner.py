@@ -33,6 +33,13 @@ class BatchKV:
 def load_model(model_path: str | Path, *, device: torch.device) -> PreTrainedModel:
     """Load a Hugging Face causal LM for inference on ``device`` in the checkpoint's dtype."""
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype="auto")
+    # from_pretrained may leave parameters as copy-on-write views of the checkpoint's memory map:
+    # the first update would then pay a page fault per page (10x slower), and a start file cut
+    # short in place would crash the process. Give every tensor memory of its own, once. Tied
+    # weights stay tied: both modules hold the same Parameter object, changed in place here.
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            tensor.data = tensor.data.clone()
     model.to(device)
     model.eval()
     model.requires_grad_(False)

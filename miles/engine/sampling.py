@@ -49,7 +49,8 @@ class RowSampler:
 @dataclass(frozen=True)
 class SampledTokens:
     tokens: list[int]
-    logprobs: list[float]
+    # Per row, the chosen token's logprob when the row asked for logprobs, else None.
+    logprobs: list[float | None]
     # Per row, the top-k (logprob, token id) pairs when asked for, else an empty list.
     top: list[list[tuple[float, int]]]
 
@@ -60,42 +61,52 @@ def sample_batch(
     *,
     histories: list[list[int]],
     output_lengths: list[int],
+    want_logprobs: list[bool],
     top_logprobs: list[int],
 ) -> SampledTokens:
     """Pick one token per row of ``logits`` ([B, V]) following each row's sampling settings.
 
     ``histories`` are prompt + output ids per row (for penalties), ``output_lengths`` the number of
-    tokens generated so far (for ``min_new_tokens``), ``top_logprobs`` how many alternatives each row
-    wants reported.
+    tokens generated so far (for ``min_new_tokens``), ``want_logprobs`` / ``top_logprobs`` what each
+    row wants reported. Plain greedy rows share one batched argmax; the per-row work (penalties,
+    masks, seeded draws) is done only for rows that need it.
     """
     logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    greedy_choice = logits.argmax(dim=-1).tolist()
     tokens: list[int] = []
     for row, sampler in enumerate(samplers):
-        row_logits = logits[row]
         params = sampler.params
-        if sampler.needs_penalties or output_lengths[row] < params.min_new_tokens:
-            row_logits = row_logits.clone()
+        masking = output_lengths[row] < params.min_new_tokens and bool(sampler.stop_ids)
+        if sampler.greedy and not sampler.needs_penalties and not masking:
+            tokens.append(greedy_choice[row])
+            continue
+        row_logits = logits[row].clone()
         if sampler.needs_penalties:
             _apply_penalties(row_logits, params, histories[row], output_lengths[row])
-        if output_lengths[row] < params.min_new_tokens and sampler.stop_ids:
+        if masking:
             row_logits[list(sampler.stop_ids)] = float("-inf")
         if sampler.greedy:
             tokens.append(int(torch.argmax(row_logits).item()))
             continue
         probs = _filtered_probs(row_logits / params.temperature, params)
         tokens.append(int(torch.multinomial(probs, 1, generator=sampler.generator).item()))
-    index = torch.tensor(tokens, dtype=torch.long).unsqueeze(1)
-    chosen = raw_logprobs.gather(1, index).squeeze(1).tolist()
-    top: list[list[tuple[float, int]]] = []
-    widest = max(top_logprobs, default=0)
-    if widest > 0:
-        values, ids = torch.topk(raw_logprobs, k=min(widest, raw_logprobs.shape[-1]), dim=-1)
-        for row, k in enumerate(top_logprobs):
-            top.append(list(zip(values[row, :k].tolist(), ids[row, :k].tolist())))
-    else:
-        top = [[] for _ in samplers]
-    return SampledTokens(tokens=tokens, logprobs=chosen, top=top)
+    logprobs: list[float | None] = [None] * len(samplers)
+    top: list[list[tuple[float, int]]] = [[] for _ in samplers]
+    reporting = [row for row in range(len(samplers)) if want_logprobs[row] or top_logprobs[row]]
+    if reporting:
+        index = torch.tensor(reporting, dtype=torch.long)
+        raw = torch.log_softmax(logits.index_select(0, index), dim=-1)
+        chosen = raw.gather(1, torch.tensor([tokens[r] for r in reporting]).unsqueeze(1)).squeeze(1).tolist()
+        widest = max(top_logprobs[r] for r in reporting)
+        if widest:
+            values, ids = torch.topk(raw, k=min(widest, raw.shape[-1]), dim=-1)
+        for i, row in enumerate(reporting):
+            if want_logprobs[row]:
+                logprobs[row] = chosen[i]
+            if top_logprobs[row]:
+                k = top_logprobs[row]
+                top[row] = list(zip(values[i, :k].tolist(), ids[i, :k].tolist()))
+    return SampledTokens(tokens=tokens, logprobs=logprobs, top=top)
 
 
 def _apply_penalties(

@@ -8,6 +8,11 @@ the top of its next iteration, because it alone owns the batch.
 
 New requests join the running batch at the next step (their prompts are prefilled as a group and
 the KV caches merged), and finished requests leave it at once.
+
+One torch thread: the scheduler thread also loads the model and runs every other parallel torch
+operation of the engine (the weight copy, through ``call``). Each thread that runs a parallel
+torch op gets its own OpenMP team, and once a second team exists the decode steps of the first
+slow down by more than half on a small machine (measured: docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -29,6 +35,8 @@ from miles.engine.sampling import RowSampler, sample_batch
 from miles.protocol.sglang import FinishReason, GenerateMetaInfo, GenerateResponse, PauseMode
 
 logger = logging.getLogger("miles.engine")
+
+T = TypeVar("T")
 
 
 class GenerationState(Enum):
@@ -89,13 +97,18 @@ class Scheduler:
     def __init__(
         self,
         *,
-        runner: ModelRunner,
+        setup: Callable[[], ModelRunner],
         detokenizer: Detokenizer,
         weights_lock: WeightsLock,
         weight_version: Callable[[], str],
         max_running_requests: int,
     ) -> None:
-        self._runner = runner
+        # Built on the scheduler thread: see "one torch thread" in the module docstring.
+        self._setup = setup
+        self._runner: ModelRunner | None = None
+        self._ready = threading.Event()
+        self._setup_error: BaseException | None = None
+        self._jobs: deque[tuple[Callable[[], object], Future[object]]] = deque()
         self._detokenizer = detokenizer
         self._weights_lock = weights_lock
         self._weight_version = weight_version
@@ -117,8 +130,29 @@ class Scheduler:
 
     # --- control, called from other threads ------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, *, timeout: float | None = None) -> None:
+        """Start the thread, which builds the model runner first; returns once it is built.
+
+        Raises whatever building the runner raised (a missing or broken checkpoint).
+        """
         self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the model was not loaded within {timeout}s")
+        if self._setup_error is not None:
+            raise self._setup_error
+
+    def call(self, job: Callable[[], T]) -> T:
+        """Run ``job`` on the scheduler thread between two steps and return its result.
+
+        Blocks the calling thread; never call it from the scheduler thread itself.
+        """
+        future: Future[object] = Future()
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the scheduler is stopping")
+            self._jobs.append((job, future))
+            self._cond.notify_all()
+        return future.result()  # type: ignore[return-value]
 
     def stop(self, *, message: str = "server shutting down") -> None:
         with self._cond:
@@ -144,7 +178,7 @@ class Scheduler:
                 self._cond.notify_all()
             return found + len(running)
 
-    def pause(self, mode: PauseMode, *, timeout: float | None = None) -> int:
+    def pause(self, mode: PauseMode, *, timeout: float | None = None, message: str = "aborted by pause_generation") -> int:
         """Stop admitting requests and deal with in-flight ones as ``mode`` says.
 
         Returns when the mode's promise holds: ``drain`` once the running batch finished,
@@ -159,8 +193,8 @@ class Scheduler:
             else:
                 self._state = GenerationState.PAUSED
                 if mode is PauseMode.ABORT:
-                    self._abort_waiting(None, "aborted by pause_generation")
-                    self._pending_aborts.append((None, "aborted by pause_generation"))
+                    self._abort_waiting(None, message)
+                    self._pending_aborts.append((None, message))
                 elif mode is PauseMode.RETRACT:
                     self._pending_retract = True
                 done = lambda: self._running_count == 0 and not self._in_step  # noqa: E731
@@ -192,11 +226,31 @@ class Scheduler:
     # --- the scheduler thread --------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._runner = self._setup()
+        except BaseException as exc:  # reported to start(), which re-raises it in the caller
+            self._setup_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
         while True:
             with self._cond:
                 self._cond.wait_for(self._has_work)
+                jobs, self._jobs = list(self._jobs), deque()
+            # Jobs (a weight copy) run between steps, on this thread, in any generation state.
+            for job, future in jobs:
+                try:
+                    future.set_result(job())
+                except BaseException as exc:  # handed to the caller waiting in call()
+                    future.set_exception(exc)
+            with self._cond:
                 if self._stopping and not self._pending_aborts:
+                    for _, future in self._jobs:
+                        future.set_exception(RuntimeError("the scheduler stopped"))
+                    self._jobs.clear()
                     return
+                if not self._has_work():
+                    continue
                 aborts, self._pending_aborts = self._pending_aborts, []
                 retract, self._pending_retract = self._pending_retract, False
                 may_step = self._state is not GenerationState.HELD
@@ -222,7 +276,7 @@ class Scheduler:
                     self._cond.notify_all()
 
     def _has_work(self) -> bool:
-        if self._stopping or self._pending_aborts or self._pending_retract:
+        if self._stopping or self._pending_aborts or self._pending_retract or self._jobs:
             return True
         if self._state is GenerationState.HELD:
             return False
@@ -281,12 +335,15 @@ class Scheduler:
             [s.sampler for s in self._rows],
             histories=[s.history if s.sampler.needs_penalties else [] for s in self._rows],
             output_lengths=[len(s.output_ids) for s in self._rows],
+            want_logprobs=[s.return_logprob for s in self._rows],
             top_logprobs=[s.top_logprobs for s in self._rows],
         )
         keep: list[int] = []
         for row, seq in enumerate(self._rows):
             seq.output_ids.append(sampled.tokens[row])
-            seq.logprobs.append(sampled.logprobs[row])
+            logprob = sampled.logprobs[row]
+            if logprob is not None:
+                seq.logprobs.append(logprob)
             if seq.top_logprobs:
                 seq.top.append(sampled.top[row])
             reason = self._stop_reason(seq)
@@ -300,6 +357,7 @@ class Scheduler:
         next_tokens = [self._rows[i].output_ids[-1] for i in keep]
         self._keep(keep)
         if self._rows:
+            assert self._runner is not None
             self._logits = self._runner.decode(self._batch, next_tokens)
             for seq in self._rows:
                 seq.version_end = version
@@ -315,6 +373,7 @@ class Scheduler:
                 ready.append(seq)
         if not ready:
             return
+        assert self._runner is not None
         batch, logits = self._runner.prefill([s.prompt_ids for s in ready])
         if self._batch is None:
             self._batch, self._logits = batch, logits

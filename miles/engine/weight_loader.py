@@ -114,6 +114,8 @@ def apply_update(update: PreparedUpdate) -> ModelChecksum:
     started = time.perf_counter()
     # The checksum is computed from the parameters' memory right after each slice is written:
     # it describes what the model holds now, at the cost of a cache read, not a second pass.
-    checksum = copy_and_checksum(update.targets, update.reader.tensor)
+    # One thread: the caller is the engine's torch thread (see scheduler.py); copy_ still uses
+    # its intra-op threads.
+    checksum = copy_and_checksum(update.targets, update.reader.tensor, threads=1)
     update.timings["copy_and_checksum"] = time.perf_counter() - started
     return checksum

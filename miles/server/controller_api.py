@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from miles.config import UpdatePauseMode, UpdateStrategy
-from miles.engine.http_server import error_body, install_error_handlers
+from miles.engine.http_server import error_body, install_error_handlers, until_disconnected
 from miles.errors import EventLogError, InvalidRequestError, LockError
 from miles.server.metrics import CONTENT_TYPE, ControllerMetrics
 from miles.server.proxy import Proxy, RouteOptions, new_session
@@ -117,7 +117,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         payload = raw if not ext else json.dumps(body).encode()
         if body.get("stream") is True:
             return await proxy().stream("/generate", payload, route)
-        return await proxy().forward("/generate", payload, route)
+        return await until_disconnected(request, proxy().forward("/generate", payload, route))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -134,7 +134,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         payload = json.dumps(body).encode()
         if body.get("stream") is True:
             return await proxy().stream(path, payload, route)
-        return await proxy().forward(path, payload, route)
+        return await until_disconnected(request, proxy().forward(path, payload, route))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -181,3 +181,39 @@ def test_flush_cache_and_weights_checker(http: httpx.Client, checkpoints: dict[s
     assert body["success"] is True
     assert body["payload"]["checksum"] == read_manifest(checkpoints["v1"]).checksum
     assert http.post("/weights_checker", json={"action": "snapshot"}).status_code == 400
+
+
+def test_a_client_that_goes_away_stops_its_generation(http: httpx.Client, engine_url: str) -> None:
+    import threading
+    import time
+
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True}}
+    gave_up = threading.Event()
+
+    def impatient_client() -> None:
+        try:
+            httpx.post(f"{engine_url}/generate", json=body, timeout=1.0, trust_env=False)
+        except httpx.ReadTimeout:
+            gave_up.set()
+
+    client = threading.Thread(target=impatient_client)
+    client.start()
+
+    def running() -> int:
+        return http.get("/get_server_info").json()["internal_states"][0]["running_requests"]
+
+    deadline = time.monotonic() + 10
+    while running() == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.005)
+    # Hold the request in place so that only the client's departure can end it.
+    http.post("/pause_generation", json={"mode": "in_place"})
+    try:
+        client.join(timeout=10)
+        assert gave_up.is_set()
+        deadline = time.monotonic() + 10
+        while running():
+            assert time.monotonic() < deadline, "the request kept running after its client left"
+            time.sleep(0.05)
+    finally:
+        http.post("/continue_generation", json={})
