@@ -1,8 +1,11 @@
 """The contract every RolloutServer implementation must meet, as a reusable test class.
 
-A server type's test module subclasses ``RolloutServerContract`` and provides two fixtures:
+A server type's test module subclasses ``RolloutServerContract`` and provides four fixtures:
 ``server`` (a started server of that type with two engines on the ``v1`` checkpoint, module
-scoped) and ``kill_engine`` (a callable that kills one server's engine process outright).
+scoped), ``kill_engine`` (a callable that kills one server's engine process outright),
+``new_server`` (a callable returning a new, unstarted one-engine server on a checkpoint) and
+``engine_probe`` (for a server's engine as it runs now, a callable that says whether that engine
+still runs).
 """
 
 from __future__ import annotations
@@ -140,3 +143,17 @@ async def _wait_running(server: RolloutServer, sid: str) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("request never started running")
+
+
+class RolloutServerStopContract:
+    """Stopping: every engine the server started is gone, and stopping twice is harmless."""
+
+    async def test_stop_ends_every_engine(self, new_server, engine_probe, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+        server = new_server(checkpoints["v1"])
+        await server.start()
+        probes = [engine_probe(server, sid) for sid in server.server_ids]
+        assert all(probe() for probe in probes)
+        await server.stop()
+        assert all(snap.state is ServerState.STOPPED for snap in server.snapshot())
+        assert not any(probe() for probe in probes)
+        await server.stop()

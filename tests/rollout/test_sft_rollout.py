@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from rollout_contract import RolloutServerContract
+from rollout_contract import RolloutServerContract, RolloutServerStopContract
 
 from miles.ray.rollout.rollout_server import RolloutServer, RolloutServerError
 from miles.ray.rollout.server_spec import HealthSettings, RolloutServerSpec
@@ -51,28 +51,32 @@ def kill_engine() -> Callable[[RolloutServer, str], None]:
     return kill
 
 
-class TestSFTRolloutContract(RolloutServerContract):
+@pytest.fixture
+def new_server(tmp_path: Path) -> Callable[[Path], RolloutServer]:
+    return lambda checkpoint: SFTRollout(spec_for(checkpoint, tmp_path, num_servers=1))
+
+
+@pytest.fixture
+def engine_probe() -> Callable[[RolloutServer, str], Callable[[], bool]]:
+    def probe(server: RolloutServer, server_id: str) -> Callable[[], bool]:
+        pid = server.cell(server_id).pid
+        assert pid is not None
+
+        def running() -> bool:
+            # The server reaps what it stops, so a stopped engine's pid no longer exists.
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+
+        return running
+
+    return probe
+
+
+class TestSFTRolloutContract(RolloutServerContract, RolloutServerStopContract):
     pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is gone once reaped, which stop() does.
-    return True
-
-
-async def test_stop_leaves_no_process(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    rollout = SFTRollout(spec_for(checkpoints["v1"], tmp_path, num_servers=1))
-    await rollout.start()
-    pids = [snap.pid for snap in rollout.snapshot()]
-    assert all(pid is not None and _alive(pid) for pid in pids)
-    await rollout.stop()
-    assert not any(_alive(pid) for pid in pids if pid is not None)
-    assert all(snap.state.value == "stopped" for snap in rollout.snapshot())
-    await rollout.stop()  # idempotent
 
 
 async def test_a_server_that_cannot_start_fails_clearly_and_cleans_up(tmp_path: Path) -> None:
