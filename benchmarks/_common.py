@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ import httpx
 import torch
 
 from miles.errors import MilesError
-from miles.rollout.engine_process import EngineProcess, free_port
+from miles.rollout.engine_process import EngineProcess, engine_command, free_port
 
 # A benchmark must never reach a model hub; everything it uses is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -126,19 +125,7 @@ def engine_process(
     """
     port = free_port()
     process = EngineProcess(
-        command=[
-            sys.executable,
-            "-m",
-            "miles.engine",
-            "--model-path",
-            str(checkpoint),
-            "--port",
-            str(port),
-            "--num-threads",
-            str(threads),
-            "--exit-with-parent",
-            *extra_args,
-        ],
+        command=engine_command(checkpoint, port=port, num_threads=threads, extra_args=extra_args),
         log_path=log_dir / f"engine-{port}.log",
     )
     url = f"http://127.0.0.1:{port}"

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 import transformers
 
 from miles.models.presets import get_preset, init_checkpoint
-from miles.rollout.engine_process import EngineProcess, free_port
+from miles.rollout.engine_process import EngineProcess, engine_command, free_port
 from miles.testing import running_controller
 from miles.weights.checkpoint import read_manifest
 
@@ -56,10 +55,7 @@ async def restart_time(checkpoint: Path, servers: int, log_dir: Path, threads: i
             for i in range(servers):
                 port = free_port()
                 process = EngineProcess(
-                    command=[
-                        sys.executable, "-m", "miles.engine", "--model-path", str(checkpoint), "--port", str(port),
-                        "--num-threads", str(threads), "--exit-with-parent",
-                    ],
+                    command=engine_command(checkpoint, port=port, num_threads=threads),
                     log_path=log_dir / f"restart-{i}-{port}.log",
                 )
                 process.start()

@@ -4,7 +4,6 @@ themselves. Nothing in the product imports this module."""
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from miles.rollout.engine_process import EngineProcess, free_port
+from miles.rollout.engine_process import EngineProcess, engine_command, free_port
 
 if TYPE_CHECKING:
     from miles.ray.rollout.inference_controller import AsyncInferenceController
@@ -31,19 +30,7 @@ def running_engine(
     """Start ``python -m miles.engine`` on a free port; yield its base URL; always stop it."""
     port = free_port()
     process = EngineProcess(
-        command=[
-            sys.executable,
-            "-m",
-            "miles.engine",
-            "--model-path",
-            str(checkpoint),
-            "--port",
-            str(port),
-            "--num-threads",
-            str(num_threads),
-            "--exit-with-parent",
-            *extra_args,
-        ],
+        command=engine_command(checkpoint, port=port, num_threads=num_threads, extra_args=extra_args),
         log_path=log_dir / f"engine-{port}.log",
         env=env,
     )

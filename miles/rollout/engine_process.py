@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -54,6 +55,17 @@ class _Registry:
 
 
 _REGISTRY = _Registry()
+
+
+def engine_command(
+    checkpoint: Path, *, port: int, num_threads: int | None = None, extra_args: Sequence[str] = ()
+) -> list[str]:
+    """The command line of one embedded engine on loopback ``port`` that ends with its parent."""
+    command = [sys.executable, "-m", "miles.engine", "--model-path", str(checkpoint), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--exit-with-parent"]
+    if num_threads is not None:
+        command += ["--num-threads", str(num_threads)]
+    return [*command, *extra_args]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 from miles.ray.rollout.rollout_server import RolloutServer, RolloutServerError
 from miles.ray.rollout.server_spec import RolloutServerSpec
 from miles.ray.rollout.server_state import ServerCell
-from miles.rollout.engine_process import EngineProcess, EngineStartError, free_port
+from miles.rollout.engine_process import EngineProcess, EngineStartError, engine_command, free_port
 
 _LAUNCH_ATTEMPTS = 3  # a freshly picked free port can be taken before the engine binds it
 
@@ -47,27 +46,20 @@ class SFTRollout(RolloutServer):
         raise last_error
 
     def _command(self, cell: ServerCell, checkpoint: Path, port: int) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "miles.engine",
-            "--model-path",
-            str(checkpoint),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--device",
-            cell.device,
-            "--served-model-name",
-            self.model_name,
-            "--max-running-requests",
-            str(self.spec.max_running_requests),
-            "--num-threads",
-            str(self.spec.threads_per_engine()),
-            "--exit-with-parent",
-            *self.spec.engine_args,
-        ]
+        return engine_command(
+            checkpoint,
+            port=port,
+            num_threads=self.spec.threads_per_engine(),
+            extra_args=(
+                "--device",
+                cell.device,
+                "--served-model-name",
+                self.model_name,
+                "--max-running-requests",
+                str(self.spec.max_running_requests),
+                *self.spec.engine_args,
+            ),
+        )
 
     async def _terminate(self, cell: ServerCell) -> None:
         process = self._processes.pop(cell.server_id, None)

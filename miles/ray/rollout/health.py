@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict
@@ -139,7 +138,3 @@ def overall(models: dict[str, ModelHealth]) -> tuple[str, bool]:
     if any(m.serving < m.total for m in models.values()):
         return "degraded", True
     return "ok", True
-
-
-def now() -> float:
-    return time.time()
