@@ -68,28 +68,30 @@ def sample_batch(
 
     ``histories`` are prompt + output ids per row (for penalties), ``output_lengths`` the number of
     tokens generated so far (for ``min_new_tokens``), ``want_logprobs`` / ``top_logprobs`` what each
-    row wants reported. Plain greedy rows share one batched argmax; the per-row work (penalties,
-    masks, seeded draws) is done only for rows that need it.
+    row wants reported. Greedy rows share one batched argmax and sampled rows one batched draw;
+    only penalties and stop-token masks are applied row by row, to the rows that have them.
     """
     logits = logits.float()
-    greedy_choice = logits.argmax(dim=-1).tolist()
-    tokens: list[int] = []
+    tokens: list[int] = logits.argmax(dim=-1).tolist()
+    sampled = [row for row, sampler in enumerate(samplers) if not sampler.greedy]
+    scaled = logits.index_select(0, torch.tensor(sampled, dtype=torch.long)) if sampled else None
     for row, sampler in enumerate(samplers):
-        params = sampler.params
-        masking = output_lengths[row] < params.min_new_tokens and bool(sampler.stop_ids)
-        if sampler.greedy and not sampler.needs_penalties and not masking:
-            tokens.append(greedy_choice[row])
+        masking = output_lengths[row] < sampler.params.min_new_tokens and bool(sampler.stop_ids)
+        if not sampler.needs_penalties and not masking:
             continue
-        row_logits = logits[row].clone()
+        # An adjusted row: a copy for a greedy row, the row's own line of `scaled` for a sampled one.
+        row_logits = logits[row].clone() if sampler.greedy else scaled[sampled.index(row)]  # type: ignore[index]
         if sampler.needs_penalties:
-            _apply_penalties(row_logits, params, histories[row], output_lengths[row])
+            _apply_penalties(row_logits, sampler.params, histories[row], output_lengths[row])
         if masking:
             row_logits[list(sampler.stop_ids)] = float("-inf")
         if sampler.greedy:
-            tokens.append(int(torch.argmax(row_logits).item()))
-            continue
-        probs = _filtered_probs(row_logits / params.temperature, params)
-        tokens.append(int(torch.multinomial(probs, 1, generator=sampler.generator).item()))
+            tokens[row] = int(torch.argmax(row_logits).item())
+    if sampled:
+        assert scaled is not None
+        drawn = _draw(scaled, [samplers[row] for row in sampled])
+        for row, token in zip(sampled, drawn, strict=True):
+            tokens[row] = token
     logprobs: list[float | None] = [None] * len(samplers)
     top: list[list[tuple[float, int]]] = [[] for _ in samplers]
     reporting = [row for row in range(len(samplers)) if want_logprobs[row] or top_logprobs[row]]
@@ -109,9 +111,42 @@ def sample_batch(
     return SampledTokens(tokens=tokens, logprobs=logprobs, top=top)
 
 
-def _apply_penalties(
-    row_logits: torch.Tensor, params: SamplingParams, history: list[int], output_length: int
-) -> None:
+def _draw(logits: torch.Tensor, samplers: list[RowSampler]) -> list[int]:
+    """One seeded draw per row of ``logits`` ([S, V], penalties applied), after temperature and the
+    top-k, top-p and min-p filters, all rows at once.
+
+    Each row draws by inverting its cumulative distribution (in token-id order) at one uniform
+    number from its own generator, so a row's token depends only on its logits, its settings and
+    its seed, never on its neighbours.
+    """
+    vocab = logits.shape[-1]
+    params = [s.params for s in samplers]
+    temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    probs = torch.softmax(logits / temperatures.unsqueeze(1), dim=-1)
+    if any(0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0 for p in params):
+        probs, order = torch.sort(probs, dim=-1, descending=True)
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]).unsqueeze(1)
+        kth = probs.gather(1, top_k - 1)
+        probs = torch.where(probs >= kth, probs, 0.0)
+        # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        cumulative = probs.cumsum(dim=-1)
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
+        probs = probs.masked_fill(cumulative - probs > top_p * cumulative[:, -1:], 0.0)
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+        probs = torch.where(probs >= min_p * probs[:, :1], probs, 0.0)
+        # Back to token order: a row's draw must not depend on whether its neighbours filter.
+        probs = torch.zeros_like(probs).scatter(1, order, probs)
+    cumulative = probs.cumsum(dim=-1)
+    total = cumulative[:, -1]
+    uniform = torch.cat([torch.rand(1, generator=s.generator, dtype=total.dtype) for s in samplers])
+    choice = torch.searchsorted(cumulative, (uniform * total).unsqueeze(1), right=True).squeeze(1)
+    choice = choice.clamp(max=vocab - 1)
+    # Every candidate filtered out (e.g. all logits -inf): fall back to the argmax.
+    usable = torch.isfinite(total) & (total > 0)
+    return torch.where(usable, choice, logits.argmax(dim=-1)).tolist()
+
+
+def _apply_penalties(row_logits: torch.Tensor, params: SamplingParams, history: list[int], output_length: int) -> None:
     if params.repetition_penalty != 1 and history:
         seen = torch.tensor(sorted(set(history)), dtype=torch.long)
         selected = row_logits[seen]
@@ -122,26 +157,3 @@ def _apply_penalties(
     if generated and (params.frequency_penalty != 0 or params.presence_penalty != 0):
         ids, counts = torch.tensor(generated, dtype=torch.long).unique(return_counts=True)
         row_logits[ids] -= params.frequency_penalty * counts.float() + params.presence_penalty
-
-
-def _filtered_probs(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    probs = torch.softmax(scaled, dim=-1)
-    if params.top_k > 0 and params.top_k < probs.shape[-1]:
-        kth = torch.topk(probs, params.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = cumulative - sorted_probs > params.top_p * cumulative[-1]
-        sorted_probs[drop] = 0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    if params.min_p > 0:
-        probs = torch.where(probs >= params.min_p * probs.max(), probs, torch.zeros_like(probs))
-    total = probs.sum()
-    if not torch.isfinite(total) or total <= 0:
-        # Every candidate was filtered out (e.g. all logits -inf): fall back to the argmax.
-        fallback = torch.zeros_like(probs)
-        fallback[int(torch.argmax(scaled).item())] = 1.0
-        return fallback
-    return probs / total
