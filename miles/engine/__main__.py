@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 import uvicorn
 
-from miles.engine.settings import EngineSettings
+from miles.engine.settings import EngineSettings, Forward
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -40,6 +40,9 @@ def main(
     max_running_requests: Annotated[int, typer.Option()] = 32,
     num_threads: Annotated[int | None, typer.Option(help="torch intra-op threads")] = None,
     context_length: Annotated[int | None, typer.Option()] = None,
+    forward: Annotated[
+        Forward, typer.Option(help="auto: the fused Llama-family forward where it applies, else transformers")
+    ] = Forward.AUTO,
     log_level: Annotated[str, typer.Option()] = "warning",
     exit_with_parent: Annotated[bool, typer.Option(help="exit when the launching process dies")] = False,
 ) -> None:
@@ -56,6 +59,7 @@ def main(
         max_running_requests=max_running_requests,
         num_threads=num_threads,
         context_length=context_length,
+        forward=forward,
         allowed_checkpoint_roots=EngineSettings.roots_from_env(),
         log_level=log_level,
     )

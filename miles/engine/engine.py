@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from miles import __version__
-from miles.engine.model_runner import ModelRunner, load_model
+from miles.engine.model_runner import ModelRunner, build_runner, load_model
 from miles.engine.rwlock import WeightsLock
 from miles.engine.sampling import RowSampler
 from miles.engine.scheduler import GenerationState, Scheduler, Sequence
@@ -103,6 +103,7 @@ class Engine:
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.model_path))
         # Loaded on the scheduler thread by start(): all parallel torch work stays on one thread.
         self.model: PreTrainedModel | None = None
+        self.forward_name = ""  # the runner serving the model (model_runner.build_runner), once loaded
         try:
             manifest = read_manifest(self.model_path)
         except CheckpointError:
@@ -138,7 +139,11 @@ class Engine:
     def _build_runner(self) -> ModelRunner:
         self.model = load_model(self.model_path, device=self.device)
         pad = self.tokenizer.pad_token_id
-        return ModelRunner(self.model, device=self.device, pad_token_id=pad if pad is not None else 0)
+        runner = build_runner(
+            self.model, device=self.device, pad_token_id=pad if pad is not None else 0, forward=self.settings.forward
+        )
+        self.forward_name = runner.name
+        return runner
 
     @property
     def _model(self) -> PreTrainedModel:
@@ -207,8 +212,10 @@ class Engine:
                     raise InvalidRequestError(f"request id {rid!r} is already in flight; use unique rids")
                 sink = _Sink(loop)
                 seed = sampling.effective_seed
-                row_params = sampling if seed is None or sample == 0 else sampling.model_copy(
-                    update={"sampling_seed": seed + sample, "seed": None}
+                row_params = (
+                    sampling
+                    if seed is None or sample == 0
+                    else sampling.model_copy(update={"sampling_seed": seed + sample, "seed": None})
                 )
                 sequence = Sequence(
                     rid=rid,
@@ -294,9 +301,7 @@ class Engine:
                 prepared = await asyncio.to_thread(prepare_update, self._model, path)
             except CheckpointError as exc:
                 logger.warning("refused checkpoint %s: %s", path, exc)
-                return UpdateWeightsResponse(
-                    success=False, message=str(exc), weight_version=self._weight_version
-                )
+                return UpdateWeightsResponse(success=False, message=str(exc), weight_version=self._weight_version)
             try:
                 version = request.weight_version or prepared.weight_version
                 pausing = self._scheduler.state is GenerationState.SERVING
@@ -437,6 +442,7 @@ class Engine:
             "host": self.settings.host,
             "port": self.settings.port,
             "device": str(self.device),
+            "forward": self.forward_name,
             "max_running_requests": self.settings.max_running_requests,
             "context_length": self.context_length,
             "weight_version": self._weight_version,

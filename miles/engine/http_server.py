@@ -240,7 +240,9 @@ def create_app(engine: Engine) -> FastAPI:
         generate_request = _completion_to_generate(request)
         rid = new_id("cmpl")
         if request.stream:
-            chunks = _openai_stream(engine.stream(generate_request), model=engine.served_model_name, rid=rid, chat=False)
+            chunks = _openai_stream(
+                engine.stream(generate_request), model=engine.served_model_name, rid=rid, chat=False
+            )
             return StreamingResponse(chunks, media_type="text/event-stream")
         result = await until_disconnected(http_request, engine.generate(generate_request))
         if isinstance(result, Response):

@@ -1,20 +1,62 @@
 """The model on its device, and the batched forward passes the scheduler drives.
 
-A running batch is a ``BatchKV``: one KV cache whose rows are left-padded to a common length, the
-attention mask that marks the padding, and each row's next position id. Rows can join (a new
+A runner (``ModelRunner``) keeps a running batch's KV state with its rows left-padded to a common
+length, the mask that marks the padding, and each row's next position id. Rows can join (a new
 prefill group is merged in, padding the shorter side on the left) and leave (rows are selected
 out, and columns that became padding for every row are cropped), which is what lets the scheduler
 batch continuously: new requests join at the next step instead of waiting for the batch to end.
+
+Two runners: ``FusedDecoderRunner`` (``fused_decoder.py``), a lean forward for the Llama family,
+and ``TransformersRunner`` below, the model's own Transformers forward, for every other
+architecture. ``build_runner`` picks one; ``EngineSettings.forward`` can force either.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from miles.engine import fused_decoder
+from miles.engine.settings import Forward
+
+logger = logging.getLogger("miles.engine")
+
+KV = TypeVar("KV")
+
+
+class ModelRunner(Protocol[KV]):
+    """Batched prefill and decode over a KV state of type ``KV`` that rows can join and leave."""
+
+    name: str
+
+    def prefill(self, prompts: list[list[int]]) -> tuple[KV, torch.Tensor]: ...
+
+    def decode(self, batch: KV, tokens: list[int]) -> torch.Tensor: ...
+
+    def merge(self, left: KV, right: KV) -> KV: ...
+
+    def select(self, batch: KV, keep: list[int]) -> KV: ...
+
+
+def build_runner(
+    model: PreTrainedModel, *, device: torch.device, pad_token_id: int, forward: Forward = Forward.AUTO
+) -> ModelRunner:
+    """The runner ``forward`` asks for. Raises ValueError when FUSED cannot run ``model``."""
+    if forward is Forward.TRANSFORMERS:
+        return TransformersRunner(model, device=device, pad_token_id=pad_token_id)
+    reason = fused_decoder.supports(model)
+    if reason is None:
+        return fused_decoder.FusedDecoderRunner(model, device=device, pad_token_id=pad_token_id)
+    if forward is Forward.FUSED:
+        raise ValueError(f"--forward fused cannot serve this model: {reason}; use --forward auto or transformers")
+    logger.info("serving with the Transformers forward: %s", reason)
+    return TransformersRunner(model, device=device, pad_token_id=pad_token_id)
 
 
 @dataclass
@@ -46,8 +88,10 @@ def load_model(model_path: str | Path, *, device: torch.device) -> PreTrainedMod
     return model
 
 
-class ModelRunner:
-    """Runs prefill and decode forwards for a batch on one device."""
+class TransformersRunner:
+    """Prefill and decode through the model's own Transformers forward, any causal LM."""
+
+    name = "transformers"
 
     def __init__(self, model: PreTrainedModel, *, device: torch.device, pad_token_id: int) -> None:
         self.model = model

@@ -29,7 +29,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from miles.engine.model_runner import BatchKV, ModelRunner
+from miles.engine.model_runner import ModelRunner
 from miles.engine.rwlock import WeightsLock
 from miles.engine.sampling import RowSampler, sample_batch
 from miles.protocol.sglang import FinishReason, GenerateMetaInfo, GenerateResponse, PauseMode
@@ -117,7 +117,7 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._rows: list[Sequence] = []  # scheduler thread only
         self._running_count = 0  # len(self._rows), readable by other threads under _cond
-        self._batch: BatchKV | None = None
+        self._batch: object | None = None  # the runner's KV state of self._rows
         self._logits: torch.Tensor | None = None
         self._state = GenerationState.SERVING
         self._pending_aborts: list[tuple[str | None, str]] = []  # (rid or None for all, message)
@@ -178,7 +178,9 @@ class Scheduler:
                 self._cond.notify_all()
             return found + len(running)
 
-    def pause(self, mode: PauseMode, *, timeout: float | None = None, message: str = "aborted by pause_generation") -> int:
+    def pause(
+        self, mode: PauseMode, *, timeout: float | None = None, message: str = "aborted by pause_generation"
+    ) -> int:
         """Stop admitting requests and deal with in-flight ones as ``mode`` says.
 
         Returns when the mode's promise holds: ``drain`` once the running batch finished,
@@ -318,8 +320,8 @@ class Scheduler:
         if not keep:
             self._rows, self._batch, self._logits = [], None, None
             return
-        assert self._batch is not None and self._logits is not None
-        self._batch = ModelRunner.select(self._batch, keep)
+        assert self._runner is not None and self._batch is not None and self._logits is not None
+        self._batch = self._runner.select(self._batch, keep)
         self._logits = self._logits[keep]
         self._rows = [self._rows[i] for i in keep]
 
@@ -379,7 +381,7 @@ class Scheduler:
             self._batch, self._logits = batch, logits
         else:
             assert self._logits is not None
-            self._batch = ModelRunner.merge(self._batch, batch)
+            self._batch = self._runner.merge(self._batch, batch)
             self._logits = torch.cat([self._logits, logits], dim=0)
         self._rows.extend(ready)
 

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ALLOWED_ROOTS_ENV = "MILES_ALLOWED_CHECKPOINT_ROOTS"
+
+
+class Forward(Enum):
+    """Which forward serves the model (``miles.engine.model_runner``)."""
+
+    AUTO = "auto"  # the fused decoder when the architecture allows it, else Transformers
+    FUSED = "fused"  # the fused decoder, or an error naming why it cannot run the model
+    TRANSFORMERS = "transformers"  # the model's own Transformers forward
 
 
 class EngineSettings(BaseModel):
@@ -25,6 +34,7 @@ class EngineSettings(BaseModel):
     # Torch intra-op threads; engines sharing a small machine should split the cores between them.
     num_threads: Annotated[int, Field(ge=1)] | None = None
     context_length: Annotated[int, Field(ge=8)] | None = None
+    forward: Forward = Forward.AUTO
     # Checkpoint directories that /update_weights_from_disk may read; empty means any local path.
     allowed_checkpoint_roots: tuple[Path, ...] = ()
     health_generate_timeout_s: Annotated[float, Field(gt=0)] = 20.0
