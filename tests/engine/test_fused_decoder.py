@@ -60,10 +60,11 @@ def _prompts(count: int, *, seed: int, vocab: int = 256) -> list[list[int]]:
     return [torch.randint(1, vocab, (3 + (5 * i) % 11,), generator=generator).tolist() for i in range(count)]
 
 
-def _script(runner, *, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _script(runner, *, steps: int, forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Continuous batching, greedy: 3 prompts, 4 more join after 5 steps, rows leave after 9 and 14.
 
-    Returns the tokens chosen at each step and the logits they were chosen from.
+    Returns the tokens chosen at each step and the logits they were chosen from. With ``forced``,
+    those tokens are fed instead of the argmax (to compare logits along one token path).
     """
     batch, logits = runner.prefill(_prompts(3, seed=1))
     tokens_per_step: list[list[int]] = []
@@ -77,7 +78,7 @@ def _script(runner, *, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]
             keep = [row for row in range(logits.shape[0]) if row % 3 != 1]
             batch = runner.select(batch, keep)
             logits = logits[keep]
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1).tolist() if forced is None else forced[step]
         tokens_per_step.append(tokens)
         logits_per_step.append(logits.float().clone())
         logits = runner.decode(batch, tokens)
@@ -100,14 +101,21 @@ def test_fused_matches_transformers_through_joins_leaves_and_growth(name: str) -
 
 
 def test_fused_decoder_in_bfloat16_agrees_with_transformers() -> None:
+    """bfloat16 rounds differently in another order of operations, and a tiny random model has
+    exact ties among its bfloat16 logits; so both runners follow the same token path, logits must
+    agree within bfloat16 precision, and the greedy choice wherever the reference has a clear winner."""
     model = _from_config("Qwen2ForCausalLM", dtype=torch.bfloat16)
     device = torch.device("cpu")
-    ours, our_logits = _script(FusedDecoderRunner(model, device=device, pad_token_id=0), steps=20)
-    theirs, their_logits = _script(TransformersRunner(model, device=device, pad_token_id=0), steps=20)
-    # bfloat16 rounds differently when q, k and v are one matmul; the choices must still agree.
-    assert ours == theirs
-    for a, b in zip(our_logits, their_logits, strict=True):
-        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+    theirs, their_logits = _script(TransformersRunner(model, device=device, pad_token_id=0), steps=40)
+    _, our_logits = _script(FusedDecoderRunner(model, device=device, pad_token_id=0), steps=40, forced=theirs)
+    clear = total = 0
+    for ours, reference in zip(our_logits, their_logits, strict=True):
+        torch.testing.assert_close(ours, reference, rtol=0.02, atol=0.02)
+        best, second = reference.topk(2, dim=-1).values.unbind(-1)
+        decided = best - second > 0.02
+        clear, total = clear + int(decided.sum()), total + decided.numel()
+        assert torch.equal(ours.argmax(-1)[decided], reference.argmax(-1)[decided])
+    assert clear >= total // 3  # enough choices were clear for the agreement above to mean something
 
 
 def test_weight_updates_reach_the_fused_weights(tmp_path: Path) -> None:
