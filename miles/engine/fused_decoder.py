@@ -195,6 +195,7 @@ class FusedDecoderRunner:
         batch.next_positions = batch.next_positions + 1
         return logits
 
+    @torch.inference_mode()
     def merge(self, left: DecoderKV, right: DecoderKV) -> DecoderKV:
         """One batch holding the rows of ``left`` then ``right`` (the shorter is padded on the left)."""
         width = max(left.length, right.length)
@@ -208,6 +209,7 @@ class FusedDecoderRunner:
         merged.next_positions = torch.cat([left.next_positions, right.next_positions])
         return merged
 
+    @torch.inference_mode()
     def select(self, batch: DecoderKV, keep: list[int]) -> DecoderKV:
         """Keep only rows ``keep`` and drop leading columns that are padding for every remaining row."""
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
