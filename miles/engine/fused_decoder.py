@@ -13,8 +13,8 @@ architectures that nearly every RL run uses this module runs the same math with 
   the end; a decode step writes one column in place instead of concatenating the whole cache.
 - **A padding mask kept, not rebuilt.** ``valid`` marks the columns that hold a row's tokens; a
   decode step flips one column and hands a view of it to attention.
-- **Decode attention without SDPA at reduced precision** (``_attend``): PyTorch's CPU kernel has
-  a large fixed cost for one bfloat16 query; two batched matmuls do the same work in a fifth of it.
+- **Decode attention without SDPA at reduced precision on a CPU** (``_attend``): PyTorch's CPU
+  kernel has a large fixed cost for one bfloat16 query; two batched matmuls do it in a fifth.
 
 The rows of a batch are left-padded to a common length, as in ``TransformersRunner``, so rows can
 join (``merge``) and leave (``select``) between steps. Rotary embeddings come from the model's own
@@ -266,13 +266,13 @@ class FusedDecoderRunner:
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention of ``q`` [B, H, T, D] over ``keys``/``values`` [B, KV, L, D] where ``mask`` allows."""
         rows, heads, steps, dim = q.shape
-        if steps > 1 or q.dtype == torch.float32:
+        if steps > 1 or q.dtype == torch.float32 or q.device.type != "cpu":
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self._scaling, enable_gqa=True)
-        # One query per row in bfloat16 / float16: SDPA's CPU kernel has a large fixed cost at
-        # reduced precision (~300 us per layer for 8 rows of the 500m preset, against ~40 us in
-        # float32), so a decode step uses two small batched matmuls with the query heads of a KV
-        # group side by side (~65 us). The arithmetic follows SDPA's: float32 scores and softmax
-        # sums, the exponentials rounded to the model's dtype before the product with the
+        # One query per row in bfloat16 / float16 on a CPU: SDPA's CPU kernel has a large fixed
+        # cost at reduced precision (~300 us per layer for 8 rows of the 500m preset, against
+        # ~40 us in float32), so a decode step uses two small batched matmuls with the query heads
+        # of a KV group side by side (~65 us). The arithmetic follows SDPA's: float32 scores and
+        # softmax sums, the exponentials rounded to the model's dtype before the product with the
         # values, one rounding of the output; results differ from it by about one unit in the
         # last place.
         group = heads // self._kv_heads
