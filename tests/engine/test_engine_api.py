@@ -1,4 +1,8 @@
-"""The embedded engine's HTTP API against one real engine process serving a tiny checkpoint."""
+"""The embedded engine's HTTP API against one real engine process serving a tiny checkpoint.
+
+Every test runs twice: on the fused decoder (what a Llama checkpoint gets by default) and on the
+model's Transformers forward (what every other architecture gets), so both serve the whole API.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +16,13 @@ import pytest
 from miles.testing import running_engine
 
 
-@pytest.fixture(scope="module")
-def engine_url(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with running_engine(checkpoints["v1"], log_dir=tmp_path_factory.mktemp("logs")) as url:
+@pytest.fixture(scope="module", params=["fused", "transformers"])
+def engine_url(
+    request: pytest.FixtureRequest, checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    forward = ("--forward", request.param)
+    with running_engine(checkpoints["v1"], log_dir=tmp_path_factory.mktemp("logs"), extra_args=forward) as url:
+        assert request.param in httpx.get(f"{url}/get_server_info", trust_env=False).json()["forward"]
         yield url
 
 
