@@ -74,13 +74,15 @@ def sample_batch(
     logits = logits.float()
     tokens: list[int] = logits.argmax(dim=-1).tolist()
     sampled = [row for row, sampler in enumerate(samplers) if not sampler.greedy]
-    scaled = logits.index_select(0, torch.tensor(sampled, dtype=torch.long)) if sampled else None
+    # The sampled rows' logits, gathered once; penalties and masks are applied to their lines here.
+    sampled_logits = logits.index_select(0, torch.tensor(sampled, dtype=torch.long)) if sampled else None
+    line_of = {row: line for line, row in enumerate(sampled)}
     for row, sampler in enumerate(samplers):
         masking = output_lengths[row] < sampler.params.min_new_tokens and bool(sampler.stop_ids)
         if not sampler.needs_penalties and not masking:
             continue
-        # An adjusted row: a copy for a greedy row, the row's own line of `scaled` for a sampled one.
-        row_logits = logits[row].clone() if sampler.greedy else scaled[sampled.index(row)]  # type: ignore[index]
+        # An adjusted row: a copy for a greedy row, its own line of `sampled_logits` for a sampled one.
+        row_logits = logits[row].clone() if sampler.greedy else sampled_logits[line_of[row]]  # type: ignore[index]
         if sampler.needs_penalties:
             _apply_penalties(row_logits, sampler.params, histories[row], output_lengths[row])
         if masking:
@@ -88,8 +90,8 @@ def sample_batch(
         if sampler.greedy:
             tokens[row] = int(torch.argmax(row_logits).item())
     if sampled:
-        assert scaled is not None
-        drawn = _draw(scaled, [samplers[row] for row in sampled])
+        assert sampled_logits is not None
+        drawn = _draw(sampled_logits, [samplers[row] for row in sampled])
         for row, token in zip(sampled, drawn, strict=True):
             tokens[row] = token
     logprobs: list[float | None] = [None] * len(samplers)
