@@ -16,7 +16,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from miles.errors import CheckpointFileMissingError, ManifestInvalidError, ManifestMissingError
+from miles.errors import (
+    CheckpointFileInvalidError,
+    CheckpointFileMissingError,
+    ManifestInvalidError,
+    ManifestMissingError,
+)
 from miles.weights.checksum import (
     ALGORITHM,
     TensorDigest,
@@ -25,7 +30,7 @@ from miles.weights.checksum import (
     combine_digests,
     digest_mapped,
 )
-from miles.weights.safetensors_io import MappedSafetensors, index_files
+from miles.weights.safetensors_io import MappedSafetensors, index_files, open_regular
 
 MANIFEST_NAME = "miles_manifest.json"
 FORMAT_VERSION = 1
@@ -151,6 +156,10 @@ def manifest_from_files(
     )
 
 
+# A manifest lists one line per tensor; even a model with a million tensors stays far below this.
+MAX_MANIFEST_BYTES = 512 * 1024 * 1024
+
+
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     """Read and validate ``directory/miles_manifest.json``.
 
@@ -160,7 +169,12 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     """
     path = Path(directory) / MANIFEST_NAME
     try:
-        raw = path.read_bytes()
+        with open_regular(path) as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except CheckpointFileInvalidError:
+        raise ManifestInvalidError("manifest is not a regular file", path=str(path)) from None
+    except IsADirectoryError:
+        raise ManifestInvalidError("manifest is a directory, not a file", path=str(path)) from None
     except FileNotFoundError:
         raise ManifestMissingError(
             f"checkpoint has no {MANIFEST_NAME}; seal it (`miles checkpoint seal`) or re-export it",
@@ -168,6 +182,8 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         ) from None
     except NotADirectoryError:
         raise ManifestMissingError("checkpoint path is not a directory", path=str(directory)) from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestInvalidError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes", path=str(path))
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -19,12 +19,14 @@ import json
 import math
 import mmap
 import os
+import stat
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import BinaryIO
 
 import torch
 
@@ -99,6 +101,24 @@ class SafetensorsHeader:
     metadata: Mapping[str, str]
 
 
+def open_regular(path: Path) -> BinaryIO:
+    """Open ``path`` for reading if it is a regular file; CheckpointFileInvalidError otherwise.
+
+    A checkpoint is data an attacker may shape: a FIFO in place of a weights file would block a
+    plain ``open`` forever, and a device file would be read as weights. O_NONBLOCK makes the open
+    of a FIFO return at once, so its type can be checked; it changes nothing for regular files.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointFileInvalidError("not a regular file", path=str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """Parse and validate the header of the safetensors file at ``path``.
 
@@ -112,7 +132,7 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -206,7 +226,7 @@ class MappedSafetensors:
         self.header = read_header(path)
         self._map: mmap.mmap | None = None
         if self.header.size > 0:
-            with open(self.header.path, "rb") as f:
+            with open_regular(self.header.path) as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
     @property

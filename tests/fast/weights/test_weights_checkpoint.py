@@ -150,6 +150,19 @@ def test_malformed_header_is_invalid_file(make_checkpoint: MakeCheckpoint) -> No
     assert _kinds(directory) == [ProblemKind.INVALID_FILE]
 
 
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("victim", ["model.safetensors", "miles_manifest.json"])
+def test_a_fifo_in_place_of_a_file_is_refused_without_blocking(make_checkpoint: MakeCheckpoint, victim: str) -> None:
+    # Opening a FIFO blocks until a writer appears; a checkpoint someone shaped this way must be
+    # refused at once, not hang the update that reads it.
+    directory, _ = make_checkpoint()
+    (directory / victim).unlink()
+    os.mkfifo(directory / victim)
+    report = verify_checkpoint(directory)
+    assert not report.ok
+    assert "regular file" in "; ".join(p.message for p in report.problems)
+
+
 def test_flipped_bytes_name_the_tensor(
     make_checkpoint: MakeCheckpoint, tensor_offset: Callable[..., int], flip_byte: Callable[..., None]
 ) -> None:

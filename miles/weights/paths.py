@@ -1,0 +1,48 @@
+"""Checkpoint paths from the outside world, checked before any filesystem call sees them.
+
+A path that arrives in a request (a controller update, an engine load) is text an attacker
+chooses. ``os`` functions raise on a NUL byte (ValueError) and on names longer than the
+filesystem allows (OSError), which an HTTP handler would otherwise turn into a 500; this module
+refuses such text with an error that says what is wrong, before ``Path.resolve`` or ``stat`` run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from miles.errors import InvalidRequestError
+
+# Linux's PATH_MAX and NAME_MAX: longer text cannot name a file here, whatever it says.
+MAX_PATH_CHARS = 4096
+MAX_NAME_BYTES = 255
+
+
+def path_text_problem(raw: str) -> str | None:
+    """What makes ``raw`` unusable as a path, or None; no filesystem call is made."""
+    if not raw or not raw.strip():
+        return "is empty; give a checkpoint directory"
+    if "\x00" in raw:
+        return "contains a NUL byte; give a plain directory path"
+    if len(raw) > MAX_PATH_CHARS:
+        return f"is {len(raw)} characters long; a path here has at most {MAX_PATH_CHARS}"
+    for part in Path(raw).parts:
+        if len(os.fsencode(part)) > MAX_NAME_BYTES:
+            return f"has a component of more than {MAX_NAME_BYTES} bytes ({part[:40]!r}...); no file can have that name"
+    return None
+
+
+def checked_path(raw: str, *, field: str) -> Path:
+    """``raw`` as an absolute, resolved Path (``~`` expanded, symlinks followed).
+
+    Raises InvalidRequestError (400) naming ``field`` for empty text, a NUL byte, text longer
+    than ``MAX_PATH_CHARS`` or a component longer than ``MAX_NAME_BYTES`` bytes, and for a path
+    that cannot be resolved (a symlink loop).
+    """
+    problem = path_text_problem(raw)
+    if problem is not None:
+        raise InvalidRequestError(f"{field} {problem}")
+    try:
+        return Path(raw).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise InvalidRequestError(f"{field} cannot be resolved: {exc}") from exc
