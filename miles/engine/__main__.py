@@ -43,6 +43,9 @@ def main(
     forward: Annotated[
         Forward, typer.Option(help="auto: the fused Llama-family forward where it applies, else transformers")
     ] = Forward.AUTO,
+    snapshot_dir: Annotated[
+        Path | None, typer.Option(help="enable POST /export_weights, writing checkpoints under this directory")
+    ] = None,
     log_level: Annotated[str, typer.Option()] = "warning",
     exit_with_parent: Annotated[bool, typer.Option(help="exit when the launching process dies")] = False,
 ) -> None:
@@ -61,6 +64,7 @@ def main(
         context_length=context_length,
         forward=forward,
         allowed_checkpoint_roots=EngineSettings.roots_from_env(),
+        snapshot_dir=snapshot_dir.expanduser().resolve() if snapshot_dir is not None else None,
         log_level=log_level,
     )
     # Imported here so `--help` answers without loading torch and transformers.
@@ -68,7 +72,18 @@ def main(
     from miles.engine.http_server import create_app
 
     engine = Engine(settings)
-    uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(
+        create_app(engine),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        # Clients (the controller among them) keep idle pooled connections for 30 s. A server
+        # that closes them sooner (uvicorn's default is 5 s) races the client's next request on
+        # that connection, which then fails with "server disconnected"; the server must outlast
+        # the client's pool.
+        timeout_keep_alive=75,
+    )
 
 
 if __name__ == "__main__":

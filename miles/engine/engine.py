@@ -1,9 +1,10 @@
 """The embedded inference engine: one Hugging Face causal LM served with continuous batching.
 
 ``Engine`` is the asyncio-facing core behind the HTTP server: it turns requests into scheduler
-sequences, bridges results back from the scheduler thread, and runs weight updates with the
-discipline that keeps them safe (validate everything first, pause as asked, copy under the write
-side of the weights lock, confirm the checksum, resume).
+sequences (after checking everything they carry against the model, so nothing a client sends can
+fail inside a step), bridges results back from the scheduler thread, and answers for health and
+info. Everything about the served weights (loads, renames, checksums, exports, their identity)
+lives in ``Engine.weights`` (``miles.engine.live_weights``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -30,37 +30,20 @@ from transformers import (
 )
 
 from miles import __version__
+from miles.engine.live_weights import LiveWeights, WeightsStatus
 from miles.engine.model_runner import ModelRunner, build_runner, load_model
 from miles.engine.rwlock import WeightsLock
 from miles.engine.sampling import RowSampler
-from miles.engine.scheduler import GenerationState, Scheduler, Sequence
+from miles.engine.scheduler import GenerationState, Scheduler
+from miles.engine.sequence import Sequence
 from miles.engine.settings import EngineSettings
-from miles.engine.weight_loader import PreparedUpdate, apply_update, prepare_update
 from miles.errors import CheckpointError, InvalidRequestError
-from miles.protocol.sglang import (
-    GenerateRequest,
-    GenerateResponse,
-    PauseMode,
-    SamplingParams,
-    UpdateWeightsFromDiskRequest,
-    UpdateWeightsResponse,
-    UpdateWeightVersionRequest,
-)
+from miles.protocol.sglang import GenerateRequest, GenerateResponse, PauseMode, SamplingParams
 from miles.weights.checkpoint import read_manifest
-from miles.weights.checksum import ModelChecksum, checksum_module
 
 logger = logging.getLogger("miles.engine")
 
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's version before any update
-
-
-class WeightsStatus(Enum):
-    """Whether the live weights are known to equal a verified checkpoint."""
-
-    VERIFIED = "verified"
-    # A copy finished but the weights hash to something other than the checkpoint's manifest:
-    # generation stays paused until a good checkpoint is loaded.
-    UNVERIFIED = "unverified"
 
 
 class _Sink:
@@ -111,29 +94,35 @@ class Engine:
         self.served_model_name = settings.served_model_name or (
             manifest.model_name if manifest else self.model_path.name
         )
-        self._weight_version = manifest.weight_version if manifest else DEFAULT_WEIGHT_VERSION
-        self._weights_status = WeightsStatus.VERIFIED
-        self._loaded_from = self.model_path
         self.context_length = settings.context_length or int(getattr(self.config, "max_position_embeddings", 2048))
         self.vocab_size = int(self.config.vocab_size)
-        self._eos_ids = _eos_ids(self.model_path, self.config, self.tokenizer)
-        self._weights_lock = WeightsLock()
+        self._eos_ids = _eos_ids(self.model_path, self.config, self.tokenizer, vocab_size=self.vocab_size)
+        lock = WeightsLock()
         self._scheduler = Scheduler(
             setup=self._build_runner,
             detokenizer=_Detokenizer(self.tokenizer),
-            weights_lock=self._weights_lock,
-            weight_version=lambda: self._weight_version,
+            weights_lock=lock,
+            weight_version=lambda: self.weights.held.version,
             max_running_requests=settings.max_running_requests,
         )
+        self.weights = LiveWeights(
+            settings=settings,
+            scheduler=self._scheduler,
+            lock=lock,
+            model=lambda: self._model,
+            tokenizer=self.tokenizer,
+            served_model_name=self.served_model_name,
+            version=manifest.weight_version if manifest else DEFAULT_WEIGHT_VERSION,
+            loaded_from=self.model_path,
+            manifest_checksum=manifest.checksum if manifest else None,
+        )
         self._in_flight: set[str] = set()
-        self._update_lock: asyncio.Lock | None = None
         self.started_at = time.time()
 
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Load the model (on the scheduler thread) and start serving; raises if loading fails."""
-        self._update_lock = asyncio.Lock()
         await asyncio.to_thread(self._scheduler.start)
 
     def _build_runner(self) -> ModelRunner:
@@ -143,6 +132,8 @@ class Engine:
             self.model, device=self.device, pad_token_id=pad if pad is not None else 0, forward=self.settings.forward
         )
         self.forward_name = runner.name
+        # Over the parameters the runner serves from (the fused decoder re-points them).
+        self.weights.record_loaded()
         return runner
 
     @property
@@ -157,7 +148,7 @@ class Engine:
 
     @property
     def weight_version(self) -> str:
-        return self._weight_version
+        return self.weights.held.version
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse | list[GenerateResponse]:
         """Run a (batch) request to completion; a batch or ``n > 1`` returns a list."""
@@ -205,22 +196,17 @@ class Engine:
         pending: list[_Pending] = []
         for index, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
             self._check_length(prompt, sampling)
+            self._check_token_ids(sampling)
             base = rids[index] or uuid.uuid4().hex
             for sample in range(sampling.n):
                 rid = base if sampling.n == 1 else f"{base}-{sample}"
                 if rid in self._in_flight or any(p.sequence.rid == rid for p in pending):
                     raise InvalidRequestError(f"request id {rid!r} is already in flight; use unique rids")
                 sink = _Sink(loop)
-                seed = sampling.effective_seed
-                row_params = (
-                    sampling
-                    if seed is None or sample == 0
-                    else sampling.model_copy(update={"sampling_seed": seed + sample, "seed": None})
-                )
                 sequence = Sequence(
                     rid=rid,
                     prompt_ids=prompt,
-                    sampler=RowSampler.create(row_params, eos_ids=self._eos_ids),
+                    sampler=RowSampler.create(sampling.for_sample(sample), eos_ids=self._eos_ids),
                     sink=sink,
                     stream=request.stream,
                     top_logprobs=request.top_logprobs_num if request.return_logprob else 0,
@@ -256,6 +242,16 @@ class Engine:
                 f"context length {self.context_length}; shorten the prompt or lower max_new_tokens"
             )
 
+    def _check_token_ids(self, sampling: SamplingParams) -> None:
+        # An id outside the vocabulary would index past the logits inside a step (the stop mask
+        # of min_new_tokens): refused here, before the request can join the batch.
+        bad = [t for t in sampling.stop_token_ids or () if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"sampling_params.stop_token_ids holds token ids outside the vocabulary [0, {self.vocab_size})",
+                tokens=bad[:5],
+            )
+
     def _abort_pending(self, pending: list[_Pending], message: str) -> None:
         for item in pending:
             self._scheduler.abort(item.sequence.rid, message=message)
@@ -270,12 +266,7 @@ class Engine:
         return await asyncio.to_thread(self._scheduler.pause, mode)
 
     def resume(self) -> None:
-        if self._weights_status is WeightsStatus.UNVERIFIED:
-            raise InvalidRequestError(
-                "the engine holds unverified weights after a failed update; load a good checkpoint "
-                "with /update_weights_from_disk before continuing",
-                status_code=409,
-            )
+        self.weights.require_verified("continuing")
         self._scheduler.resume()
 
     def abort(self, rid: str, *, abort_all: bool, message: str | None) -> int:
@@ -286,120 +277,11 @@ class Engine:
     def generation_state(self) -> GenerationState:
         return self._scheduler.state
 
-    # --- weights ---------------------------------------------------------------------------
-
-    async def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
-        """Load a checkpoint into the live weights (see the module docstring for the order).
-
-        Raises InvalidRequestError for a path that is not allowed or not a directory. A checkpoint
-        that fails validation is answered with ``success=False`` and leaves the old weights serving.
-        """
-        path = self._checkpoint_path(request.model_path)
-        assert self._update_lock is not None, "Engine.start() was not called"
-        async with self._update_lock:
-            try:
-                prepared = await asyncio.to_thread(prepare_update, self._model, path)
-            except CheckpointError as exc:
-                logger.warning("refused checkpoint %s: %s", path, exc)
-                return UpdateWeightsResponse(success=False, message=str(exc), weight_version=self._weight_version)
-            try:
-                version = request.weight_version or prepared.weight_version
-                pausing = self._scheduler.state is GenerationState.SERVING
-                paused = 0
-                pause_started = time.perf_counter()
-                if pausing:
-                    mode = PauseMode.ABORT if request.abort_all_requests else PauseMode.DRAIN
-                    paused = await asyncio.to_thread(
-                        self._scheduler.pause, mode, message="aborted by update_weights_from_disk"
-                    )
-                elif request.abort_all_requests:
-                    self._scheduler.abort(None, message="aborted by update_weights_from_disk")
-                prepared.timings["pause"] = time.perf_counter() - pause_started
-                # The copy runs on the scheduler thread, between two steps (one torch thread).
-                checksum = await asyncio.to_thread(self._scheduler.call, lambda: self._copy_in(prepared, version))
-                ok = checksum.checksum == prepared.manifest_checksum
-                if pausing and ok and not request.keep_pause:
-                    self._scheduler.resume()
-            finally:
-                prepared.close()
-        if not ok:
-            return UpdateWeightsResponse(
-                success=False,
-                message=(
-                    f"weights loaded from {path} hash to {checksum.checksum} but the manifest says "
-                    f"{prepared.manifest_checksum}; generation stays paused until a good checkpoint is loaded"
-                ),
-                num_paused_requests=paused,
-                weight_version=self._weight_version,
-                checksum=checksum.checksum,
-                timings=prepared.timings,
-            )
-        return UpdateWeightsResponse(
-            success=True,
-            message=f"Succeeded to update model weights from {path}.",
-            num_paused_requests=paused,
-            weight_version=version,
-            checksum=checksum.checksum,
-            timings=prepared.timings,
-        )
-
-    def _copy_in(self, prepared: PreparedUpdate, version: str) -> ModelChecksum:
-        waiting = time.perf_counter()
-        with self._weights_lock.write():
-            prepared.timings["write_lock_wait"] = time.perf_counter() - waiting
-            checksum = apply_update(prepared)
-            if checksum.checksum == prepared.manifest_checksum:
-                self._weights_status = WeightsStatus.VERIFIED
-                self._weight_version = version
-                self._loaded_from = Path(prepared.reader.directory)
-            else:
-                self._weights_status = WeightsStatus.UNVERIFIED
-            return checksum
-
-    def _checkpoint_path(self, raw: str) -> Path:
-        if not raw.strip():
-            raise InvalidRequestError("model_path is empty; give a checkpoint directory")
-        path = Path(raw).expanduser().resolve()
-        roots = self.settings.allowed_checkpoint_roots
-        if roots and not any(path.is_relative_to(root) for root in roots):
-            raise InvalidRequestError(
-                f"model_path {str(path)!r} is outside the allowed checkpoint roots; put the checkpoint "
-                "under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS",
-                status_code=403,
-                allowed=[str(r) for r in roots],
-            )
-        if not path.is_dir():
-            raise InvalidRequestError(f"model_path {str(path)!r} is not a directory", status_code=404)
-        return path
-
-    async def update_weight_version(self, request: UpdateWeightVersionRequest) -> None:
-        if request.abort_all_requests:
-            self._scheduler.abort(None, message="aborted by update_weight_version")
-
-        def rename() -> None:
-            with self._weights_lock.write():
-                self._weight_version = request.new_version
-
-        await asyncio.to_thread(rename)
-
-    async def checksum(self) -> ModelChecksum:
-        """The checksum of the weights this process holds right now (recomputed, never cached)."""
-
-        def compute() -> ModelChecksum:
-            with self._weights_lock.read():
-                return checksum_module(self._model)
-
-        return await asyncio.to_thread(compute)
-
-    @property
-    def weights_status(self) -> WeightsStatus:
-        return self._weights_status
-
     # --- health and info -------------------------------------------------------------------
 
     async def health_generate(self) -> str | None:
         """Generate one token; returns None when healthy, else why not."""
-        if self._weights_status is WeightsStatus.UNVERIFIED:
+        if self.weights.held.status is WeightsStatus.UNVERIFIED:
             return "the engine holds unverified weights"
         if self._scheduler.state is not GenerationState.SERVING:
             return f"generation is {self._scheduler.state.value}"
@@ -420,11 +302,11 @@ class Engine:
 
     def model_info(self) -> dict[str, Any]:
         return {
-            "model_path": str(self._loaded_from),
+            "model_path": str(self.weights.loaded_from),
             "tokenizer_path": str(self.model_path),
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": self._weight_version,
+            "weight_version": self.weights.held.version,
             "served_model_name": self.served_model_name,
             "architectures": list(getattr(self.config, "architectures", None) or []),
             "context_length": self.context_length,
@@ -434,10 +316,11 @@ class Engine:
 
     def server_info(self) -> dict[str, Any]:
         stats = self._scheduler.stats()
+        held = self.weights.held
         return {
             "version": __version__,
             "engine": "miles-embedded",
-            "model_path": str(self._loaded_from),
+            "model_path": str(self.weights.loaded_from),
             "served_model_name": self.served_model_name,
             "host": self.settings.host,
             "port": self.settings.port,
@@ -445,8 +328,9 @@ class Engine:
             "forward": self.forward_name,
             "max_running_requests": self.settings.max_running_requests,
             "context_length": self.context_length,
-            "weight_version": self._weight_version,
-            "weights_status": self._weights_status.value,
+            "weight_version": held.version,
+            "checksum": held.checksum,
+            "weights_status": held.status.value,
             "uptime_s": time.time() - self.started_at,
             "internal_states": [
                 {
@@ -481,7 +365,9 @@ def _per_prompt(value: Any, count: int, default: Any) -> list[Any]:
     return [value if value is not None else default] * count
 
 
-def _eos_ids(model_path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+def _eos_ids(
+    model_path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, *, vocab_size: int
+) -> frozenset[int]:
     ids: set[int] = set()
     try:
         generation = GenerationConfig.from_pretrained(str(model_path))
@@ -495,4 +381,9 @@ def _eos_ids(model_path: Path, config: PretrainedConfig, tokenizer: PreTrainedTo
             ids.update(int(v) for v in value)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    return frozenset(ids)
+    # An id the model cannot produce cannot end generation, and masking it (min_new_tokens) would
+    # index past the logits inside every step.
+    outside = sorted(i for i in ids if not 0 <= i < vocab_size)
+    if outside:
+        logger.warning("ignoring EOS token ids outside the vocabulary [0, %d): %s", vocab_size, outside)
+    return frozenset(i for i in ids if 0 <= i < vocab_size)

@@ -2,7 +2,9 @@
 
 Every handler parses a typed request, calls ``Engine``, and shapes the answer; no logic lives
 here. Bad input is answered with a 4xx and a message (``{"error": {"message", "type", "code"}}``),
-never a 500: malformed JSON and unknown or invalid fields are 400, like SGLang.
+never a 500: malformed JSON and unknown or invalid fields are 400, like SGLang. Every other error
+is answered in the same shape too (an unknown path is a 404 with a message, and a bug a logged
+JSON 500), so a client never meets an HTML page or a dropped connection.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from miles.engine.engine import Engine
 from miles.errors import InvalidRequestError
@@ -27,10 +31,12 @@ from miles.protocol.openai import (
     completion_body,
     finish_reason,
     new_id,
+    versions,
 )
 from miles.protocol.sglang import (
     AbortRequest,
     ContinueGenerationRequest,
+    ExportWeightsRequest,
     GenerateRequest,
     GenerateResponse,
     PauseGenerationRequest,
@@ -69,7 +75,12 @@ def validation_message(exc: RequestValidationError) -> str:
             return "the request body must be a JSON object, sent with Content-Type: application/json"
         if error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",):
             return "the request needs a JSON body"
-        text = f"unknown field {where!r}" if error.get("type") == "extra_forbidden" else f"{where}: {error.get('msg')}"
+        # "Value error, " is pydantic's prefix for our own validators' messages, which say it all.
+        msg = str(error.get("msg", "")).removeprefix("Value error, ")
+        if error.get("type") == "extra_forbidden":
+            text = f"unknown field {where!r}"
+        else:
+            text = msg if where == "body" else f"{where}: {msg}"
         if text not in parts:
             parts.append(text)
     return "invalid request: " + "; ".join(parts)
@@ -85,6 +96,30 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequestError)
     async def _refused(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), code=exc.status_code), status_code=exc.status_code)
+
+
+def install_engine_handlers(app: FastAPI) -> None:
+    """The engine's answers to errors that are not request validation: HTTP errors (unknown path,
+    wrong method, a body that is not text) in the API's error shape, and a last resort for bugs."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 400 and message == "There was an error parsing the body":
+            message = "the request body could not be parsed: send a JSON object encoded as UTF-8"
+        elif exc.status_code == 404:
+            message = "no such endpoint; see docs/ENGINE.md for the engine's endpoints"
+        elif exc.status_code == 405:
+            message = "this endpoint does not accept this HTTP method"
+        return JSONResponse(error_body(message, code=exc.status_code), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Last resort: nothing a client sends should get here (requests are validated first), but
+        # a bug must still answer in the API's error shape and leave its traceback in the log.
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        message = f"internal error ({type(exc).__name__}: {str(exc)[:200]}); see the engine log"
+        return JSONResponse(error_body(message, code=500, kind="internal_error"), status_code=500)
 
 
 _DISCONNECT_POLL_S = 0.25
@@ -129,6 +164,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     app = FastAPI(title="miles embedded engine", lifespan=lifespan)
     install_error_handlers(app)
+    install_engine_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -150,8 +186,8 @@ def create_app(engine: Engine) -> FastAPI:
         return engine.server_info()
 
     @app.get("/get_weight_version")
-    async def get_weight_version() -> dict[str, str]:
-        return {"weight_version": engine.weight_version}
+    async def get_weight_version() -> dict[str, Any]:
+        return engine.weights.identity().model_dump(mode="json")
 
     @app.post("/generate")
     async def generate(request: GenerateRequest, http_request: Request) -> Response:
@@ -166,12 +202,12 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest) -> JSONResponse:
-        result = await engine.update_weights_from_disk(request)
+        result = await engine.weights.update_from_disk(request)
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.success else 400)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: UpdateWeightVersionRequest) -> dict[str, Any]:
-        await engine.update_weight_version(request)
+        await engine.weights.rename(request)
         return {"success": True, "message": "weight version updated", "new_version": request.new_version}
 
     @app.post("/pause_generation")
@@ -201,9 +237,13 @@ def create_app(engine: Engine) -> FastAPI:
         # The engine keeps no prefix cache across requests, so there is nothing stale to drop.
         return PlainTextResponse("Cache flushed.\n")
 
+    @app.post("/export_weights")
+    async def export_weights(request: ExportWeightsRequest) -> dict[str, Any]:
+        return (await engine.weights.export(request)).model_dump(mode="json")
+
     @app.post("/weights_checker")
     async def weights_checker(request: WeightsCheckerRequest | None = None) -> dict[str, Any]:
-        checksum = await engine.checksum()
+        checksum = await engine.weights.checksum()
         return {
             "success": True,
             "message": f"checksum of the weights held at version {engine.weight_version}",
@@ -214,7 +254,7 @@ def create_app(engine: Engine) -> FastAPI:
                 "num_tensors": len(checksum.tensors),
                 "num_bytes": checksum.num_bytes,
                 "weight_version": engine.weight_version,
-                "weights_status": engine.weights_status.value,
+                "weights_status": engine.weights.held.status.value,
             },
         }
 
@@ -272,18 +312,31 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
+def _translated(build: Any) -> GenerateRequest:
+    # The OpenAI models refuse what the native ones would (miles.protocol.openai), so this only
+    # guards against the two drifting apart: a 400 naming the field, not a 500.
+    try:
+        return build()  # type: ignore[no-any-return]
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors())
+        raise InvalidRequestError(f"invalid request: {problems}") from None
+
+
 def _completion_to_generate(request: CompletionRequest) -> GenerateRequest:
-    params = request.sampling_params(request.max_tokens)
     prompt = request.prompt
-    common: dict[str, Any] = {
-        "sampling_params": params,
-        "return_logprob": request.logprobs is not None,
-        "top_logprobs_num": request.logprobs or 0,
-        "stream": request.stream,
-    }
-    if isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], str)):
-        return GenerateRequest(text=prompt, **common)
-    return GenerateRequest(input_ids=prompt, **common)
+
+    def build() -> GenerateRequest:
+        common: dict[str, Any] = {
+            "sampling_params": request.sampling_params(),
+            "return_logprob": request.logprobs is not None,
+            "top_logprobs_num": request.logprobs or 0,
+            "stream": request.stream,
+        }
+        if isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], str)):
+            return GenerateRequest(text=prompt, **common)
+        return GenerateRequest(input_ids=prompt, **common)
+
+    return _translated(build)
 
 
 def _chat_to_generate(engine: Engine, request: ChatCompletionRequest) -> GenerateRequest:
@@ -294,12 +347,14 @@ def _chat_to_generate(engine: Engine, request: ChatCompletionRequest) -> Generat
         raise InvalidRequestError(f"the model's chat template could not render these messages: {exc}") from exc
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
-    return GenerateRequest(
-        input_ids=list(ids),
-        sampling_params=request.sampling_params(request.token_budget),
-        return_logprob=request.logprobs,
-        top_logprobs_num=request.top_logprobs or 0,
-        stream=request.stream,
+    return _translated(
+        lambda: GenerateRequest(
+            input_ids=list(ids),
+            sampling_params=request.sampling_params(),
+            return_logprob=request.logprobs,
+            top_logprobs_num=request.top_logprobs or 0,
+            stream=request.stream,
+        )
     )
 
 
@@ -330,7 +385,6 @@ async def _openai_stream(
         else:
             choice["text"] = delta
         if reason is not None:
-            choice["weight_version"] = snapshot.meta_info.weight_version_end
-            choice["weight_version_start"] = snapshot.meta_info.weight_version_start
+            choice.update(versions(snapshot))
         yield sse({"id": rid, "object": kind, "model": model, "choices": [choice]})
     yield sse("[DONE]")

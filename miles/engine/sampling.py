@@ -4,15 +4,22 @@ Each row keeps its own ``torch.Generator`` so a seeded request draws the same to
 shares its batch. Greedy rows (temperature 0) take the argmax and never touch a generator.
 Logprobs are reported under the model's raw distribution (log-softmax of the logits before
 temperature and filtering), which is what RL importance ratios need.
+
+``sample_rows`` is what the scheduler calls: one batched selection, and, if that raises, one
+selection per row, so a row whose settings break sampling fails alone (each row's random number
+is drawn once, up front, so the rows that are retried draw exactly what they would have).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from miles.protocol.sglang import SamplingParams
+
+logger = logging.getLogger("miles.engine")
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,22 @@ class SampledTokens:
     top: list[list[tuple[float, int]]]
 
 
+@dataclass(frozen=True)
+class SampledRow:
+    """One row's selection: the token, its logprob (when asked for) and its top alternatives."""
+
+    token: int
+    logprob: float | None
+    top: list[tuple[float, int]]
+
+
+@dataclass(frozen=True)
+class SamplingFailure:
+    """Selecting a token for this row raised, even alone; ``error`` carries the traceback."""
+
+    error: Exception
+
+
 def sample_batch(
     logits: torch.Tensor,
     samplers: list[RowSampler],
@@ -71,6 +94,82 @@ def sample_batch(
     row wants reported. Greedy rows share one batched argmax and sampled rows one batched draw;
     only penalties and stop-token masks are applied row by row, to the rows that have them.
     """
+    return _select(
+        logits,
+        samplers,
+        uniforms=_uniforms(samplers),
+        histories=histories,
+        output_lengths=output_lengths,
+        want_logprobs=want_logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    samplers: list[RowSampler],
+    *,
+    histories: list[list[int]],
+    output_lengths: list[int],
+    want_logprobs: list[bool],
+    top_logprobs: list[int],
+) -> list[SampledRow | SamplingFailure]:
+    """``sample_batch``, but a row whose selection raises fails alone: if the batch raises, every
+    row is selected on its own, and only the rows that still raise come back as failures.
+
+    Every row's random number is drawn before anything can raise and reused by the retry, so a
+    seeded row draws the same token whether or not a neighbour broke the batch.
+    """
+    uniforms = _uniforms(samplers)
+    try:
+        batch = _select(
+            logits,
+            samplers,
+            uniforms=uniforms,
+            histories=histories,
+            output_lengths=output_lengths,
+            want_logprobs=want_logprobs,
+            top_logprobs=top_logprobs,
+        )
+        return [SampledRow(token=t, logprob=lp, top=top) for t, lp, top in zip(batch.tokens, batch.logprobs, batch.top)]
+    except Exception:
+        # Which row broke the batch is found by the retry below; each failing row is reported
+        # (with its own traceback) by the caller.
+        logger.warning("sampling a batch of %d rows failed; sampling each row alone", len(samplers), exc_info=True)
+    results: list[SampledRow | SamplingFailure] = []
+    for row, sampler in enumerate(samplers):
+        try:
+            one = _select(
+                logits[row : row + 1],
+                [sampler],
+                uniforms=uniforms[row : row + 1],
+                histories=[histories[row]],
+                output_lengths=[output_lengths[row]],
+                want_logprobs=[want_logprobs[row]],
+                top_logprobs=[top_logprobs[row]],
+            )
+            results.append(SampledRow(token=one.tokens[0], logprob=one.logprobs[0], top=one.top[0]))
+        except Exception as exc:  # this row alone cannot be sampled: it fails, its neighbours go on
+            results.append(SamplingFailure(error=exc))
+    return results
+
+
+def _uniforms(samplers: list[RowSampler]) -> torch.Tensor:
+    """One uniform number per row from its own generator (0 for greedy rows, which draw nothing)."""
+    values = [float(torch.rand(1, generator=s.generator)) if s.generator is not None else 0.0 for s in samplers]
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _select(
+    logits: torch.Tensor,
+    samplers: list[RowSampler],
+    *,
+    uniforms: torch.Tensor,
+    histories: list[list[int]],
+    output_lengths: list[int],
+    want_logprobs: list[bool],
+    top_logprobs: list[int],
+) -> SampledTokens:
     logits = logits.float()
     tokens: list[int] = logits.argmax(dim=-1).tolist()
     sampled = [row for row, sampler in enumerate(samplers) if not sampler.greedy]
@@ -91,7 +190,7 @@ def sample_batch(
             tokens[row] = int(torch.argmax(row_logits).item())
     if sampled:
         assert sampled_logits is not None
-        drawn = _draw(sampled_logits, [samplers[row] for row in sampled])
+        drawn = _draw(sampled_logits, [samplers[row] for row in sampled], uniforms[sampled])
         for row, token in zip(sampled, drawn, strict=True):
             tokens[row] = token
     logprobs: list[float | None] = [None] * len(samplers)
@@ -113,11 +212,11 @@ def sample_batch(
     return SampledTokens(tokens=tokens, logprobs=logprobs, top=top)
 
 
-def _draw(logits: torch.Tensor, samplers: list[RowSampler]) -> list[int]:
+def _draw(logits: torch.Tensor, samplers: list[RowSampler], uniform: torch.Tensor) -> list[int]:
     """One seeded draw per row of ``logits`` ([S, V], penalties applied), after temperature and the
     top-k, top-p and min-p filters, all rows at once.
 
-    Each row draws by inverting its cumulative distribution (in token-id order) at one uniform
+    Each row draws by inverting its cumulative distribution (in token-id order) at ``uniform``, one
     number from its own generator, so a row's token depends only on its logits, its settings and
     its seed, never on its neighbours.
     """
@@ -140,7 +239,7 @@ def _draw(logits: torch.Tensor, samplers: list[RowSampler]) -> list[int]:
         probs = torch.zeros_like(probs).scatter(1, order, probs)
     cumulative = probs.cumsum(dim=-1)
     total = cumulative[:, -1]
-    uniform = torch.cat([torch.rand(1, generator=s.generator, dtype=total.dtype) for s in samplers])
+    uniform = uniform.to(device=total.device, dtype=total.dtype)
     choice = torch.searchsorted(cumulative, (uniform * total).unsqueeze(1), right=True).squeeze(1)
     choice = choice.clamp(max=vocab - 1)
     # Every candidate filtered out (e.g. all logits -inf): fall back to the argmax.

@@ -7,7 +7,16 @@ variable; actions on running sequences (abort, retract) are carried out by the s
 the top of its next iteration, because it alone owns the batch.
 
 New requests join the running batch at the next step (their prompts are prefilled as a group and
-the KV caches merged), and finished requests leave it at once.
+the KV caches merged), and finished requests leave it at once. A retracted request leaves the batch
+for the front of the queue with what it generated, and joins again later by prefilling its whole
+history (prompt + output so far).
+
+One request must never cost the others their generations. A failure inside a step fails only the
+rows that cause it: a group prefill that raises is retried one request at a time; a batched
+selection that raises is retried row by row (``sampling.sample_rows``); a decode, select or merge
+that raises leaves a KV state nobody can trust, so the batch is rebuilt by prefilling each row's
+history alone. Whatever still raises alone ends that request with ``abort``, its partial output
+and a message saying generation failed inside the engine; its traceback goes to the log.
 
 One torch thread: the scheduler thread also loads the model and runs every other parallel torch
 operation of the engine (the weight copy, through ``call``). Each thread that runs a parallel
@@ -19,20 +28,20 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
 from miles.engine.model_runner import ModelRunner
 from miles.engine.rwlock import WeightsLock
-from miles.engine.sampling import RowSampler, sample_batch
-from miles.protocol.sglang import FinishReason, GenerateMetaInfo, GenerateResponse, PauseMode
+from miles.engine.sampling import SamplingFailure, sample_rows
+from miles.engine.sequence import Detokenizer, Sequence
+from miles.protocol.sglang import FinishReason, GenerateResponse, PauseMode
 
 logger = logging.getLogger("miles.engine")
 
@@ -45,41 +54,6 @@ class GenerationState(Enum):
     SERVING = "serving"  # admit and step
     PAUSED = "paused"  # no admission; the running batch (if any) steps to completion
     HELD = "held"  # no admission, no stepping: running requests wait in place
-
-
-class ResultSink(Protocol):
-    """Where a sequence's progress and final result go (called from the scheduler thread)."""
-
-    def progress(self, snapshot: GenerateResponse) -> None: ...
-
-    def finish(self, response: GenerateResponse) -> None: ...
-
-
-class Detokenizer(Protocol):
-    def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str: ...
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One generation request as the scheduler tracks it (mutable; scheduler-owned once running)."""
-
-    rid: str
-    prompt_ids: list[int]
-    sampler: RowSampler
-    sink: ResultSink
-    stream: bool = False
-    top_logprobs: int = 0
-    return_logprob: bool = False
-    arrived: float = field(default_factory=time.monotonic)
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[list[tuple[float, int]]] = field(default_factory=list)
-    version_start: str | None = None
-    version_end: str | None = None
-
-    @property
-    def history(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
 
 
 @dataclass(frozen=True)
@@ -119,6 +93,9 @@ class Scheduler:
         self._running_count = 0  # len(self._rows), readable by other threads under _cond
         self._batch: object | None = None  # the runner's KV state of self._rows
         self._logits: torch.Tensor | None = None
+        # True when the KV state was dropped after a failure: the next step rebuilds it from the
+        # rows' histories before anything else runs (under the weights lock).
+        self._needs_rebuild = False
         self._state = GenerationState.SERVING
         self._pending_aborts: list[tuple[str | None, str]] = []  # (rid or None for all, message)
         self._pending_retract = False
@@ -169,7 +146,8 @@ class Scheduler:
             self._cond.notify_all()
 
     def abort(self, rid: str | None, *, message: str) -> int:
-        """Abort one request (or every one when ``rid`` is None); returns how many were found."""
+        """Abort one request (or every one when ``rid`` is None), running, waiting or retracted;
+        returns how many were found. Each answers with its partial output, marked interrupted."""
         with self._cond:
             found = self._abort_waiting(rid, message)
             running = [s for s in self._rows if rid is None or s.rid == rid]
@@ -184,7 +162,8 @@ class Scheduler:
         """Stop admitting requests and deal with in-flight ones as ``mode`` says.
 
         Returns when the mode's promise holds: ``drain`` once the running batch finished,
-        ``abort``/``retract`` once it was emptied, ``in_place`` once no step is running.
+        ``abort`` once it was emptied, ``retract`` once its rows went back to the front of the
+        queue (to continue, re-prefilled, after ``resume``), ``in_place`` once no step is running.
         Returns the number of requests that were in flight.
         """
         with self._cond:
@@ -267,9 +246,9 @@ class Scheduler:
                     with self._weights_lock.read():
                         self._step(admitted)
             except Exception:
-                # The loop must survive a failing forward (e.g. out of memory): fail the batch's
-                # requests with the error instead of leaving their callers waiting forever.
-                logger.exception("generation step failed; aborting the running batch")
+                # Last resort, should the isolation in _step itself fail: the loop must survive,
+                # and no caller may be left waiting forever.
+                logger.exception("generation step failed outside per-request isolation; aborting the running batch")
                 self._fail_all(admitted, "generation failed inside the engine; see the server log")
             finally:
                 with self._cond:
@@ -289,24 +268,27 @@ class Scheduler:
         hits = [s for s in self._waiting if rid is None or s.rid == rid]
         for seq in hits:
             self._waiting.remove(seq)
-            seq.version_start = seq.version_end = self._weight_version()
             self._finish(seq, FinishReason(type="abort", message=message), interrupted=True)
         return len(hits)
 
     def _apply_actions(self, aborts: list[tuple[str | None, str]], *, retract: bool) -> None:
         for rid, message in aborts:
-            if rid is None:
-                with self._cond:
-                    self._abort_waiting(None, message)
+            # The queue too: a row retracted after abort() found it running is waiting now.
+            with self._cond:
+                self._abort_waiting(rid, message)
             self._drop_rows(
                 lambda s, rid=rid: rid is None or s.rid == rid,
                 FinishReason(type="abort", message=message),
             )
-        if retract:
-            self._drop_rows(
-                lambda s: True,
-                FinishReason(type="abort", message="retracted by pause_generation; resubmit to continue"),
-            )
+        if retract and self._rows:
+            # Back to the front of the queue, in batch order, keeping what they generated; their
+            # KV state is dropped and rebuilt from their history when they are admitted again.
+            with self._cond:
+                for seq in reversed(self._rows):
+                    seq.logits_version = None
+                    self._waiting.appendleft(seq)
+                self._rows, self._batch, self._logits = [], None, None
+                self._needs_rebuild = False
 
     def _drop_rows(self, predicate: Callable[[Sequence], bool], reason: FinishReason) -> None:
         leaving = [s for s in self._rows if predicate(s)]
@@ -315,134 +297,189 @@ class Scheduler:
         self._keep([i for i, s in enumerate(self._rows) if s not in leaving])
 
     def _keep(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (and their pending logits)."""
         if len(keep) == len(self._rows):
             return
-        if not keep:
-            self._rows, self._batch, self._logits = [], None, None
+        rows = [self._rows[i] for i in keep]
+        if not rows or self._needs_rebuild:
+            self._rows = rows
+            if not rows:
+                self._batch, self._logits, self._needs_rebuild = None, None, False
             return
         assert self._runner is not None and self._batch is not None and self._logits is not None
-        self._batch = self._runner.select(self._batch, keep)
-        self._logits = self._logits[keep]
-        self._rows = [self._rows[i] for i in keep]
+        try:
+            batch = self._runner.select(self._batch, keep)
+        except Exception:
+            # Not under the weights lock here: the rebuild (a forward) waits for the next step.
+            logger.exception("selecting %d rows out of the batch failed; rebuilding it row by row", len(rows))
+            self._rows, self._batch, self._logits, self._needs_rebuild = rows, None, None, True
+            return
+        self._batch, self._logits, self._rows = batch, self._logits[keep], rows
 
     def _step(self, admitted: list[Sequence]) -> None:
         version = self._weight_version()
+        if self._needs_rebuild:
+            self._rebuild(version)
         if admitted:
             self._admit(admitted, version)
         if not self._rows:
             return
         assert self._logits is not None and self._batch is not None
-        sampled = sample_batch(
+        rows = self._rows
+        selected = sample_rows(
             self._logits,
-            [s.sampler for s in self._rows],
-            histories=[s.history if s.sampler.needs_penalties else [] for s in self._rows],
-            output_lengths=[len(s.output_ids) for s in self._rows],
-            want_logprobs=[s.return_logprob for s in self._rows],
-            top_logprobs=[s.top_logprobs for s in self._rows],
+            [s.sampler for s in rows],
+            histories=[s.history if s.sampler.needs_penalties else [] for s in rows],
+            output_lengths=[len(s.output_ids) for s in rows],
+            want_logprobs=[s.return_logprob for s in rows],
+            top_logprobs=[s.top_logprobs for s in rows],
         )
         keep: list[int] = []
-        for row, seq in enumerate(self._rows):
-            seq.output_ids.append(sampled.tokens[row])
-            logprob = sampled.logprobs[row]
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            if seq.top_logprobs:
-                seq.top.append(sampled.top[row])
-            reason = self._stop_reason(seq)
-            if reason is not None:
-                self._finish(seq, reason)
-            else:
-                keep.append(row)
+        for row, (seq, result) in enumerate(zip(rows, selected, strict=True)):
+            if isinstance(result, SamplingFailure):
+                self._fail(seq, result.error, stage="sampling")
+                continue
+            try:
+                seq.record(result.token, logprob=result.logprob, top=result.top)
+                self._tokens += 1
+                reason = seq.stop_reason(self._detokenizer)
+                if reason is not None:
+                    self._finish(seq, reason)
+                    continue
                 if seq.stream:
                     seq.sink.progress(self._response(seq, None, interrupted=False))
-        self._tokens += len(self._rows)
-        next_tokens = [self._rows[i].output_ids[-1] for i in keep]
-        self._keep(keep)
-        if self._rows:
-            assert self._runner is not None
-            self._logits = self._runner.decode(self._batch, next_tokens)
-            for seq in self._rows:
-                seq.version_end = version
+            except Exception as exc:  # this request's bookkeeping broke; its neighbours go on
+                self._fail(seq, exc, stage="recording the sampled token")
+                continue
+            keep.append(row)
         self._steps += 1
+        if len(keep) == len(rows):
+            batch = self._batch
+        elif not keep:
+            self._rows, self._batch, self._logits = [], None, None
+            return
+        else:
+            batch = None
+        remaining = [rows[i] for i in keep]
+        try:
+            if batch is None:
+                assert self._runner is not None
+                batch = self._runner.select(self._batch, keep)
+            self._rows, self._batch = remaining, batch
+            assert self._runner is not None
+            self._logits = self._runner.decode(batch, [s.output_ids[-1] for s in remaining])
+        except Exception:
+            # The KV state may be half-advanced (decode writes in place): rebuild every row from
+            # its history, which now ends with the token just sampled, so the rebuilt logits are
+            # the ones this decode would have produced.
+            logger.exception("decoding a batch of %d rows failed; rebuilding it row by row", len(remaining))
+            self._rows = remaining
+            self._rebuild(version)
+            return
+        for seq in remaining:
+            seq.logits_version = version
 
     def _admit(self, admitted: list[Sequence], version: str) -> None:
         ready: list[Sequence] = []
         for seq in admitted:
-            seq.version_start = seq.version_end = version
-            if seq.sampler.params.max_new_tokens == 0:
+            if not seq.output_ids and seq.sampler.params.max_new_tokens == 0:
                 self._finish(seq, FinishReason(type="length", length=0))
             else:
                 ready.append(seq)
         if not ready:
             return
         assert self._runner is not None
-        batch, logits = self._runner.prefill([s.prompt_ids for s in ready])
+        try:
+            # The history, not the prompt: a retracted request continues from what it generated.
+            batch, logits = self._runner.prefill([s.history for s in ready])
+        except Exception:
+            logger.exception("prefilling %d admitted requests together failed; prefilling each alone", len(ready))
+            group = self._prefill_alone(ready)
+            if group is None:
+                return
+            batch, logits, ready = group.batch, group.logits, group.rows
+        for seq in ready:
+            seq.logits_version = version
         if self._batch is None:
             self._batch, self._logits = batch, logits
-        else:
-            assert self._logits is not None
-            self._batch = self._runner.merge(self._batch, batch)
-            self._logits = torch.cat([self._logits, logits], dim=0)
+            self._rows.extend(ready)
+            return
+        assert self._logits is not None
+        try:
+            merged = self._runner.merge(self._batch, batch)
+        except Exception:
+            logger.exception("merging %d admitted requests into the batch failed; rebuilding it row by row", len(ready))
+            self._rows.extend(ready)
+            self._rebuild(version)
+            return
+        self._batch = merged
+        self._logits = torch.cat([self._logits, logits], dim=0)
         self._rows.extend(ready)
 
-    def _stop_reason(self, seq: Sequence) -> FinishReason | None:
-        params = seq.sampler.params
-        last = seq.output_ids[-1]
-        if len(seq.output_ids) >= params.min_new_tokens:
-            if last in seq.sampler.stop_ids:
-                return FinishReason(type="stop", matched=last)
-            if params.stop_strings:
-                text = self._text(seq)
-                for stop in params.stop_strings:
-                    if stop in text:
-                        return FinishReason(type="stop", matched=stop)
-        if len(seq.output_ids) >= params.max_new_tokens:
-            return FinishReason(type="length", length=len(seq.output_ids))
-        return None
+    def _rebuild(self, version: str) -> None:
+        """Replace the KV state of ``self._rows`` by prefilling each row's history alone (then
+        merging), failing only the rows that fail alone. Only failure paths call this."""
+        group = self._prefill_alone(self._rows)
+        self._needs_rebuild = False
+        if group is None:
+            self._rows, self._batch, self._logits = [], None, None
+            return
+        self._rows, self._batch, self._logits = group.rows, group.batch, group.logits
+        for seq in self._rows:
+            seq.logits_version = version
 
-    def _text(self, seq: Sequence) -> str:
-        return self._detokenizer.decode(seq.output_ids, skip_special_tokens=seq.sampler.params.skip_special_tokens)
+    def _prefill_alone(self, sequences: list[Sequence]) -> _Group[object] | None:
+        """Prefill each sequence's history on its own and merge the results into one group;
+        a sequence whose prefill (or merge into the group) raises fails alone."""
+        assert self._runner is not None
+        group: _Group[object] | None = None
+        for seq in sequences:
+            try:
+                batch, logits = self._runner.prefill([seq.history])
+                if group is None:
+                    group = _Group(batch=batch, logits=logits, rows=[seq])
+                else:
+                    group = _Group(
+                        batch=self._runner.merge(group.batch, batch),
+                        logits=torch.cat([group.logits, logits], dim=0),
+                        rows=[*group.rows, seq],
+                    )
+            except Exception as exc:  # this request fails alone; the others go on
+                self._fail(seq, exc, stage="prefill")
+        return group
+
+    def _fail(self, seq: Sequence, error: Exception, *, stage: str) -> None:
+        """End one request that failed inside the engine, with its partial output."""
+        logger.error("generation failed for request %s (%s)", seq.rid, stage, exc_info=error)
+        detail = f"{type(error).__name__}: {error}"
+        message = (
+            f"generation failed inside the engine for this request ({stage}: {detail[:200]}); "
+            "other requests were not affected; see the server log"
+        )
+        self._finish(seq, FinishReason(type="abort", message=message), interrupted=True)
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, interrupted: bool = False) -> None:
         seq.sink.finish(self._response(seq, reason, interrupted=interrupted))
 
     def _response(self, seq: Sequence, reason: FinishReason | None, *, interrupted: bool) -> GenerateResponse:
-        params = seq.sampler.params
-        text = self._text(seq)
-        if reason is not None and reason.type == "stop" and not params.no_stop_trim:
-            # Like SGLang, the text excludes what stopped it (unless no_stop_trim); output_ids keep it.
-            if isinstance(reason.matched, str):
-                text = text[: text.index(reason.matched)]
-            else:
-                text = self._detokenizer.decode(seq.output_ids[:-1], skip_special_tokens=params.skip_special_tokens)
-        start = seq.version_start or self._weight_version()
-        end = seq.version_end or start
-        logprobs = None
-        top = None
-        if seq.return_logprob:
-            logprobs = [(lp, tok, None) for lp, tok in zip(seq.logprobs, seq.output_ids)]
-            if seq.top_logprobs:
-                top = [[(lp, tok, None) for lp, tok in pairs] for pairs in seq.top]
-        return GenerateResponse(
-            text=text,
-            output_ids=list(seq.output_ids),
-            meta_info=GenerateMetaInfo(
-                id=seq.rid,
-                finish_reason=reason,
-                prompt_tokens=len(seq.prompt_ids),
-                completion_tokens=len(seq.output_ids),
-                e2e_latency=time.monotonic() - seq.arrived,
-                weight_version=end,
-                weight_version_start=start,
-                weight_version_end=end,
-                interrupted=interrupted,
-                output_token_logprobs=logprobs,
-                output_top_logprobs=top,
-            ),
+        return seq.response(
+            reason, interrupted=interrupted, detokenizer=self._detokenizer, current_version=self._weight_version()
         )
 
     def _fail_all(self, admitted: list[Sequence], message: str) -> None:
         reason = FinishReason(type="abort", message=message)
         for seq in {id(s): s for s in [*self._rows, *admitted]}.values():
             self._finish(seq, reason, interrupted=True)
-        self._rows, self._batch, self._logits = [], None, None
+        self._rows, self._batch, self._logits, self._needs_rebuild = [], None, None, False
+
+
+KV = TypeVar("KV")
+
+
+@dataclass(frozen=True)
+class _Group(Generic[KV]):
+    """Sequences prefilled together: their KV state, their next-token logits, and the rows."""
+
+    batch: KV
+    logits: torch.Tensor
+    rows: list[Sequence]

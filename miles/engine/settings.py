@@ -38,6 +38,8 @@ class EngineSettings(BaseModel):
     # Checkpoint directories that /update_weights_from_disk may read; empty means any local path.
     allowed_checkpoint_roots: tuple[Path, ...] = ()
     health_generate_timeout_s: Annotated[float, Field(gt=0)] = 20.0
+    # Where POST /export_weights writes snapshots of the held weights; None disables the endpoint.
+    snapshot_dir: Path | None = None
     log_level: str = "warning"
 
     @field_validator("device")

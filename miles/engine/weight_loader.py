@@ -59,11 +59,19 @@ def prepare_update(model: torch.nn.Module, checkpoint: Path) -> PreparedUpdate:
         reader = open_checkpoint(checkpoint)
     except CheckpointError:
         # The files could not even be mapped; a full verification names every problem.
-        _raise_if_bad(verify_checkpoint(checkpoint), checkpoint)
+        _raise_if_bad(_verified(checkpoint), checkpoint)
         raise
+    except OSError as exc:
+        # Unreadable files (a directory where the manifest should be, no permission): the
+        # checkpoint is refused like any other bad one, never a failure of the engine.
+        raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
     try:
         opened = time.perf_counter()
-        _raise_if_bad(reader.verify(), checkpoint)
+        try:
+            report = reader.verify()
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
+        _raise_if_bad(report, checkpoint)
         verified = time.perf_counter()
         targets = saved_state_dict(model)
         _match(targets, reader, checkpoint)
@@ -72,6 +80,13 @@ def prepare_update(model: torch.nn.Module, checkpoint: Path) -> PreparedUpdate:
     except BaseException:
         reader.close()
         raise
+
+
+def _verified(checkpoint: Path) -> VerificationReport:
+    try:
+        return verify_checkpoint(checkpoint)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
 
 
 def _raise_if_bad(report: VerificationReport, checkpoint: Path) -> None:

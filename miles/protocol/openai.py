@@ -1,7 +1,9 @@
 """OpenAI-compatible completion and chat requests, and their translation to SGLang generate requests.
 
-Requests keep OpenAI's field names; unknown fields are refused. Responses follow OpenAI's shapes
-and add one extension per choice, ``weight_version`` (plus ``weight_version_start``), so RL callers
+Requests keep OpenAI's field names; unknown fields are refused, and every value the native
+``SamplingParams`` would refuse is refused here, at validation (a 400 naming the field, never a
+failure inside the handler). Responses follow OpenAI's shapes and add one extension per choice,
+``weight_version`` (plus ``weight_version_start`` and ``weight_version_spans``), so RL callers
 using an OpenAI client still learn which weights produced each sample.
 """
 
@@ -11,34 +13,37 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, StrictFloat, StrictInt, ValidationError, model_validator
 
+from miles.protocol.base import Count, Penalty, RequestModel, Seed, Stop, TopK, TopP
 from miles.protocol.sglang import GenerateResponse, SamplingParams
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _SamplingFields(_Strict):
+class _SamplingFields(RequestModel):
     model: str | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: int = -1
-    n: Annotated[int, Field(ge=1, le=64)] = 1
+    temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    n: Annotated[StrictInt, Field(ge=1, le=64)] = 1
     stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    stop: Stop = None
+    seed: Seed | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     user: str | None = None
     # miles extensions: sticky routing and a minimum weight version, honoured by the controller.
     session_id: str | None = None
     min_weight_version: str | None = None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    @property
+    def token_budget(self) -> int:
+        raise NotImplementedError
+
+    def sampling_params(self) -> SamplingParams:
+        """The native sampling settings of this request; valid whenever the request is (the
+        validator below builds them once, so a value the native model refuses is a 400 here)."""
         return SamplingParams(
-            max_new_tokens=max_tokens,
+            max_new_tokens=self.token_budget,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -49,23 +54,40 @@ class _SamplingFields(_Strict):
             frequency_penalty=self.frequency_penalty,
         )
 
+    @model_validator(mode="after")
+    def _translatable(self) -> _SamplingFields:
+        # The fields above share the native model's constraints; this catches any combination
+        # that only the native model refuses, at validation instead of inside the handler.
+        try:
+            self.sampling_params()
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"these settings cannot be served: {problems}") from None
+        return self
+
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=0)] = 16
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: Count = 16
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     echo: Literal[False] = False
+
+    @property
+    def token_budget(self) -> int:
+        return self.max_tokens
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if isinstance(self.prompt, list) and any(isinstance(p, list) and not p for p in self.prompt):
+            raise ValueError("prompt must not contain an empty list of token ids")
         if self.stream and isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
             raise ValueError("streaming supports a single prompt")
         return self
 
 
-class ChatMessage(_Strict):
+class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
     name: str | None = None
@@ -73,10 +95,10 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=0)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
     @property
     def token_budget(self) -> int:
@@ -113,7 +135,7 @@ def completion_body(
                 "text": response.text,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason(response),
-                **_versions(response),
+                **versions(response),
             }
         )
     return {
@@ -144,7 +166,7 @@ def chat_body(
                 "message": {"role": "assistant", "content": response.text},
                 "logprobs": logprobs,
                 "finish_reason": finish_reason(response),
-                **_versions(response),
+                **versions(response),
             }
         )
     return {
@@ -157,10 +179,13 @@ def chat_body(
     }
 
 
-def _versions(response: GenerateResponse) -> dict[str, str]:
+def versions(response: GenerateResponse) -> dict[str, Any]:
+    """The miles extension every choice carries: which weights produced it (see GenerateMetaInfo)."""
+    meta = response.meta_info
     return {
-        "weight_version": response.meta_info.weight_version_end,
-        "weight_version_start": response.meta_info.weight_version_start,
+        "weight_version": meta.weight_version_end,
+        "weight_version_start": meta.weight_version_start,
+        "weight_version_spans": [span.model_dump(mode="json") for span in meta.weight_version_spans],
     }
 
 

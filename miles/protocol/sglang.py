@@ -11,51 +11,67 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
+
+from miles.protocol.base import (
+    Count,
+    Penalty,
+    RequestModel,
+    Seed,
+    Stop,
+    Temperature,
+    TopK,
+    TopP,
+    WeightVersion,
+    sample_seed,
+)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class SamplingParams(RequestModel):
+    """Per-request decoding settings, with SGLang's names and defaults.
 
+    Token ids (``stop_token_ids``) are checked against the model's vocabulary by the engine, which
+    knows it, before the request joins the batch.
+    """
 
-class SamplingParams(_Strict):
-    """Per-request decoding settings, with SGLang's names and defaults."""
-
-    max_new_tokens: Annotated[int, Field(ge=0)] = 128
-    min_new_tokens: Annotated[int, Field(ge=0)] = 0
-    temperature: Annotated[float, Field(ge=0.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: int = -1
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    max_new_tokens: Count = 128
+    min_new_tokens: Count = 0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.0
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=2.0)] = 1.0
+    stop: Stop = None
+    stop_token_ids: list[Count] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    n: Annotated[int, Field(ge=1, le=64)] = 1
-    sampling_seed: int | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    sampling_seed: Seed | None = None
     # Accepted as a shorter alias of ``sampling_seed`` (OpenAI's name for the same thing).
-    seed: int | None = None
+    seed: Seed | None = None
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError("top_k must be -1 (disabled) or a positive integer")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError("min_new_tokens must not exceed max_new_tokens")
         if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
             raise ValueError("give either seed or sampling_seed, not two different values")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
         return self
 
     @property
     def effective_seed(self) -> int | None:
         return self.sampling_seed if self.sampling_seed is not None else self.seed
+
+    def for_sample(self, sample: int) -> SamplingParams:
+        """The settings of sample ``sample`` of ``n``: sample *i* of a seeded request draws with
+        seed + *i* (wrapped into the seed range), so the samples differ but reproduce."""
+        seed = self.effective_seed
+        if seed is None or sample == 0:
+            return self
+        return self.model_copy(update={"sampling_seed": sample_seed(seed, sample), "seed": None})
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -64,16 +80,16 @@ class SamplingParams(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(RequestModel):
     """``POST /generate``: one prompt or a batch (lists), as text or token ids."""
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: Annotated[int, Field(ge=0, le=20)] = 0
+    logprob_start_len: StrictInt = -1
+    top_logprobs_num: Annotated[StrictInt, Field(ge=0, le=20)] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
     session_id: str | None = None
@@ -83,6 +99,8 @@ class GenerateRequest(_Strict):
     def _check(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
+        if isinstance(self.text, list) and not self.text:
+            raise ValueError("text is an empty batch; give at least one prompt")
         if self.logprob_start_len != -1:
             raise ValueError(
                 "logprob_start_len other than -1 (prompt logprobs) is not supported; "
@@ -125,6 +143,17 @@ class FinishReason(BaseModel):
     message: str | None = None
 
 
+class WeightVersionSpan(BaseModel):
+    """Output tokens ``[start, end)`` (indices into ``output_ids``) were sampled from logits that
+    the weights of ``weight_version`` computed."""
+
+    model_config = ConfigDict(frozen=True)
+
+    weight_version: str
+    start: int
+    end: int
+
+
 class GenerateMetaInfo(BaseModel):
     """``meta_info`` of a generation response; ``weight_version`` is the version at the end."""
 
@@ -137,10 +166,16 @@ class GenerateMetaInfo(BaseModel):
     cached_tokens: int = 0
     e2e_latency: float
     weight_version: str
+    # The first and last spans' versions (the version current at the answer when no token was
+    # produced).
     weight_version_start: str
     weight_version_end: str
-    # True when the request was cut short by a pause or an update (``retract``/``abort``): the
-    # tokens so far are returned so the caller can resubmit (partial rollout).
+    # Which weights produced which output tokens, in order, covering every output token once; two
+    # or more spans when the weights changed under the request (in-place pause across an update, a
+    # rename, a retracted request resumed on new weights). Empty without output tokens.
+    weight_version_spans: list[WeightVersionSpan] = []
+    # True when the request was cut short (aborted by a client, a pause or an update, or failed
+    # inside the engine): the tokens so far are returned so the caller can resubmit.
     interrupted: bool = False
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
     output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
@@ -159,8 +194,9 @@ class PauseMode(StrEnum):
 
     ``drain``: requests already running finish on the current weights; new ones wait.
     ``abort``: running and queued requests end at once with an ``abort`` finish reason.
-    ``retract``: running requests end at once and return their partial output marked
-    ``interrupted`` (the caller resubmits); queued requests wait.
+    ``retract``: running requests leave the batch and go back to the front of the queue with the
+    tokens they produced; when generation continues they are prefilled again (prompt + output so
+    far, on the weights then current) and finish normally. Queued requests wait.
     ``in_place``: running requests stay where they are and continue after the pause, possibly on
     new weights (their ``weight_version_start`` and ``weight_version_end`` then differ).
     """
@@ -171,32 +207,34 @@ class PauseMode(StrEnum):
     IN_PLACE = "in_place"
 
 
-class PauseGenerationRequest(_Strict):
+class PauseGenerationRequest(RequestModel):
     mode: PauseMode = PauseMode.ABORT
 
 
-class ContinueGenerationRequest(_Strict):
+class ContinueGenerationRequest(RequestModel):
     torch_empty_cache: bool = False
 
 
-class AbortRequest(_Strict):
+class AbortRequest(RequestModel):
     rid: str = ""
     abort_all: bool = False
     abort_message: str | None = None
 
 
-class UpdateWeightsFromDiskRequest(_Strict):
-    """``POST /update_weights_from_disk``: load a checkpoint directory into the live weights."""
+class UpdateWeightsFromDiskRequest(RequestModel):
+    """``POST /update_weights_from_disk``: load a checkpoint directory into the live weights.
+
+    ``model_path`` is checked as a path (``miles.weights.paths.checked_path``) by the engine."""
 
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: WeightVersion | None = None
     is_async: bool = False
     torch_empty_cache: bool = False
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
-    token_step: int = 0
+    token_step: StrictInt = 0
     flush_cache: bool = True
 
     @model_validator(mode="before")
@@ -220,15 +258,15 @@ class UpdateWeightsResponse(BaseModel):
     timings: dict[str, float] = {}
 
 
-class UpdateWeightVersionRequest(_Strict):
+class UpdateWeightVersionRequest(RequestModel):
     """``POST /update_weight_version``. Unlike SGLang, ``abort_all_requests`` defaults to false:
     renaming the version must never cost the requests in flight."""
 
-    new_version: str = Field(min_length=1)
+    new_version: WeightVersion
     abort_all_requests: bool = False
 
 
-class WeightsCheckerRequest(_Strict):
+class WeightsCheckerRequest(RequestModel):
     action: Literal["checksum"] = "checksum"
 
 
@@ -241,6 +279,26 @@ class WeightsCheckerResponse(BaseModel):
 
 
 class WeightVersionResponse(BaseModel):
+    """``GET /get_weight_version``: the identity of the weights held now, for drift detection."""
+
     model_config = ConfigDict(frozen=True)
 
+    weight_version: str
+    # The model checksum of the weights held now (miles extension; None only before the model
+    # has loaded).
+    checksum: str | None = None
+
+
+class ExportWeightsRequest(RequestModel):
+    """``POST /export_weights`` (miles extension): the step recorded in the written manifest."""
+
+    step: Count
+
+
+class ExportWeightsResponse(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    success: bool
+    path: str
+    checksum: str
     weight_version: str

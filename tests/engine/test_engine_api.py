@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from miles.testing import running_engine
+from miles.weights.checkpoint import read_manifest
 
 
 @pytest.fixture(scope="module", params=["fused", "transformers"])
@@ -43,9 +44,12 @@ def test_health_and_info(http: httpx.Client, checkpoints: dict[str, Path]) -> No
     assert info["is_generation"] is True
     assert info["weight_version"] == "1"
     assert info["served_model_name"] == "tiny"
-    assert http.get("/get_weight_version").json() == {"weight_version": "1"}
+    # The identity a drift probe compares: computed at start-up, so never null once healthy.
+    v1_checksum = read_manifest(checkpoints["v1"]).checksum
+    assert http.get("/get_weight_version").json() == {"weight_version": "1", "checksum": v1_checksum}
     server = http.get("/get_server_info").json()
     assert server["internal_states"][0]["generation_state"] == "serving"
+    assert server["checksum"] == v1_checksum
 
 
 def test_generate_text_and_ids_agree(http: httpx.Client) -> None:
@@ -56,6 +60,8 @@ def test_generate_text_and_ids_agree(http: httpx.Client) -> None:
     assert meta["finish_reason"] == {"type": "length", "length": 8, "matched": None, "message": None}
     assert meta["completion_tokens"] == len(by_text["output_ids"]) == 8
     assert meta["weight_version_start"] == meta["weight_version_end"] == meta["weight_version"] == "1"
+    assert meta["weight_version_spans"] == [{"weight_version": "1", "start": 0, "end": 8}]
+    assert ids["meta_info"]["weight_version_spans"] == []
 
 
 def test_greedy_is_deterministic_alone_and_in_a_batch(http: httpx.Client) -> None:
@@ -157,6 +163,7 @@ def test_openai_endpoints(http: httpx.Client) -> None:
     assert completion["object"] == "text_completion"
     assert completion["usage"]["completion_tokens"] == 5
     assert completion["choices"][0]["weight_version"] == "1"
+    assert completion["choices"][0]["weight_version_spans"] == [{"weight_version": "1", "start": 0, "end": 5}]
     native = http.post("/generate", json=greedy("12+", 5)).json()
     assert completion["choices"][0]["text"] == native["text"]
     chat = http.post(
@@ -174,6 +181,8 @@ def test_openai_endpoints(http: httpx.Client) -> None:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     deltas = [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]]
     assert "".join(deltas) == native["text"]
+    last = json.loads(lines[-2][6:])["choices"][0]
+    assert last["weight_version_spans"] == [{"weight_version": "1", "start": 0, "end": 5}]
 
 
 def test_abort_request_needs_a_target(http: httpx.Client) -> None:
@@ -182,8 +191,6 @@ def test_abort_request_needs_a_target(http: httpx.Client) -> None:
 
 
 def test_flush_cache_and_weights_checker(http: httpx.Client, checkpoints: dict[str, Path]) -> None:
-    from miles.weights.checkpoint import read_manifest
-
     assert http.post("/flush_cache").status_code == 200
     body = http.post("/weights_checker", json={"action": "checksum"}).json()
     assert body["success"] is True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -105,7 +106,10 @@ def test_update_loads_verified_weights_and_back(http: httpx.Client, checkpoints:
     assert body["checksum"] == read_manifest(checkpoints["v2"]).checksum
     checker = http.post("/weights_checker", json={"action": "checksum"}).json()["payload"]
     assert checker["checksum"] == read_manifest(checkpoints["v2"]).checksum
-    assert http.get("/get_weight_version").json()["weight_version"] == "2"
+    # The identity a drift probe reads follows a direct load at once.
+    identity = {"weight_version": "2", "checksum": read_manifest(checkpoints["v2"]).checksum}
+    assert http.get("/get_weight_version").json() == identity
+    assert http.get("/get_server_info").json()["checksum"] == identity["checksum"]
     after = outputs(http)
     assert after != before
     assert load(http, checkpoints["v1"]).json()["success"] is True
@@ -136,7 +140,11 @@ def test_bad_checkpoints_are_refused_and_old_weights_keep_serving(
     body = response.json()
     assert body["success"] is False
     assert needle in body["message"].lower(), body["message"]
-    assert http.get("/get_weight_version").json()["weight_version"] == "1"
+    # A refused load leaves the identity as it was.
+    assert http.get("/get_weight_version").json() == {
+        "weight_version": "1",
+        "checksum": read_manifest(checkpoints["v1"]).checksum,
+    }
     checker = http.post("/weights_checker", json={}).json()["payload"]
     assert checker["checksum"] == read_manifest(checkpoints["v1"]).checksum
     assert outputs(http) == before
@@ -181,19 +189,19 @@ def wait_running(http: httpx.Client, count: int, futures: list) -> None:
         state = http.get("/get_server_info").json()["internal_states"][0]
         if state["running_requests"] >= count:
             return
-        time.sleep(0.01)
+        time.sleep(0.001)
     raise AssertionError("requests never started running")
 
 
 def test_pause_drain_finishes_in_flight_work(http: httpx.Client, engine_url: str) -> None:
-    pool, futures = start_long(engine_url, 2, tokens=200)
+    pool, futures = start_long(engine_url, 2, tokens=480)
     wait_running(http, 2, futures)
     paused = http.post("/pause_generation", json={"mode": "drain"}).json()
     assert paused["num_paused_requests"] == 2
     for future in futures:
         result = future.result(timeout=60)
         assert result["meta_info"]["finish_reason"]["type"] == "length"
-        assert result["meta_info"]["completion_tokens"] == 200
+        assert result["meta_info"]["completion_tokens"] == 480
     # New work waits while paused, then runs after continue.
     waiting = pool.submit(lambda: httpx.post(f"{engine_url}/generate", json=greedy("x", 3), timeout=60).json())
     time.sleep(0.3)
@@ -215,36 +223,102 @@ def test_pause_abort_ends_in_flight_work(http: httpx.Client, engine_url: str) ->
     pool.shutdown()
 
 
-def test_pause_retract_returns_partial_outputs_marked_interrupted(http: httpx.Client, engine_url: str) -> None:
+def test_pause_retract_requeues_running_requests_and_they_finish_complete(
+    http: httpx.Client, engine_url: str
+) -> None:
     pool, futures = start_long(engine_url, 1, tokens=480)
     wait_running(http, 1, futures)
-    http.post("/pause_generation", json={"mode": "retract"})
+    paused = http.post("/pause_generation", json={"mode": "retract"}).json()
+    assert paused["num_paused_requests"] == 1
+    # Retracted, not ended: it waits at the front of the queue with what it produced.
+    state = http.get("/get_server_info").json()["internal_states"][0]
+    assert (state["running_requests"], state["waiting_requests"]) == (0, 1)
+    assert not futures[0].done()
+    http.post("/continue_generation", json={})
     result = futures[0].result(timeout=60)
     meta = result["meta_info"]
-    assert meta["interrupted"] is True
-    assert "retracted" in meta["finish_reason"]["message"]
-    assert 0 < meta["completion_tokens"] == len(result["output_ids"]) < 480
-    # The caller resubmits prompt + partial output and gets exactly the uninterrupted continuation.
-    http.post("/continue_generation", json={})
-    prompt_ids = http.post("/generate", json={"text": "p0", "sampling_params": {"max_new_tokens": 0}}).json()
-    resumed = http.post(
-        "/generate",
-        json={
-            "input_ids": _ids(http, "p0") + result["output_ids"],
-            "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True},
-        },
-    ).json()
-    straight = http.post("/generate", json=long_request("p0", len(result["output_ids"]) + 20)).json()
-    assert straight["output_ids"] == result["output_ids"] + resumed["output_ids"]
-    assert prompt_ids["meta_info"]["completion_tokens"] == 0
+    assert meta["finish_reason"]["type"] == "length"
+    assert meta["interrupted"] is False
+    assert meta["completion_tokens"] == len(result["output_ids"]) == 480
+    assert meta["weight_version_spans"] == [{"weight_version": "1", "start": 0, "end": 480}]
+    # Re-prefilling prompt + output on the same weights continues exactly where it stopped.
+    straight = http.post("/generate", json=long_request("p0", 480)).json()
+    assert result["output_ids"] == straight["output_ids"]
     pool.shutdown()
 
 
-def _ids(http: httpx.Client, text: str) -> list[int]:
-    from transformers import AutoTokenizer
+def test_aborting_a_retracted_request_returns_its_partial_output(http: httpx.Client, engine_url: str) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        body = {**long_request("p0", 480), "rid": "retracted-1"}
+        future = pool.submit(lambda: httpx.post(f"{engine_url}/generate", json=body, timeout=60, trust_env=False))
+        wait_running(http, 1, [future])
+        http.post("/pause_generation", json={"mode": "retract"})
+        # Still in flight under its rid: a second request with that rid is refused.
+        again = http.post("/generate", json={**greedy("x", 1), "rid": "retracted-1"})
+        assert again.status_code == 400 and "already in flight" in again.json()["error"]["message"]
+        assert http.post("/abort_request", json={"rid": "retracted-1"}).json()["num_aborted"] == 1
+        result = future.result(timeout=60).json()
+    meta = result["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["interrupted"] is True
+    assert 0 < meta["completion_tokens"] == len(result["output_ids"]) < 480
+    http.post("/continue_generation", json={})
 
-    tokenizer = AutoTokenizer.from_pretrained(http.get("/get_model_info").json()["tokenizer_path"])
-    return list(tokenizer.encode(text))
+
+def test_a_retracted_request_resumes_on_new_weights_with_version_spans(
+    http: httpx.Client, engine_url: str, checkpoints: dict[str, Path]
+) -> None:
+    prompt = [5, 17, 42, 99]
+    total = 480
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": total, "temperature": 0, "ignore_eos": True}}
+    v1_reference = http.post("/generate", json=body).json()["output_ids"]
+    snapshots: list[dict] = []
+    with httpx.Client(base_url=engine_url, timeout=120, trust_env=False) as streaming:
+        with streaming.stream("POST", "/generate", json={**body, "stream": True}) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    snapshots.append(json.loads(line.removeprefix("data: ")))
+                    if len(snapshots[-1]["output_ids"]) >= 5:
+                        break
+            paused = http.post("/pause_generation", json={"mode": "retract"}).json()
+            assert paused["num_paused_requests"] == 1
+            # The caller paused the engine, so the update leaves it paused.
+            loaded = load(http, checkpoints["v2"]).json()
+            assert loaded["success"] is True and loaded["weight_version"] == "2"
+            assert http.get("/get_server_info").json()["internal_states"][0]["waiting_requests"] == 1
+            http.post("/continue_generation", json={})
+            for line in lines:
+                if line.startswith("data: {"):
+                    snapshots.append(json.loads(line.removeprefix("data: ")))
+    final = snapshots[-1]
+    meta = final["meta_info"]
+    assert meta["finish_reason"]["type"] == "length"
+    assert meta["interrupted"] is False
+    assert meta["completion_tokens"] == len(final["output_ids"]) == total
+    spans = meta["weight_version_spans"]
+    changed = spans[0]["end"]
+    assert spans == [
+        {"weight_version": "1", "start": 0, "end": changed},
+        {"weight_version": "2", "start": changed, "end": total},
+    ]
+    assert 5 <= changed < total
+    assert (meta["weight_version_start"], meta["weight_version_end"], meta["weight_version"]) == ("1", "2", "2")
+    # Before the change: v1's greedy tokens. After: what v2 produces greedily from the history.
+    assert final["output_ids"][:changed] == v1_reference[:changed]
+    prefix = final["output_ids"][:changed]
+    continuation = http.post(
+        "/generate",
+        json={
+            "input_ids": prompt + prefix,
+            "sampling_params": {"max_new_tokens": total - changed, "temperature": 0, "ignore_eos": True},
+        },
+    ).json()
+    assert continuation["meta_info"]["weight_version"] == "2"
+    assert final["output_ids"][changed:] == continuation["output_ids"]
+    # Stream snapshots carry the spans too, and every span covers the tokens sent so far.
+    for snapshot in snapshots[:-1]:
+        covered = snapshot["meta_info"]["weight_version_spans"]
+        assert covered[-1]["end"] == len(snapshot["output_ids"])
 
 
 def test_in_place_pause_lets_requests_span_an_update(
@@ -258,17 +332,25 @@ def test_in_place_pause_lets_requests_span_an_update(
     meta = futures[0].result(timeout=60)["meta_info"]
     assert meta["finish_reason"]["type"] == "length"
     assert (meta["weight_version_start"], meta["weight_version_end"]) == ("1", "2")
+    spans = meta["weight_version_spans"]
+    assert [s["weight_version"] for s in spans] == ["1", "2"]
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0 and spans[1]["end"] == 480
     pool.shutdown()
 
 
-def test_version_only_change_never_aborts(http: httpx.Client, engine_url: str) -> None:
+def test_version_only_change_never_aborts(http: httpx.Client, engine_url: str, checkpoints: dict[str, Path]) -> None:
     pool, futures = start_long(engine_url, 1, tokens=300)
     wait_running(http, 1, futures)
     assert http.post("/update_weight_version", json={"new_version": "1b"}).json()["success"] is True
     meta = futures[0].result(timeout=60)["meta_info"]
     assert meta["finish_reason"]["type"] == "length"
     assert meta["completion_tokens"] == 300
-    assert http.get("/get_weight_version").json()["weight_version"] == "1b"
+    # A rename changes the name, not the weights: the checksum stays.
+    assert http.get("/get_weight_version").json() == {
+        "weight_version": "1b",
+        "checksum": read_manifest(checkpoints["v1"]).checksum,
+    }
+    assert [s["weight_version"] for s in meta["weight_version_spans"]] == ["1", "1b"]
     pool.shutdown()
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from miles.engine.sampling import RowSampler, sample_batch
+from miles.engine.sampling import RowSampler, SampledRow, SamplingFailure, sample_batch, sample_rows
 from miles.protocol.sglang import SamplingParams
 
 EOS = 2
@@ -126,3 +126,23 @@ def test_logprobs_are_reported_under_the_raw_distribution(greedy: bool) -> None:
     values, ids = torch.topk(raw[2], 4)
     assert [token for _, token in result.top[2]] == ids.tolist()
     assert [value for value, _ in result.top[2]] == pytest.approx(values.tolist(), abs=1e-6)
+
+
+def test_a_row_whose_sampling_raises_fails_alone_and_seeded_rows_draw_as_in_a_clean_batch() -> None:
+    logits = torch.randn(4, 60, generator=torch.Generator().manual_seed(5))
+    clean = [_sampler(sampling_seed=11), _sampler(temperature=0.0), _sampler(sampling_seed=12, top_p=0.9)]
+    expected = _sample(logits[[0, 1, 3]], clean).tokens
+    # A stop id past the vocabulary, masked while under min_new_tokens, indexes past the logits.
+    breaking = _sampler(temperature=0.0, min_new_tokens=8, stop_token_ids=[10**9])
+    samplers = [_sampler(sampling_seed=11), _sampler(temperature=0.0), breaking, _sampler(sampling_seed=12, top_p=0.9)]
+    rows = len(samplers)
+    results = sample_rows(
+        logits,
+        samplers,
+        histories=[[]] * rows,
+        output_lengths=[4] * rows,
+        want_logprobs=[False] * rows,
+        top_logprobs=[0] * rows,
+    )
+    assert isinstance(results[2], SamplingFailure) and isinstance(results[2].error, IndexError)
+    assert [r.token for r in results if isinstance(r, SampledRow)] == expected

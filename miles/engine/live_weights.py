@@ -1,0 +1,278 @@
+"""The weights an engine serves: what they are, and every operation that changes or reads them whole.
+
+``LiveWeights`` owns the identity of the served weights (``HeldWeights``: version, checksum,
+verified or not), replaced whole under the write side of the weights lock whenever the weights or
+their name change, so a probe never reads a version paired with another version's checksum. The
+checksum is never stale: it is computed once at start-up, by every copy (over the memory just
+written, whatever it hashes to), and by every ``/weights_checker``; a rename keeps it.
+
+A load follows the order that makes it safe: check the path, verify the whole checkpoint and match
+it against the live model while generation goes on, pause as asked, copy under the write side of
+the lock on the scheduler thread (between two steps), confirm the checksum, resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from miles.engine.rwlock import WeightsLock
+from miles.engine.scheduler import GenerationState, Scheduler
+from miles.engine.settings import EngineSettings
+from miles.engine.snapshot import export_snapshot
+from miles.engine.weight_loader import PreparedUpdate, apply_update, prepare_update
+from miles.errors import CheckpointError, InvalidRequestError
+from miles.protocol.sglang import (
+    ExportWeightsRequest,
+    ExportWeightsResponse,
+    PauseMode,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsResponse,
+    UpdateWeightVersionRequest,
+    WeightVersionResponse,
+)
+from miles.weights.checksum import ModelChecksum, checksum_module
+from miles.weights.paths import checked_path
+
+logger = logging.getLogger("miles.engine")
+
+
+class WeightsStatus(Enum):
+    """Whether the live weights are known to equal a verified checkpoint."""
+
+    VERIFIED = "verified"
+    # A copy finished but the weights hash to something other than the checkpoint's manifest:
+    # generation stays paused until a good checkpoint is loaded.
+    UNVERIFIED = "unverified"
+
+
+@dataclass(frozen=True)
+class HeldWeights:
+    """The identity of the weights the engine holds now (replaced whole, never torn)."""
+
+    version: str
+    # The model checksum of the weights held now; None only until the model has loaded.
+    checksum: str | None
+    status: WeightsStatus
+
+
+class LiveWeights:
+    """The served weights' identity and the operations on them; coroutines run on the event loop."""
+
+    def __init__(
+        self,
+        *,
+        settings: EngineSettings,
+        scheduler: Scheduler,
+        lock: WeightsLock,
+        model: Callable[[], PreTrainedModel],
+        tokenizer: Any,
+        served_model_name: str,
+        version: str,
+        loaded_from: Path,
+        manifest_checksum: str | None,
+    ) -> None:
+        self._settings = settings
+        self._scheduler = scheduler
+        self._lock = lock
+        self._model = model
+        self._tokenizer = tokenizer
+        self._served_model_name = served_model_name
+        self._held = HeldWeights(version=version, checksum=None, status=WeightsStatus.VERIFIED)
+        self._start_manifest_checksum = manifest_checksum
+        self._loaded_from = loaded_from
+        # One update at a time (the next waits); one export at a time (two writing the same
+        # snapshot would race for its directory).
+        self._update_lock = asyncio.Lock()
+        self._export_lock = asyncio.Lock()
+
+    @property
+    def held(self) -> HeldWeights:
+        return self._held
+
+    @property
+    def loaded_from(self) -> Path:
+        """The checkpoint directory the weights were last loaded from."""
+        return self._loaded_from
+
+    def identity(self) -> WeightVersionResponse:
+        """What the weights held now are (version and checksum), from one consistent record."""
+        held = self._held
+        return WeightVersionResponse(weight_version=held.version, checksum=held.checksum)
+
+    def record_loaded(self) -> None:
+        """Record the checksum of the weights just loaded at start-up, before serving begins, so
+        the identity probes read is never without one (a hash pass at memory speed)."""
+        checksum = checksum_module(self._model()).checksum
+        self._held = replace(self._held, checksum=checksum)
+        if self._start_manifest_checksum not in (None, checksum):
+            logger.warning(
+                "the weights loaded from %s hash to %s but its manifest says %s; the engine reports what it holds",
+                self._loaded_from,
+                checksum,
+                self._start_manifest_checksum,
+            )
+
+    def require_verified(self, action: str) -> None:
+        """Raises InvalidRequestError (409) while the weights are unverified."""
+        if self._held.status is WeightsStatus.UNVERIFIED:
+            raise InvalidRequestError(
+                "the engine holds unverified weights after a failed update; load a good checkpoint "
+                f"with /update_weights_from_disk before {action}",
+                status_code=409,
+            )
+
+    async def update_from_disk(self, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
+        """Load a checkpoint into the live weights (see the module docstring for the order).
+
+        Raises InvalidRequestError for a path that is not allowed or not a directory. A checkpoint
+        that fails validation is answered with ``success=False`` and leaves the old weights serving.
+        """
+        path = self._checkpoint_path(request.model_path)
+        async with self._update_lock:
+            try:
+                prepared = await asyncio.to_thread(prepare_update, self._model(), path)
+            except CheckpointError as exc:
+                logger.warning("refused checkpoint %s: %s", path, exc)
+                return UpdateWeightsResponse(success=False, message=str(exc), weight_version=self._held.version)
+            try:
+                version = request.weight_version or prepared.weight_version
+                pausing = self._scheduler.state is GenerationState.SERVING
+                paused = 0
+                pause_started = time.perf_counter()
+                if pausing:
+                    mode = PauseMode.ABORT if request.abort_all_requests else PauseMode.DRAIN
+                    paused = await asyncio.to_thread(
+                        self._scheduler.pause, mode, message="aborted by update_weights_from_disk"
+                    )
+                elif request.abort_all_requests:
+                    self._scheduler.abort(None, message="aborted by update_weights_from_disk")
+                prepared.timings["pause"] = time.perf_counter() - pause_started
+                # The copy runs on the scheduler thread, between two steps (one torch thread).
+                checksum = await asyncio.to_thread(self._scheduler.call, lambda: self._copy_in(prepared, version))
+                ok = checksum.checksum == prepared.manifest_checksum
+                if pausing and ok and not request.keep_pause:
+                    self._scheduler.resume()
+            finally:
+                prepared.close()
+        if not ok:
+            return UpdateWeightsResponse(
+                success=False,
+                message=(
+                    f"weights loaded from {path} hash to {checksum.checksum} but the manifest says "
+                    f"{prepared.manifest_checksum}; generation stays paused until a good checkpoint is loaded"
+                ),
+                num_paused_requests=paused,
+                weight_version=self._held.version,
+                checksum=checksum.checksum,
+                timings=prepared.timings,
+            )
+        return UpdateWeightsResponse(
+            success=True,
+            message=f"Succeeded to update model weights from {path}.",
+            num_paused_requests=paused,
+            weight_version=version,
+            checksum=checksum.checksum,
+            timings=prepared.timings,
+        )
+
+    def _copy_in(self, prepared: PreparedUpdate, version: str) -> ModelChecksum:
+        waiting = time.perf_counter()
+        with self._lock.write():
+            prepared.timings["write_lock_wait"] = time.perf_counter() - waiting
+            checksum = apply_update(prepared)
+            # Whatever the outcome, the record says what the weights hash to now (a drift probe
+            # must see an unverified copy for what it is); the version moves only with a match.
+            if checksum.checksum == prepared.manifest_checksum:
+                self._held = HeldWeights(version=version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
+                self._loaded_from = Path(prepared.reader.directory)
+            else:
+                self._held = replace(self._held, checksum=checksum.checksum, status=WeightsStatus.UNVERIFIED)
+            return checksum
+
+    def _checkpoint_path(self, raw: str) -> Path:
+        # Text from the request: checked (NUL bytes, lengths, loops) before any filesystem call.
+        path = checked_path(raw, field="model_path")
+        roots = self._settings.allowed_checkpoint_roots
+        if roots and not any(path.is_relative_to(root) for root in roots):
+            raise InvalidRequestError(
+                f"model_path {str(path)!r} is outside the allowed checkpoint roots; put the checkpoint "
+                "under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS",
+                status_code=403,
+                allowed=[str(r) for r in roots],
+            )
+        try:
+            is_dir = path.is_dir()
+        except OSError as exc:  # e.g. a resolved path longer than the system allows
+            raise InvalidRequestError(f"model_path {str(path)[:200]!r} cannot be read: {exc.strerror}") from exc
+        if not is_dir:
+            raise InvalidRequestError(f"model_path {str(path)!r} is not a directory", status_code=404)
+        return path
+
+    async def rename(self, request: UpdateWeightVersionRequest) -> None:
+        """Serve the same weights under ``new_version`` (between two steps: the write side)."""
+        if request.abort_all_requests:
+            self._scheduler.abort(None, message="aborted by update_weight_version")
+
+        def rename() -> None:
+            with self._lock.write():
+                self._held = replace(self._held, version=request.new_version)
+
+        await asyncio.to_thread(rename)
+
+    async def checksum(self) -> ModelChecksum:
+        """The checksum of the weights held right now (recomputed, and recorded as theirs)."""
+
+        def compute() -> ModelChecksum:
+            with self._lock.read():
+                result = checksum_module(self._model())
+                # Still under the read lock: no copy can change the weights before this is recorded.
+                self._held = replace(self._held, checksum=result.checksum)
+                return result
+
+        return await asyncio.to_thread(compute)
+
+    async def export(self, request: ExportWeightsRequest) -> ExportWeightsResponse:
+        """Write the weights held now as a sealed checkpoint under ``--snapshot-dir``.
+
+        Raises InvalidRequestError (409) when export is not enabled or the weights are unverified.
+        """
+        snapshot_dir = self._settings.snapshot_dir
+        if snapshot_dir is None:
+            raise InvalidRequestError(
+                "weight export is not enabled on this engine; start it with --snapshot-dir DIR "
+                "(the directory exported checkpoints are written under)",
+                status_code=409,
+            )
+
+        def export() -> ExportWeightsResponse:
+            # The read side for the whole write: steps go on, but no copy or rename can change
+            # the weights (or their name) between the record read here and the last byte written.
+            # A worker thread, not the scheduler's: the write takes long and steps must not wait.
+            with self._lock.read():
+                self.require_verified("exporting")
+                held = self._held
+                assert held.checksum is not None, "the checksum is recorded before the engine serves"
+                path = export_snapshot(
+                    self._model(),
+                    tokenizer=self._tokenizer,
+                    snapshot_dir=snapshot_dir,
+                    model_name=self._served_model_name,
+                    weight_version=held.version,
+                    checksum=held.checksum,
+                    step=request.step,
+                )
+            return ExportWeightsResponse(
+                success=True, path=str(path), checksum=held.checksum, weight_version=held.version
+            )
+
+        async with self._export_lock:
+            return await asyncio.to_thread(export)
