@@ -15,7 +15,6 @@ from miles.utils.audit_utils.event_analyzer import (
     Finding,
     Rule,
     analyze_events,
-    integer_version,
 )
 from miles.utils.audit_utils.event_logger.models import (
     ChecksumRole,
@@ -24,6 +23,7 @@ from miles.utils.audit_utils.event_logger.models import (
     LockAcquiredEvent,
     WeightUpdateCommittedEvent,
 )
+from miles.utils.weight_version import version_number
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -206,10 +206,10 @@ def test_a_restored_older_version_is_not_reported_but_a_later_confirmation_below
 
 
 def test_integer_version_accepts_only_base_10_integers() -> None:
-    assert integer_version("42") == 42
-    assert integer_version("-1") == -1
+    assert version_number("42") == 42
+    assert version_number("-1") == -1
     for text in ("1_000", " 7", "4.0", "٣", "", "v1", None):
-        assert integer_version(text) is None
+        assert version_number(text) is None
 
 
 # --- the registry --------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from miles.utils.audit_utils.event_analyzer.rules import (
     RuleCheck,
     check_checksum_consistency,
     check_weight_version_order,
-    integer_version,
 )
 
 __all__ = [
@@ -24,5 +23,4 @@ __all__ = [
     "analyze_events",
     "check_checksum_consistency",
     "check_weight_version_order",
-    "integer_version",
 ]

@@ -6,7 +6,6 @@ function with that shape and append a ``Rule`` to ``RULES``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from miles.utils.audit_utils.event_logger.models import (
     InferenceEngineWeightChecksumEvent,
     WeightUpdateCommittedEvent,
 )
+from miles.utils.weight_version import version_number
 
 RuleCheck = Callable[[Sequence[Event]], Iterable[Finding]]
 """Takes every event of a log in timestamp order and yields the violations it finds."""
@@ -33,18 +33,6 @@ class Rule:
 
 CHECKSUM_CONSISTENCY = "checksum_consistency"
 WEIGHT_VERSION_ORDER = "weight_version_order"
-
-# Only plain base-10 integers are comparable versions; int() alone would also accept "1_000",
-# " 7" and non-ASCII digits, which nobody means as an ordered version.
-_INTEGER_VERSION = re.compile(r"-?[0-9]+")
-
-
-def integer_version(version: str | None) -> int | None:
-    """Return ``version`` as an int when it is a base-10 integer, else None (not comparable)."""
-    if version is None or not _INTEGER_VERSION.fullmatch(version):
-        return None
-    return int(version)
-
 
 def check_checksum_consistency(events: Sequence[Event]) -> Iterator[Finding]:
     """Yield a finding for each server report (confirmed or restored) whose checksum differs
@@ -108,7 +96,7 @@ def _committed_in_order(
     event: WeightUpdateCommittedEvent,
     highest: dict[str, tuple[int, WeightUpdateCommittedEvent]],
 ) -> Finding | None:
-    version = integer_version(event.weight_version)
+    version = version_number(event.weight_version)
     if version is None:
         return None
     previous = highest.get(event.model_name)
@@ -134,7 +122,7 @@ def _confirmed_in_order(
     event: InferenceEngineWeightChecksumEvent,
     highest: dict[tuple[str, str], tuple[int, InferenceEngineWeightChecksumEvent]],
 ) -> Finding | None:
-    version = integer_version(event.weight_version)
+    version = version_number(event.weight_version)
     if version is None or event.server_id is None:
         return None
     key = (event.model_name, event.server_id)
