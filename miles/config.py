@@ -43,6 +43,27 @@ class UpdatePauseMode(StrEnum):
     RETRACT = "retract"
 
 
+MINUTE = 60.0
+HOUR = 60 * MINUTE
+DAY = 24 * HOUR
+# A training window's lease: long enough for a real push, short enough that a dead trainer's
+# window ends within a day. Shared by the settings and the per-window ``ttl_s``.
+LEASE_TTL_MIN_S = 0.1
+LEASE_TTL_MAX_S = DAY
+# How long one update may take (per call ``timeout``), the same bounds as ``update_timeout_s``.
+UPDATE_TIMEOUT_MIN_S = 0.1
+UPDATE_TIMEOUT_MAX_S = DAY
+
+
+def check_seconds(value: float, *, name: str, low: float, high: float) -> float:
+    """``value`` if it is a finite number of seconds in [low, high]; else InvalidRequestError."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise InvalidRequestError(
+            f"{name} must be a number of seconds between {low:g} and {high:g}, got {value!r}"
+        )
+    return float(value)
+
+
 # Settings PATCH /config may change, and why each of the others may not.
 RUNTIME_CHANGEABLE = frozenset(
     {
@@ -70,30 +91,37 @@ FIXED_REASONS = {
     "events_dir": "the event log is already open; restart to write elsewhere",
     "events_fsync": "the event log is already open; restart to change its durability",
     "log_dir": "server logs are already being written; restart to write elsewhere",
+    "state_dir": "engines were launched writing there; restart to move it",
 }
 
 
 class ControllerSettings(BaseSettings):
     """Every knob of the InferenceController, with its ``MILES_<NAME>`` environment variable."""
 
-    model_config = SettingsConfigDict(env_prefix="MILES_", extra="forbid", frozen=True, validate_default=True)
+    # Infinity and NaN are refused for every float: an infinite timeout or interval silently
+    # disables what it bounds (a health loop that never wakes, a request that never times out).
+    model_config = SettingsConfigDict(
+        env_prefix="MILES_", extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False
+    )
 
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
-    seed: int = 0
+    seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
     # Launch servers one after another (each healthy before the next starts): bounds the memory
     # and CPU spike of loading several models at once.
     gated_launch: bool = False
-    health_interval_s: Annotated[float, Field(gt=0)] = 2.0
-    health_timeout_s: Annotated[float, Field(gt=0)] = 5.0
-    health_failure_threshold: Annotated[int, Field(ge=1)] = 3
-    startup_timeout_s: Annotated[float, Field(gt=0)] = 180.0
-    update_timeout_s: Annotated[float, Field(gt=0)] = 600.0
-    lock_timeout_s: Annotated[float, Field(gt=0)] = 600.0
-    lease_ttl_s: Annotated[float, Field(gt=0)] = 120.0
-    request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    # Bounds: below them a loop burns the CPU or every call times out at once; above them a
+    # failure goes unnoticed for longer than anyone would wait.
+    health_interval_s: Annotated[float, Field(ge=0.05, le=HOUR)] = 2.0
+    health_timeout_s: Annotated[float, Field(ge=0.05, le=10 * MINUTE)] = 5.0
+    health_failure_threshold: Annotated[int, Field(ge=1, le=1000)] = 3
+    startup_timeout_s: Annotated[float, Field(ge=1.0, le=DAY)] = 180.0
+    update_timeout_s: Annotated[float, Field(ge=UPDATE_TIMEOUT_MIN_S, le=UPDATE_TIMEOUT_MAX_S)] = 600.0
+    lock_timeout_s: Annotated[float, Field(ge=0.01, le=DAY)] = 600.0
+    lease_ttl_s: Annotated[float, Field(ge=LEASE_TTL_MIN_S, le=LEASE_TTL_MAX_S)] = 120.0
+    request_timeout_s: Annotated[float, Field(ge=0.5, le=DAY)] = 600.0
     routing_policy: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING
-    rolling_batch_size: Annotated[int, Field(ge=1)] = 1
+    rolling_batch_size: Annotated[int, Field(ge=1, le=1024)] = 1
     default_strategy: UpdateStrategy = UpdateStrategy.BARRIER
     default_pause_mode: UpdatePauseMode = UpdatePauseMode.DRAIN
     require_published_checksum: bool = False
@@ -101,6 +129,10 @@ class ControllerSettings(BaseSettings):
     events_dir: Path | None = None
     events_fsync: bool = False
     log_dir: Path | None = None
+    # Where the controller keeps what it writes while it runs: engine logs (unless log_dir is
+    # set) and copies of weights a training window pushed. Default: a temporary directory that
+    # is removed when the controller closes.
+    state_dir: Path | None = None
 
     @field_validator("allowed_checkpoint_roots", mode="before")
     @classmethod

@@ -7,6 +7,7 @@ controller talk to both through this one client (adapter: all engine HTTP calls 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -34,6 +35,24 @@ class WeightsChecksum:
 
     checksum: str
     algorithm: str
+    weight_version: str
+
+
+@dataclass(frozen=True)
+class WeightsIdentity:
+    """What an engine says it holds, without hashing anything: its version label and the
+    checksum it computed when its weights last changed (None when it keeps none)."""
+
+    weight_version: str
+    checksum: str | None
+
+
+@dataclass(frozen=True)
+class WeightsExport:
+    """A checkpoint an engine wrote of the weights it held."""
+
+    path: Path
+    checksum: str
     weight_version: str
 
 
@@ -92,6 +111,22 @@ class EngineClient:
 
     async def weight_version(self) -> str:
         return (await self._ok_json("GET", "/get_weight_version"))["weight_version"]
+
+    async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
+        """``/get_weight_version``: the version, and the checksum the engine keeps of its weights."""
+        body = await self._ok_json("GET", "/get_weight_version", timeout=timeout)
+        if not isinstance(body, dict) or not isinstance(body.get("weight_version"), str):
+            raise EngineCallError(f"get_weight_version answered {body!r}", server_id=self.server_id)
+        checksum = body.get("checksum")
+        return WeightsIdentity(weight_version=body["weight_version"], checksum=checksum if isinstance(checksum, str) else None)
+
+    async def export_weights(self, *, step: int, timeout: float | None = None) -> WeightsExport:
+        """``/export_weights``: the engine writes the weights it holds as a sealed checkpoint."""
+        body = await self._ok_json("POST", "/export_weights", json={"step": step}, timeout=timeout)
+        try:
+            return WeightsExport(path=Path(body["path"]), checksum=body["checksum"], weight_version=body["weight_version"])
+        except (KeyError, TypeError) as exc:
+            raise EngineCallError(f"export_weights answered {body!r}", server_id=self.server_id) from exc
 
     async def generate(self, payload: dict[str, Any], *, timeout: float | None = None) -> Any:
         return await self._ok_json("POST", "/generate", json=payload, timeout=timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,20 @@ class SFTRollout(RolloutServer):
     def __init__(self, spec: RolloutServerSpec, **hooks: Any) -> None:
         super().__init__(spec, **hooks)
         self._processes: dict[str, EngineProcess] = {}
-        self._log_root = spec.log_dir or Path(tempfile.mkdtemp(prefix=f"miles-{spec.name}-logs-"))
+        # Without directories from the caller, logs and weight copies go to a temporary directory
+        # of our own, removed by stop() so that nothing is left behind.
+        self._own_dir: Path | None = None
+        if spec.log_dir is not None and spec.snapshot_dir is not None:
+            self._log_root, self._snapshot_dir = spec.log_dir, spec.snapshot_dir
+        else:
+            own = self._own_dir = Path(tempfile.mkdtemp(prefix=f"miles-{spec.name}-"))
+            self._log_root = spec.log_dir or own / "logs"
+            self._snapshot_dir = spec.snapshot_dir or own / "snapshots"
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
 
     async def _launch(self, cell: ServerCell, checkpoint: Path) -> str:
         last_error: EngineStartError | None = None
@@ -57,6 +71,8 @@ class SFTRollout(RolloutServer):
                 self.model_name,
                 "--max-running-requests",
                 str(self.spec.max_running_requests),
+                "--snapshot-dir",
+                str(self._snapshot_dir),
                 *self.spec.engine_args,
             ),
         )

@@ -14,6 +14,7 @@ Operations: ``GET /health`` (200 while the fleet can serve, else 503), ``/metric
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,51 +23,73 @@ from typing import TYPE_CHECKING, Annotated, Any
 import aiohttp
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from miles.config import UpdatePauseMode, UpdateStrategy
+from miles.config import (
+    LEASE_TTL_MAX_S,
+    LEASE_TTL_MIN_S,
+    UPDATE_TIMEOUT_MAX_S,
+    UPDATE_TIMEOUT_MIN_S,
+    UpdatePauseMode,
+    UpdateStrategy,
+)
 from miles.engine.http_server import error_body, install_error_handlers, until_disconnected
 from miles.errors import EventLogError, InvalidRequestError, LockError
 from miles.server.metrics import CONTENT_TYPE, ControllerMetrics
 from miles.server.proxy import Proxy, RouteOptions, new_session
 from miles.utils.audit_utils.event_logger.models import EVENT_ADAPTER, EVENT_TYPES
+from miles.weights.paths import path_text_problem
 
 if TYPE_CHECKING:
     from miles.ray.rollout.inference_controller import AsyncInferenceController
+
+logger = logging.getLogger("miles.controller")
 
 _EXTENSIONS = ("model", "min_weight_version")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _usable_path(value: str) -> str:
+    problem = path_text_problem(value)
+    if problem is not None:
+        raise ValueError(f"the path {problem}")
+    return value
+
+
+PathText = Annotated[str, AfterValidator(_usable_path)]
+Label = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class UpdateRequest(_Strict):
-    checkpoint: str
-    model_name: str | None = None
+    checkpoint: PathText
+    model_name: Label | None = None
     strategy: UpdateStrategy | None = None
     pause_mode: UpdatePauseMode | None = None
-    timeout_s: Annotated[float, Field(gt=0)] | None = None
-    weight_version: str | None = None
+    timeout_s: Annotated[float, Field(ge=UPDATE_TIMEOUT_MIN_S, le=UPDATE_TIMEOUT_MAX_S)] | None = None
+    weight_version: Label | None = None
 
 
 class StartWindowRequest(_Strict):
-    model_name: str | None = None
-    ttl_s: Annotated[float, Field(gt=0)] | None = None
+    model_name: Label | None = None
+    ttl_s: Annotated[float, Field(ge=LEASE_TTL_MIN_S, le=LEASE_TTL_MAX_S)] | None = None
     pause_mode: UpdatePauseMode | None = None
 
 
 class EndWindowRequest(_Strict):
-    token: int
-    checksum: str = Field(min_length=1)
-    step: Annotated[int, Field(ge=0)]
-    checkpoint: str | None = None
-    weight_version: str | None = None
+    token: Annotated[int, Field(strict=True)]
+    checksum: Annotated[str, Field(min_length=1, max_length=256)]
+    step: Annotated[int, Field(ge=0, lt=2**63, strict=True)]
+    checkpoint: PathText | None = None
+    weight_version: Label | None = None
 
 
 class AbortWindowRequest(_Strict):
-    token: int
-    reason: str = "aborted by training"
+    token: Annotated[int, Field(strict=True)]
+    reason: Annotated[str, Field(max_length=4096)] = "aborted by training"
 
 
 def create_app(controller: AsyncInferenceController) -> FastAPI:
@@ -92,7 +115,14 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
             assert controller.router is not None, "the controller was not started"
             servers = sum(len(controller.fleet.snapshots(m)) for m in controller.fleet.model_names)
             proxies.append(
-                Proxy(router=controller.router, session=sessions[0], metrics=metrics, max_attempts=max(2, servers + 1))
+                Proxy(
+                    router=controller.router,
+                    session=sessions[0],
+                    metrics=metrics,
+                    # Enough for every server to fail once and each to be tried again restarted.
+                    max_attempts=2 * servers + 2,
+                    on_unreachable=controller.suspect,
+                )
             )
         return proxies[0]
 
@@ -116,7 +146,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         route = options(_text(ext.get("model")), _text(body.get("session_id")), _text(ext.get("min_weight_version")))
         payload = raw if not ext else json.dumps(body).encode()
         if body.get("stream") is True:
-            return await proxy().stream("/generate", payload, route)
+            return await until_disconnected(request, proxy().stream("/generate", payload, route))
         return await until_disconnected(request, proxy().forward("/generate", payload, route))
 
     @app.post("/v1/completions")
@@ -133,7 +163,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         route = options(model, _text(body.pop("session_id", None)), _text(body.pop("min_weight_version", None)))
         payload = json.dumps(body).encode()
         if body.get("stream") is True:
-            return await proxy().stream(path, payload, route)
+            return await until_disconnected(request, proxy().stream(path, payload, route))
         return await until_disconnected(request, proxy().forward(path, payload, route))
 
     @app.get("/v1/models")
@@ -234,6 +264,20 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     async def _timeout(_: Request, exc: TimeoutError) -> JSONResponse:
         return JSONResponse(error_body(f"timed out: {exc}", code=503, kind="timeout"), status_code=503)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own refusals (a body it cannot decode, an unknown path or method) in the
+        # API's error shape rather than {"detail": ...}.
+        return JSONResponse(error_body(str(exc.detail), code=exc.status_code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Last resort: a bug must still answer in the API's error shape (and be logged with its
+        # traceback), not as a bare 500 or a dropped connection.
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        message = f"internal error ({type(exc).__name__}); this is a bug in miles, please report it"
+        return JSONResponse(error_body(message, code=500, kind="internal_error"), status_code=500)
+
     return app
 
 
@@ -243,6 +287,8 @@ async def _json_object(request: Request) -> tuple[bytes, dict[str, Any]]:
         body = json.loads(raw)
     except ValueError as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise InvalidRequestError("the request body nests JSON too deeply to parse") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     return raw, body

@@ -10,6 +10,8 @@ import uvicorn
 
 from miles.errors import MilesError
 
+_GRACE_S = 10.0
+
 if TYPE_CHECKING:
     from miles.ray.rollout.inference_controller import AsyncInferenceController
 
@@ -37,7 +39,15 @@ class HttpServer:
                 port=settings.port,
             ) from exc
         self.host, self.port = self._socket.getsockname()[:2]
-        config = uvicorn.Config(create_app(controller), log_level="warning", access_log=False, lifespan="on")
+        # A bounded drain: requests still generating after this are cut at shutdown (waiting ones
+        # were already ended by stop_routing), so stopping never hangs on a long generation.
+        config = uvicorn.Config(
+            create_app(controller),
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=_GRACE_S,
+        )
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
 
@@ -57,6 +67,7 @@ class HttpServer:
     async def stop(self) -> None:
         if self._task is None:
             return
+        self._controller.stop_routing()
         self._server.should_exit = True
         await asyncio.gather(self._task, return_exceptions=True)
         self._task = None

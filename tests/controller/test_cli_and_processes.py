@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -91,7 +92,11 @@ def test_engines_die_with_a_parent_that_is_killed(checkpoints: dict[str, Path], 
         from miles.rollout.sft_rollout import SFTRollout
 
         async def main():
-            fleet = SFTRollout(RolloutServerSpec(name="orphan", checkpoint=Path("{checkpoints['v1']}"), num_servers=2, num_threads=1))
+            spec = RolloutServerSpec(
+                name="orphan", checkpoint=Path("{checkpoints['v1']}"), num_servers=2, num_threads=1,
+                log_dir=Path("{tmp_path}") / "logs", snapshot_dir=Path("{tmp_path}") / "snapshots",
+            )
+            fleet = SFTRollout(spec)
             await fleet.start()
             print(" ".join(str(s.pid) for s in fleet.snapshot()), flush=True)
             await asyncio.sleep(3600)
@@ -112,3 +117,38 @@ def test_engines_die_with_a_parent_that_is_killed(checkpoints: dict[str, Path], 
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_serve_ends_waiting_requests_on_sigterm_and_leaves_no_files(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "miles.cli", "serve", "--checkpoint", str(checkpoints["v1"]), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(scratch)},
+    )
+    try:
+        _wait_healthy(url, serve)
+        assert any(scratch.iterdir()), "the controller keeps its working files in the temp dir"
+        body = {"text": "x", "stream": True, "min_weight_version": "999999", "sampling_params": {"max_new_tokens": 2}}
+        answers: list[int] = []
+
+        def wait_for_version() -> None:
+            answers.append(httpx.post(f"{url}/generate", json=body, timeout=120, trust_env=False).status_code)
+
+        client = threading.Thread(target=wait_for_version)
+        client.start()
+        time.sleep(1.0)  # the stream now waits for a version that will never come
+        started = time.monotonic()
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
+        client.join(timeout=60)
+        assert time.monotonic() - started < 20
+        assert answers == [503]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    assert serve.returncode == 0
+    assert list(scratch.iterdir()) == []

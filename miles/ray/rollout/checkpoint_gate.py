@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles.config import ControllerSettings
+from miles.errors import InvalidRequestError
 from miles.ray.rollout.checksums import PublishedChecksums
 from miles.ray.rollout.update_types import ChecksumSource
+from miles.utils.weight_version import is_newer
 from miles.weights.checkpoint import Manifest, verify_checkpoint
+from miles.weights.paths import checked_path
 
 
 class CheckpointRejected(Exception):
@@ -34,16 +37,6 @@ class AdmittedCheckpoint:
     weight_version: str
 
 
-def not_newer(version: str, previous: str | None) -> bool:
-    """True when both versions are integers and ``version`` does not exceed ``previous``."""
-    if previous is None:
-        return False
-    try:
-        return int(version) <= int(previous)
-    except ValueError:
-        return False
-
-
 def admit_checkpoint(
     checkpoint: Path,
     *,
@@ -53,8 +46,15 @@ def admit_checkpoint(
     weight_version: str | None,
     serving_version: str | None,
 ) -> AdmittedCheckpoint:
-    """Check ``checkpoint`` for an update of ``model_name``; raises CheckpointRejected if it fails."""
-    path = checkpoint.expanduser().resolve()
+    """Check ``checkpoint`` for an update of ``model_name``; raises CheckpointRejected if it fails.
+
+    ``serving_version`` must be read under the controller's lock, by the update that is about
+    to run: a value read earlier may have been overtaken by an update that queued ahead.
+    """
+    try:
+        path = checked_path(str(checkpoint), field="checkpoint")
+    except InvalidRequestError as exc:
+        raise CheckpointRejected(exc.message) from exc
     roots = settings.allowed_checkpoint_roots
     if roots and not any(path.is_relative_to(root) for root in roots):
         raise CheckpointRejected(
@@ -92,10 +92,11 @@ def admit_checkpoint(
     else:
         expected, source = manifest.checksum, ChecksumSource.MANIFEST
     version = weight_version or manifest.weight_version
-    if not_newer(version, serving_version):
+    if is_newer(version, serving_version) is False:
         raise CheckpointRejected(
-            f"weight version {version} is not newer than the serving version {serving_version}; "
-            "pass a newer weight_version to republish older weights on purpose"
+            f"weight version {version} is not newer than the version the fleet already serves "
+            f"({serving_version}); serving versions never go back. Pass a newer weight_version to "
+            "republish older weights on purpose"
         )
     return AdmittedCheckpoint(
         path=path, manifest=manifest, expected_checksum=expected, checksum_source=source, weight_version=version

@@ -17,9 +17,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from miles.config import ControllerSettings, UpdatePauseMode, UpdateStrategy
-from miles.errors import InvalidRequestError, LockTimeoutError
-from miles.ray.rollout.checkpoint_gate import CheckpointRejected, admit_checkpoint, not_newer
+from miles.config import (
+    LEASE_TTL_MAX_S,
+    LEASE_TTL_MIN_S,
+    UPDATE_TIMEOUT_MAX_S,
+    UPDATE_TIMEOUT_MIN_S,
+    ControllerSettings,
+    UpdatePauseMode,
+    UpdateStrategy,
+    check_seconds,
+)
+from miles.errors import CheckpointError, InvalidRequestError, LockTimeoutError, MilesError
+from miles.ray.rollout.checkpoint_gate import CheckpointRejected, admit_checkpoint
 from miles.ray.rollout.checksums import PublishedChecksums
 from miles.ray.rollout.controller_events import ControllerEvents
 from miles.ray.rollout.fleet import DEFAULT_SERVER_CLS, Fleet, health_from, normalize_specs
@@ -34,6 +43,7 @@ from miles.ray.rollout.update_types import (
     UpdateWindow,
     WindowServer,
 )
+from miles.rollout.engine_client import EngineCallError
 from miles.utils.audit_utils.event_logger.logger import EventLogger
 from miles.utils.context_lock import (
     ContextLock,
@@ -45,6 +55,9 @@ from miles.utils.context_lock import (
     requires_lock,
     with_lock,
 )
+from miles.utils.weight_version import is_newer, newest
+from miles.weights.checkpoint import read_manifest
+from miles.weights.paths import checked_path
 
 logger = logging.getLogger("miles.controller")
 
@@ -91,6 +104,8 @@ class AsyncInferenceController:
             observer=self._events,
         )
         self._windows: dict[int, _Window] = {}
+        # Copies of pushed weights being written to disk after a window committed them.
+        self._snapshots: set[asyncio.Task[None]] = set()
         self._last_update: UpdateResult | None = None
         self._update_listeners: list[Callable[[UpdateResult], None]] = []
         self._started_at = time.time()
@@ -128,6 +143,10 @@ class AsyncInferenceController:
         """Abort any open training window, stop every server; safe to call twice."""
         if self._closed:
             return
+        self.stop_routing()
+        for task in list(self._snapshots):
+            task.cancel()
+        await asyncio.gather(*self._snapshots, return_exceptions=True)
         for state in list(self._windows.values()):
             try:
                 await self.abort_update_weights(state.window.token, reason="controller shutting down")
@@ -137,6 +156,17 @@ class AsyncInferenceController:
         self._subscription.close()
         self.event_logger.close()
         self._closed = True
+
+    @lock_exempt
+    def stop_routing(self) -> None:
+        """End every request waiting for a server, and refuse new ones, with a 503: shutting down.
+
+        Called before the HTTP server drains its connections, so that requests waiting for a
+        server (an unsatisfiable ``min_weight_version``, a model with none serving) cannot hold
+        the shutdown up for their whole timeout.
+        """
+        if self.router is not None:
+            self.router.close("the controller is shutting down; retry against another controller")
 
     @with_lock
     async def _shutdown(self) -> None:
@@ -164,6 +194,8 @@ class AsyncInferenceController:
         """
         started = time.monotonic()
         server = self.fleet.server(model_name)
+        if timeout is not None:
+            timeout = check_seconds(timeout, name="timeout", low=UPDATE_TIMEOUT_MIN_S, high=UPDATE_TIMEOUT_MAX_S)
         plan = UpdatePlan(
             update_id=uuid.uuid4().hex[:12],
             model_name=server.model_name,
@@ -172,9 +204,11 @@ class AsyncInferenceController:
             checkpoint=Path(new_checkpoint),
             expected_checksum=None,
             checksum_source=None,
-            strategy=UpdateStrategy(strategy or self._settings.default_strategy),
-            pause_mode=UpdatePauseMode(pause_mode or self._settings.default_pause_mode),
-            previous_version=self._serving_version(server.model_name),
+            strategy=_choice(UpdateStrategy, strategy or self._settings.default_strategy, "strategy"),
+            pause_mode=_choice(UpdatePauseMode, pause_mode or self._settings.default_pause_mode, "pause_mode"),
+            # Read under the lock by the update itself (_update_locked): a value read here could
+            # be overtaken by an update queued ahead of this one.
+            previous_version=None,
         )
         try:
             return await self._update_locked(plan, timeout=timeout or self._settings.update_timeout_s, started=started)
@@ -188,6 +222,7 @@ class AsyncInferenceController:
     async def _update_locked(self, plan: UpdatePlan, *, timeout: float, started: float) -> UpdateResult:
         timings = {"lock_wait": time.monotonic() - started}
         await self._heal(plan.model_name)
+        plan = dataclasses.replace(plan, previous_version=self._committed_version(plan.model_name))
         assert plan.checkpoint is not None
         try:
             admitted = await asyncio.to_thread(
@@ -232,6 +267,11 @@ class AsyncInferenceController:
             status = UpdateStatus.ROLLED_BACK
             message = f"the update did not finish within {timeout}s; servers were put back on verified weights"
             await self._heal(plan.model_name)
+        except BaseException:
+            # A failure nobody planned for (a bug in a server type, a cancelled caller): put every
+            # server back on verified weights before the lock is released, then report it.
+            await self._heal(plan.model_name)
+            raise
         timings["transaction"] = time.monotonic() - phase
         return self._finish(run.result(status, started=started, message=message, timings=timings))
 
@@ -247,7 +287,15 @@ class AsyncInferenceController:
         and commit) or ``abort_update_weights``. If the lease expires first the window is rolled
         back and its token refused.
         """
+        # Everything that can be refused is checked before any server is touched.
         server = self.fleet.server(model_name)
+        ttl = check_seconds(
+            ttl_s if ttl_s is not None else self._settings.lease_ttl_s,
+            name="ttl_s",
+            low=LEASE_TTL_MIN_S,
+            high=LEASE_TTL_MAX_S,
+        )
+        mode = _choice(UpdatePauseMode, pause_mode or self._settings.default_pause_mode, "pause_mode")
         await self._heal(server.model_name)
         plan = UpdatePlan(
             update_id=uuid.uuid4().hex[:12],
@@ -258,8 +306,8 @@ class AsyncInferenceController:
             expected_checksum=None,
             checksum_source=None,
             strategy=UpdateStrategy.BARRIER,
-            pause_mode=UpdatePauseMode(pause_mode or self._settings.default_pause_mode),
-            previous_version=self._serving_version(server.model_name),
+            pause_mode=mode,
+            previous_version=self._committed_version(server.model_name),
         )
         run = self._run(plan)
         self._events.started(
@@ -269,12 +317,14 @@ class AsyncInferenceController:
         self.router.close_gate(server.model_name)
         try:
             await run.take_out(server.server_ids)
+            lease = self._lock.detach(ttl_s=ttl, on_expire=self._window_expired)
         except BaseException:
-            await run.restore(server.server_ids, reason="window could not open")
+            # Whatever failed once the fleet was touched, put it back as it was: servers on their
+            # verified weights and serving, the gate open. The lock is released by the caller's
+            # declaration (@acquires_lock) when this raises.
+            await run.restore(server.server_ids, reason="the window could not open")
             self.router.open_gate(server.model_name)
             raise
-        ttl = ttl_s or self._settings.lease_ttl_s
-        lease = self._lock.detach(ttl_s=ttl, on_expire=self._window_expired)
         window = UpdateWindow(
             window_id=uuid.uuid4().hex[:12],
             update_id=plan.update_id,
@@ -304,15 +354,41 @@ class AsyncInferenceController:
         """Verify what every server of the window now holds against ``checksum`` and commit.
 
         ``checkpoint`` (the directory training pushed from, if it pushed by disk) is recorded as
-        the servers' verified weights, so a restart can reload them.
+        the servers' verified weights when its manifest holds ``checksum``, so a restart can reload
+        them; otherwise one engine writes the committed weights to disk after the commit. Raises
+        InvalidRequestError for a bad argument, after rolling the window back: the lock is released
+        on return whatever happens, so a window can never outlive this call.
         """
         state = self._take_window(window)
+        try:
+            return await self._commit_window(
+                state, checksum=checksum, step=step, checkpoint=checkpoint, weight_version=weight_version
+            )
+        except BaseException as exc:
+            await self._finish_window(state, reason=f"ending the window failed: {exc}")
+            self._finish(state.run.result(UpdateStatus.ROLLED_BACK, started=state.started, message=str(exc)))
+            raise
+
+    @requires_lock
+    async def _commit_window(
+        self, state: _Window, *, checksum: str, step: int, checkpoint: str | Path | None, weight_version: str | None
+    ) -> UpdateResult:
+        if not isinstance(checksum, str) or not checksum:
+            raise InvalidRequestError(f"checksum must be a non-empty string, got {checksum!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidRequestError(f"step must be an integer >= 0, got {step!r}")
+        if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
+            raise InvalidRequestError(f"weight_version must be a non-empty string, got {weight_version!r}")
+        holding = _checkpoint_holding(checkpoint, checksum)
         run = state.run
         version = weight_version or str(step)
         refusal = None
         published = self.published.expected(run.plan.model_name, step)
-        if not_newer(version, run.plan.previous_version):
-            refusal = f"weight version {version} is not newer than the serving version {run.plan.previous_version}"
+        if is_newer(version, run.plan.previous_version) is False:
+            refusal = (
+                f"weight version {version} is not newer than the version the fleet already serves "
+                f"({run.plan.previous_version}); serving versions never go back"
+            )
         elif published is not None and published.checksum != checksum:
             refusal = (
                 f"the window's checksum {checksum} differs from the one published for step {step} "
@@ -327,7 +403,7 @@ class AsyncInferenceController:
             run.plan,
             weight_version=version,
             step=step,
-            checkpoint=Path(checkpoint).resolve() if checkpoint else None,
+            checkpoint=holding,
             expected_checksum=checksum,
             checksum_source=ChecksumSource.TRAINING,
         )
@@ -339,6 +415,8 @@ class AsyncInferenceController:
         await run.admit(ids, checksum)
         assert self.router is not None
         self.router.open_gate(run.plan.model_name)
+        if run.plan.checkpoint is None:
+            self._write_out(run.plan.model_name, checksum=checksum, step=step)
         return self._finish(run.result(UpdateStatus.COMMITTED, started=state.started))
 
     @releases_lock(token="window")
@@ -371,9 +449,11 @@ class AsyncInferenceController:
 
     @requires_lock
     async def _finish_window(self, state: _Window, *, reason: str) -> None:
-        await state.run.restore(state.run.server.server_ids, reason=reason)
         assert self.router is not None
-        self.router.open_gate(state.run.plan.model_name)
+        try:
+            await state.run.restore(state.run.server.server_ids, reason=reason)
+        finally:
+            self.router.open_gate(state.run.plan.model_name)
 
     # --- recovery ------------------------------------------------------------------------------
 
@@ -425,14 +505,61 @@ class AsyncInferenceController:
         self._update_listeners.append(listener)
 
     @lock_exempt
+    def suspect(self, model_name: str, server_id: str) -> None:
+        """A request could not reach ``server_id``: have its rollout server probe it now."""
+        try:
+            self.fleet.server(model_name).suspect(server_id)
+        except MilesError:
+            logger.warning("asked to probe %s of %s, which is not served", server_id, model_name)
+
+    @lock_exempt
     def _fleet_changed(self) -> None:
         if self.router is not None:
             self.router.fleet_changed()
 
+    @requires_lock
+    def _committed_version(self, model_name: str) -> str | None:
+        """The newest version any server of the model was verified on, read under the lock.
+
+        An update or window must be newer than this: it is what the fleet already serves (or
+        served last, for a server that is restarting), and serving versions never go back.
+        """
+        versions = [s.verified.weight_version for s in self.fleet.snapshots(model_name) if s.verified is not None]
+        return newest(versions) or (versions[0] if len(set(versions)) == 1 else None)
+
+    # --- copies of pushed weights --------------------------------------------------------------
+
     @lock_exempt
-    def _serving_version(self, model_name: str) -> str | None:
-        versions = {s.weight_version for s in self.fleet.snapshots(model_name) if s.state is ServerState.SERVING}
-        return versions.pop() if len(versions) == 1 else None
+    def _write_out(self, model_name: str, *, checksum: str, step: int) -> None:
+        """Have one serving engine write the weights a window pushed to disk, in the background,
+        so any server (even the only one) that restarts can reload them."""
+        task = asyncio.get_running_loop().create_task(
+            self._write_out_now(model_name, checksum=checksum, step=step), name=f"write-out-{model_name}"
+        )
+        self._snapshots.add(task)
+        task.add_done_callback(self._snapshots.discard)
+
+    @lock_exempt
+    async def _write_out_now(self, model_name: str, *, checksum: str, step: int) -> None:
+        server = self.fleet.server(model_name)
+        # The engine holds its weights still while it writes (an update waits for the copy), and
+        # the copy is only recorded for servers still verified on the same checksum.
+        holders = [
+            s.server_id
+            for s in server.snapshot()
+            if s.state is ServerState.SERVING and s.verified is not None and s.verified.checksum == checksum
+        ]
+        for server_id in holders:
+            try:
+                exported = await server.export(server_id, step=step)
+            except EngineCallError as exc:
+                logger.warning("%s could not write out the pushed weights: %s", server_id, exc)
+                continue
+            if exported.checksum == checksum:
+                recorded = server.remember_checkpoint(checksum, exported.path)
+                logger.info("pushed weights %s written to %s for %s", checksum, exported.path, ", ".join(recorded))
+                return
+        logger.warning("no server could write out the pushed weights %s; restarts will copy them from a peer", checksum)
 
     @lock_exempt
     def _run(self, plan: UpdatePlan) -> UpdateRun:
@@ -453,3 +580,32 @@ class AsyncInferenceController:
         for listener in self._update_listeners:
             listener(result)
         return result
+
+
+def _choice(enum_type: type[Any], value: Any, name: str) -> Any:
+    """``value`` as a member of ``enum_type``; InvalidRequestError naming the choices otherwise."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        choices = ", ".join(member.value for member in enum_type)
+        raise InvalidRequestError(f"{name} must be one of {choices}, got {value!r}") from None
+
+
+def _checkpoint_holding(checkpoint: str | Path | None, checksum: str) -> Path | None:
+    """``checkpoint`` when its manifest says it holds weights with ``checksum``; else None.
+
+    A window's checkpoint is where restarts reload its weights from, so a directory that holds
+    other weights (a stale path, a later save over it) must not be recorded as theirs.
+    """
+    if checkpoint is None:
+        return None
+    path = checked_path(str(checkpoint), field="checkpoint")
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as exc:
+        logger.warning("window checkpoint %s cannot serve restarts: %s", path, exc)
+        return None
+    if manifest.checksum != checksum:
+        logger.warning("window checkpoint %s holds %s, not the committed %s", path, manifest.checksum, checksum)
+        return None
+    return path

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from miles.ray.rollout.server_state import StateChange, VerifiedWeights
 from miles.ray.rollout.update_protocol import UpdatePlan
 from miles.ray.rollout.update_types import UpdateResult
+from miles.rollout.engine_client import WeightsIdentity
 from miles.utils.audit_utils.event_logger.logger import EventLogger
 from miles.utils.audit_utils.event_logger.models import (
     ChecksumMismatchEvent,
@@ -51,6 +52,28 @@ class ControllerEvents:
 
     def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
         self._checksum(model_name, verified.checksum, verified.step or 0, verified.weight_version, server_id, ChecksumRole.RESTORED)
+
+    def probed(self, server_id: str) -> None:
+        # A probe that found a server answering again makes it routable for requests that had
+        # excluded it; wake them rather than leave them to their next bounded re-check.
+        self._fleet_changed()
+
+    def drifted(self, server_id: str, model_name: str, *, expected: VerifiedWeights, actual: WeightsIdentity) -> None:
+        """A serving engine's weights changed without the controller: a mismatch outside any update."""
+        self.logger.log(
+            ChecksumMismatchEvent,
+            {
+                "update_id": None,
+                "model_name": model_name,
+                "server_id": server_id,
+                "step": expected.step,
+                "weight_version": actual.weight_version,
+                "expected": expected.checksum,
+                # An engine that keeps no checksum changed at least its version label.
+                "actual": actual.checksum or f"unknown (version {actual.weight_version})",
+            },
+            print_log=True,
+        )
 
     # --- ProtocolEvents ------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import re
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -88,27 +90,51 @@ class Fleet:
     ) -> None:
         self._servers: dict[str, RolloutServer] = {}
         self._gated = settings.gated_launch
-        for name, spec in specs.items():
-            server_cls = resolve_server_cls(spec.server_cls)
-            model_name = spec.model_name or _model_name(spec.checkpoint, fallback=name)
-            if model_name in self._servers:
-                raise InvalidRequestError(f"two server specs serve the same model {model_name!r}; give each its own model_name")
-            rollout_spec = RolloutServerSpec(
-                name=_server_prefix(model_name),
-                checkpoint=spec.checkpoint.resolve(),
-                model_name=model_name,
-                num_servers=spec.num_servers,
-                devices=spec.devices,
-                health=health_from(settings),
-                startup_timeout_s=settings.startup_timeout_s,
-                update_timeout_s=settings.update_timeout_s,
-                request_timeout_s=settings.request_timeout_s,
-                max_running_requests=spec.max_running_requests,
-                num_threads=spec.num_threads,
-                log_dir=settings.log_dir,
-                engine_args=spec.engine_args,
-            )
-            self._servers[model_name] = server_cls(rollout_spec, exclusive=exclusive, observer=observer)
+        # The controller's working files (logs, weight copies) live here; a directory we made
+        # ourselves is removed by stop(), so no controller leaves files behind.
+        self._owned_state_dir = None if settings.state_dir else Path(tempfile.mkdtemp(prefix="miles-controller-"))
+        self.state_dir = settings.state_dir or self._owned_state_dir
+        assert self.state_dir is not None
+        try:
+            for name, spec in specs.items():
+                self._add(name, spec, settings=settings, exclusive=exclusive, observer=observer)
+        except BaseException:
+            self._remove_state_dir()
+            raise
+
+    def _add(
+        self,
+        name: str,
+        spec: ModelServerSpec,
+        *,
+        settings: ControllerSettings,
+        exclusive: ExclusiveSection,
+        observer: RolloutObserver,
+    ) -> None:
+        """Build the RolloutServer of one spec (its logs and weight copies under the state dir)."""
+        assert self.state_dir is not None
+        server_cls = resolve_server_cls(spec.server_cls)
+        model_name = spec.model_name or _model_name(spec.checkpoint, fallback=name)
+        if model_name in self._servers:
+            raise InvalidRequestError(f"two server specs serve the same model {model_name!r}; give each its own model_name")
+        prefix = _server_prefix(model_name)
+        rollout_spec = RolloutServerSpec(
+            name=prefix,
+            checkpoint=spec.checkpoint.resolve(),
+            model_name=model_name,
+            num_servers=spec.num_servers,
+            devices=spec.devices,
+            health=health_from(settings),
+            startup_timeout_s=settings.startup_timeout_s,
+            update_timeout_s=settings.update_timeout_s,
+            request_timeout_s=settings.request_timeout_s,
+            max_running_requests=spec.max_running_requests,
+            num_threads=spec.num_threads,
+            log_dir=settings.log_dir or self.state_dir / "logs",
+            snapshot_dir=self.state_dir / "snapshots" / prefix,
+            engine_args=spec.engine_args,
+        )
+        self._servers[model_name] = server_cls(rollout_spec, exclusive=exclusive, observer=observer)
 
     @property
     def model_names(self) -> list[str]:
@@ -148,6 +174,11 @@ class Fleet:
 
     async def stop(self) -> None:
         await asyncio.gather(*(server.stop() for server in self._servers.values()), return_exceptions=True)
+        self._remove_state_dir()
+
+    def _remove_state_dir(self) -> None:
+        if self._owned_state_dir is not None:
+            shutil.rmtree(self._owned_state_dir, ignore_errors=True)
 
     def set_health(self, health: HealthSettings) -> None:
         for server in self._servers.values():

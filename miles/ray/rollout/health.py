@@ -20,8 +20,13 @@ class ServerHealth(BaseModel):
     device: str
     state: str
     state_for_s: float
+    # What the engine holds now, as it last reported it (a quarantined server may hold other
+    # weights than it was verified on).
     weight_version: str | None
     checksum: str | None
+    # The weights last verified on the server and where they can be reloaded from: None while
+    # pushed weights exist on no disk yet (a peer or the engine itself can write them out).
+    verified_weight_version: str | None
     verified_checkpoint: str | None
     last_probe_ok: bool | None
     last_probe_age_s: float | None
@@ -85,7 +90,10 @@ def server_health(snapshot: ServerSnapshot, *, in_flight: int, now: float) -> Se
         state_for_s=round(now - snapshot.state_since, 3),
         weight_version=snapshot.weight_version,
         checksum=snapshot.checksum,
-        verified_checkpoint=str(snapshot.verified.checkpoint) if snapshot.verified else None,
+        verified_weight_version=snapshot.verified.weight_version if snapshot.verified else None,
+        verified_checkpoint=(
+            str(snapshot.verified.checkpoint) if snapshot.verified and snapshot.verified.checkpoint else None
+        ),
         last_probe_ok=probe.ok if probe else None,
         last_probe_age_s=round(now - probe.at, 3) if probe else None,
         last_probe_latency_s=round(probe.latency_s, 4) if probe else None,

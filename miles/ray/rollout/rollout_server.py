@@ -6,6 +6,13 @@ were verified on it), and stops everything it started. It knows nothing of the u
 the InferenceController drives updates through ``load``, ``confirm``, ``admit``, ``quarantine``
 and ``rollback``; the state machine refuses any step out of order.
 
+Each probe of a serving engine also compares the weight version and checksum the engine reports
+with the ones verified on it: weights changed behind the controller's back (a direct load) are
+quarantined, reported and rolled back. Verified weights that exist on no disk (a training window
+pushed them) are recovered from a serving peer holding the same checksum, which writes them out
+for the restarted engine; the controller also has one engine write them once after such a commit,
+so a fleet of one server recovers too.
+
 Subclasses say how an engine process is launched and stopped (``_launch``, ``_terminate``,
 ``_alive``); everything else speaks SGLang's HTTP API through ``EngineClient``.
 """
@@ -13,6 +20,7 @@ Subclasses say how an engine process is launched and stopped (``_launch``, ``_te
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -34,7 +42,13 @@ from miles.ray.rollout.server_state import (
     StateChange,
     VerifiedWeights,
 )
-from miles.rollout.engine_client import EngineCallError, EngineClient, WeightsChecksum
+from miles.rollout.engine_client import (
+    EngineCallError,
+    EngineClient,
+    WeightsChecksum,
+    WeightsExport,
+    WeightsIdentity,
+)
 from miles.weights.checkpoint import read_manifest
 
 logger = logging.getLogger("miles.rollout")
@@ -50,6 +64,12 @@ class RolloutObserver(Protocol):
     def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
         """A server was confirmed (by checksum) to hold ``verified`` again after a start,
         restart or rollback."""
+
+    def probed(self, server_id: str) -> None:
+        """A health probe of the server finished (requests waiting for it may now route)."""
+
+    def drifted(self, server_id: str, model_name: str, *, expected: VerifiedWeights, actual: WeightsIdentity) -> None:
+        """A serving engine reported weights other than the ones verified on it."""
 
 
 class RolloutServerError(MilesError):
@@ -86,6 +106,8 @@ class RolloutServer(ABC):
         self._clients: dict[str, EngineClient] = {}
         self._http: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
+        # Set to run the health loop's next tick now: a changed interval, a suspected server.
+        self._wake = asyncio.Event()
 
     # --- subclass hooks --------------------------------------------------------------------
 
@@ -194,6 +216,36 @@ class RolloutServer(ABC):
         cell.weight_version = reported.weight_version
         return reported
 
+    async def relabel(self, server_id: str, weight_version: str) -> None:
+        """Have the engine serve the weights it holds under ``weight_version`` (no reload)."""
+        await self.client(server_id).update_weight_version(weight_version)
+        self.cell(server_id).weight_version = weight_version
+
+    async def identity(self, server_id: str) -> WeightsIdentity:
+        """The version and checksum the engine says it holds (cheap: no hashing; for probes)."""
+        return await self.client(server_id).weight_identity(timeout=self.spec.health.timeout_s)
+
+    async def export(self, server_id: str, *, step: int) -> WeightsExport:
+        """Have the engine write the weights it holds as a checkpoint (for restarting a peer)."""
+        return await self.client(server_id).export_weights(step=step, timeout=self.spec.update_timeout_s)
+
+    def remember_checkpoint(self, checksum: str, checkpoint: Path) -> list[str]:
+        """Record ``checkpoint`` (which holds weights with ``checksum``) as the place to reload
+        them from, for every server verified on those weights that had no checkpoint; returns
+        those servers' ids."""
+        changed = []
+        for cell in self._cells:
+            verified = cell.verified
+            if verified is not None and verified.checkpoint is None and verified.checksum == checksum:
+                cell.verified = dataclasses.replace(verified, checkpoint=checkpoint)
+                changed.append(cell.server_id)
+        return changed
+
+    def suspect(self, server_id: str) -> None:
+        """A request could not reach the server: probe every server now, not at the next tick."""
+        self.cell(server_id)  # raises for an id that is not ours
+        self._wake.set()
+
     def admit(self, server_id: str, verified: VerifiedWeights, *, reason: str) -> None:
         """Mark the server as serving ``verified`` (its checksum was confirmed by the caller)."""
         cell = self.cell(server_id)
@@ -220,11 +272,25 @@ class RolloutServer(ABC):
         try:
             confirmed: WeightsChecksum | None = await self.confirm(server_id)
             if confirmed is not None and confirmed.checksum != verified.checksum:
-                response = await self.load(server_id, verified.checkpoint, weight_version=verified.weight_version)
+                source = await self._source_of(cell)
+                if source is None:
+                    self._apply(cell, ServerState.QUARANTINED, "its verified weights are on no disk and no peer holds them")
+                    raise RolloutServerError(
+                        "the verified weights are on no disk and no serving peer holds them; the server "
+                        "stays quarantined until the next update",
+                        server_id=server_id,
+                        weight_version=verified.weight_version,
+                        expected=verified.checksum,
+                        actual=confirmed.checksum,
+                    )
+                response = await self.load(server_id, source, weight_version=verified.weight_version)
                 confirmed = await self.confirm(server_id) if response.success else None
             elif confirmed is not None and confirmed.weight_version != verified.weight_version:
                 # Never loaded the new weights (or loaded and restored them): only the label moved.
                 await self.client(server_id).update_weight_version(verified.weight_version)
+                confirmed = self.record_checksum(
+                    server_id, dataclasses.replace(confirmed, weight_version=verified.weight_version)
+                )
         except EngineCallError:
             confirmed = None
         if confirmed is not None and confirmed.checksum == verified.checksum:
@@ -244,12 +310,16 @@ class RolloutServer(ABC):
         The caller must hold the controller's exclusive section (the health loop takes it).
         """
         cell = self.cell(server_id)
-        checkpoint = cell.verified.checkpoint if cell.verified else self.spec.checkpoint
-        self._apply(cell, ServerState.RESTARTING, reason)
+        if cell.state is not ServerState.RESTARTING:
+            self._apply(cell, ServerState.RESTARTING, reason)
         await self._terminate(cell)
         self._clients.pop(server_id, None)
         cell.restarts += 1
-        await self._bring_up(cell, checkpoint, restart=True)
+        # Where the verified weights can be read from; without any, the engine starts on the
+        # spec's checkpoint and is quarantined by _bring_up (it holds other weights), never
+        # admitted.
+        source = await self._source_of(cell) if cell.verified else None
+        await self._bring_up(cell, source or self.spec.checkpoint, restart=True)
 
     # --- internals -------------------------------------------------------------------------
 
@@ -268,22 +338,31 @@ class RolloutServer(ABC):
             self._apply(cell, ServerState.RESTARTING, f"launch failed: {exc.message}")
             raise RolloutServerError(f"engine failed to start: {exc}", server_id=cell.server_id) from exc
         cell.url = url
+        cell.incarnation += 1
         cell.consecutive_failures = 0
+        cell.last_probe = None
         self._clients[cell.server_id] = EngineClient(url, http=self.http, server_id=cell.server_id)
         self._apply(cell, ServerState.PENDING_WEIGHTS, "engine healthy")
         expected = cell.verified or self._initial_weights(checkpoint)
         client = self._clients[cell.server_id]
         try:
-            if expected.weight_version != await client.weight_version():
+            # Confirm first, rename after: a label is only moved onto weights proven to be the
+            # verified ones, so an engine that came up on other weights reports its own version.
+            confirmed = await self.confirm(cell.server_id)
+            if confirmed.checksum == expected.checksum and confirmed.weight_version != expected.weight_version:
                 # A checkpoint's manifest carries its own version; restore the one it was admitted as.
                 await client.update_weight_version(expected.weight_version)
-            confirmed = await self.confirm(cell.server_id)
         except EngineCallError as exc:
             # Leave the cell restarting so the health loop tries again, rather than stuck pending.
             self._apply(cell, ServerState.RESTARTING, f"engine stopped answering after start: {exc.message}")
             raise RolloutServerError(f"engine failed after start: {exc}", server_id=cell.server_id) from exc
         if confirmed.checksum != expected.checksum:
-            self._apply(cell, ServerState.QUARANTINED, "weights after start do not match the verified checksum")
+            self._apply(
+                cell,
+                ServerState.QUARANTINED,
+                f"started on {confirmed.weight_version} ({confirmed.checksum}), not the verified "
+                f"{expected.weight_version} ({expected.checksum}): those weights could not be found",
+            )
             raise RolloutServerError(
                 "engine started on weights whose checksum differs from the verified one",
                 server_id=cell.server_id,
@@ -316,12 +395,18 @@ class RolloutServer(ABC):
             logger.warning("could not resume %s after rollback: %s", cell.server_id, exc)
 
     def set_health(self, health: HealthSettings) -> None:
-        """Apply new probe settings from the next tick on (runtime reconfiguration)."""
+        """Apply new probe settings now: the loop's current wait ends and the next uses them."""
         self.spec = self.spec.model_copy(update={"health": health})
+        self._wake.set()
 
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.spec.health.interval_s)
+            try:
+                # A changed interval or a suspected server ends the wait early (``_wake``).
+                await asyncio.wait_for(self._wake.wait(), timeout=self.spec.health.interval_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
             for cell in self._cells:
                 try:
                     await self._probe(cell)
@@ -330,19 +415,131 @@ class RolloutServer(ABC):
                     logger.exception("health check of %s failed", cell.server_id)
 
     async def _probe(self, cell: ServerCell) -> None:
+        if cell.state is ServerState.QUARANTINED:
+            await self._recover_guarded(cell)
+            return
         if cell.state not in (ServerState.SERVING, ServerState.PENDING_WEIGHTS, ServerState.RESTARTING):
-            return  # probes pause while a server starts, updates, is quarantined or stopped
+            return  # probes pause while a server starts, updates or is stopped
         if cell.state is ServerState.RESTARTING or not self._alive(cell):
             await self._restart_guarded(cell, "engine process exited" if cell.state is ServerState.SERVING else "retry")
             return
+        incarnation, verified = cell.incarnation, cell.verified
         started = time.monotonic()
-        ok = await self.client(cell.server_id).health(timeout=self.spec.health.timeout_s)
-        cell.last_probe = ProbeResult(
-            at=time.time(), ok=ok, latency_s=time.monotonic() - started, error=None if ok else "health check failed"
-        )
+        reported: WeightsIdentity | None = None
+        error = None
+        try:
+            reported = await self.identity(cell.server_id)
+        except EngineCallError as exc:
+            error = exc.message
+        if cell.incarnation != incarnation:
+            return  # replaced while the probe was out; its answer describes an older process
+        ok = reported is not None
+        cell.last_probe = ProbeResult(at=time.time(), ok=ok, latency_s=time.monotonic() - started, error=error)
         cell.consecutive_failures = 0 if ok else cell.consecutive_failures + 1
+        if self._observer is not None:
+            self._observer.probed(cell.server_id)
         if cell.consecutive_failures >= self.spec.health.failure_threshold:
             await self._restart_guarded(cell, f"{cell.consecutive_failures} failed health checks in a row")
+        elif reported is not None and cell.state is ServerState.SERVING and _drifted(verified, reported):
+            await self._drift_guarded(cell, incarnation)
+
+    async def _drift_guarded(self, cell: ServerCell, incarnation: int) -> None:
+        """Quarantine, report and roll back a server whose engine holds other weights than verified."""
+        async with self._exclusive(f"drift {cell.server_id}"):
+            # Re-check under the section: an update may have changed the weights on purpose
+            # while we waited, or replaced the process; only a drift that is still there counts.
+            verified = cell.verified
+            if cell.state is not ServerState.SERVING or cell.incarnation != incarnation or verified is None:
+                return
+            try:
+                reported = await self.identity(cell.server_id)
+            except EngineCallError:
+                return  # the failure counter and the next probe deal with an engine that stopped answering
+            if not _drifted(verified, reported):
+                return
+            logger.error(
+                "%s holds %s (%s) but was verified on %s (%s): its weights changed outside the controller",
+                cell.server_id,
+                reported.weight_version,
+                reported.checksum,
+                verified.weight_version,
+                verified.checksum,
+            )
+            cell.weight_version, cell.checksum = reported.weight_version, reported.checksum or cell.checksum
+            if self._observer is not None:
+                self._observer.drifted(cell.server_id, cell.model_name, expected=verified, actual=reported)
+            self._apply(
+                cell,
+                ServerState.QUARANTINED,
+                f"weights changed outside the controller: the engine reports {reported.weight_version} "
+                f"({reported.checksum}), verified was {verified.weight_version} ({verified.checksum})",
+            )
+            try:
+                await self.rollback(cell.server_id, reason="weights changed outside the controller")
+            except RolloutServerError as exc:
+                logger.error("could not restore %s after its weights drifted: %s", cell.server_id, exc)
+
+    async def _recover_guarded(self, cell: ServerCell) -> None:
+        """Bring a quarantined server back once its verified weights can be found again.
+
+        A server quarantined outside an update (restarted while its verified weights were on no
+        disk and no peer held them) recovers as soon as a peer serves them again.
+        """
+        if cell.verified is None:
+            return
+        alive = self._alive(cell)
+        if alive and cell.verified.checkpoint is None and self._peer_holding(cell) is None:
+            return  # nothing to recover from yet; checked again at the next tick
+        async with self._exclusive(f"recover {cell.server_id}"):
+            if cell.state is not ServerState.QUARANTINED:
+                return  # an update took it over while we waited
+            try:
+                if self._alive(cell):
+                    await self.rollback(cell.server_id, reason="its verified weights are available again")
+                else:
+                    await self.restart(cell.server_id, reason="engine process exited while quarantined")
+            except RolloutServerError as exc:
+                logger.warning("recovery of %s failed (will retry): %s", cell.server_id, exc)
+
+    def _peer_holding(self, cell: ServerCell) -> ServerCell | None:
+        """A serving peer verified on the same weights as ``cell`` (same checksum)."""
+        verified = cell.verified
+        if verified is None:
+            return None
+        for peer in self._cells:
+            if (
+                peer is not cell
+                and peer.state is ServerState.SERVING
+                and peer.verified is not None
+                and peer.verified.checksum == verified.checksum
+            ):
+                return peer
+        return None
+
+    async def _source_of(self, cell: ServerCell) -> Path | None:
+        """A checkpoint directory holding ``cell``'s verified weights, or None if there is none.
+
+        Its own verified checkpoint when it has one; otherwise a serving peer holding the same
+        checksum writes them out (and every server verified on them remembers that checkpoint).
+        """
+        verified = cell.verified
+        if verified is None:
+            return None
+        if verified.checkpoint is not None:
+            return verified.checkpoint
+        peer = self._peer_holding(cell)
+        if peer is None:
+            return None
+        try:
+            exported = await self.export(peer.server_id, step=verified.step or 0)
+        except EngineCallError as exc:
+            logger.warning("%s could not write out its weights for %s: %s", peer.server_id, cell.server_id, exc)
+            return None
+        if exported.checksum != verified.checksum:
+            logger.warning("%s wrote weights %s, not the verified %s", peer.server_id, exported.checksum, verified.checksum)
+            return None
+        self.remember_checkpoint(verified.checksum, exported.path)
+        return exported.path
 
     async def _restart_guarded(self, cell: ServerCell, reason: str) -> None:
         async with self._exclusive(f"restart {cell.server_id}"):
@@ -356,6 +553,15 @@ class RolloutServer(ABC):
                 await self.restart(cell.server_id, reason=reason)
             except RolloutServerError as exc:
                 logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)
+
+
+def _drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool:
+    """Whether an engine's report differs from the weights verified on it (version or checksum)."""
+    if verified is None:
+        return False
+    if reported.weight_version != verified.weight_version:
+        return True
+    return reported.checksum is not None and reported.checksum != verified.checksum
 
 
 def _manifest_or_none(checkpoint: Path):  # noqa: ANN202 - Manifest | None

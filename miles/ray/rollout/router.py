@@ -5,6 +5,12 @@ closed, requests for it wait instead of failing; a request with ``min_weight_ver
 server at that version or later. It counts outstanding requests per server (for the
 least-outstanding policy and for health) and keeps sessions on the server they started on while
 that server serves.
+
+A request that could not reach a server excludes that server's *incarnation* (one launch of its
+process), not the server: the same server, restarted, is a new incarnation and takes the retry,
+and the excluded incarnation itself becomes eligible again once a health probe newer than the
+exclusion found it answering (the failure was a dropped connection, not a dead process). Every
+state change and probe result wakes waiting requests; ``close`` ends them all.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 from miles.config import RoutingPolicy
 from miles.errors import InvalidRequestError
 from miles.ray.rollout.server_state import ServerSnapshot, ServerState
+from miles.utils.weight_version import at_least
 
 _MAX_SESSIONS = 10_000
 
@@ -36,18 +43,29 @@ class RouteLease:
 
     model_name: str
     server_id: str
+    incarnation: int
     url: str
     weight_version: str | None
 
 
-def version_at_least(version: str | None, minimum: str) -> bool:
-    """Whether ``version`` satisfies ``minimum``: numerically when both are integers, else equal."""
-    if version is None:
-        return False
-    try:
-        return int(version) >= int(minimum)
-    except ValueError:
-        return version == minimum
+@dataclass(frozen=True)
+class Exclusion:
+    """One incarnation of a server a request could not reach, and when (wall clock)."""
+
+    server_id: str
+    incarnation: int
+    since: float
+
+    @staticmethod
+    def of(lease: RouteLease) -> Exclusion:
+        return Exclusion(server_id=lease.server_id, incarnation=lease.incarnation, since=time.time())
+
+    def excludes(self, server: ServerSnapshot) -> bool:
+        if server.server_id != self.server_id or server.incarnation != self.incarnation:
+            return False
+        probe = server.last_probe
+        # A probe that answered after the failure clears it: the process is alive and serving.
+        return probe is None or not probe.ok or probe.at <= self.since
 
 
 class Router:
@@ -66,6 +84,8 @@ class Router:
         self._gates: dict[str, asyncio.Event] = {}
         self._changed = asyncio.Condition()
         self._turn = itertools.count()
+        self._closed: str | None = None
+        self._waiting = 0
 
     # --- what the controller tells the router -----------------------------------------------
 
@@ -92,6 +112,15 @@ class Router:
     def outstanding(self, server_id: str) -> int:
         return self._outstanding.get(server_id, 0)
 
+    def waiting(self) -> int:
+        """How many requests are waiting for a server right now."""
+        return self._waiting
+
+    def close(self, reason: str) -> None:
+        """End every waiting request (503 with ``reason``) and refuse new ones: shutting down."""
+        self._closed = reason
+        self.fleet_changed()
+
     # --- per request -------------------------------------------------------------------------
 
     async def acquire(
@@ -101,28 +130,49 @@ class Router:
         timeout_s: float,
         session_id: str | None = None,
         min_weight_version: str | None = None,
-        exclude: frozenset[str] = frozenset(),
+        exclude: tuple[Exclusion, ...] = (),
     ) -> RouteLease:
         """Wait (up to ``timeout_s``) for a serving server that may take the request, and claim it.
 
-        Raises NoServerAvailableError when none became available in time.
+        Raises NoServerAvailableError when none became available in time, or the router closed.
         """
         deadline = time.monotonic() + timeout_s
-        while True:
-            gate = self._gate(model_name)
-            if gate.is_set():
-                lease = self._pick(model_name, session_id, min_weight_version, exclude)
-                if lease is not None:
-                    self._outstanding[lease.server_id] = self._outstanding.get(lease.server_id, 0) + 1
-                    return lease
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise NoServerAvailableError(
-                    self._why_none(model_name, min_weight_version, gate.is_set()),
-                    model=model_name,
-                    min_weight_version=min_weight_version,
-                )
-            await self._wait_for_change(gate, remaining)
+        waiting = False
+        try:
+            while True:
+                if self._closed is not None:
+                    raise NoServerAvailableError(self._closed, model=model_name)
+                gate = self._gate(model_name)
+                if gate.is_set():
+                    lease = self._pick(model_name, session_id, min_weight_version, exclude)
+                    if lease is not None:
+                        self._outstanding[lease.server_id] = self._outstanding.get(lease.server_id, 0) + 1
+                        return lease
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NoServerAvailableError(
+                        self._why_none(model_name, min_weight_version, gate.is_set()),
+                        model=model_name,
+                        min_weight_version=min_weight_version,
+                    )
+                if not waiting:
+                    waiting = True
+                    self._waiting += 1
+                await self._wait_for_change(gate, remaining)
+        finally:
+            if waiting:
+                self._waiting -= 1
+
+    def try_acquire(
+        self, model_name: str, *, session_id: str | None, min_weight_version: str | None, exclude: tuple[Exclusion, ...]
+    ) -> RouteLease | None:
+        """A server that may take the request right now, claimed; None when none may (no waiting)."""
+        if self._closed is not None or not self._gate(model_name).is_set():
+            return None
+        lease = self._pick(model_name, session_id, min_weight_version, exclude)
+        if lease is not None:
+            self._outstanding[lease.server_id] = self._outstanding.get(lease.server_id, 0) + 1
+        return lease
 
     def release(self, lease: RouteLease) -> None:
         left = self._outstanding.get(lease.server_id, 0) - 1
@@ -141,15 +191,15 @@ class Router:
         return gate
 
     def _pick(
-        self, model_name: str, session_id: str | None, min_version: str | None, exclude: frozenset[str]
+        self, model_name: str, session_id: str | None, min_version: str | None, exclude: tuple[Exclusion, ...]
     ) -> RouteLease | None:
         candidates = [
             s
             for s in self._servers(model_name)
             if s.state is ServerState.SERVING
             and s.url is not None
-            and s.server_id not in exclude
-            and (min_version is None or version_at_least(s.weight_version, min_version))
+            and not any(e.excludes(s) for e in exclude)
+            and (min_version is None or at_least(s.weight_version, min_version))
         ]
         if not candidates:
             return None
@@ -169,7 +219,11 @@ class Router:
                 self._bind(model_name, session_id, chosen.server_id)
         assert chosen.url is not None
         return RouteLease(
-            model_name=model_name, server_id=chosen.server_id, url=chosen.url, weight_version=chosen.weight_version
+            model_name=model_name,
+            server_id=chosen.server_id,
+            incarnation=chosen.incarnation,
+            url=chosen.url,
+            weight_version=chosen.weight_version,
         )
 
     def _bind(self, model_name: str, session_id: str, server_id: str) -> None:

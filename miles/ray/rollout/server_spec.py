@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class HealthSettings(BaseModel):
     """How often a rollout server probes its engines and when it gives up on one."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     interval_s: Annotated[float, Field(gt=0)] = 2.0
     timeout_s: Annotated[float, Field(gt=0)] = 5.0
@@ -22,7 +22,7 @@ class HealthSettings(BaseModel):
 class RolloutServerSpec(BaseModel):
     """One model served by ``num_servers`` engines of one server type."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] = "rollout"
     checkpoint: Path
@@ -38,6 +38,8 @@ class RolloutServerSpec(BaseModel):
     # Torch threads per engine; default splits this machine's cores between the engines.
     num_threads: Annotated[int, Field(ge=1)] | None = None
     log_dir: Path | None = None
+    # Where engines may write out the weights they hold, to restart a peer on them.
+    snapshot_dir: Path | None = None
     engine_args: tuple[str, ...] = ()
 
     @model_validator(mode="after")

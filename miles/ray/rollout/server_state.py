@@ -48,9 +48,13 @@ class IllegalTransitionError(MilesError):
 
 @dataclass(frozen=True)
 class VerifiedWeights:
-    """Weights a server was confirmed to hold: where they came from, their version and checksum."""
+    """Weights a server was confirmed to hold: where they can be reloaded from, version, checksum.
 
-    checkpoint: Path
+    ``checkpoint`` is None for weights that exist on no disk (a training window pushed them and
+    no copy has been written yet): they can then only be recovered from a peer that holds them.
+    """
+
+    checkpoint: Path | None
     weight_version: str
     checksum: str
     step: int | None = None
@@ -91,6 +95,9 @@ class ServerSnapshot:
     consecutive_failures: int
     restarts: int
     pid: int | None
+    # Which launch of the server's process this is: a restart makes a new incarnation, so a
+    # request that could not reach the old one may take the new one.
+    incarnation: int = 0
 
 
 @dataclass(eq=False)
@@ -110,6 +117,7 @@ class ServerCell:
     last_probe: ProbeResult | None = None
     consecutive_failures: int = 0
     restarts: int = 0
+    incarnation: int = 0
 
     def transition(self, to: ServerState, *, reason: str) -> StateChange:
         """Move to ``to`` if the table allows it; returns the change (for events), else raises."""
@@ -146,4 +154,5 @@ class ServerCell:
             consecutive_failures=self.consecutive_failures,
             restarts=self.restarts,
             pid=self.pid,
+            incarnation=self.incarnation,
         )

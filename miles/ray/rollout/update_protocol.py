@@ -123,6 +123,12 @@ class UpdateRun:
                 note.error = f"checksum mismatch: expected {expected}, server holds {confirmed.checksum}"
                 self.server.quarantine(server_id, reason=note.error)
                 self.events.mismatch(self.plan, server_id, confirmed.checksum)
+            elif confirmed.weight_version != self.plan.weight_version:
+                # Pushed weights carry whatever label the pusher gave them; the engine must serve
+                # them under the committed version, so its answers and the health report agree.
+                note.matched = False
+                await self.server.relabel(server_id, self.plan.weight_version)
+                note.matched = True
 
         await asyncio.gather(*(self._guard(sid, "confirm", one(sid)) for sid in self._healthy(server_ids)))
 
@@ -140,7 +146,8 @@ class UpdateRun:
     async def admit(self, server_ids: list[str], checksum: str) -> None:
         """Readmit verified servers at the new version and let them generate again."""
         verified = VerifiedWeights(
-            checkpoint=self.plan.checkpoint or self._current_checkpoint(server_ids),
+            # None for a window's pushed weights: they are on no disk until a copy is written.
+            checkpoint=self.plan.checkpoint,
             weight_version=self.plan.weight_version,
             checksum=checksum,
             step=self.plan.step,
@@ -219,12 +226,6 @@ class UpdateRun:
 
     def _healthy(self, server_ids: list[str]) -> list[str]:
         return [sid for sid in server_ids if self._note(sid).error is None]
-
-    def _current_checkpoint(self, server_ids: list[str]) -> Path:
-        # A window without a checkpoint on disk: restarts can only bring back what was verified
-        # before, which the restart then refuses to admit (checksum differs), never serves silently.
-        verified = self.server.cell(server_ids[0]).verified
-        return verified.checkpoint if verified else self.server.spec.checkpoint
 
     async def _guard(self, server_id: str, step: str, work: object) -> None:
         try:

@@ -9,11 +9,19 @@ import pytest
 
 from miles.config import RoutingPolicy
 from miles.ray.rollout.health import model_health, overall
-from miles.ray.rollout.router import NoServerAvailableError, Router, version_at_least
-from miles.ray.rollout.server_state import ServerSnapshot, ServerState
+from miles.ray.rollout.router import Exclusion, NoServerAvailableError, Router
+from miles.utils.weight_version import at_least as version_at_least
+from miles.ray.rollout.server_state import ProbeResult, ServerSnapshot, ServerState
 
 
-def snap(server_id: str, state: ServerState = ServerState.SERVING, version: str = "1") -> ServerSnapshot:
+def snap(
+    server_id: str,
+    state: ServerState = ServerState.SERVING,
+    version: str = "1",
+    *,
+    incarnation: int = 1,
+    probe: ProbeResult | None = None,
+) -> ServerSnapshot:
     return ServerSnapshot(
         server_id=server_id,
         model_name="m",
@@ -24,10 +32,11 @@ def snap(server_id: str, state: ServerState = ServerState.SERVING, version: str 
         weight_version=version,
         checksum="c",
         verified=None,
-        last_probe=None,
+        last_probe=probe,
         consecutive_failures=0,
         restarts=0,
         pid=None,
+        incarnation=incarnation,
     )
 
 
@@ -79,3 +88,34 @@ async def test_no_server_in_time_says_why() -> None:
     router2 = Router(servers=lambda _: [snap("a", version="3")], policy=lambda: RoutingPolicy.ROUND_ROBIN)
     with pytest.raises(NoServerAvailableError, match=">= 4"):
         await router2.acquire("m", timeout_s=0.1, min_weight_version="4")
+
+
+async def test_an_exclusion_names_one_incarnation_until_a_newer_probe_clears_it() -> None:
+    servers = [snap("a", incarnation=1)]
+    router = Router(servers=lambda _: servers, policy=lambda: RoutingPolicy.ROUND_ROBIN)
+    lease = await router.acquire("m", timeout_s=1)
+    router.release(lease)
+    excluded = (Exclusion.of(lease),)
+    # The same process, unprobed since the failure: not offered again.
+    assert router.try_acquire("m", session_id=None, min_weight_version=None, exclude=excluded) is None
+    waiting = asyncio.create_task(router.acquire("m", timeout_s=5, exclude=excluded))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    # The server was restarted: a new incarnation of the same id takes the request at once.
+    servers[0] = snap("a", incarnation=2)
+    router.fleet_changed()
+    assert (await waiting).incarnation == 2
+    # A probe that found the old incarnation answering after the failure clears it too.
+    servers[0] = snap("a", incarnation=1, probe=ProbeResult(at=time.time() + 1, ok=True, latency_s=0.001))
+    assert router.try_acquire("m", session_id=None, min_weight_version=None, exclude=excluded) is not None
+
+
+async def test_closing_the_router_ends_every_waiting_request() -> None:
+    router = Router(servers=lambda _: [snap("a", ServerState.RESTARTING)], policy=lambda: RoutingPolicy.ROUND_ROBIN)
+    waiting = [asyncio.create_task(router.acquire("m", timeout_s=600)) for _ in range(3)]
+    while router.waiting() < 3:
+        await asyncio.sleep(0.01)
+    router.close("shutting down")
+    results = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), timeout=5)
+    assert all(isinstance(r, NoServerAvailableError) and "shutting down" in str(r) for r in results)
+    assert router.waiting() == 0

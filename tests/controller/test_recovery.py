@@ -1,0 +1,181 @@
+"""Crashes and tampering: requests survive the death of every server of their model, weights that
+were pushed (on no disk) come back after a crash, and weights changed behind the controller's back
+are noticed and undone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from miles.ray.rollout.inference_controller import AsyncInferenceController
+from miles.ray.rollout.server_state import ServerState
+from miles.testing import running_controller
+from miles.utils.audit_utils.event_logger.models import ChecksumMismatchEvent
+from miles.weights.checkpoint import read_manifest
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+LONG = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+
+
+async def wait_until(predicate: Callable[[], bool], *, timeout: float = 60.0, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def wait_running(url: str) -> None:
+    """Until the engine at ``url`` has a request in its running batch."""
+    async with httpx.AsyncClient(trust_env=False, timeout=5) as http:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            info = (await http.get(f"{url}/get_server_info")).json()
+            if info["internal_states"][0]["running_requests"] >= 1:
+                return
+            await asyncio.sleep(0.005)
+    raise AssertionError("the request never started running")
+
+
+def kill(controller: AsyncInferenceController, server_id: str) -> None:
+    pid = controller.fleet.server(None).cell(server_id).pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def single(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInferenceController, httpx.AsyncClient]]:
+    # A long request timeout: a request that hung until it would fail this module's test timeout.
+    async with running_controller(
+        model_checkpoint=checkpoints["v1"], num_servers=1, request_timeout_s=600
+    ) as (controller, url):
+        async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as http:
+            yield controller, http
+
+
+async def test_a_request_outlives_the_crash_of_the_only_server(single) -> None:  # noqa: ANN001
+    controller, http = single
+    reference = (await http.post("/generate", json=LONG)).json()["output_ids"]
+    cell = controller.fleet.server(None).cell("tiny-0")
+    incarnation = cell.incarnation
+    started = time.monotonic()
+    pending = asyncio.create_task(http.post("/generate", json=LONG))
+    await wait_running(cell.url)
+    kill(controller, "tiny-0")
+    answer = await asyncio.wait_for(pending, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["output_ids"] == reference
+    assert cell.incarnation > incarnation
+    # Retried on the restarted process as soon as it served, not after the request timeout.
+    assert time.monotonic() - started < 60
+
+
+async def test_a_stream_that_sent_nothing_outlives_the_crash(single) -> None:  # noqa: ANN001
+    controller, http = single
+    cell = controller.fleet.server(None).cell("tiny-0")
+    await wait_until(lambda: cell.state is ServerState.SERVING, what="tiny-0 serving")
+    # The only server is dead before the stream starts: the stream waits for its replacement.
+    kill(controller, "tiny-0")
+    async with http.stream("POST", "/generate", json={**LONG, "stream": True}) as response:
+        assert response.status_code == 200
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert len(lines) == 401
+
+
+async def test_pushed_weights_come_back_after_the_only_server_crashes(single, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+    controller, http = single
+    server = controller.fleet.server(None)
+    cell = server.cell("tiny-0")
+    await wait_until(lambda: cell.state is ServerState.SERVING, what="tiny-0 serving")
+    v3 = read_manifest(checkpoints["v3"])
+    window = (await http.post("/update_weights/start", json={"ttl_s": 60})).json()
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as direct:
+        pushed = await direct.post(f"{window['servers'][0]['url']}/update_weights_from_disk", json={"model_path": str(checkpoints["v3"])})
+        assert pushed.json()["success"] is True
+    # No checkpoint given: as far as the controller knows, these weights exist on no disk.
+    ended = await http.post("/update_weights/end", json={"token": window["token"], "checksum": v3.checksum, "step": 500})
+    assert ended.status_code == 200, ended.text
+
+    def written_out() -> bool:
+        report = controller.health().servers[0]
+        return report.verified_checkpoint is not None
+
+    await wait_until(written_out, what="the pushed weights to be written out")
+    copy = Path(controller.health().servers[0].verified_checkpoint or "")
+    assert copy.is_relative_to(controller.fleet.state_dir)
+    assert read_manifest(copy).checksum == v3.checksum
+    assert copy != checkpoints["v3"].resolve()
+    restarts = cell.restarts
+    kill(controller, "tiny-0")
+    await wait_until(lambda: cell.restarts > restarts and cell.state is ServerState.SERVING, what="the restart")
+    confirmed = await server.confirm("tiny-0")
+    assert (confirmed.checksum, confirmed.weight_version) == (v3.checksum, "500")
+    report = controller.health().servers[0]
+    assert (report.weight_version, report.checksum, report.verified_weight_version) == ("500", v3.checksum, "500")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pair(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInferenceController, httpx.AsyncClient]]:
+    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2, request_timeout_s=600) as (
+        controller,
+        url,
+    ):
+        async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as http:
+            yield controller, http
+
+
+async def test_requests_outlive_the_crash_of_every_server(pair) -> None:  # noqa: ANN001
+    controller, http = pair
+    reference = (await http.post("/generate", json=LONG)).json()["output_ids"]
+    cells = [controller.fleet.server(None).cell(sid) for sid in ("tiny-0", "tiny-1")]
+    pending = [asyncio.create_task(http.post("/generate", json=LONG)) for _ in range(4)]
+    for cell in cells:
+        await wait_running(cell.url)
+    for cell in cells:
+        kill(controller, cell.server_id)
+    answers = await asyncio.wait_for(asyncio.gather(*pending), timeout=120)
+    assert [a.status_code for a in answers] == [200] * 4
+    assert all(a.json()["output_ids"] == reference for a in answers)
+
+
+@pytest.mark.parametrize("same_label", [False, True], ids=["new-label", "same-label"])
+async def test_weights_changed_behind_the_controller_are_quarantined_and_restored(
+    pair, checkpoints: dict[str, Path], same_label: bool  # noqa: ANN001
+) -> None:
+    controller, http = pair
+    server = controller.fleet.server(None)
+    cell = server.cell("tiny-1")
+    await wait_until(lambda: cell.state is ServerState.SERVING, what="tiny-1 serving")
+    verified = cell.verified
+    assert verified is not None
+    mark = len(controller.event_logger.events)
+    label = verified.weight_version if same_label else "999"
+    other = checkpoints["v4"]
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as direct:
+        # Someone loads other weights straight into the engine, bypassing the controller.
+        tampered = await direct.post(f"{cell.url}/update_weights_from_disk", json={"model_path": str(other), "weight_version": label})
+        assert tampered.json()["success"] is True
+
+    def reported() -> bool:
+        events = list(controller.event_logger.events)[mark:]
+        return any(isinstance(e, ChecksumMismatchEvent) and e.server_id == "tiny-1" for e in events)
+
+    await wait_until(reported, what="the drift to be reported")
+    event = next(e for e in list(controller.event_logger.events)[mark:] if isinstance(e, ChecksumMismatchEvent))
+    assert event.update_id is None
+    assert (event.expected, event.actual) == (verified.checksum, read_manifest(other).checksum)
+    await wait_until(lambda: cell.state is ServerState.SERVING, what="tiny-1 restored")
+    confirmed = await server.confirm("tiny-1")
+    assert (confirmed.checksum, confirmed.weight_version) == (verified.checksum, verified.weight_version)
+    states = [e.to_state for e in list(controller.event_logger.events)[mark:] if getattr(e, "server_id", None) == "tiny-1" and hasattr(e, "to_state")]
+    assert "quarantined" in states

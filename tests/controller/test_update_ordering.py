@@ -1,0 +1,108 @@
+"""Serving versions never go backwards, whatever the interleaving of updates and windows.
+
+Updates race for the controller's lock; the one that runs decides "newer than what serves" with
+the version it reads under the lock. An update overtaken by a newer one is rejected as not newer,
+never committed on top of it, and a caller told ``committed`` finds its version serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from miles.ray.rollout.inference_controller import AsyncInferenceController
+from miles.ray.rollout.update_types import UpdateStatus
+from miles.testing import running_controller
+from miles.utils.audit_utils.event_analyzer import analyze_events
+from miles.utils.audit_utils.event_logger.models import WeightUpdateCommittedEvent
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInferenceController, httpx.AsyncClient]]:
+    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2) as (controller, url):
+        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
+            yield controller, http
+
+
+def serving_versions(controller: AsyncInferenceController) -> set[str | None]:
+    return {s.weight_version for s in controller.fleet.snapshots("tiny") if s.state.value == "serving"}
+
+
+def committed_versions(controller: AsyncInferenceController, mark: int) -> list[str]:
+    events = list(controller.event_logger.events)[mark:]
+    return [e.weight_version for e in events if isinstance(e, WeightUpdateCommittedEvent)]
+
+
+async def test_concurrent_updates_commit_in_increasing_order(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+    controller, http = fleet
+    mark = len(controller.event_logger.events)
+
+    async def update(version: int) -> httpx.Response:
+        name = ("v2", "v3")[version % 2]
+        return await http.post("/update_weights", json={"checkpoint": str(checkpoints[name]), "weight_version": str(version)})
+
+    # The order the adversarial run saw them arrive in. A window holds the lock meanwhile, so all
+    # seven queue, each behind older and newer ones, as they did behind slow updates there.
+    order = [10, 14, 12, 11, 16, 15, 13]
+    window = await controller.start_update_weights(ttl_s=60)
+    tasks = []
+    for queued, version in enumerate(order, start=1):
+        tasks.append(asyncio.create_task(update(version)))
+        while controller.health().lock.waiters < queued:
+            await asyncio.sleep(0.005)
+    await controller.abort_update_weights(window)
+    answers = dict(zip(order, await asyncio.gather(*tasks), strict=True))
+    committed = committed_versions(controller, mark)
+    assert [int(v) for v in committed] == sorted(int(v) for v in committed), committed
+    for version, answer in answers.items():
+        body = answer.json()
+        if body["status"] == "committed":
+            assert str(version) in committed
+        else:
+            assert answer.status_code == 409
+            assert body["status"] == "rejected", body
+            assert "not newer" in body["message"], body["message"]
+            assert str(version) not in committed
+    # The newest of them always commits (nothing can overtake it), and the fleet ends on it.
+    assert answers[16].json()["status"] == "committed"
+    assert serving_versions(controller) == {"16"}
+    report = analyze_events(list(controller.event_logger.events))
+    assert report.passed, report.findings
+
+
+async def test_an_older_update_queued_behind_a_newer_one_is_rejected(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+    controller, _ = fleet
+    # A window holds the lock, so both updates queue (FIFO): the newer first, then the older.
+    window = await controller.start_update_weights(ttl_s=60)
+    newer = asyncio.create_task(controller.update_rollout_weights(checkpoints["v2"], weight_version="31"))
+    while controller.health().lock.waiters < 1:
+        await asyncio.sleep(0.01)
+    older = asyncio.create_task(controller.update_rollout_weights(checkpoints["v3"], weight_version="30"))
+    while controller.health().lock.waiters < 2:
+        await asyncio.sleep(0.01)
+    await controller.abort_update_weights(window)
+    newer_result, older_result = await newer, await older
+    assert newer_result.status is UpdateStatus.COMMITTED, newer_result.message
+    assert older_result.status is UpdateStatus.REJECTED
+    assert "not newer" in older_result.message
+    assert serving_versions(controller) == {"31"}
+
+
+async def test_a_window_cannot_commit_an_older_version(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+    controller, http = fleet
+    current = int(next(iter(serving_versions(controller))) or 0)
+    window = (await http.post("/update_weights/start", json={"ttl_s": 30})).json()
+    ended = await http.post(
+        "/update_weights/end", json={"token": window["token"], "checksum": "0" * 32, "step": current - 1}
+    )
+    assert ended.status_code == 409
+    assert "not newer" in ended.json()["message"]
+    assert serving_versions(controller) == {str(current)}
+    assert controller.health().ok and controller.health().models["tiny"].accepting_requests
