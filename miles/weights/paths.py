@@ -46,3 +46,34 @@ def checked_path(raw: str, *, field: str) -> Path:
         return Path(raw).expanduser().resolve()
     except (OSError, RuntimeError, ValueError) as exc:
         raise InvalidRequestError(f"{field} cannot be resolved: {exc}") from exc
+
+
+def inside_roots(path: Path, roots: tuple[Path, ...]) -> bool:
+    """Whether resolved ``path`` lies inside one of ``roots`` (no roots: anywhere)."""
+    return not roots or any(path.is_relative_to(root) for root in roots)
+
+
+def files_outside_roots(directory: Path, roots: tuple[Path, ...], *, limit: int = 10_000) -> list[str]:
+    """Entries of checkpoint ``directory`` (recursively) that resolve outside every root.
+
+    The directory itself may sit inside a root while a file in it is a symlink to anywhere
+    (``model.safetensors -> /etc/shadow``); reading such a file would leave the root. Every entry
+    is resolved, so a symlinked subdirectory is caught too. Returns the offending names relative
+    to ``directory`` (at most ``limit`` entries are looked at; a larger tree is reported as one
+    problem). Empty when there are no roots.
+    """
+    if not roots:
+        return []
+    outside: list[str] = []
+    for seen, entry in enumerate(directory.rglob("*")):
+        if seen >= limit:
+            outside.append(f"(more than {limit} entries; a checkpoint directory is not that large)")
+            break
+        try:
+            resolved = entry.resolve()
+        except (OSError, RuntimeError):
+            outside.append(entry.relative_to(directory).as_posix())
+            continue
+        if not inside_roots(resolved, roots):
+            outside.append(entry.relative_to(directory).as_posix())
+    return outside
