@@ -24,6 +24,7 @@ from miles.weights.checksum import (
     checksum_state_dict,
     combine_digests,
     digest_tensor,
+    model_checksum,
 )
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "checksum_state_dict",
     "combine_digests",
     "digest_tensor",
+    "model_checksum",
     "open_checkpoint",
     "read_manifest",
     "save_checkpoint",

@@ -301,6 +301,21 @@ def checksum_safetensors(
     return checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots))
 
 
+def model_checksum(source: torch.nn.Module | str | os.PathLike[str], *, threads: int | None = None) -> str:
+    """The canonical checksum of a model in memory or of a checkpoint directory, as a string.
+
+    The one line a trainer needs for the seed's flow: save the model (``save_pretrained`` is
+    enough), compute this, publish it in an ``InferenceEngineWeightChecksumEvent``. Both forms give
+    the same value for the same weights, and equal what every server computes over the weights it
+    holds after loading them.
+
+    Raises what ``checksum_module`` / ``checksum_safetensors`` raise.
+    """
+    if isinstance(source, torch.nn.Module):
+        return checksum_module(source, threads=threads).checksum
+    return checksum_safetensors(source, threads=threads).checksum
+
+
 def collect_slots(files: Iterable[MappedSafetensors]) -> list[tuple[MappedSafetensors, TensorSlot]]:
     """Every tensor of ``files`` with the file holding it.
 

@@ -304,5 +304,12 @@ def index_files(directory: Path) -> list[Path]:
             raise CheckpointFileInvalidError(
                 f"safetensors index is not valid: {exc!r}", path=str(index)
             ) from None
+        # The index is data from the checkpoint: a shard named "../../x" or "/x" would be read
+        # from outside the directory (and outside any allowed root).
+        escaping = [n for n in names if not isinstance(n, str) or Path(n).is_absolute() or ".." in Path(n).parts]
+        if escaping:
+            raise CheckpointFileInvalidError(
+                f"safetensors index names files outside the checkpoint: {escaping[:3]!r}", path=str(index)
+            )
         return [directory / name for name in names]
     return sorted(p for p in directory.glob("*.safetensors") if p.is_file())

@@ -20,7 +20,7 @@ from miles.errors import (
 )
 from miles.weights.checksum import TensorDigest, checksum_from_digests, digest_mapped
 from miles.weights.manifest import MANIFEST_NAME, Manifest, TensorEntry, read_manifest
-from miles.weights.safetensors_io import MappedSafetensors, TensorSlot, dtype_name
+from miles.weights.safetensors_io import MappedSafetensors, TensorSlot, dtype_name, index_files, read_header
 
 _RESEAL = "re-export the checkpoint, or re-seal it (`miles checkpoint seal`) if the files are what you want"
 
@@ -285,3 +285,30 @@ def _entry_problems(name: str, file_name: str, entry: TensorEntry, digest: Tenso
 def _str_or_none(value: object) -> str | None:
     return None if value is None else str(value)
 
+
+
+def plain_checkpoint_problems(directory: Path) -> list[str]:
+    """What keeps ``directory`` from being a loadable Hugging Face checkpoint without a manifest:
+    no ``config.json``, no safetensors files, a file whose header is unreadable, or a tensor name
+    that appears in two files. Reads only headers; the tensors are hashed by whoever loads them."""
+    problems = []
+    if not (directory / "config.json").is_file():
+        problems.append("config.json is missing: this is not a Hugging Face model directory")
+    try:
+        files = index_files(directory)
+    except CheckpointFileError as exc:
+        return [*problems, exc.message]
+    if not files:
+        problems.append("no *.safetensors files: save the model with save_pretrained(safe_serialization=True)")
+    seen: dict[str, str] = {}
+    for path in files:
+        try:
+            header = read_header(path)
+        except CheckpointFileError as exc:
+            problems.append(f"{path.name}: {exc.message}")
+            continue
+        for name in header.tensors:
+            if name in seen:
+                problems.append(f"tensor {name!r} is in both {seen[name]} and {path.name}")
+            seen[name] = path.name
+    return problems
