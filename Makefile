@@ -5,8 +5,14 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# SGLang's source at the version whose HTTP API the engine follows (docs/ENGINE.md). Only read by
+# tests/fast/engine/test_sglang_fields.py (with ast): installed without its dependencies (torch,
+# CUDA kernels), outside the venv, and never imported.
+SGLANG_VERSION := 0.5.23
+SGLANG_REF := .sglang-ref
+SGLANG_STAMP := $(SGLANG_REF)/.installed-$(SGLANG_VERSION)
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean sglang-ref
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +22,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/miles demo
 
-test: $(STAMP)
+$(SGLANG_STAMP): | $(STAMP)
+	rm -rf $(SGLANG_REF)
+	$(BIN)/pip install --quiet --no-deps --no-compile --target $(SGLANG_REF) sglang==$(SGLANG_VERSION)
+	touch $(SGLANG_STAMP)
+
+sglang-ref: $(SGLANG_STAMP)
+
+test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/checksum.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs $(SGLANG_REF)

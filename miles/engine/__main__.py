@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 import uvicorn
 
-from miles.engine.settings import EngineSettings, Forward
+from miles.engine.settings import API_KEY_ENV, SECRET_ENV, EngineSettings, Forward
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -53,6 +53,11 @@ def main(
     if exit_with_parent:
         _exit_with_parent()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        secret = EngineSettings.credential_from_env(SECRET_ENV)
+        api_key = EngineSettings.credential_from_env(API_KEY_ENV)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     settings = EngineSettings(
         model_path=model_path,
         host=host,
@@ -66,6 +71,8 @@ def main(
         allowed_checkpoint_roots=EngineSettings.roots_from_env(),
         snapshot_dir=snapshot_dir.expanduser().resolve() if snapshot_dir is not None else None,
         log_level=log_level,
+        secret=secret,
+        api_key=api_key,
     )
     # Imported here so `--help` answers without loading torch and transformers.
     from miles.engine.engine import Engine

@@ -38,6 +38,7 @@ from miles.engine.scheduler import GenerationState, Scheduler
 from miles.engine.sequence import Sequence
 from miles.engine.settings import EngineSettings
 from miles.errors import CheckpointError, InvalidRequestError
+from miles.protocol.compat import SGLANG_VERSION
 from miles.protocol.sglang import GenerateRequest, GenerateResponse, PauseMode, SamplingParams
 from miles.weights.checkpoint import read_manifest
 
@@ -194,9 +195,10 @@ class Engine:
         rids = _per_prompt(request.rid, len(prompts), None)
         loop = asyncio.get_running_loop()
         pending: list[_Pending] = []
-        for index, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
-            self._check_length(prompt, sampling)
+        for index, (prompt, requested) in enumerate(zip(prompts, params, strict=True)):
+            sampling = self._resolved(prompt, requested)
             self._check_token_ids(sampling)
+            logprobs = request.logprobs_of(index)
             base = rids[index] or uuid.uuid4().hex
             for sample in range(sampling.n):
                 rid = base if sampling.n == 1 else f"{base}-{sample}"
@@ -209,8 +211,8 @@ class Engine:
                     sampler=RowSampler.create(sampling.for_sample(sample), eos_ids=self._eos_ids),
                     sink=sink,
                     stream=request.stream,
-                    top_logprobs=request.top_logprobs_num if request.return_logprob else 0,
-                    return_logprob=request.return_logprob,
+                    top_logprobs=logprobs.top_logprobs,
+                    return_logprob=logprobs.return_logprob,
                 )
                 pending.append(_Pending(sequence=sequence, sink=sink))
         for item in pending:
@@ -235,22 +237,34 @@ class Engine:
                 )
         return prompts  # type: ignore[return-value]
 
-    def _check_length(self, prompt: list[int], sampling: SamplingParams) -> None:
-        if len(prompt) + sampling.max_new_tokens > self.context_length:
+    def _resolved(self, prompt: list[int], sampling: SamplingParams) -> SamplingParams:
+        """``sampling`` with its token budget fixed: null means what the context leaves after the
+        prompt (SGLang's meaning); raises InvalidRequestError when the context cannot hold it."""
+        room = self.context_length - len(prompt)
+        if sampling.max_new_tokens is None:
+            if room <= 0 or room < sampling.min_new_tokens:
+                raise InvalidRequestError(
+                    f"the prompt ({len(prompt)} tokens) leaves no room in the context length "
+                    f"{self.context_length} for min_new_tokens ({sampling.min_new_tokens}); shorten the prompt"
+                )
+            return sampling.with_budget(room)
+        if sampling.max_new_tokens > room:
             raise InvalidRequestError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
                 f"context length {self.context_length}; shorten the prompt or lower max_new_tokens"
             )
+        return sampling
 
     def _check_token_ids(self, sampling: SamplingParams) -> None:
         # An id outside the vocabulary would index past the logits inside a step (the stop mask
-        # of min_new_tokens): refused here, before the request can join the batch.
-        bad = [t for t in sampling.stop_token_ids or () if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"sampling_params.stop_token_ids holds token ids outside the vocabulary [0, {self.vocab_size})",
-                tokens=bad[:5],
-            )
+        # of min_new_tokens, a logit bias): refused here, before the request can join the batch.
+        for field, ids in (("stop_token_ids", sampling.stop_token_ids or ()), ("logit_bias", sampling.bias)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"sampling_params.{field} holds token ids outside the vocabulary [0, {self.vocab_size})",
+                    tokens=bad[:5],
+                )
 
     def _abort_pending(self, pending: list[_Pending], message: str) -> None:
         for item in pending:
@@ -301,33 +315,68 @@ class Engine:
         return bos if bos is not None else 0
 
     def model_info(self) -> dict[str, Any]:
+        """``/model_info``: SGLang's fields (at the pinned version), then ours."""
         return {
             "model_path": str(self.weights.loaded_from),
+            "served_model_name": self.served_model_name,
             "tokenizer_path": str(self.model_path),
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.weights.held.version,
-            "served_model_name": self.served_model_name,
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(self.config, "model_type", None),
             "architectures": list(getattr(self.config, "architectures", None) or []),
+            # miles additions
             "context_length": self.context_length,
             "vocab_size": self.vocab_size,
             "dtype": str(self._model.dtype).removeprefix("torch."),
         }
 
     def server_info(self) -> dict[str, Any]:
+        """``/server_info``: the SGLang server arguments and scheduler facts that describe this
+        engine (SGLang dumps all of its several hundred; these are the ones a router or client
+        reads), then ours."""
         stats = self._scheduler.stats()
         held = self.weights.held
         return {
-            "version": __version__,
-            "engine": "miles-embedded",
+            # SGLang's server arguments, as this engine runs.
             "model_path": str(self.weights.loaded_from),
+            "tokenizer_path": str(self.model_path),
             "served_model_name": self.served_model_name,
             "host": self.settings.host,
             "port": self.settings.port,
             "device": str(self.device),
-            "forward": self.forward_name,
-            "max_running_requests": self.settings.max_running_requests,
+            "dtype": str(self._model.dtype).removeprefix("torch."),
+            "load_format": "auto",
             "context_length": self.context_length,
+            "max_running_requests": self.settings.max_running_requests,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "ep_size": 1,
+            "load_balance_method": "round_robin",
+            "disaggregation_mode": "null",
+            "is_embedding": False,
+            "skip_tokenizer_init": False,
+            "disable_radix_cache": True,
+            "chunked_prefill_size": -1,
+            "page_size": 1,
+            "kv_cache_dtype": "auto",
+            # SGLang's scheduler facts.
+            "max_total_num_tokens": self.settings.max_running_requests * self.context_length,
+            "max_req_input_len": self.context_length - 1,
+            "startup_time": self.started_at,
+            "frontend": "python",
+            "sglang_api_version": SGLANG_VERSION,
+            # miles additions
+            "version": __version__,
+            "engine": "miles-embedded",
+            "forward": self.forward_name,
             "weight_version": held.version,
             "checksum": held.checksum,
             "weights_status": held.status.value,

@@ -10,7 +10,6 @@ JSON 500), so a client never meets an HTML page or a dropped connection.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -19,19 +18,19 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from miles.engine.access import ENDPOINTS, AccessMiddleware, EngineAccess, admit
 from miles.engine.engine import Engine
+from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream, sse
 from miles.errors import InvalidRequestError
+from miles.protocol.auth import FenceRequest
 from miles.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_body,
     completion_body,
-    finish_reason,
     new_id,
-    versions,
 )
 from miles.protocol.sglang import (
     AbortRequest,
@@ -148,11 +147,6 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Respon
             task.cancel()
 
 
-def sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload)
-    return f"data: {data}\n\n".encode()
-
-
 def create_app(engine: Engine) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -165,6 +159,10 @@ def create_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="miles embedded engine", lifespan=lifespan)
     install_error_handlers(app)
     install_engine_handlers(app)
+    access = EngineAccess(secret=engine.settings.secret, api_key=engine.settings.api_key)
+    # Credentials and fences are checked before a body is read, so a caller without the right
+    # credential learns nothing from validation messages and costs no parsing.
+    app.add_middleware(AccessMiddleware, access=access)
 
     @app.get("/health")
     async def health() -> Response:
@@ -177,13 +175,17 @@ def create_app(engine: Engine) -> FastAPI:
             return JSONResponse(error_body(problem, code=503, kind="unavailable"), status_code=503)
         return Response(status_code=200)
 
+    # SGLang serves both names (the get_ ones are deprecated there); its router asks for the new
+    # name first and falls back to the old one.
+    @app.get("/model_info")
     @app.get("/get_model_info")
-    async def get_model_info() -> dict[str, Any]:
+    async def model_info() -> dict[str, Any]:
         return engine.model_info()
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
-    async def get_server_info() -> dict[str, Any]:
-        return engine.server_info()
+    async def server_info() -> dict[str, Any]:
+        return {**engine.server_info(), **access.state.model_dump()}
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:
@@ -201,17 +203,20 @@ def create_app(engine: Engine) -> FastAPI:
         return JSONResponse(result.model_dump(mode="json"))
 
     @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest) -> JSONResponse:
+    async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest, http_request: Request) -> JSONResponse:
+        admit(access, http_request)
         result = await engine.weights.update_from_disk(request)
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.success else 400)
 
     @app.post("/update_weight_version")
-    async def update_weight_version(request: UpdateWeightVersionRequest) -> dict[str, Any]:
+    async def update_weight_version(request: UpdateWeightVersionRequest, http_request: Request) -> dict[str, Any]:
+        admit(access, http_request)
         await engine.weights.rename(request)
         return {"success": True, "message": "weight version updated", "new_version": request.new_version}
 
     @app.post("/pause_generation")
-    async def pause_generation(request: PauseGenerationRequest) -> dict[str, Any]:
+    async def pause_generation(request: PauseGenerationRequest, http_request: Request) -> dict[str, Any]:
+        admit(access, http_request)
         paused = await engine.pause(request.mode)
         return {
             "status": "ok",
@@ -221,28 +226,35 @@ def create_app(engine: Engine) -> FastAPI:
         }
 
     @app.post("/continue_generation")
-    async def continue_generation(_: ContinueGenerationRequest | None = None) -> dict[str, Any]:
+    async def continue_generation(
+        http_request: Request, _: ContinueGenerationRequest | None = None
+    ) -> dict[str, Any]:
+        admit(access, http_request)
         engine.resume()
         return {"status": "ok", "message": "Generation continued."}
 
     @app.post("/abort_request")
-    async def abort_request(request: AbortRequest) -> dict[str, Any]:
+    async def abort_request(request: AbortRequest, http_request: Request) -> dict[str, Any]:
         if not request.abort_all and not request.rid:
             raise InvalidRequestError("give a rid to abort, or abort_all=true")
+        admit(access, http_request)
         aborted = engine.abort(request.rid, abort_all=request.abort_all, message=request.abort_message)
         return {"success": True, "num_aborted": aborted}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> PlainTextResponse:
+    async def flush_cache(http_request: Request) -> PlainTextResponse:
+        admit(access, http_request)
         # The engine keeps no prefix cache across requests, so there is nothing stale to drop.
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/export_weights")
-    async def export_weights(request: ExportWeightsRequest) -> dict[str, Any]:
+    async def export_weights(request: ExportWeightsRequest, http_request: Request) -> dict[str, Any]:
+        admit(access, http_request)
         return (await engine.weights.export(request)).model_dump(mode="json")
 
     @app.post("/weights_checker")
-    async def weights_checker(request: WeightsCheckerRequest | None = None) -> dict[str, Any]:
+    async def weights_checker(http_request: Request, request: WeightsCheckerRequest | None = None) -> dict[str, Any]:
+        admit(access, http_request)
         checksum = await engine.weights.checksum()
         return {
             "success": True,
@@ -257,6 +269,11 @@ def create_app(engine: Engine) -> FastAPI:
                 "weights_status": engine.weights.held.status.value,
             },
         }
+
+    @app.post("/fence")
+    async def fence(request: FenceRequest, http_request: Request) -> dict[str, Any]:
+        admit(access, http_request)
+        return access.move_fence(request).model_dump()
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -277,11 +294,15 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, http_request: Request) -> Response:
-        generate_request = _completion_to_generate(request)
+        generate_request = completion_to_generate(request)
         rid = new_id("cmpl")
         if request.stream:
-            chunks = _openai_stream(
-                engine.stream(generate_request), model=engine.served_model_name, rid=rid, chat=False
+            chunks = openai_stream(
+                engine.stream(generate_request),
+                model=engine.served_model_name,
+                rid=rid,
+                chat=False,
+                usage=request.include_usage,
             )
             return StreamingResponse(chunks, media_type="text/event-stream")
         result = await until_disconnected(http_request, engine.generate(generate_request))
@@ -296,10 +317,16 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, http_request: Request) -> Response:
-        generate_request = _chat_to_generate(engine, request)
+        generate_request = chat_to_generate(engine, request)
         rid = new_id("chatcmpl")
         if request.stream:
-            chunks = _openai_stream(engine.stream(generate_request), model=engine.served_model_name, rid=rid, chat=True)
+            chunks = openai_stream(
+                engine.stream(generate_request),
+                model=engine.served_model_name,
+                rid=rid,
+                chat=True,
+                usage=request.include_usage,
+            )
             return StreamingResponse(chunks, media_type="text/event-stream")
         result = await until_disconnected(http_request, engine.generate(generate_request))
         if isinstance(result, Response):
@@ -309,82 +336,13 @@ def create_app(engine: Engine) -> FastAPI:
             chat_body(responses, model=engine.served_model_name, request_id=rid, with_logprobs=request.logprobs)
         )
 
+    unclassified = sorted({getattr(r, "path", "") for r in app.routes} - ENDPOINTS.keys())
+    if unclassified:
+        raise RuntimeError(f"routes {unclassified} are missing from miles.engine.access.ENDPOINTS; classify them")
     return app
-
-
-def _translated(build: Any) -> GenerateRequest:
-    # The OpenAI models refuse what the native ones would (miles.protocol.openai), so this only
-    # guards against the two drifting apart: a 400 naming the field, not a 500.
-    try:
-        return build()  # type: ignore[no-any-return]
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors())
-        raise InvalidRequestError(f"invalid request: {problems}") from None
-
-
-def _completion_to_generate(request: CompletionRequest) -> GenerateRequest:
-    prompt = request.prompt
-
-    def build() -> GenerateRequest:
-        common: dict[str, Any] = {
-            "sampling_params": request.sampling_params(),
-            "return_logprob": request.logprobs is not None,
-            "top_logprobs_num": request.logprobs or 0,
-            "stream": request.stream,
-        }
-        if isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], str)):
-            return GenerateRequest(text=prompt, **common)
-        return GenerateRequest(input_ids=prompt, **common)
-
-    return _translated(build)
-
-
-def _chat_to_generate(engine: Engine, request: ChatCompletionRequest) -> GenerateRequest:
-    messages = [m.model_dump(exclude_none=True) for m in request.messages]
-    try:
-        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except Exception as exc:  # the template is user data (from the checkpoint); any failure is theirs
-        raise InvalidRequestError(f"the model's chat template could not render these messages: {exc}") from exc
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return _translated(
-        lambda: GenerateRequest(
-            input_ids=list(ids),
-            sampling_params=request.sampling_params(),
-            return_logprob=request.logprobs,
-            top_logprobs_num=request.top_logprobs or 0,
-            stream=request.stream,
-        )
-    )
 
 
 async def _native_stream(snapshots: AsyncIterator[GenerateResponse]) -> AsyncIterator[bytes]:
     async for snapshot in snapshots:
         yield sse(snapshot.model_dump(mode="json"))
-    yield sse("[DONE]")
-
-
-async def _openai_stream(
-    snapshots: AsyncIterator[GenerateResponse], *, model: str, rid: str, chat: bool
-) -> AsyncIterator[bytes]:
-    sent = ""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    async for snapshot in snapshots:
-        reason = finish_reason(snapshot)
-        # Snapshots carry the whole text so far; OpenAI streams deltas. A trailing U+FFFD may be
-        # an incomplete UTF-8 sequence that the next token completes, so it is held back.
-        stable = snapshot.text if reason is not None else snapshot.text.rstrip("\ufffd")
-        delta = ""
-        if stable.startswith(sent):  # else a stop string was trimmed from text already sent
-            delta, sent = stable[len(sent) :], stable
-        if not delta and reason is None:
-            continue
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
-        if chat:
-            choice["delta"] = {"role": "assistant", "content": delta}
-        else:
-            choice["text"] = delta
-        if reason is not None:
-            choice.update(versions(snapshot))
-        yield sse({"id": rid, "object": kind, "model": model, "choices": [choice]})
     yield sse("[DONE]")

@@ -28,7 +28,7 @@ from miles.engine.rwlock import WeightsLock
 from miles.engine.scheduler import GenerationState, Scheduler
 from miles.engine.settings import EngineSettings
 from miles.engine.snapshot import export_snapshot
-from miles.engine.weight_loader import PreparedUpdate, apply_update, prepare_update
+from miles.engine.weight_loader import PreparedUpdate, UnexpectedChecksumError, apply_update, prepare_update
 from miles.errors import CheckpointError, InvalidRequestError
 from miles.protocol.sglang import (
     ExportWeightsRequest,
@@ -40,7 +40,7 @@ from miles.protocol.sglang import (
     WeightVersionResponse,
 )
 from miles.weights.checksum import ModelChecksum, checksum_module
-from miles.weights.paths import checked_path
+from miles.weights.paths import checked_path, files_outside_roots
 
 logger = logging.getLogger("miles.engine")
 
@@ -136,13 +136,24 @@ class LiveWeights:
         Raises InvalidRequestError for a path that is not allowed or not a directory. A checkpoint
         that fails validation is answered with ``success=False`` and leaves the old weights serving.
         """
-        path = self._checkpoint_path(request.model_path)
+        path = await asyncio.to_thread(self._checkpoint_path, request.model_path)
         async with self._update_lock:
             try:
-                prepared = await asyncio.to_thread(prepare_update, self._model(), path)
+                prepared = await asyncio.to_thread(
+                    prepare_update,
+                    self._model(),
+                    path,
+                    expected_checksum=request.expected_checksum,
+                    weight_version=request.weight_version,
+                )
             except CheckpointError as exc:
                 logger.warning("refused checkpoint %s: %s", path, exc)
-                return UpdateWeightsResponse(success=False, message=str(exc), weight_version=self._held.version)
+                return UpdateWeightsResponse(
+                    success=False,
+                    message=str(exc),
+                    weight_version=self._held.version,
+                    checkpoint_checksum=exc.computed if isinstance(exc, UnexpectedChecksumError) else None,
+                )
             try:
                 version = request.weight_version or prepared.weight_version
                 pausing = self._scheduler.state is GenerationState.SERVING
@@ -173,6 +184,7 @@ class LiveWeights:
                 num_paused_requests=paused,
                 weight_version=self._held.version,
                 checksum=checksum.checksum,
+                checkpoint_checksum=prepared.checkpoint_checksum,
                 timings=prepared.timings,
             )
         return UpdateWeightsResponse(
@@ -181,6 +193,7 @@ class LiveWeights:
             num_paused_requests=paused,
             weight_version=version,
             checksum=checksum.checksum,
+            checkpoint_checksum=prepared.checkpoint_checksum,
             timings=prepared.timings,
         )
 
@@ -215,6 +228,17 @@ class LiveWeights:
             raise InvalidRequestError(f"model_path {str(path)[:200]!r} cannot be read: {exc.strerror}") from exc
         if not is_dir:
             raise InvalidRequestError(f"model_path {str(path)!r} is not a directory", status_code=404)
+        # The directory is inside a root, but each file in it may be a symlink to anywhere: every
+        # entry must resolve inside a root too, or reading it would leave them.
+        outside = files_outside_roots(path, roots)
+        if outside:
+            raise InvalidRequestError(
+                f"checkpoint {str(path)!r} holds entries that resolve outside the allowed checkpoint roots: "
+                f"{', '.join(outside[:10])}{' ...' if len(outside) > 10 else ''}; copy the files into the "
+                "checkpoint instead of linking them, or extend MILES_ALLOWED_CHECKPOINT_ROOTS",
+                status_code=403,
+                allowed=[str(r) for r in roots],
+            )
         return path
 
     async def rename(self, request: UpdateWeightVersionRequest) -> None:

@@ -30,6 +30,8 @@ class RowSampler:
     generator: torch.Generator | None
     # Token ids that end generation: EOS (unless ignore_eos) and stop_token_ids.
     stop_ids: frozenset[int]
+    # logit_bias as (token ids, values), built once per request; None without a bias.
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def create(params: SamplingParams, *, eos_ids: frozenset[int]) -> RowSampler:
@@ -41,7 +43,11 @@ class RowSampler:
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= eos_ids
-        return RowSampler(params=params, generator=generator, stop_ids=frozenset(stop_ids))
+        bias = None
+        if params.bias:
+            ids, values = zip(*sorted(params.bias.items()), strict=True)
+            bias = (torch.tensor(ids, dtype=torch.long), torch.tensor(values, dtype=torch.float32))
+        return RowSampler(params=params, generator=generator, stop_ids=frozenset(stop_ids), bias=bias)
 
     @property
     def greedy(self) -> bool:
@@ -92,7 +98,7 @@ def sample_batch(
     ``histories`` are prompt + output ids per row (for penalties), ``output_lengths`` the number of
     tokens generated so far (for ``min_new_tokens``), ``want_logprobs`` / ``top_logprobs`` what each
     row wants reported. Greedy rows share one batched argmax and sampled rows one batched draw;
-    only penalties and stop-token masks are applied row by row, to the rows that have them.
+    only logit biases, penalties and stop-token masks are applied row by row, to the rows that have them.
     """
     return _select(
         logits,
@@ -178,10 +184,14 @@ def _select(
     line_of = {row: line for line, row in enumerate(sampled)}
     for row, sampler in enumerate(samplers):
         masking = output_lengths[row] < sampler.params.min_new_tokens and bool(sampler.stop_ids)
-        if not sampler.needs_penalties and not masking:
+        if not sampler.needs_penalties and not masking and sampler.bias is None:
             continue
         # An adjusted row: a copy for a greedy row, its own line of `sampled_logits` for a sampled one.
         row_logits = logits[row].clone() if sampler.greedy else sampled_logits[line_of[row]]  # type: ignore[index]
+        if sampler.bias is not None:
+            # Logprobs are still reported under the raw logits (see the module docstring).
+            ids, values = sampler.bias
+            row_logits[ids] += values
         if sampler.needs_penalties:
             _apply_penalties(row_logits, sampler.params, histories[row], output_lengths[row])
         if masking:

@@ -382,7 +382,7 @@ class Scheduler:
     def _admit(self, admitted: list[Sequence], version: str) -> None:
         ready: list[Sequence] = []
         for seq in admitted:
-            if not seq.output_ids and seq.sampler.params.max_new_tokens == 0:
+            if not seq.output_ids and seq.sampler.params.token_budget == 0:
                 self._finish(seq, FinishReason(type="length", length=0))
             else:
                 ready.append(seq)

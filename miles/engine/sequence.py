@@ -87,7 +87,7 @@ class Sequence:
                 for stop in params.stop_strings:
                     if stop in text:
                         return FinishReason(type="stop", matched=stop)
-        if len(self.output_ids) >= params.max_new_tokens:
+        if len(self.output_ids) >= params.token_budget:
             return FinishReason(type="length", length=len(self.output_ids))
         return None
 

@@ -1,4 +1,5 @@
-"""Settings of one embedded engine process (command-line flags, with MILES_* fallbacks)."""
+"""Settings of one embedded engine process (command-line flags, plus what only the environment
+may carry: checkpoint roots and credentials, read once at start-up)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 ALLOWED_ROOTS_ENV = "MILES_ALLOWED_CHECKPOINT_ROOTS"
+# Credentials travel in the environment, never on the command line (which `ps` shows anyone).
+SECRET_ENV = "MILES_ENGINE_SECRET"
+API_KEY_ENV = "MILES_API_KEY"
 
 
 class Forward(Enum):
@@ -41,6 +45,11 @@ class EngineSettings(BaseModel):
     # Where POST /export_weights writes snapshots of the held weights; None disables the endpoint.
     snapshot_dir: Path | None = None
     log_level: str = "warning"
+    # The control secret (MILES_ENGINE_SECRET): control endpoints need it, or a window credential
+    # derived from it. None: control is open (or guarded by the API key, when there is one).
+    secret: SecretStr | None = None
+    # The API key (MILES_API_KEY): inference and read-only endpoints need it (or the secret).
+    api_key: SecretStr | None = None
 
     @field_validator("device")
     @classmethod
@@ -55,3 +64,23 @@ class EngineSettings(BaseModel):
         raw = (environ if environ is not None else os.environ).get(ALLOWED_ROOTS_ENV, "")
         parts = [p.strip() for chunk in raw.split(os.pathsep) for p in chunk.split(",")]
         return tuple(Path(p).expanduser().resolve() for p in parts if p)
+
+    @staticmethod
+    def credential_from_env(name: str, environ: dict[str, str] | None = None) -> SecretStr | None:
+        """The credential in environment variable ``name`` (unset: None).
+
+        Raises ValueError for a value that is set but unusable: empty (most likely an unset shell
+        variable expanded, which would silently leave the engine open) or not printable ASCII
+        without spaces (it must travel in an ``Authorization: Bearer`` header).
+        """
+        raw = (environ if environ is not None else os.environ).get(name)
+        if raw is None:
+            return None
+        if not raw:
+            raise ValueError(f"{name} is set but empty; give it a value, or unset it to leave the engine open")
+        if not all("!" <= c <= "~" for c in raw):
+            raise ValueError(
+                f"{name} must be printable ASCII without spaces (it is sent as `Authorization: Bearer <value>`); "
+                "generate one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+        return SecretStr(raw)

@@ -6,24 +6,54 @@ the live model, and only then (3) the caller takes the write side of the weights
 ``apply`` copies each tensor into the existing parameter storage. Steps 1-2 run while generation
 continues on the old weights; a refused checkpoint never touches them. No second copy of the model
 is made: the source tensors are views of the file's page-cache pages.
+
+A plain Hugging Face directory (no miles manifest) loads the same way when the caller names the
+checksum it expects: the verification pass computes every tensor's digest from the maps and the
+model checksum from those digests (``miles.weights.checksum``), and the load goes on only if that
+equals the expected one. The digests become an in-memory manifest, so the rest of the load (and
+the confirmation of the live weights) does not care where the manifest came from.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from miles.errors import CheckpointError
-from miles.weights.checkpoint import CheckpointReader, VerificationReport, open_checkpoint, verify_checkpoint
-from miles.weights.checksum import ModelChecksum, copy_and_checksum, saved_state_dict
-from miles.weights.safetensors_io import dtype_name
+from miles.errors import CheckpointError, CheckpointFileMissingError, ManifestMissingError
+from miles.weights.checkpoint import (
+    CheckpointReader,
+    Manifest,
+    TensorEntry,
+    VerificationReport,
+    open_checkpoint,
+    verify_checkpoint,
+)
+from miles.weights.checksum import (
+    ModelChecksum,
+    checksum_from_digests,
+    collect_slots,
+    copy_and_checksum,
+    digest_mapped,
+    saved_state_dict,
+)
+from miles.weights.safetensors_io import MappedSafetensors, dtype_name, index_files
 
 
 class IncompatibleCheckpointError(CheckpointError):
     """A valid checkpoint that does not fit the served model (other names, shapes or dtypes)."""
+
+
+class UnexpectedChecksumError(CheckpointError):
+    """The checkpoint is not the one the caller expects: its checksum differs from
+    ``expected_checksum``. ``computed`` is the checksum hashed from its files, when that was done."""
+
+    def __init__(self, message: str, *, computed: str | None, **context: object) -> None:
+        self.computed = computed
+        super().__init__(message, **context)
 
 
 @dataclass
@@ -32,6 +62,8 @@ class PreparedUpdate:
 
     reader: CheckpointReader
     targets: dict[str, torch.Tensor]
+    # The model checksum hashed from the checkpoint's files by the verification pass.
+    checkpoint_checksum: str | None = None
     # Seconds per phase of this load (open, verify, match, copy, checksum), for the response.
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -47,16 +79,30 @@ class PreparedUpdate:
         self.reader.close()
 
 
-def prepare_update(model: torch.nn.Module, checkpoint: Path) -> PreparedUpdate:
+def prepare_update(
+    model: torch.nn.Module,
+    checkpoint: Path,
+    *,
+    expected_checksum: str | None = None,
+    weight_version: str | None = None,
+) -> PreparedUpdate:
     """Open and fully verify ``checkpoint`` and match it against ``model``'s tensors.
 
-    Raises CheckpointError (missing, corrupt or truncated checkpoint, digest mismatch) or
-    IncompatibleCheckpointError (names, shapes or dtypes differ from the live model), naming what
-    is wrong; the live weights are untouched either way.
+    With a manifest, the files are verified against it and, when ``expected_checksum`` is given,
+    the manifest's checksum must equal it. Without one, ``expected_checksum`` and
+    ``weight_version`` are required and the checksum hashed from the files must equal the
+    expected one.
+
+    Raises CheckpointError (missing, corrupt or truncated checkpoint, digest mismatch, a plain
+    directory without the expected checksum or a version), UnexpectedChecksumError (not the
+    checkpoint the caller expects) or IncompatibleCheckpointError (names, shapes or dtypes differ
+    from the live model), naming what is wrong; the live weights are untouched either way.
     """
     started = time.perf_counter()
     try:
         reader = open_checkpoint(checkpoint)
+    except ManifestMissingError:
+        reader = None
     except CheckpointError:
         # The files could not even be mapped; a full verification names every problem.
         _raise_if_bad(_verified(checkpoint), checkpoint)
@@ -65,21 +111,99 @@ def prepare_update(model: torch.nn.Module, checkpoint: Path) -> PreparedUpdate:
         # Unreadable files (a directory where the manifest should be, no permission): the
         # checkpoint is refused like any other bad one, never a failure of the engine.
         raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
-    try:
-        opened = time.perf_counter()
+    if reader is None:
+        reader, computed = _open_plain(checkpoint, expected_checksum=expected_checksum, weight_version=weight_version)
+        opened = verified = time.perf_counter()
+    else:
         try:
-            report = reader.verify()
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
-        _raise_if_bad(report, checkpoint)
-        verified = time.perf_counter()
+            manifest_checksum = reader.manifest.checksum
+            if expected_checksum is not None and expected_checksum != manifest_checksum:
+                # Refused before hashing: whatever the files hold, this is not the checkpoint asked for.
+                raise UnexpectedChecksumError(
+                    "the checkpoint's manifest names another checksum than expected_checksum; "
+                    "load the checkpoint the caller expects, or fix expected_checksum",
+                    computed=None,
+                    expected=expected_checksum,
+                    manifest=manifest_checksum,
+                    path=str(checkpoint),
+                )
+            opened = time.perf_counter()
+            try:
+                report = reader.verify()
+            except OSError as exc:
+                raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
+            _raise_if_bad(report, checkpoint)
+            computed = report.checksum
+            verified = time.perf_counter()
+        except BaseException:
+            reader.close()
+            raise
+    try:
         targets = saved_state_dict(model)
         _match(targets, reader, checkpoint)
         timings = {"open": opened - started, "verify": verified - opened, "match": time.perf_counter() - verified}
-        return PreparedUpdate(reader=reader, targets=targets, timings=timings)
+        return PreparedUpdate(reader=reader, targets=targets, checkpoint_checksum=computed, timings=timings)
     except BaseException:
         reader.close()
         raise
+
+
+def _open_plain(
+    checkpoint: Path, *, expected_checksum: str | None, weight_version: str | None
+) -> tuple[CheckpointReader, str]:
+    """A reader over the plain Hugging Face directory ``checkpoint`` whose files hash to
+    ``expected_checksum`` (one pass: the digests hashed here become its in-memory manifest),
+    and the checksum computed.
+
+    Raises CheckpointError naming what is missing or wrong, UnexpectedChecksumError when the files
+    hash to another checksum.
+    """
+    if expected_checksum is None:
+        raise CheckpointError(
+            "the checkpoint has no miles manifest (miles_manifest.json) to verify it against: seal it with "
+            "`miles checkpoint seal` or pass expected_checksum",
+            path=str(checkpoint),
+        )
+    if weight_version is None:
+        raise CheckpointError(
+            "a checkpoint without a miles manifest has no weight version of its own; pass weight_version",
+            path=str(checkpoint),
+        )
+    paths = index_files(checkpoint)
+    if not paths:
+        raise CheckpointFileMissingError("the checkpoint directory holds no safetensors files", path=str(checkpoint))
+    with ExitStack() as stack:
+        try:
+            files = {p.relative_to(checkpoint).as_posix(): stack.enter_context(MappedSafetensors(p)) for p in paths}
+            slots = collect_slots(files.values())
+            digests = digest_mapped(slots)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
+        computed = checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots))
+        if computed.checksum != expected_checksum:
+            raise UnexpectedChecksumError(
+                f"the checkpoint's files hash to {computed.checksum}, not to the expected checksum "
+                f"{expected_checksum}; it is another checkpoint, or it was changed or corrupted",
+                computed=computed.checksum,
+                path=str(checkpoint),
+            )
+        owners = {name: file for file, mapped in files.items() for name in mapped.tensors}
+        manifest = Manifest(
+            model_name=checkpoint.name or "checkpoint",
+            step=0,
+            weight_version=weight_version,
+            checksum=computed.checksum,
+            num_bytes=computed.num_bytes,
+            tensors={
+                name: TensorEntry(dtype=d.dtype, shape=d.shape, digest=d.digest, file=owners[name])
+                for name, d in computed.tensors.items()
+            },
+            files={name: mapped.path.stat().st_size for name, mapped in files.items()},
+        )
+        reader = CheckpointReader(directory=checkpoint, manifest=manifest, files=files)
+        # The reader owns the maps now.
+        stack.pop_all()
+    return reader, computed.checksum
 
 
 def _verified(checkpoint: Path) -> VerificationReport:

@@ -11,47 +11,137 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, StrictFloat, StrictInt, ValidationError, model_validator
+from pydantic import Field, StrictFloat, StrictInt, ValidationError, field_validator, model_validator
 
 from miles.protocol.base import Count, Penalty, RequestModel, Seed, Stop, TopK, TopP
+from miles.protocol.compat import (
+    DISAGGREGATION,
+    DP_RANK,
+    EXTRA_OUTPUT,
+    GRAMMAR,
+    HIDDEN,
+    LOGIT_PROCESSOR,
+    LORA,
+    MULTIMODAL,
+    REASONING,
+    SESSION,
+    WATERMARK,
+    SGLangFields,
+    Unsupported,
+    drop_nulls,
+)
 from miles.protocol.sglang import GenerateResponse, SamplingParams
 
 
-class _SamplingFields(RequestModel):
+# Fields of both SGLang OpenAI requests that only affect logging, scheduling or caching.
+_IGNORED = frozenset({"user", "extra_key", "cache_salt", "priority"})
+# Fields of both that ask for something the engine does not do (see miles.protocol.compat).
+_UNSUPPORTED: dict[str, Unsupported] = {
+    "bootstrap_host": Unsupported(DISAGGREGATION),
+    "bootstrap_port": Unsupported(DISAGGREGATION),
+    "bootstrap_room": Unsupported(DISAGGREGATION),
+    "routed_dp_rank": Unsupported(DP_RANK, unset=(0,)),
+    "disagg_prefill_dp_rank": Unsupported(DP_RANK, unset=(0,)),
+    "data_parallel_rank": Unsupported(DP_RANK, unset=(0,)),
+    "return_hidden_states": Unsupported(HIDDEN, default=False),
+    "return_routed_experts": Unsupported(HIDDEN, default=False),
+    "routed_experts_start_len": Unsupported(HIDDEN, default=0),
+    "return_cached_tokens_details": Unsupported(EXTRA_OUTPUT, default=False),
+    "return_spec_tokens_details": Unsupported(EXTRA_OUTPUT, default=False),
+    "return_token_ids": Unsupported(EXTRA_OUTPUT, default=False),
+    "regex": Unsupported(GRAMMAR, unset=("",)),
+    "ebnf": Unsupported(GRAMMAR, unset=("",)),
+    "stop_regex": Unsupported("stop regexes are not implemented; use stop strings or stop_token_ids"),
+    "response_format": Unsupported(GRAMMAR + "; only {\"type\": \"text\"} is served", unset=({"type": "text"},)),
+    "lora_path": Unsupported(LORA),
+    "session_params": Unsupported(SESSION),
+    "custom_params": Unsupported(LOGIT_PROCESSOR),
+    "custom_logit_processor": Unsupported(LOGIT_PROCESSOR),
+    "watermark": Unsupported(WATERMARK),
+    "images_config": Unsupported(MULTIMODAL),
+    "mm_processor_kwargs": Unsupported(MULTIMODAL),
+}
+# Fields SGLang reads null as "the default" for.
+_NULL_IS_DEFAULT = frozenset(
+    {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "n"}
+)
+
+
+class StreamOptions(RequestModel):
+    """``stream_options``: with ``include_usage``, a last chunk carries the usage (OpenAI's rule)."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+    @model_validator(mode="after")
+    def _check(self) -> StreamOptions:
+        if self.continuous_usage_stats:
+            raise ValueError("continuous_usage_stats is not supported; use include_usage for the usage at the end")
+        return self
+
+
+class _SamplingFields(SGLangFields):
     model: str | None = None
     temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] = 1.0
     top_p: TopP = 1.0
     top_k: TopK = -1
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.0
     n: Annotated[StrictInt, Field(ge=1, le=64)] = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: Stop = None
+    stop_token_ids: list[Count] | None = None
     seed: Seed | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    user: str | None = None
-    # miles extensions: sticky routing and a minimum weight version, honoured by the controller.
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=2.0)] = 1.0
+    logit_bias: dict[str, StrictFloat] | None = None
+    min_tokens: Count = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    rid: str | None = None
     session_id: str | None = None
+    # miles extension: a minimum weight version, honoured by the controller's router.
     min_weight_version: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return drop_nulls(data, _NULL_IS_DEFAULT)
 
     @property
     def token_budget(self) -> int:
         raise NotImplementedError
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self) -> SamplingParams:
         """The native sampling settings of this request; valid whenever the request is (the
         validator below builds them once, so a value the native model refuses is a 400 here)."""
         return SamplingParams(
             max_new_tokens=self.token_budget,
+            min_new_tokens=self.min_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             n=self.n,
             stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
             sampling_seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            no_stop_trim=self.no_stop_trim,
         )
 
     @model_validator(mode="after")
@@ -67,10 +157,26 @@ class _SamplingFields(RequestModel):
 
 
 class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``, with SGLang's ``CompletionRequest`` fields."""
+
+    ignored_fields: ClassVar[frozenset[str]] = _IGNORED | {"custom_labels"}
+    unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {
+        **_UNSUPPORTED,
+        "json_schema": Unsupported(GRAMMAR, unset=("",)),
+        "best_of": Unsupported("best_of is not supported; ask for n samples and pick", unset=(1,)),
+        "suffix": Unsupported("insertion (suffix) is not supported", unset=("",)),
+    }
+    extension_fields: ClassVar[frozenset[str]] = frozenset({"min_weight_version"})
+
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: Count = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     echo: Literal[False] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_max_tokens(cls, data: Any) -> Any:
+        return drop_nulls(data, frozenset({"max_tokens"}))
 
     @property
     def token_budget(self) -> int:
@@ -84,21 +190,87 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not contain an empty list of token ids")
         if self.stream and isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
             raise ValueError("streaming supports a single prompt")
+        if self.rid is not None and isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            raise ValueError("rid names one request; a batch of prompts gets its own ids")
         return self
 
 
 class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    # A string, or OpenAI's list of content parts of which only text parts are served.
+    content: str | list[dict[str, Any]]
     name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: {MULTIMODAL}; send text parts")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError("a text content part needs its text as a string")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a text content part holds a lone UTF-16 surrogate, which is not valid text") from None
+        return value
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it (text parts joined)."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part["text"] for part in self.content)
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``, with SGLang's ``ChatCompletionRequest`` fields."""
+
+    ignored_fields: ClassVar[frozenset[str]] = _IGNORED | {
+        # Output parsing of reasoning models; without a reasoning parser SGLang ignores them too.
+        "separate_reasoning",
+        "stream_reasoning",
+        "parallel_tool_calls",
+        # How flat logprob arrays would be encoded; they are refused (return_flat_raw_*) anyway.
+        "return_flat_raw_top_logprobs_b64",
+    }
+    unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {
+        **_UNSUPPORTED,
+        "tools": Unsupported("tool calling is not supported"),
+        "tool_choice": Unsupported("tool calling is not supported", default="auto", unset=("none",)),
+        "return_prompt_token_ids": Unsupported(EXTRA_OUTPUT, default=False),
+        "return_meta_info": Unsupported(EXTRA_OUTPUT, default=False),
+        "return_input_ids_in_sglext": Unsupported(EXTRA_OUTPUT, default=False),
+        "return_output_ids_in_sglext": Unsupported(EXTRA_OUTPUT, default=False),
+        "return_sampling_mask": Unsupported(EXTRA_OUTPUT, default=False),
+        "sampling_logprobs_mode": Unsupported("logprobs are those of the model's raw distribution"),
+        "return_flat_raw_output_top_logprobs": Unsupported(EXTRA_OUTPUT, default=False),
+        "reasoning_effort": Unsupported(REASONING),
+        "thinking": Unsupported(REASONING),
+        "task": Unsupported("model-specific tasks are not supported"),
+        "continue_final_message": Unsupported(
+            "continuing the final assistant message is not supported; send the text to /v1/completions",
+            default=False,
+        ),
+        "max_dynamic_patch": Unsupported(MULTIMODAL),
+        "min_dynamic_patch": Unsupported(MULTIMODAL),
+        "use_audio_in_video": Unsupported(MULTIMODAL, default=False),
+        "video_config": Unsupported(MULTIMODAL),
+        "input_ids": Unsupported("pre-tokenized chat input is not supported; send input_ids to /generate"),
+    }
+    extension_fields: ClassVar[frozenset[str]] = frozenset({"min_weight_version"})
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    # Extra variables for the chat template (e.g. {"enable_thinking": false}); the engine refuses
+    # names that are arguments of the template call itself.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def token_budget(self) -> int:
@@ -144,7 +316,7 @@ def completion_body(
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": _usage(responses),
+        "usage": usage_of(responses),
     }
 
 
@@ -175,7 +347,7 @@ def chat_body(
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": _usage(responses),
+        "usage": usage_of(responses),
     }
 
 
@@ -189,7 +361,7 @@ def versions(response: GenerateResponse) -> dict[str, Any]:
     }
 
 
-def _usage(responses: list[GenerateResponse]) -> dict[str, int]:
+def usage_of(responses: list[GenerateResponse]) -> dict[str, int]:
     # Every choice of one request shares its prompt; count it once.
     prompt = responses[0].meta_info.prompt_tokens if responses else 0
     completion = sum(r.meta_info.completion_tokens for r in responses)

@@ -8,10 +8,11 @@ silently ignored, because a typo in a sampling parameter would otherwise change 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
 
 from miles.protocol.base import (
     Count,
@@ -25,16 +26,85 @@ from miles.protocol.base import (
     WeightVersion,
     sample_seed,
 )
+from miles.protocol.compat import (
+    DISAGGREGATION,
+    DP_RANK,
+    EXTRA_OUTPUT,
+    GRAMMAR,
+    HIDDEN,
+    INTERNAL,
+    LOGIT_PROCESSOR,
+    LORA,
+    MULTIMODAL,
+    REASONING,
+    SESSION,
+    WATERMARK,
+    SGLangFields,
+    Unsupported,
+    drop_nulls,
+)
 
 
-class SamplingParams(RequestModel):
+# SamplingParams fields whose null SGLang reads as "the default" (its __post_init__).
+_NULL_IS_DEFAULT = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "n",
+        "ignore_eos",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "spaces_between_special_tokens",
+    }
+)
+# OpenAI's bound on a logit bias, which SGLang forwards unchanged.
+MAX_LOGIT_BIAS = 100.0
+
+
+def _logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
+    for key in value or {}:
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            raise ValueError(f"logit_bias keys are token ids written as decimal strings (\"42\"); got {key[:20]!r}")
+    return value
+
+
+class SamplingParams(SGLangFields):
     """Per-request decoding settings, with SGLang's names and defaults.
 
-    Token ids (``stop_token_ids``) are checked against the model's vocabulary by the engine, which
-    knows it, before the request joins the batch.
+    Token ids (``stop_token_ids``, ``logit_bias`` keys) are checked against the model's vocabulary
+    by the engine, which knows it, before the request joins the batch.
     """
 
-    max_new_tokens: Count = 128
+    ignored_fields: ClassVar[frozenset[str]] = frozenset({"stream_interval"})
+    unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {
+        "stop_regex": Unsupported("stop regexes are not implemented; use stop strings or stop_token_ids"),
+        "beam_width": Unsupported("beam search is not implemented", unset=(1,)),
+        "json_schema": Unsupported(GRAMMAR, unset=("",)),
+        "regex": Unsupported(GRAMMAR, unset=("",)),
+        "ebnf": Unsupported(GRAMMAR, unset=("",)),
+        "structural_tag": Unsupported(GRAMMAR, unset=("",)),
+        "spaces_between_special_tokens": Unsupported(
+            "the tokenizer's decode always puts its own spacing between special tokens", default=True
+        ),
+        "custom_params": Unsupported(LOGIT_PROCESSOR),
+        "watermark": Unsupported(WATERMARK),
+        "stop_strs": Unsupported(INTERNAL),
+        "stop_regex_strs": Unsupported(INTERNAL),
+        "stop_str_max_len": Unsupported(INTERNAL, default=0),
+        "stop_regex_max_len": Unsupported(INTERNAL, default=0),
+        "is_normalized": Unsupported(INTERNAL, default=False),
+        "ebnf_full_assistant": Unsupported(INTERNAL, default=False),
+    }
+    extension_fields: ClassVar[frozenset[str]] = frozenset({"seed"})
+
+    # null: as many tokens as the context length leaves after the prompt (SGLang's meaning).
+    max_new_tokens: Count | None = 128
     min_new_tokens: Count = 0
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
@@ -49,13 +119,23 @@ class SamplingParams(RequestModel):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     n: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    # Added to the logits of the named token ids before sampling (OpenAI's bound: -100..100).
+    logit_bias: Annotated[
+        dict[str, Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None,
+        AfterValidator(_logit_bias),
+    ] = None
     sampling_seed: Seed | None = None
     # Accepted as a shorter alias of ``sampling_seed`` (OpenAI's name for the same thing).
     seed: Seed | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return drop_nulls(data, _NULL_IS_DEFAULT)
+
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
-        if self.min_new_tokens > self.max_new_tokens:
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError("min_new_tokens must not exceed max_new_tokens")
         if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
             raise ValueError("give either seed or sampling_seed, not two different values")
@@ -64,6 +144,16 @@ class SamplingParams(RequestModel):
     @property
     def effective_seed(self) -> int | None:
         return self.sampling_seed if self.sampling_seed is not None else self.seed
+
+    @property
+    def token_budget(self) -> int:
+        """``max_new_tokens`` once the engine has resolved null (see ``with_budget``)."""
+        assert self.max_new_tokens is not None, "the engine resolves max_new_tokens=null before a request runs"
+        return self.max_new_tokens
+
+    def with_budget(self, budget: int) -> SamplingParams:
+        """These settings with ``max_new_tokens`` set (the engine's resolution of null)."""
+        return self.model_copy(update={"max_new_tokens": budget})
 
     def for_sample(self, sample: int) -> SamplingParams:
         """The settings of sample ``sample`` of ``n``: sample *i* of a seeded request draws with
@@ -79,21 +169,111 @@ class SamplingParams(RequestModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    @property
+    def bias(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
-class GenerateRequest(RequestModel):
-    """``POST /generate``: one prompt or a batch (lists), as text or token ids."""
+
+TopLogprobs = Annotated[StrictInt, Field(ge=0, le=20)]
+
+
+class GenerateRequest(SGLangFields):
+    """``POST /generate``: one prompt or a batch (lists), as text or token ids.
+
+    The logprob settings may be one value or one per prompt, as in SGLang.
+    """
+
+    ignored_fields: ClassVar[frozenset[str]] = frozenset(
+        {
+            # Logging, tracing and metrics.
+            "no_logs",
+            "custom_labels",
+            "external_trace_header",
+            "received_time",
+            "conversation_id",
+            # Scheduling, caching and routing hints: one queue, no prefix cache, no DP workers.
+            "priority",
+            "extra_key",
+            "cache_salt",
+            "routing_key",
+            "kv_hints",
+            "http_worker_ipc",
+        }
+    )
+    unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {
+        **{
+            name: Unsupported(MULTIMODAL)
+            for name in (
+                "input_embeds",
+                "image_data",
+                "video_data",
+                "audio_data",
+                "mm_hashes",
+                "mm_content_hashes",
+                "video_config",
+                "modalities",
+                "max_dynamic_patch",
+                "min_dynamic_patch",
+                "image_max_dynamic_patch",
+                "video_max_dynamic_patch",
+                "images_config",
+                "mm_processor_kwargs",
+            )
+        },
+        "use_audio_in_video": Unsupported(MULTIMODAL, default=False),
+        "watermark": Unsupported(WATERMARK),
+        "token_ids_logprob": Unsupported("logprobs of chosen token ids are not returned; use top_logprobs_num"),
+        "return_sampling_mask": Unsupported(EXTRA_OUTPUT, default=False),
+        "sampling_logprobs_mode": Unsupported(
+            "logprobs are always those of the model's raw distribution (before temperature and filtering)"
+        ),
+        "return_flat_raw_top_logprobs": Unsupported(EXTRA_OUTPUT, default=False),
+        "return_flat_raw_output_top_logprobs": Unsupported(EXTRA_OUTPUT, default=False),
+        "return_flat_raw_top_logprobs_b64": Unsupported(EXTRA_OUTPUT, default=False),
+        "return_hidden_states": Unsupported(HIDDEN, default=False),
+        "return_routed_experts": Unsupported(HIDDEN, default=False),
+        "routed_experts_start_len": Unsupported(HIDDEN, default=0),
+        "return_indexer_topk": Unsupported(HIDDEN, default=False),
+        "session_params": Unsupported(SESSION),
+        "lora_path": Unsupported(LORA),
+        "lora_id": Unsupported(LORA),
+        "custom_logit_processor": Unsupported(LOGIT_PROCESSOR),
+        "positional_embed_overrides": Unsupported("embedding overrides are not supported"),
+        "bootstrap_host": Unsupported(DISAGGREGATION),
+        "bootstrap_port": Unsupported(DISAGGREGATION),
+        "bootstrap_room": Unsupported(DISAGGREGATION),
+        "bootstrap_pair_key": Unsupported(DISAGGREGATION),
+        "decode_tp_size": Unsupported(DISAGGREGATION),
+        "need_wait_for_mm_inputs": Unsupported(DISAGGREGATION, default=False),
+        "num_items_assigned": Unsupported(DISAGGREGATION),
+        "encoder_urls": Unsupported(DISAGGREGATION),
+        "routed_dp_rank": Unsupported(DP_RANK, unset=(0,)),
+        "data_parallel_rank": Unsupported(DP_RANK, unset=(0,)),
+        "disagg_prefill_dp_rank": Unsupported(DP_RANK, unset=(0,)),
+        "background": Unsupported("background requests (OpenAI's responses API) are not supported", default=False),
+        "require_reasoning": Unsupported(REASONING, default=False),
+        "max_thinking_tokens": Unsupported(REASONING),
+        "return_bytes": Unsupported("the engine generates text, not images", default=False),
+        "return_entropy": Unsupported(EXTRA_OUTPUT, default=False),
+        "return_prompt_token_ids": Unsupported(EXTRA_OUTPUT, default=False),
+        "multi_item_delimiter_indices": Unsupported("multi-item scoring is not supported"),
+        "token_indices_to_pool": Unsupported("pooling readouts (scoring) are not supported"),
+    }
+    # SGLang's router adds "model" (null, or the model it routed by) to every /generate it forwards.
+    extension_fields: ClassVar[frozenset[str]] = frozenset({"model"})
 
     text: str | list[str] | None = None
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     rid: str | list[str] | None = None
-    return_logprob: bool = False
-    logprob_start_len: StrictInt = -1
-    top_logprobs_num: Annotated[StrictInt, Field(ge=0, le=20)] = 0
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: StrictInt | list[StrictInt | None] | None = None
+    top_logprobs_num: TopLogprobs | list[TopLogprobs | None] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     session_id: str | None = None
     log_metrics: bool = True
+    model: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:
@@ -101,7 +281,8 @@ class GenerateRequest(RequestModel):
             raise ValueError("give exactly one of text or input_ids")
         if isinstance(self.text, list) and not self.text:
             raise ValueError("text is an empty batch; give at least one prompt")
-        if self.logprob_start_len != -1:
+        starts = self.logprob_start_len if isinstance(self.logprob_start_len, list) else [self.logprob_start_len]
+        if any(s not in (None, -1) for s in starts):
             raise ValueError(
                 "logprob_start_len other than -1 (prompt logprobs) is not supported; "
                 "output-token logprobs come with return_logprob=true"
@@ -109,7 +290,14 @@ class GenerateRequest(RequestModel):
         if self.stream and self.is_batch:
             raise ValueError("streaming is supported for a single prompt, not a batch")
         n = self.batch_size
-        for name, value in (("sampling_params", self.sampling_params), ("rid", self.rid)):
+        per_prompt = (
+            ("sampling_params", self.sampling_params),
+            ("rid", self.rid),
+            ("return_logprob", self.return_logprob),
+            ("logprob_start_len", self.logprob_start_len),
+            ("top_logprobs_num", self.top_logprobs_num),
+        )
+        for name, value in per_prompt:
             if isinstance(value, list) and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
         if isinstance(self.input_ids, list) and self.input_ids and isinstance(self.input_ids[0], list):
@@ -130,6 +318,22 @@ class GenerateRequest(RequestModel):
         if self.input_ids and isinstance(self.input_ids[0], list):
             return len(self.input_ids)
         return 1
+
+    def logprobs_of(self, prompt: int) -> LogprobSettings:
+        """What prompt ``prompt`` of the batch asked for in logprobs (null: SGLang's defaults)."""
+        wanted = self.return_logprob[prompt] if isinstance(self.return_logprob, list) else self.return_logprob
+        top = self.top_logprobs_num[prompt] if isinstance(self.top_logprobs_num, list) else self.top_logprobs_num
+        wanted = bool(wanted)
+        return LogprobSettings(return_logprob=wanted, top_logprobs=(top or 0) if wanted else 0)
+
+
+class LogprobSettings(BaseModel):
+    """The logprobs one prompt of a request asked for."""
+
+    model_config = ConfigDict(frozen=True)
+
+    return_logprob: bool
+    top_logprobs: int
 
 
 class FinishReason(BaseModel):
@@ -224,9 +428,13 @@ class AbortRequest(RequestModel):
 class UpdateWeightsFromDiskRequest(RequestModel):
     """``POST /update_weights_from_disk``: load a checkpoint directory into the live weights.
 
-    ``model_path`` is checked as a path (``miles.weights.paths.checked_path``) by the engine."""
+    ``model_path`` is checked as a path (``miles.weights.paths.checked_path``) by the engine.
+    ``expected_checksum`` (miles extension) is the model checksum the caller expects: with a
+    manifest, the manifest's must equal it; without one it is required, and the files must hash
+    to it (then ``weight_version`` is required too)."""
 
     model_path: str
+    expected_checksum: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: WeightVersion | None = None
@@ -253,6 +461,9 @@ class UpdateWeightsResponse(BaseModel):
     num_paused_requests: int = 0
     weight_version: str | None = None
     checksum: str | None = None
+    # miles extension: the model checksum hashed from the checkpoint's files while verifying it
+    # (null when the load was refused before they were hashed).
+    checkpoint_checksum: str | None = None
     # miles extension: seconds per phase of the load (pause, open, verify, match, lock, copy,
     # checksum), so an operator can see where an update's time went.
     timings: dict[str, float] = {}

@@ -232,3 +232,82 @@ def test_a_client_that_goes_away_stops_its_generation(http: httpx.Client, engine
             time.sleep(0.05)
     finally:
         http.post("/continue_generation", json={})
+
+
+def test_both_info_names_answer_with_sglangs_fields(http: httpx.Client) -> None:
+    model = http.get("/model_info").json()
+    assert model == http.get("/get_model_info").json()
+    for field in ("model_path", "served_model_name", "tokenizer_path", "is_generation", "preferred_sampling_params",
+                  "weight_version", "load_format", "disaggregation_mode", "model_type", "architectures"):
+        assert field in model, field
+    server = http.get("/server_info").json()
+    assert server.keys() == http.get("/get_server_info").json().keys()
+    assert (server["tp_size"], server["dp_size"], server["disaggregation_mode"]) == (1, 1, "null")
+    assert server["fence"] == 0 and server["window_open"] is False
+
+
+def test_sglang_defaults_sent_as_null_and_per_prompt_logprobs(http: httpx.Client) -> None:
+    nulls = {"temperature": None, "top_p": None, "top_k": None, "n": None, "min_new_tokens": None, "max_new_tokens": 4}
+    body = {"text": "hi", "sampling_params": {**nulls, "temperature": 0}, "return_logprob": None, "lora_path": None,
+            "return_hidden_states": False, "image_data": None, "model": None, "priority": 3, "cache_salt": "x"}
+    assert http.post("/generate", json=body).json()["output_ids"] == http.post("/generate", json=greedy("hi", 4)).json()[
+        "output_ids"
+    ]
+    batch = http.post(
+        "/generate",
+        json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+              "return_logprob": [True, False], "top_logprobs_num": [2, 0]},
+    ).json()
+    assert len(batch[0]["meta_info"]["output_top_logprobs"][0]) == 2
+    assert batch[1]["meta_info"]["output_token_logprobs"] is None
+
+
+def test_max_new_tokens_null_generates_until_the_context_is_full(http: httpx.Client) -> None:
+    context = http.get("/model_info").json()["context_length"]
+    body = {"input_ids": [5] * (context - 3), "sampling_params": {"max_new_tokens": None, "ignore_eos": True}}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    assert meta["completion_tokens"] == 3 and meta["finish_reason"]["type"] == "length"
+    full = http.post("/generate", json={"input_ids": [5] * context, "sampling_params": {"max_new_tokens": None}})
+    assert full.status_code == 400 and "no room" in full.json()["error"]["message"]
+
+
+def test_logit_bias_steers_sampling(http: httpx.Client) -> None:
+    plain = http.post("/generate", json=greedy("abc", 4)).json()["output_ids"]
+    target = (plain[0] + 1) % 100 + 3
+    biased = http.post("/generate", json=greedy("abc", 4, logit_bias={str(target): 100})).json()["output_ids"]
+    assert biased == [target] * 4
+    # OpenAI's name for it, on the OpenAI route.
+    completion = http.post(
+        "/v1/completions", json={"prompt": "abc", "max_tokens": 2, "temperature": 0, "logit_bias": {str(target): 100}}
+    ).json()
+    assert completion["usage"]["completion_tokens"] == 2
+
+
+def test_openai_fields_clients_send(http: httpx.Client) -> None:
+    chat = {
+        "model": "anything",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]}],
+        "max_completion_tokens": 3,
+        "temperature": None,
+        "user": "someone",
+        "stream_options": None,
+        "n": 1,
+        "stop": None,
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "chat_template_kwargs": {},
+    }
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    as_text = {**chat, "messages": [{"role": "user", "content": "hi there"}], "temperature": 0}
+    as_parts = {**chat, "temperature": 0}
+    assert http.post("/v1/chat/completions", json=as_text).json()["choices"][0]["message"] == http.post(
+        "/v1/chat/completions", json=as_parts
+    ).json()["choices"][0]["message"]
+    reserved = http.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"tokenize": False}})
+    assert reserved.status_code == 400 and "chat_template_kwargs" in reserved.json()["error"]["message"]
+    lines = []
+    body = {"prompt": "x", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}, "rid": "usage-1"}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    last = json.loads(lines[-1].removeprefix("data: "))
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3

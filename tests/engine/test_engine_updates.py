@@ -402,3 +402,111 @@ def test_no_torn_reads_while_updates_alternate(http: httpx.Client, engine_url: s
         versions.add(meta["weight_version"])
         assert response["output_ids"] == reference[meta["weight_version"]][index]
     assert versions == {"1", "2"}
+
+
+@pytest.fixture(scope="module")
+def plain_checkpoint(allowed_root: Path) -> tuple[Path, str]:
+    """A plain Hugging Face directory (``save_pretrained`` + tokenizer, no miles manifest) inside
+    the allowed root, and the checksum of the model it was saved from."""
+    from miles.models import build_model, build_tokenizer
+    from miles.weights.checksum import checksum_module
+
+    model = build_model("tiny", seed=1)
+    directory = allowed_root / "plain-hf"
+    model.save_pretrained(directory)
+    build_tokenizer().save_pretrained(directory)
+    assert not (directory / "miles_manifest.json").exists()
+    return directory, checksum_module(model).checksum
+
+
+def test_a_plain_hf_checkpoint_loads_when_its_checksum_is_expected(
+    http: httpx.Client, plain_checkpoint: tuple[Path, str]
+) -> None:
+    directory, checksum = plain_checkpoint
+    before = outputs(http)
+    response = load(http, directory, expected_checksum=checksum, weight_version="hf-1")
+    body = response.json()
+    assert response.status_code == 200 and body["success"] is True, body
+    # The files were hashed once, while verifying; the live weights were hashed after the copy.
+    assert body["checkpoint_checksum"] == checksum
+    assert body["checksum"] == checksum
+    assert body["weight_version"] == "hf-1"
+    assert http.get("/get_weight_version").json() == {"weight_version": "hf-1", "checksum": checksum}
+    assert http.post("/weights_checker", json={}).json()["payload"]["checksum"] == checksum
+    assert outputs(http) != before
+    assert http.post("/generate", json=greedy("a")).json()["meta_info"]["weight_version"] == "hf-1"
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"weight_version": "hf-x"}, "pass expected_checksum"),
+        ({"expected_checksum": "0" * 32}, "pass weight_version"),
+    ],
+)
+def test_a_plain_hf_checkpoint_needs_an_expected_checksum_and_a_version(
+    http: httpx.Client, plain_checkpoint: tuple[Path, str], extra: dict, needle: str
+) -> None:
+    response = load(http, plain_checkpoint[0], **extra)
+    body = response.json()
+    assert response.status_code == 400 and body["success"] is False
+    assert needle in body["message"]
+    assert http.get("/get_weight_version").json()["weight_version"] == "1"
+
+
+def test_a_plain_hf_checkpoint_with_another_checksum_is_refused_naming_both(
+    http: httpx.Client, plain_checkpoint: tuple[Path, str], checkpoints: dict[str, Path]
+) -> None:
+    directory, checksum = plain_checkpoint
+    wrong = read_manifest(checkpoints["v3"]).checksum
+    assert wrong != checksum
+    before = outputs(http)
+    response = load(http, directory, expected_checksum=wrong, weight_version="hf-bad")
+    body = response.json()
+    assert response.status_code == 400 and body["success"] is False
+    assert wrong in body["message"] and checksum in body["message"]
+    assert body["checkpoint_checksum"] == checksum
+    assert body["checksum"] is None  # nothing was copied
+    assert http.get("/get_weight_version").json() == {
+        "weight_version": "1",
+        "checksum": read_manifest(checkpoints["v1"]).checksum,
+    }
+    assert outputs(http) == before
+
+
+def test_expected_checksum_must_match_the_manifest(http: httpx.Client, checkpoints: dict[str, Path]) -> None:
+    v2 = read_manifest(checkpoints["v2"]).checksum
+    wrong = read_manifest(checkpoints["v3"]).checksum
+    refused = load(http, checkpoints["v2"], expected_checksum=wrong)
+    body = refused.json()
+    assert refused.status_code == 400 and body["success"] is False
+    assert wrong in body["message"] and v2 in body["message"]
+    assert http.get("/get_weight_version").json()["weight_version"] == "1"
+    accepted = load(http, checkpoints["v2"], expected_checksum=v2).json()
+    assert accepted["success"] is True and accepted["checkpoint_checksum"] == v2 == accepted["checksum"]
+
+
+@pytest.mark.parametrize("value", ["", "x" * 257])
+def test_expected_checksum_is_one_to_256_characters(http: httpx.Client, checkpoints: dict[str, Path], value: str) -> None:
+    response = load(http, checkpoints["v2"], expected_checksum=value)
+    assert response.status_code == 400 and "expected_checksum" in response.json()["error"]["message"]
+
+
+def test_a_checkpoint_with_a_file_linked_outside_the_roots_is_refused(
+    http: httpx.Client, checkpoints: dict[str, Path], allowed_root: Path, tmp_path: Path
+) -> None:
+    # The directory lies inside a root; its weights are a symlink to a copy outside every root.
+    outside = copy_checkpoint(checkpoints["v2"], tmp_path / "outside-v2")
+    linked = copy_checkpoint(checkpoints["v2"], allowed_root / f"linked-{tmp_path.name}")
+    (linked / "model.safetensors").unlink()
+    (linked / "model.safetensors").symlink_to(outside / "model.safetensors")
+    response = load(http, linked)
+    assert response.status_code == 403, response.text
+    message = response.json()["error"]["message"]
+    assert "model.safetensors" in message and "outside the allowed checkpoint roots" in message
+    assert http.get("/get_weight_version").json()["weight_version"] == "1"
+    # A link that stays inside a root is fine.
+    inside = copy_checkpoint(checkpoints["v2"], allowed_root / f"inside-{tmp_path.name}")
+    (inside / "model.safetensors").unlink()
+    (inside / "model.safetensors").symlink_to(checkpoints["v2"] / "model.safetensors")
+    assert load(http, inside).json()["success"] is True

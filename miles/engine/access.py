@@ -1,0 +1,307 @@
+"""Who may call which engine endpoint, and the fence that keeps superseded updates out (adapter).
+
+Three kinds of endpoint (``ENDPOINTS``): ``/health`` is open (load balancers and SGLang's router
+probe it); *control* endpoints change or hold the weights and need the engine secret
+(``MILES_ENGINE_SECRET``) or a valid window credential (``miles.protocol.auth``); every other
+path (inference, read-only info, the OpenAPI schema) needs the API key (``MILES_API_KEY``), or the
+secret, when an API key is set, and is open otherwise. A credential that is not configured is not
+required; with only an API key, control
+endpoints take the API key, so setting a key never leaves the weights open to callers it keeps
+out of inference (the controller's HTTP API does the same).
+
+Fencing: a control call may carry ``X-Miles-Fence: <int>``. The engine remembers the highest
+token it has seen; a call with a lower one is refused (409) and a higher one raises it. A window
+credential fences its call at its window's token. The check runs before the body is read
+(``AccessMiddleware``); the fence moves only once the handler runs (``admit``), so a call refused
+for its body changes nothing either. Everything here runs on the event loop, one coroutine at a
+time, and no check awaits between reading and writing the fence.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass
+from enum import Enum
+
+from pydantic import SecretStr
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from miles.errors import InvalidRequestError
+from miles.protocol.auth import FENCE_HEADER, MAX_FENCE, FenceRequest, FenceState, is_window_credential, window_token
+
+logger = logging.getLogger("miles.engine")
+
+
+class Kind(Enum):
+    OPEN = "open"
+    INFERENCE = "inference"  # inference and read-only endpoints: the API key (or the secret)
+    CONTROL = "control"  # weight- and generation-changing endpoints: the secret (or a window credential)
+
+
+# Every path the engine serves, by kind. ``create_app`` refuses to build an app with a route
+# missing here, so a new endpoint cannot be left unguarded by forgetting it.
+ENDPOINTS: dict[str, Kind] = {
+    "/health": Kind.OPEN,
+    **{
+        path: Kind.CONTROL
+        for path in (
+            "/update_weights_from_disk",
+            "/update_weight_version",
+            "/pause_generation",
+            "/continue_generation",
+            "/abort_request",
+            "/export_weights",
+            "/weights_checker",
+            "/flush_cache",
+            "/fence",
+        )
+    },
+    **{
+        path: Kind.INFERENCE
+        for path in (
+            "/generate",
+            "/health_generate",
+            "/get_model_info",
+            "/model_info",
+            "/get_server_info",
+            "/server_info",
+            "/get_weight_version",
+            "/v1/models",
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/openapi.json",
+            "/docs",
+            "/docs/oauth2-redirect",
+            "/redoc",
+        )
+    },
+}
+
+_WINDOW_ALLOWED = frozenset(p for p, k in ENDPOINTS.items() if k is Kind.CONTROL) - {"/fence"}
+
+
+def kind_of(path: str) -> Kind:
+    """The kind of ``path``; a path the engine does not serve needs the API key like inference (it
+    answers 404 once let in), so an unknown path never reveals more to a caller without one."""
+    stripped = path.rstrip("/") or "/"
+    return ENDPOINTS.get(stripped, Kind.INFERENCE)
+
+
+@dataclass(frozen=True)
+class ControlGrant:
+    """A control call that passed authentication: the fencing token it carries (None: unfenced)
+    and, for a window credential, the window it was minted for."""
+
+    fence: int | None
+    window: int | None
+
+
+class EngineAccess:
+    """The engine's credentials and its fence; one per engine, used on the event loop only."""
+
+    def __init__(self, *, secret: SecretStr | None, api_key: SecretStr | None) -> None:
+        self._secret = secret
+        self._api_key = api_key
+        self._fence = 0
+        self._window_open = False
+
+    @property
+    def state(self) -> FenceState:
+        return FenceState(fence=self._fence, window_open=self._window_open)
+
+    # --- authentication (before the body is read) ----------------------------------------------
+
+    def authorize(self, path: str, *, authorization: str | None, fence: str | None) -> ControlGrant | None:
+        """Check a call's credential (and, for control calls, its fencing token) without changing
+        anything; returns the grant a control call must ``admit``, else None.
+
+        Raises InvalidRequestError: 401 without a credential, 403 with a wrong one or a window
+        credential that is closed or superseded, 409 for a stale fencing token, 400 for a
+        malformed fence header.
+        """
+        kind = kind_of(path)
+        if kind is Kind.OPEN:
+            return None
+        if kind is Kind.INFERENCE:
+            self._check_inference(path, authorization)
+            return None
+        window = self._check_control(path, authorization)
+        token = _parse_fence(fence)
+        if window is not None:
+            if token is not None and token != window:
+                raise InvalidRequestError(
+                    f"the {FENCE_HEADER} header ({token}) differs from the window credential's token ({window}); "
+                    "drop the header or send the window's token",
+                )
+            self._check_window(window)
+            token = window
+        if token is not None:
+            self._check_not_stale(token)
+        return ControlGrant(fence=token, window=window)
+
+    def _check_inference(self, path: str, authorization: str | None) -> None:
+        # Inference and reads stay open unless an API key is set: the secret guards what changes
+        # the weights, not who may read them (the controller sets a key when its own is set).
+        if self._api_key is None:
+            return
+        accepted = [c for c in (self._api_key, self._secret) if c is not None]
+        presented = _bearer(authorization, path=path, needs="the API key (MILES_API_KEY)")
+        if not _matches(presented, accepted):
+            raise InvalidRequestError(
+                f"the credential presented for {path} is wrong: it needs the API key (MILES_API_KEY) "
+                "or the engine secret",
+                status_code=403,
+            )
+
+    def _check_control(self, path: str, authorization: str | None) -> int | None:
+        """The window token of a valid window credential, None for the secret (or no credential
+        configured); raises 401/403 otherwise."""
+        if self._secret is None:
+            if self._api_key is not None:
+                # No secret: the API key is the engine's only credential, and it guards control too.
+                presented = _bearer(authorization, path=path, needs="the API key (MILES_API_KEY)")
+                if not _matches(presented, [self._api_key]):
+                    raise InvalidRequestError(
+                        f"the credential presented for {path} is wrong: this engine has no secret, so its "
+                        "control endpoints need the API key (MILES_API_KEY)",
+                        status_code=403,
+                    )
+            return None
+        needs = (
+            "the engine secret (MILES_ENGINE_SECRET) or a window credential; only the controller that "
+            "launched the engine, or a training window it opened, may call it"
+        )
+        if path.rstrip("/") == "/fence":
+            needs = (
+                "the engine secret (MILES_ENGINE_SECRET); only the controller that launched the engine "
+                "may move its fence"
+            )
+        presented = _bearer(authorization, path=path, needs=needs)
+        if _matches(presented, [self._secret]):
+            return None
+        if is_window_credential(presented):
+            window = window_token(self._secret.get_secret_value(), presented)
+            if window is not None and path.rstrip("/") in _WINDOW_ALLOWED:
+                return window
+            if window is not None:
+                raise InvalidRequestError(
+                    f"a window credential cannot call {path}: it needs {needs}", status_code=403
+                )
+        raise InvalidRequestError(f"the credential presented for {path} is wrong: it needs {needs}", status_code=403)
+
+    def _check_window(self, window: int) -> None:
+        if window != self._fence or not self._window_open:
+            state = "open" if self._window_open else "closed"
+            raise InvalidRequestError(
+                f"training window {window} is closed or superseded: this engine's fence is {self._fence} "
+                f"(window {state}); ask the controller for a new window",
+                status_code=403,
+            )
+
+    def _check_not_stale(self, token: int) -> None:
+        if token < self._fence:
+            raise InvalidRequestError(
+                f"stale fencing token {token}: this engine has seen {self._fence}; a newer update owns it",
+                status_code=409,
+            )
+
+    # --- changes (once the handler runs) ------------------------------------------------------
+
+    def admit(self, grant: ControlGrant | None) -> None:
+        """Let a control call through: checks again what may have changed since ``authorize`` (the
+        body was read in between, and other calls ran) and raises the fence to the call's token.
+
+        Raises InvalidRequestError (409 stale, 403 window closed) like ``authorize``.
+        """
+        if grant is None or grant.fence is None:
+            return
+        if grant.window is not None:
+            self._check_window(grant.window)
+        self._check_not_stale(grant.fence)
+        if grant.fence > self._fence:
+            # A newer owner: whatever window the old token had is over.
+            self._fence, self._window_open = grant.fence, False
+            logger.info("fence raised to %d by a control call", grant.fence)
+
+    def move_fence(self, request: FenceRequest) -> FenceState:
+        """``POST /fence``: raise the fence to ``request.token`` and record its window's state.
+
+        Raises InvalidRequestError (409) for a token below the fence.
+        """
+        self._check_not_stale(request.token)
+        self._fence, self._window_open = request.token, request.window_open
+        logger.info("fence %d, window %s", self._fence, "open" if self._window_open else "closed")
+        return self.state
+
+
+def _parse_fence(raw: str | None) -> int | None:
+    if raw is None:
+        return None
+    text = raw.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > 19 or int(text) > MAX_FENCE:
+        raise InvalidRequestError(
+            f"the {FENCE_HEADER} header must be a fencing token, an integer in [0, {MAX_FENCE}]; got {raw[:40]!r}"
+        )
+    return int(text)
+
+
+def _bearer(authorization: str | None, *, path: str, needs: str) -> str:
+    if authorization is None or not authorization.strip():
+        raise InvalidRequestError(f"{path} needs {needs}: send `Authorization: Bearer <credential>`", status_code=401)
+    scheme, _, presented = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        raise InvalidRequestError(
+            f"{path} needs {needs}: the Authorization header must be `Bearer <credential>`", status_code=401
+        )
+    return presented.strip()
+
+
+def _matches(presented: str, accepted: list[SecretStr]) -> bool:
+    # Headers arrive decoded as latin-1: encoding back gives the bytes that were sent. Every
+    # accepted credential is compared (no early exit), in constant time, so the time a refusal
+    # takes tells nothing about which one was close.
+    offered = presented.encode("latin-1", "replace")
+    results = [hmac.compare_digest(offered, c.get_secret_value().encode()) for c in accepted]
+    return any(results)
+
+
+GRANT_STATE_KEY = "miles_control_grant"
+
+
+class AccessMiddleware:
+    """Checks every HTTP request's credential and fence before the app reads its body; a refusal
+    is answered here, in the API's error shape, and reaches no handler."""
+
+    def __init__(self, app: ASGIApp, *, access: EngineAccess) -> None:
+        self.app = app
+        self.access = access
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        try:
+            grant = self.access.authorize(
+                scope["path"], authorization=headers.get("authorization"), fence=headers.get(FENCE_HEADER)
+            )
+        except InvalidRequestError as exc:
+            extra = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+            body = {"error": {"message": str(exc), "type": _error_type(exc.status_code), "code": exc.status_code}}
+            await JSONResponse(body, status_code=exc.status_code, headers=extra)(scope, receive, send)
+            return
+        scope.setdefault("state", {})[GRANT_STATE_KEY] = grant
+        await self.app(scope, receive, send)
+
+
+def admit(access: EngineAccess, request: Request) -> None:
+    """Admit the control call ``request`` (see ``EngineAccess.admit``); handlers call it first."""
+    access.admit(getattr(request.state, GRANT_STATE_KEY, None))
+
+
+def _error_type(status: int) -> str:
+    return {401: "authentication_error", 403: "permission_error", 409: "conflict"}.get(status, "invalid_request_error")

@@ -1,0 +1,118 @@
+"""OpenAI-compatible routes, translated: completion and chat requests into native generate
+requests (the chat template applied), and native snapshots back into OpenAI's stream chunks."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+from transformers import PreTrainedTokenizerBase
+
+from miles.engine.engine import Engine
+from miles.errors import InvalidRequestError
+from miles.protocol.openai import ChatCompletionRequest, CompletionRequest, finish_reason, usage_of, versions
+from miles.protocol.sglang import GenerateRequest, GenerateResponse
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {data}\n\n".encode()
+
+
+def _translated(build: Any) -> GenerateRequest:
+    # The OpenAI models refuse what the native ones would (miles.protocol.openai), so this only
+    # guards against the two drifting apart: a 400 naming the field, not a 500.
+    try:
+        return build()  # type: ignore[no-any-return]
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors())
+        raise InvalidRequestError(f"invalid request: {problems}") from None
+
+
+def completion_to_generate(request: CompletionRequest) -> GenerateRequest:
+    prompt = request.prompt
+
+    def build() -> GenerateRequest:
+        common: dict[str, Any] = {
+            "sampling_params": request.sampling_params(),
+            "return_logprob": request.logprobs is not None,
+            "top_logprobs_num": request.logprobs or 0,
+            "stream": request.stream,
+            "rid": request.rid,
+        }
+        if isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], str)):
+            return GenerateRequest(text=prompt, **common)
+        return GenerateRequest(input_ids=prompt, **common)
+
+    return _translated(build)
+
+
+# apply_chat_template's own parameters: chat_template_kwargs are variables for the template (as in
+# SGLang), never a way to pass another template, tools or output options to the call.
+_TEMPLATE_PARAMETERS = frozenset(
+    name
+    for name, p in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.items()
+    if p.kind is not p.VAR_KEYWORD
+)
+
+
+def chat_to_generate(engine: Engine, request: ChatCompletionRequest) -> GenerateRequest:
+    messages = [m.for_template() for m in request.messages]
+    reserved = sorted((request.chat_template_kwargs or {}).keys() & _TEMPLATE_PARAMETERS)
+    if reserved:
+        raise InvalidRequestError(
+            f"chat_template_kwargs must not set {reserved}: they are arguments of the template call, which "
+            "the engine sets itself; pass only variables the chat template reads"
+        )
+    try:
+        ids = engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **(request.chat_template_kwargs or {})
+        )
+    except Exception as exc:  # the template is user data (from the checkpoint); any failure is theirs
+        raise InvalidRequestError(f"the model's chat template could not render these messages: {exc}") from exc
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return _translated(
+        lambda: GenerateRequest(
+            input_ids=list(ids),
+            sampling_params=request.sampling_params(),
+            return_logprob=request.logprobs,
+            top_logprobs_num=request.top_logprobs or 0,
+            stream=request.stream,
+            rid=request.rid,
+        )
+    )
+
+
+async def openai_stream(
+    snapshots: AsyncIterator[GenerateResponse], *, model: str, rid: str, chat: bool, usage: bool
+) -> AsyncIterator[bytes]:
+    sent = ""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    last: GenerateResponse | None = None
+    async for snapshot in snapshots:
+        last = snapshot
+        reason = finish_reason(snapshot)
+        # Snapshots carry the whole text so far; OpenAI streams deltas. A trailing U+FFFD may be
+        # an incomplete UTF-8 sequence that the next token completes, so it is held back.
+        stable = snapshot.text if reason is not None else snapshot.text.rstrip("\ufffd")
+        delta = ""
+        if stable.startswith(sent):  # else a stop string was trimmed from text already sent
+            delta, sent = stable[len(sent) :], stable
+        if not delta and reason is None:
+            continue
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+        if chat:
+            choice["delta"] = {"role": "assistant", "content": delta}
+        else:
+            choice["text"] = delta
+        if reason is not None:
+            choice.update(versions(snapshot))
+        yield sse({"id": rid, "object": kind, "model": model, "choices": [choice]})
+    if usage and last is not None:
+        # OpenAI's stream_options.include_usage: one more chunk, with no choices, before [DONE].
+        yield sse({"id": rid, "object": kind, "model": model, "choices": [], "usage": usage_of([last])})
+    yield sse("[DONE]")

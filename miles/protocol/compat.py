@@ -1,0 +1,105 @@
+"""SGLang's request fields that the engine does not use: accepted and ignored, or refused by name.
+
+SGLang's request classes (``GenerateReqInput``, ``SamplingParams``, its OpenAI models) carry many
+fields for features the embedded engine does not have. A client written for SGLang, and SGLang's
+own router, send some of them with their default values on every request; refusing those would
+break them, and ignoring a field that asks for something (an image, a grammar, a LoRA adapter)
+would return an answer to a question nobody asked. So every such field is declared in one of two
+tables on the request model:
+
+- ``ignored_fields``: fields that only affect logging, scheduling, caching or routing; accepted
+  with any value and dropped;
+- ``unsupported_fields``: fields that ask for something; accepted while *unset* (null, SGLang's
+  default, an empty list or object, or a list of unset values for a batch) and otherwise refused
+  with a 400 that names the field and says why.
+
+A field in neither table and not declared on the model is still a typo and refused by name (the
+models forbid extra fields). ``tests/fast/engine/test_sglang_fields.py`` checks the tables against
+SGLang's own source at the pinned version, so a field SGLang adds cannot slip through unreviewed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import model_validator
+
+from miles.protocol.base import RequestModel
+
+# The SGLang release whose request fields the engine follows (and sglang-router's, which fronts it).
+SGLANG_VERSION = "0.5.23"
+SGLANG_ROUTER_VERSION = "0.3.2"
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A field the engine cannot honour: why, and the values that leave it unset."""
+
+    reason: str
+    # SGLang's default for the field (always accepted), and other values that mean "unset".
+    default: Any = None
+    unset: tuple[Any, ...] = ()
+
+    def is_unset(self, value: Any) -> bool:
+        if value is None or _same(value, self.default) or any(_same(value, u) for u in self.unset):
+            return True
+        if isinstance(value, list):  # a batch: one value per prompt, each unset
+            return all(self.is_unset(v) for v in value)
+        return isinstance(value, dict) and not value
+
+
+def _same(value: Any, other: Any) -> bool:
+    # 0 == False in Python; a bool default must only match a bool (and a number a number).
+    return type(value) is type(other) and value == other
+
+
+# Reasons shared by several models, so every route words a refusal the same way.
+MULTIMODAL = "the engine serves text-only causal LMs (no image, video or audio input)"
+GRAMMAR = "constrained decoding (json_schema, regex, ebnf, structural tags) is not implemented"
+LORA = "LoRA adapters are not supported; load merged weights with /update_weights_from_disk"
+LOGIT_PROCESSOR = "custom logit processors and their parameters are not supported"
+WATERMARK = "watermarking is not implemented"
+DISAGGREGATION = "prefill/decode (and encoder) disaggregation is not supported; the engine runs whole requests"
+DP_RANK = "the engine has one data-parallel rank, 0"
+HIDDEN = "hidden states, routed experts and indexer top-k are not returned by this engine"
+REASONING = "the engine has no reasoning parser or thinking budget"
+EXTRA_OUTPUT = "the engine does not return this extra output"
+SESSION = "SGLang sessions (continual prompting with session_params) are not supported"
+INTERNAL = "an internal SGLang field, set by SGLang itself; clients do not send it"
+
+
+class SGLangFields(RequestModel):
+    """Base of request models that follow an SGLang request class (see the module docstring)."""
+
+    ignored_fields: ClassVar[frozenset[str]] = frozenset()
+    unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {}
+    # Fields of this model that SGLang's class lacks, each documented in docs/ENGINE.md.
+    extension_fields: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        refused = [
+            f"field {name!r} is not supported by the miles engine ({rule.reason})"
+            for name, rule in cls.unsupported_fields.items()
+            if name in data and not rule.is_unset(data[name])
+        ]
+        if refused:
+            raise ValueError(
+                "; ".join(refused) + ". Leave it unset (null or its default), or send the request to a full SGLang server"
+            )
+        if not (data.keys() & (cls.ignored_fields | cls.unsupported_fields.keys())):
+            return data
+        return {k: v for k, v in data.items() if k not in cls.ignored_fields and k not in cls.unsupported_fields}
+
+
+def drop_nulls(data: Any, fields: frozenset[str]) -> Any:
+    """``data`` without the keys in ``fields`` whose value is null: SGLang reads null as "the
+    default" for these, so a client may send it."""
+    if not isinstance(data, dict) or not any(data.get(k, 0) is None for k in fields):
+        return data
+    return {k: v for k, v in data.items() if not (k in fields and v is None)}
