@@ -1,8 +1,10 @@
 """What the controller costs: latency added per routed request, and its own overhead per update.
 
-Side by side in one run, on one tiny-model engine:
+Side by side in one run, on one tiny-model engine per controller:
 - a request sent straight to the engine vs. the same request through the controller's router
   (``POST /generate``, one new token, sequential from a separate client process; median and p90);
+- the same through a second controller with the admin token and the API key set (every request
+  presents its key, and the engines behind it require their secret), against the first;
 - ``update_rollout_weights`` through the controller vs. the engine's own
   ``/update_weights_from_disk`` of the same checkpoint (the data movement): the difference is the
   protocol's overhead (lock, validation, pause, checksum confirmation, admission, events).
@@ -27,11 +29,15 @@ import httpx
 from miles.models.presets import init_checkpoint
 from miles.testing import running_controller
 
+TOKEN = "bench-admin-" + "a" * 32
+KEY = "bench-key-" + "k" * 32
+
 CLIENT = r"""
 import json, statistics, sys, time, httpx
-url, n = sys.argv[1], int(sys.argv[2])
+url, n, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-with httpx.Client(trust_env=False) as http:
+headers = {"authorization": "Bearer " + token} if token else None
+with httpx.Client(trust_env=False, headers=headers) as http:
     for _ in range(50):
         http.post(url + "/generate", json=body)
     times = []
@@ -43,8 +49,8 @@ print(json.dumps(times))
 """
 
 
-def latencies(url: str, n: int) -> list[float]:
-    done = subprocess.run([sys.executable, "-c", CLIENT, url, str(n)], capture_output=True, text=True, check=True)
+def latencies(url: str, n: int, token: str = "") -> list[float]:
+    done = subprocess.run([sys.executable, "-c", CLIENT, url, str(n), token], capture_output=True, text=True, check=True)
     return json.loads(done.stdout)
 
 
@@ -58,22 +64,29 @@ async def main(args: argparse.Namespace) -> None:
         root = Path(tmp)
         for name, seed in (("a", 0), ("b", 1)):
             init_checkpoint(root / name, model_name="tiny", seed=seed, step=1)
-        async with running_controller(model_checkpoint=root / "a", num_servers=1, health_interval_s=2.0) as (
-            controller,
-            url,
+        guarded_settings = {"admin_token": TOKEN, "api_key": KEY}
+        async with (
+            running_controller(model_checkpoint=root / "a", num_servers=1, health_interval_s=2.0) as (controller, url),
+            running_controller(
+                model_checkpoint=root / "a", num_servers=1, health_interval_s=2.0, **guarded_settings
+            ) as (_, guarded_url),
         ):
-            assert url is not None
+            assert url is not None and guarded_url is not None
             engine = controller.health().servers[0].url
             assert engine is not None
-            # Interleave rounds so drift on a shared machine hits both paths alike.
+            # Interleave rounds so drift on a shared machine hits every path alike.
             direct: list[float] = []
             routed: list[float] = []
+            guarded: list[float] = []
             for _ in range(args.rounds):
-                direct += await asyncio.to_thread(latencies, engine, args.requests // args.rounds)
-                routed += await asyncio.to_thread(latencies, url, args.requests // args.rounds)
+                per_round = args.requests // args.rounds
+                direct += await asyncio.to_thread(latencies, engine, per_round)
+                routed += await asyncio.to_thread(latencies, url, per_round)
+                guarded += await asyncio.to_thread(latencies, guarded_url, per_round, KEY)
 
             # Updates: the engine alone (data movement + its own verification) vs. the protocol.
-            async with httpx.AsyncClient(trust_env=False, timeout=120) as http:
+            secret = {"authorization": f"Bearer {controller.engine_secret}"}
+            async with httpx.AsyncClient(trust_env=False, timeout=120, headers=secret) as http:
                 engine_only = []
                 for i in range(args.updates):
                     target = root / ("b" if i % 2 == 0 else "a")
@@ -101,6 +114,9 @@ async def main(args: argparse.Namespace) -> None:
     print(f"{'through controller':<22}{r50 * 1e3:>10.3f}{p(routed, 0.9) * 1e3:>10.3f}")
     print(f"added by routing: p50 {(r50 - d50) * 1e3:.3f} ms (target < 1 ms), p90 {(p(routed, 0.9) - p(direct, 0.9)) * 1e3:.3f} ms")
     print(f"ratio routed/direct p50: {r50 / d50:.2f}x")
+    g50 = statistics.median(guarded)
+    print(f"{'guarded controller':<22}{g50 * 1e3:>10.3f}{p(guarded, 0.9) * 1e3:>10.3f}")
+    print(f"tokens checked (API key, engine secret) vs. open controller, p50: {g50 / r50:.3f}x (target <= 1.05x)")
     print()
     e50, c50 = statistics.median(engine_only), statistics.median(protocol)
     print(f"Update of a tiny model, 1 server, {args.updates} updates each")

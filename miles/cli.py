@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from miles.commands import checkpoint, controller, demo, events
+from miles.errors import MilesError
 
 app = typer.Typer(
     name="miles",
@@ -22,7 +23,13 @@ app.command(name="demo")(demo.demo)
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except MilesError as exc:
+        # A refusal miles explains (a port in use, an unsafe bind, a checkpoint it cannot
+        # verify) is shown as its message, not as a traceback.
+        typer.echo(f"miles: {exc}", err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from miles.errors import InvalidRequestError
@@ -55,6 +55,10 @@ UPDATE_TIMEOUT_MIN_S = 0.1
 UPDATE_TIMEOUT_MAX_S = DAY
 
 
+# Shorter tokens can be guessed over a network in reasonable time.
+MIN_TOKEN_CHARS = 16
+
+
 def check_seconds(value: float, *, name: str, low: float, high: float) -> float:
     """``value`` if it is a finite number of seconds in [low, high]; else InvalidRequestError."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
@@ -81,6 +85,8 @@ RUNTIME_CHANGEABLE = frozenset(
         "require_published_checksum",
     }
 )
+# Runtime settings that decide which weights may serve: changing one is logged loudly.
+SAFETY_SETTINGS = frozenset({"require_published_checksum"})
 FIXED_REASONS = {
     "host": "the HTTP server is bound at start; restart the controller to move it",
     "port": "the HTTP server is bound at start; restart the controller to move it",
@@ -92,6 +98,8 @@ FIXED_REASONS = {
     "events_fsync": "the event log is already open; restart to change its durability",
     "log_dir": "server logs are already being written; restart to write elsewhere",
     "state_dir": "engines were launched writing there; restart to move it",
+    "admin_token": "it is a credential; set MILES_ADMIN_TOKEN at start",
+    "api_key": "it is a credential; set MILES_API_KEY at start",
 }
 
 
@@ -129,10 +137,25 @@ class ControllerSettings(BaseSettings):
     events_dir: Path | None = None
     events_fsync: bool = False
     log_dir: Path | None = None
+    # Bearer token every weight-, config- or event-changing endpoint requires when set; binding a
+    # non-loopback host without one is refused (docs/SECURITY.md).
+    admin_token: SecretStr | None = None
+    # OpenAI-style key the inference and read-only endpoints require when set (/health stays open).
+    api_key: SecretStr | None = None
     # Where the controller keeps what it writes while it runs: engine logs (unless log_dir is
     # set) and copies of weights a training window pushed. Default: a temporary directory that
     # is removed when the controller closes.
     state_dir: Path | None = None
+
+    @field_validator("admin_token", "api_key", mode="before")
+    @classmethod
+    def _unset_when_empty(cls, value: Any) -> Any:
+        # MILES_ADMIN_TOKEN= (empty) means no token, never a token that an empty header matches.
+        if isinstance(value, str) and not value.strip():
+            return None
+        if isinstance(value, str) and len(value) < MIN_TOKEN_CHARS:
+            raise ValueError(f"a token must have at least {MIN_TOKEN_CHARS} characters; generate one with `openssl rand -hex 32`")
+        return value
 
     @field_validator("allowed_checkpoint_roots", mode="before")
     @classmethod

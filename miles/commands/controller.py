@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -26,6 +27,10 @@ def serve(
     host: Annotated[str | None, typer.Option(help="HTTP host (default MILES_HOST or 127.0.0.1).")] = None,
     server_cls: Annotated[str, typer.Option(help="RolloutServer class.")] = "miles.rollout.sft_rollout.SFTRollout",
     events_dir: Annotated[Path | None, typer.Option(help="Write the event log here.")] = None,
+    allowed_checkpoint_root: Annotated[
+        list[Path] | None,
+        typer.Option(help="Only load checkpoints under this directory (repeatable); binds the engines too."),
+    ] = None,
 ) -> None:
     """Start a controller with SERVERS rollout servers on CHECKPOINT and serve until interrupted."""
     from miles.ray.rollout.inference_controller import InferenceController
@@ -36,6 +41,8 @@ def serve(
         overrides["host"] = host
     if events_dir is not None:
         overrides["events_dir"] = events_dir
+    if allowed_checkpoint_root:
+        overrides["allowed_checkpoint_roots"] = tuple(allowed_checkpoint_root)
     console.print(f"starting {servers} server(s) on {checkpoint} ...")
     with InferenceController(server_cls, checkpoint, port, **overrides) as controller:
         report = controller.health()
@@ -111,9 +118,20 @@ def health(
     raise typer.Exit(0 if body["ok"] else 1)
 
 
+def _credential() -> str | None:
+    """The token the CLI presents: the admin token, else the API key (read from the environment)."""
+    for name in ("MILES_ADMIN_TOKEN", "MILES_API_KEY"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
 def _call(method: str, url: str, *, json: dict[str, Any] | None = None, timeout: float | None) -> dict[str, Any]:
+    token = _credential()
+    headers = {"authorization": f"Bearer {token}"} if token else None
     try:
-        response = httpx.request(method, url, json=json, timeout=timeout, trust_env=False)
+        response = httpx.request(method, url, json=json, headers=headers, timeout=timeout, trust_env=False)
     except httpx.HTTPError as exc:
         typer.echo(f"cannot reach the controller at {url}: {exc}; is `miles serve` running?", err=True)
         raise typer.Exit(2) from exc

@@ -112,7 +112,10 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         await http_server.start()
         url = http_server.url
         console.print(f"controller at {url}; training {trainer_config.sft_steps} SFT + {trainer_config.grpo_steps} GRPO steps")
-        async with httpx.AsyncClient(trust_env=False, timeout=300.0) as http:
+        # The demo's own clients present the controller's credential when one is configured.
+        token = controller.settings.api_key or controller.settings.admin_token
+        headers = {"authorization": f"Bearer {token.get_secret_value()}"} if token else None
+        async with httpx.AsyncClient(trust_env=False, timeout=300.0, headers=headers) as http:
 
             async def ready() -> bool:
                 # The seed's discipline: poll /health before pushing a checkpoint.
@@ -129,7 +132,9 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
                 apply=apply,
                 ready=ready,
             )
-            traffic = UserTraffic(url, clients=config.users, think_s=config.user_think_s, t0=t0, seed=config.seed)
+            traffic = UserTraffic(
+                url, clients=config.users, think_s=config.user_think_s, t0=t0, seed=config.seed, headers=headers
+            )
             display.attach_traffic(traffic.stats)
             trainer = Trainer(
                 trainer_config,

@@ -53,7 +53,9 @@ class TrafficStats:
 class UserTraffic:
     """``clients`` closed-loop users, each pausing ``think_s`` (jittered) between requests."""
 
-    def __init__(self, url: str, *, clients: int, think_s: float, t0: float, seed: int) -> None:
+    def __init__(
+        self, url: str, *, clients: int, think_s: float, t0: float, seed: int, headers: dict[str, str] | None = None
+    ) -> None:
         self._url = url
         self._clients = clients
         self._think_s = think_s
@@ -62,7 +64,7 @@ class UserTraffic:
         self.stats = TrafficStats()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._http = httpx.AsyncClient(base_url=url, timeout=300, trust_env=False)
+        self._http = httpx.AsyncClient(base_url=url, timeout=300, trust_env=False, headers=headers)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._user(i), name=f"user-{i}") for i in range(self._clients)]

@@ -59,17 +59,23 @@ class WeightsExport:
 class EngineClient:
     """Calls one engine at ``base_url`` (e.g. ``http://127.0.0.1:30001``)."""
 
-    def __init__(self, base_url: str, *, http: httpx.AsyncClient, server_id: str) -> None:
+    def __init__(self, base_url: str, *, http: httpx.AsyncClient, server_id: str, secret: str | None = None) -> None:
+        """``secret``: the engine's control secret, sent as a bearer token on every call."""
         self.base_url = base_url.rstrip("/")
         self.server_id = server_id
         self._http = http
+        self._headers = {"authorization": f"Bearer {secret}"} if secret else None
 
     async def _call(
         self, method: str, path: str, *, json: Any = None, timeout: float | None = None
     ) -> httpx.Response:
         try:
             response = await self._http.request(
-                method, f"{self.base_url}{path}", json=json, timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT
+                method,
+                f"{self.base_url}{path}",
+                json=json,
+                headers=self._headers,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
             )
         except httpx.HTTPError as exc:
             raise EngineCallError(
@@ -119,6 +125,11 @@ class EngineClient:
             raise EngineCallError(f"get_weight_version answered {body!r}", server_id=self.server_id)
         checksum = body.get("checksum")
         return WeightsIdentity(weight_version=body["weight_version"], checksum=checksum if isinstance(checksum, str) else None)
+
+    async def fence(self, token: int, *, window_open: bool) -> None:
+        """``/fence``: the engine refuses weight changes fenced below ``token`` from now on, and
+        accepts the credential of window ``token`` while ``window_open``."""
+        await self._ok_json("POST", "/fence", json={"token": token, "window_open": window_open})
 
     async def export_weights(self, *, step: int, timeout: float | None = None) -> WeightsExport:
         """``/export_weights``: the engine writes the weights it holds as a sealed checkpoint."""

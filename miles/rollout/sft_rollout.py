@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -43,6 +44,7 @@ class SFTRollout(RolloutServer):
             process = EngineProcess(
                 command=self._command(cell, checkpoint, port),
                 log_path=self._log_root / f"{cell.server_id}.log",
+                env=self._environment(),
             )
             process.start()
             self._processes[cell.server_id] = process
@@ -76,6 +78,21 @@ class SFTRollout(RolloutServer):
                 *self.spec.engine_args,
             ),
         )
+
+    def _environment(self) -> dict[str, str]:
+        """What the engine reads at start-up besides its flags. Secrets travel in the environment,
+        never on the command line, which any user of the machine can read with ``ps``."""
+        spec = self.spec
+        env = {}
+        if spec.engine_secret is not None:
+            secret = spec.engine_secret.get_secret_value()
+            env["MILES_ENGINE_SECRET"] = secret
+            if spec.guard_inference:
+                env["MILES_API_KEY"] = secret
+        # Always set, so an engine never inherits other roots from this process's environment.
+        roots = [*spec.allowed_checkpoint_roots, self._snapshot_dir] if spec.allowed_checkpoint_roots else []
+        env["MILES_ALLOWED_CHECKPOINT_ROOTS"] = os.pathsep.join(str(r) for r in roots)
+        return env
 
     async def _terminate(self, cell: ServerCell) -> None:
         process = self._processes.pop(cell.server_id, None)

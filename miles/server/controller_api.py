@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import aiohttp
-from fastapi import Body, FastAPI, Query, Request
+from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -36,6 +36,7 @@ from miles.config import (
 )
 from miles.engine.http_server import error_body, install_error_handlers, until_disconnected
 from miles.errors import EventLogError, InvalidRequestError, LockError
+from miles.server.auth import Access, Credentials
 from miles.server.metrics import CONTENT_TYPE, ControllerMetrics
 from miles.server.proxy import Proxy, RouteOptions, new_session
 from miles.utils.audit_utils.event_logger.models import EVENT_ADAPTER, EVENT_TYPES
@@ -107,6 +108,18 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     app = FastAPI(title="miles inference controller", lifespan=lifespan)
     install_error_handlers(app)
+    credentials = Credentials(admin_token=controller.settings.admin_token, api_key=controller.settings.api_key)
+
+    def reader(request: Request) -> None:
+        credentials.check(request, Access.READ)
+
+    def admin(request: Request) -> None:
+        credentials.check(request, Access.ADMIN)
+
+    # Declared on the route, so a caller without the credential is refused before its body is
+    # even parsed.
+    as_reader = [Depends(reader)]
+    as_admin = [Depends(admin)]
 
     proxies: list[Proxy] = []
 
@@ -122,6 +135,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
                     # Enough for every server to fail once and each to be tried again restarted.
                     max_attempts=2 * servers + 2,
                     on_unreachable=controller.suspect,
+                    engine_secret=controller.engine_secret,
                 )
             )
         return proxies[0]
@@ -141,6 +155,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        credentials.check(request, Access.READ)
         raw, body = await _json_object(request)
         ext = {k: body.pop(k) for k in _EXTENSIONS if k in body}
         route = options(_text(ext.get("model")), _text(body.get("session_id")), _text(ext.get("min_weight_version")))
@@ -158,6 +173,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         return await _openai("/v1/chat/completions", request)
 
     async def _openai(path: str, request: Request) -> Response:
+        credentials.check(request, Access.READ)
         _, body = await _json_object(request)
         model = _text(body.pop("model", None))  # the engine serves one model and answers under its name
         route = options(model, _text(body.pop("session_id", None)), _text(body.pop("min_weight_version", None)))
@@ -166,7 +182,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
             return await until_disconnected(request, proxy().stream(path, payload, route))
         return await until_disconnected(request, proxy().forward(path, payload, route))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=as_reader)
     async def models() -> dict[str, Any]:
         report = controller.health()
         return {
@@ -184,11 +200,11 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         report = controller.health()
         return JSONResponse(report.model_dump(mode="json"), status_code=200 if report.ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=as_reader)
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/update_weights")
+    @app.post("/update_weights", dependencies=as_admin)
     async def update_weights(request: UpdateRequest) -> JSONResponse:
         result = await controller.update_rollout_weights(
             Path(request.checkpoint),
@@ -200,12 +216,12 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         )
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.ok else 409)
 
-    @app.post("/update_weights/start")
+    @app.post("/update_weights/start", dependencies=as_admin)
     async def start_window(request: StartWindowRequest) -> dict[str, Any]:
         window = await controller.start_update_weights(request.model_name, ttl_s=request.ttl_s, pause_mode=request.pause_mode)
         return window.model_dump(mode="json")
 
-    @app.post("/update_weights/end")
+    @app.post("/update_weights/end", dependencies=as_admin)
     async def end_window(request: EndWindowRequest) -> JSONResponse:
         result = await controller.end_update_weights(
             request.token,
@@ -216,12 +232,12 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         )
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.ok else 409)
 
-    @app.post("/update_weights/abort")
+    @app.post("/update_weights/abort", dependencies=as_admin)
     async def abort_window(request: AbortWindowRequest) -> dict[str, Any]:
         result = await controller.abort_update_weights(request.token, reason=request.reason)
         return result.model_dump(mode="json")
 
-    @app.post("/events")
+    @app.post("/events", dependencies=as_admin)
     async def post_event(body: Annotated[dict[str, Any], Body()]) -> dict[str, str]:
         """Record an event from another process (a trainer publishing its checksum)."""
         try:
@@ -235,7 +251,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
             raise InvalidRequestError(str(exc)) from exc
         return {"event_id": logged.event_id, "type": logged.type}
 
-    @app.get("/events")
+    @app.get("/events", dependencies=as_reader)
     async def get_events(
         type: Annotated[str | None, Query()] = None,  # noqa: A002 - the field is called "type"
         limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
@@ -245,11 +261,11 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         events = [e for e in controller.event_logger.events if type is None or e.type == type]
         return {"events": [e.model_dump(mode="json") for e in events[-limit:]]}
 
-    @app.get("/config")
+    @app.get("/config", dependencies=as_reader)
     async def get_config() -> dict[str, Any]:
         return controller.settings.runtime_view()
 
-    @app.patch("/config")
+    @app.patch("/config", dependencies=as_admin)
     async def patch_config(patch: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
         await controller.reconfigure(patch)
         return controller.settings.runtime_view()

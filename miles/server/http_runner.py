@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,16 @@ import uvicorn
 from miles.errors import MilesError
 
 _GRACE_S = 10.0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname other than localhost may resolve anywhere
 
 if TYPE_CHECKING:
     from miles.ray.rollout.inference_controller import AsyncInferenceController
@@ -24,6 +35,13 @@ class HttpServer:
 
         self._controller = controller
         settings = controller.settings
+        if not is_loopback(settings.host) and settings.admin_token is None:
+            raise MilesError(
+                f"refusing to listen on {settings.host}: off loopback anyone who can reach the port could "
+                "change the weights. Set MILES_ADMIN_TOKEN (and MILES_API_KEY to guard inference too), or "
+                "bind 127.0.0.1",
+                host=settings.host,
+            )
         # proto must be IPPROTO_TCP, not 0: asyncio enables TCP_NODELAY on accepted connections
         # only for sockets that say so, and without it every response waits ~40 ms on Nagle.
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

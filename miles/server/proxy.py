@@ -80,8 +80,14 @@ class Proxy:
         metrics: ControllerMetrics,
         max_attempts: int,
         on_unreachable: Callable[[str, str], None],
+        engine_secret: str | None = None,
     ) -> None:
         self._router = router
+        # Engines launched by the controller may require their secret for inference too (when the
+        # controller's own API key is set): the proxy is the controller, so it presents it.
+        self._headers = dict(_JSON)
+        if engine_secret:
+            self._headers["authorization"] = f"Bearer {engine_secret}"
         self._session = session
         self._metrics = metrics
         self._max_attempts = max_attempts
@@ -98,7 +104,7 @@ class Proxy:
                 async with self._session.post(
                     f"{lease.url}{path}",
                     data=payload,
-                    headers=_JSON,
+                    headers=self._headers,
                     timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
                 ) as upstream:
                     content = await upstream.read()
@@ -147,7 +153,7 @@ class Proxy:
                 upstream = await self._session.post(
                     f"{lease.url}{path}",
                     data=payload,
-                    headers=_JSON,
+                    headers=self._headers,
                     timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
                 )
                 first = await upstream.content.readany()

@@ -146,7 +146,9 @@ async def test_a_training_window_over_http(fleet, checkpoints: dict[str, Path]) 
     async with httpx.AsyncClient(timeout=60, trust_env=False) as direct:
         for server in window["servers"]:
             pushed = await direct.post(
-                f"{server['url']}/update_weights_from_disk", json={"model_path": str(checkpoints["v4"])}
+                f"{server['url']}/update_weights_from_disk",
+                json={"model_path": str(checkpoints["v4"])},
+                headers={"authorization": f"Bearer {window['credential']}"},
             )
             assert pushed.json()["success"] is True
     ended = await http.post(

@@ -100,7 +100,11 @@ async def test_pushed_weights_come_back_after_the_only_server_crashes(single, ch
     v3 = read_manifest(checkpoints["v3"])
     window = (await http.post("/update_weights/start", json={"ttl_s": 60})).json()
     async with httpx.AsyncClient(timeout=60, trust_env=False) as direct:
-        pushed = await direct.post(f"{window['servers'][0]['url']}/update_weights_from_disk", json={"model_path": str(checkpoints["v3"])})
+        pushed = await direct.post(
+            f"{window['servers'][0]['url']}/update_weights_from_disk",
+            json={"model_path": str(checkpoints["v3"])},
+            headers={"authorization": f"Bearer {window['credential']}"},
+        )
         assert pushed.json()["success"] is True
     # No checkpoint given: as far as the controller knows, these weights exist on no disk.
     ended = await http.post("/update_weights/end", json={"token": window["token"], "checksum": v3.checksum, "step": 500})
@@ -162,8 +166,13 @@ async def test_weights_changed_behind_the_controller_are_quarantined_and_restore
     label = verified.weight_version if same_label else "999"
     other = checkpoints["v4"]
     async with httpx.AsyncClient(timeout=60, trust_env=False) as direct:
-        # Someone loads other weights straight into the engine, bypassing the controller.
-        tampered = await direct.post(f"{cell.url}/update_weights_from_disk", json={"model_path": str(other), "weight_version": label})
+        # Someone holding the engine's secret (leaked, or a bug) loads other weights straight
+        # into the engine, bypassing the controller.
+        tampered = await direct.post(
+            f"{cell.url}/update_weights_from_disk",
+            json={"model_path": str(other), "weight_version": label},
+            headers={"authorization": f"Bearer {controller.engine_secret}"},
+        )
         assert tampered.json()["success"] is True
 
     def reported() -> bool:

@@ -92,6 +92,7 @@ async def test_soak_updates_windows_and_clients(checkpoints: dict[str, Path], tm
                             pushed = await direct.post(
                                 f"{server['url']}/update_weights_from_disk",
                                 json={"model_path": str(checkpoints[name]), "weight_version": version},
+                                headers={"authorization": f"Bearer {opened['credential']}"},
                             )
                             assert pushed.json()["success"], pushed.text
                         manifest = read_manifest(checkpoints[name])

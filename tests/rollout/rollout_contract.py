@@ -41,7 +41,9 @@ async def update_all(server: RolloutServer, checkpoint: Path) -> str:
     manifest = read_manifest(checkpoint)
     for server_id in server.server_ids:
         server.begin_update(server_id, reason="contract test update")
-        response = await server.load(server_id, checkpoint, weight_version=manifest.weight_version)
+        response = await server.load(
+            server_id, checkpoint, weight_version=manifest.weight_version, expected_checksum=manifest.checksum
+        )
         assert response.success, response.message
         confirmed = await server.confirm(server_id)
         assert confirmed.checksum == manifest.checksum
@@ -91,7 +93,7 @@ class RolloutServerContract:
     ) -> None:
         sid = server.server_ids[0]
         server.begin_update(sid, reason="contract: refused load")
-        response = await server.load(sid, tmp_path, weight_version="x")  # an empty directory
+        response = await server.load(sid, tmp_path, weight_version="x", expected_checksum="0" * 32)  # an empty directory
         assert response.success is False
         assert (await server.confirm(sid)).checksum == read_manifest(checkpoints["v1"]).checksum
         await server.rollback(sid, reason="contract: restore after refused load")

@@ -47,7 +47,7 @@ async def push_without_checkpoint(server: RolloutServer, checkpoint: Path, *, ve
     verified = VerifiedWeights(checkpoint=None, weight_version=version, checksum=manifest.checksum, step=7)
     for server_id in server.server_ids:
         server.begin_update(server_id, reason="test push")
-        assert (await server.load(server_id, checkpoint, weight_version=version)).success
+        assert (await server.load(server_id, checkpoint, weight_version=version, expected_checksum=manifest.checksum)).success
         assert (await server.confirm(server_id)).checksum == manifest.checksum
         server.admit(server_id, verified, reason="test push")
     return verified

@@ -44,6 +44,12 @@ class PublishedChecksums:
         with self._guard:
             return self._by_key.get((model_name, step))
 
+    def matching(self, model_name: str, checksum: str) -> PublishedChecksum | None:
+        """The latest step training published ``checksum`` for, if it ever did."""
+        with self._guard:
+            hits = [r for (m, _), r in self._by_key.items() if m == model_name and r.checksum == checksum]
+        return max(hits, key=lambda r: r.step, default=None)
+
     def latest(self, model_name: str) -> PublishedChecksum | None:
         with self._guard:
             steps = [r for (m, _), r in self._by_key.items() if m == model_name]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -28,7 +29,7 @@ from miles.config import (
     check_seconds,
 )
 from miles.errors import CheckpointError, InvalidRequestError, LockTimeoutError, MilesError
-from miles.ray.rollout.checkpoint_gate import CheckpointRejected, admit_checkpoint
+from miles.ray.rollout.checkpoint_gate import CheckpointRejected, admit_checkpoint, refused_plain_message
 from miles.ray.rollout.checksums import PublishedChecksums
 from miles.ray.rollout.controller_events import ControllerEvents
 from miles.ray.rollout.fleet import DEFAULT_SERVER_CLS, Fleet, health_from, normalize_specs
@@ -43,6 +44,7 @@ from miles.ray.rollout.update_types import (
     UpdateWindow,
     WindowServer,
 )
+from miles.protocol.auth import window_credential
 from miles.rollout.engine_client import EngineCallError
 from miles.utils.audit_utils.event_logger.logger import EventLogger
 from miles.utils.context_lock import (
@@ -97,11 +99,15 @@ class AsyncInferenceController:
         self.router: Router | None = None
         self._events = ControllerEvents(self.event_logger, fleet_changed=self._fleet_changed)
         self._lock = ContextLock("InferenceController", on_transition=self._events.lock_transition)
+        # One secret per controller: its engines refuse weight-changing and pause calls without
+        # it, so only this controller (and the windows it opens) can change their weights.
+        self._engine_secret = secrets.token_urlsafe(32)
         self.fleet = Fleet(
             normalize_specs(rollout_server_cls, model_checkpoint, num_servers),
             settings=self._settings,
             exclusive=lambda holder: self._lock.hold(holder=holder),
             observer=self._events,
+            engine_secret=self._engine_secret,
         )
         self._windows: dict[int, _Window] = {}
         # Copies of pushed weights being written to disk after a window committed them.
@@ -120,14 +126,26 @@ class AsyncInferenceController:
 
     @property
     @lock_exempt
+    def engine_secret(self) -> str:
+        """The secret this controller's engines require (for the HTTP adapter that proxies to them)."""
+        return self._engine_secret
+
+    @property
+    @lock_exempt
     def lock_timeout_s(self) -> float:
         return self._settings.lock_timeout_s
 
     @with_lock
     async def reconfigure(self, patch: dict[str, Any]) -> ControllerSettings:
-        """Apply runtime-changeable settings; raises InvalidRequestError naming refused fields."""
+        """Apply runtime-changeable settings; raises InvalidRequestError naming refused fields.
+
+        Every change is logged as a ``SettingsChangedEvent`` (printed when it touches a safety
+        setting), so the audit trail shows who could have let unverified weights through.
+        """
+        before = self._settings
         self._settings = self._settings.changed(patch)
         self.fleet.set_health(health_from(self._settings))
+        self._events.settings_changed(before, self._settings)
         return self._settings
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -243,7 +261,7 @@ class AsyncInferenceController:
         plan = dataclasses.replace(
             plan,
             weight_version=admitted.weight_version,
-            step=admitted.manifest.step,
+            step=admitted.step,
             checkpoint=admitted.path,
             expected_checksum=admitted.expected_checksum,
             checksum_source=admitted.checksum_source,
@@ -273,6 +291,13 @@ class AsyncInferenceController:
             await self._heal(plan.model_name)
             raise
         timings["transaction"] = time.monotonic() - phase
+        actual = run.checkpoint_checksums()
+        if status is UpdateStatus.REJECTED and admitted.manifest is None and len(actual) == 1:
+            # A plain directory's weights were hashed by the servers; say which published step,
+            # if any, they belong to.
+            message = refused_plain_message(
+                admitted, model_name=plan.model_name, published=self.published, actual=actual.pop()
+            )
         return self._finish(run.result(status, started=started, message=message, timings=timings))
 
     # --- training-driven windows ---------------------------------------------------------------
@@ -315,13 +340,17 @@ class AsyncInferenceController:
         )
         assert self.router is not None
         self.router.close_gate(server.model_name)
+        token = self._lock.current_lease().token
         try:
             await run.take_out(server.server_ids)
+            # The engines accept the window's credential from now until it is closed again.
+            await asyncio.gather(*(server.fence(sid, token, window_open=True) for sid in server.server_ids))
             lease = self._lock.detach(ttl_s=ttl, on_expire=self._window_expired)
         except BaseException:
             # Whatever failed once the fleet was touched, put it back as it was: servers on their
             # verified weights and serving, the gate open. The lock is released by the caller's
             # declaration (@acquires_lock) when this raises.
+            await self._close_on_engines(run, token)
             await run.restore(server.server_ids, reason="the window could not open")
             self.router.open_gate(server.model_name)
             raise
@@ -337,6 +366,7 @@ class AsyncInferenceController:
                 WindowServer(server_id=s.server_id, url=s.url or "", weight_version=s.weight_version)
                 for s in server.snapshot()
             ),
+            credential=window_credential(self._engine_secret, lease.token),
         )
         self._windows[lease.token] = _Window(window=window, run=run, started=time.monotonic())
         return window
@@ -408,6 +438,8 @@ class AsyncInferenceController:
             checksum_source=ChecksumSource.TRAINING,
         )
         ids = run.server.server_ids
+        # Nothing may push once the weights are being confirmed: close the window on the engines.
+        await self._close_on_engines(run, state.window.token)
         await run.confirm(ids, checksum)
         if run.failed(ids):
             await self._finish_window(state, reason=f"checksum not confirmed on {', '.join(run.failed(ids))}")
@@ -451,9 +483,26 @@ class AsyncInferenceController:
     async def _finish_window(self, state: _Window, *, reason: str) -> None:
         assert self.router is not None
         try:
+            await self._close_on_engines(state.run, state.window.token)
             await state.run.restore(state.run.server.server_ids, reason=reason)
         finally:
             self.router.open_gate(state.run.plan.model_name)
+
+    @lock_exempt
+    async def _close_on_engines(self, run: UpdateRun, token: int) -> None:
+        """Have every engine of the window refuse its credential from now on.
+
+        An engine that cannot be told (it died) is restarted before it serves again, and a new
+        process knows no window; so a failure here is logged, not raised.
+        """
+
+        async def close(server_id: str) -> None:
+            try:
+                await run.server.fence(server_id, token, window_open=False)
+            except MilesError as exc:
+                logger.warning("could not close window %d on %s: %s", token, server_id, exc)
+
+        await asyncio.gather(*(close(sid) for sid in run.server.server_ids))
 
     # --- recovery ------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from miles.config import SAFETY_SETTINGS, ControllerSettings
 from miles.ray.rollout.server_state import StateChange, VerifiedWeights
 from miles.ray.rollout.update_protocol import UpdatePlan
 from miles.ray.rollout.update_types import UpdateResult
@@ -20,6 +21,7 @@ from miles.utils.audit_utils.event_logger.models import (
     LockAcquiredEvent,
     LockReleasedEvent,
     ServerStateChangedEvent,
+    SettingsChangedEvent,
     WeightUpdateAbortedEvent,
     WeightUpdateCommittedEvent,
     WeightUpdateStartedEvent,
@@ -146,6 +148,21 @@ class ControllerEvents:
                 "server_versions": {o.server_id: o.weight_version or "" for o in result.servers},
             },
             print_log=False,
+        )
+
+    def settings_changed(self, before: ControllerSettings, after: ControllerSettings) -> None:
+        old, new = before.model_dump(mode="json"), after.model_dump(mode="json")
+        changed = sorted(name for name in new if new[name] != old[name])
+        if not changed:
+            return
+        self.logger.log(
+            SettingsChangedEvent,
+            {
+                "before": {name: old[name] for name in changed},
+                "after": {name: new[name] for name in changed},
+                "safety": bool(SAFETY_SETTINGS.intersection(changed)),
+            },
+            print_log=bool(SAFETY_SETTINGS.intersection(changed)),
         )
 
     def lock_transition(self, transition: LockTransition) -> None:

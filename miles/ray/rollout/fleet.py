@@ -87,8 +87,10 @@ class Fleet:
         settings: ControllerSettings,
         exclusive: ExclusiveSection,
         observer: RolloutObserver,
+        engine_secret: str | None = None,
     ) -> None:
         self._servers: dict[str, RolloutServer] = {}
+        self._engine_secret = engine_secret
         self._gated = settings.gated_launch
         # The controller's working files (logs, weight copies) live here; a directory we made
         # ourselves is removed by stop(), so no controller leaves files behind.
@@ -132,6 +134,9 @@ class Fleet:
             num_threads=spec.num_threads,
             log_dir=settings.log_dir or self.state_dir / "logs",
             snapshot_dir=self.state_dir / "snapshots" / prefix,
+            engine_secret=self._engine_secret,
+            guard_inference=settings.api_key is not None,
+            allowed_checkpoint_roots=settings.allowed_checkpoint_roots,
             engine_args=spec.engine_args,
         )
         self._servers[model_name] = server_cls(rollout_spec, exclusive=exclusive, observer=observer)

@@ -50,10 +50,14 @@ from miles.rollout.engine_client import (
     WeightsIdentity,
 )
 from miles.weights.checkpoint import read_manifest
+from miles.weights.checksum import model_checksum
 
 logger = logging.getLogger("miles.rollout")
 
 ExclusiveSection = Callable[[str], AbstractAsyncContextManager[object]]
+
+# The version a start checkpoint without a manifest serves as: older than any published step.
+PLAIN_START_VERSION = "0"
 
 
 class RolloutObserver(Protocol):
@@ -98,7 +102,6 @@ class RolloutServer(ABC):
         self._observer = observer
         manifest = _manifest_or_none(spec.checkpoint)
         self.model_name = spec.model_name or (manifest.model_name if manifest else spec.checkpoint.name)
-        self._initial_step = manifest.step if manifest else None
         self._cells = [
             ServerCell(server_id=f"{spec.name}-{i}", model_name=self.model_name, device=device)
             for i, device in enumerate(spec.resolved_devices())
@@ -196,11 +199,22 @@ class RolloutServer(ABC):
         await self.client(server_id).continue_generation()
 
     async def load(
-        self, server_id: str, checkpoint: Path, *, weight_version: str, abort_all_requests: bool = False
+        self,
+        server_id: str,
+        checkpoint: Path,
+        *,
+        weight_version: str,
+        expected_checksum: str,
+        abort_all_requests: bool = False,
     ) -> UpdateWeightsResponse:
-        """Ask the engine to load ``checkpoint``; a refusal is returned with ``success=False``."""
+        """Ask the engine to load ``checkpoint``, whose weights must hash to ``expected_checksum``
+        (the engine checks before it touches its weights; a plain Hugging Face directory has no
+        manifest to check against otherwise); a refusal is returned with ``success=False``."""
         request = UpdateWeightsFromDiskRequest(
-            model_path=str(checkpoint), weight_version=weight_version, abort_all_requests=abort_all_requests
+            model_path=str(checkpoint),
+            weight_version=weight_version,
+            expected_checksum=expected_checksum,
+            abort_all_requests=abort_all_requests,
         )
         return await self.client(server_id).update_weights_from_disk(request, timeout=self.spec.update_timeout_s)
 
@@ -215,6 +229,10 @@ class RolloutServer(ABC):
         cell.checksum = reported.checksum
         cell.weight_version = reported.weight_version
         return reported
+
+    async def fence(self, server_id: str, token: int, *, window_open: bool) -> None:
+        """Tell the engine the newest fencing token, and whether a window holding it may push."""
+        await self.client(server_id).fence(token, window_open=window_open)
 
     async def relabel(self, server_id: str, weight_version: str) -> None:
         """Have the engine serve the weights it holds under ``weight_version`` (no reload)."""
@@ -283,7 +301,9 @@ class RolloutServer(ABC):
                         expected=verified.checksum,
                         actual=confirmed.checksum,
                     )
-                response = await self.load(server_id, source, weight_version=verified.weight_version)
+                response = await self.load(
+                    server_id, source, weight_version=verified.weight_version, expected_checksum=verified.checksum
+                )
                 confirmed = await self.confirm(server_id) if response.success else None
             elif confirmed is not None and confirmed.weight_version != verified.weight_version:
                 # Never loaded the new weights (or loaded and restored them): only the label moved.
@@ -341,9 +361,10 @@ class RolloutServer(ABC):
         cell.incarnation += 1
         cell.consecutive_failures = 0
         cell.last_probe = None
-        self._clients[cell.server_id] = EngineClient(url, http=self.http, server_id=cell.server_id)
+        secret = self.spec.engine_secret.get_secret_value() if self.spec.engine_secret else None
+        self._clients[cell.server_id] = EngineClient(url, http=self.http, server_id=cell.server_id, secret=secret)
         self._apply(cell, ServerState.PENDING_WEIGHTS, "engine healthy")
-        expected = cell.verified or self._initial_weights(checkpoint)
+        expected = cell.verified or await self._initial_weights(checkpoint)
         client = self._clients[cell.server_id]
         try:
             # Confirm first, rename after: a label is only moved onto weights proven to be the
@@ -376,17 +397,26 @@ class RolloutServer(ABC):
         if self._observer is not None:
             self._observer.weights_restored(cell.server_id, cell.model_name, verified)
 
-    def _initial_weights(self, checkpoint: Path) -> VerifiedWeights:
+    async def _initial_weights(self, checkpoint: Path) -> VerifiedWeights:
+        """What the start checkpoint holds: its manifest's version and checksum when sealed.
+
+        A plain Hugging Face directory (a base model as downloaded, ``save_pretrained`` output) is
+        what the operator chose to start from: its checksum is computed from its files, once, and
+        it serves as version "0", so that every published step is newer.
+        """
         manifest = _manifest_or_none(checkpoint)
-        if manifest is None:
-            raise RolloutServerError(
-                "checkpoint has no miles manifest, so its weights cannot be verified; "
-                "seal it first with `miles checkpoint seal DIR --model-name NAME --step N`",
-                checkpoint=str(checkpoint),
+        if manifest is not None:
+            return VerifiedWeights(
+                checkpoint=checkpoint, weight_version=manifest.weight_version, checksum=manifest.checksum, step=manifest.step
             )
-        return VerifiedWeights(
-            checkpoint=checkpoint, weight_version=manifest.weight_version, checksum=manifest.checksum, step=manifest.step
-        )
+        try:
+            checksum = await asyncio.to_thread(model_checksum, checkpoint)
+        except CheckpointError as exc:
+            raise RolloutServerError(
+                f"the start checkpoint has no miles manifest and its weights cannot be hashed: {exc.message}",
+                checkpoint=str(checkpoint),
+            ) from exc
+        return VerifiedWeights(checkpoint=checkpoint, weight_version=PLAIN_START_VERSION, checksum=checksum, step=0)
 
     async def _resume_quietly(self, cell: ServerCell) -> None:
         try:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class HealthSettings(BaseModel):
@@ -40,6 +40,15 @@ class RolloutServerSpec(BaseModel):
     log_dir: Path | None = None
     # Where engines may write out the weights they hold, to restart a peer on them.
     snapshot_dir: Path | None = None
+    # The secret engines require for every call that changes their weights or pauses them, so
+    # that nothing but their controller (and the windows it opens) can (docs/SECURITY.md).
+    engine_secret: SecretStr | None = None
+    # Engines also require the secret for inference (the controller's API key is set, so
+    # nothing may reach the model around it).
+    guard_inference: bool = False
+    # Directories engines may load checkpoints from (empty: anywhere); the snapshot directory is
+    # added, since restarts load copies from there.
+    allowed_checkpoint_roots: tuple[Path, ...] = ()
     engine_args: tuple[str, ...] = ()
 
     @model_validator(mode="after")

@@ -63,6 +63,8 @@ class _Progress:
     load_timings: dict[str, float] = field(default_factory=dict)
     # The checksum the server computed over its live weights right after loading, if it said.
     reported: WeightsChecksum | None = None
+    # What the checkpoint's own bytes hash to, when the server computed it (a plain directory).
+    checkpoint_checksum: str | None = None
 
 
 @dataclass
@@ -87,9 +89,13 @@ class UpdateRun:
 
     async def load(self, server_ids: list[str], checkpoint: Path) -> None:
         async def one(server_id: str) -> None:
-            response = await self.server.load(server_id, checkpoint, weight_version=self.plan.weight_version)
+            assert self.plan.expected_checksum is not None
+            response = await self.server.load(
+                server_id, checkpoint, weight_version=self.plan.weight_version, expected_checksum=self.plan.expected_checksum
+            )
             note = self._note(server_id)
             note.load_timings = dict(response.timings)
+            note.checkpoint_checksum = response.checkpoint_checksum
             if response.success:
                 note.loaded = True
                 if response.checksum is not None and response.weight_version is not None:
@@ -131,6 +137,10 @@ class UpdateRun:
                 note.matched = True
 
         await asyncio.gather(*(self._guard(sid, "confirm", one(sid)) for sid in self._healthy(server_ids)))
+
+    def checkpoint_checksums(self) -> set[str]:
+        """What servers that refused the checkpoint computed its weights to hash to."""
+        return {n.checkpoint_checksum for n in self.progress.values() if n.checkpoint_checksum and not n.loaded}
 
     def refused_by_all(self, server_ids: list[str]) -> bool:
         """Whether every server answered the load with a refusal (none of them loaded anything)."""

@@ -105,7 +105,9 @@ class UpdateWindow(BaseModel):
     """A training-driven update in progress: push to ``servers``, then end or abort it with ``token``.
 
     The controller's lock is held as a lease until ``expires_at``; after that the window is rolled
-    back and its token refused.
+    back and its token refused. ``credential`` is what the engines of ``servers`` accept, as
+    ``Authorization: Bearer <credential>``, for pushing weights while this window is open (and
+    never after).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -118,3 +120,4 @@ class UpdateWindow(BaseModel):
     ttl_s: float
     pause_mode: str
     servers: tuple[WindowServer, ...]
+    credential: str | None = None

@@ -24,6 +24,7 @@ from miles.utils.audit_utils.event_logger.models import (
     LockAcquiredEvent,
     LockReleasedEvent,
     ServerStateChangedEvent,
+    SettingsChangedEvent,
     WeightUpdateAbortedEvent,
     WeightUpdateCommittedEvent,
     WeightUpdateStartedEvent,
@@ -95,6 +96,9 @@ SAMPLES: tuple[BaseEvent, ...] = (
     LockAcquiredEvent(lock_name="InferenceController", holder="update u-2", token=4, waited_s=0.5),
     LockReleasedEvent(
         lock_name="InferenceController", holder="trainer", token=5, held_s=30.0, reason="lease_expired"
+    ),
+    SettingsChangedEvent(
+        before={"require_published_checksum": True}, after={"require_published_checksum": False}, safety=True
     ),
 )
 SAMPLE_IDS = [f"{index}-{sample.type}" for index, sample in enumerate(SAMPLES)]

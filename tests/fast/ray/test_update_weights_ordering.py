@@ -48,7 +48,10 @@ class MisloadingRollout(SFTRollout):
 
     async def load(self, server_id: str, checkpoint: Path, **kwargs: Any) -> UpdateWeightsResponse:
         if server_id == self.server_ids[-1] and checkpoint in self.swap:
+            # A buggy transfer does not know what it should have loaded: nothing checks the
+            # bytes against the expected checksum until the confirmation step.
             checkpoint = self.swap[checkpoint]
+            kwargs["expected_checksum"] = read_manifest(checkpoint).checksum
         return await super().load(server_id, checkpoint, **kwargs)
 
 
@@ -200,7 +203,7 @@ async def test_an_aborted_window_releases_the_lock_and_restores(
     assert controller.health().lock.held is True
     # Training pushes v3 to one server, then gives up.
     first = controller.fleet.server(None)
-    await first.load(window.servers[0].server_id, checkpoints["v3"], weight_version="3")
+    await first.load(window.servers[0].server_id, checkpoints["v3"], weight_version="3", expected_checksum=read_manifest(checkpoints["v3"]).checksum)
     result = await controller.abort_update_weights(window)
     assert result.status is UpdateStatus.ABORTED
     all_serving_verified(controller, "2", read_manifest(checkpoints["v2"]).checksum)
@@ -215,7 +218,7 @@ async def test_a_window_commits_what_training_pushed(
     window = await controller.start_update_weights(ttl_s=30)
     server = controller.fleet.server(None)
     for target in window.servers:
-        response = await server.load(target.server_id, checkpoints["v3"], weight_version="3")
+        response = await server.load(target.server_id, checkpoints["v3"], weight_version="3", expected_checksum=read_manifest(checkpoints["v3"]).checksum)
         assert response.success
     result = await controller.end_update_weights(window, checksum=v3.checksum, step=3, checkpoint=checkpoints["v3"])
     assert result.status is UpdateStatus.COMMITTED, result.message
@@ -228,7 +231,7 @@ async def test_an_expired_lease_is_rolled_back_and_its_token_refused(
     v3 = read_manifest(checkpoints["v3"])
     window = await controller.start_update_weights(ttl_s=0.5)
     server = controller.fleet.server(None)
-    await server.load(window.servers[0].server_id, checkpoints["v4"], weight_version="4")
+    await server.load(window.servers[0].server_id, checkpoints["v4"], weight_version="4", expected_checksum=read_manifest(checkpoints["v4"]).checksum)
     deadline = time.monotonic() + 30
     while not (
         controller.last_update is not None

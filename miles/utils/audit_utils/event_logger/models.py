@@ -254,6 +254,20 @@ class LockReleasedEvent(BaseEvent):
         )
 
 
+class SettingsChangedEvent(BaseEvent):
+    """Runtime settings changed (``PATCH /config``): each changed setting's value before and after."""
+
+    type: Literal["settings_changed"] = "settings_changed"
+    before: dict[str, Any]
+    after: dict[str, Any]
+    # A setting that guards which weights may serve (``require_published_checksum``) changed.
+    safety: bool = False
+
+    def summary(self) -> str:
+        changes = ", ".join(f"{name}: {self.before.get(name)!r} -> {value!r}" for name, value in self.after.items())
+        return f"{'safety ' if self.safety else ''}settings changed: {changes}"
+
+
 _E = TypeVar("_E", bound=BaseEvent)
 
 Event = Annotated[
@@ -266,6 +280,7 @@ Event = Annotated[
         ServerStateChangedEvent,
         LockAcquiredEvent,
         LockReleasedEvent,
+        SettingsChangedEvent,
     ],
     Field(discriminator="type"),
 ]
@@ -282,6 +297,7 @@ EVENT_CLASSES: tuple[type[BaseEvent], ...] = (
     ServerStateChangedEvent,
     LockAcquiredEvent,
     LockReleasedEvent,
+    SettingsChangedEvent,
 )
 
 EVENT_TYPES: tuple[str, ...] = tuple(cls.model_fields["type"].default for cls in EVENT_CLASSES)

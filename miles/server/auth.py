@@ -1,0 +1,63 @@
+"""Who may call the controller's HTTP API: bearer tokens checked at the edge (adapter).
+
+Two credentials, both optional and read once at start-up (docs/SECURITY.md):
+- the admin token (``MILES_ADMIN_TOKEN``) guards everything that changes weights, settings or
+  the event log: updates, training windows, ``POST /events``, ``PATCH /config``;
+- the API key (``MILES_API_KEY``) guards inference and the read-only endpoints, OpenAI-style
+  (``Authorization: Bearer <key>``); the admin token is accepted there too.
+``GET /health`` stays open: orchestrators and load balancers probe it without credentials.
+Without an admin token, the changing endpoints fall back to the API key, so that setting only a
+key never leaves weights open to callers the key shuts out of inference.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from enum import Enum
+
+from fastapi import Request
+from pydantic import SecretStr
+
+from miles.errors import InvalidRequestError
+
+
+class Access(Enum):
+    READ = "read"  # inference and read-only endpoints
+    ADMIN = "admin"  # weight-, config- and event-changing endpoints
+
+
+@dataclass(frozen=True)
+class Credentials:
+    admin_token: SecretStr | None
+    api_key: SecretStr | None
+
+    def check(self, request: Request, access: Access) -> None:
+        """Return if the request may have ``access``; raise InvalidRequestError 401/403 otherwise."""
+        accepted = self._accepted(access)
+        if not accepted:
+            return
+        header = request.headers.get("authorization")
+        what = "the admin token (MILES_ADMIN_TOKEN)" if access is Access.ADMIN and self.admin_token else "the API key"
+        if header is None:
+            raise InvalidRequestError(
+                f"{request.method} {request.url.path} needs {what}: send `Authorization: Bearer <token>`",
+                status_code=401,
+            )
+        scheme, _, presented = header.partition(" ")
+        if scheme.lower() != "bearer" or not presented:
+            raise InvalidRequestError("the Authorization header must be `Bearer <token>`", status_code=401)
+        offered = presented.strip().encode()
+        # Compare against every accepted secret without stopping at the first match: the time
+        # taken must not tell which secret (or how much of one) was guessed right.
+        matches = [hmac.compare_digest(offered, secret.get_secret_value().encode()) for secret in accepted]
+        if not any(matches):
+            raise InvalidRequestError(
+                f"the token does not grant {access.value} access to {request.url.path}; it needs {what}",
+                status_code=403,
+            )
+
+    def _accepted(self, access: Access) -> list[SecretStr]:
+        if access is Access.ADMIN:
+            return [self.admin_token] if self.admin_token else ([self.api_key] if self.api_key else [])
+        return [s for s in (self.api_key, self.admin_token) if s] if self.api_key else []
