@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from miles.errors import InvalidRequestError
+from miles.errors import ConflictError, InvalidRequestError
 
 
 class UpdateStrategy(StrEnum):
@@ -179,7 +179,7 @@ class ControllerSettings(BaseSettings):
         fixed = {name: FIXED_REASONS.get(name, "fixed at start") for name in patch if name not in RUNTIME_CHANGEABLE}
         if fixed:
             reasons = "; ".join(f"{name}: {why}" for name, why in sorted(fixed.items()))
-            raise InvalidRequestError(f"these settings cannot change at runtime: {reasons}", status_code=409)
+            raise ConflictError(f"these settings cannot change at runtime: {reasons}")
         try:
             # Validate the merged values as a whole; the environment is not read again.
             return type(self).model_validate({**self.model_dump(), **patch})

@@ -138,12 +138,33 @@ class CheckpointVerificationError(CheckpointError):
 # --- requests ----------------------------------------------------------------------------------
 
 
-class InvalidRequestError(MilesError):
-    """A request is malformed or impossible to serve; HTTP adapters answer it with a 4xx."""
+# What a caller did wrong, or could not have. Domain code raises these; each HTTP adapter maps
+# them to status codes in one table (miles.utils.http.ERROR_STATUS), never the domain code.
 
-    def __init__(self, message: str, *, status_code: int = 400, **context: Any) -> None:
-        self.status_code = status_code
-        super().__init__(message, **context)
+
+class InvalidRequestError(MilesError):
+    """A request is malformed or asks for something impossible (bad input): HTTP 400."""
+
+
+class AuthenticationError(MilesError):
+    """A request carries no credential where one is required: HTTP 401."""
+
+
+class PermissionDeniedError(MilesError):
+    """A request's credential does not grant what it asks: HTTP 403."""
+
+
+class NotFoundError(MilesError):
+    """A request names something that does not exist (a model, a directory, an endpoint): 404."""
+
+
+class ConflictError(MilesError):
+    """A request conflicts with the current state (a stale fencing token, no open window, a
+    setting fixed at start, unverified weights): HTTP 409."""
+
+
+class UnavailableError(MilesError):
+    """Nothing can serve the request now (no serving server in time, shutting down): HTTP 503."""
 
 
 # --- reference trainer -------------------------------------------------------------------------

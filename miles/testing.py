@@ -3,18 +3,18 @@ themselves. Nothing in the product imports this module."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
+from miles.controller.core import AsyncInferenceController
+from miles.http.runner import HttpServer
 from miles.rollout.engine_process import EngineProcess, engine_command, free_port
-
-if TYPE_CHECKING:
-    from miles.ray.rollout.inference_controller import AsyncInferenceController
 
 
 @contextmanager
@@ -37,7 +37,6 @@ def running_engine(
     process.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        import asyncio
 
         async def wait() -> None:
             async with httpx.AsyncClient(trust_env=False) as http:
@@ -65,9 +64,6 @@ async def running_controller(
     **overrides: Any,
 ) -> AsyncIterator[tuple[AsyncInferenceController, str | None]]:
     """Start an AsyncInferenceController (and its HTTP API on a free port); always close both."""
-    from miles.ray.rollout.inference_controller import AsyncInferenceController
-    from miles.server.http_runner import HttpServer
-
     overrides.setdefault("port", 0)
     overrides.setdefault("health_interval_s", 0.2)
     overrides.setdefault("health_failure_threshold", 2)

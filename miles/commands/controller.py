@@ -25,7 +25,7 @@ def serve(
     servers: Annotated[int, typer.Option(help="Rollout servers (engine processes).")] = 1,
     port: Annotated[int | None, typer.Option(help="HTTP port (default MILES_PORT or 8000).")] = None,
     host: Annotated[str | None, typer.Option(help="HTTP host (default MILES_HOST or 127.0.0.1).")] = None,
-    server_cls: Annotated[str, typer.Option(help="RolloutServer class.")] = "miles.rollout.sft_rollout.SFTRollout",
+    server_cls: Annotated[str, typer.Option(help="Rollout class.")] = "miles.rollout.sft_rollout.SFTRollout",
     events_dir: Annotated[Path | None, typer.Option(help="Write the event log here.")] = None,
     allowed_checkpoint_root: Annotated[
         list[Path] | None,
@@ -33,7 +33,7 @@ def serve(
     ] = None,
 ) -> None:
     """Start a controller with SERVERS rollout servers on CHECKPOINT and serve until interrupted."""
-    from miles.ray.rollout.inference_controller import InferenceController
+    from miles.inference_controller import InferenceController
 
     console = Console(stderr=True)
     overrides: dict[str, Any] = {"num_servers": servers}

@@ -19,8 +19,8 @@ from rich.text import Text
 
 from miles.errors import EventLogError
 from miles.utils.audit_utils.event_analyzer import AnalysisReport, analyze_events
-from miles.utils.audit_utils.event_logger.models import EVENT_TYPES, Event
 from miles.utils.audit_utils.event_logger.logger import read_events
+from miles.utils.audit_utils.event_logger.models import EVENT_TYPES, Event
 
 _MAX_SERVERS_SHOWN = 3
 

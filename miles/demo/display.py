@@ -16,8 +16,8 @@ from miles.demo.traffic import TrafficStats
 from miles.train.reports import StepReport
 
 if TYPE_CHECKING:
+    from miles.controller.core import AsyncInferenceController
     from miles.demo.report import DemoSummary
-    from miles.ray.rollout.inference_controller import AsyncInferenceController
 
 
 class LiveDisplay:

@@ -14,8 +14,8 @@ matplotlib.use("Agg")  # files only; the demo runs on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402
 from pydantic import BaseModel, ConfigDict  # noqa: E402
 
+from miles.controller.results import UpdateResult, UpdateStatus  # noqa: E402
 from miles.demo.traffic import TrafficStats  # noqa: E402
-from miles.ray.rollout.update_types import UpdateResult, UpdateStatus  # noqa: E402
 from miles.train.reports import TrainingSummary  # noqa: E402
 from miles.utils.audit_utils.event_analyzer import analyze_events  # noqa: E402
 from miles.utils.audit_utils.event_logger.logger import read_events  # noqa: E402

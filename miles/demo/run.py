@@ -22,15 +22,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
 from miles.config import UpdatePauseMode, UpdateStrategy
+from miles.controller.core import AsyncInferenceController
 from miles.demo.display import LiveDisplay
 from miles.demo.report import DemoSummary, UpdateRecord, summarize, write_report
 from miles.demo.traffic import UserTraffic
 from miles.errors import MilesError
-from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.server.http_runner import HttpServer
+from miles.http.runner import HttpServer
 from miles.train.config import TrainerConfig
 from miles.train.publisher import DiskPublisher
-from miles.train.rollout import HttpSampler
+from miles.train.sampling import HttpSampler
 from miles.train.trainer import Trainer, write_initial_checkpoint
 from miles.weights.checkpoint import Manifest
 

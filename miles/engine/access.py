@@ -27,11 +27,11 @@ from enum import Enum
 from pydantic import SecretStr
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from miles.errors import InvalidRequestError
+from miles.errors import AuthenticationError, ConflictError, InvalidRequestError, MilesError, PermissionDeniedError
 from miles.protocol.auth import FENCE_HEADER, MAX_FENCE, FenceRequest, FenceState, is_window_credential, window_token
+from miles.utils.http import error_response, status_of
 
 logger = logging.getLogger("miles.engine")
 
@@ -151,10 +151,9 @@ class EngineAccess:
         accepted = [c for c in (self._api_key, self._secret) if c is not None]
         presented = _bearer(authorization, path=path, needs="the API key (MILES_API_KEY)")
         if not _matches(presented, accepted):
-            raise InvalidRequestError(
+            raise PermissionDeniedError(
                 f"the credential presented for {path} is wrong: it needs the API key (MILES_API_KEY) "
                 "or the engine secret",
-                status_code=403,
             )
 
     def _check_control(self, path: str, authorization: str | None) -> int | None:
@@ -165,10 +164,9 @@ class EngineAccess:
                 # No secret: the API key is the engine's only credential, and it guards control too.
                 presented = _bearer(authorization, path=path, needs="the API key (MILES_API_KEY)")
                 if not _matches(presented, [self._api_key]):
-                    raise InvalidRequestError(
+                    raise PermissionDeniedError(
                         f"the credential presented for {path} is wrong: this engine has no secret, so its "
                         "control endpoints need the API key (MILES_API_KEY)",
-                        status_code=403,
                     )
             return None
         needs = (
@@ -188,25 +186,23 @@ class EngineAccess:
             if window is not None and path.rstrip("/") in _WINDOW_ALLOWED:
                 return window
             if window is not None:
-                raise InvalidRequestError(
-                    f"a window credential cannot call {path}: it needs {needs}", status_code=403
+                raise PermissionDeniedError(
+                    f"a window credential cannot call {path}: it needs {needs}"
                 )
-        raise InvalidRequestError(f"the credential presented for {path} is wrong: it needs {needs}", status_code=403)
+        raise PermissionDeniedError(f"the credential presented for {path} is wrong: it needs {needs}")
 
     def _check_window(self, window: int) -> None:
         if window != self._fence or not self._window_open:
             state = "open" if self._window_open else "closed"
-            raise InvalidRequestError(
+            raise PermissionDeniedError(
                 f"training window {window} is closed or superseded: this engine's fence is {self._fence} "
                 f"(window {state}); ask the controller for a new window",
-                status_code=403,
             )
 
     def _check_not_stale(self, token: int) -> None:
         if token < self._fence:
-            raise InvalidRequestError(
+            raise ConflictError(
                 f"stale fencing token {token}: this engine has seen {self._fence}; a newer update owns it",
-                status_code=409,
             )
 
     # --- changes (once the handler runs) ------------------------------------------------------
@@ -251,11 +247,11 @@ def _parse_fence(raw: str | None) -> int | None:
 
 def _bearer(authorization: str | None, *, path: str, needs: str) -> str:
     if authorization is None or not authorization.strip():
-        raise InvalidRequestError(f"{path} needs {needs}: send `Authorization: Bearer <credential>`", status_code=401)
+        raise AuthenticationError(f"{path} needs {needs}: send `Authorization: Bearer <credential>`")
     scheme, _, presented = authorization.strip().partition(" ")
     if scheme.lower() != "bearer" or not presented.strip():
-        raise InvalidRequestError(
-            f"{path} needs {needs}: the Authorization header must be `Bearer <credential>`", status_code=401
+        raise AuthenticationError(
+            f"{path} needs {needs}: the Authorization header must be `Bearer <credential>`"
         )
     return presented.strip()
 
@@ -289,10 +285,13 @@ class AccessMiddleware:
             grant = self.access.authorize(
                 scope["path"], authorization=headers.get("authorization"), fence=headers.get(FENCE_HEADER)
             )
-        except InvalidRequestError as exc:
-            extra = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
-            body = {"error": {"message": str(exc), "type": _error_type(exc.status_code), "code": exc.status_code}}
-            await JSONResponse(body, status_code=exc.status_code, headers=extra)(scope, receive, send)
+        except MilesError as exc:
+            mapped = status_of(exc)
+            if mapped is None:
+                raise
+            code, kind = mapped
+            extra = {"WWW-Authenticate": "Bearer"} if code == 401 else None
+            await error_response(str(exc), code=code, kind=kind, headers=extra)(scope, receive, send)
             return
         scope.setdefault("state", {})[GRANT_STATE_KEY] = grant
         await self.app(scope, receive, send)
@@ -301,7 +300,3 @@ class AccessMiddleware:
 def admit(access: EngineAccess, request: Request) -> None:
     """Admit the control call ``request`` (see ``EngineAccess.admit``); handlers call it first."""
     access.admit(getattr(request.state, GRANT_STATE_KEY, None))
-
-
-def _error_type(status: int) -> str:
-    return {401: "authentication_error", 403: "permission_error", 409: "conflict"}.get(status, "invalid_request_error")

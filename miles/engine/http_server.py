@@ -9,20 +9,17 @@ JSON 500), so a client never meets an HTML page or a dropped connection.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from miles.engine.access import ENDPOINTS, AccessMiddleware, EngineAccess, admit
 from miles.engine.engine import Engine
-from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream, sse
+from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream
 from miles.errors import InvalidRequestError
 from miles.protocol.auth import FenceRequest
 from miles.protocol.openai import (
@@ -43,108 +40,11 @@ from miles.protocol.sglang import (
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
 )
+from miles.utils.http import error_response, install_error_handlers, sse, until_disconnected
 
 logger = logging.getLogger("miles.engine")
 
 T = TypeVar("T")
-
-
-def error_body(message: str, *, code: int, kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": code}}
-
-
-def _field_path(loc: tuple[object, ...]) -> str:
-    # Drop "body" and pydantic's union-branch tags ("function-after[...]", "list[...]").
-    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and "[" in p)]
-    return ".".join(parts) or "body"
-
-
-def validation_message(exc: RequestValidationError) -> str:
-    errors = list(exc.errors())
-    # A field typed "X | list[X]" reports a failure for both branches; the list branch's
-    # "Input should be a valid list" only adds noise when the value was clearly not a list.
-    plain = [e for e in errors if not any(isinstance(p, str) and p.startswith("list[") for p in e.get("loc", ()))]
-    errors = plain or errors
-    parts: list[str] = []
-    for error in errors:
-        where = _field_path(tuple(error.get("loc", ())))
-        if error.get("type") == "json_invalid":
-            return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}"
-        if error.get("type") in ("model_attributes_type", "dict_type") and tuple(error.get("loc", ())) == ("body",):
-            return "the request body must be a JSON object, sent with Content-Type: application/json"
-        if error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",):
-            return "the request needs a JSON body"
-        # "Value error, " is pydantic's prefix for our own validators' messages, which say it all.
-        msg = str(error.get("msg", "")).removeprefix("Value error, ")
-        if error.get("type") == "extra_forbidden":
-            text = f"unknown field {where!r}"
-        else:
-            text = msg if where == "body" else f"{where}: {msg}"
-        if text not in parts:
-            parts.append(text)
-    return "invalid request: " + "; ".join(parts)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Map validation and request errors to 4xx answers with a message (shared with the controller)."""
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body(validation_message(exc), code=400), status_code=400)
-
-    @app.exception_handler(InvalidRequestError)
-    async def _refused(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), code=exc.status_code), status_code=exc.status_code)
-
-
-def install_engine_handlers(app: FastAPI) -> None:
-    """The engine's answers to errors that are not request validation: HTTP errors (unknown path,
-    wrong method, a body that is not text) in the API's error shape, and a last resort for bugs."""
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = str(exc.detail)
-        if exc.status_code == 400 and message == "There was an error parsing the body":
-            message = "the request body could not be parsed: send a JSON object encoded as UTF-8"
-        elif exc.status_code == 404:
-            message = "no such endpoint; see docs/ENGINE.md for the engine's endpoints"
-        elif exc.status_code == 405:
-            message = "this endpoint does not accept this HTTP method"
-        return JSONResponse(error_body(message, code=exc.status_code), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # Last resort: nothing a client sends should get here (requests are validated first), but
-        # a bug must still answer in the API's error shape and leave its traceback in the log.
-        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        message = f"internal error ({type(exc).__name__}: {str(exc)[:200]}); see the engine log"
-        return JSONResponse(error_body(message, code=500, kind="internal_error"), status_code=500)
-
-
-_DISCONNECT_POLL_S = 0.25
-
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
-    """Await ``work``, cancelling it if the client goes away meanwhile.
-
-    Starlette never cancels a handler whose client left, so a long generation would run to its
-    end for nobody; cancelling the handler's work aborts its sequences in the engine (and, in the
-    controller, closes the upstream request, which the engine sees the same way).
-    """
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                # Nobody reads this answer; 499 ("client closed request") is what proxies log.
-                return Response(status_code=499)
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -157,8 +57,7 @@ def create_app(engine: Engine) -> FastAPI:
             engine.stop()
 
     app = FastAPI(title="miles embedded engine", lifespan=lifespan)
-    install_error_handlers(app)
-    install_engine_handlers(app)
+    install_error_handlers(app, logger=logger, not_found="no such endpoint; see docs/ENGINE.md for the engine's endpoints")
     access = EngineAccess(secret=engine.settings.secret, api_key=engine.settings.api_key)
     # Credentials and fences are checked before a body is read, so a caller without the right
     # credential learns nothing from validation messages and costs no parsing.
@@ -172,7 +71,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def health_generate() -> Response:
         problem = await engine.health_generate()
         if problem is not None:
-            return JSONResponse(error_body(problem, code=503, kind="unavailable"), status_code=503)
+            return error_response(problem, code=503, kind="unavailable")
         return Response(status_code=200)
 
     # SGLang serves both names (the get_ ones are deprecated there); its router asks for the new

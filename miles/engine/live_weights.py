@@ -29,7 +29,13 @@ from miles.engine.scheduler import GenerationState, Scheduler
 from miles.engine.settings import EngineSettings
 from miles.engine.snapshot import export_snapshot
 from miles.engine.weight_loader import PreparedUpdate, UnexpectedChecksumError, apply_update, prepare_update
-from miles.errors import CheckpointError, InvalidRequestError
+from miles.errors import (
+    CheckpointError,
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+)
 from miles.protocol.sglang import (
     ExportWeightsRequest,
     ExportWeightsResponse,
@@ -124,10 +130,9 @@ class LiveWeights:
     def require_verified(self, action: str) -> None:
         """Raises InvalidRequestError (409) while the weights are unverified."""
         if self._held.status is WeightsStatus.UNVERIFIED:
-            raise InvalidRequestError(
+            raise ConflictError(
                 "the engine holds unverified weights after a failed update; load a good checkpoint "
                 f"with /update_weights_from_disk before {action}",
-                status_code=409,
             )
 
     async def update_from_disk(self, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
@@ -216,10 +221,9 @@ class LiveWeights:
         path = checked_path(raw, field="model_path")
         roots = self._settings.allowed_checkpoint_roots
         if roots and not any(path.is_relative_to(root) for root in roots):
-            raise InvalidRequestError(
+            raise PermissionDeniedError(
                 f"model_path {str(path)!r} is outside the allowed checkpoint roots; put the checkpoint "
                 "under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS",
-                status_code=403,
                 allowed=[str(r) for r in roots],
             )
         try:
@@ -227,16 +231,15 @@ class LiveWeights:
         except OSError as exc:  # e.g. a resolved path longer than the system allows
             raise InvalidRequestError(f"model_path {str(path)[:200]!r} cannot be read: {exc.strerror}") from exc
         if not is_dir:
-            raise InvalidRequestError(f"model_path {str(path)!r} is not a directory", status_code=404)
+            raise NotFoundError(f"model_path {str(path)!r} is not a directory")
         # The directory is inside a root, but each file in it may be a symlink to anywhere: every
         # entry must resolve inside a root too, or reading it would leave them.
         outside = files_outside_roots(path, roots)
         if outside:
-            raise InvalidRequestError(
+            raise PermissionDeniedError(
                 f"checkpoint {str(path)!r} holds entries that resolve outside the allowed checkpoint roots: "
                 f"{', '.join(outside[:10])}{' ...' if len(outside) > 10 else ''}; copy the files into the "
                 "checkpoint instead of linking them, or extend MILES_ALLOWED_CHECKPOINT_ROOTS",
-                status_code=403,
                 allowed=[str(r) for r in roots],
             )
         return path
@@ -271,10 +274,9 @@ class LiveWeights:
         """
         snapshot_dir = self._settings.snapshot_dir
         if snapshot_dir is None:
-            raise InvalidRequestError(
+            raise ConflictError(
                 "weight export is not enabled on this engine; start it with --snapshot-dir DIR "
                 "(the directory exported checkpoints are written under)",
-                status_code=409,
             )
 
         def export() -> ExportWeightsResponse:

@@ -4,7 +4,6 @@ requests (the chat template applied), and native snapshots back into OpenAI's st
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,11 +14,7 @@ from miles.engine.engine import Engine
 from miles.errors import InvalidRequestError
 from miles.protocol.openai import ChatCompletionRequest, CompletionRequest, finish_reason, usage_of, versions
 from miles.protocol.sglang import GenerateRequest, GenerateResponse
-
-
-def sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload)
-    return f"data: {data}\n\n".encode()
+from miles.utils.http import sse
 
 
 def _translated(build: Any) -> GenerateRequest:

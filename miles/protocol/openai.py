@@ -35,7 +35,6 @@ from miles.protocol.compat import (
 )
 from miles.protocol.sglang import GenerateResponse, SamplingParams
 
-
 # Fields of both SGLang OpenAI requests that only affect logging, scheduling or caching.
 _IGNORED = frozenset({"user", "extra_key", "cache_salt", "priority"})
 # Fields of both that ask for something the engine does not do (see miles.protocol.compat).

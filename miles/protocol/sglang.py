@@ -44,7 +44,6 @@ from miles.protocol.compat import (
     drop_nulls,
 )
 
-
 # SamplingParams fields whose null SGLang reads as "the default" (its __post_init__).
 _NULL_IS_DEFAULT = frozenset(
     {

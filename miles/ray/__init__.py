@@ -1,4 +1,2 @@
-"""The controller side of miles: the InferenceController, its rollout servers, router and health.
-
-Ray is used only in the adapter modules here (actors and placement); the logic runs without it.
-"""
+"""Ray adapters (every Ray API call of miles lives under this package), and the seed's two import
+paths, ``miles.ray.rollout.inference_controller`` and ``miles.ray.rollout.sft_rollout``."""

@@ -1,1 +1,3 @@
-"""Rollout server implementations: the fleets of inference engines the controller drives."""
+"""Rollouts: the servers of one model, launched, probed, restarted and stopped by one server type
+(``Rollout``; ``SFTRollout`` runs embedded engines), each server's state machine (``state``), and
+the one client every server type is spoken to with (``engine_client``)."""

@@ -8,18 +8,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from miles.ray.rollout.rollout_server import RolloutServer, RolloutServerError
-from miles.ray.rollout.server_spec import RolloutServerSpec
-from miles.ray.rollout.server_state import ServerCell
 from miles.rollout.engine_process import EngineProcess, EngineStartError, engine_command, free_port
+from miles.rollout.rollout import Rollout
+from miles.rollout.spec import RolloutSpec
+from miles.rollout.state import ServerCell
 
 _LAUNCH_ATTEMPTS = 3  # a freshly picked free port can be taken before the engine binds it
 
 
-class SFTRollout(RolloutServer):
+class SFTRollout(Rollout):
     """Runs each server as ``python -m miles.engine`` on a free loopback port and its own device."""
 
-    def __init__(self, spec: RolloutServerSpec, **hooks: Any) -> None:
+    def __init__(self, spec: RolloutSpec, **hooks: Any) -> None:
         super().__init__(spec, **hooks)
         self._processes: dict[str, EngineProcess] = {}
         # Without directories from the caller, logs and weight copies go to a temporary directory
@@ -103,10 +103,3 @@ class SFTRollout(RolloutServer):
     def _alive(self, cell: ServerCell) -> bool:
         process = self._processes.get(cell.server_id)
         return process is not None and process.alive()
-
-    def process(self, server_id: str) -> EngineProcess:
-        """The local process behind a server (for operators and fault-injection tests)."""
-        try:
-            return self._processes[server_id]
-        except KeyError:
-            raise RolloutServerError("server has no running process", server_id=server_id) from None

@@ -5,11 +5,10 @@ through a ``Publisher`` (``DiskPublisher``: checkpoint, checksum event, verified
 """
 
 from miles.train.config import TrainerConfig
-from miles.train.engine_apply import EngineDiskApply
 from miles.train.grpo import PolicyLoss, clipped_policy_loss, group_advantages
 from miles.train.publisher import ApplyFn, DiskPublisher, Publisher, PublishResult, ReadyFn, always_ready
 from miles.train.reports import Phase, Staleness, StepReport, TrainingSummary, VersionReward
-from miles.train.rollout import Group, HttpSampler, Sample, Sampler
+from miles.train.sampling import Group, HttpSampler, Sample, Sampler
 from miles.train.task import Completion, Ending, Problem, ReverseTask, parse_completion, score
 from miles.train.trainer import OnStep, Trainer, write_initial_checkpoint
 
@@ -18,7 +17,6 @@ __all__ = [
     "Completion",
     "DiskPublisher",
     "Ending",
-    "EngineDiskApply",
     "Group",
     "HttpSampler",
     "OnStep",

@@ -26,8 +26,8 @@ from miles.train.config import TrainerConfig
 from miles.train.grpo import clipped_policy_loss, group_advantages
 from miles.train.policy import completion_logprobs, encode_answer, encode_prompt, pack, sft_loss
 from miles.train.publisher import Publisher
-from miles.train.reports import Phase, StepReport, Staleness, TrainingSummary, rewards_by_version
-from miles.train.rollout import Group, Sample, Sampler
+from miles.train.reports import Phase, Staleness, StepReport, TrainingSummary, rewards_by_version
+from miles.train.sampling import Group, Sample, Sampler
 from miles.train.task import Problem, parse_completion, score
 from miles.weights.checkpoint import Manifest, save_checkpoint
 

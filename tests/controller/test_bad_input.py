@@ -17,8 +17,8 @@ import pytest_asyncio
 from miles.errors import InvalidRequestError
 from miles.protocol.sglang import PauseMode
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.ray.rollout.server_state import ServerState
 from miles.rollout.sft_rollout import SFTRollout
+from miles.rollout.state import ServerState
 from miles.testing import running_controller
 from miles.utils.audit_utils.event_logger.models import WeightUpdateStartedEvent
 
@@ -185,7 +185,7 @@ async def test_an_absurd_ttl_is_refused_before_anything_is_touched(fleet) -> Non
     assert not any(isinstance(e, WeightUpdateStartedEvent) for e in list(controller.event_logger.events)[mark:])
     report = controller.health()
     assert report.lock.held is False and report.models["tiny"].accepting_requests is True
-    assert controller.fleet.server(None).cell("tiny-0").state is ServerState.SERVING
+    assert controller.fleet.rollout(None).cell("tiny-0").state is ServerState.SERVING
 
 
 async def test_a_shorter_health_interval_takes_effect_at_once(fleet) -> None:  # noqa: ANN001
@@ -196,7 +196,7 @@ async def test_a_shorter_health_interval_takes_effect_at_once(fleet) -> None:  #
     assert (await http.patch("/config", json={"health_interval_s": 3600})).status_code == 200
     await asyncio.sleep(0.3)  # the health loop is now asleep for an hour
     assert (await http.patch("/config", json={"health_interval_s": 0.2})).status_code == 200
-    cell = controller.fleet.server(None).cell("tiny-0")
+    cell = controller.fleet.rollout(None).cell("tiny-0")
     restarts = cell.restarts
     assert cell.pid is not None
     os.kill(cell.pid, signal.SIGKILL)

@@ -88,11 +88,11 @@ def test_engines_die_with_a_parent_that_is_killed(checkpoints: dict[str, Path], 
     script.write_text(textwrap.dedent(f'''
         import asyncio, sys
         from pathlib import Path
-        from miles.ray.rollout.server_spec import RolloutServerSpec
+        from miles.rollout.spec import RolloutSpec
         from miles.rollout.sft_rollout import SFTRollout
 
         async def main():
-            spec = RolloutServerSpec(
+            spec = RolloutSpec(
                 name="orphan", checkpoint=Path("{checkpoints['v1']}"), num_servers=2, num_threads=1,
                 log_dir=Path("{tmp_path}") / "logs", snapshot_dir=Path("{tmp_path}") / "snapshots",
             )

@@ -169,7 +169,7 @@ async def test_config_changes_what_may_change_and_refuses_the_rest(fleet) -> Non
     changed = await http.patch("/config", json={"rolling_batch_size": 2, "health_interval_s": 0.3})
     assert changed.status_code == 200
     assert controller.settings.rolling_batch_size == 2
-    assert controller.fleet.server(None).spec.health.interval_s == 0.3
+    assert controller.fleet.rollout(None).spec.health.interval_s == 0.3
     refused = await http.patch("/config", json={"port": 1, "rolling_batch_size": 3})
     assert refused.status_code == 409
     assert "port" in refused.json()["error"]["message"]
@@ -192,7 +192,7 @@ async def test_a_server_dying_under_load_costs_no_request(fleet) -> None:  # noq
     import time
 
     controller, http = fleet
-    server = controller.fleet.server(None)
+    server = controller.fleet.rollout(None)
     restarts = server.cell("tiny-1").restarts
     stop = asyncio.Event()
     answers: list[int] = []
@@ -203,7 +203,7 @@ async def test_a_server_dying_under_load_costs_no_request(fleet) -> None:  # noq
 
     users = [asyncio.create_task(user()) for _ in range(4)]
     await asyncio.sleep(0.3)
-    os.kill(server.process("tiny-1").pid, signal.SIGKILL)
+    os.kill(server.cell("tiny-1").pid, signal.SIGKILL)
     deadline = time.monotonic() + 120
     while not (server.cell("tiny-1").restarts > restarts and server.cell("tiny-1").state.value == "serving"):
         assert time.monotonic() < deadline, "the killed server never came back"

@@ -27,7 +27,7 @@ async def test_a_retract_update_continues_requests_on_the_new_weights(checkpoint
     async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=1) as (controller, url):
         async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
             before = (await http.post("/generate", json=greedy(PROMPT, TOKENS))).json()
-            engine = controller.fleet.server(None).cell("tiny-0").url
+            engine = controller.fleet.rollout(None).cell("tiny-0").url
             running = [asyncio.create_task(http.post("/generate", json=greedy(PROMPT, TOKENS))) for _ in range(2)]
             async with httpx.AsyncClient(timeout=10, trust_env=False) as direct:
                 deadline = time.monotonic() + 30

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.ray.rollout.server_state import ServerState
+from miles.rollout.state import ServerState
 from miles.testing import running_controller
 from miles.utils.audit_utils.event_logger.models import ChecksumMismatchEvent
 from miles.weights.checkpoint import read_manifest
@@ -47,7 +47,7 @@ async def wait_running(url: str) -> None:
 
 
 def kill(controller: AsyncInferenceController, server_id: str) -> None:
-    pid = controller.fleet.server(None).cell(server_id).pid
+    pid = controller.fleet.rollout(None).cell(server_id).pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
 
@@ -65,7 +65,7 @@ async def single(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInfer
 async def test_a_request_outlives_the_crash_of_the_only_server(single) -> None:  # noqa: ANN001
     controller, http = single
     reference = (await http.post("/generate", json=LONG)).json()["output_ids"]
-    cell = controller.fleet.server(None).cell("tiny-0")
+    cell = controller.fleet.rollout(None).cell("tiny-0")
     incarnation = cell.incarnation
     started = time.monotonic()
     pending = asyncio.create_task(http.post("/generate", json=LONG))
@@ -81,7 +81,7 @@ async def test_a_request_outlives_the_crash_of_the_only_server(single) -> None: 
 
 async def test_a_stream_that_sent_nothing_outlives_the_crash(single) -> None:  # noqa: ANN001
     controller, http = single
-    cell = controller.fleet.server(None).cell("tiny-0")
+    cell = controller.fleet.rollout(None).cell("tiny-0")
     await wait_until(lambda: cell.state is ServerState.SERVING, what="tiny-0 serving")
     # The only server is dead before the stream starts: the stream waits for its replacement.
     kill(controller, "tiny-0")
@@ -94,7 +94,7 @@ async def test_a_stream_that_sent_nothing_outlives_the_crash(single) -> None:  #
 
 async def test_pushed_weights_come_back_after_the_only_server_crashes(single, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
     controller, http = single
-    server = controller.fleet.server(None)
+    server = controller.fleet.rollout(None)
     cell = server.cell("tiny-0")
     await wait_until(lambda: cell.state is ServerState.SERVING, what="tiny-0 serving")
     v3 = read_manifest(checkpoints["v3"])
@@ -141,7 +141,7 @@ async def pair(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInferen
 async def test_requests_outlive_the_crash_of_every_server(pair) -> None:  # noqa: ANN001
     controller, http = pair
     reference = (await http.post("/generate", json=LONG)).json()["output_ids"]
-    cells = [controller.fleet.server(None).cell(sid) for sid in ("tiny-0", "tiny-1")]
+    cells = [controller.fleet.rollout(None).cell(sid) for sid in ("tiny-0", "tiny-1")]
     pending = [asyncio.create_task(http.post("/generate", json=LONG)) for _ in range(4)]
     for cell in cells:
         await wait_running(cell.url)
@@ -157,7 +157,7 @@ async def test_weights_changed_behind_the_controller_are_quarantined_and_restore
     pair, checkpoints: dict[str, Path], same_label: bool  # noqa: ANN001
 ) -> None:
     controller, http = pair
-    server = controller.fleet.server(None)
+    server = controller.fleet.rollout(None)
     cell = server.cell("tiny-1")
     await wait_until(lambda: cell.state is ServerState.SERVING, what="tiny-1 serving")
     verified = cell.verified

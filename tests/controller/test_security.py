@@ -15,8 +15,8 @@ import pytest
 import pytest_asyncio
 
 from miles.errors import MilesError
+from miles.http.runner import HttpServer
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.server.http_runner import HttpServer
 from miles.testing import running_controller
 from miles.utils.audit_utils.event_logger.models import SettingsChangedEvent
 from miles.weights.checkpoint import read_manifest
@@ -117,7 +117,7 @@ async def test_health_stays_open_and_no_secret_is_shown(guarded) -> None:  # noq
 
 async def test_nothing_but_the_controller_changes_an_engines_weights(guarded, roots: dict[str, Path]) -> None:  # noqa: ANN001
     controller, _ = guarded
-    cell = controller.fleet.server(None).cell("tiny-0")
+    cell = controller.fleet.rollout(None).cell("tiny-0")
     before = (cell.weight_version, cell.checksum)
     async with httpx.AsyncClient(base_url=cell.url or "", timeout=60, trust_env=False) as engine:
         load = {"model_path": str(roots["allowed"] / "v2")}
@@ -178,7 +178,7 @@ async def test_a_window_credential_works_only_while_its_window_is_open(guarded, 
             headers=bearer(short["credential"]),
         )
         assert late.status_code == 403, late.text
-    cell = controller.fleet.server(None).cell("tiny-0")
+    cell = controller.fleet.rollout(None).cell("tiny-0")
     await asyncio.sleep(0.5)
     assert (cell.weight_version, cell.checksum) == ("200", v2.checksum)
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from miles.controller.results import ChecksumSource, UpdateStatus
 from miles.models import build_model, build_tokenizer
 from miles.models.presets import init_checkpoint
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.ray.rollout.server_state import ServerState
-from miles.ray.rollout.update_types import ChecksumSource, UpdateStatus
+from miles.rollout.state import ServerState
 from miles.testing import running_controller
 from miles.utils.audit_utils.event_logger.models import InferenceEngineWeightChecksumEvent
 from miles.weights.checkpoint import MANIFEST_NAME, read_manifest
@@ -74,7 +74,7 @@ async def test_a_plain_directory_whose_checksum_was_published_commits_as_that_st
     result = await controller.update_rollout_weights(trained["plain-42"])
     assert result.status is UpdateStatus.COMMITTED, result.message
     assert (result.step, result.weight_version, result.checksum_source) == (42, "42", ChecksumSource.PUBLISHED)
-    server = controller.fleet.server(None)
+    server = controller.fleet.rollout(None)
     confirmed = await server.confirm("gpt-xyz-0")
     assert (confirmed.checksum, confirmed.weight_version) == (trained["checksum-42"], "42")
 
@@ -111,7 +111,7 @@ async def test_a_server_restarts_on_weights_from_a_plain_directory(controller, t
     publish(controller, trained["checksum-45"], 48)
     result = await controller.update_rollout_weights(trained["plain-45"])
     assert result.status is UpdateStatus.COMMITTED, result.message
-    cell = controller.fleet.server(None).cell("gpt-xyz-0")
+    cell = controller.fleet.rollout(None).cell("gpt-xyz-0")
     restarts = cell.restarts
     assert cell.pid is not None
     os.kill(cell.pid, signal.SIGKILL)

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from miles.controller.results import UpdateStatus
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.ray.rollout.update_types import UpdateStatus
 from miles.testing import running_controller
 from miles.utils.audit_utils.event_analyzer import analyze_events
 from miles.utils.audit_utils.event_logger.models import WeightUpdateCommittedEvent

@@ -14,8 +14,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from miles.controller.results import UpdateStatus
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.ray.rollout.update_types import UpdateStatus
 from miles.testing import running_controller
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -44,8 +44,8 @@ def bad_checkpoints(checkpoints: dict[str, Path], allowed_root: Path) -> dict[st
     (no_manifest / "miles_manifest.json").unlink()
     made["no_manifest"] = no_manifest
 
-    import transformers
     import torch
+    import transformers
 
     config = get_preset("tiny").build_config()
     config.intermediate_size = 96  # same tensor names, other shapes

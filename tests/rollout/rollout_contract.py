@@ -1,6 +1,6 @@
-"""The contract every RolloutServer implementation must meet, as a reusable test class.
+"""The contract every Rollout implementation must meet, as a reusable test class.
 
-A server type's test module subclasses ``RolloutServerContract`` and provides four fixtures:
+A server type's test module subclasses ``RolloutContract`` and provides four fixtures:
 ``server`` (a started server of that type with two engines on the ``v1`` checkpoint, module
 scoped), ``kill_engine`` (a callable that kills one server's engine process outright),
 ``new_server`` (a callable returning a new, unstarted one-engine server on a checkpoint) and
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from miles.protocol.sglang import PauseMode
-from miles.ray.rollout.rollout_server import RolloutServer
-from miles.ray.rollout.server_state import ServerState, VerifiedWeights
+from miles.rollout.rollout import Rollout
+from miles.rollout.state import ServerState, VerifiedWeights
 from miles.weights.checkpoint import read_manifest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -36,7 +36,7 @@ def greedy(prompt: str, tokens: int = 8) -> dict[str, object]:
     return {"text": prompt, "sampling_params": {"max_new_tokens": tokens, "temperature": 0}}
 
 
-async def update_all(server: RolloutServer, checkpoint: Path) -> str:
+async def update_all(server: Rollout, checkpoint: Path) -> str:
     """The minimal protocol the controller runs: load, confirm, admit (per server)."""
     manifest = read_manifest(checkpoint)
     for server_id in server.server_ids:
@@ -55,9 +55,9 @@ async def update_all(server: RolloutServer, checkpoint: Path) -> str:
     return manifest.weight_version
 
 
-class RolloutServerContract:
+class RolloutContract:
     async def test_started_servers_serve_confirmed_weights(
-        self, server: RolloutServer, checkpoints: dict[str, Path]
+        self, server: Rollout, checkpoints: dict[str, Path]
     ) -> None:
         manifest = read_manifest(checkpoints["v1"])
         snapshots = server.snapshot()
@@ -69,13 +69,13 @@ class RolloutServerContract:
             assert snap.weight_version == manifest.weight_version
         assert len({snap.url for snap in snapshots}) == 2
 
-    async def test_each_server_generates(self, server: RolloutServer) -> None:
+    async def test_each_server_generates(self, server: Rollout) -> None:
         outputs = [await server.client(sid).generate(greedy("hello")) for sid in server.server_ids]
         assert outputs[0]["output_ids"] == outputs[1]["output_ids"]
         assert all(o["meta_info"]["weight_version"] == "1" for o in outputs)
 
     async def test_update_from_disk_and_confirm_checksum(
-        self, server: RolloutServer, checkpoints: dict[str, Path]
+        self, server: Rollout, checkpoints: dict[str, Path]
     ) -> None:
         before = await server.client(server.server_ids[0]).generate(greedy("abc"))
         assert await update_all(server, checkpoints["v2"]) == "2"
@@ -89,7 +89,7 @@ class RolloutServerContract:
         assert await update_all(server, checkpoints["v1"]) == "1"
 
     async def test_refused_load_leaves_old_weights(
-        self, server: RolloutServer, checkpoints: dict[str, Path], tmp_path: Path
+        self, server: Rollout, checkpoints: dict[str, Path], tmp_path: Path
     ) -> None:
         sid = server.server_ids[0]
         server.begin_update(sid, reason="contract: refused load")
@@ -99,7 +99,7 @@ class RolloutServerContract:
         await server.rollback(sid, reason="contract: restore after refused load")
         assert server.cell(sid).state is ServerState.SERVING
 
-    async def test_pause_modes(self, server: RolloutServer) -> None:
+    async def test_pause_modes(self, server: Rollout) -> None:
         sid = server.server_ids[1]
         client = server.client(sid)
         long = {"text": "z", "sampling_params": {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True}}
@@ -122,7 +122,7 @@ class RolloutServerContract:
         await server.resume(sid)
 
     async def test_crashed_engine_comes_back_on_last_verified_weights(
-        self, server: RolloutServer, checkpoints: dict[str, Path], kill_engine
+        self, server: Rollout, checkpoints: dict[str, Path], kill_engine
     ) -> None:  # noqa: ANN001
         await update_all(server, checkpoints["v2"])
         sid = server.server_ids[0]
@@ -141,7 +141,7 @@ class RolloutServerContract:
         await update_all(server, checkpoints["v1"])
 
 
-async def _wait_running(server: RolloutServer, sid: str) -> None:
+async def _wait_running(server: Rollout, sid: str) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         info = await server.client(sid).server_info()
@@ -151,7 +151,7 @@ async def _wait_running(server: RolloutServer, sid: str) -> None:
     raise AssertionError("request never started running")
 
 
-class RolloutServerStopContract:
+class RolloutStopContract:
     """Stopping: every engine the server started is gone, and stopping twice is harmless."""
 
     async def test_stop_ends_every_engine(self, new_server, engine_probe, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001

@@ -1,4 +1,4 @@
-"""SFTRollout: the RolloutServer contract on real embedded engine processes, plus its own edges."""
+"""SFTRollout: the Rollout contract on real embedded engine processes, plus its own edges."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from rollout_contract import RolloutServerContract, RolloutServerStopContract
+from rollout_contract import RolloutContract, RolloutStopContract
 
-from miles.ray.rollout.rollout_server import RolloutServer, RolloutServerError
-from miles.ray.rollout.server_spec import HealthSettings, RolloutServerSpec
+from miles.rollout.rollout import Rollout, RolloutError
 from miles.rollout.sft_rollout import SFTRollout
+from miles.rollout.spec import HealthSettings, RolloutSpec
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-def spec_for(checkpoint: Path, log_dir: Path, *, num_servers: int = 2) -> RolloutServerSpec:
-    return RolloutServerSpec(
+def spec_for(checkpoint: Path, log_dir: Path, *, num_servers: int = 2) -> RolloutSpec:
+    return RolloutSpec(
         name="sft",
         checkpoint=checkpoint,
         num_servers=num_servers,
@@ -41,10 +41,10 @@ async def server(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPath
 
 
 @pytest.fixture
-def kill_engine() -> Callable[[RolloutServer, str], None]:
-    def kill(server: RolloutServer, server_id: str) -> None:
+def kill_engine() -> Callable[[Rollout, str], None]:
+    def kill(server: Rollout, server_id: str) -> None:
         assert isinstance(server, SFTRollout)
-        pid = server.process(server_id).pid
+        pid = server.cell(server_id).pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
 
@@ -52,13 +52,13 @@ def kill_engine() -> Callable[[RolloutServer, str], None]:
 
 
 @pytest.fixture
-def new_server(tmp_path: Path) -> Callable[[Path], RolloutServer]:
+def new_server(tmp_path: Path) -> Callable[[Path], Rollout]:
     return lambda checkpoint: SFTRollout(spec_for(checkpoint, tmp_path, num_servers=1))
 
 
 @pytest.fixture
-def engine_probe() -> Callable[[RolloutServer, str], Callable[[], bool]]:
-    def probe(server: RolloutServer, server_id: str) -> Callable[[], bool]:
+def engine_probe() -> Callable[[Rollout, str], Callable[[], bool]]:
+    def probe(server: Rollout, server_id: str) -> Callable[[], bool]:
         pid = server.cell(server_id).pid
         assert pid is not None
 
@@ -75,7 +75,7 @@ def engine_probe() -> Callable[[RolloutServer, str], Callable[[], bool]]:
     return probe
 
 
-class TestSFTRolloutContract(RolloutServerContract, RolloutServerStopContract):
+class TestSFTRolloutContract(RolloutContract, RolloutStopContract):
     pass
 
 
@@ -84,7 +84,7 @@ async def test_a_server_that_cannot_start_fails_clearly_and_cleans_up(tmp_path: 
     broken.mkdir()
     (broken / "miles_manifest.json").write_text("{}")
     rollout = SFTRollout(spec_for(broken, tmp_path / "logs", num_servers=1))
-    with pytest.raises(RolloutServerError) as caught:
+    with pytest.raises(RolloutError) as caught:
         await rollout.start()
     assert "engine failed to start" in str(caught.value)
     assert all(snap.pid is None for snap in rollout.snapshot())

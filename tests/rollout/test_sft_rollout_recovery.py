@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from miles.ray.rollout.health import server_health
-from miles.ray.rollout.rollout_server import RolloutServer
-from miles.ray.rollout.server_spec import HealthSettings, RolloutServerSpec
-from miles.ray.rollout.server_state import ServerState, VerifiedWeights
+from miles.controller.health import server_health
+from miles.rollout.rollout import Rollout
 from miles.rollout.sft_rollout import SFTRollout
+from miles.rollout.spec import HealthSettings, RolloutSpec
+from miles.rollout.state import ServerState, VerifiedWeights
 from miles.weights.checkpoint import read_manifest
 
 pytestmark = pytest.mark.asyncio
 
 
-def spec(checkpoint: Path, tmp: Path, *, num_servers: int) -> RolloutServerSpec:
-    return RolloutServerSpec(
+def spec(checkpoint: Path, tmp: Path, *, num_servers: int) -> RolloutSpec:
+    return RolloutSpec(
         name="rec",
         checkpoint=checkpoint,
         num_servers=num_servers,
@@ -41,7 +41,7 @@ async def wait_until(predicate: Callable[[], bool], *, what: str, timeout: float
         await asyncio.sleep(0.05)
 
 
-async def push_without_checkpoint(server: RolloutServer, checkpoint: Path, *, version: str) -> VerifiedWeights:
+async def push_without_checkpoint(server: Rollout, checkpoint: Path, *, version: str) -> VerifiedWeights:
     """What a training window does: load weights, confirm them, admit them with no checkpoint."""
     manifest = read_manifest(checkpoint)
     verified = VerifiedWeights(checkpoint=None, weight_version=version, checksum=manifest.checksum, step=7)
@@ -54,7 +54,7 @@ async def push_without_checkpoint(server: RolloutServer, checkpoint: Path, *, ve
 
 
 def kill(server: SFTRollout, server_id: str) -> None:
-    os.kill(server.process(server_id).pid or 0, signal.SIGKILL)
+    os.kill(server.cell(server_id).pid or 0, signal.SIGKILL)
 
 
 async def test_a_restarted_server_copies_pushed_weights_from_a_peer(checkpoints: dict[str, Path], tmp_path: Path) -> None:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from engine_apply import EngineDiskApply
 
 from miles.errors import PublishError, RolloutRequestError
 from miles.testing import copy_checkpoint, running_engine
 from miles.train import (
     DiskPublisher,
-    EngineDiskApply,
     HttpSampler,
     Phase,
     StepReport,

@@ -1,1 +1,1 @@
-"""InferenceController, the RolloutServer base and its server state machine, router, health."""
+"""The seed's import paths, kept as thin re-exports."""

@@ -9,8 +9,9 @@ import pytest
 from pydantic import SecretStr
 
 from miles.engine.access import ControlGrant, EngineAccess, Kind, kind_of
-from miles.errors import InvalidRequestError
+from miles.errors import MilesError
 from miles.protocol.auth import FenceRequest, window_credential, window_token
+from miles.utils.http import status_of
 
 SECRET = "s3cret-controller"
 KEY = "user-api-key"
@@ -23,9 +24,10 @@ def access(*, secret: str | None = SECRET, api_key: str | None = KEY) -> EngineA
 
 
 def refused(call, status: int) -> str:  # type: ignore[no-untyped-def]
-    with pytest.raises(InvalidRequestError) as caught:
+    with pytest.raises(MilesError) as caught:
         call()
-    assert caught.value.status_code == status, str(caught.value)
+    mapped = status_of(caught.value)
+    assert mapped is not None and mapped[0] == status, str(caught.value)
     return str(caught.value)
 
 

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from miles.config import RoutingPolicy
-from miles.ray.rollout.health import model_health, overall
-from miles.ray.rollout.router import Exclusion, NoServerAvailableError, Router
+from miles.controller.health import model_health, overall
+from miles.controller.router import Exclusion, NoServerAvailableError, Router
+from miles.rollout.state import ProbeResult, ServerSnapshot, ServerState
 from miles.utils.weight_version import at_least as version_at_least
-from miles.ray.rollout.server_state import ProbeResult, ServerSnapshot, ServerState
 
 
 def snap(

@@ -1,7 +1,7 @@
 """The protocol's seven steps happen in order, and every failure path leaves verified weights.
 
 A real controller over two embedded engines. The mismatch case uses a scriptable fake at the edge:
-a RolloutServer that, for one server, loads other (valid) weights than it was asked to, the way a
+a Rollout that, for one server, loads other (valid) weights than it was asked to, the way a
 buggy transfer would.
 """
 
@@ -16,12 +16,12 @@ from typing import Any, ClassVar
 import pytest
 import pytest_asyncio
 
+from miles.controller.results import UpdateStatus
 from miles.errors import StaleLockError
 from miles.protocol.sglang import UpdateWeightsResponse
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.ray.rollout.server_state import ServerState
-from miles.ray.rollout.update_types import UpdateStatus
 from miles.rollout.sft_rollout import SFTRollout
+from miles.rollout.state import ServerState
 from miles.testing import copy_checkpoint, running_controller
 from miles.utils.audit_utils.event_analyzer import analyze_events
 from miles.utils.audit_utils.event_logger.models import (
@@ -66,7 +66,7 @@ def events_since(controller: AsyncInferenceController, mark: int) -> list:
 
 
 def all_serving_verified(controller: AsyncInferenceController, version: str, checksum: str) -> None:
-    for snap in controller.fleet.server(None).snapshot():
+    for snap in controller.fleet.rollout(None).snapshot():
         assert snap.state is ServerState.SERVING, snap
         assert snap.weight_version == version
         assert snap.checksum == checksum
@@ -202,7 +202,7 @@ async def test_an_aborted_window_releases_the_lock_and_restores(
     window = await controller.start_update_weights()
     assert controller.health().lock.held is True
     # Training pushes v3 to one server, then gives up.
-    first = controller.fleet.server(None)
+    first = controller.fleet.rollout(None)
     await first.load(window.servers[0].server_id, checkpoints["v3"], weight_version="3", expected_checksum=read_manifest(checkpoints["v3"]).checksum)
     result = await controller.abort_update_weights(window)
     assert result.status is UpdateStatus.ABORTED
@@ -216,7 +216,7 @@ async def test_a_window_commits_what_training_pushed(
 ) -> None:
     v3 = read_manifest(checkpoints["v3"])
     window = await controller.start_update_weights(ttl_s=30)
-    server = controller.fleet.server(None)
+    server = controller.fleet.rollout(None)
     for target in window.servers:
         response = await server.load(target.server_id, checkpoints["v3"], weight_version="3", expected_checksum=read_manifest(checkpoints["v3"]).checksum)
         assert response.success
@@ -230,7 +230,7 @@ async def test_an_expired_lease_is_rolled_back_and_its_token_refused(
 ) -> None:
     v3 = read_manifest(checkpoints["v3"])
     window = await controller.start_update_weights(ttl_s=0.5)
-    server = controller.fleet.server(None)
+    server = controller.fleet.rollout(None)
     await server.load(window.servers[0].server_id, checkpoints["v4"], weight_version="4", expected_checksum=read_manifest(checkpoints["v4"]).checksum)
     deadline = time.monotonic() + 30
     while not (

@@ -18,10 +18,10 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from miles.controller.results import UpdateStatus
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.ray.rollout.server_state import ServerState
-from miles.ray.rollout.update_types import UpdateStatus
 from miles.rollout.sft_rollout import SFTRollout
+from miles.rollout.state import ServerState
 from miles.testing import running_controller
 from miles.utils.audit_utils.event_logger.models import WeightUpdateCommittedEvent, WeightUpdateStartedEvent
 
@@ -116,11 +116,11 @@ async def test_health_and_routing_keep_answering_during_a_window(fleet) -> None:
 
 async def test_a_restart_waits_for_a_window_to_end(fleet) -> None:  # noqa: ANN001
     controller, _ = fleet
-    b_server = controller.fleet.server("tiny-b")
+    b_server = controller.fleet.rollout("tiny-b")
     assert isinstance(b_server, SFTRollout)
     restarts = b_server.cell("tiny-b-0").restarts
     window = await controller.start_update_weights("tiny")
-    pid = b_server.process("tiny-b-0").pid
+    pid = b_server.cell("tiny-b-0").pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     await until(lambda: controller.health().lock.waiters >= 1, what="the restart to queue for the lock")

@@ -1,6 +1,6 @@
 """The life of one rollout server (one engine process): states, the transition table, the cell.
 
-A ``ServerCell`` is owned by exactly one ``RolloutServer``, which applies every transition with
+A ``ServerCell`` is owned by exactly one ``Rollout``, which applies every transition with
 ``ServerCell.transition``; an illegal transition raises instead of corrupting the fleet's view.
 Only ``SERVING`` cells receive traffic.
 """
@@ -102,7 +102,7 @@ class ServerSnapshot:
 
 @dataclass(eq=False)
 class ServerCell:
-    """Mutable record of one server; only its RolloutServer changes it."""
+    """Mutable record of one server; only its Rollout changes it."""
 
     server_id: str
     model_name: str

@@ -1,4 +1,4 @@
-"""Steps 4-6 of the weight-update protocol, carried out on one RolloutServer's servers.
+"""Steps 4-6 of the weight-update protocol, carried out on one Rollout's servers.
 
 ``UpdateRun`` takes servers out of routing and pauses them, has them load, collects the checksum
 each reports for what it now holds, admits only the ones that match, and restores the others to
@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Protocol
 
 from miles.config import UpdatePauseMode, UpdateStrategy
+from miles.controller.results import ChecksumSource, ServerOutcome, UpdateResult, UpdateStatus
+from miles.controller.router import Router
 from miles.errors import MilesError
 from miles.protocol.sglang import PauseMode
-from miles.ray.rollout.rollout_server import RolloutServer
-from miles.ray.rollout.router import Router
-from miles.ray.rollout.server_state import ServerState, VerifiedWeights
-from miles.ray.rollout.update_types import ChecksumSource, ServerOutcome, UpdateResult, UpdateStatus
 from miles.rollout.engine_client import WeightsChecksum
+from miles.rollout.rollout import Rollout
+from miles.rollout.state import ServerState, VerifiedWeights
 
 logger = logging.getLogger("miles.controller")
 
@@ -70,7 +70,7 @@ class _Progress:
 @dataclass
 class UpdateRun:
     plan: UpdatePlan
-    server: RolloutServer
+    server: Rollout
     router: Router
     events: ProtocolEvents
     progress: dict[str, _Progress] = field(default_factory=dict)

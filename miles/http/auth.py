@@ -19,7 +19,7 @@ from enum import Enum
 from fastapi import Request
 from pydantic import SecretStr
 
-from miles.errors import InvalidRequestError
+from miles.errors import AuthenticationError, PermissionDeniedError
 
 
 class Access(Enum):
@@ -40,21 +40,19 @@ class Credentials:
         header = request.headers.get("authorization")
         what = "the admin token (MILES_ADMIN_TOKEN)" if access is Access.ADMIN and self.admin_token else "the API key"
         if header is None:
-            raise InvalidRequestError(
+            raise AuthenticationError(
                 f"{request.method} {request.url.path} needs {what}: send `Authorization: Bearer <token>`",
-                status_code=401,
             )
         scheme, _, presented = header.partition(" ")
         if scheme.lower() != "bearer" or not presented:
-            raise InvalidRequestError("the Authorization header must be `Bearer <token>`", status_code=401)
+            raise AuthenticationError("the Authorization header must be `Bearer <token>`")
         offered = presented.strip().encode()
         # Compare against every accepted secret without stopping at the first match: the time
         # taken must not tell which secret (or how much of one) was guessed right.
         matches = [hmac.compare_digest(offered, secret.get_secret_value().encode()) for secret in accepted]
         if not any(matches):
-            raise InvalidRequestError(
+            raise PermissionDeniedError(
                 f"the token does not grant {access.value} access to {request.url.path}; it needs {what}",
-                status_code=403,
             )
 
     def _accepted(self, access: Access) -> list[SecretStr]:

@@ -1,6 +1,6 @@
-"""``EngineDiskApply``: an ``ApplyFn`` that loads a checkpoint straight into engine processes.
+"""Test helper: ``EngineDiskApply``, an ``ApplyFn`` that loads a checkpoint straight into engine processes.
 
-For development and tests without a controller: every engine is told to
+For tests of the trainer without a controller: every engine is told to
 ``/update_weights_from_disk``, then asked for ``/weights_checker``, and the checksum it computes
 over the weights it holds must equal the manifest's. There is no lock and no rollback here (that
 is the controller's job): on failure the call raises and the engines are left as they ended up.

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles.config import ControllerSettings
+from miles.controller.published import PublishedChecksum, PublishedChecksums
+from miles.controller.results import ChecksumSource
 from miles.errors import InvalidRequestError
-from miles.ray.rollout.checksums import PublishedChecksum, PublishedChecksums
-from miles.ray.rollout.update_types import ChecksumSource
 from miles.utils.weight_version import is_newer
 from miles.weights.checkpoint import MANIFEST_NAME, Manifest, verify_checkpoint
 from miles.weights.paths import checked_path, files_outside_roots, inside_roots

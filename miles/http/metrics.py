@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from miles.ray.rollout.health import FleetHealth
-from miles.ray.rollout.update_types import UpdateResult
+from miles.controller.health import FleetHealth
+from miles.controller.results import UpdateResult
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

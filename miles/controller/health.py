@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict
 
-from miles.ray.rollout.server_state import ServerSnapshot, ServerState
-from miles.ray.rollout.update_types import UpdateResult
+from miles.controller.results import UpdateResult
+from miles.rollout.state import ServerSnapshot, ServerState
 from miles.utils.context_lock import LockStatistics
 
 

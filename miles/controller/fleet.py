@@ -1,4 +1,4 @@
-"""The fleet: one RolloutServer per served model, built from specs the controller was given.
+"""The fleet: one Rollout per served model, built from specs the controller was given.
 
 ``rollout_server_cls`` (the seed's argument) may be a dotted path, a class, or a mapping of names to
 specs for several models and server types under one controller; this module turns any of those
@@ -19,10 +19,10 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles.config import ControllerSettings
-from miles.errors import CheckpointError, InvalidRequestError, MilesError
-from miles.ray.rollout.rollout_server import ExclusiveSection, RolloutObserver, RolloutServer
-from miles.ray.rollout.server_spec import HealthSettings, RolloutServerSpec
-from miles.ray.rollout.server_state import ServerSnapshot
+from miles.errors import CheckpointError, InvalidRequestError, MilesError, NotFoundError
+from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutObserver
+from miles.rollout.spec import HealthSettings, RolloutSpec
+from miles.rollout.state import ServerSnapshot
 from miles.weights.checkpoint import read_manifest
 
 DEFAULT_SERVER_CLS = "miles.rollout.sft_rollout.SFTRollout"
@@ -43,8 +43,8 @@ class ModelServerSpec(BaseModel):
     engine_args: tuple[str, ...] = ()
 
 
-def resolve_server_cls(server_cls: str | type) -> type[RolloutServer]:
-    """Import ``server_cls`` when given as a dotted path and check it is a RolloutServer."""
+def resolve_server_cls(server_cls: str | type) -> type[Rollout]:
+    """Import ``server_cls`` when given as a dotted path and check it is a Rollout."""
     if isinstance(server_cls, str):
         module_name, _, attr = server_cls.rpartition(".")
         try:
@@ -53,8 +53,8 @@ def resolve_server_cls(server_cls: str | type) -> type[RolloutServer]:
             raise InvalidRequestError(f"cannot import rollout server class {server_cls!r}: {exc}") from exc
     else:
         resolved = server_cls
-    if not (isinstance(resolved, type) and issubclass(resolved, RolloutServer)):
-        raise InvalidRequestError(f"{server_cls!r} is not a RolloutServer subclass")
+    if not (isinstance(resolved, type) and issubclass(resolved, Rollout)):
+        raise InvalidRequestError(f"{server_cls!r} is not a Rollout subclass")
     return resolved
 
 
@@ -78,7 +78,7 @@ def normalize_specs(
 
 
 class Fleet:
-    """Every RolloutServer of the controller, by model name."""
+    """Every Rollout of the controller, by model name."""
 
     def __init__(
         self,
@@ -89,7 +89,7 @@ class Fleet:
         observer: RolloutObserver,
         engine_secret: str | None = None,
     ) -> None:
-        self._servers: dict[str, RolloutServer] = {}
+        self._servers: dict[str, Rollout] = {}
         self._engine_secret = engine_secret
         self._gated = settings.gated_launch
         # The controller's working files (logs, weight copies) live here; a directory we made
@@ -113,14 +113,14 @@ class Fleet:
         exclusive: ExclusiveSection,
         observer: RolloutObserver,
     ) -> None:
-        """Build the RolloutServer of one spec (its logs and weight copies under the state dir)."""
+        """Build the Rollout of one spec (its logs and weight copies under the state dir)."""
         assert self.state_dir is not None
         server_cls = resolve_server_cls(spec.server_cls)
         model_name = spec.model_name or _model_name(spec.checkpoint, fallback=name)
         if model_name in self._servers:
             raise InvalidRequestError(f"two server specs serve the same model {model_name!r}; give each its own model_name")
         prefix = _server_prefix(model_name)
-        rollout_spec = RolloutServerSpec(
+        rollout_spec = RolloutSpec(
             name=prefix,
             checkpoint=spec.checkpoint.resolve(),
             model_name=model_name,
@@ -145,8 +145,8 @@ class Fleet:
     def model_names(self) -> list[str]:
         return list(self._servers)
 
-    def server(self, model_name: str | None) -> RolloutServer:
-        """The RolloutServer for ``model_name`` (optional when there is only one model)."""
+    def rollout(self, model_name: str | None) -> Rollout:
+        """The Rollout for ``model_name`` (optional when there is only one model)."""
         if model_name is None:
             if len(self._servers) == 1:
                 return next(iter(self._servers.values()))
@@ -154,19 +154,19 @@ class Fleet:
         try:
             return self._servers[model_name]
         except KeyError:
-            raise InvalidRequestError(
-                f"no model {model_name!r} is served; served models: {', '.join(self._servers)}", status_code=404
+            raise NotFoundError(
+                f"no model {model_name!r} is served; served models: {', '.join(self._servers)}"
             ) from None
 
     def snapshots(self, model_name: str) -> list[ServerSnapshot]:
         server = self._servers.get(model_name)
         return server.snapshot() if server else []
 
-    def all(self) -> list[RolloutServer]:
+    def all(self) -> list[Rollout]:
         return list(self._servers.values())
 
     async def start(self) -> None:
-        """Start every RolloutServer (one at a time with gated launch); stop all if one fails."""
+        """Start every Rollout (one at a time with gated launch); stop all if one fails."""
         try:
             if self._gated:
                 for server in self._servers.values():

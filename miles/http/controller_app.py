@@ -18,13 +18,12 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import aiohttp
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from miles.config import (
     LEASE_TTL_MAX_S,
@@ -34,16 +33,14 @@ from miles.config import (
     UpdatePauseMode,
     UpdateStrategy,
 )
-from miles.engine.http_server import error_body, install_error_handlers, until_disconnected
-from miles.errors import EventLogError, InvalidRequestError, LockError
-from miles.server.auth import Access, Credentials
-from miles.server.metrics import CONTENT_TYPE, ControllerMetrics
-from miles.server.proxy import Proxy, RouteOptions, new_session
+from miles.controller.core import AsyncInferenceController
+from miles.errors import EventLogError, InvalidRequestError
+from miles.http.auth import Access, Credentials
+from miles.http.metrics import CONTENT_TYPE, ControllerMetrics
+from miles.http.proxy import Proxy, RouteOptions, new_session
 from miles.utils.audit_utils.event_logger.models import EVENT_ADAPTER, EVENT_TYPES
+from miles.utils.http import install_error_handlers, until_disconnected
 from miles.weights.paths import path_text_problem
-
-if TYPE_CHECKING:
-    from miles.ray.rollout.inference_controller import AsyncInferenceController
 
 logger = logging.getLogger("miles.controller")
 
@@ -107,7 +104,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
             await sessions.pop().close()
 
     app = FastAPI(title="miles inference controller", lifespan=lifespan)
-    install_error_handlers(app)
+    install_error_handlers(app, logger=logger, not_found="no such endpoint; the controller's API is listed in the README")
     credentials = Credentials(admin_token=controller.settings.admin_token, api_key=controller.settings.api_key)
 
     def reader(request: Request) -> None:
@@ -142,7 +139,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     def options(model: str | None, session_id: str | None, min_version: str | None) -> RouteOptions:
         return RouteOptions(
-            model_name=controller.fleet.server(model).model_name,
+            model_name=controller.fleet.rollout(model).model_name,
             session_id=session_id,
             min_weight_version=min_version,
             timeout_s=controller.settings.request_timeout_s,
@@ -269,30 +266,6 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     async def patch_config(patch: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
         await controller.reconfigure(patch)
         return controller.settings.runtime_view()
-
-    @app.exception_handler(LockError)
-    async def _lock_refused(_: Request, exc: LockError) -> JSONResponse:
-        # A stale, expired or already-ended window token, or a lock that was not granted in time.
-        code = 503 if isinstance(exc, TimeoutError) else 409
-        return JSONResponse(error_body(str(exc), code=code, kind="lock"), status_code=code)
-
-    @app.exception_handler(TimeoutError)
-    async def _timeout(_: Request, exc: TimeoutError) -> JSONResponse:
-        return JSONResponse(error_body(f"timed out: {exc}", code=503, kind="timeout"), status_code=503)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # FastAPI's own refusals (a body it cannot decode, an unknown path or method) in the
-        # API's error shape rather than {"detail": ...}.
-        return JSONResponse(error_body(str(exc.detail), code=exc.status_code), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # Last resort: a bug must still answer in the API's error shape (and be logged with its
-        # traceback), not as a bare 500 or a dropped connection.
-        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        message = f"internal error ({type(exc).__name__}); this is a bug in miles, please report it"
-        return JSONResponse(error_body(message, code=500, kind="internal_error"), status_code=500)
 
     return app
 

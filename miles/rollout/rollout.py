@@ -1,6 +1,6 @@
-"""RolloutServer: a fleet of engines serving one model, each tracked by an explicit state machine.
+"""Rollout: a fleet of engines serving one model, each tracked by an explicit state machine.
 
-A RolloutServer launches its engines, confirms the weights each one holds by checksum before it
+A Rollout launches its engines, confirms the weights each one holds by checksum before it
 serves, probes their health on an interval, replaces a process that dies (on the last weights that
 were verified on it), and stops everything it started. It knows nothing of the update protocol:
 the InferenceController drives updates through ``load``, ``confirm``, ``admit``, ``quarantine``
@@ -33,21 +33,21 @@ import httpx
 
 from miles.errors import CheckpointError, MilesError
 from miles.protocol.sglang import PauseMode, UpdateWeightsFromDiskRequest, UpdateWeightsResponse
-from miles.ray.rollout.server_spec import HealthSettings, RolloutServerSpec
-from miles.ray.rollout.server_state import (
-    ProbeResult,
-    ServerCell,
-    ServerSnapshot,
-    ServerState,
-    StateChange,
-    VerifiedWeights,
-)
 from miles.rollout.engine_client import (
     EngineCallError,
     EngineClient,
     WeightsChecksum,
     WeightsExport,
     WeightsIdentity,
+)
+from miles.rollout.spec import HealthSettings, RolloutSpec
+from miles.rollout.state import (
+    ProbeResult,
+    ServerCell,
+    ServerSnapshot,
+    ServerState,
+    StateChange,
+    VerifiedWeights,
 )
 from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import model_checksum
@@ -76,7 +76,7 @@ class RolloutObserver(Protocol):
         """A serving engine reported weights other than the ones verified on it."""
 
 
-class RolloutServerError(MilesError):
+class RolloutError(MilesError):
     """A rollout server could not do what was asked (start, load, confirm, restart)."""
 
 
@@ -85,12 +85,12 @@ async def _no_guard(_: str) -> AsyncIterator[None]:
     yield
 
 
-class RolloutServer(ABC):
+class Rollout(ABC):
     """Base of every rollout server type; see the module docstring."""
 
     def __init__(
         self,
-        spec: RolloutServerSpec,
+        spec: RolloutSpec,
         *,
         exclusive: ExclusiveSection | None = None,
         observer: RolloutObserver | None = None,
@@ -138,7 +138,7 @@ class RolloutServer(ABC):
     async def start(self) -> None:
         """Launch every engine, confirm its weights, and start the health loop.
 
-        Raises RolloutServerError (with the engine log tail) if an engine fails to start or holds
+        Raises RolloutError (with the engine log tail) if an engine fails to start or holds
         weights other than its checkpoint's manifest says; everything started is stopped again.
         """
         try:
@@ -178,13 +178,13 @@ class RolloutServer(ABC):
         try:
             return self._clients[server_id]
         except KeyError:
-            raise RolloutServerError("server has no running engine", server_id=server_id) from None
+            raise RolloutError("server has no running engine", server_id=server_id) from None
 
     def cell(self, server_id: str) -> ServerCell:
         for cell in self._cells:
             if cell.server_id == server_id:
                 return cell
-        raise RolloutServerError("no such server in this rollout server", server_id=server_id)
+        raise RolloutError("no such server in this rollout server", server_id=server_id)
 
     # --- the update steps the controller drives --------------------------------------------
 
@@ -279,12 +279,12 @@ class RolloutServer(ABC):
         """Reload the server's last verified weights and confirm them; it serves them again.
 
         If the reload or its confirmation fails, the process is replaced (restart on the last
-        verified weights). Raises RolloutServerError if the server never had verified weights.
+        verified weights). Raises RolloutError if the server never had verified weights.
         """
         cell = self.cell(server_id)
         verified = cell.verified
         if verified is None:
-            raise RolloutServerError("server has no verified weights to roll back to", server_id=server_id)
+            raise RolloutError("server has no verified weights to roll back to", server_id=server_id)
         if cell.state is not ServerState.UPDATING:
             self._apply(cell, ServerState.UPDATING, reason)
         try:
@@ -293,7 +293,7 @@ class RolloutServer(ABC):
                 source = await self._source_of(cell)
                 if source is None:
                     self._apply(cell, ServerState.QUARANTINED, "its verified weights are on no disk and no peer holds them")
-                    raise RolloutServerError(
+                    raise RolloutError(
                         "the verified weights are on no disk and no serving peer holds them; the server "
                         "stays quarantined until the next update",
                         server_id=server_id,
@@ -356,7 +356,7 @@ class RolloutServer(ABC):
             url = await self._launch(cell, checkpoint)
         except MilesError as exc:
             self._apply(cell, ServerState.RESTARTING, f"launch failed: {exc.message}")
-            raise RolloutServerError(f"engine failed to start: {exc}", server_id=cell.server_id) from exc
+            raise RolloutError(f"engine failed to start: {exc}", server_id=cell.server_id) from exc
         cell.url = url
         cell.incarnation += 1
         cell.consecutive_failures = 0
@@ -376,7 +376,7 @@ class RolloutServer(ABC):
         except EngineCallError as exc:
             # Leave the cell restarting so the health loop tries again, rather than stuck pending.
             self._apply(cell, ServerState.RESTARTING, f"engine stopped answering after start: {exc.message}")
-            raise RolloutServerError(f"engine failed after start: {exc}", server_id=cell.server_id) from exc
+            raise RolloutError(f"engine failed after start: {exc}", server_id=cell.server_id) from exc
         if confirmed.checksum != expected.checksum:
             self._apply(
                 cell,
@@ -384,7 +384,7 @@ class RolloutServer(ABC):
                 f"started on {confirmed.weight_version} ({confirmed.checksum}), not the verified "
                 f"{expected.weight_version} ({expected.checksum}): those weights could not be found",
             )
-            raise RolloutServerError(
+            raise RolloutError(
                 "engine started on weights whose checksum differs from the verified one",
                 server_id=cell.server_id,
                 expected=expected.checksum,
@@ -412,7 +412,7 @@ class RolloutServer(ABC):
         try:
             checksum = await asyncio.to_thread(model_checksum, checkpoint)
         except CheckpointError as exc:
-            raise RolloutServerError(
+            raise RolloutError(
                 f"the start checkpoint has no miles manifest and its weights cannot be hashed: {exc.message}",
                 checkpoint=str(checkpoint),
             ) from exc
@@ -506,7 +506,7 @@ class RolloutServer(ABC):
             )
             try:
                 await self.rollback(cell.server_id, reason="weights changed outside the controller")
-            except RolloutServerError as exc:
+            except RolloutError as exc:
                 logger.error("could not restore %s after its weights drifted: %s", cell.server_id, exc)
 
     async def _recover_guarded(self, cell: ServerCell) -> None:
@@ -528,7 +528,7 @@ class RolloutServer(ABC):
                     await self.rollback(cell.server_id, reason="its verified weights are available again")
                 else:
                     await self.restart(cell.server_id, reason="engine process exited while quarantined")
-            except RolloutServerError as exc:
+            except RolloutError as exc:
                 logger.warning("recovery of %s failed (will retry): %s", cell.server_id, exc)
 
     def _peer_holding(self, cell: ServerCell) -> ServerCell | None:
@@ -581,7 +581,7 @@ class RolloutServer(ABC):
                 return  # an update took it over while we waited; it owns the cell now
             try:
                 await self.restart(cell.server_id, reason=reason)
-            except RolloutServerError as exc:
+            except RolloutError as exc:
                 logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)
 
 

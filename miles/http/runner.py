@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from typing import TYPE_CHECKING
 
 import uvicorn
 
+from miles.controller.core import AsyncInferenceController
 from miles.errors import MilesError
+from miles.http.controller_app import create_app
 
 _GRACE_S = 10.0
 
@@ -23,16 +24,11 @@ def is_loopback(host: str) -> bool:
     except ValueError:
         return False  # a hostname other than localhost may resolve anywhere
 
-if TYPE_CHECKING:
-    from miles.ray.rollout.inference_controller import AsyncInferenceController
-
 
 class HttpServer:
     """The controller's HTTP API on ``settings.host:settings.port`` (port 0 picks a free one)."""
 
     def __init__(self, controller: AsyncInferenceController) -> None:
-        from miles.server.controller_api import create_app
-
         self._controller = controller
         settings = controller.settings
         if not is_loopback(settings.host) and settings.admin_token is None:

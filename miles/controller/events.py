@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from miles.config import SAFETY_SETTINGS, ControllerSettings
-from miles.ray.rollout.server_state import StateChange, VerifiedWeights
-from miles.ray.rollout.update_protocol import UpdatePlan
-from miles.ray.rollout.update_types import UpdateResult
+from miles.controller.results import UpdateResult
+from miles.controller.transaction import UpdatePlan
 from miles.rollout.engine_client import WeightsIdentity
+from miles.rollout.state import StateChange, VerifiedWeights
 from miles.utils.audit_utils.event_logger.logger import EventLogger
 from miles.utils.audit_utils.event_logger.models import (
     ChecksumMismatchEvent,

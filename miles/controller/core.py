@@ -28,24 +28,30 @@ from miles.config import (
     UpdateStrategy,
     check_seconds,
 )
-from miles.errors import CheckpointError, InvalidRequestError, LockTimeoutError, MilesError
-from miles.ray.rollout.checkpoint_gate import CheckpointRejected, admit_checkpoint, refused_plain_message
-from miles.ray.rollout.checksums import PublishedChecksums
-from miles.ray.rollout.controller_events import ControllerEvents
-from miles.ray.rollout.fleet import DEFAULT_SERVER_CLS, Fleet, health_from, normalize_specs
-from miles.ray.rollout.health import FleetHealth, lock_health, model_health, overall, server_health
-from miles.ray.rollout.router import Router
-from miles.ray.rollout.server_state import ServerState
-from miles.ray.rollout.update_protocol import UpdatePlan, UpdateRun, run_barrier, run_rolling
-from miles.ray.rollout.update_types import (
+from miles.controller.events import ControllerEvents
+from miles.controller.fleet import DEFAULT_SERVER_CLS, Fleet, health_from, normalize_specs
+from miles.controller.gate import CheckpointRejected, admit_checkpoint, refused_plain_message
+from miles.controller.health import FleetHealth, lock_health, model_health, overall, server_health
+from miles.controller.published import PublishedChecksums
+from miles.controller.results import (
     ChecksumSource,
     UpdateResult,
     UpdateStatus,
     UpdateWindow,
     WindowServer,
 )
+from miles.controller.router import Router
+from miles.controller.transaction import UpdatePlan, UpdateRun, run_barrier, run_rolling
+from miles.errors import (
+    CheckpointError,
+    ConflictError,
+    InvalidRequestError,
+    LockTimeoutError,
+    MilesError,
+)
 from miles.protocol.auth import window_credential
 from miles.rollout.engine_client import EngineCallError
+from miles.rollout.state import ServerState
 from miles.utils.audit_utils.event_logger.logger import EventLogger
 from miles.utils.context_lock import (
     ContextLock,
@@ -211,7 +217,7 @@ class AsyncInferenceController:
         ``rejected``, ``rolled_back`` or ``partial`` with every server's version.
         """
         started = time.monotonic()
-        server = self.fleet.server(model_name)
+        server = self.fleet.rollout(model_name)
         if timeout is not None:
             timeout = check_seconds(timeout, name="timeout", low=UPDATE_TIMEOUT_MIN_S, high=UPDATE_TIMEOUT_MAX_S)
         plan = UpdatePlan(
@@ -313,7 +319,7 @@ class AsyncInferenceController:
         back and its token refused.
         """
         # Everything that can be refused is checked before any server is touched.
-        server = self.fleet.server(model_name)
+        server = self.fleet.rollout(model_name)
         ttl = check_seconds(
             ttl_s if ttl_s is not None else self._settings.lease_ttl_s,
             name="ttl_s",
@@ -476,7 +482,7 @@ class AsyncInferenceController:
         token = window if isinstance(window, int) else window.token
         state = self._windows.pop(token, None)
         if state is None:
-            raise InvalidRequestError("no open window has this token", status_code=409, token=token)
+            raise ConflictError("no open window has this token", token=token)
         return state
 
     @requires_lock
@@ -509,7 +515,7 @@ class AsyncInferenceController:
     @requires_lock
     async def _heal(self, model_name: str) -> None:
         """Put back on verified weights any server a failed or expired operation left updating."""
-        server = self.fleet.server(model_name)
+        server = self.fleet.rollout(model_name)
         stuck = [s.server_id for s in server.snapshot() if s.state in (ServerState.UPDATING, ServerState.QUARANTINED)]
         if stuck:
             logger.warning("restoring %s left mid-update", ", ".join(stuck))
@@ -557,7 +563,7 @@ class AsyncInferenceController:
     def suspect(self, model_name: str, server_id: str) -> None:
         """A request could not reach ``server_id``: have its rollout server probe it now."""
         try:
-            self.fleet.server(model_name).suspect(server_id)
+            self.fleet.rollout(model_name).suspect(server_id)
         except MilesError:
             logger.warning("asked to probe %s of %s, which is not served", server_id, model_name)
 
@@ -590,7 +596,7 @@ class AsyncInferenceController:
 
     @lock_exempt
     async def _write_out_now(self, model_name: str, *, checksum: str, step: int) -> None:
-        server = self.fleet.server(model_name)
+        server = self.fleet.rollout(model_name)
         # The engine holds its weights still while it writes (an update waits for the copy), and
         # the copy is only recorded for servers still verified on the same checksum.
         holders = [
@@ -613,7 +619,7 @@ class AsyncInferenceController:
     @lock_exempt
     def _run(self, plan: UpdatePlan) -> UpdateRun:
         assert self.router is not None, "the controller was not started"
-        return UpdateRun(plan=plan, server=self.fleet.server(plan.model_name), router=self.router, events=self._events)
+        return UpdateRun(plan=plan, server=self.fleet.rollout(plan.model_name), router=self.router, events=self._events)
 
     @lock_exempt
     def _finish(self, result: UpdateResult) -> UpdateResult:

@@ -23,18 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from miles.config import RoutingPolicy
-from miles.errors import InvalidRequestError
-from miles.ray.rollout.server_state import ServerSnapshot, ServerState
+from miles.errors import UnavailableError
+from miles.rollout.state import ServerSnapshot, ServerState
 from miles.utils.weight_version import at_least
 
 _MAX_SESSIONS = 10_000
 
 
-class NoServerAvailableError(InvalidRequestError):
-    """No serving server could take the request before its deadline (answered with 503)."""
-
-    def __init__(self, message: str, **context: object) -> None:
-        super().__init__(message, status_code=503, **context)
+class NoServerAvailableError(UnavailableError):
+    """No serving server could take the request before its deadline."""
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
-from miles.ray.rollout.router import Exclusion, NoServerAvailableError, RouteLease, Router
-from miles.server.metrics import ControllerMetrics
+from miles.controller.router import Exclusion, NoServerAvailableError, RouteLease, Router
+from miles.http.metrics import ControllerMetrics
 
 logger = logging.getLogger("miles.router")
 

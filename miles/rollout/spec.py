@@ -19,7 +19,7 @@ class HealthSettings(BaseModel):
     failure_threshold: Annotated[int, Field(ge=1)] = 3
 
 
-class RolloutServerSpec(BaseModel):
+class RolloutSpec(BaseModel):
     """One model served by ``num_servers`` engines of one server type."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -52,7 +52,7 @@ class RolloutServerSpec(BaseModel):
     engine_args: tuple[str, ...] = ()
 
     @model_validator(mode="after")
-    def _check(self) -> RolloutServerSpec:
+    def _check(self) -> RolloutSpec:
         if self.devices is not None and len(self.devices) != self.num_servers:
             raise ValueError(
                 f"devices lists {len(self.devices)} entries for {self.num_servers} servers; give one per server"

@@ -1,0 +1,168 @@
+"""What every miles HTTP API shares: its error shape, the one table from errors to status codes,
+and waiting on work that a departed client no longer wants.
+
+Domain code raises ``MilesError`` subclasses and never picks a status code; an app installs
+``install_error_handlers`` and answers every failure as ``{"error": {"message", "type", "code"}}``:
+validation as 400, the table's errors with their code, FastAPI's own refusals (an unknown path, a
+body it cannot decode) with theirs, and anything else as a logged JSON 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from miles.errors import (
+    AuthenticationError,
+    ConflictError,
+    InvalidRequestError,
+    LockError,
+    LockTimeoutError,
+    MilesError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnavailableError,
+)
+
+T = TypeVar("T")
+
+# The one table from errors to status codes; the first entry an error is an instance of wins.
+ERROR_STATUS: tuple[tuple[type[MilesError], int, str], ...] = (
+    (InvalidRequestError, 400, "invalid_request_error"),
+    (AuthenticationError, 401, "authentication_error"),
+    (PermissionDeniedError, 403, "permission_error"),
+    (NotFoundError, 404, "not_found_error"),
+    (ConflictError, 409, "conflict_error"),
+    (LockTimeoutError, 503, "timeout"),
+    (LockError, 409, "lock"),
+    (UnavailableError, 503, "unavailable"),
+)
+
+
+def status_of(exc: MilesError) -> tuple[int, str] | None:
+    """The status code and error type the table gives ``exc``; None for an error not in it."""
+    for kind, code, name in ERROR_STATUS:
+        if isinstance(exc, kind):
+            return code, name
+    return None
+
+
+def error_body(message: str, *, code: int, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": code}}
+
+
+def error_response(message: str, *, code: int, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, code=code, kind=kind), status_code=code, headers=headers)
+
+
+def _field_path(loc: tuple[object, ...]) -> str:
+    # Drop "body" and pydantic's union-branch tags ("function-after[...]", "list[...]").
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and "[" in p)]
+    return ".".join(parts) or "body"
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    """One line naming every invalid field and why, for a 400."""
+    errors = list(exc.errors())
+    # A field typed "X | list[X]" reports a failure for both branches; the list branch's
+    # "Input should be a valid list" only adds noise when the value was clearly not a list.
+    plain = [e for e in errors if not any(isinstance(p, str) and p.startswith("list[") for p in e.get("loc", ()))]
+    errors = plain or errors
+    parts: list[str] = []
+    for error in errors:
+        where = _field_path(tuple(error.get("loc", ())))
+        if error.get("type") == "json_invalid":
+            return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}"
+        if error.get("type") in ("model_attributes_type", "dict_type") and tuple(error.get("loc", ())) == ("body",):
+            return "the request body must be a JSON object, sent with Content-Type: application/json"
+        if error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",):
+            return "the request needs a JSON body"
+        # "Value error, " is pydantic's prefix for our own validators' messages, which say it all.
+        msg = str(error.get("msg", "")).removeprefix("Value error, ")
+        if error.get("type") == "extra_forbidden":
+            text = f"unknown field {where!r}"
+        else:
+            text = msg if where == "body" else f"{where}: {msg}"
+        if text not in parts:
+            parts.append(text)
+    return "invalid request: " + "; ".join(parts)
+
+
+def install_error_handlers(app: FastAPI, *, logger: logging.Logger, not_found: str) -> None:
+    """Answer every failure of ``app`` in the error shape (see the module docstring).
+
+    ``not_found`` is the message for a path the app does not serve (where to look instead).
+    """
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_message(exc), code=400, kind="invalid_request_error")
+
+    @app.exception_handler(MilesError)
+    async def _refused(request: Request, exc: MilesError) -> JSONResponse:
+        mapped = status_of(exc)
+        if mapped is None:
+            return await _unexpected(request, exc)
+        code, kind = mapped
+        headers = {"www-authenticate": "Bearer"} if code == 401 else None
+        return error_response(str(exc), code=code, kind=kind, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own refusals, in the API's shape rather than {"detail": ...}.
+        message = str(exc.detail)
+        if exc.status_code == 400 and message == "There was an error parsing the body":
+            message = "the request body could not be parsed: send a JSON object encoded as UTF-8"
+        elif exc.status_code == 404:
+            message = not_found
+        elif exc.status_code == 405:
+            message = "this endpoint does not accept this HTTP method"
+        return error_response(message, code=exc.status_code, kind="invalid_request_error", headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Last resort: nothing a client sends should get here, but a bug must still answer in the
+        # API's error shape (not a bare 500 or a dropped connection) and leave its traceback.
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        message = f"internal error ({type(exc).__name__}: {str(exc)[:200]}); this is a bug in miles, see its log"
+        return error_response(message, code=500, kind="internal_error")
+
+
+_DISCONNECT_POLL_S = 0.25
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
+    """Await ``work``, cancelling it if the client goes away meanwhile.
+
+    Starlette never cancels a handler whose client left, so a long generation would run to its
+    end for nobody; cancelling the handler's work aborts its sequences in the engine (and, in the
+    controller, closes the upstream request, which the engine sees the same way).
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                # Nobody reads this answer; 499 ("client closed request") is what proxies log.
+                return Response(status_code=499)
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event carrying ``payload`` (a JSON object, or a literal like ``[DONE]``)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {data}\n\n".encode()
