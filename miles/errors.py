@@ -45,14 +45,6 @@ class LockNotHeldError(LockError):
     """An operation that needs the lock ran without holding it."""
 
 
-class StaleLockError(LockError):
-    """A context (a child task, a lease) whose grant was superseded tried to use the lock."""
-
-
-class LeaseExpiredError(StaleLockError):
-    """A lease's time ran out; its fencing token is no longer honoured."""
-
-
 class LockDisciplineError(LockError, TypeError):
     """A class that owns a lock declared a method without saying how it relates to the lock."""
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from miles.config import SAFETY_SETTINGS, ControllerSettings
 from miles.controller.results import UpdateResult
-from miles.controller.transaction import UpdatePlan
+from miles.controller.transaction import WeightUpdate
 from miles.rollout.engine_client import WeightsIdentity
 from miles.rollout.state import StateChange, VerifiedWeights
 from miles.utils.audit_utils.event_logger.logger import EventLogger
@@ -77,21 +77,21 @@ class ControllerEvents:
             print_log=True,
         )
 
-    # --- ProtocolEvents ------------------------------------------------------------------------
+    # --- UpdateEvents --------------------------------------------------------------------------
 
-    def confirmed(self, plan: UpdatePlan, server_id: str, checksum: str) -> None:
-        self._checksum(plan.model_name, checksum, plan.step, plan.weight_version, server_id, ChecksumRole.CONFIRMED)
+    def confirmed(self, update: WeightUpdate, server_id: str, checksum: str) -> None:
+        self._checksum(update.model_name, checksum, update.step or 0, update.weight_version, server_id, ChecksumRole.CONFIRMED)
 
-    def mismatch(self, plan: UpdatePlan, server_id: str, actual: str) -> None:
+    def mismatch(self, update: WeightUpdate, server_id: str, actual: str) -> None:
         self.logger.log(
             ChecksumMismatchEvent,
             {
-                "update_id": plan.update_id,
-                "model_name": plan.model_name,
+                "update_id": update.update_id,
+                "model_name": update.model_name,
                 "server_id": server_id,
-                "step": plan.step,
-                "weight_version": plan.weight_version,
-                "expected": plan.expected_checksum or "",
+                "step": update.step,
+                "weight_version": update.weight_version,
+                "expected": update.expected_checksum or "",
                 "actual": actual,
             },
             print_log=True,
@@ -103,19 +103,19 @@ class ControllerEvents:
         """Training's checksum, recorded on its behalf when it ends a window without logging one."""
         self._checksum(model_name, checksum, step, weight_version, None, ChecksumRole.PUBLISHED)
 
-    def started(self, plan: UpdatePlan, *, server_ids: list[str], fencing_token: int, strategy: str) -> None:
+    def started(self, update: WeightUpdate) -> None:
         self.logger.log(
             WeightUpdateStartedEvent,
             {
-                "update_id": plan.update_id,
-                "model_name": plan.model_name,
-                "weight_version": plan.weight_version,
-                "step": plan.step if plan.checkpoint is not None else None,
-                "checkpoint": str(plan.checkpoint) if plan.checkpoint else None,
-                "strategy": strategy,
-                "pause_mode": plan.pause_mode.value,
-                "server_ids": tuple(server_ids),
-                "fencing_token": fencing_token,
+                "update_id": update.update_id,
+                "model_name": update.model_name,
+                "weight_version": update.weight_version,
+                "step": update.step,
+                "checkpoint": str(update.checkpoint) if update.checkpoint else None,
+                "strategy": update.mode.value,
+                "pause_mode": update.pause_mode.value,
+                "server_ids": tuple(update.server_ids),
+                "fencing_token": update.token,
             },
             print_log=False,
         )
@@ -185,7 +185,7 @@ class ControllerEvents:
                 "holder": transition.holder,
                 "token": transition.token,
                 "held_s": transition.held_s or 0.0,
-                "reason": "lease_expired" if transition.kind is LockTransitionKind.LEASE_EXPIRED else "released",
+                "reason": "released",
             },
             print_log=False,
         )

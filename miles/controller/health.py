@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
 from miles.controller.results import UpdateResult
 from miles.rollout.state import ServerSnapshot, ServerState
 from miles.utils.context_lock import LockStatistics
+
+
+class FleetStatus(StrEnum):
+    OK = "ok"
+    UPDATING = "updating"  # a barrier update holds requests, which wait
+    DEGRADED = "degraded"  # some server is not serving
+    UNAVAILABLE = "unavailable"  # a model has no serving server: requests would fail
 
 
 class ServerHealth(BaseModel):
@@ -18,7 +26,7 @@ class ServerHealth(BaseModel):
     model_name: str
     url: str | None
     device: str
-    state: str
+    state: ServerState
     state_for_s: float
     # What the engine holds now, as it last reported it (a quarantined server may hold other
     # weights than it was verified on).
@@ -59,6 +67,8 @@ class LockHealth(BaseModel):
     held_for_s: float | None
     token: int | None
     waiters: int
+    # True while a training window holds the lock, until training ends it or it expires at
+    # ``lease_expires_at``.
     detached: bool
     lease_expires_at: datetime | None
 
@@ -70,7 +80,7 @@ class FleetHealth(BaseModel):
 
     # "ok"; "updating" (a barrier update holds requests, which wait); "degraded" (some server is
     # not serving); "unavailable" (a model has no serving server and requests would fail).
-    status: str
+    status: FleetStatus
     ok: bool
     models: dict[str, ModelHealth]
     servers: list[ServerHealth]
@@ -86,7 +96,7 @@ def server_health(snapshot: ServerSnapshot, *, in_flight: int, now: float) -> Se
         model_name=snapshot.model_name,
         url=snapshot.url,
         device=snapshot.device,
-        state=snapshot.state.value,
+        state=snapshot.state,
         state_for_s=round(now - snapshot.state_since, 3),
         weight_version=snapshot.weight_version,
         checksum=snapshot.checksum,
@@ -120,7 +130,7 @@ def model_health(model_name: str, snapshots: list[ServerSnapshot], *, accepting:
     )
 
 
-def lock_health(stats: LockStatistics) -> LockHealth:
+def lock_health(stats: LockStatistics, *, window_expires_at: datetime | None) -> LockHealth:
     held_for = None
     if stats.held_since is not None:
         held_for = round((datetime.now(UTC) - stats.held_since).total_seconds(), 3)
@@ -132,17 +142,17 @@ def lock_health(stats: LockStatistics) -> LockHealth:
         held_for_s=held_for,
         token=stats.token,
         waiters=stats.waiters,
-        detached=stats.detached,
-        lease_expires_at=stats.lease_expires_at,
+        detached=window_expires_at is not None,
+        lease_expires_at=window_expires_at,
     )
 
 
-def overall(models: dict[str, ModelHealth]) -> tuple[str, bool]:
+def overall(models: dict[str, ModelHealth]) -> tuple[FleetStatus, bool]:
     """``ok`` while every model can serve (requests held by a barrier update count: they wait)."""
     if not models or any(m.serving == 0 and m.accepting_requests for m in models.values()):
-        return "unavailable", False
+        return FleetStatus.UNAVAILABLE, False
     if any(not m.accepting_requests for m in models.values()):
-        return "updating", True
+        return FleetStatus.UPDATING, True
     if any(m.serving < m.total for m in models.values()):
-        return "degraded", True
-    return "ok", True
+        return FleetStatus.DEGRADED, True
+    return FleetStatus.OK, True

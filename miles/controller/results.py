@@ -7,7 +7,9 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
+from miles.config import UpdatePauseMode
 from miles.errors import MilesError
+from miles.rollout.state import ServerState
 
 
 class UpdateStatus(StrEnum):
@@ -19,10 +21,32 @@ class UpdateStatus(StrEnum):
     TIMED_OUT = "timed_out"  # the lock was not granted in time (nothing changed)
 
 
+class UpdateMode(StrEnum):
+    """How an update moved through the fleet: a strategy of an update from disk, or a window."""
+
+    BARRIER = "barrier"
+    ROLLING = "rolling"
+    WINDOW = "window"  # training pushed the weights itself between start and end
+
+
 class ChecksumSource(StrEnum):
     PUBLISHED = "published"  # training published it (InferenceEngineWeightChecksumEvent)
     MANIFEST = "manifest"  # nothing was published; the checkpoint's own manifest
     TRAINING = "training"  # given by training when it ended its window
+
+
+class ServerStep(StrEnum):
+    """How far one server got in one update."""
+
+    PENDING = "pending"  # not touched yet (a later batch of a rolling update)
+    TAKEN_OUT = "taken_out"  # out of routing and paused
+    LOADED = "loaded"  # loaded the new weights; not yet confirmed
+    REFUSED = "refused"  # refused the new weights before touching its own (nothing changed)
+    CONFIRMED = "confirmed"  # reported exactly the expected checksum
+    MISMATCHED = "mismatched"  # reported another checksum: quarantined
+    FAILED = "failed"  # a call to it failed (it died, timed out or answered an error)
+    ADMITTED = "admitted"  # serving the new version
+    RESTORED = "restored"  # back on its last verified weights
 
 
 class ServerOutcome(BaseModel):
@@ -31,7 +55,7 @@ class ServerOutcome(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     server_id: str
-    state: str
+    state: ServerState
     weight_version: str | None
     checksum: str | None
     loaded: bool = False
@@ -40,6 +64,8 @@ class ServerOutcome(BaseModel):
     error: str | None = None
     # Seconds per phase of the server's load, as the server reported them.
     load_timings: dict[str, float] = {}
+    # How far the server got in the update.
+    progress: ServerStep | None = None
 
 
 class UpdateResult(BaseModel):
@@ -56,8 +82,8 @@ class UpdateResult(BaseModel):
     checkpoint: str | None
     expected_checksum: str | None
     checksum_source: ChecksumSource | None
-    strategy: str
-    pause_mode: str
+    strategy: UpdateMode
+    pause_mode: UpdatePauseMode
     servers: tuple[ServerOutcome, ...] = ()
     message: str
     duration_s: float
@@ -118,6 +144,6 @@ class UpdateWindow(BaseModel):
     token: int
     expires_at: datetime | None
     ttl_s: float
-    pause_mode: str
+    pause_mode: UpdatePauseMode
     servers: tuple[WindowServer, ...]
     credential: str | None = None

@@ -1,12 +1,17 @@
-"""Steps 4-6 of the weight-update protocol, carried out on one Rollout's servers.
+"""WeightUpdate: one update of one model's servers, the protocol's steps 4-7 as methods.
 
-``UpdateRun`` takes servers out of routing and pauses them, has them load, collects the checksum
-each reports for what it now holds, admits only the ones that match, and restores the others to
-their last verified weights. ``run_barrier`` and ``run_rolling`` order those steps for the two
-strategies. The caller (the controller) holds the lock; this module never touches it.
+A WeightUpdate exists only while the controller's lock is held: the controller creates it once the
+lock is granted (``AsyncInferenceController._begin``) and it ends with the lock. Holding one is
+holding the lock, and its ``token`` (the lock grant's fencing token) goes with every call it makes
+to an engine, so an engine refuses whatever an older update still tries. It reads, when created,
+the version the fleet was verified on, which its weights must be newer than.
 
-Every per-server failure (an engine that refuses, dies or times out) is recorded on that server's
-outcome rather than raised, so one bad server cannot leave the others paused.
+Its steps: ``take_out`` (stop routing to servers and pause them), ``load`` (from disk), ``confirm``
+(the checksum each server computes over what it holds), ``admit`` (serve the new version) and
+``roll_back`` (put servers back on their last verified weights); ``run_barrier`` and
+``run_rolling`` order them for the two strategies. Each server's progress is a ``ServerStep``; a
+server that fails (refuses, dies, times out) is recorded as such rather than raised, so one bad
+server cannot leave the others paused.
 """
 
 from __future__ import annotations
@@ -14,282 +19,378 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from miles.config import UpdatePauseMode, UpdateStrategy
-from miles.controller.results import ChecksumSource, ServerOutcome, UpdateResult, UpdateStatus
+from miles.config import UpdatePauseMode
+from miles.controller.results import (
+    ChecksumSource,
+    ServerOutcome,
+    ServerStep,
+    UpdateMode,
+    UpdateResult,
+    UpdateStatus,
+)
 from miles.controller.router import Router
 from miles.errors import MilesError
 from miles.protocol.sglang import PauseMode
 from miles.rollout.engine_client import WeightsChecksum
 from miles.rollout.rollout import Rollout
 from miles.rollout.state import ServerState, VerifiedWeights
+from miles.utils.weight_version import newest
 
 logger = logging.getLogger("miles.controller")
 
 
-@dataclass(frozen=True)
-class UpdatePlan:
-    """What one update is meant to achieve (decided and validated before any server is touched)."""
-
-    update_id: str
-    model_name: str
-    weight_version: str
-    step: int
-    checkpoint: Path | None
-    expected_checksum: str | None
-    checksum_source: ChecksumSource | None
-    strategy: UpdateStrategy
-    pause_mode: UpdatePauseMode
-    previous_version: str | None
-
-
-class ProtocolEvents(Protocol):
-    """Where the run reports what it saw (the controller logs them as typed events)."""
-
-    def confirmed(self, plan: UpdatePlan, server_id: str, checksum: str) -> None: ...
-
-    def mismatch(self, plan: UpdatePlan, server_id: str, actual: str) -> None: ...
-
-
 @dataclass
-class _Progress:
-    loaded: bool = False
-    confirmed: str | None = None
-    matched: bool | None = None
+class ServerProgress:
+    step: ServerStep = ServerStep.PENDING
     error: str | None = None
+    # Seconds per phase of the server's load, as it reported them.
     load_timings: dict[str, float] = field(default_factory=dict)
     # The checksum the server computed over its live weights right after loading, if it said.
     reported: WeightsChecksum | None = None
-    # What the checkpoint's own bytes hash to, when the server computed it (a plain directory).
+    confirmed: str | None = None
+    # What the checkpoint's own bytes hash to, when a refusing server computed it (plain directory).
     checkpoint_checksum: str | None = None
 
+    def fail(self, error: str) -> None:
+        self.step = ServerStep.FAILED
+        self.error = self.error or error
 
-@dataclass
-class UpdateRun:
-    plan: UpdatePlan
-    server: Rollout
-    router: Router
-    events: ProtocolEvents
-    progress: dict[str, _Progress] = field(default_factory=dict)
 
-    def _note(self, server_id: str) -> _Progress:
-        return self.progress.setdefault(server_id, _Progress())
+@dataclass(frozen=True)
+class Target:
+    """The weights an update installs: decided by the checkpoint gate, or by training ending a window."""
+
+    weight_version: str
+    step: int
+    checksum: str
+    source: ChecksumSource
+    # Where restarts can reload these weights; None for weights a window pushed (on no disk yet).
+    checkpoint: Path | None
+
+
+class UpdateEvents(Protocol):
+    """Where an update reports what it saw (the controller logs them as typed events)."""
+
+    def confirmed(self, update: WeightUpdate, server_id: str, checksum: str) -> None: ...
+
+    def mismatch(self, update: WeightUpdate, server_id: str, actual: str) -> None: ...
+
+
+class WeightUpdate:
+    """One update of one model's servers; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        token: int,
+        rollout: Rollout,
+        router: Router,
+        events: UpdateEvents,
+        mode: UpdateMode,
+        pause_mode: UpdatePauseMode,
+        started: float | None = None,
+    ) -> None:
+        self.update_id = uuid.uuid4().hex[:12]
+        self.token = token
+        self.rollout = rollout
+        self.router = router
+        self.events = events
+        self.mode = mode
+        self.pause_mode = pause_mode
+        self.started = started if started is not None else time.monotonic()
+        self.model_name = rollout.model_name
+        # Read now, under the lock: what an update queued ahead of this one committed is already
+        # here, so "newer than what serves" can never be decided on a stale value.
+        self.previous_version = _verified_version(rollout)
+        self.target: Target | None = None
+        self.progress: dict[str, ServerProgress] = {sid: ServerProgress() for sid in rollout.server_ids}
+
+    # --- what the update installs ----------------------------------------------------------------
+
+    def aim(self, target: Target) -> None:
+        """Fix the weights this update installs (once: the gate's or training's decision)."""
+        if self.target is not None:
+            raise MilesError("an update's target weights are decided once", update_id=self.update_id)
+        self.target = target
+
+    @property
+    def weight_version(self) -> str:
+        return self.target.weight_version if self.target else "pending"
+
+    @property
+    def step(self) -> int | None:
+        return self.target.step if self.target else None
+
+    @property
+    def expected_checksum(self) -> str | None:
+        return self.target.checksum if self.target else None
+
+    @property
+    def checkpoint(self) -> Path | None:
+        return self.target.checkpoint if self.target else None
+
+    @property
+    def server_ids(self) -> list[str]:
+        return self.rollout.server_ids
+
+    # --- the protocol's steps ------------------------------------------------------------------
 
     async def take_out(self, server_ids: list[str]) -> None:
         """Stop routing to the servers, then pause them (in-flight work per the pause mode)."""
         for server_id in server_ids:
-            self.server.begin_update(server_id, reason=f"update {self.plan.update_id} to {self.plan.weight_version}")
-            self._note(server_id)
+            self.rollout.begin_update(server_id, reason=f"update {self.update_id} to {self.weight_version}")
+            self.progress[server_id].step = ServerStep.TAKEN_OUT
         self.router.fleet_changed()
-        mode = PauseMode(self.plan.pause_mode.value)
-        await asyncio.gather(*(self._guard(sid, "pause", self.server.pause(sid, mode)) for sid in server_ids))
+        mode = PauseMode(self.pause_mode.value)
+        await self._each(server_ids, "pause", lambda sid: self.rollout.pause(sid, mode, fence=self.token))
 
     async def load(self, server_ids: list[str], checkpoint: Path) -> None:
+        """Have each server load ``checkpoint``; it verifies the bytes before touching its weights."""
+        target = self._target()
+
         async def one(server_id: str) -> None:
-            assert self.plan.expected_checksum is not None
-            response = await self.server.load(
-                server_id, checkpoint, weight_version=self.plan.weight_version, expected_checksum=self.plan.expected_checksum
+            response = await self.rollout.load(
+                server_id,
+                checkpoint,
+                weight_version=target.weight_version,
+                expected_checksum=target.checksum,
+                fence=self.token,
             )
-            note = self._note(server_id)
+            note = self.progress[server_id]
             note.load_timings = dict(response.timings)
-            note.checkpoint_checksum = response.checkpoint_checksum
-            if response.success:
-                note.loaded = True
-                if response.checksum is not None and response.weight_version is not None:
-                    note.reported = WeightsChecksum(
-                        checksum=response.checksum, algorithm="xxh3_128", weight_version=response.weight_version
-                    )
-            else:
-                self._note(server_id).error = f"load refused: {response.message}"
+            if not response.success:
+                note.step, note.error = ServerStep.REFUSED, f"load refused: {response.message}"
+                note.checkpoint_checksum = response.checkpoint_checksum
+                return
+            note.step = ServerStep.LOADED
+            if response.checksum is not None and response.weight_version is not None:
+                note.reported = WeightsChecksum(
+                    checksum=response.checksum, algorithm="xxh3_128", weight_version=response.weight_version
+                )
 
-        await asyncio.gather(*(self._guard(sid, "load", one(sid)) for sid in self._healthy(server_ids)))
+        await self._each(self._healthy(server_ids), "load", one)
 
-    async def confirm(self, server_ids: list[str], expected: str) -> None:
-        """Get each server's checksum of what it holds; record whether it matches.
+    async def confirm(self, server_ids: list[str]) -> None:
+        """Get each server's checksum of what it holds; only an exact match is confirmed.
 
         A server whose load answer carried the checksum it computed over its live weights after
         the copy (the embedded engine does) is not asked again: hashing the whole model a second
         time moments later would only repeat the same measurement. Others (a window's pushes, a
         server whose load answer had none) are asked through ``/weights_checker``.
         """
+        target = self._target()
 
         async def one(server_id: str) -> None:
-            note = self._note(server_id)
+            note = self.progress[server_id]
             if note.reported is not None:
-                confirmed = self.server.record_checksum(server_id, note.reported)
+                confirmed = self.rollout.record_checksum(server_id, note.reported)
             else:
-                confirmed = await self.server.confirm(server_id)
+                confirmed = await self.rollout.confirm(server_id, fence=self.token)
             note.confirmed = confirmed.checksum
-            note.matched = confirmed.checksum == expected
-            self.events.confirmed(self.plan, server_id, confirmed.checksum)
-            if not note.matched:
-                note.error = f"checksum mismatch: expected {expected}, server holds {confirmed.checksum}"
-                self.server.quarantine(server_id, reason=note.error)
-                self.events.mismatch(self.plan, server_id, confirmed.checksum)
-            elif confirmed.weight_version != self.plan.weight_version:
+            self.events.confirmed(self, server_id, confirmed.checksum)
+            if confirmed.checksum != target.checksum:
+                note.step = ServerStep.MISMATCHED
+                note.error = f"checksum mismatch: expected {target.checksum}, server holds {confirmed.checksum}"
+                self.rollout.quarantine(server_id, reason=note.error)
+                self.events.mismatch(self, server_id, confirmed.checksum)
+                return
+            if confirmed.weight_version != target.weight_version:
                 # Pushed weights carry whatever label the pusher gave them; the engine must serve
                 # them under the committed version, so its answers and the health report agree.
-                note.matched = False
-                await self.server.relabel(server_id, self.plan.weight_version)
-                note.matched = True
+                await self.rollout.relabel(server_id, target.weight_version, fence=self.token)
+            note.step = ServerStep.CONFIRMED
 
-        await asyncio.gather(*(self._guard(sid, "confirm", one(sid)) for sid in self._healthy(server_ids)))
+        await self._each(self._healthy(server_ids), "confirm", one)
 
-    def checkpoint_checksums(self) -> set[str]:
-        """What servers that refused the checkpoint computed its weights to hash to."""
-        return {n.checkpoint_checksum for n in self.progress.values() if n.checkpoint_checksum and not n.loaded}
-
-    def refused_by_all(self, server_ids: list[str]) -> bool:
-        """Whether every server answered the load with a refusal (none of them loaded anything)."""
-        notes = [self._note(sid) for sid in server_ids]
-        return all(not n.loaded and n.error is not None and n.error.startswith("load refused") for n in notes)
-
-    def matched(self, server_ids: list[str]) -> list[str]:
-        return [sid for sid in server_ids if self._note(sid).matched]
-
-    def failed(self, server_ids: list[str]) -> list[str]:
-        return [sid for sid in server_ids if not self._note(sid).matched]
-
-    async def admit(self, server_ids: list[str], checksum: str) -> None:
-        """Readmit verified servers at the new version and let them generate again."""
+    async def admit(self, server_ids: list[str]) -> None:
+        """Readmit confirmed servers at the new version and let them generate again."""
+        target = self._target()
         verified = VerifiedWeights(
-            # None for a window's pushed weights: they are on no disk until a copy is written.
-            checkpoint=self.plan.checkpoint,
-            weight_version=self.plan.weight_version,
-            checksum=checksum,
-            step=self.plan.step,
+            checkpoint=target.checkpoint,
+            weight_version=target.weight_version,
+            checksum=target.checksum,
+            step=target.step,
         )
         for server_id in server_ids:
-            self.server.admit(server_id, verified, reason=f"checksum confirmed for {self.plan.weight_version}")
-        await asyncio.gather(*(self._guard(sid, "resume", self.server.resume(sid)) for sid in server_ids))
+            self.rollout.admit(server_id, verified, reason=f"checksum confirmed for {target.weight_version}")
+            self.progress[server_id].step = ServerStep.ADMITTED
+        await self._each(server_ids, "resume", lambda sid: self.rollout.resume(sid, fence=self.token))
         self.router.fleet_changed()
 
-    async def restore(self, server_ids: list[str], *, reason: str) -> None:
+    async def roll_back(self, server_ids: list[str], *, reason: str) -> None:
         """Put servers back on their last verified weights (they serve those again)."""
 
         async def one(server_id: str) -> None:
-            if self.server.cell(server_id).state in (ServerState.UPDATING, ServerState.QUARANTINED):
-                await self.server.rollback(server_id, reason=reason)
+            if self.rollout.cell(server_id).state in (ServerState.UPDATING, ServerState.QUARANTINED):
+                await self.rollout.rollback(server_id, reason=reason, fence=self.token)
+            if self.progress[server_id].step is not ServerStep.PENDING:
+                self.progress[server_id].step = ServerStep.RESTORED
 
         results = await asyncio.gather(*(one(sid) for sid in server_ids), return_exceptions=True)
-        for server_id, result in zip(server_ids, results, strict=True):
-            if isinstance(result, BaseException):
-                logger.error("could not restore %s: %s", server_id, result)
-                self._note(server_id).error = f"{self._note(server_id).error or ''}; restore failed: {result}".strip("; ")
+        for server_id, outcome in zip(server_ids, results, strict=True):
+            if isinstance(outcome, BaseException):
+                logger.error("could not restore %s: %s", server_id, outcome)
+                note = self.progress[server_id]
+                note.error = f"{note.error or ''}; restore failed: {outcome}".strip("; ")
         self.router.fleet_changed()
 
-    def outcomes(self) -> tuple[ServerOutcome, ...]:
+    # --- what happened -------------------------------------------------------------------------
+
+    def refused_by_all(self, server_ids: list[str]) -> bool:
+        """Whether every server refused the weights before touching its own (nothing changed)."""
+        return all(self.progress[sid].step is ServerStep.REFUSED for sid in server_ids)
+
+    def confirmed(self, server_ids: list[str]) -> list[str]:
+        return [sid for sid in server_ids if self.progress[sid].step is ServerStep.CONFIRMED]
+
+    def failed(self, server_ids: list[str]) -> list[str]:
+        """The servers that did not confirm the new weights (refused, mismatched, failed)."""
+        return [sid for sid in server_ids if self.progress[sid].step not in (ServerStep.CONFIRMED, ServerStep.ADMITTED)]
+
+    def checkpoint_checksums(self) -> set[str]:
+        """What refusing servers computed the checkpoint's weights to hash to."""
+        return {n.checkpoint_checksum for n in self.progress.values() if n.checkpoint_checksum}
+
+    def result(self, status: UpdateStatus, *, message: str = "", timings: dict[str, float] | None = None) -> UpdateResult:
+        """This update's ``UpdateResult``: what it aimed at, every server's outcome, a message."""
+        outcomes = self._outcomes()
+        if not message:
+            message = _DEFAULT_MESSAGES[status].format(version=self.weight_version)
+            failures = [f"{o.server_id}: {o.error}" for o in outcomes if o.error]
+            if failures:
+                message = f"{message}: " + "; ".join(failures)
+        target = self.target
+        return UpdateResult(
+            update_id=self.update_id,
+            status=status,
+            model_name=self.model_name,
+            weight_version=self.weight_version,
+            previous_version=self.previous_version,
+            step=self.step,
+            checkpoint=str(target.checkpoint) if target and target.checkpoint else None,
+            expected_checksum=self.expected_checksum,
+            checksum_source=target.source if target else None,
+            strategy=self.mode,
+            pause_mode=self.pause_mode,
+            servers=outcomes,
+            message=message,
+            duration_s=time.monotonic() - self.started,
+            timings=timings or {},
+            fencing_token=self.token,
+        )
+
+    # --- the two strategies --------------------------------------------------------------------
+
+    async def run_barrier(self, checkpoint: Path) -> UpdateStatus:
+        """All servers switch together while requests wait at the router; any failure rolls all back."""
+        ids = self.server_ids
+        self.router.close_gate(self.model_name)
+        try:
+            await self.take_out(ids)
+            await self.load(ids, checkpoint)
+            if self.refused_by_all(ids):
+                # Every server refused the checkpoint before touching its weights (its bytes do not
+                # match what was expected): nothing changed, so the update is rejected.
+                await self.roll_back(ids, reason=f"update {self.update_id} refused by every server")
+                return UpdateStatus.REJECTED
+            await self.confirm(ids)
+            if self.failed(ids):
+                # All-or-nothing: a barrier update never leaves the fleet on two versions.
+                await self.roll_back(ids, reason=f"update {self.update_id} failed on {', '.join(self.failed(ids))}")
+                return UpdateStatus.ROLLED_BACK
+            await self.admit(ids)
+            return UpdateStatus.COMMITTED
+        finally:
+            self.router.open_gate(self.model_name)
+
+    async def run_rolling(self, checkpoint: Path, *, batch_size: int) -> UpdateStatus:
+        """At most ``batch_size`` servers leave the router at a time; the first failure halts."""
+        ids = self.server_ids
+        committed: list[str] = []
+        for start in range(0, len(ids), batch_size):
+            batch = ids[start : start + batch_size]
+            await self.take_out(batch)
+            await self.load(batch, checkpoint)
+            if not committed and self.refused_by_all(batch):
+                await self.roll_back(batch, reason=f"update {self.update_id} refused by every server")
+                return UpdateStatus.REJECTED
+            await self.confirm(batch)
+            good = self.confirmed(batch)
+            if good:
+                await self.admit(good)
+                committed.extend(good)
+            bad = self.failed(batch)
+            if bad:
+                await self.roll_back(bad, reason=f"update {self.update_id} failed on {', '.join(bad)}")
+                return UpdateStatus.PARTIAL if committed else UpdateStatus.ROLLED_BACK
+        return UpdateStatus.COMMITTED
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _target(self) -> Target:
+        if self.target is None:
+            raise MilesError("an update cannot load or confirm before its target weights are decided")
+        return self.target
+
+    def _healthy(self, server_ids: list[str]) -> list[str]:
+        return [sid for sid in server_ids if self.progress[sid].step is not ServerStep.FAILED and self.progress[sid].error is None]
+
+    async def _each(self, server_ids: list[str], action: str, call: _PerServer) -> None:
+        """Run ``call`` on every server at once; a failure is recorded on its server, not raised."""
+
+        async def guarded(server_id: str) -> None:
+            try:
+                await call(server_id)
+            except MilesError as exc:
+                logger.warning("update %s: %s failed on %s: %s", self.update_id, action, server_id, exc)
+                self.progress[server_id].fail(f"{action} failed: {exc.message}")
+
+        await asyncio.gather(*(guarded(sid) for sid in server_ids))
+
+    def _outcomes(self) -> tuple[ServerOutcome, ...]:
         outcomes = []
-        for snap in self.server.snapshot():
-            note = self.progress.get(snap.server_id, _Progress())
+        for snap in self.rollout.snapshot():
+            note = self.progress.get(snap.server_id, ServerProgress())
             outcomes.append(
                 ServerOutcome(
                     server_id=snap.server_id,
-                    state=snap.state.value,
+                    state=snap.state,
                     weight_version=snap.weight_version,
                     checksum=snap.checksum,
-                    loaded=note.loaded,
+                    loaded=note.step in _LOADED or note.reported is not None,
                     confirmed_checksum=note.confirmed,
-                    matched=note.matched,
+                    matched=None if note.confirmed is None else note.confirmed == self.expected_checksum,
                     error=note.error,
                     load_timings=note.load_timings,
+                    progress=note.step,
                 )
             )
         return tuple(outcomes)
 
-    def result(
-        self, status: UpdateStatus, *, started: float, message: str = "", timings: dict[str, float] | None = None
-    ) -> UpdateResult:
-        """The run's ``UpdateResult``: its plan, every server's outcome, and a message."""
-        plan = self.plan
-        outcomes = self.outcomes()
-        if not message:
-            message = {
-                UpdateStatus.COMMITTED: f"every server verified and serving {plan.weight_version}",
-                UpdateStatus.REJECTED: "every server refused the checkpoint before touching its weights",
-                UpdateStatus.ROLLED_BACK: "rolled back to verified weights",
-                UpdateStatus.PARTIAL: "halted part-way; some servers serve the new version",
-            }.get(status, status.value)
-            failures = [f"{o.server_id}: {o.error}" for o in outcomes if o.error]
-            if failures:
-                message = f"{message}: " + "; ".join(failures)
-        return UpdateResult(
-            update_id=plan.update_id,
-            status=status,
-            model_name=plan.model_name,
-            weight_version=plan.weight_version,
-            previous_version=plan.previous_version,
-            step=plan.step,
-            checkpoint=str(plan.checkpoint) if plan.checkpoint else None,
-            expected_checksum=plan.expected_checksum,
-            checksum_source=plan.checksum_source,
-            strategy=plan.strategy.value,
-            pause_mode=plan.pause_mode.value,
-            servers=outcomes,
-            message=message,
-            duration_s=time.monotonic() - started,
-            timings=timings or {},
-        )
 
-    def _healthy(self, server_ids: list[str]) -> list[str]:
-        return [sid for sid in server_ids if self._note(sid).error is None]
-
-    async def _guard(self, server_id: str, step: str, work: object) -> None:
-        try:
-            await work  # type: ignore[misc]
-        except MilesError as exc:
-            logger.warning("update %s: %s failed on %s: %s", self.plan.update_id, step, server_id, exc)
-            note = self._note(server_id)
-            note.error = note.error or f"{step} failed: {exc.message}"
+class _PerServer(Protocol):
+    def __call__(self, server_id: str, /) -> Awaitable[object]: ...
 
 
-async def run_barrier(run: UpdateRun, checkpoint: Path) -> UpdateStatus:
-    """All servers switch together while requests wait at the router; any failure rolls all back."""
-    ids = run.server.server_ids
-    assert run.plan.expected_checksum is not None
-    run.router.close_gate(run.plan.model_name)
-    try:
-        await run.take_out(ids)
-        await run.load(ids, checkpoint)
-        if run.refused_by_all(ids):
-            # Every server refused the checkpoint before touching its weights (its bytes do not
-            # match the manifest): nothing changed, so the update is rejected, not rolled back.
-            await run.restore(ids, reason=f"update {run.plan.update_id} refused by every server")
-            return UpdateStatus.REJECTED
-        await run.confirm(ids, run.plan.expected_checksum)
-        if run.failed(ids):
-            # All-or-nothing: a barrier update never leaves the fleet on two versions.
-            await run.restore(ids, reason=f"update {run.plan.update_id} failed on {', '.join(run.failed(ids))}")
-            return UpdateStatus.ROLLED_BACK
-        await run.admit(ids, run.plan.expected_checksum)
-        return UpdateStatus.COMMITTED
-    finally:
-        run.router.open_gate(run.plan.model_name)
+_LOADED = frozenset({ServerStep.LOADED, ServerStep.CONFIRMED, ServerStep.MISMATCHED, ServerStep.ADMITTED})
+
+_DEFAULT_MESSAGES = {
+    UpdateStatus.COMMITTED: "every server verified and serving {version}",
+    UpdateStatus.REJECTED: "every server refused the checkpoint before touching its weights",
+    UpdateStatus.ROLLED_BACK: "rolled back to verified weights",
+    UpdateStatus.PARTIAL: "halted part-way; some servers serve the new version",
+    UpdateStatus.ABORTED: "aborted; every server is back on its verified weights",
+    UpdateStatus.TIMED_OUT: "the lock was not granted in time; nothing changed",
+}
 
 
-async def run_rolling(run: UpdateRun, checkpoint: Path, *, batch_size: int) -> UpdateStatus:
-    """At most ``batch_size`` servers leave the router at a time; the first failure halts."""
-    ids = run.server.server_ids
-    assert run.plan.expected_checksum is not None
-    committed: list[str] = []
-    for start in range(0, len(ids), batch_size):
-        batch = ids[start : start + batch_size]
-        await run.take_out(batch)
-        await run.load(batch, checkpoint)
-        if not committed and run.refused_by_all(batch):
-            await run.restore(batch, reason=f"update {run.plan.update_id} refused by every server")
-            return UpdateStatus.REJECTED
-        await run.confirm(batch, run.plan.expected_checksum)
-        good = run.matched(batch)
-        if good:
-            await run.admit(good, run.plan.expected_checksum)
-            committed.extend(good)
-        bad = run.failed(batch)
-        if bad:
-            await run.restore(bad, reason=f"update {run.plan.update_id} failed on {', '.join(bad)}")
-            return UpdateStatus.PARTIAL if committed else UpdateStatus.ROLLED_BACK
-    return UpdateStatus.COMMITTED
-
+def _verified_version(rollout: Rollout) -> str | None:
+    """The newest version any server of the rollout was verified on (the version updates must beat)."""
+    versions = [s.verified.weight_version for s in rollout.snapshot() if s.verified is not None]
+    return newest(versions) or (versions[0] if len(set(versions)) == 1 else None)

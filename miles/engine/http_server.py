@@ -36,9 +36,12 @@ from miles.protocol.sglang import (
     GenerateRequest,
     GenerateResponse,
     PauseGenerationRequest,
+    PauseGenerationResponse,
     UpdateWeightsFromDiskRequest,
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
+    WeightsCheckerResponse,
+    WeightsChecksumPayload,
 )
 from miles.utils.http import error_response, install_error_handlers, sse, until_disconnected
 
@@ -117,12 +120,9 @@ def create_app(engine: Engine) -> FastAPI:
     async def pause_generation(request: PauseGenerationRequest, http_request: Request) -> dict[str, Any]:
         admit(access, http_request)
         paused = await engine.pause(request.mode)
-        return {
-            "status": "ok",
-            "message": f"Generation paused ({request.mode.value}).",
-            "mode": request.mode.value,
-            "num_paused_requests": paused,
-        }
+        return PauseGenerationResponse(
+            status="ok", message=f"Generation paused ({request.mode.value}).", mode=request.mode, num_paused_requests=paused
+        ).model_dump(mode="json")
 
     @app.post("/continue_generation")
     async def continue_generation(
@@ -155,19 +155,19 @@ def create_app(engine: Engine) -> FastAPI:
     async def weights_checker(http_request: Request, request: WeightsCheckerRequest | None = None) -> dict[str, Any]:
         admit(access, http_request)
         checksum = await engine.weights.checksum()
-        return {
-            "success": True,
-            "message": f"checksum of the weights held at version {engine.weight_version}",
-            "payload": {
-                "action": (request or WeightsCheckerRequest()).action,
-                "checksum": checksum.checksum,
-                "algorithm": checksum.algorithm,
-                "num_tensors": len(checksum.tensors),
-                "num_bytes": checksum.num_bytes,
-                "weight_version": engine.weight_version,
-                "weights_status": engine.weights.held.status.value,
-            },
-        }
+        return WeightsCheckerResponse(
+            success=True,
+            message=f"checksum of the weights held at version {engine.weight_version}",
+            payload=WeightsChecksumPayload(
+                action=(request or WeightsCheckerRequest()).action,
+                checksum=checksum.checksum,
+                algorithm=checksum.algorithm,
+                num_tensors=len(checksum.tensors),
+                num_bytes=checksum.num_bytes,
+                weight_version=engine.weight_version,
+                weights_status=engine.weights.held.status.value,
+            ),
+        ).model_dump(mode="json")
 
     @app.post("/fence")
     async def fence(request: FenceRequest, http_request: Request) -> dict[str, Any]:

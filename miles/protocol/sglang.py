@@ -480,12 +480,35 @@ class WeightsCheckerRequest(RequestModel):
     action: Literal["checksum"] = "checksum"
 
 
+class WeightsChecksumPayload(BaseModel):
+    """The ``payload`` of ``/weights_checker`` with action ``checksum`` (miles' canonical checksum)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    action: str = "checksum"
+    checksum: str
+    algorithm: str = "xxh3_128"
+    num_tensors: int
+    num_bytes: int
+    weight_version: str
+    weights_status: str
+
+
 class WeightsCheckerResponse(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     success: bool
     message: str
-    payload: dict[str, Any] | None = None
+    payload: WeightsChecksumPayload | None = None
+
+
+class PauseGenerationResponse(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    status: str
+    message: str
+    mode: PauseMode
+    num_paused_requests: int
 
 
 class WeightVersionResponse(BaseModel):

@@ -8,17 +8,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from miles.errors import MilesError
+from miles.protocol.auth import FENCE_HEADER, FenceRequest, FenceState
 from miles.protocol.sglang import (
+    ExportWeightsRequest,
+    ExportWeightsResponse,
+    PauseGenerationRequest,
+    PauseGenerationResponse,
     PauseMode,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsResponse,
     UpdateWeightVersionRequest,
+    WeightsCheckerRequest,
+    WeightsCheckerResponse,
+    WeightVersionResponse,
 )
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class EngineCallError(MilesError):
@@ -57,24 +68,31 @@ class WeightsExport:
 
 
 class EngineClient:
-    """Calls one engine at ``base_url`` (e.g. ``http://127.0.0.1:30001``)."""
+    """Calls one engine at ``base_url`` (e.g. ``http://127.0.0.1:30001``).
+
+    Every call that changes the engine's weights or generation may carry a fencing token
+    (``fence``): the update's lock token. The engine refuses a call fenced below the highest token
+    it has seen, so an update that lost the lock (or a window whose lease expired) cannot touch a
+    server a newer update owns.
+    """
 
     def __init__(self, base_url: str, *, http: httpx.AsyncClient, server_id: str, secret: str | None = None) -> None:
         """``secret``: the engine's control secret, sent as a bearer token on every call."""
         self.base_url = base_url.rstrip("/")
         self.server_id = server_id
         self._http = http
-        self._headers = {"authorization": f"Bearer {secret}"} if secret else None
+        self._auth = {"authorization": f"Bearer {secret}"} if secret else {}
 
     async def _call(
-        self, method: str, path: str, *, json: Any = None, timeout: float | None = None
+        self, method: str, path: str, *, json: Any = None, timeout: float | None = None, fence: int | None = None
     ) -> httpx.Response:
+        headers = self._auth if fence is None else {**self._auth, FENCE_HEADER: str(fence)}
         try:
             response = await self._http.request(
                 method,
                 f"{self.base_url}{path}",
                 json=json,
-                headers=self._headers,
+                headers=headers,
                 timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
             )
         except httpx.HTTPError as exc:
@@ -83,15 +101,27 @@ class EngineClient:
             ) from exc
         return response
 
-    async def _ok_json(self, method: str, path: str, *, json: Any = None, timeout: float | None = None) -> Any:
-        response = await self._call(method, path, json=json, timeout=timeout)
+    async def _ok(
+        self,
+        method: str,
+        path: str,
+        answer: type[ModelT],
+        *,
+        json: Any = None,
+        timeout: float | None = None,
+        fence: int | None = None,
+    ) -> ModelT:
+        response = await self._call(method, path, json=json, timeout=timeout, fence=fence)
         if response.status_code >= 400:
             raise EngineCallError(
                 f"{method} {path} answered {response.status_code}: {_error_text(response)}",
                 status_code=response.status_code,
                 server_id=self.server_id,
             )
-        return response.json() if response.content else None
+        try:
+            return answer.model_validate_json(response.content)
+        except ValidationError as exc:
+            raise EngineCallError(f"{method} {path} answered something unexpected: {exc}", server_id=self.server_id) from exc
 
     async def health(self, *, timeout: float = 5.0) -> bool:
         """True when ``/health`` answers 200 (the process is up and its HTTP loop responsive)."""
@@ -101,94 +131,78 @@ class EngineClient:
             return False
         return response.status_code == 200
 
-    async def health_generate(self, *, timeout: float = 30.0) -> str | None:
-        """None when a one-token generation succeeds, else why it did not."""
-        try:
-            response = await self._call("GET", "/health_generate", timeout=timeout)
-        except EngineCallError as exc:
-            return str(exc)
-        return None if response.status_code == 200 else _error_text(response)
-
-    async def model_info(self) -> dict[str, Any]:
-        return await self._ok_json("GET", "/get_model_info")
-
-    async def server_info(self) -> dict[str, Any]:
-        return await self._ok_json("GET", "/get_server_info")
-
-    async def weight_version(self) -> str:
-        return (await self._ok_json("GET", "/get_weight_version"))["weight_version"]
-
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
         """``/get_weight_version``: the version, and the checksum the engine keeps of its weights."""
-        body = await self._ok_json("GET", "/get_weight_version", timeout=timeout)
-        if not isinstance(body, dict) or not isinstance(body.get("weight_version"), str):
-            raise EngineCallError(f"get_weight_version answered {body!r}", server_id=self.server_id)
-        checksum = body.get("checksum")
-        return WeightsIdentity(weight_version=body["weight_version"], checksum=checksum if isinstance(checksum, str) else None)
+        body = await self._ok("GET", "/get_weight_version", WeightVersionResponse, timeout=timeout)
+        return WeightsIdentity(weight_version=body.weight_version, checksum=body.checksum)
 
-    async def fence(self, token: int, *, window_open: bool) -> None:
+    async def fence(self, token: int, *, window_open: bool) -> FenceState:
         """``/fence``: the engine refuses weight changes fenced below ``token`` from now on, and
         accepts the credential of window ``token`` while ``window_open``."""
-        await self._ok_json("POST", "/fence", json={"token": token, "window_open": window_open})
+        request = FenceRequest(token=token, window_open=window_open)
+        return await self._ok("POST", "/fence", FenceState, json=request.model_dump(mode="json"))
 
-    async def export_weights(self, *, step: int, timeout: float | None = None) -> WeightsExport:
+    async def export_weights(self, *, step: int, timeout: float | None = None, fence: int | None = None) -> WeightsExport:
         """``/export_weights``: the engine writes the weights it holds as a sealed checkpoint."""
-        body = await self._ok_json("POST", "/export_weights", json={"step": step}, timeout=timeout)
-        try:
-            return WeightsExport(path=Path(body["path"]), checksum=body["checksum"], weight_version=body["weight_version"])
-        except (KeyError, TypeError) as exc:
-            raise EngineCallError(f"export_weights answered {body!r}", server_id=self.server_id) from exc
-
-    async def generate(self, payload: dict[str, Any], *, timeout: float | None = None) -> Any:
-        return await self._ok_json("POST", "/generate", json=payload, timeout=timeout)
+        request = ExportWeightsRequest(step=step)
+        body = await self._ok(
+            "POST", "/export_weights", ExportWeightsResponse, json=request.model_dump(mode="json"), timeout=timeout, fence=fence
+        )
+        return WeightsExport(path=Path(body.path), checksum=body.checksum, weight_version=body.weight_version)
 
     async def update_weights_from_disk(
-        self, request: UpdateWeightsFromDiskRequest, *, timeout: float | None = None
+        self, request: UpdateWeightsFromDiskRequest, *, timeout: float | None = None, fence: int | None = None
     ) -> UpdateWeightsResponse:
         """Ask the engine to load a checkpoint; a refusal comes back as ``success=False``."""
         response = await self._call(
-            "POST", "/update_weights_from_disk", json=request.model_dump(mode="json"), timeout=timeout
+            "POST", "/update_weights_from_disk", json=request.model_dump(mode="json"), timeout=timeout, fence=fence
         )
         if response.status_code in (200, 400):
-            body = response.json()
-            if "success" in body:
-                return UpdateWeightsResponse.model_validate(body)
+            try:
+                return UpdateWeightsResponse.model_validate_json(response.content)
+            except ValidationError:
+                pass  # a plain 400 (invalid request) rather than a refusal: reported below
         raise EngineCallError(
             f"update_weights_from_disk answered {response.status_code}: {_error_text(response)}",
             status_code=response.status_code,
             server_id=self.server_id,
         )
 
-    async def update_weight_version(self, new_version: str) -> None:
+    async def update_weight_version(self, new_version: str, *, fence: int | None = None) -> None:
         request = UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=False)
-        await self._ok_json("POST", "/update_weight_version", json=request.model_dump(mode="json"))
+        await self._call_ok("POST", "/update_weight_version", json=request.model_dump(mode="json"), fence=fence)
 
-    async def pause_generation(self, mode: PauseMode, *, timeout: float | None = None) -> int:
-        body = await self._ok_json("POST", "/pause_generation", json={"mode": mode.value}, timeout=timeout)
-        return int((body or {}).get("num_paused_requests", 0))
-
-    async def continue_generation(self) -> None:
-        await self._ok_json("POST", "/continue_generation", json={})
-
-    async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
-        await self._ok_json("POST", "/abort_request", json={"rid": rid, "abort_all": abort_all})
-
-    async def flush_cache(self) -> None:
-        await self._ok_json("POST", "/flush_cache")
-
-    async def weights_checksum(self, *, timeout: float | None = None) -> WeightsChecksum:
-        """The checksum the engine computes now over the weights it holds (``/weights_checker``)."""
-        body = await self._ok_json("POST", "/weights_checker", json={"action": "checksum"}, timeout=timeout)
-        payload = (body or {}).get("payload") or {}
-        if not body.get("success") or "checksum" not in payload:
-            raise EngineCallError(
-                f"weights_checker gave no checksum: {body.get('message')}", server_id=self.server_id
-            )
-        return WeightsChecksum(
-            checksum=payload["checksum"],
-            algorithm=payload.get("algorithm", "xxh3_128"),
-            weight_version=payload.get("weight_version", ""),
+    async def pause_generation(self, mode: PauseMode, *, timeout: float | None = None, fence: int | None = None) -> int:
+        request = PauseGenerationRequest(mode=mode)
+        body = await self._ok(
+            "POST", "/pause_generation", PauseGenerationResponse, json=request.model_dump(mode="json"), timeout=timeout, fence=fence
         )
+        return body.num_paused_requests
+
+    async def continue_generation(self, *, fence: int | None = None) -> None:
+        await self._call_ok("POST", "/continue_generation", json={}, fence=fence)
+
+    async def weights_checksum(self, *, timeout: float | None = None, fence: int | None = None) -> WeightsChecksum:
+        """The checksum the engine computes now over the weights it holds (``/weights_checker``)."""
+        request = WeightsCheckerRequest(action="checksum")
+        body = await self._ok(
+            "POST", "/weights_checker", WeightsCheckerResponse, json=request.model_dump(mode="json"), timeout=timeout, fence=fence
+        )
+        if not body.success or body.payload is None:
+            raise EngineCallError(f"weights_checker gave no checksum: {body.message}", server_id=self.server_id)
+        return WeightsChecksum(
+            checksum=body.payload.checksum, algorithm=body.payload.algorithm, weight_version=body.payload.weight_version
+        )
+
+    async def _call_ok(self, method: str, path: str, *, json: Any = None, fence: int | None = None) -> None:
+        """A call whose answer carries nothing the caller uses: only its success matters."""
+        response = await self._call(method, path, json=json, fence=fence)
+        if response.status_code >= 400:
+            raise EngineCallError(
+                f"{method} {path} answered {response.status_code}: {_error_text(response)}",
+                status_code=response.status_code,
+                server_id=self.server_id,
+            )
 
 
 def _error_text(response: httpx.Response) -> str:

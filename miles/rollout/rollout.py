@@ -54,14 +54,16 @@ from miles.weights.checksum import model_checksum
 
 logger = logging.getLogger("miles.rollout")
 
-ExclusiveSection = Callable[[str], AbstractAsyncContextManager[object]]
+# The section restarts and recoveries run in (the controller passes its lock), named by its
+# holder; it yields the fencing token the engine calls made inside it carry (None: unfenced).
+ExclusiveSection = Callable[[str], AbstractAsyncContextManager[int | None]]
 
 # The version a start checkpoint without a manifest serves as: older than any published step.
 PLAIN_START_VERSION = "0"
 
 
 class RolloutObserver(Protocol):
-    """What a rollout server reports as it goes (the controller turns these into events)."""
+    """What a rollout reports as it goes (the controller turns these into events)."""
 
     def state_changed(self, change: StateChange) -> None: ...
 
@@ -77,16 +79,16 @@ class RolloutObserver(Protocol):
 
 
 class RolloutError(MilesError):
-    """A rollout server could not do what was asked (start, load, confirm, restart)."""
+    """A rollout could not do what was asked of one of its servers (start, load, confirm, restart)."""
 
 
 @asynccontextmanager
-async def _no_guard(_: str) -> AsyncIterator[None]:
-    yield
+async def _no_guard(_: str) -> AsyncIterator[int | None]:
+    yield None
 
 
 class Rollout(ABC):
-    """Base of every rollout server type; see the module docstring."""
+    """Base of every server type (``SFTRollout`` ...): one model's servers; see the module docstring."""
 
     def __init__(
         self,
@@ -192,11 +194,12 @@ class Rollout(ABC):
         """Take a serving (or quarantined) server out of routing to load new weights."""
         self._apply(self.cell(server_id), ServerState.UPDATING, reason)
 
-    async def pause(self, server_id: str, mode: PauseMode) -> int:
-        return await self.client(server_id).pause_generation(mode, timeout=self.spec.update_timeout_s)
+    async def pause(self, server_id: str, mode: PauseMode, *, fence: int | None = None) -> int:
+        """Stop the server's generation (running requests per ``mode``); returns how many there were."""
+        return await self.client(server_id).pause_generation(mode, timeout=self.spec.update_timeout_s, fence=fence)
 
-    async def resume(self, server_id: str) -> None:
-        await self.client(server_id).continue_generation()
+    async def resume(self, server_id: str, *, fence: int | None = None) -> None:
+        await self.client(server_id).continue_generation(fence=fence)
 
     async def load(
         self,
@@ -206,6 +209,7 @@ class Rollout(ABC):
         weight_version: str,
         expected_checksum: str,
         abort_all_requests: bool = False,
+        fence: int | None = None,
     ) -> UpdateWeightsResponse:
         """Ask the engine to load ``checkpoint``, whose weights must hash to ``expected_checksum``
         (the engine checks before it touches its weights; a plain Hugging Face directory has no
@@ -216,11 +220,13 @@ class Rollout(ABC):
             expected_checksum=expected_checksum,
             abort_all_requests=abort_all_requests,
         )
-        return await self.client(server_id).update_weights_from_disk(request, timeout=self.spec.update_timeout_s)
+        return await self.client(server_id).update_weights_from_disk(
+            request, timeout=self.spec.update_timeout_s, fence=fence
+        )
 
-    async def confirm(self, server_id: str) -> WeightsChecksum:
+    async def confirm(self, server_id: str, *, fence: int | None = None) -> WeightsChecksum:
         """The checksum the engine computes now over the weights it holds."""
-        result = await self.client(server_id).weights_checksum(timeout=self.spec.update_timeout_s)
+        result = await self.client(server_id).weights_checksum(timeout=self.spec.update_timeout_s, fence=fence)
         return self.record_checksum(server_id, result)
 
     def record_checksum(self, server_id: str, reported: WeightsChecksum) -> WeightsChecksum:
@@ -234,18 +240,18 @@ class Rollout(ABC):
         """Tell the engine the newest fencing token, and whether a window holding it may push."""
         await self.client(server_id).fence(token, window_open=window_open)
 
-    async def relabel(self, server_id: str, weight_version: str) -> None:
+    async def relabel(self, server_id: str, weight_version: str, *, fence: int | None = None) -> None:
         """Have the engine serve the weights it holds under ``weight_version`` (no reload)."""
-        await self.client(server_id).update_weight_version(weight_version)
+        await self.client(server_id).update_weight_version(weight_version, fence=fence)
         self.cell(server_id).weight_version = weight_version
 
     async def identity(self, server_id: str) -> WeightsIdentity:
         """The version and checksum the engine says it holds (cheap: no hashing; for probes)."""
         return await self.client(server_id).weight_identity(timeout=self.spec.health.timeout_s)
 
-    async def export(self, server_id: str, *, step: int) -> WeightsExport:
+    async def export(self, server_id: str, *, step: int, fence: int | None = None) -> WeightsExport:
         """Have the engine write the weights it holds as a checkpoint (for restarting a peer)."""
-        return await self.client(server_id).export_weights(step=step, timeout=self.spec.update_timeout_s)
+        return await self.client(server_id).export_weights(step=step, timeout=self.spec.update_timeout_s, fence=fence)
 
     def remember_checkpoint(self, checksum: str, checkpoint: Path) -> list[str]:
         """Record ``checkpoint`` (which holds weights with ``checksum``) as the place to reload
@@ -275,7 +281,7 @@ class Rollout(ABC):
     def quarantine(self, server_id: str, *, reason: str) -> None:
         self._apply(self.cell(server_id), ServerState.QUARANTINED, reason)
 
-    async def rollback(self, server_id: str, *, reason: str) -> WeightsChecksum:
+    async def rollback(self, server_id: str, *, reason: str, fence: int | None = None) -> WeightsChecksum:
         """Reload the server's last verified weights and confirm them; it serves them again.
 
         If the reload or its confirmation fails, the process is replaced (restart on the last
@@ -288,9 +294,9 @@ class Rollout(ABC):
         if cell.state is not ServerState.UPDATING:
             self._apply(cell, ServerState.UPDATING, reason)
         try:
-            confirmed: WeightsChecksum | None = await self.confirm(server_id)
+            confirmed: WeightsChecksum | None = await self.confirm(server_id, fence=fence)
             if confirmed is not None and confirmed.checksum != verified.checksum:
-                source = await self._source_of(cell)
+                source = await self._source_of(cell, fence=fence)
                 if source is None:
                     self._apply(cell, ServerState.QUARANTINED, "its verified weights are on no disk and no peer holds them")
                     raise RolloutError(
@@ -302,29 +308,33 @@ class Rollout(ABC):
                         actual=confirmed.checksum,
                     )
                 response = await self.load(
-                    server_id, source, weight_version=verified.weight_version, expected_checksum=verified.checksum
+                    server_id,
+                    source,
+                    weight_version=verified.weight_version,
+                    expected_checksum=verified.checksum,
+                    fence=fence,
                 )
-                confirmed = await self.confirm(server_id) if response.success else None
+                confirmed = await self.confirm(server_id, fence=fence) if response.success else None
             elif confirmed is not None and confirmed.weight_version != verified.weight_version:
                 # Never loaded the new weights (or loaded and restored them): only the label moved.
-                await self.client(server_id).update_weight_version(verified.weight_version)
+                await self.client(server_id).update_weight_version(verified.weight_version, fence=fence)
                 confirmed = self.record_checksum(
                     server_id, dataclasses.replace(confirmed, weight_version=verified.weight_version)
                 )
         except EngineCallError:
             confirmed = None
         if confirmed is not None and confirmed.checksum == verified.checksum:
-            await self._resume_quietly(cell)
+            await self._resume_quietly(cell, fence=fence)
             self.admit(server_id, verified, reason=f"rolled back to {verified.weight_version}: {reason}")
             self._restored(cell, verified)
             return confirmed
         logger.warning("rollback of %s did not confirm; replacing the process", server_id)
-        await self.restart(server_id, reason=f"rollback failed: {reason}")
+        await self.restart(server_id, reason=f"rollback failed: {reason}", fence=fence)
         return WeightsChecksum(
             checksum=self.cell(server_id).checksum or "", algorithm="xxh3_128", weight_version=verified.weight_version
         )
 
-    async def restart(self, server_id: str, *, reason: str) -> None:
+    async def restart(self, server_id: str, *, reason: str, fence: int | None = None) -> None:
         """Replace the server's process and bring it back on its last verified weights.
 
         The caller must hold the controller's exclusive section (the health loop takes it).
@@ -338,8 +348,8 @@ class Rollout(ABC):
         # Where the verified weights can be read from; without any, the engine starts on the
         # spec's checkpoint and is quarantined by _bring_up (it holds other weights), never
         # admitted.
-        source = await self._source_of(cell) if cell.verified else None
-        await self._bring_up(cell, source or self.spec.checkpoint, restart=True)
+        source = await self._source_of(cell, fence=fence) if cell.verified else None
+        await self._bring_up(cell, source or self.spec.checkpoint, restart=True, fence=fence)
 
     # --- internals -------------------------------------------------------------------------
 
@@ -349,7 +359,7 @@ class Rollout(ABC):
         if self._observer is not None:
             self._observer.state_changed(change)
 
-    async def _bring_up(self, cell: ServerCell, checkpoint: Path, *, restart: bool) -> None:
+    async def _bring_up(self, cell: ServerCell, checkpoint: Path, *, restart: bool, fence: int | None = None) -> None:
         """Launch, wait healthy, confirm the checksum against what should be there, admit."""
         self._apply(cell, ServerState.STARTING, "restart" if restart else "start")
         try:
@@ -369,10 +379,10 @@ class Rollout(ABC):
         try:
             # Confirm first, rename after: a label is only moved onto weights proven to be the
             # verified ones, so an engine that came up on other weights reports its own version.
-            confirmed = await self.confirm(cell.server_id)
+            confirmed = await self.confirm(cell.server_id, fence=fence)
             if confirmed.checksum == expected.checksum and confirmed.weight_version != expected.weight_version:
                 # A checkpoint's manifest carries its own version; restore the one it was admitted as.
-                await client.update_weight_version(expected.weight_version)
+                await client.update_weight_version(expected.weight_version, fence=fence)
         except EngineCallError as exc:
             # Leave the cell restarting so the health loop tries again, rather than stuck pending.
             self._apply(cell, ServerState.RESTARTING, f"engine stopped answering after start: {exc.message}")
@@ -418,9 +428,9 @@ class Rollout(ABC):
             ) from exc
         return VerifiedWeights(checkpoint=checkpoint, weight_version=PLAIN_START_VERSION, checksum=checksum, step=0)
 
-    async def _resume_quietly(self, cell: ServerCell) -> None:
+    async def _resume_quietly(self, cell: ServerCell, *, fence: int | None) -> None:
         try:
-            await self.client(cell.server_id).continue_generation()
+            await self.client(cell.server_id).continue_generation(fence=fence)
         except EngineCallError as exc:
             logger.warning("could not resume %s after rollback: %s", cell.server_id, exc)
 
@@ -475,7 +485,7 @@ class Rollout(ABC):
 
     async def _drift_guarded(self, cell: ServerCell, incarnation: int) -> None:
         """Quarantine, report and roll back a server whose engine holds other weights than verified."""
-        async with self._exclusive(f"drift {cell.server_id}"):
+        async with self._exclusive(f"drift {cell.server_id}") as fence:
             # Re-check under the section: an update may have changed the weights on purpose
             # while we waited, or replaced the process; only a drift that is still there counts.
             verified = cell.verified
@@ -505,7 +515,7 @@ class Rollout(ABC):
                 f"({reported.checksum}), verified was {verified.weight_version} ({verified.checksum})",
             )
             try:
-                await self.rollback(cell.server_id, reason="weights changed outside the controller")
+                await self.rollback(cell.server_id, reason="weights changed outside the controller", fence=fence)
             except RolloutError as exc:
                 logger.error("could not restore %s after its weights drifted: %s", cell.server_id, exc)
 
@@ -520,14 +530,14 @@ class Rollout(ABC):
         alive = self._alive(cell)
         if alive and cell.verified.checkpoint is None and self._peer_holding(cell) is None:
             return  # nothing to recover from yet; checked again at the next tick
-        async with self._exclusive(f"recover {cell.server_id}"):
+        async with self._exclusive(f"recover {cell.server_id}") as fence:
             if cell.state is not ServerState.QUARANTINED:
                 return  # an update took it over while we waited
             try:
                 if self._alive(cell):
-                    await self.rollback(cell.server_id, reason="its verified weights are available again")
+                    await self.rollback(cell.server_id, reason="its verified weights are available again", fence=fence)
                 else:
-                    await self.restart(cell.server_id, reason="engine process exited while quarantined")
+                    await self.restart(cell.server_id, reason="engine process exited while quarantined", fence=fence)
             except RolloutError as exc:
                 logger.warning("recovery of %s failed (will retry): %s", cell.server_id, exc)
 
@@ -546,7 +556,7 @@ class Rollout(ABC):
                 return peer
         return None
 
-    async def _source_of(self, cell: ServerCell) -> Path | None:
+    async def _source_of(self, cell: ServerCell, *, fence: int | None) -> Path | None:
         """A checkpoint directory holding ``cell``'s verified weights, or None if there is none.
 
         Its own verified checkpoint when it has one; otherwise a serving peer holding the same
@@ -561,7 +571,7 @@ class Rollout(ABC):
         if peer is None:
             return None
         try:
-            exported = await self.export(peer.server_id, step=verified.step or 0)
+            exported = await self.export(peer.server_id, step=verified.step or 0, fence=fence)
         except EngineCallError as exc:
             logger.warning("%s could not write out its weights for %s: %s", peer.server_id, cell.server_id, exc)
             return None
@@ -572,7 +582,7 @@ class Rollout(ABC):
         return exported.path
 
     async def _restart_guarded(self, cell: ServerCell, reason: str) -> None:
-        async with self._exclusive(f"restart {cell.server_id}"):
+        async with self._exclusive(f"restart {cell.server_id}") as fence:
             # Re-check under the section: an update may have replaced or stopped it meanwhile.
             healthy = self._alive(cell) and cell.consecutive_failures < self.spec.health.failure_threshold
             if cell.state is ServerState.STOPPED or (cell.state is ServerState.SERVING and healthy):
@@ -580,7 +590,7 @@ class Rollout(ABC):
             if cell.state not in (ServerState.SERVING, ServerState.PENDING_WEIGHTS, ServerState.RESTARTING):
                 return  # an update took it over while we waited; it owns the cell now
             try:
-                await self.restart(cell.server_id, reason=reason)
+                await self.restart(cell.server_id, reason=reason, fence=fence)
             except RolloutError as exc:
                 logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)
 

@@ -1,69 +1,108 @@
-"""ContextLock: an asyncio lock that knows which context holds it, with fencing tokens and leases.
+"""ContextLock: an exclusive asyncio lock that knows which context holds it, and the decorators that
+make a class declare how each of its methods relates to its lock.
 
-Ownership follows the asyncio context: acquiring records a grant in a ContextVar, so tasks spawned
-inside a held section inherit it. Every section gets a fencing token that is never reused; a grant
-counts only while its token is the live one and its section is attached to that context, so a child
-task that outlives its section loses its authority. A section can be detached (optionally as a
-lease with a TTL), carried across calls by its token, and reattached or released by that token.
+Ownership follows the asyncio context: a grant is recorded in a ContextVar, so tasks spawned inside
+a held section inherit it (and see ``owned()``), while other tasks do not. The lock is not
+re-entrant (a second acquire from the owning context raises instead of deadlocking), a context
+holding one ContextLock may not take another (no lock-order deadlocks), waiters are served first
+come, first served, and a waiter logs a reminder while it waits. Every holding gets a fencing
+token that is never reused: whoever acts on the lock's behalf elsewhere (an engine) can refuse an
+older holder's calls.
 
-Everything lock-related is importable from here: the records (``lock_models``) and the
-lock-discipline decorators (``lock_discipline``) are re-exported.
+Lock discipline: a class that owns a ContextLock is decorated with ``@enforce_lock_discipline``;
+each function in its body carries ``@with_lock`` (runs holding the lock), ``@requires_lock``
+(runs only when the caller's context holds it) or ``@lock_exempt`` (no relation), and the class
+refuses to be defined otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import logging
-import weakref
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from types import TracebackType
+from datetime import UTC, datetime
+from enum import Enum
+from typing import Any, TypeVar
 
-from miles.utils import lock_refusals as refusals
-from miles.utils.lock_models import LockLease, LockStatistics, LockTransition, LockTransitionKind
-from miles.utils.lock_sections import EndReason, Section, SectionLedger, SectionMode
-from miles.utils.lock_waiters import WaiterQueue
+from miles.errors import (
+    LockDisciplineError,
+    LockNestingError,
+    LockNotHeldError,
+    LockReentryError,
+    LockTimeoutError,
+)
 
 _logger = logging.getLogger("miles.lock")
 
+FuncT = TypeVar("FuncT", bound=Callable[..., Any])
+ClassT = TypeVar("ClassT", bound=type)
 
-@dataclass(frozen=True, eq=False, slots=True)
-class _Grant:
-    """What a context records when a section is attached to it (kept in ``_GRANTS``)."""
 
-    lock: ContextLock
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LockGrant:
+    """One holding of a ContextLock, identified by its fencing token (never reused)."""
+
+    lock_name: str
     token: int
-    attachment: int
-    task: weakref.ref[asyncio.Task[object]] | None  # the task that entered: only it may end it
+    holder: str
+    acquired_at: datetime  # UTC
 
 
-# A ContextVar must be created once, at module level (contexts keep strong references to their
-# variables). Its value is an immutable tuple, so each context sees only its own grants.
-_GRANTS: ContextVar[tuple[_Grant, ...]] = ContextVar("miles_context_lock_grants", default=())
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LockStatistics:
+    """A snapshot of a ContextLock, for health reports and debugging."""
+
+    name: str
+    held: bool
+    holder: str | None
+    held_since: datetime | None  # UTC
+    token: int | None
+    waiters: int
 
 
-def _current_task_name() -> str:
-    task = asyncio.current_task()
-    return task.get_name() if task is not None else "<no task>"
+class LockTransitionKind(Enum):
+    ACQUIRED = "acquired"
+    RELEASED = "released"
 
 
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LockTransition:
+    """One change of holder, passed to ``on_transition``: ``waited_s`` for ACQUIRED, ``held_s``
+    for RELEASED."""
+
+    kind: LockTransitionKind
+    lock_name: str
+    holder: str
+    token: int
+    waited_s: float | None
+    held_s: float | None
+
+
+# Created once at module level (a context keeps strong references to its variables). Its value is
+# an immutable tuple of (lock, token): each context sees only the grants it made or inherited.
+_GRANTS: ContextVar[tuple[tuple[ContextLock, int], ...]] = ContextVar("miles_context_lock_grants", default=())
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    holder: str
+    future: asyncio.Future[LockGrant]
+    since: float
 
 
 class ContextLock:
     """An exclusive, FIFO-fair, non-re-entrant asyncio lock that knows who holds it.
 
-    Bound to one running event loop at a time (it rebinds only while idle). Operations that change
-    its state must run on that loop; ``owned``, ``check_owned`` and ``statistics`` may also be read
-    from other threads (e.g. a worker started by ``asyncio.to_thread`` inside a held section, which
-    copies the context). ``on_transition`` is called on every acquire, release and lease expiry; a
-    hook that raises is logged and ignored. Waiters log a reminder every ``reminder_interval_s``.
+    ``on_transition`` is called on every acquire and release (a hook that raises is logged and
+    ignored). ``statistics`` and ``owned`` may be called from any thread; everything else runs on
+    the loop that uses the lock.
     """
 
     def __init__(
@@ -79,406 +118,347 @@ class ContextLock:
             raise ValueError(f"reminder_interval_s must be > 0 seconds, got {reminder_interval_s!r}")
         self._name = name
         self._reminder_interval_s = reminder_interval_s
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._sections = SectionLedger(lock_name=name, on_transition=on_transition, logger=_logger)
-        self._waiters = self._new_queue()
+        self._on_transition = on_transition
+        self._grant: LockGrant | None = None
+        self._granted_mono = 0.0
+        self._waiters: deque[_Waiter] = deque()
+        self._last_token = 0
 
     @property
     def name(self) -> str:
         return self._name
 
     def __repr__(self) -> str:
-        return f"<ContextLock {self._name!r} {self._sections.describe()}>"
+        return f"<ContextLock {self._name!r} {self._describe()}>"
 
-    # --- taking the lock -----------------------------------------------------------------------
+    # --- taking and giving back --------------------------------------------------------------
 
-    async def acquire(self, *, holder: str, timeout: float | None = None) -> LockLease:
-        """Wait for the lock (FIFO) and attach its section to the current context.
+    async def acquire(self, *, holder: str, timeout: float | None = None) -> LockGrant:
+        """Wait (first come, first served) for the lock and record it in the current context.
 
-        Returns the grant (a LockLease without expiry). Raises LockReentryError at once if this
-        context already owns the lock, LockNestingError if it owns another ContextLock, and
-        LockTimeoutError (a TimeoutError) once ``timeout`` seconds pass. A waiter that times out
-        or is cancelled leaves no trace; one cancelled just after being granted passes the lock on.
-        Use ``timeout`` rather than ``asyncio.wait_for``: on Python 3.11 wait_for runs the acquire
-        in a task of its own, whose context (not the caller's) would receive the grant.
+        Raises LockReentryError at once if this context already holds it, LockNestingError if it
+        holds another ContextLock, and LockTimeoutError (a TimeoutError) once ``timeout`` seconds
+        pass. A waiter that times out or is cancelled leaves no trace; one granted just before its
+        cancellation took effect passes the lock on. Use ``timeout`` rather than
+        ``asyncio.wait_for``: on Python 3.11 wait_for runs the acquire in a task of its own, whose
+        context (not the caller's) would receive the grant.
         """
-        self._bind_running_loop()
-        self._expire_if_due()
-        self._refuse_reentry_and_nesting(action=f"acquire (as {holder!r})")
-        if self._sections.live is None and self._waiters.live_count() == 0:
-            section = self._sections.open(holder, 0.0)
+        self._refuse_reentry_and_nesting(holder)
+        if self._grant is None and not self._waiters:
+            grant = self._open(holder, waited_s=0.0)
         else:
-            try:
-                section = await self._waiters.wait(
-                    holder=holder, timeout=timeout, on_lost_grant=self._pass_on
-                )
-            except TimeoutError as exc:
-                raise refusals.timed_out(
-                    self._name, waiter=holder, timeout=timeout, current=self._sections.held_by()
-                ) from exc
-        self._attach_to_context(section)
-        return section.as_lease(self._name)
+            grant = await self._wait(holder, timeout)
+        _GRANTS.set((*_GRANTS.get(), (self, grant.token)))
+        return grant
 
-    def hold(
-        self, *, holder: str | None = None, timeout: float | None = None
-    ) -> contextlib.AbstractAsyncContextManager[LockLease]:
-        """An async context manager: acquire (holder defaults to the task's name), then release.
-
-        On exit it releases the section this context still owns (after ``with_released``, the
-        reacquired one). A section detached inside the block stays held for its token's holder;
-        one the block already released is not released twice.
-        """
-        return self._hold(holder=holder or _current_task_name(), timeout=timeout)
+    def release(self) -> None:
+        """Give the lock back and hand it to the next waiter. Raises LockNotHeldError unless the
+        current context holds it."""
+        grant = self.current()
+        _GRANTS.set(tuple(g for g in _GRANTS.get() if g[0] is not self))
+        self._grant = None
+        self._emit(LockTransitionKind.RELEASED, grant, waited_s=None, held_s=time.monotonic() - self._granted_mono)
+        self._grant_next()
 
     @contextlib.asynccontextmanager
-    async def _hold(self, *, holder: str, timeout: float | None) -> AsyncIterator[LockLease]:
-        lease = await self.acquire(holder=holder, timeout=timeout)
+    async def hold(self, *, holder: str, timeout: float | None = None) -> AsyncIterator[LockGrant]:
+        """``async with lock.hold(holder=...) as grant``: acquire, then release on the way out."""
+        grant = await self.acquire(holder=holder, timeout=timeout)
         try:
-            yield lease
+            yield grant
         finally:
             if self.owned():
                 self.release()
 
-    async def __aenter__(self) -> LockLease:
-        return await self.acquire(holder=_current_task_name())
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self.owned():
-            self.release()
-
-    @contextlib.asynccontextmanager
-    async def with_released(self) -> AsyncIterator[None]:
-        """Release the section this context owns for the block, then reacquire it.
-
-        Others may take the lock meanwhile. The reacquired section has a new token, so children
-        spawned before the block lose their authority. The block reacquires also when it raised
-        or was cancelled; if that reacquire is itself cancelled, the context ends up holding
-        nothing. Raises LockNotHeldError / StaleLockError if this context does not own the lock.
-        """
-        section = self._owned_section("with_released")
-        self._end(EndReason.RELEASED_TEMPORARILY)
-        try:
-            yield
-        finally:
-            await self.acquire(holder=section.holder)
-
-    # --- ownership -----------------------------------------------------------------------------
+    # --- who holds it ------------------------------------------------------------------------
 
     def owned(self) -> bool:
-        """Whether the current context owns the lock (an attached section with the live token)."""
-        self._expire_if_due()
-        grant = self._context_grant()
-        return grant is not None and self._is_live(grant)
+        """Whether the current context holds the lock (its grant is the live one)."""
+        grant = self._grant
+        return grant is not None and any(lock is self and token == grant.token for lock, token in _GRANTS.get())
 
     def check_owned(self, action: str) -> None:
-        """Return if the current context owns the lock; otherwise raise, naming ``action``.
+        """Return if the current context holds the lock; raise LockNotHeldError naming ``action``."""
+        if not self.owned():
+            raise LockNotHeldError(
+                f"{action} needs lock {self._name!r}, which this context does not hold ({self._describe()}); "
+                "call it from a method that takes the lock",
+                lock=self._name,
+            )
 
-        Raises LockNotHeldError if this context holds no grant of the lock, StaleLockError if its
-        grant is stale (section ended, superseded or detached), LeaseExpiredError if that
-        section's lease expired.
-        """
-        self._expire_if_due()
-        grant = self._context_grant()
-        if grant is None:
-            raise refusals.not_held(self._name, action=action, current=self._sections.held_by())
-        if self._is_live(grant):
-            return
-        section = self._sections.live
-        if section is None or section.token != grant.token:
-            raise self._sections.refuse_token(grant.token, action=f"{action} (stale grant)")
-        why = (
-            f"was detached; the context that continues it must call reattach({grant.token})"
-            if section.mode is SectionMode.DETACHED
-            else "was detached and then reattached in another context"
-        )
-        raise refusals.stale_grant(
-            self._name, action=action, token=grant.token, holder=section.holder, why=why
-        )
-
-    def current_lease(self) -> LockLease:
-        """The grant of the section this context owns; raises like ``check_owned``."""
-        self.check_owned("current_lease")
-        section = self._sections.live
-        assert section is not None
-        return section.as_lease(self._name)
-
-    # --- ending, detaching and resuming sections -----------------------------------------------
-
-    def release(self) -> None:
-        """End the section this context owns and hand the lock to the next waiter.
-
-        Raises like ``check_owned`` (StaleLockError when released twice), and LockNotHeldError
-        when called from a child task rather than the task that entered the section.
-        """
-        self._owned_section("release")
-        self._end(EndReason.RELEASED)
-
-    def detach(
-        self,
-        *,
-        ttl_s: float | None = None,
-        on_expire: Callable[[LockLease], None] | None = None,
-    ) -> LockLease:
-        """Turn the section this context owns into a detached one and return its lease.
-
-        The lock stays held; this context (and every task it spawned) no longer owns it. With
-        ``ttl_s`` the lease expires after that many seconds: the section is then released,
-        ``on_expire(lease)`` is called (synchronously, on the loop) and its token is refused with
-        LeaseExpiredError. Raises like ``release``, and ValueError for a TTL <= 0.
-        """
-        section = self._owned_section("detach")
-        if ttl_s is not None:
-            self._start_lease(section, ttl_s=ttl_s, on_expire=on_expire)
-        section.mode = SectionMode.DETACHED
-        return section.as_lease(self._name)
-
-    def reattach(self, token: int) -> LockLease:
-        """Attach the detached section with this fencing token to the current context.
-
-        An attached section has no lease: its TTL stops until it is detached again. Raises
-        StaleLockError if the token is not the live one (released, ended, superseded),
-        LeaseExpiredError if its lease ran out, LockNotHeldError if the section is attached to
-        another context, LockReentryError if to this one, LockNestingError if this context owns
-        another ContextLock.
-        """
-        section = self._detached_section(token, action=f"reattach({token})")
-        self._refuse_reentry_and_nesting(action=f"reattach({token})")
-        self._sections.reattach(section)
-        self._attach_to_context(section)
-        return section.as_lease(self._name)
-
-    def renew(self, token: int, ttl_s: float) -> LockLease:
-        """Restart the lease of the detached section with this token: it now expires in ``ttl_s``.
-
-        Keeps the lease's ``on_expire``. Raises like ``reattach`` (StaleLockError,
-        LeaseExpiredError, LockNotHeldError for an attached section), and ValueError for ttl_s <= 0.
-        """
-        section = self._detached_section(token, action=f"renew({token})")
-        on_expire = section.lease.on_expire if section.lease is not None else None
-        self._start_lease(section, ttl_s=ttl_s, on_expire=on_expire)
-        return section.as_lease(self._name)
-
-    def release_token(self, token: int) -> None:
-        """End the detached section with this fencing token (or the one this context owns).
-
-        Raises StaleLockError if the token is not live (ended twice, superseded),
-        LeaseExpiredError if its lease ran out, LockNotHeldError if another context owns it.
-        """
-        action = f"release_token({token})"
-        self._require_loop_thread(action)
-        self._expire_if_due()
-        section = self._sections.live
-        if section is not None and section.token == token and self.owned():
-            self._owned_section(action)  # still refuses a child task that merely inherited it
-        else:
-            self._detached_section(token, action=action)
-        self._end(EndReason.RELEASED)
-
-    def _discard_context_section(self) -> None:
-        """End the section this context entered, attached or since detached by it, if still live.
-
-        For ``acquires_lock``: a body that failed must not leave its window open, not even one it
-        already detached.
-        """
-        self._require_loop_thread("discard")
-        grant = self._context_grant()
-        section = self._sections.live
-        if (
-            grant is not None
-            and section is not None
-            and section.token == grant.token
-            and (section.mode is SectionMode.DETACHED or self._is_live(grant))
-        ):
-            self._end(EndReason.RELEASED)
-
-    # --- observing -----------------------------------------------------------------------------
+    def current(self) -> LockGrant:
+        """The grant the current context holds; raises like ``check_owned``."""
+        self.check_owned("current")
+        assert self._grant is not None
+        return self._grant
 
     def statistics(self) -> LockStatistics:
-        """A snapshot of the lock: holder, token, waiters, lease. Never raises."""
-        self._expire_if_due()
-        section = self._sections.live
+        """A snapshot: holder, token, waiters. Never raises."""
+        grant = self._grant
         return LockStatistics(
             name=self._name,
-            held=section is not None,
-            holder=section.holder if section else None,
-            held_since=section.acquired_at if section else None,
-            token=section.token if section else None,
-            waiters=self._waiters.live_count(),
-            detached=section is not None and section.mode is SectionMode.DETACHED,
-            lease_expires_at=section.lease.expires_at if section and section.lease else None,
+            held=grant is not None,
+            holder=grant.holder if grant else None,
+            held_since=grant.acquired_at if grant else None,
+            token=grant.token if grant else None,
+            waiters=sum(1 for w in tuple(self._waiters) if not w.future.done()),
         )
 
-    # --- internals -----------------------------------------------------------------------------
+    # --- internals ---------------------------------------------------------------------------
 
-    def _new_queue(self) -> WaiterQueue[Section]:
-        return WaiterQueue(
-            lock_name=self._name,
-            reminder_interval_s=self._reminder_interval_s,
-            describe_holder=self._sections.describe,
-            logger=_logger,
-        )
+    def _describe(self) -> str:
+        grant = self._grant
+        if grant is None:
+            return "free"
+        return f"held by {grant.holder!r} (token {grant.token}) since {grant.acquired_at.isoformat()}"
 
-    def _bind_running_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._loop is loop:
-            return
-        if self._sections.live is not None or self._waiters.live_count():
-            raise refusals.busy_on_other_loop(self._name, current=self._sections.held_by())
-        # Idle: nothing refers to the old loop any more, so rebinding is safe.
-        self._loop = loop
-        self._waiters = self._new_queue()
-
-    def _on_loop_thread(self) -> bool:
-        return self._loop is not None and _running_loop() is self._loop
-
-    def _require_loop_thread(self, action: str) -> None:
-        if self._loop is not None and not self._on_loop_thread():
-            raise refusals.off_loop(self._name, action=action)
-
-    def _refuse_reentry_and_nesting(self, *, action: str) -> None:
-        for grant in _GRANTS.get():
-            other = grant.lock
-            if not other._is_live(grant):
-                continue
-            held = other._sections.held_by()
-            assert held is not None
-            if other is self:
-                raise refusals.reentry(self._name, action=action, current=held)
-            raise refusals.nesting(self._name, action=action, other_lock=other.name, other=held)
-
-    def _attach_to_context(self, section: Section) -> None:
-        task = asyncio.current_task()
-        grant = _Grant(
-            lock=self,
-            token=section.token,
-            attachment=section.attachment,
-            task=weakref.ref(task) if task is not None else None,
-        )
-        _GRANTS.set(tuple(g for g in _GRANTS.get() if g.lock is not self) + (grant,))
-
-    def _context_grant(self) -> _Grant | None:
-        return next((grant for grant in _GRANTS.get() if grant.lock is self), None)
-
-    def _is_live(self, grant: _Grant) -> bool:
-        section = self._sections.live
-        return (
-            section is not None
-            and section.mode is SectionMode.ATTACHED
-            and section.token == grant.token
-            and section.attachment == grant.attachment
-        )
-
-    def _owned_section(self, action: str) -> Section:
-        """The section this context owns, entered by the current task; raises otherwise."""
-        self._require_loop_thread(action)
-        self.check_owned(action)
-        grant = self._context_grant()
-        section = self._sections.live
-        assert grant is not None and section is not None
-        entered_by = grant.task() if grant.task is not None else None
-        if entered_by is not asyncio.current_task():
-            raise refusals.inherited_only(
-                self._name,
-                action=action,
-                current=section.held_by(),
-                task=_current_task_name(),
-                entered_by=entered_by.get_name() if entered_by is not None else "<finished>",
+    def _refuse_reentry_and_nesting(self, holder: str) -> None:
+        for lock, token in _GRANTS.get():
+            if lock._grant is None or lock._grant.token != token:
+                continue  # a grant this context inherited from a section that has ended
+            if lock is self:
+                raise LockReentryError(
+                    f"{holder!r} tried to take lock {self._name!r}, which its context already holds "
+                    f"({self._describe()}); taking it again would deadlock",
+                    lock=self._name,
+                )
+            raise LockNestingError(
+                f"{holder!r} tried to take lock {self._name!r} while holding lock {lock.name!r}; "
+                "nesting two ContextLocks is refused (it invites lock-order deadlocks)",
+                lock=self._name,
+                held=lock.name,
             )
-        return section
 
-    def _detached_section(self, token: int, *, action: str) -> Section:
-        """The live, detached section with this token; raises if the token cannot take it."""
-        self._require_loop_thread(action)
-        self._expire_if_due()
-        section = self._sections.live
-        if section is None or section.token != token:
-            raise self._sections.refuse_token(token, action=action)
-        if section.mode is SectionMode.DETACHED:
-            return section
-        if self.owned():
-            raise refusals.attached_here(self._name, action=action, current=section.held_by())
-        raise refusals.attached_elsewhere(self._name, action=action, current=section.held_by())
+    def _open(self, holder: str, *, waited_s: float) -> LockGrant:
+        self._last_token += 1
+        grant = LockGrant(lock_name=self._name, token=self._last_token, holder=holder, acquired_at=datetime.now(UTC))
+        self._grant = grant
+        self._granted_mono = time.monotonic()
+        self._emit(LockTransitionKind.ACQUIRED, grant, waited_s=waited_s, held_s=None)
+        return grant
 
-    def _start_lease(
-        self, section: Section, *, ttl_s: float, on_expire: Callable[[LockLease], None] | None
-    ) -> None:
-        assert self._loop is not None
-        self._sections.start_lease(
-            section, loop=self._loop, ttl_s=ttl_s, on_expire=on_expire, on_timer=self._on_lease_timer
+    async def _wait(self, holder: str, timeout: float | None) -> LockGrant:
+        waiter = _Waiter(holder=holder, future=asyncio.get_running_loop().create_future(), since=time.monotonic())
+        self._waiters.append(waiter)
+        deadline = None if timeout is None else waiter.since + timeout
+        try:
+            while True:
+                step = self._reminder_interval_s
+                if deadline is not None:
+                    step = min(step, max(deadline - time.monotonic(), 0.0))
+                # asyncio.wait, not wait_for: it neither cancels the future the lock hands over on
+                # a reminder's timeout nor (as 3.11's wait_for does) swallows a cancellation that
+                # arrives together with the grant, which would leave a cancelled task holding it.
+                done, _ = await asyncio.wait({waiter.future}, timeout=step)
+                if done:
+                    return waiter.future.result()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise LockTimeoutError(
+                        f"{holder!r} waited {timeout}s for lock {self._name!r} ({self._describe()}) "
+                        "and gave up; nothing was changed",
+                        lock=self._name,
+                    )
+                _logger.warning(
+                    "%r has waited %.0fs for lock %r, %s",
+                    holder,
+                    time.monotonic() - waiter.since,
+                    self._name,
+                    self._describe(),
+                )
+        except BaseException:
+            self._leave(waiter)
+            raise
+
+    def _leave(self, waiter: _Waiter) -> None:
+        if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+            # Granted while its task was being cancelled or timing out: nobody will release it.
+            self._grant = None
+            self._emit(LockTransitionKind.RELEASED, waiter.future.result(), waited_s=None, held_s=0.0)
+            self._grant_next()
+        else:
+            waiter.future.cancel()
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+
+    def _grant_next(self) -> None:
+        # FIFO hand-off: the first live waiter gets the lock before any newcomer can ask for it.
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if waiter.future.done():
+                continue
+            waiter.future.set_result(self._open(waiter.holder, waited_s=time.monotonic() - waiter.since))
+            return
+
+    def _emit(self, kind: LockTransitionKind, grant: LockGrant, *, waited_s: float | None, held_s: float | None) -> None:
+        if self._on_transition is None:
+            return
+        transition = LockTransition(
+            kind=kind, lock_name=self._name, holder=grant.holder, token=grant.token, waited_s=waited_s, held_s=held_s
+        )
+        try:
+            self._on_transition(transition)
+        except Exception:  # an observer must never break the lock it observes
+            _logger.exception("on_transition hook of lock %r raised on %s", self._name, kind.value)
+
+
+# --- lock discipline -------------------------------------------------------------------------------
+
+
+class LockRole(Enum):
+    WITH_LOCK = "with_lock"
+    REQUIRES = "requires_lock"
+    EXEMPT = "lock_exempt"
+
+
+@dataclass(eq=False, slots=True)
+class _Declaration:
+    role: LockRole
+    qualname: str
+    owner: type | None = None  # set by enforce_lock_discipline
+    lock_attribute: str = "_lock"
+    timeout_attribute: str | None = None
+
+
+_DECLARATION = "__miles_lock_declaration__"
+_DECORATORS = "@with_lock, @requires_lock or @lock_exempt"
+
+
+def _declare(func: Any, role: LockRole) -> _Declaration:
+    qualname = getattr(func, "__qualname__", repr(func))
+    existing = getattr(func, _DECLARATION, None)
+    if isinstance(existing, _Declaration):
+        raise LockDisciplineError(
+            f"{qualname} is declared both @{existing.role.value} and @{role.value}; keep one of {_DECORATORS}",
+            method=qualname,
+        )
+    if role is not LockRole.EXEMPT and not inspect.isfunction(func):
+        raise LockDisciplineError(f"@{role.value} applies to plain methods, not to {func!r}", method=qualname)
+    return _Declaration(role=role, qualname=qualname)
+
+
+def _lock_of(instance: object, declaration: _Declaration) -> ContextLock:
+    if declaration.owner is None or not isinstance(instance, declaration.owner):
+        raise LockDisciplineError(
+            f"{declaration.qualname} is declared @{declaration.role.value} but its class was not decorated "
+            "with @enforce_lock_discipline, or it was called on another class's object",
+            method=declaration.qualname,
+        )
+    lock = getattr(instance, declaration.lock_attribute, None)
+    if not isinstance(lock, ContextLock):
+        raise LockDisciplineError(
+            f"{declaration.qualname} guards self.{declaration.lock_attribute}, which is {lock!r}, not a ContextLock",
+            method=declaration.qualname,
+        )
+    return lock
+
+
+def with_lock(func: FuncT) -> FuncT:
+    """Run the async method holding the lock (holder: its qualname), released in ``finally``.
+
+    Waits at most the owner's ``timeout_attribute`` seconds (LockTimeoutError after that).
+    """
+    declaration = _declare(func, LockRole.WITH_LOCK)
+    if not inspect.iscoroutinefunction(func):
+        raise LockDisciplineError(
+            f"@with_lock needs an async method, but {func.__qualname__} is not one; make it async or "
+            "declare it @requires_lock",
+            method=func.__qualname__,
         )
 
-    def _on_lease_timer(self, section: Section) -> None:
-        # The timer is cancelled on renew, reattach and release, so when it fires for the live
-        # detached section, that lease has run out (the loop may fire a hair early; immaterial).
-        if self._sections.live is section and section.mode is SectionMode.DETACHED:
-            self._expire(section)
+    @functools.wraps(func)
+    async def wrapper(self: object, /, *args: Any, **kwargs: Any) -> Any:
+        lock = _lock_of(self, declaration)
+        attribute = declaration.timeout_attribute
+        timeout = None if attribute is None else getattr(self, attribute)
+        async with lock.hold(holder=declaration.qualname, timeout=timeout):
+            return await func(self, *args, **kwargs)
 
-    def _expire_if_due(self) -> None:
-        # The timer runs late when the loop is busy, so every operation checks the clock too;
-        # only on the loop's thread, since other threads may read the lock but never change it.
-        section = self._sections.live
-        if section is not None and self._sections.lease_overdue() and self._on_loop_thread():
-            self._expire(section)
-
-    def _expire(self, section: Section) -> None:
-        assert section.lease is not None
-        on_expire = section.lease.on_expire
-        lease = section.as_lease(self._name)
-        _logger.warning(
-            "lease on lock %r expired (holder %r, token %d, due %s); its token is now refused "
-            "and the lock passes to the next waiter",
-            self._name,
-            section.holder,
-            section.token,
-            section.lease.expires_at.isoformat(),
-        )
-        self._sections.close(EndReason.LEASE_EXPIRED)
-        if on_expire is not None:
-            try:
-                on_expire(lease)
-            except Exception:  # a failing callback must not keep the lock from moving on
-                _logger.exception("on_expire callback of lock %r raised", self._name)
-        self._waiters.grant_next(self._sections.open)
-
-    def _end(self, reason: EndReason) -> None:
-        self._sections.close(reason)
-        # FIFO hand-off: the next waiter gets the lock before any newcomer can ask for it.
-        self._waiters.grant_next(self._sections.open)
-
-    def _pass_on(self, section: Section) -> None:
-        # A waiter was granted the lock but cancelled before it resumed: nobody will release it.
-        if self._sections.live is section:
-            self._end(EndReason.ABANDONED)
+    setattr(wrapper, _DECLARATION, declaration)
+    return wrapper  # type: ignore[return-value]
 
 
-# Re-exported so that callers import everything lock-related from one module. Imported last and
-# safe: lock_discipline refers back to ContextLock only at call time.
-from miles.utils.lock_discipline import (  # noqa: E402
-    LockRole,
-    acquires_lock,
-    enforce_lock_discipline,
-    lock_exempt,
-    releases_lock,
-    requires_lock,
-    with_lock,
-)
+def requires_lock(func: FuncT) -> FuncT:
+    """Let the method (sync or async) run only when the calling context holds the lock; raises
+    LockNotHeldError otherwise."""
+    declaration = _declare(func, LockRole.REQUIRES)
 
-__all__ = [
-    "ContextLock",
-    "LockLease",
-    "LockRole",
-    "LockStatistics",
-    "LockTransition",
-    "LockTransitionKind",
-    "acquires_lock",
-    "enforce_lock_discipline",
-    "lock_exempt",
-    "releases_lock",
-    "requires_lock",
-    "with_lock",
-]
+    if inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def async_wrapper(self: object, /, *args: Any, **kwargs: Any) -> Any:
+            _lock_of(self, declaration).check_owned(declaration.qualname)
+            return await func(self, *args, **kwargs)
+
+        setattr(async_wrapper, _DECLARATION, declaration)
+        return async_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(func)
+    def wrapper(self: object, /, *args: Any, **kwargs: Any) -> Any:
+        _lock_of(self, declaration).check_owned(declaration.qualname)
+        return func(self, *args, **kwargs)
+
+    setattr(wrapper, _DECLARATION, declaration)
+    return wrapper  # type: ignore[return-value]
+
+
+_ExemptT = TypeVar("_ExemptT")
+
+
+def lock_exempt(member: _ExemptT) -> _ExemptT:
+    """Declare a method (static/class method, property) unrelated to the lock; returned unchanged."""
+    for func in _functions_of(member):
+        setattr(func, _DECLARATION, _declare(func, LockRole.EXEMPT))
+    return member
+
+
+def _functions_of(member: object) -> list[Callable[..., Any]]:
+    if isinstance(member, staticmethod | classmethod):
+        return [member.__func__]
+    if isinstance(member, property):
+        return [f for f in (member.fget, member.fset, member.fdel) if f is not None]
+    if isinstance(member, functools.cached_property):
+        return [member.func]
+    if inspect.isfunction(member):
+        return [member]
+    return []
+
+
+def enforce_lock_discipline(
+    *, lock_attribute: str = "_lock", timeout_attribute: str | None = None
+) -> Callable[[ClassT], ClassT]:
+    """Refuse a class whose body defines a function without a lock declaration.
+
+    Checks every function in the class body (dunders, static and class methods and property
+    accessors included) and raises LockDisciplineError naming the undeclared ones. On success it
+    tells each guarded method which class owns it, where the lock lives, and which attribute
+    bounds how long ``@with_lock`` waits.
+    """
+
+    def check(cls: ClassT) -> ClassT:
+        undeclared: list[str] = []
+        for name, member in vars(cls).items():
+            descriptor = isinstance(member, staticmethod | classmethod | functools.cached_property)
+            for func in _functions_of(member):
+                declaration = getattr(func, _DECLARATION, None)
+                if not isinstance(declaration, _Declaration):
+                    undeclared.append(name)
+                    continue
+                if descriptor and declaration.role is not LockRole.EXEMPT:
+                    raise LockDisciplineError(
+                        f"{cls.__qualname__}.{name} guards the lock but has no instance to hold it on",
+                        cls=cls.__qualname__,
+                    )
+                if declaration.owner is None:
+                    declaration.owner = cls
+                    declaration.lock_attribute = lock_attribute
+                    declaration.timeout_attribute = timeout_attribute
+        if undeclared:
+            raise LockDisciplineError(
+                f"class {cls.__qualname__} owns a ContextLock (self.{lock_attribute}) but defines "
+                f"{', '.join(undeclared)} without saying how each relates to it; decorate each with one of {_DECORATORS}",
+                cls=cls.__qualname__,
+                methods=undeclared,
+            )
+        return cls
+
+    return check

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from miles.controller.results import UpdateStatus
-from miles.errors import StaleLockError
+from miles.errors import ConflictError
 from miles.protocol.sglang import UpdateWeightsResponse
 from miles.ray.rollout.inference_controller import AsyncInferenceController
 from miles.rollout.sft_rollout import SFTRollout
@@ -207,7 +207,7 @@ async def test_an_aborted_window_releases_the_lock_and_restores(
     result = await controller.abort_update_weights(window)
     assert result.status is UpdateStatus.ABORTED
     all_serving_verified(controller, "2", read_manifest(checkpoints["v2"]).checksum)
-    with pytest.raises(StaleLockError):
+    with pytest.raises(ConflictError):
         await controller.abort_update_weights(window)  # ending twice is refused
 
 
@@ -242,5 +242,5 @@ async def test_an_expired_lease_is_rolled_back_and_its_token_refused(
         await asyncio.sleep(0.05)
     assert controller.last_update.status is UpdateStatus.ABORTED
     all_serving_verified(controller, "3", v3.checksum)
-    with pytest.raises(StaleLockError):
+    with pytest.raises(ConflictError):
         await controller.end_update_weights(window, checksum=v3.checksum, step=4)

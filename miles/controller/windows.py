@@ -1,0 +1,213 @@
+"""Training windows: an update kept open while training pushes the weights itself.
+
+A window is a ``WeightUpdate`` whose lock a task of the controller holds (the lock itself knows
+nothing of windows). Training reaches the window's servers with the window's credential and ends
+it with ``end_update_weights`` (verify and commit) or ``abort_update_weights``; those calls hand
+an ``Ending`` to the task holding the window, which carries it out under the lock and answers.
+If no ending arrives within the window's TTL, the task rolls the window back itself.
+
+Weights a window pushed exist on no disk: after such a commit one engine writes them out in the
+background (``WriteOuts``), so that any server, even the only one, can be restarted on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles.controller.results import ChecksumSource, UpdateResult, UpdateStatus, UpdateWindow
+from miles.controller.transaction import Target, WeightUpdate
+from miles.errors import CheckpointError, ConflictError, InvalidRequestError, MilesError
+from miles.rollout.engine_client import EngineCallError
+from miles.rollout.rollout import Rollout
+from miles.rollout.state import ServerState
+from miles.utils.weight_version import is_newer
+from miles.weights.checkpoint import read_manifest
+from miles.weights.paths import checked_path
+
+logger = logging.getLogger("miles.controller")
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Training ends its window: these servers now hold weights hashing to ``checksum``."""
+
+    checksum: str
+    step: int
+    checkpoint: str | Path | None = None
+    weight_version: str | None = None
+
+    def __post_init__(self) -> None:
+        # Checked before the window is touched: a bad argument is an error, not an ending.
+        if not isinstance(self.checksum, str) or not self.checksum:
+            raise InvalidRequestError(f"checksum must be a non-empty string, got {self.checksum!r}")
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or not 0 <= self.step < 2**63:
+            raise InvalidRequestError(f"step must be an integer >= 0, got {self.step!r}")
+        if self.weight_version is not None and (not isinstance(self.weight_version, str) or not self.weight_version):
+            raise InvalidRequestError(f"weight_version must be a non-empty string, got {self.weight_version!r}")
+        if self.checkpoint is not None:
+            checked_path(str(self.checkpoint), field="checkpoint")
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Training gives its window up (or the controller does, shutting down)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Why a window's commit admitted nothing: ``reason`` for the rollback, ``message`` for the
+    result (empty: the result lists each server's failure)."""
+
+    reason: str
+    message: str
+
+
+@dataclass(eq=False)
+class OpenWindow:
+    """A window held open: what training was told, and the way training ends it."""
+
+    update: WeightUpdate
+    public: UpdateWindow
+    _endings: asyncio.Queue[tuple[Commit | Abort, asyncio.Future[UpdateResult]]] = field(default_factory=asyncio.Queue)
+    _closing: str | None = None  # why it no longer takes an ending
+
+    def end(self, ending: Commit | Abort) -> asyncio.Future[UpdateResult]:
+        """Hand ``ending`` to the task holding the window; its result comes in the future.
+
+        Raises ConflictError when the window is already ending or expired.
+        """
+        if self._closing is not None:
+            raise ConflictError(f"window {self.public.window_id} is {self._closing}; start a new window", token=self.public.token)
+        self._closing = "ending"
+        result: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
+        self._endings.put_nowait((ending, result))
+        return result
+
+    async def wait(self, ttl_s: float) -> tuple[Commit | Abort, asyncio.Future[UpdateResult] | None]:
+        """The ending training sends; after ``ttl_s`` without one, an Abort of its own."""
+        try:
+            return await asyncio.wait_for(self._endings.get(), timeout=ttl_s)
+        except TimeoutError:
+            if not self._endings.empty():  # it arrived as the timer fired: honour it
+                return self._endings.get_nowait()
+            self._closing = "expired"
+            return Abort(reason="the window's lease expired before training ended it"), None
+
+
+async def commit(update: WeightUpdate, ending: Commit, *, published_checksum: str | None) -> UpdateStatus | Refused:
+    """Verify what every server of ``update`` holds against the checksum training gave, and admit.
+
+    ``published_checksum`` is what training published for that step, if it did. Returns COMMITTED,
+    or why nothing was admitted (the caller rolls the window back).
+    """
+    version = ending.weight_version or str(ending.step)
+    if is_newer(version, update.previous_version) is False:
+        reason = (
+            f"weight version {version} is not newer than the version the fleet already serves "
+            f"({update.previous_version}); serving versions never go back"
+        )
+        return Refused(reason=reason, message=reason)
+    if published_checksum is not None and published_checksum != ending.checksum:
+        reason = (
+            f"the window's checksum {ending.checksum} differs from the one published for step {ending.step} "
+            f"({published_checksum}); nothing was admitted"
+        )
+        return Refused(reason=reason, message=reason)
+    update.aim(
+        Target(
+            weight_version=version,
+            step=ending.step,
+            checksum=ending.checksum,
+            source=ChecksumSource.TRAINING,
+            checkpoint=_checkpoint_holding(ending.checkpoint, ending.checksum),
+        )
+    )
+    ids = update.server_ids
+    await update.confirm(ids)
+    if update.failed(ids):
+        return Refused(reason=f"checksum not confirmed on {', '.join(update.failed(ids))}", message="")
+    await update.admit(ids)
+    return UpdateStatus.COMMITTED
+
+
+async def set_window(update: WeightUpdate, *, open_: bool) -> None:
+    """Tell every engine of ``update`` whether its window's credential may push (``/fence``).
+
+    Closing cannot fail the caller: an engine that cannot be told (it died) is restarted before it
+    serves again, and a new process knows no window.
+    """
+
+    async def one(server_id: str) -> None:
+        try:
+            await update.rollout.fence(server_id, update.token, window_open=open_)
+        except MilesError as exc:
+            if open_:
+                raise
+            logger.warning("could not close window %d on %s: %s", update.token, server_id, exc)
+
+    await asyncio.gather(*(one(sid) for sid in update.server_ids))
+
+
+class WriteOuts:
+    """Background copies, to disk, of weights windows pushed (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, rollout: Rollout, *, checksum: str, step: int) -> None:
+        task = asyncio.get_running_loop().create_task(
+            _write_out(rollout, checksum=checksum, step=step), name=f"write-out-{rollout.model_name}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def cancel(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _write_out(rollout: Rollout, *, checksum: str, step: int) -> None:
+    # The engine holds its weights still while it writes (an update waits for the copy), and the
+    # copy is only recorded for servers still verified on the same checksum.
+    holders = [
+        s.server_id
+        for s in rollout.snapshot()
+        if s.state is ServerState.SERVING and s.verified is not None and s.verified.checksum == checksum
+    ]
+    for server_id in holders:
+        try:
+            exported = await rollout.export(server_id, step=step)
+        except EngineCallError as exc:
+            logger.warning("%s could not write out the pushed weights: %s", server_id, exc)
+            continue
+        if exported.checksum == checksum:
+            recorded = rollout.remember_checkpoint(checksum, exported.path)
+            logger.info("pushed weights %s written to %s for %s", checksum, exported.path, ", ".join(recorded))
+            return
+    logger.warning("no server could write out the pushed weights %s; restarts will copy them from a peer", checksum)
+
+
+def _checkpoint_holding(checkpoint: str | Path | None, checksum: str) -> Path | None:
+    """``checkpoint`` when its manifest says it holds weights with ``checksum``; else None.
+
+    A window's checkpoint is where restarts reload its weights from, so a directory that holds
+    other weights (a stale path, a later save over it) must not be recorded as theirs.
+    """
+    if checkpoint is None:
+        return None
+    path = checked_path(str(checkpoint), field="checkpoint")
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as exc:
+        logger.warning("window checkpoint %s cannot serve restarts: %s", path, exc)
+        return None
+    if manifest.checksum != checksum:
+        logger.warning("window checkpoint %s holds %s, not the committed %s", path, manifest.checksum, checksum)
+        return None
+    return path
