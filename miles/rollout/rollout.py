@@ -1,17 +1,15 @@
-"""Rollout: a fleet of engines serving one model, each tracked by an explicit state machine.
+"""Rollout: the servers of one model, run by one server type, each an explicit state machine.
 
-A Rollout launches its engines, confirms the weights each one holds by checksum before it
-serves, probes their health on an interval, replaces a process that dies (on the last weights that
-were verified on it), and stops everything it started. It knows nothing of the update protocol:
-the InferenceController drives updates through ``load``, ``confirm``, ``admit``, ``quarantine``
-and ``rollback``; the state machine refuses any step out of order.
+A Rollout launches its servers' engines, confirms the weights each one holds by checksum before it
+serves, and stops everything it started; its ``Supervisor`` probes them and restarts, rolls back or
+recovers them. It knows nothing of the update protocol: the controller's ``WeightUpdate`` drives
+updates through ``begin_update``, ``pause``, ``load``, ``confirm``, ``admit``, ``quarantine`` and
+``rollback``, each engine call carrying the update's fencing token; the state machine refuses any
+step out of order.
 
-Each probe of a serving engine also compares the weight version and checksum the engine reports
-with the ones verified on it: weights changed behind the controller's back (a direct load) are
-quarantined, reported and rolled back. Verified weights that exist on no disk (a training window
-pushed them) are recovered from a serving peer holding the same checksum, which writes them out
-for the restarted engine; the controller also has one engine write them once after such a commit,
-so a fleet of one server recovers too.
+Verified weights are recorded with the checkpoint they can be reloaded from. Weights that exist on
+no disk (a training window pushed them) are recovered from a serving peer holding the same
+checksum, which writes them out for the restarted server (``export``).
 
 Subclasses say how an engine process is launched and stopped (``_launch``, ``_terminate``,
 ``_alive``); everything else speaks SGLang's HTTP API through ``EngineClient``.
@@ -22,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -42,13 +39,13 @@ from miles.rollout.engine_client import (
 )
 from miles.rollout.spec import HealthSettings, RolloutSpec
 from miles.rollout.state import (
-    ProbeResult,
     ServerCell,
     ServerSnapshot,
     ServerState,
     StateChange,
     VerifiedWeights,
 )
+from miles.rollout.supervisor import Supervisor
 from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import model_checksum
 
@@ -100,8 +97,8 @@ class Rollout(ABC):
         self.spec = spec
         # Restarts triggered by the health loop run inside this section (the controller passes
         # its lock) so a restart never interleaves with an update or a training window.
-        self._exclusive = exclusive or _no_guard
-        self._observer = observer
+        self.exclusive = exclusive or _no_guard
+        self.observer = observer
         manifest = _manifest_or_none(spec.checkpoint)
         self.model_name = spec.model_name or (manifest.model_name if manifest else spec.checkpoint.name)
         self._cells = [
@@ -110,9 +107,8 @@ class Rollout(ABC):
         ]
         self._clients: dict[str, EngineClient] = {}
         self._http: httpx.AsyncClient | None = None
-        self._health_task: asyncio.Task[None] | None = None
-        # Set to run the health loop's next tick now: a changed interval, a suspected server.
-        self._wake = asyncio.Event()
+        self._supervisor = Supervisor(self)
+        self._supervising: asyncio.Task[None] | None = None
 
     # --- subclass hooks --------------------------------------------------------------------
 
@@ -148,14 +144,14 @@ class Rollout(ABC):
         except BaseException:
             await self.stop()
             raise
-        self._health_task = asyncio.create_task(self._health_loop(), name=f"health-{self.spec.name}")
+        self._supervising = asyncio.create_task(self._supervisor.run(), name=f"supervise-{self.spec.name}")
 
     async def stop(self) -> None:
         """Stop the health loop and every engine; safe to call twice."""
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
-            self._health_task = None
+        if self._supervising is not None:
+            self._supervising.cancel()
+            await asyncio.gather(self._supervising, return_exceptions=True)
+            self._supervising = None
         await asyncio.gather(*(self._stop_cell(cell) for cell in self._cells), return_exceptions=True)
         if self._http is not None:
             await self._http.aclose()
@@ -164,10 +160,18 @@ class Rollout(ABC):
     async def _stop_cell(self, cell: ServerCell) -> None:
         await self._terminate(cell)
         if cell.state is not ServerState.STOPPED:
-            self._apply(cell, ServerState.STOPPED, "rollout server stopped")
+            self.transition(cell, ServerState.STOPPED, "rollout server stopped")
         self._clients.pop(cell.server_id, None)
 
     # --- views -----------------------------------------------------------------------------
+
+    @property
+    def cells(self) -> list[ServerCell]:
+        """The servers' records (for this package's supervisor; others use ``snapshot``)."""
+        return list(self._cells)
+
+    def alive(self, cell: ServerCell) -> bool:
+        return self._alive(cell)
 
     def snapshot(self) -> list[ServerSnapshot]:
         return [cell.snapshot() for cell in self._cells]
@@ -192,7 +196,7 @@ class Rollout(ABC):
 
     def begin_update(self, server_id: str, *, reason: str) -> None:
         """Take a serving (or quarantined) server out of routing to load new weights."""
-        self._apply(self.cell(server_id), ServerState.UPDATING, reason)
+        self.transition(self.cell(server_id), ServerState.UPDATING, reason)
 
     async def pause(self, server_id: str, mode: PauseMode, *, fence: int | None = None) -> int:
         """Stop the server's generation (running requests per ``mode``); returns how many there were."""
@@ -265,21 +269,16 @@ class Rollout(ABC):
                 changed.append(cell.server_id)
         return changed
 
-    def suspect(self, server_id: str) -> None:
-        """A request could not reach the server: probe every server now, not at the next tick."""
-        self.cell(server_id)  # raises for an id that is not ours
-        self._wake.set()
-
     def admit(self, server_id: str, verified: VerifiedWeights, *, reason: str) -> None:
         """Mark the server as serving ``verified`` (its checksum was confirmed by the caller)."""
         cell = self.cell(server_id)
         cell.verified = verified
         cell.weight_version = verified.weight_version
         cell.checksum = verified.checksum
-        self._apply(cell, ServerState.SERVING, reason)
+        self.transition(cell, ServerState.SERVING, reason)
 
     def quarantine(self, server_id: str, *, reason: str) -> None:
-        self._apply(self.cell(server_id), ServerState.QUARANTINED, reason)
+        self.transition(self.cell(server_id), ServerState.QUARANTINED, reason)
 
     async def rollback(self, server_id: str, *, reason: str, fence: int | None = None) -> WeightsChecksum:
         """Reload the server's last verified weights and confirm them; it serves them again.
@@ -292,13 +291,13 @@ class Rollout(ABC):
         if verified is None:
             raise RolloutError("server has no verified weights to roll back to", server_id=server_id)
         if cell.state is not ServerState.UPDATING:
-            self._apply(cell, ServerState.UPDATING, reason)
+            self.transition(cell, ServerState.UPDATING, reason)
         try:
             confirmed: WeightsChecksum | None = await self.confirm(server_id, fence=fence)
             if confirmed is not None and confirmed.checksum != verified.checksum:
                 source = await self._source_of(cell, fence=fence)
                 if source is None:
-                    self._apply(cell, ServerState.QUARANTINED, "its verified weights are on no disk and no peer holds them")
+                    self.transition(cell, ServerState.QUARANTINED, "its verified weights are on no disk and no peer holds them")
                     raise RolloutError(
                         "the verified weights are on no disk and no serving peer holds them; the server "
                         "stays quarantined until the next update",
@@ -341,7 +340,7 @@ class Rollout(ABC):
         """
         cell = self.cell(server_id)
         if cell.state is not ServerState.RESTARTING:
-            self._apply(cell, ServerState.RESTARTING, reason)
+            self.transition(cell, ServerState.RESTARTING, reason)
         await self._terminate(cell)
         self._clients.pop(server_id, None)
         cell.restarts += 1
@@ -353,19 +352,20 @@ class Rollout(ABC):
 
     # --- internals -------------------------------------------------------------------------
 
-    def _apply(self, cell: ServerCell, to: ServerState, reason: str) -> None:
+    def transition(self, cell: ServerCell, to: ServerState, reason: str) -> None:
+        """Move ``cell`` to ``to`` (the table decides whether it may) and report the change."""
         change = cell.transition(to, reason=reason)
         logger.info("%s: %s -> %s (%s)", cell.server_id, change.from_state, change.to_state, reason)
-        if self._observer is not None:
-            self._observer.state_changed(change)
+        if self.observer is not None:
+            self.observer.state_changed(change)
 
     async def _bring_up(self, cell: ServerCell, checkpoint: Path, *, restart: bool, fence: int | None = None) -> None:
         """Launch, wait healthy, confirm the checksum against what should be there, admit."""
-        self._apply(cell, ServerState.STARTING, "restart" if restart else "start")
+        self.transition(cell, ServerState.STARTING, "restart" if restart else "start")
         try:
             url = await self._launch(cell, checkpoint)
         except MilesError as exc:
-            self._apply(cell, ServerState.RESTARTING, f"launch failed: {exc.message}")
+            self.transition(cell, ServerState.RESTARTING, f"launch failed: {exc.message}")
             raise RolloutError(f"engine failed to start: {exc}", server_id=cell.server_id) from exc
         cell.url = url
         cell.incarnation += 1
@@ -373,7 +373,7 @@ class Rollout(ABC):
         cell.last_probe = None
         secret = self.spec.engine_secret.get_secret_value() if self.spec.engine_secret else None
         self._clients[cell.server_id] = EngineClient(url, http=self.http, server_id=cell.server_id, secret=secret)
-        self._apply(cell, ServerState.PENDING_WEIGHTS, "engine healthy")
+        self.transition(cell, ServerState.PENDING_WEIGHTS, "engine healthy")
         expected = cell.verified or await self._initial_weights(checkpoint)
         client = self._clients[cell.server_id]
         try:
@@ -385,10 +385,10 @@ class Rollout(ABC):
                 await client.update_weight_version(expected.weight_version, fence=fence)
         except EngineCallError as exc:
             # Leave the cell restarting so the health loop tries again, rather than stuck pending.
-            self._apply(cell, ServerState.RESTARTING, f"engine stopped answering after start: {exc.message}")
+            self.transition(cell, ServerState.RESTARTING, f"engine stopped answering after start: {exc.message}")
             raise RolloutError(f"engine failed after start: {exc}", server_id=cell.server_id) from exc
         if confirmed.checksum != expected.checksum:
-            self._apply(
+            self.transition(
                 cell,
                 ServerState.QUARANTINED,
                 f"started on {confirmed.weight_version} ({confirmed.checksum}), not the verified "
@@ -404,8 +404,8 @@ class Rollout(ABC):
         self._restored(cell, expected)
 
     def _restored(self, cell: ServerCell, verified: VerifiedWeights) -> None:
-        if self._observer is not None:
-            self._observer.weights_restored(cell.server_id, cell.model_name, verified)
+        if self.observer is not None:
+            self.observer.weights_restored(cell.server_id, cell.model_name, verified)
 
     async def _initial_weights(self, checkpoint: Path) -> VerifiedWeights:
         """What the start checkpoint holds: its manifest's version and checksum when sealed.
@@ -435,113 +435,16 @@ class Rollout(ABC):
             logger.warning("could not resume %s after rollback: %s", cell.server_id, exc)
 
     def set_health(self, health: HealthSettings) -> None:
-        """Apply new probe settings now: the loop's current wait ends and the next uses them."""
+        """Apply new probe settings now: the supervisor's current wait ends and the next uses them."""
         self.spec = self.spec.model_copy(update={"health": health})
-        self._wake.set()
+        self._supervisor.wake()
 
-    async def _health_loop(self) -> None:
-        while True:
-            try:
-                # A changed interval or a suspected server ends the wait early (``_wake``).
-                await asyncio.wait_for(self._wake.wait(), timeout=self.spec.health.interval_s)
-            except TimeoutError:
-                pass
-            self._wake.clear()
-            for cell in self._cells:
-                try:
-                    await self._probe(cell)
-                except Exception:
-                    # The loop must outlive any one failed probe or restart; the next tick retries.
-                    logger.exception("health check of %s failed", cell.server_id)
+    def suspect(self, server_id: str) -> None:
+        """A request could not reach the server: probe every server now, not at the next tick."""
+        self.cell(server_id)  # raises for an id that is not ours
+        self._supervisor.wake()
 
-    async def _probe(self, cell: ServerCell) -> None:
-        if cell.state is ServerState.QUARANTINED:
-            await self._recover_guarded(cell)
-            return
-        if cell.state not in (ServerState.SERVING, ServerState.PENDING_WEIGHTS, ServerState.RESTARTING):
-            return  # probes pause while a server starts, updates or is stopped
-        if cell.state is ServerState.RESTARTING or not self._alive(cell):
-            await self._restart_guarded(cell, "engine process exited" if cell.state is ServerState.SERVING else "retry")
-            return
-        incarnation, verified = cell.incarnation, cell.verified
-        started = time.monotonic()
-        reported: WeightsIdentity | None = None
-        error = None
-        try:
-            reported = await self.identity(cell.server_id)
-        except EngineCallError as exc:
-            error = exc.message
-        if cell.incarnation != incarnation:
-            return  # replaced while the probe was out; its answer describes an older process
-        ok = reported is not None
-        cell.last_probe = ProbeResult(at=time.time(), ok=ok, latency_s=time.monotonic() - started, error=error)
-        cell.consecutive_failures = 0 if ok else cell.consecutive_failures + 1
-        if self._observer is not None:
-            self._observer.probed(cell.server_id)
-        if cell.consecutive_failures >= self.spec.health.failure_threshold:
-            await self._restart_guarded(cell, f"{cell.consecutive_failures} failed health checks in a row")
-        elif reported is not None and cell.state is ServerState.SERVING and _drifted(verified, reported):
-            await self._drift_guarded(cell, incarnation)
-
-    async def _drift_guarded(self, cell: ServerCell, incarnation: int) -> None:
-        """Quarantine, report and roll back a server whose engine holds other weights than verified."""
-        async with self._exclusive(f"drift {cell.server_id}") as fence:
-            # Re-check under the section: an update may have changed the weights on purpose
-            # while we waited, or replaced the process; only a drift that is still there counts.
-            verified = cell.verified
-            if cell.state is not ServerState.SERVING or cell.incarnation != incarnation or verified is None:
-                return
-            try:
-                reported = await self.identity(cell.server_id)
-            except EngineCallError:
-                return  # the failure counter and the next probe deal with an engine that stopped answering
-            if not _drifted(verified, reported):
-                return
-            logger.error(
-                "%s holds %s (%s) but was verified on %s (%s): its weights changed outside the controller",
-                cell.server_id,
-                reported.weight_version,
-                reported.checksum,
-                verified.weight_version,
-                verified.checksum,
-            )
-            cell.weight_version, cell.checksum = reported.weight_version, reported.checksum or cell.checksum
-            if self._observer is not None:
-                self._observer.drifted(cell.server_id, cell.model_name, expected=verified, actual=reported)
-            self._apply(
-                cell,
-                ServerState.QUARANTINED,
-                f"weights changed outside the controller: the engine reports {reported.weight_version} "
-                f"({reported.checksum}), verified was {verified.weight_version} ({verified.checksum})",
-            )
-            try:
-                await self.rollback(cell.server_id, reason="weights changed outside the controller", fence=fence)
-            except RolloutError as exc:
-                logger.error("could not restore %s after its weights drifted: %s", cell.server_id, exc)
-
-    async def _recover_guarded(self, cell: ServerCell) -> None:
-        """Bring a quarantined server back once its verified weights can be found again.
-
-        A server quarantined outside an update (restarted while its verified weights were on no
-        disk and no peer held them) recovers as soon as a peer serves them again.
-        """
-        if cell.verified is None:
-            return
-        alive = self._alive(cell)
-        if alive and cell.verified.checkpoint is None and self._peer_holding(cell) is None:
-            return  # nothing to recover from yet; checked again at the next tick
-        async with self._exclusive(f"recover {cell.server_id}") as fence:
-            if cell.state is not ServerState.QUARANTINED:
-                return  # an update took it over while we waited
-            try:
-                if self._alive(cell):
-                    await self.rollback(cell.server_id, reason="its verified weights are available again", fence=fence)
-                else:
-                    await self.restart(cell.server_id, reason="engine process exited while quarantined", fence=fence)
-            except RolloutError as exc:
-                logger.warning("recovery of %s failed (will retry): %s", cell.server_id, exc)
-
-    def _peer_holding(self, cell: ServerCell) -> ServerCell | None:
+    def peer_holding(self, cell: ServerCell) -> ServerCell | None:
         """A serving peer verified on the same weights as ``cell`` (same checksum)."""
         verified = cell.verified
         if verified is None:
@@ -567,7 +470,7 @@ class Rollout(ABC):
             return None
         if verified.checkpoint is not None:
             return verified.checkpoint
-        peer = self._peer_holding(cell)
+        peer = self.peer_holding(cell)
         if peer is None:
             return None
         try:
@@ -580,29 +483,6 @@ class Rollout(ABC):
             return None
         self.remember_checkpoint(verified.checksum, exported.path)
         return exported.path
-
-    async def _restart_guarded(self, cell: ServerCell, reason: str) -> None:
-        async with self._exclusive(f"restart {cell.server_id}") as fence:
-            # Re-check under the section: an update may have replaced or stopped it meanwhile.
-            healthy = self._alive(cell) and cell.consecutive_failures < self.spec.health.failure_threshold
-            if cell.state is ServerState.STOPPED or (cell.state is ServerState.SERVING and healthy):
-                return
-            if cell.state not in (ServerState.SERVING, ServerState.PENDING_WEIGHTS, ServerState.RESTARTING):
-                return  # an update took it over while we waited; it owns the cell now
-            try:
-                await self.restart(cell.server_id, reason=reason, fence=fence)
-            except RolloutError as exc:
-                logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)
-
-
-def _drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool:
-    """Whether an engine's report differs from the weights verified on it (version or checksum)."""
-    if verified is None:
-        return False
-    if reported.weight_version != verified.weight_version:
-        return True
-    return reported.checksum is not None and reported.checksum != verified.checksum
-
 
 def _manifest_or_none(checkpoint: Path):  # noqa: ANN202 - Manifest | None
     try:

@@ -1,0 +1,167 @@
+"""The supervisor of a rollout's servers: health probes, restarts, drift and recovery.
+
+Every ``health_interval_s`` (sooner when woken: a changed interval, a request that could not reach
+a server) it probes each server. A dead process, or ``failure_threshold`` failed probes in a row,
+is restarted on its last verified weights. A serving engine that reports weights other than the
+ones verified on it (changed behind the controller's back) is quarantined, reported and rolled
+back. A server quarantined outside an update recovers as soon as its verified weights can be found
+again. Restarts, rollbacks and recoveries run inside the rollout's exclusive section (the
+controller's lock), so they never interleave with an update, and re-check the server there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from miles.errors import MilesError
+from miles.rollout.engine_client import EngineCallError, WeightsIdentity
+from miles.rollout.state import ProbeResult, ServerCell, ServerState, VerifiedWeights
+
+if TYPE_CHECKING:
+    from miles.rollout.rollout import Rollout
+
+logger = logging.getLogger("miles.rollout")
+
+
+class Supervisor:
+    """Probes, restarts and recovers the servers of one rollout; see the module docstring."""
+
+    def __init__(self, rollout: Rollout) -> None:
+        self._rollout = rollout
+        # Set to run the next round now: a changed interval, a suspected server.
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Probe every server, round after round, until cancelled."""
+        while True:
+            try:
+                # A changed interval or a suspected server ends the wait early (``wake``).
+                await asyncio.wait_for(self._wake.wait(), timeout=self._rollout.spec.health.interval_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            for cell in self._rollout.cells:
+                try:
+                    await self._probe(cell)
+                except Exception:
+                    # The loop must outlive any one failed probe or restart; the next round retries.
+                    logger.exception("health check of %s failed", cell.server_id)
+
+    async def _probe(self, cell: ServerCell) -> None:
+        if cell.state is ServerState.QUARANTINED:
+            await self._recover_guarded(cell)
+            return
+        if cell.state not in (ServerState.SERVING, ServerState.PENDING_WEIGHTS, ServerState.RESTARTING):
+            return  # probes pause while a server starts, updates or is stopped
+        if cell.state is ServerState.RESTARTING or not self._rollout.alive(cell):
+            await self._restart_guarded(cell, "engine process exited" if cell.state is ServerState.SERVING else "retry")
+            return
+        incarnation, verified = cell.incarnation, cell.verified
+        started = time.monotonic()
+        reported: WeightsIdentity | None = None
+        error = None
+        try:
+            reported = await self._rollout.identity(cell.server_id)
+        except EngineCallError as exc:
+            error = exc.message
+        if cell.incarnation != incarnation:
+            return  # replaced while the probe was out; its answer describes an older process
+        ok = reported is not None
+        cell.last_probe = ProbeResult(at=time.time(), ok=ok, latency_s=time.monotonic() - started, error=error)
+        cell.consecutive_failures = 0 if ok else cell.consecutive_failures + 1
+        if self._rollout.observer is not None:
+            self._rollout.observer.probed(cell.server_id)
+        if cell.consecutive_failures >= self._rollout.spec.health.failure_threshold:
+            await self._restart_guarded(cell, f"{cell.consecutive_failures} failed health checks in a row")
+        elif reported is not None and cell.state is ServerState.SERVING and drifted(verified, reported):
+            await self._drift_guarded(cell, incarnation)
+
+    async def _drift_guarded(self, cell: ServerCell, incarnation: int) -> None:
+        """Quarantine, report and roll back a server whose engine holds other weights than verified."""
+        async with self._rollout.exclusive(f"drift {cell.server_id}") as fence:
+            # Re-check under the section: an update may have changed the weights on purpose
+            # while we waited, or replaced the process; only a drift that is still there counts.
+            verified = cell.verified
+            if cell.state is not ServerState.SERVING or cell.incarnation != incarnation or verified is None:
+                return
+            try:
+                reported = await self._rollout.identity(cell.server_id)
+            except EngineCallError:
+                return  # the failure counter and the next probe deal with an engine that stopped answering
+            if not drifted(verified, reported):
+                return
+            logger.error(
+                "%s holds %s (%s) but was verified on %s (%s): its weights changed outside the controller",
+                cell.server_id,
+                reported.weight_version,
+                reported.checksum,
+                verified.weight_version,
+                verified.checksum,
+            )
+            cell.weight_version, cell.checksum = reported.weight_version, reported.checksum or cell.checksum
+            if self._rollout.observer is not None:
+                self._rollout.observer.drifted(cell.server_id, cell.model_name, expected=verified, actual=reported)
+            self._rollout.transition(
+                cell,
+                ServerState.QUARANTINED,
+                f"weights changed outside the controller: the engine reports {reported.weight_version} "
+                f"({reported.checksum}), verified was {verified.weight_version} ({verified.checksum})",
+            )
+            try:
+                await self._rollout.rollback(cell.server_id, reason="weights changed outside the controller", fence=fence)
+            except MilesError as exc:
+                logger.error("could not restore %s after its weights drifted: %s", cell.server_id, exc)
+
+    async def _recover_guarded(self, cell: ServerCell) -> None:
+        """Bring a quarantined server back once its verified weights can be found again.
+
+        A server quarantined outside an update (restarted while its verified weights were on no
+        disk and no peer held them) recovers as soon as a peer serves them again.
+        """
+        if cell.verified is None:
+            return
+        alive = self._rollout.alive(cell)
+        if alive and cell.verified.checkpoint is None and self._rollout.peer_holding(cell) is None:
+            return  # nothing to recover from yet; checked again at the next tick
+        async with self._rollout.exclusive(f"recover {cell.server_id}") as fence:
+            if cell.state is not ServerState.QUARANTINED:
+                return  # an update took it over while we waited
+            try:
+                if self._rollout.alive(cell):
+                    await self._rollout.rollback(cell.server_id, reason="its verified weights are available again", fence=fence)
+                else:
+                    await self._rollout.restart(cell.server_id, reason="engine process exited while quarantined", fence=fence)
+            except MilesError as exc:
+                logger.warning("recovery of %s failed (will retry): %s", cell.server_id, exc)
+
+    async def _restart_guarded(self, cell: ServerCell, reason: str) -> None:
+        async with self._rollout.exclusive(f"restart {cell.server_id}") as fence:
+            # Re-check under the section: an update may have replaced or stopped it meanwhile.
+            healthy = self._rollout.alive(cell) and cell.consecutive_failures < self._rollout.spec.health.failure_threshold
+            if cell.state is ServerState.STOPPED or (cell.state is ServerState.SERVING and healthy):
+                return
+            if cell.state not in (ServerState.SERVING, ServerState.PENDING_WEIGHTS, ServerState.RESTARTING):
+                return  # an update took it over while we waited; it owns the cell now
+            try:
+                await self._rollout.restart(cell.server_id, reason=reason, fence=fence)
+            except MilesError as exc:
+                logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)
+
+
+
+
+def drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool:
+    """Whether an engine's report differs from the weights verified on it (version or checksum)."""
+    if verified is None:
+        return False
+    if reported.weight_version != verified.weight_version:
+        return True
+    return reported.checksum is not None and reported.checksum != verified.checksum
+
+
