@@ -50,7 +50,9 @@ print(json.dumps(times))
 
 
 def latencies(url: str, n: int, token: str = "") -> list[float]:
-    done = subprocess.run([sys.executable, "-c", CLIENT, url, str(n), token], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", CLIENT, url, str(n), token], capture_output=True, text=True, check=True
+    )
     return json.loads(done.stdout)
 
 
@@ -112,7 +114,9 @@ async def main(args: argparse.Namespace) -> None:
     print(f"{'path':<22}{'p50 ms':>10}{'p90 ms':>10}")
     print(f"{'engine directly':<22}{d50 * 1e3:>10.3f}{p(direct, 0.9) * 1e3:>10.3f}")
     print(f"{'through controller':<22}{r50 * 1e3:>10.3f}{p(routed, 0.9) * 1e3:>10.3f}")
-    print(f"added by routing: p50 {(r50 - d50) * 1e3:.3f} ms (target < 1 ms), p90 {(p(routed, 0.9) - p(direct, 0.9)) * 1e3:.3f} ms")
+    print(
+        f"added by routing: p50 {(r50 - d50) * 1e3:.3f} ms (target < 1 ms), p90 {(p(routed, 0.9) - p(direct, 0.9)) * 1e3:.3f} ms"
+    )
     print(f"ratio routed/direct p50: {r50 / d50:.2f}x")
     g50 = statistics.median(guarded)
     print(f"{'guarded controller':<22}{g50 * 1e3:>10.3f}{p(guarded, 0.9) * 1e3:>10.3f}")
@@ -125,7 +129,9 @@ async def main(args: argparse.Namespace) -> None:
     print(f"{'controller update_rollout_weights':<34}{c50 * 1e3:>10.2f}")
     for phase, values in phases.items():
         print(f"{'  ' + phase:<34}{statistics.median(values) * 1e3:>10.2f}")
-    print(f"protocol overhead (everything but the load): {(c50 - e50) * 1e3:.2f} ms per update ({c50 / e50:.2f}x the load)")
+    print(
+        f"protocol overhead (everything but the load): {(c50 - e50) * 1e3:.2f} ms per update ({c50 / e50:.2f}x the load)"
+    )
 
 
 if __name__ == "__main__":

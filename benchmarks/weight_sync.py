@@ -76,7 +76,9 @@ def from_pretrained_time(checkpoint: Path) -> float:
     return elapsed
 
 
-async def sync_times(root: Path, servers: int, repeats: int, threads: int) -> tuple[list[float], list[dict[str, float]]]:
+async def sync_times(
+    root: Path, servers: int, repeats: int, threads: int
+) -> tuple[list[float], list[dict[str, float]]]:
     times, breakdowns = [], []
     specs = {"bench": {"checkpoint": root / "a", "num_servers": servers, "num_threads": threads}}
     async with running_controller(specs, http=False, health_interval_s=5.0) as (controller, _):
@@ -110,8 +112,10 @@ async def main(args: argparse.Namespace) -> None:
             init_checkpoint(root / name, model_name="bench", preset=args.preset, seed=seed, step=1)
         manifest = read_manifest(root / "b")
         params = get_preset(args.preset).num_parameters()
-        print(f"model: preset {args.preset}, {params / 1e6:.0f}M parameters, {manifest.num_bytes / 1e9:.2f} GB "
-              f"({time.perf_counter() - built:.0f}s to build two checkpoints)")
+        print(
+            f"model: preset {args.preset}, {params / 1e6:.0f}M parameters, {manifest.num_bytes / 1e9:.2f} GB "
+            f"({time.perf_counter() - built:.0f}s to build two checkpoints)"
+        )
         bandwidth = memcpy_bandwidth(manifest.num_bytes, repeats=5)
         print(f"memcpy bandwidth: {bandwidth / 1e9:.1f} GB/s")
         loaded = statistics.median(from_pretrained_time(root / "b") for _ in range(args.repeats))
@@ -119,18 +123,33 @@ async def main(args: argparse.Namespace) -> None:
         for servers in args.servers:
             times, phases = await sync_times(root, servers, args.repeats, max(1, args.threads // servers))
             restart = statistics.median(
-                [await restart_time(root / "b", servers, root / "logs", max(1, args.threads // servers)) for _ in range(2)]
+                [
+                    await restart_time(root / "b", servers, root / "logs", max(1, args.threads // servers))
+                    for _ in range(2)
+                ]
             )
             floor = manifest.num_bytes * servers / bandwidth
             rows.append((servers, statistics.median(times), floor, restart, phases))
 
     print()
-    print(f"{'servers':>7} {'miles s':>9} {'floor s':>9} {'x floor':>8} {'restart s':>10} {'restart/miles':>14} {'from_pretrained s':>18}")
+    print(
+        f"{'servers':>7} {'miles s':>9} {'floor s':>9} {'x floor':>8} {'restart s':>10} {'restart/miles':>14} {'from_pretrained s':>18}"
+    )
     for servers, sync, floor, restart, _ in rows:
-        print(f"{servers:>7} {sync:>9.3f} {floor:>9.3f} {sync / floor:>8.2f} {restart:>10.2f} {restart / sync:>14.1f} {loaded:>18.2f}")
+        print(
+            f"{servers:>7} {sync:>9.3f} {floor:>9.3f} {sync / floor:>8.2f} {restart:>10.2f} {restart / sync:>14.1f} {loaded:>18.2f}"
+        )
     print()
     print("where the time goes (median seconds; engine phases are the slowest server's):")
-    keys = ["lock_wait", "validate", "transaction", "engine_pause", "engine_open", "engine_verify", "engine_copy_and_checksum"]
+    keys = [
+        "lock_wait",
+        "validate",
+        "transaction",
+        "engine_pause",
+        "engine_open",
+        "engine_verify",
+        "engine_copy_and_checksum",
+    ]
     print(f"{'servers':>7} " + " ".join(f"{k.removeprefix('engine_'):>17}" for k in keys) + f" {'protocol':>9}")
     for servers, sync, _, _, phases in rows:
         med = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in keys}

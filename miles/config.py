@@ -62,9 +62,7 @@ MIN_TOKEN_CHARS = 16
 def check_seconds(value: float, *, name: str, low: float, high: float) -> float:
     """``value`` if it is a finite number of seconds in [low, high]; else InvalidRequestError."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise InvalidRequestError(
-            f"{name} must be a number of seconds between {low:g} and {high:g}, got {value!r}"
-        )
+        raise InvalidRequestError(f"{name} must be a number of seconds between {low:g} and {high:g}, got {value!r}")
     return float(value)
 
 
@@ -154,7 +152,9 @@ class ControllerSettings(BaseSettings):
         if isinstance(value, str) and not value.strip():
             return None
         if isinstance(value, str) and len(value) < MIN_TOKEN_CHARS:
-            raise ValueError(f"a token must have at least {MIN_TOKEN_CHARS} characters; generate one with `openssl rand -hex 32`")
+            raise ValueError(
+                f"a token must have at least {MIN_TOKEN_CHARS} characters; generate one with `openssl rand -hex 32`"
+            )
         return value
 
     @field_validator("allowed_checkpoint_roots", mode="before")
@@ -193,5 +193,7 @@ class ControllerSettings(BaseSettings):
         return {
             "settings": values,
             "runtime_changeable": sorted(RUNTIME_CHANGEABLE),
-            "fixed": {name: FIXED_REASONS.get(name, "fixed at start") for name in values if name not in RUNTIME_CHANGEABLE},
+            "fixed": {
+                name: FIXED_REASONS.get(name, "fixed at start") for name in values if name not in RUNTIME_CHANGEABLE
+            },
         }

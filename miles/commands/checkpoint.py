@@ -60,9 +60,7 @@ def _fail(message: str, code: ExitCode) -> typer.Exit:
 
 
 def _is_checkpoint_at_all(directory: Path) -> bool:
-    return directory.is_dir() and (
-        (directory / "miles_manifest.json").exists() or any(directory.glob("*.safetensors"))
-    )
+    return directory.is_dir() and ((directory / "miles_manifest.json").exists() or any(directory.glob("*.safetensors")))
 
 
 @app.command("init")

@@ -71,21 +71,31 @@ def update(
         "model_name": model,
         "weight_version": weight_version,
     }
-    body = _call("POST", f"{url}/update_weights", json={k: v for k, v in payload.items() if v is not None}, timeout=None)
+    body = _call(
+        "POST", f"{url}/update_weights", json={k: v for k, v in payload.items() if v is not None}, timeout=None
+    )
     if as_json:
         typer.echo(json.dumps(body, indent=2))
     else:
         console = Console()
         colour = "green" if body["status"] == "committed" else "red"
-        console.print(f"[{colour}]{body['status']}[/] {body['model_name']} -> {body['weight_version']}: {body['message']}")
+        console.print(
+            f"[{colour}]{body['status']}[/] {body['model_name']} -> {body['weight_version']}: {body['message']}"
+        )
         table = Table("server", "state", "version", "checksum", "matched", "error")
         for server in body["servers"]:
             table.add_row(
-                server["server_id"], server["state"], str(server["weight_version"]), str(server["checksum"])[:12],
-                str(server["matched"]), server["error"] or "",
+                server["server_id"],
+                server["state"],
+                str(server["weight_version"]),
+                str(server["checksum"])[:12],
+                str(server["matched"]),
+                server["error"] or "",
             )
         console.print(table)
-        console.print(f"took {body['duration_s']:.3f}s " + " ".join(f"{k}={v:.3f}s" for k, v in body["timings"].items()))
+        console.print(
+            f"took {body['duration_s']:.3f}s " + " ".join(f"{k}={v:.3f}s" for k, v in body["timings"].items())
+        )
     raise typer.Exit(0 if body["status"] == "committed" else 1)
 
 
@@ -105,8 +115,14 @@ def health(
     for s in body["servers"]:
         probe = "-" if s["last_probe_ok"] is None else ("ok" if s["last_probe_ok"] else "failing")
         table.add_row(
-            s["server_id"], s["model_name"], s["state"], str(s["weight_version"]), str(s["checksum"])[:12],
-            str(s["in_flight"]), probe, str(s["restarts"]),
+            s["server_id"],
+            s["model_name"],
+            s["state"],
+            str(s["weight_version"]),
+            str(s["checksum"])[:12],
+            str(s["in_flight"]),
+            probe,
+            str(s["restarts"]),
         )
     console.print(table)
     lock = body["lock"]

@@ -17,8 +17,12 @@ def demo(
     steps: Annotated[int | None, typer.Option(help="GRPO steps (default: the trainer's).")] = None,
     sft_steps: Annotated[int | None, typer.Option(help="SFT warm-up steps (default: the trainer's).")] = None,
     servers: Annotated[int, typer.Option(help="Rollout servers (engine processes).")] = 2,
-    strategy: Annotated[UpdateStrategy, typer.Option(help="How updates move through the fleet.")] = UpdateStrategy.BARRIER,
-    pause_mode: Annotated[UpdatePauseMode, typer.Option(help="What updates do to running requests.")] = UpdatePauseMode.DRAIN,
+    strategy: Annotated[
+        UpdateStrategy, typer.Option(help="How updates move through the fleet.")
+    ] = UpdateStrategy.BARRIER,
+    pause_mode: Annotated[
+        UpdatePauseMode, typer.Option(help="What updates do to running requests.")
+    ] = UpdatePauseMode.DRAIN,
     publish_every: Annotated[int, typer.Option(help="Publish weights after every N trainer steps.")] = 1,
     users: Annotated[int, typer.Option(help="Simulated users sending requests meanwhile.")] = 2,
     seed: Annotated[int, typer.Option(help="Seeds the model, the task and the users.")] = 0,

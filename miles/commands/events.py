@@ -50,26 +50,18 @@ class ExitCode(IntEnum):
 def events(
     directory: Annotated[
         Path,
-        typer.Argument(
-            metavar="DIR", help="Event log directory (its *.jsonl files).", show_default=False
-        ),
+        typer.Argument(metavar="DIR", help="Event log directory (its *.jsonl files).", show_default=False),
     ],
     types: Annotated[
         list[str] | None,
-        typer.Option(
-            "--type", "-t", help="Only events of this type (repeatable).", show_default=False
-        ),
+        typer.Option("--type", "-t", help="Only events of this type (repeatable).", show_default=False),
     ] = None,
-    server: Annotated[
-        str | None, typer.Option("--server", "-s", help="Only events about this server id.")
-    ] = None,
+    server: Annotated[str | None, typer.Option("--server", "-s", help="Only events about this server id.")] = None,
     limit: Annotated[
         int | None,
         typer.Option("--limit", "-n", min=1, help="Show only the N most recent matching events."),
     ] = None,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print JSON lines instead of a table.")
-    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines instead of a table.")] = False,
     check: Annotated[
         bool,
         typer.Option(
@@ -89,8 +81,7 @@ def events(
     shown = [
         event
         for event in logged
-        if (not wanted_types or event.type in wanted_types)
-        and (server is None or server in event.involved_servers())
+        if (not wanted_types or event.type in wanted_types) and (server is None or server in event.involved_servers())
     ]
     if limit is not None:
         shown = shown[-limit:]
@@ -164,8 +155,6 @@ def _print_report(report: AnalysisReport, *, console: Console, as_json: bool) ->
     if report.passed:
         console.print(Text(f"check passed: {report.events_checked} events, no findings"))
         return
-    console.print(
-        Text(f"check failed: {len(report.findings)} finding(s) in {report.events_checked} events")
-    )
+    console.print(Text(f"check failed: {len(report.findings)} finding(s) in {report.events_checked} events"))
     for finding in report.findings:
         console.print(Text(f"[{finding.rule}] {finding.message}"))

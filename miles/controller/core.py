@@ -215,7 +215,9 @@ class AsyncInferenceController:
             )
         except LockTimeoutError as exc:
             message = f"the lock was not granted within {self.lock_timeout_s}s: {exc}"
-            return self._remember(_unlocked_result(rollout, mode=mode, pause_mode=pause, started=started, message=message))
+            return self._remember(
+                _unlocked_result(rollout, mode=mode, pause_mode=pause, started=started, message=message)
+            )
 
     @with_lock
     async def _update_from_disk(
@@ -287,7 +289,11 @@ class AsyncInferenceController:
 
     @lock_exempt
     async def start_update_weights(
-        self, model_name: str | None = None, *, ttl_s: float | None = None, pause_mode: UpdatePauseMode | str | None = None
+        self,
+        model_name: str | None = None,
+        *,
+        ttl_s: float | None = None,
+        pause_mode: UpdatePauseMode | str | None = None,
     ) -> UpdateWindow:
         """Open a window: hold requests, pause every server, and keep the lock for training.
 
@@ -406,7 +412,9 @@ class AsyncInferenceController:
         return await asyncio.shield(self._open_window(window).end(ending))
 
     @lock_exempt
-    async def abort_update_weights(self, window: UpdateWindow | int, *, reason: str = "aborted by training") -> UpdateResult:
+    async def abort_update_weights(
+        self, window: UpdateWindow | int, *, reason: str = "aborted by training"
+    ) -> UpdateResult:
         """Put every server of the window back on its last verified weights and resume serving."""
         return await asyncio.shield(self._open_window(window).end(Abort(reason=reason)))
 

@@ -53,7 +53,9 @@ class ControllerEvents:
         self._fleet_changed()
 
     def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
-        self._checksum(model_name, verified.checksum, verified.step or 0, verified.weight_version, server_id, ChecksumRole.RESTORED)
+        self._checksum(
+            model_name, verified.checksum, verified.step or 0, verified.weight_version, server_id, ChecksumRole.RESTORED
+        )
 
     def probed(self, server_id: str) -> None:
         # A probe that found a server answering again makes it routable for requests that had
@@ -80,7 +82,9 @@ class ControllerEvents:
     # --- UpdateEvents --------------------------------------------------------------------------
 
     def confirmed(self, update: WeightUpdate, server_id: str, checksum: str) -> None:
-        self._checksum(update.model_name, checksum, update.step or 0, update.weight_version, server_id, ChecksumRole.CONFIRMED)
+        self._checksum(
+            update.model_name, checksum, update.step or 0, update.weight_version, server_id, ChecksumRole.CONFIRMED
+        )
 
     def mismatch(self, update: WeightUpdate, server_id: str, actual: str) -> None:
         self.logger.log(

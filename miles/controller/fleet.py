@@ -74,7 +74,11 @@ def normalize_specs(
         return specs
     if model_checkpoint is None:
         raise InvalidRequestError("model_checkpoint is required: the checkpoint directory the servers start on")
-    return {"default": ModelServerSpec(server_cls=rollout_server_cls, checkpoint=Path(model_checkpoint), num_servers=num_servers)}
+    return {
+        "default": ModelServerSpec(
+            server_cls=rollout_server_cls, checkpoint=Path(model_checkpoint), num_servers=num_servers
+        )
+    }
 
 
 class Fleet:
@@ -118,7 +122,9 @@ class Fleet:
         server_cls = resolve_server_cls(spec.server_cls)
         model_name = spec.model_name or _model_name(spec.checkpoint, fallback=name)
         if model_name in self._servers:
-            raise InvalidRequestError(f"two server specs serve the same model {model_name!r}; give each its own model_name")
+            raise InvalidRequestError(
+                f"two server specs serve the same model {model_name!r}; give each its own model_name"
+            )
         prefix = _server_prefix(model_name)
         rollout_spec = RolloutSpec(
             name=prefix,

@@ -75,8 +75,13 @@ def admit_checkpoint(
             f"({', '.join(escaping[:5])}); copy the files in instead of linking to them"
         )
     if not (path / MANIFEST_NAME).exists():
-        return _admit_plain(path, model_name=model_name, published=published, weight_version=weight_version,
-                            serving_version=serving_version)
+        return _admit_plain(
+            path,
+            model_name=model_name,
+            published=published,
+            weight_version=weight_version,
+            serving_version=serving_version,
+        )
     # Structure only (manifest, files, headers): every server hashes the bytes against the
     # manifest before it touches its weights, so a second full pass here would only add a read of
     # the whole checkpoint per update (minutes for large models on disk).

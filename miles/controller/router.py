@@ -210,7 +210,10 @@ class Router:
             else:
                 # Least outstanding; ties rotate so equal servers share the load.
                 offset = next(self._turn)
-                order = sorted(range(len(candidates)), key=lambda i: (self.outstanding(candidates[i].server_id), (i - offset) % len(candidates)))
+                order = sorted(
+                    range(len(candidates)),
+                    key=lambda i: (self.outstanding(candidates[i].server_id), (i - offset) % len(candidates)),
+                )
                 chosen = candidates[order[0]]
             if session_id is not None:
                 self._bind(model_name, session_id, chosen.server_id)

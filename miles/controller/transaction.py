@@ -257,7 +257,9 @@ class WeightUpdate:
         """What refusing servers computed the checkpoint's weights to hash to."""
         return {n.checkpoint_checksum for n in self.progress.values() if n.checkpoint_checksum}
 
-    def result(self, status: UpdateStatus, *, message: str = "", timings: dict[str, float] | None = None) -> UpdateResult:
+    def result(
+        self, status: UpdateStatus, *, message: str = "", timings: dict[str, float] | None = None
+    ) -> UpdateResult:
         """This update's ``UpdateResult``: what it aimed at, every server's outcome, a message."""
         outcomes = self._outcomes()
         if not message:
@@ -339,7 +341,11 @@ class WeightUpdate:
         return self.target
 
     def _healthy(self, server_ids: list[str]) -> list[str]:
-        return [sid for sid in server_ids if self.progress[sid].step is not ServerStep.FAILED and self.progress[sid].error is None]
+        return [
+            sid
+            for sid in server_ids
+            if self.progress[sid].step is not ServerStep.FAILED and self.progress[sid].error is None
+        ]
 
     async def _each(self, server_ids: list[str], action: str, call: _PerServer) -> None:
         """Run ``call`` on every server at once; a failure is recorded on its server, not raised."""

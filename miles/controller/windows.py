@@ -82,7 +82,9 @@ class OpenWindow:
         Raises ConflictError when the window is already ending or expired.
         """
         if self._closing is not None:
-            raise ConflictError(f"window {self.public.window_id} is {self._closing}; start a new window", token=self.public.token)
+            raise ConflictError(
+                f"window {self.public.window_id} is {self._closing}; start a new window", token=self.public.token
+            )
         self._closing = "ending"
         result: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
         self._endings.put_nowait((ending, result))

@@ -23,9 +23,7 @@ if TYPE_CHECKING:
 class LiveDisplay:
     """Step, reward, serving version, last update latency, requests served and failed."""
 
-    def __init__(
-        self, console: Console, *, total_steps: int, controller: AsyncInferenceController, live: bool
-    ) -> None:
+    def __init__(self, console: Console, *, total_steps: int, controller: AsyncInferenceController, live: bool) -> None:
         self._console = console
         self._controller = controller
         self._traffic: TrafficStats | None = None
@@ -105,9 +103,15 @@ class LiveDisplay:
         rows = [
             ("trainer steps", f"{summary.steps}"),
             ("updates committed / not", f"{summary.updates_committed} / {summary.updates_failed}"),
-            ("update latency p50 / p95", f"{summary.update_latency_p50_s * 1e3:.1f} / {summary.update_latency_p95_s * 1e3:.1f} ms"),
+            (
+                "update latency p50 / p95",
+                f"{summary.update_latency_p50_s * 1e3:.1f} / {summary.update_latency_p95_s * 1e3:.1f} ms",
+            ),
             ("user requests served / failed", f"{summary.requests_served} / {summary.requests_failed}"),
-            ("request latency p50 / p95", f"{summary.request_latency_p50_s * 1e3:.1f} / {summary.request_latency_p95_s * 1e3:.1f} ms"),
+            (
+                "request latency p50 / p95",
+                f"{summary.request_latency_p50_s * 1e3:.1f} / {summary.request_latency_p95_s * 1e3:.1f} ms",
+            ),
             ("checksum mismatches", f"{summary.checksum_mismatches}"),
             ("reward first -> last", f"{summary.reward_first:.3f} -> {summary.reward_last:.3f}"),
             ("exact answers first -> last", f"{summary.exact_first:.3f} -> {summary.exact_last:.3f}"),

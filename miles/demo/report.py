@@ -111,7 +111,12 @@ def summarize(
 
 
 def write_report(
-    run_dir: Path, summary: DemoSummary, *, training: TrainingSummary, updates: list[UpdateRecord], traffic: TrafficStats
+    run_dir: Path,
+    summary: DemoSummary,
+    *,
+    training: TrainingSummary,
+    updates: list[UpdateRecord],
+    traffic: TrafficStats,
 ) -> list[Path]:
     """Write summary.json, report.md and the plots; return the files written."""
     written = [run_dir / "summary.json", run_dir / "report.md"]
@@ -133,7 +138,9 @@ def _plot_rewards(path: Path, training: TrainingSummary) -> Path:
     for s in training.steps:
         if s.phase.value == "grpo":
             by_step.axvspan(s.step - 0.5, s.step + 0.5, color="tab:orange", alpha=0.04, lw=0)
-    by_step.set(xlabel="trainer step (shaded: GRPO)", ylabel="reward of server samples", title="Reward by step", ylim=(0, 1.05))
+    by_step.set(
+        xlabel="trainer step (shaded: GRPO)", ylabel="reward of server samples", title="Reward by step", ylim=(0, 1.05)
+    )
     by_step.legend(loc="lower right")
     totals: dict[int, list[float]] = defaultdict(list)
     for s in training.steps:
@@ -144,7 +151,12 @@ def _plot_rewards(path: Path, training: TrainingSummary) -> Path:
                 continue
     versions = sorted(totals)
     by_version.plot(versions, [statistics.fmean(totals[v]) for v in versions], marker=".", color="tab:purple")
-    by_version.set(xlabel="weight version that generated the sample", ylabel="mean reward", title="Reward by weight version", ylim=(0, 1.05))
+    by_version.set(
+        xlabel="weight version that generated the sample",
+        ylabel="mean reward",
+        title="Reward by weight version",
+        ylim=(0, 1.05),
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -155,11 +167,23 @@ def _plot_updates(path: Path, updates: list[UpdateRecord]) -> Path:
     fig, ax = plt.subplots(figsize=(11, 3.5))
     good = [u for u in updates if u.result.status is UpdateStatus.COMMITTED]
     bad = [u for u in updates if u.result.status is not UpdateStatus.COMMITTED]
-    ax.scatter([u.at for u in good], [u.result.duration_s * 1e3 for u in good], s=8, color="tab:green", label="committed")
+    ax.scatter(
+        [u.at for u in good], [u.result.duration_s * 1e3 for u in good], s=8, color="tab:green", label="committed"
+    )
     if bad:
-        ax.scatter([u.at for u in bad], [u.result.duration_s * 1e3 for u in bad], s=20, marker="x", color="tab:red", label="not committed")
-    ax.set(xlabel="seconds since start (when the update finished)", ylabel="update latency (ms)",
-           title="Weight updates: latency from taking the lock to commit")
+        ax.scatter(
+            [u.at for u in bad],
+            [u.result.duration_s * 1e3 for u in bad],
+            s=20,
+            marker="x",
+            color="tab:red",
+            label="not committed",
+        )
+    ax.set(
+        xlabel="seconds since start (when the update finished)",
+        ylabel="update latency (ms)",
+        title="Weight updates: latency from taking the lock to commit",
+    )
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper right")
     fig.tight_layout()
@@ -174,10 +198,21 @@ def _plot_requests(path: Path, traffic: TrafficStats, updates: list[UpdateRecord
     bad = [r for r in traffic.records if not r.ok]
     ax.scatter([r.started for r in ok], [r.latency_s * 1e3 for r in ok], s=6, color="tab:blue", label="served")
     if bad:
-        ax.scatter([r.started for r in bad], [r.latency_s * 1e3 for r in bad], s=14, color="tab:red", marker="x", label="failed")
+        ax.scatter(
+            [r.started for r in bad],
+            [r.latency_s * 1e3 for r in bad],
+            s=14,
+            color="tab:red",
+            marker="x",
+            label="failed",
+        )
     for record in updates:
         ax.axvline(record.at, color="tab:green", alpha=0.15, lw=1)
-    ax.set(xlabel="seconds since start (green lines: updates committed)", ylabel="request latency (ms)", title="User requests around updates")
+    ax.set(
+        xlabel="seconds since start (green lines: updates committed)",
+        ylabel="request latency (ms)",
+        title="User requests around updates",
+    )
     ax.set_yscale("log")
     ax.legend(loc="upper right")
     fig.tight_layout()

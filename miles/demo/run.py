@@ -84,9 +84,7 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         summary_window=max(1, min(10, (config.sft_steps + config.grpo_steps) // 10)),
     )
     console.print(f"run directory: {run_dir}")
-    initial: Manifest = await asyncio.to_thread(
-        write_initial_checkpoint, checkpoints / "step-000000", trainer_config
-    )
+    initial: Manifest = await asyncio.to_thread(write_initial_checkpoint, checkpoints / "step-000000", trainer_config)
     t0 = time.monotonic()
     updates: list[UpdateRecord] = []
     controller = AsyncInferenceController(
@@ -111,7 +109,9 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         http_server = HttpServer(controller)
         await http_server.start()
         url = http_server.url
-        console.print(f"controller at {url}; training {trainer_config.sft_steps} SFT + {trainer_config.grpo_steps} GRPO steps")
+        console.print(
+            f"controller at {url}; training {trainer_config.sft_steps} SFT + {trainer_config.grpo_steps} GRPO steps"
+        )
         # The demo's own clients present the controller's credential when one is configured.
         token = controller.settings.api_key or controller.settings.admin_token
         headers = {"authorization": f"Bearer {token.get_secret_value()}"} if token else None

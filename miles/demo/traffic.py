@@ -80,7 +80,9 @@ class UserTraffic:
             prompt = USER_PROMPTS[(index + turn) % len(USER_PROMPTS)]
             # Alternate the native and the OpenAI-compatible endpoint, like a mixed user base.
             if turn % 2 == 0:
-                await self._call("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 16, "temperature": 0.7}})
+                await self._call(
+                    "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 16, "temperature": 0.7}}
+                )
             else:
                 await self._call("/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 0.7})
             turn += 1

@@ -186,9 +186,7 @@ class EngineAccess:
             if window is not None and path.rstrip("/") in _WINDOW_ALLOWED:
                 return window
             if window is not None:
-                raise PermissionDeniedError(
-                    f"a window credential cannot call {path}: it needs {needs}"
-                )
+                raise PermissionDeniedError(f"a window credential cannot call {path}: it needs {needs}")
         raise PermissionDeniedError(f"the credential presented for {path} is wrong: it needs {needs}")
 
     def _check_window(self, window: int) -> None:
@@ -250,9 +248,7 @@ def _bearer(authorization: str | None, *, path: str, needs: str) -> str:
         raise AuthenticationError(f"{path} needs {needs}: send `Authorization: Bearer <credential>`")
     scheme, _, presented = authorization.strip().partition(" ")
     if scheme.lower() != "bearer" or not presented.strip():
-        raise AuthenticationError(
-            f"{path} needs {needs}: the Authorization header must be `Bearer <credential>`"
-        )
+        raise AuthenticationError(f"{path} needs {needs}: the Authorization header must be `Bearer <credential>`")
     return presented.strip()
 
 

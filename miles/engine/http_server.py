@@ -60,7 +60,9 @@ def create_app(engine: Engine) -> FastAPI:
             engine.stop()
 
     app = FastAPI(title="miles embedded engine", lifespan=lifespan)
-    install_error_handlers(app, logger=logger, not_found="no such endpoint; see docs/ENGINE.md for the engine's endpoints")
+    install_error_handlers(
+        app, logger=logger, not_found="no such endpoint; see docs/ENGINE.md for the engine's endpoints"
+    )
     access = EngineAccess(secret=engine.settings.secret, api_key=engine.settings.api_key)
     # Credentials and fences are checked before a body is read, so a caller without the right
     # credential learns nothing from validation messages and costs no parsing.
@@ -121,13 +123,14 @@ def create_app(engine: Engine) -> FastAPI:
         admit(access, http_request)
         paused = await engine.pause(request.mode)
         return PauseGenerationResponse(
-            status="ok", message=f"Generation paused ({request.mode.value}).", mode=request.mode, num_paused_requests=paused
+            status="ok",
+            message=f"Generation paused ({request.mode.value}).",
+            mode=request.mode,
+            num_paused_requests=paused,
         ).model_dump(mode="json")
 
     @app.post("/continue_generation")
-    async def continue_generation(
-        http_request: Request, _: ContinueGenerationRequest | None = None
-    ) -> dict[str, Any]:
+    async def continue_generation(http_request: Request, _: ContinueGenerationRequest | None = None) -> dict[str, Any]:
         admit(access, http_request)
         engine.resume()
         return {"status": "ok", "message": "Generation continued."}

@@ -104,7 +104,9 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
             await sessions.pop().close()
 
     app = FastAPI(title="miles inference controller", lifespan=lifespan)
-    install_error_handlers(app, logger=logger, not_found="no such endpoint; the controller's API is listed in the README")
+    install_error_handlers(
+        app, logger=logger, not_found="no such endpoint; the controller's API is listed in the README"
+    )
     credentials = Credentials(admin_token=controller.settings.admin_token, api_key=controller.settings.api_key)
 
     def reader(request: Request) -> None:
@@ -185,7 +187,13 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         return {
             "object": "list",
             "data": [
-                {"id": name, "object": "model", "owned_by": "miles", "weight_version": m.weight_version, "serving": m.serving}
+                {
+                    "id": name,
+                    "object": "model",
+                    "owned_by": "miles",
+                    "weight_version": m.weight_version,
+                    "serving": m.serving,
+                }
                 for name, m in report.models.items()
             ],
         }
@@ -215,7 +223,9 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     @app.post("/update_weights/start", dependencies=as_admin)
     async def start_window(request: StartWindowRequest) -> dict[str, Any]:
-        window = await controller.start_update_weights(request.model_name, ttl_s=request.ttl_s, pause_mode=request.pause_mode)
+        window = await controller.start_update_weights(
+            request.model_name, ttl_s=request.ttl_s, pause_mode=request.pause_mode
+        )
         return window.model_dump(mode="json")
 
     @app.post("/update_weights/end", dependencies=as_admin)

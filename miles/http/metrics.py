@@ -36,7 +36,9 @@ class _FleetCollector(Collector):
             in_flight.add_metric([server.server_id], server.in_flight)
         yield in_flight
         yield GaugeMetricFamily("miles_lock_held", "1 while the controller lock is held", value=int(report.lock.held))
-        yield GaugeMetricFamily("miles_lock_waiters", "Tasks waiting for the controller lock", value=report.lock.waiters)
+        yield GaugeMetricFamily(
+            "miles_lock_waiters", "Tasks waiting for the controller lock", value=report.lock.waiters
+        )
         yield GaugeMetricFamily("miles_fleet_ok", "1 while every model can serve", value=int(report.ok))
 
 
@@ -53,9 +55,14 @@ class ControllerMetrics:
             registry=self.registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
-        self._updates = Counter("miles_updates", "Weight updates by outcome", ["model", "status"], registry=self.registry)
+        self._updates = Counter(
+            "miles_updates", "Weight updates by outcome", ["model", "status"], registry=self.registry
+        )
         self._update_seconds = Histogram(
-            "miles_update_seconds", "Weight update duration", ["model"], registry=self.registry,
+            "miles_update_seconds",
+            "Weight update duration",
+            ["model"],
+            registry=self.registry,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
         )
         self.registry.register(_FleetCollector(health))

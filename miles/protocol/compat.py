@@ -90,7 +90,8 @@ class SGLangFields(RequestModel):
         ]
         if refused:
             raise ValueError(
-                "; ".join(refused) + ". Leave it unset (null or its default), or send the request to a full SGLang server"
+                "; ".join(refused)
+                + ". Leave it unset (null or its default), or send the request to a full SGLang server"
             )
         if not (data.keys() & (cls.ignored_fields | cls.unsupported_fields.keys())):
             return data

@@ -54,7 +54,7 @@ _UNSUPPORTED: dict[str, Unsupported] = {
     "regex": Unsupported(GRAMMAR, unset=("",)),
     "ebnf": Unsupported(GRAMMAR, unset=("",)),
     "stop_regex": Unsupported("stop regexes are not implemented; use stop strings or stop_token_ids"),
-    "response_format": Unsupported(GRAMMAR + "; only {\"type\": \"text\"} is served", unset=({"type": "text"},)),
+    "response_format": Unsupported(GRAMMAR + '; only {"type": "text"} is served', unset=({"type": "text"},)),
     "lora_path": Unsupported(LORA),
     "session_params": Unsupported(SESSION),
     "custom_params": Unsupported(LOGIT_PROCESSOR),
@@ -189,7 +189,12 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not contain an empty list of token ids")
         if self.stream and isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
             raise ValueError("streaming supports a single prompt")
-        if self.rid is not None and isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+        if (
+            self.rid is not None
+            and isinstance(self.prompt, list)
+            and self.prompt
+            and not isinstance(self.prompt[0], int)
+        ):
             raise ValueError("rid names one request; a batch of prompts gets its own ids")
         return self
 
@@ -319,9 +324,7 @@ def completion_body(
     }
 
 
-def chat_body(
-    responses: list[GenerateResponse], *, model: str, request_id: str, with_logprobs: bool
-) -> dict[str, Any]:
+def chat_body(responses: list[GenerateResponse], *, model: str, request_id: str, with_logprobs: bool) -> dict[str, Any]:
     choices = []
     for index, response in enumerate(responses):
         logprobs = None

@@ -69,7 +69,7 @@ MAX_LOGIT_BIAS = 100.0
 def _logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
     for key in value or {}:
         if not (key.isascii() and key.isdigit() and len(key) <= 12):
-            raise ValueError(f"logit_bias keys are token ids written as decimal strings (\"42\"); got {key[:20]!r}")
+            raise ValueError(f'logit_bias keys are token ids written as decimal strings ("42"); got {key[:20]!r}')
     return value
 
 

@@ -121,7 +121,9 @@ class EngineClient:
         try:
             return answer.model_validate_json(response.content)
         except ValidationError as exc:
-            raise EngineCallError(f"{method} {path} answered something unexpected: {exc}", server_id=self.server_id) from exc
+            raise EngineCallError(
+                f"{method} {path} answered something unexpected: {exc}", server_id=self.server_id
+            ) from exc
 
     async def health(self, *, timeout: float = 5.0) -> bool:
         """True when ``/health`` answers 200 (the process is up and its HTTP loop responsive)."""
@@ -142,11 +144,18 @@ class EngineClient:
         request = FenceRequest(token=token, window_open=window_open)
         return await self._ok("POST", "/fence", FenceState, json=request.model_dump(mode="json"))
 
-    async def export_weights(self, *, step: int, timeout: float | None = None, fence: int | None = None) -> WeightsExport:
+    async def export_weights(
+        self, *, step: int, timeout: float | None = None, fence: int | None = None
+    ) -> WeightsExport:
         """``/export_weights``: the engine writes the weights it holds as a sealed checkpoint."""
         request = ExportWeightsRequest(step=step)
         body = await self._ok(
-            "POST", "/export_weights", ExportWeightsResponse, json=request.model_dump(mode="json"), timeout=timeout, fence=fence
+            "POST",
+            "/export_weights",
+            ExportWeightsResponse,
+            json=request.model_dump(mode="json"),
+            timeout=timeout,
+            fence=fence,
         )
         return WeightsExport(path=Path(body.path), checksum=body.checksum, weight_version=body.weight_version)
 
@@ -175,7 +184,12 @@ class EngineClient:
     async def pause_generation(self, mode: PauseMode, *, timeout: float | None = None, fence: int | None = None) -> int:
         request = PauseGenerationRequest(mode=mode)
         body = await self._ok(
-            "POST", "/pause_generation", PauseGenerationResponse, json=request.model_dump(mode="json"), timeout=timeout, fence=fence
+            "POST",
+            "/pause_generation",
+            PauseGenerationResponse,
+            json=request.model_dump(mode="json"),
+            timeout=timeout,
+            fence=fence,
         )
         return body.num_paused_requests
 
@@ -186,7 +200,12 @@ class EngineClient:
         """The checksum the engine computes now over the weights it holds (``/weights_checker``)."""
         request = WeightsCheckerRequest(action="checksum")
         body = await self._ok(
-            "POST", "/weights_checker", WeightsCheckerResponse, json=request.model_dump(mode="json"), timeout=timeout, fence=fence
+            "POST",
+            "/weights_checker",
+            WeightsCheckerResponse,
+            json=request.model_dump(mode="json"),
+            timeout=timeout,
+            fence=fence,
         )
         if not body.success or body.payload is None:
             raise EngineCallError(f"weights_checker gave no checksum: {body.message}", server_id=self.server_id)

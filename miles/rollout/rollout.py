@@ -297,7 +297,9 @@ class Rollout(ABC):
             if confirmed is not None and confirmed.checksum != verified.checksum:
                 source = await self._source_of(cell, fence=fence)
                 if source is None:
-                    self.transition(cell, ServerState.QUARANTINED, "its verified weights are on no disk and no peer holds them")
+                    self.transition(
+                        cell, ServerState.QUARANTINED, "its verified weights are on no disk and no peer holds them"
+                    )
                     raise RolloutError(
                         "the verified weights are on no disk and no serving peer holds them; the server "
                         "stays quarantined until the next update",
@@ -417,7 +419,10 @@ class Rollout(ABC):
         manifest = _manifest_or_none(checkpoint)
         if manifest is not None:
             return VerifiedWeights(
-                checkpoint=checkpoint, weight_version=manifest.weight_version, checksum=manifest.checksum, step=manifest.step
+                checkpoint=checkpoint,
+                weight_version=manifest.weight_version,
+                checksum=manifest.checksum,
+                step=manifest.step,
             )
         try:
             checksum = await asyncio.to_thread(model_checksum, checkpoint)
@@ -479,10 +484,13 @@ class Rollout(ABC):
             logger.warning("%s could not write out its weights for %s: %s", peer.server_id, cell.server_id, exc)
             return None
         if exported.checksum != verified.checksum:
-            logger.warning("%s wrote weights %s, not the verified %s", peer.server_id, exported.checksum, verified.checksum)
+            logger.warning(
+                "%s wrote weights %s, not the verified %s", peer.server_id, exported.checksum, verified.checksum
+            )
             return None
         self.remember_checkpoint(verified.checksum, exported.path)
         return exported.path
+
 
 def _manifest_or_none(checkpoint: Path):  # noqa: ANN202 - Manifest | None
     try:

@@ -114,7 +114,9 @@ class Supervisor:
                 f"({reported.checksum}), verified was {verified.weight_version} ({verified.checksum})",
             )
             try:
-                await self._rollout.rollback(cell.server_id, reason="weights changed outside the controller", fence=fence)
+                await self._rollout.rollback(
+                    cell.server_id, reason="weights changed outside the controller", fence=fence
+                )
             except MilesError as exc:
                 logger.error("could not restore %s after its weights drifted: %s", cell.server_id, exc)
 
@@ -134,16 +136,22 @@ class Supervisor:
                 return  # an update took it over while we waited
             try:
                 if self._rollout.alive(cell):
-                    await self._rollout.rollback(cell.server_id, reason="its verified weights are available again", fence=fence)
+                    await self._rollout.rollback(
+                        cell.server_id, reason="its verified weights are available again", fence=fence
+                    )
                 else:
-                    await self._rollout.restart(cell.server_id, reason="engine process exited while quarantined", fence=fence)
+                    await self._rollout.restart(
+                        cell.server_id, reason="engine process exited while quarantined", fence=fence
+                    )
             except MilesError as exc:
                 logger.warning("recovery of %s failed (will retry): %s", cell.server_id, exc)
 
     async def _restart_guarded(self, cell: ServerCell, reason: str) -> None:
         async with self._rollout.exclusive(f"restart {cell.server_id}") as fence:
             # Re-check under the section: an update may have replaced or stopped it meanwhile.
-            healthy = self._rollout.alive(cell) and cell.consecutive_failures < self._rollout.spec.health.failure_threshold
+            healthy = (
+                self._rollout.alive(cell) and cell.consecutive_failures < self._rollout.spec.health.failure_threshold
+            )
             if cell.state is ServerState.STOPPED or (cell.state is ServerState.SERVING and healthy):
                 return
             if cell.state not in (ServerState.SERVING, ServerState.PENDING_WEIGHTS, ServerState.RESTARTING):
@@ -154,8 +162,6 @@ class Supervisor:
                 logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)
 
 
-
-
 def drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool:
     """Whether an engine's report differs from the weights verified on it (version or checksum)."""
     if verified is None:
@@ -163,5 +169,3 @@ def drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool
     if reported.weight_version != verified.weight_version:
         return True
     return reported.checksum is not None and reported.checksum != verified.checksum
-
-

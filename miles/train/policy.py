@@ -48,9 +48,7 @@ def encode_answer(problem: Problem, *, tokenizer: PreTrainedTokenizerBase) -> li
     return [*tokenizer.encode(problem.answer, add_special_tokens=False), tokenizer.eos_token_id]
 
 
-def pack(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, pad_token_id: int
-) -> PackedBatch:
+def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, pad_token_id: int) -> PackedBatch:
     """Pack ``prompts[i] + completions[i]`` for every i into one right-padded batch.
 
     Raises:

@@ -50,9 +50,7 @@ class Group:
 class Sampler(Protocol):
     """Where training samples come from."""
 
-    async def sample(
-        self, prompts: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int
-    ) -> list[Group]:
+    async def sample(self, prompts: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int) -> list[Group]:
         """One ``Group`` of ``group_size`` samples per prompt, in prompt order.
 
         Raises:
@@ -86,9 +84,7 @@ class HttpSampler:
         # when each call has fewer prompts than there are servers.
         self._next_url = itertools.cycle(range(len(self._urls)))
 
-    async def sample(
-        self, prompts: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int
-    ) -> list[Group]:
+    async def sample(self, prompts: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int) -> list[Group]:
         """See ``Sampler.sample``."""
         targets = [self._urls[next(self._next_url)] for _ in prompts]
         return list(
@@ -115,19 +111,13 @@ class HttpSampler:
         try:
             response = await self._http.post(f"{url}/generate", json=payload, timeout=self._timeout_s)
         except httpx.HTTPError as exc:
-            raise RolloutRequestError(
-                f"/generate failed: {type(exc).__name__}: {exc}", url=url
-            ) from exc
+            raise RolloutRequestError(f"/generate failed: {type(exc).__name__}: {exc}", url=url) from exc
         if response.status_code != 200:
-            raise RolloutRequestError(
-                f"/generate answered {response.status_code}: {response.text[:300]}", url=url
-            )
+            raise RolloutRequestError(f"/generate answered {response.status_code}: {response.text[:300]}", url=url)
         body = response.json()
         items = body if isinstance(body, list) else [body]
         if len(items) != group_size:
-            raise RolloutRequestError(
-                f"/generate returned {len(items)} completions for n={group_size}", url=url
-            )
+            raise RolloutRequestError(f"/generate returned {len(items)} completions for n={group_size}", url=url)
         return Group(prompt_ids=tuple(prompt), samples=tuple(_parse_sample(item, url=url) for item in items))
 
 

@@ -289,7 +289,9 @@ class ContextLock:
             waiter.future.set_result(self._open(waiter.holder, waited_s=time.monotonic() - waiter.since))
             return
 
-    def _emit(self, kind: LockTransitionKind, grant: LockGrant, *, waited_s: float | None, held_s: float | None) -> None:
+    def _emit(
+        self, kind: LockTransitionKind, grant: LockGrant, *, waited_s: float | None, held_s: float | None
+    ) -> None:
         if self._on_transition is None:
             return
         transition = LockTransition(

@@ -183,9 +183,7 @@ def checksum_state_dict(state: Mapping[str, torch.Tensor], *, threads: int | Non
     items = list(state.items())
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
-            raise UnsupportedTensorError(
-                "state dict value is not a tensor", tensor=name, type=type(tensor).__name__
-            )
+            raise UnsupportedTensorError("state dict value is not a tensor", tensor=name, type=type(tensor).__name__)
     jobs = [(t.numel() * t.element_size(), (lambda t=t: digest_tensor(t))) for _, t in items]
     hexes = _run_digests(jobs, n_threads)
     digests = [

@@ -301,9 +301,7 @@ def index_files(directory: Path) -> list[Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             names = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointFileInvalidError(
-                f"safetensors index is not valid: {exc!r}", path=str(index)
-            ) from None
+            raise CheckpointFileInvalidError(f"safetensors index is not valid: {exc!r}", path=str(index)) from None
         # The index is data from the checkpoint: a shard named "../../x" or "/x" would be read
         # from outside the directory (and outside any allowed root).
         escaping = [n for n in names if not isinstance(n, str) or Path(n).is_absolute() or ".." in Path(n).parts]

@@ -190,8 +190,7 @@ def compare_with_manifest(
                         kind=ProblemKind.EXTRA_TENSOR,
                         tensor=name,
                         file=file_name,
-                        message=f"tensor {name!r} appears again in {file_name} (first in "
-                        f"{found[name][0]}); {_RESEAL}.",
+                        message=f"tensor {name!r} appears again in {file_name} (first in {found[name][0]}); {_RESEAL}.",
                     )
                 )
                 continue
@@ -284,7 +283,6 @@ def _entry_problems(name: str, file_name: str, entry: TensorEntry, digest: Tenso
 
 def _str_or_none(value: object) -> str | None:
     return None if value is None else str(value)
-
 
 
 def plain_checkpoint_problems(directory: Path) -> list[str]:

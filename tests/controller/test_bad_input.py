@@ -40,7 +40,10 @@ class PauseFaults(SFTRollout):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInferenceController, httpx.AsyncClient]]:
-    async with running_controller(PauseFaults, checkpoints["v1"], num_servers=1, request_timeout_s=120) as (controller, url):
+    async with running_controller(PauseFaults, checkpoints["v1"], num_servers=1, request_timeout_s=120) as (
+        controller,
+        url,
+    ):
         async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
             yield controller, http
 
@@ -64,7 +67,14 @@ EDGE_CASES: list[tuple[str, str, bytes | None, int]] = [
     ("POST", "/generate", json.dumps({"text": "x", "sampling_params": {"sampling_seed": BIG}}).encode(), 400),
     ("POST", "/generate", json.dumps({"text": "x", "sampling_params": {"sampling_seed": -BIG}}).encode(), 400),
     ("POST", "/generate", json.dumps({"text": "x", "sampling_params": {"max_new_tokens": BIG}}).encode(), 400),
-    ("POST", "/generate", json.dumps({"text": "x", "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 2, "stop_token_ids": [10**9]}}).encode(), 400),
+    (
+        "POST",
+        "/generate",
+        json.dumps(
+            {"text": "x", "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 2, "stop_token_ids": [10**9]}}
+        ).encode(),
+        400,
+    ),
     ("POST", "/generate", json.dumps({"text": "x", "sampling_params": {"stop_token_ids": [-1]}}).encode(), 400),
     ("POST", "/generate", json.dumps({"input_ids": [[]]}).encode(), 400),
     ("POST", "/generate", json.dumps({"input_ids": [10**9]}).encode(), 400),
@@ -86,8 +96,18 @@ EDGE_CASES: list[tuple[str, str, bytes | None, int]] = [
     ("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": True}).encode(), 400),
     ("POST", "/v1/completions", raw('{"prompt": "x", "temperature": Infinity}'), 400),
     ("POST", "/v1/chat/completions", json.dumps({"messages": []}).encode(), 400),
-    ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "top_k": 0}).encode(), 400),
-    ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "seed": -BIG}).encode(), 400),
+    (
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "top_k": 0}).encode(),
+        400,
+    ),
+    (
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "seed": -BIG}).encode(),
+        400,
+    ),
     ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400),
     ("POST", "/update_weights", json.dumps({"checkpoint": "/tmp/a\x00b"}).encode(), 400),
     ("POST", "/update_weights", json.dumps({"checkpoint": "/" + "x" * 5000}).encode(), 400),
@@ -113,8 +133,22 @@ EDGE_CASES: list[tuple[str, str, bytes | None, int]] = [
     ("POST", "/update_weights/abort", json.dumps({"token": BIG}).encode(), 409),
     ("POST", "/update_weights/abort", json.dumps({"token": None}).encode(), 400),
     ("POST", "/events", b"{}", 400),
-    ("POST", "/events", json.dumps({"type": "inference_engine_weight_checksum", "model_name": "tiny", "checksum": "", "step": 1}).encode(), 400),
-    ("POST", "/events", json.dumps({"type": "inference_engine_weight_checksum", "model_name": "tiny", "checksum": "c", "step": -1}).encode(), 400),
+    (
+        "POST",
+        "/events",
+        json.dumps(
+            {"type": "inference_engine_weight_checksum", "model_name": "tiny", "checksum": "", "step": 1}
+        ).encode(),
+        400,
+    ),
+    (
+        "POST",
+        "/events",
+        json.dumps(
+            {"type": "inference_engine_weight_checksum", "model_name": "tiny", "checksum": "c", "step": -1}
+        ).encode(),
+        400,
+    ),
     ("POST", "/events", b"\xff", 400),
     ("GET", "/events?type=bogus", None, 400),
     ("GET", "/events?limit=0", None, 400),
@@ -135,7 +169,9 @@ EDGE_CASES: list[tuple[str, str, bytes | None, int]] = [
 ]
 
 
-@pytest.mark.parametrize(("method", "path", "body", "status"), EDGE_CASES, ids=[f"{m} {p} {i}" for i, (m, p, _, _) in enumerate(EDGE_CASES)])
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status"), EDGE_CASES, ids=[f"{m} {p} {i}" for i, (m, p, _, _) in enumerate(EDGE_CASES)]
+)
 async def test_edge_values_get_a_clear_4xx(fleet, method: str, path: str, body: bytes | None, status: int) -> None:  # noqa: ANN001
     controller, http = fleet
     before = controller.settings

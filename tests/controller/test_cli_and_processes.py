@@ -51,9 +51,23 @@ def test_serve_update_health_commands(checkpoints: dict[str, Path], tmp_path: Pa
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     serve = subprocess.Popen(
-        [sys.executable, "-m", "miles.cli", "serve", "--checkpoint", str(checkpoints["v1"]), "--servers", "2",
-         "--port", str(port), "--events-dir", str(tmp_path / "events")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "miles.cli",
+            "serve",
+            "--checkpoint",
+            str(checkpoints["v1"]),
+            "--servers",
+            "2",
+            "--port",
+            str(port),
+            "--events-dir",
+            str(tmp_path / "events"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         _wait_healthy(url, serve)
@@ -85,7 +99,8 @@ def test_serve_update_health_commands(checkpoints: dict[str, Path], tmp_path: Pa
 
 def test_engines_die_with_a_parent_that_is_killed(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(f'''
+    script.write_text(
+        textwrap.dedent(f'''
         import asyncio, sys
         from pathlib import Path
         from miles.rollout.spec import RolloutSpec
@@ -93,7 +108,7 @@ def test_engines_die_with_a_parent_that_is_killed(checkpoints: dict[str, Path], 
 
         async def main():
             spec = RolloutSpec(
-                name="orphan", checkpoint=Path("{checkpoints['v1']}"), num_servers=2, num_threads=1,
+                name="orphan", checkpoint=Path("{checkpoints["v1"]}"), num_servers=2, num_threads=1,
                 log_dir=Path("{tmp_path}") / "logs", snapshot_dir=Path("{tmp_path}") / "snapshots",
             )
             fleet = SFTRollout(spec)
@@ -102,7 +117,8 @@ def test_engines_die_with_a_parent_that_is_killed(checkpoints: dict[str, Path], 
             await asyncio.sleep(3600)
 
         asyncio.run(main())
-    '''))
+    ''')
+    )
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         line = parent.stdout.readline() if parent.stdout else ""
@@ -119,14 +135,19 @@ def test_engines_die_with_a_parent_that_is_killed(checkpoints: dict[str, Path], 
             parent.kill()
 
 
-def test_serve_ends_waiting_requests_on_sigterm_and_leaves_no_files(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+def test_serve_ends_waiting_requests_on_sigterm_and_leaves_no_files(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     serve = subprocess.Popen(
         [sys.executable, "-m", "miles.cli", "serve", "--checkpoint", str(checkpoints["v1"]), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(scratch)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(scratch)},
     )
     try:
         _wait_healthy(url, serve)

@@ -59,10 +59,14 @@ async def test_generate_and_openai_routes_spread_over_servers(fleet) -> None:  #
     assert all(a.status_code == 200 for a in answers)
     assert {a.headers["x-miles-server"] for a in answers} == {"tiny-0", "tiny-1"}
     assert len({tuple(a.json()["output_ids"]) for a in answers}) == 1
-    completion = await http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0})
+    completion = await http.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
+    )
     assert completion.status_code == 200
     assert completion.json()["choices"][0]["text"] == answers[0].json()["text"]
-    chat = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+    chat = await http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    )
     assert chat.status_code == 200
     models = (await http.get("/v1/models")).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]

@@ -59,7 +59,9 @@ def fuzz(
                     before(case)
                     response = case.call(base_url=base_url, session=session, timeout=60)
                     if response.status_code >= 500:
-                        failures.append(f"{label} {mode.value}: {response.status_code} {response.text[:300]} <- {case.body!r:.300}")
+                        failures.append(
+                            f"{label} {mode.value}: {response.status_code} {response.text[:300]} <- {case.body!r:.300}"
+                        )
                     after(case, response)
 
                 try:
@@ -79,7 +81,9 @@ def controller(checkpoints: dict[str, Path]) -> Iterator[InferenceController]:
 @pytest.fixture(scope="module")
 def engine(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("fuzz-engine")
-    with running_engine(checkpoints["v1"], log_dir=logs, extra_args=(*CONTEXT, "--snapshot-dir", str(logs / "snapshots"))) as url:
+    with running_engine(
+        checkpoints["v1"], log_dir=logs, extra_args=(*CONTEXT, "--snapshot-dir", str(logs / "snapshots"))
+    ) as url:
         yield url
 
 

@@ -31,10 +31,14 @@ async def test_a_retract_update_continues_requests_on_the_new_weights(checkpoint
             running = [asyncio.create_task(http.post("/generate", json=greedy(PROMPT, TOKENS))) for _ in range(2)]
             async with httpx.AsyncClient(timeout=10, trust_env=False) as direct:
                 deadline = time.monotonic() + 30
-                while (await direct.get(f"{engine}/get_server_info")).json()["internal_states"][0]["running_requests"] < 2:
+                while (await direct.get(f"{engine}/get_server_info")).json()["internal_states"][0][
+                    "running_requests"
+                ] < 2:
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.005)
-            result = await controller.update_rollout_weights(checkpoints["v2"], weight_version="2", pause_mode="retract")
+            result = await controller.update_rollout_weights(
+                checkpoints["v2"], weight_version="2", pause_mode="retract"
+            )
             assert result.ok, result.message
             answers = [(await task).json() for task in running]
             for answer in answers:

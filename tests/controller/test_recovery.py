@@ -55,9 +55,10 @@ def kill(controller: AsyncInferenceController, server_id: str) -> None:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def single(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInferenceController, httpx.AsyncClient]]:
     # A long request timeout: a request that hung until it would fail this module's test timeout.
-    async with running_controller(
-        model_checkpoint=checkpoints["v1"], num_servers=1, request_timeout_s=600
-    ) as (controller, url):
+    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=1, request_timeout_s=600) as (
+        controller,
+        url,
+    ):
         async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as http:
             yield controller, http
 
@@ -107,7 +108,9 @@ async def test_pushed_weights_come_back_after_the_only_server_crashes(single, ch
         )
         assert pushed.json()["success"] is True
     # No checkpoint given: as far as the controller knows, these weights exist on no disk.
-    ended = await http.post("/update_weights/end", json={"token": window["token"], "checksum": v3.checksum, "step": 500})
+    ended = await http.post(
+        "/update_weights/end", json={"token": window["token"], "checksum": v3.checksum, "step": 500}
+    )
     assert ended.status_code == 200, ended.text
 
     def written_out() -> bool:
@@ -154,7 +157,9 @@ async def test_requests_outlive_the_crash_of_every_server(pair) -> None:  # noqa
 
 @pytest.mark.parametrize("same_label", [False, True], ids=["new-label", "same-label"])
 async def test_weights_changed_behind_the_controller_are_quarantined_and_restored(
-    pair, checkpoints: dict[str, Path], same_label: bool  # noqa: ANN001
+    pair,
+    checkpoints: dict[str, Path],
+    same_label: bool,  # noqa: ANN001
 ) -> None:
     controller, http = pair
     server = controller.fleet.rollout(None)
@@ -186,5 +191,9 @@ async def test_weights_changed_behind_the_controller_are_quarantined_and_restore
     await wait_until(lambda: cell.state is ServerState.SERVING, what="tiny-1 restored")
     confirmed = await server.confirm("tiny-1")
     assert (confirmed.checksum, confirmed.weight_version) == (verified.checksum, verified.weight_version)
-    states = [e.to_state for e in list(controller.event_logger.events)[mark:] if getattr(e, "server_id", None) == "tiny-1" and hasattr(e, "to_state")]
+    states = [
+        e.to_state
+        for e in list(controller.event_logger.events)[mark:]
+        if getattr(e, "server_id", None) == "tiny-1" and hasattr(e, "to_state")
+    ]
     assert "quarantined" in states

@@ -64,7 +64,11 @@ ADMIN_CALLS = [
     ("POST", "/update_weights/start", {}),
     ("POST", "/update_weights/end", {"token": 1, "checksum": "c", "step": 1}),
     ("POST", "/update_weights/abort", {"token": 1}),
-    ("POST", "/events", {"type": "inference_engine_weight_checksum", "model_name": "tiny", "checksum": "0" * 32, "step": 9}),
+    (
+        "POST",
+        "/events",
+        {"type": "inference_engine_weight_checksum", "model_name": "tiny", "checksum": "0" * 32, "step": 9},
+    ),
     ("PATCH", "/config", {"require_published_checksum": True}),
 ]
 READ_CALLS = [
@@ -133,9 +137,13 @@ async def test_nothing_but_the_controller_changes_an_engines_weights(guarded, ro
         assert (await engine.post("/generate", json=GREEDY)).status_code == 401
         # Even the controller's own secret cannot load from outside the roots, nor through a link.
         secret = bearer(controller.engine_secret)
-        outside = await engine.post("/update_weights_from_disk", json={"model_path": str(roots["outside"] / "v4")}, headers=secret)
+        outside = await engine.post(
+            "/update_weights_from_disk", json={"model_path": str(roots["outside"] / "v4")}, headers=secret
+        )
         assert outside.status_code == 403, outside.text
-        linked = await engine.post("/update_weights_from_disk", json={"model_path": str(roots["linked"])}, headers=secret)
+        linked = await engine.post(
+            "/update_weights_from_disk", json={"model_path": str(roots["linked"])}, headers=secret
+        )
         assert linked.status_code == 403 and "model.safetensors" in linked.text
     await asyncio.sleep(0.5)  # two health probes: a drift would have been reported by now
     assert (cell.weight_version, cell.checksum) == before
@@ -162,11 +170,17 @@ async def test_a_window_credential_works_only_while_its_window_is_open(guarded, 
         pushed = await engine.post(f"{url}/update_weights_from_disk", json=load, headers=credential)
         assert pushed.status_code == 200 and pushed.json()["success"], pushed.text
         ended = await http.post(
-            "/update_weights/end", json={"token": window["token"], "checksum": v2.checksum, "step": 200}, headers=bearer(ADMIN)
+            "/update_weights/end",
+            json={"token": window["token"], "checksum": v2.checksum, "step": 200},
+            headers=bearer(ADMIN),
         )
         assert ended.status_code == 200, ended.text
         # The window is over: its credential no longer changes anything.
-        again = await engine.post(f"{url}/update_weights_from_disk", json={**load, "model_path": str(roots["allowed"] / "v3")}, headers=credential)
+        again = await engine.post(
+            f"{url}/update_weights_from_disk",
+            json={**load, "model_path": str(roots["allowed"] / "v3")},
+            headers=credential,
+        )
         assert again.status_code == 403, again.text
         # A window whose lease expired cannot push either.
         short = (await http.post("/update_weights/start", json={"ttl_s": 0.3}, headers=bearer(ADMIN))).json()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SEED = '''
+SEED = """
 from miles.ray.rollout.inference_controller import InferenceController
 from miles.utils.audit_utils.event_logger.models import InferenceEngineWeightChecksumEvent
 
@@ -23,7 +23,7 @@ controller = InferenceController(
 event = InferenceEngineWeightChecksumEvent(model_name="gpt-xyz", checksum="abc123def456", step=42)
 controller.event_logger.log(InferenceEngineWeightChecksumEvent, event, print_log=False)
 controller.update_rollout_weights(new_checkpoint="/new/checkpoint")
-'''
+"""
 
 
 def _port() -> int:
@@ -55,7 +55,7 @@ def _run(script: str, tmp_path: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-REPORT = textwrap.dedent('''
+REPORT = textwrap.dedent("""
     import json, httpx
     health = httpx.get(f"http://127.0.0.1:{port}/health", trust_env=False).json()
     out = httpx.post(
@@ -71,7 +71,7 @@ REPORT = textwrap.dedent('''
         "served_version": out["meta_info"]["weight_version"],
     }}))
     controller.close()
-''')
+""")
 
 
 def test_seed_example_runs_as_written_and_the_gate_refuses_a_wrong_checksum(

@@ -79,7 +79,9 @@ async def test_a_plain_directory_whose_checksum_was_published_commits_as_that_st
     assert (confirmed.checksum, confirmed.weight_version) == (trained["checksum-42"], "42")
 
 
-async def test_a_plain_directory_with_other_weights_than_published_is_refused_by_name(controller, trained: dict) -> None:  # noqa: ANN001
+async def test_a_plain_directory_with_other_weights_than_published_is_refused_by_name(
+    controller, trained: dict
+) -> None:  # noqa: ANN001
     publish(controller, trained["checksum-43"], 43)
     # plain-44 holds weights training never published; the latest published is step 43.
     result = await controller.update_rollout_weights(trained["plain-44"])

@@ -138,6 +138,9 @@ async def test_soak_updates_windows_and_clients(checkpoints: dict[str, Path], tm
     assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
     assert serving_seen == sorted(serving_seen), "the serving version went backwards"
     audit = subprocess.run(
-        [sys.executable, "-m", "miles.cli", "events", str(events_dir), "--check"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "miles.cli", "events", str(events_dir), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert audit.returncode == 0, audit.stdout + audit.stderr

@@ -46,7 +46,9 @@ async def test_concurrent_updates_commit_in_increasing_order(fleet, checkpoints:
 
     async def update(version: int) -> httpx.Response:
         name = ("v2", "v3")[version % 2]
-        return await http.post("/update_weights", json={"checkpoint": str(checkpoints[name]), "weight_version": str(version)})
+        return await http.post(
+            "/update_weights", json={"checkpoint": str(checkpoints[name]), "weight_version": str(version)}
+        )
 
     # The order the adversarial run saw them arrive in. A window holds the lock meanwhile, so all
     # seven queue, each behind older and newer ones, as they did behind slow updates there.

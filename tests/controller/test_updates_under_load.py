@@ -50,7 +50,9 @@ async def test_updates_under_load_fail_no_request(fleet, checkpoints: dict[str, 
         reference: dict[str, list[list[int]]] = {}
         for offset, name in ((1, "v2"), (2, "v3")):
             version = str(base + offset)
-            result = await controller.update_rollout_weights(checkpoints[name], weight_version=version, strategy=strategy)
+            result = await controller.update_rollout_weights(
+                checkpoints[name], weight_version=version, strategy=strategy
+            )
             assert result.status is UpdateStatus.COMMITTED, result.message
             weights_of[version] = name
             reference[name] = await reference_outputs(http)

@@ -237,8 +237,18 @@ def test_a_client_that_goes_away_stops_its_generation(http: httpx.Client, engine
 def test_both_info_names_answer_with_sglangs_fields(http: httpx.Client) -> None:
     model = http.get("/model_info").json()
     assert model == http.get("/get_model_info").json()
-    for field in ("model_path", "served_model_name", "tokenizer_path", "is_generation", "preferred_sampling_params",
-                  "weight_version", "load_format", "disaggregation_mode", "model_type", "architectures"):
+    for field in (
+        "model_path",
+        "served_model_name",
+        "tokenizer_path",
+        "is_generation",
+        "preferred_sampling_params",
+        "weight_version",
+        "load_format",
+        "disaggregation_mode",
+        "model_type",
+        "architectures",
+    ):
         assert field in model, field
     server = http.get("/server_info").json()
     assert server.keys() == http.get("/get_server_info").json().keys()
@@ -248,15 +258,29 @@ def test_both_info_names_answer_with_sglangs_fields(http: httpx.Client) -> None:
 
 def test_sglang_defaults_sent_as_null_and_per_prompt_logprobs(http: httpx.Client) -> None:
     nulls = {"temperature": None, "top_p": None, "top_k": None, "n": None, "min_new_tokens": None, "max_new_tokens": 4}
-    body = {"text": "hi", "sampling_params": {**nulls, "temperature": 0}, "return_logprob": None, "lora_path": None,
-            "return_hidden_states": False, "image_data": None, "model": None, "priority": 3, "cache_salt": "x"}
-    assert http.post("/generate", json=body).json()["output_ids"] == http.post("/generate", json=greedy("hi", 4)).json()[
-        "output_ids"
-    ]
+    body = {
+        "text": "hi",
+        "sampling_params": {**nulls, "temperature": 0},
+        "return_logprob": None,
+        "lora_path": None,
+        "return_hidden_states": False,
+        "image_data": None,
+        "model": None,
+        "priority": 3,
+        "cache_salt": "x",
+    }
+    assert (
+        http.post("/generate", json=body).json()["output_ids"]
+        == http.post("/generate", json=greedy("hi", 4)).json()["output_ids"]
+    )
     batch = http.post(
         "/generate",
-        json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2, "temperature": 0},
-              "return_logprob": [True, False], "top_logprobs_num": [2, 0]},
+        json={
+            "text": ["a", "b"],
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            "return_logprob": [True, False],
+            "top_logprobs_num": [2, 0],
+        },
     ).json()
     assert len(batch[0]["meta_info"]["output_top_logprobs"][0]) == 2
     assert batch[1]["meta_info"]["output_token_logprobs"] is None
@@ -300,9 +324,10 @@ def test_openai_fields_clients_send(http: httpx.Client) -> None:
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
     as_text = {**chat, "messages": [{"role": "user", "content": "hi there"}], "temperature": 0}
     as_parts = {**chat, "temperature": 0}
-    assert http.post("/v1/chat/completions", json=as_text).json()["choices"][0]["message"] == http.post(
-        "/v1/chat/completions", json=as_parts
-    ).json()["choices"][0]["message"]
+    assert (
+        http.post("/v1/chat/completions", json=as_text).json()["choices"][0]["message"]
+        == http.post("/v1/chat/completions", json=as_parts).json()["choices"][0]["message"]
+    )
     reserved = http.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"tokenize": False}})
     assert reserved.status_code == 400 and "chat_template_kwargs" in reserved.json()["error"]["message"]
     lines = []

@@ -59,7 +59,14 @@ def test_health_stays_open_and_inference_needs_the_api_key(http: httpx.Client) -
     error(http.post("/generate", json=GREEDY, headers=bearer("wrong")), 403)
     for credential in (KEY, SECRET):
         assert http.post("/generate", json=GREEDY, headers=bearer(credential)).status_code == 200
-    for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info", "/get_weight_version", "/v1/models"):
+    for path in (
+        "/get_model_info",
+        "/model_info",
+        "/get_server_info",
+        "/server_info",
+        "/get_weight_version",
+        "/v1/models",
+    ):
         error(http.get(path), 401)
         assert http.get(path, headers=bearer(KEY)).status_code == 200, path
     error(http.get("/health_generate"), 401)
@@ -100,7 +107,9 @@ def test_fencing_tokens_and_windows(http: httpx.Client, checkpoints: dict[str, P
     rename = {"new_version": "fenced"}
     assert http.post("/update_weight_version", json=rename, headers=bearer(SECRET, fence=t)).status_code == 200
     assert fence_state(http) == {"fence": t, "window_open": False}
-    stale = error(http.post("/update_weight_version", json={"new_version": "old"}, headers=bearer(SECRET, fence=t - 2)), 409)
+    stale = error(
+        http.post("/update_weight_version", json={"new_version": "old"}, headers=bearer(SECRET, fence=t - 2)), 409
+    )
     assert stale == f"stale fencing token {t - 2}: this engine has seen {t}; a newer update owns it"
     assert http.get("/get_weight_version", headers=bearer(KEY)).json()["weight_version"] == "fenced"
     # Unfenced calls from the secret holder still pass; a malformed header is a 400.

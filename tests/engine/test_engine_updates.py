@@ -223,9 +223,7 @@ def test_pause_abort_ends_in_flight_work(http: httpx.Client, engine_url: str) ->
     pool.shutdown()
 
 
-def test_pause_retract_requeues_running_requests_and_they_finish_complete(
-    http: httpx.Client, engine_url: str
-) -> None:
+def test_pause_retract_requeues_running_requests_and_they_finish_complete(http: httpx.Client, engine_url: str) -> None:
     pool, futures = start_long(engine_url, 1, tokens=480)
     wait_running(http, 1, futures)
     paused = http.post("/pause_generation", json={"mode": "retract"}).json()
@@ -354,7 +352,9 @@ def test_version_only_change_never_aborts(http: httpx.Client, engine_url: str, c
     pool.shutdown()
 
 
-def test_no_torn_reads_while_updates_alternate(http: httpx.Client, engine_url: str, checkpoints: dict[str, Path]) -> None:
+def test_no_torn_reads_while_updates_alternate(
+    http: httpx.Client, engine_url: str, checkpoints: dict[str, Path]
+) -> None:
     """Concurrent greedy clients while v1/v2 alternate: every response is exactly what one version
     produces alone, and says which."""
     reference = {"1": outputs(http)}
@@ -487,7 +487,9 @@ def test_expected_checksum_must_match_the_manifest(http: httpx.Client, checkpoin
 
 
 @pytest.mark.parametrize("value", ["", "x" * 257])
-def test_expected_checksum_is_one_to_256_characters(http: httpx.Client, checkpoints: dict[str, Path], value: str) -> None:
+def test_expected_checksum_is_one_to_256_characters(
+    http: httpx.Client, checkpoints: dict[str, Path], value: str
+) -> None:
     response = load(http, checkpoints["v2"], expected_checksum=value)
     assert response.status_code == 400 and "expected_checksum" in response.json()["error"]["message"]
 

@@ -29,9 +29,9 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 
 
 @contextmanager
-def running_router(worker_urls: list[str], *, log_path: Path, startup_timeout_s: float = 30.0) -> Iterator[
-    tuple[str, subprocess.Popen[bytes]]
-]:
+def running_router(
+    worker_urls: list[str], *, log_path: Path, startup_timeout_s: float = 30.0
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Start ``python -m sglang_router.launch_router`` on loopback; yield its URL and process;
     always kill it."""
     try:
@@ -65,7 +65,9 @@ def running_router(worker_urls: list[str], *, log_path: Path, startup_timeout_s:
     try:
         deadline = time.monotonic() + startup_timeout_s
         while True:
-            assert process.poll() is None, f"the router exited with {process.returncode}: {log_path.read_text()[-3000:]}"
+            assert process.poll() is None, (
+                f"the router exited with {process.returncode}: {log_path.read_text()[-3000:]}"
+            )
             try:
                 # Ready once it has registered a healthy worker.
                 if httpx.get(f"{url}/readiness", timeout=2, trust_env=False).status_code == 200:

@@ -70,9 +70,7 @@ async def update_all(server: Rollout, checkpoint: Path) -> str:
 
 
 class RolloutContract:
-    async def test_started_servers_serve_confirmed_weights(
-        self, server: Rollout, checkpoints: dict[str, Path]
-    ) -> None:
+    async def test_started_servers_serve_confirmed_weights(self, server: Rollout, checkpoints: dict[str, Path]) -> None:
         manifest = read_manifest(checkpoints["v1"])
         snapshots = server.snapshot()
         assert len(snapshots) == 2
@@ -88,9 +86,7 @@ class RolloutContract:
         assert outputs[0]["output_ids"] == outputs[1]["output_ids"]
         assert all(o["meta_info"]["weight_version"] == "1" for o in outputs)
 
-    async def test_update_from_disk_and_confirm_checksum(
-        self, server: Rollout, checkpoints: dict[str, Path]
-    ) -> None:
+    async def test_update_from_disk_and_confirm_checksum(self, server: Rollout, checkpoints: dict[str, Path]) -> None:
         before = await generate(server, server.server_ids[0], greedy("abc"))
         assert await update_all(server, checkpoints["v2"]) == "2"
         for sid in server.server_ids:
@@ -107,7 +103,9 @@ class RolloutContract:
     ) -> None:
         sid = server.server_ids[0]
         server.begin_update(sid, reason="contract: refused load")
-        response = await server.load(sid, tmp_path, weight_version="x", expected_checksum="0" * 32)  # an empty directory
+        response = await server.load(
+            sid, tmp_path, weight_version="x", expected_checksum="0" * 32
+        )  # an empty directory
         assert response.success is False
         assert (await server.confirm(sid)).checksum == read_manifest(checkpoints["v1"]).checksum
         await server.rollback(sid, reason="contract: restore after refused load")

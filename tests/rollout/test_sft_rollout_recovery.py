@@ -47,7 +47,9 @@ async def push_without_checkpoint(server: Rollout, checkpoint: Path, *, version:
     verified = VerifiedWeights(checkpoint=None, weight_version=version, checksum=manifest.checksum, step=7)
     for server_id in server.server_ids:
         server.begin_update(server_id, reason="test push")
-        assert (await server.load(server_id, checkpoint, weight_version=version, expected_checksum=manifest.checksum)).success
+        assert (
+            await server.load(server_id, checkpoint, weight_version=version, expected_checksum=manifest.checksum)
+        ).success
         assert (await server.confirm(server_id)).checksum == manifest.checksum
         server.admit(server_id, verified, reason="test push")
     return verified
@@ -57,7 +59,9 @@ def kill(server: SFTRollout, server_id: str) -> None:
     os.kill(server.cell(server_id).pid or 0, signal.SIGKILL)
 
 
-async def test_a_restarted_server_copies_pushed_weights_from_a_peer(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+async def test_a_restarted_server_copies_pushed_weights_from_a_peer(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
     server = SFTRollout(spec(checkpoints["v1"], tmp_path, num_servers=2))
     await server.start()
     try:

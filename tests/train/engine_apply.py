@@ -45,9 +45,7 @@ class EngineDiskApply:
         await asyncio.gather(*(self._one(client, checkpoint_dir, manifest) for client in self._clients))
 
     async def _one(self, client: EngineClient, checkpoint_dir: Path, manifest: Manifest) -> None:
-        request = UpdateWeightsFromDiskRequest(
-            model_path=str(checkpoint_dir), weight_version=manifest.weight_version
-        )
+        request = UpdateWeightsFromDiskRequest(model_path=str(checkpoint_dir), weight_version=manifest.weight_version)
         result = await client.update_weights_from_disk(request, timeout=self._timeout_s)
         if not result.success:
             raise PublishError(

@@ -18,9 +18,7 @@ KEY = "user-api-key"
 
 
 def access(*, secret: str | None = SECRET, api_key: str | None = KEY) -> EngineAccess:
-    return EngineAccess(
-        secret=SecretStr(secret) if secret else None, api_key=SecretStr(api_key) if api_key else None
-    )
+    return EngineAccess(secret=SecretStr(secret) if secret else None, api_key=SecretStr(api_key) if api_key else None)
 
 
 def refused(call, status: int) -> str:  # type: ignore[no-untyped-def]

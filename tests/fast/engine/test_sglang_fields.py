@@ -83,7 +83,9 @@ def test_the_reference_is_the_pinned_sglang() -> None:
         for line in path.read_text(encoding="utf-8").splitlines()
         if line.startswith("Version:")
     ]
-    assert versions == [SGLANG_VERSION], f"{REF} holds sglang {versions}; run `make clean test` to install {SGLANG_VERSION}"
+    assert versions == [SGLANG_VERSION], (
+        f"{REF} holds sglang {versions}; run `make clean test` to install {SGLANG_VERSION}"
+    )
 
 
 @pytest.mark.parametrize(("model", "source", "name", "_"), MODELS, ids=[m[2] for m in MODELS])

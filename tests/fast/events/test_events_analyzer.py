@@ -226,7 +226,11 @@ def test_custom_rules_can_be_run() -> None:
                 yield Finding(rule="no_locks", message="a lock", model_name="-", event_ids=(event.event_id,))
 
     rule = Rule(name="no_locks", description="never lock", check=every_lock)
-    events = [checksum(0, "a"), confirmed(1, "b", "s0"), LockAcquiredEvent(lock_name="L", holder="h", token=1, waited_s=0)]
+    events = [
+        checksum(0, "a"),
+        confirmed(1, "b", "s0"),
+        LockAcquiredEvent(lock_name="L", holder="h", token=1, waited_s=0),
+    ]
 
     report = analyze_events(events, rules=(rule,))
     assert [finding.rule for finding in report.findings] == ["no_locks"]

@@ -94,9 +94,7 @@ SAMPLES: tuple[BaseEvent, ...] = (
         reason="checksum mismatch",
     ),
     LockAcquiredEvent(lock_name="InferenceController", holder="update u-2", token=4, waited_s=0.5),
-    LockReleasedEvent(
-        lock_name="InferenceController", holder="trainer", token=5, held_s=30.0, reason="lease_expired"
-    ),
+    LockReleasedEvent(lock_name="InferenceController", holder="trainer", token=5, held_s=30.0, reason="lease_expired"),
     SettingsChangedEvent(
         before={"require_published_checksum": True}, after={"require_published_checksum": False}, safety=True
     ),
@@ -217,7 +215,9 @@ def test_build_event_accepts_a_dict_without_type_and_refuses_another_type() -> N
     assert event.type == "lock_acquired"
 
     with pytest.raises(EventValidationError, match="LockReleasedEvent"):
-        build_event(LockReleasedEvent, {"type": "lock_acquired", "lock_name": "l", "holder": "h", "token": 1, "held_s": 0})
+        build_event(
+            LockReleasedEvent, {"type": "lock_acquired", "lock_name": "l", "holder": "h", "token": 1, "held_s": 0}
+        )
 
 
 def test_involved_servers_and_summary() -> None:

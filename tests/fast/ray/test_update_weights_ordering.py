@@ -74,7 +74,9 @@ def all_serving_verified(controller: AsyncInferenceController, version: str, che
     assert controller.health().lock.held is False
 
 
-async def test_the_seven_steps_happen_in_order(controller: AsyncInferenceController, checkpoints: dict[str, Path]) -> None:
+async def test_the_seven_steps_happen_in_order(
+    controller: AsyncInferenceController, checkpoints: dict[str, Path]
+) -> None:
     manifest = read_manifest(checkpoints["v2"])
     mark = len(controller.event_logger.events)
     # Step 1-2: training wrote the checkpoint and publishes its checksum.
@@ -99,11 +101,13 @@ async def test_the_seven_steps_happen_in_order(controller: AsyncInferenceControl
     started = first(lambda e: isinstance(e, WeightUpdateStartedEvent))
     paused = [i for i, e in enumerate(events) if isinstance(e, ServerStateChangedEvent) and e.to_state == "updating"]
     confirmed = [
-        i for i, e in enumerate(events)
+        i
+        for i, e in enumerate(events)
         if isinstance(e, InferenceEngineWeightChecksumEvent) and e.role is ChecksumRole.CONFIRMED
     ]
     admitted = [
-        i for i, e in enumerate(events)
+        i
+        for i, e in enumerate(events)
         if isinstance(e, ServerStateChangedEvent) and e.from_state == "updating" and e.to_state == "serving"
     ]
     committed = first(lambda e: isinstance(e, WeightUpdateCommittedEvent))
@@ -203,7 +207,12 @@ async def test_an_aborted_window_releases_the_lock_and_restores(
     assert controller.health().lock.held is True
     # Training pushes v3 to one server, then gives up.
     first = controller.fleet.rollout(None)
-    await first.load(window.servers[0].server_id, checkpoints["v3"], weight_version="3", expected_checksum=read_manifest(checkpoints["v3"]).checksum)
+    await first.load(
+        window.servers[0].server_id,
+        checkpoints["v3"],
+        weight_version="3",
+        expected_checksum=read_manifest(checkpoints["v3"]).checksum,
+    )
     result = await controller.abort_update_weights(window)
     assert result.status is UpdateStatus.ABORTED
     all_serving_verified(controller, "2", read_manifest(checkpoints["v2"]).checksum)
@@ -218,7 +227,12 @@ async def test_a_window_commits_what_training_pushed(
     window = await controller.start_update_weights(ttl_s=30)
     server = controller.fleet.rollout(None)
     for target in window.servers:
-        response = await server.load(target.server_id, checkpoints["v3"], weight_version="3", expected_checksum=read_manifest(checkpoints["v3"]).checksum)
+        response = await server.load(
+            target.server_id,
+            checkpoints["v3"],
+            weight_version="3",
+            expected_checksum=read_manifest(checkpoints["v3"]).checksum,
+        )
         assert response.success
     result = await controller.end_update_weights(window, checksum=v3.checksum, step=3, checkpoint=checkpoints["v3"])
     assert result.status is UpdateStatus.COMMITTED, result.message
@@ -231,7 +245,12 @@ async def test_an_expired_lease_is_rolled_back_and_its_token_refused(
     v3 = read_manifest(checkpoints["v3"])
     window = await controller.start_update_weights(ttl_s=0.5)
     server = controller.fleet.rollout(None)
-    await server.load(window.servers[0].server_id, checkpoints["v4"], weight_version="4", expected_checksum=read_manifest(checkpoints["v4"]).checksum)
+    await server.load(
+        window.servers[0].server_id,
+        checkpoints["v4"],
+        weight_version="4",
+        expected_checksum=read_manifest(checkpoints["v4"]).checksum,
+    )
     deadline = time.monotonic() + 30
     while not (
         controller.last_update is not None

@@ -78,9 +78,7 @@ def test_verify_lists_problems(
     assert "digest_mismatch" in result.stdout and "model.norm.weight" in result.stdout
 
 
-def test_verify_a_directory_without_manifest_says_seal(
-    runner: CliRunner, make_checkpoint: MakeCheckpoint
-) -> None:
+def test_verify_a_directory_without_manifest_says_seal(runner: CliRunner, make_checkpoint: MakeCheckpoint) -> None:
     directory, _ = make_checkpoint()
     (directory / MANIFEST_NAME).unlink()
     result = runner.invoke(app, ["verify", str(directory)])

@@ -34,6 +34,7 @@ class Rule:
 CHECKSUM_CONSISTENCY = "checksum_consistency"
 WEIGHT_VERSION_ORDER = "weight_version_order"
 
+
 def check_checksum_consistency(events: Sequence[Event]) -> Iterator[Finding]:
     """Yield a finding for each server report (confirmed or restored) whose checksum differs
     from the latest checksum training published before it for the same model and step.
@@ -81,10 +82,7 @@ def check_weight_version_order(events: Sequence[Event]) -> Iterator[Finding]:
     for event in events:
         if isinstance(event, WeightUpdateCommittedEvent):
             finding = _committed_in_order(event, committed)
-        elif (
-            isinstance(event, InferenceEngineWeightChecksumEvent)
-            and event.role is ChecksumRole.CONFIRMED
-        ):
+        elif isinstance(event, InferenceEngineWeightChecksumEvent) and event.role is ChecksumRole.CONFIRMED:
             finding = _confirmed_in_order(event, confirmed)
         else:
             continue
@@ -154,9 +152,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         name=WEIGHT_VERSION_ORDER,
-        description=(
-            "committed versions increase per model; confirmed versions never go back per server"
-        ),
+        description=("committed versions increase per model; confirmed versions never go back per server"),
         check=check_weight_version_order,
     ),
 )

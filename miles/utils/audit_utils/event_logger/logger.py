@@ -156,9 +156,7 @@ class EventLogger:
         line = (record.model_dump_json() + "\n").encode()
         with self._lock:
             if self._state is _LoggerState.CLOSED:
-                raise EventLogError(
-                    "event logger is closed", event_type=record.type, path=_display(self._path)
-                )
+                raise EventLogError("event logger is closed", event_type=record.type, path=_display(self._path))
             self._write(line)
             self._recent.append(record)
             listeners = tuple(self._listeners.values())
@@ -246,9 +244,7 @@ class EventLogger:
             if self._fsync:
                 _fsync_directory(directory)
         except OSError as exc:
-            raise EventLogError(
-                "cannot create event log file", path=str(path), error=str(exc)
-            ) from exc
+            raise EventLogError("cannot create event log file", path=str(path), error=str(exc)) from exc
         return path, handle
 
     def _write(self, line: bytes) -> None:
@@ -260,9 +256,7 @@ class EventLogger:
             if self._fsync:
                 os.fsync(self._file.fileno())
         except OSError as exc:
-            raise EventLogError(
-                "cannot write event", path=_display(self._path), error=str(exc)
-            ) from exc
+            raise EventLogError("cannot write event", path=_display(self._path), error=str(exc)) from exc
 
     def _notify(self, listener: EventListener, event: Event) -> None:
         try:
@@ -270,9 +264,7 @@ class EventLogger:
         except Exception:
             # A listener is someone else's code: its failure must neither lose the event for the
             # other listeners nor fail the caller that logged it.
-            _LOG.exception(
-                "event listener %r failed on %s %s", listener, event.type, event.event_id
-            )
+            _LOG.exception("event listener %r failed on %s %s", listener, event.type, event.event_id)
 
     def _unsubscribe(self, key: int) -> None:
         with self._lock:
@@ -362,18 +354,14 @@ def _log_files(directory: Path) -> list[Path]:
     try:
         return sorted(path for path in directory.glob("*.jsonl") if path.is_file())
     except OSError as exc:
-        raise EventLogError(
-            "cannot list event log directory", path=str(directory), error=str(exc)
-        ) from exc
+        raise EventLogError("cannot list event log directory", path=str(directory), error=str(exc)) from exc
 
 
 def _read_file(path: Path) -> Iterator[LoggedEvent]:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise EventLogError(
-            "cannot read event log file", path=str(path), error=str(exc)
-        ) from exc
+        raise EventLogError("cannot read event log file", path=str(path), error=str(exc)) from exc
     lines = data.split(b"\n")
     # After the final newline comes either b"" (the file ends cleanly) or the unterminated tail
     # of a write that a crash cut short.

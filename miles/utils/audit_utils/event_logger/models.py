@@ -106,9 +106,7 @@ class InferenceEngineWeightChecksumEvent(BaseEvent):
     @model_validator(mode="after")
     def _server_reports_name_the_server(self) -> InferenceEngineWeightChecksumEvent:
         if self.role is not ChecksumRole.PUBLISHED and self.server_id is None:
-            raise ValueError(
-                f"a {self.role.value} checksum is reported by a server: set server_id"
-            )
+            raise ValueError(f"a {self.role.value} checksum is reported by a server: set server_id")
         return self
 
     def involved_servers(self) -> tuple[str, ...]:
@@ -136,10 +134,7 @@ class WeightUpdateStartedEvent(BaseEvent):
         return self.server_ids
 
     def summary(self) -> str:
-        return (
-            f"update {self.update_id} {self.strategy}/{self.pause_mode} "
-            f"on {len(self.server_ids)} server(s)"
-        )
+        return f"update {self.update_id} {self.strategy}/{self.pause_mode} on {len(self.server_ids)} server(s)"
 
 
 class WeightUpdateCommittedEvent(BaseEvent):
@@ -229,10 +224,7 @@ class LockAcquiredEvent(BaseEvent):
     waited_s: NonNegativeFloat
 
     def summary(self) -> str:
-        return (
-            f"{self.lock_name} by {self.holder} token={self.token} "
-            f"waited {self.waited_s:.3f}s"
-        )
+        return f"{self.lock_name} by {self.holder} token={self.token} waited {self.waited_s:.3f}s"
 
 
 class LockReleasedEvent(BaseEvent):
@@ -248,10 +240,7 @@ class LockReleasedEvent(BaseEvent):
     reason: str = "released"
 
     def summary(self) -> str:
-        return (
-            f"{self.lock_name} by {self.holder} token={self.token} "
-            f"{self.reason} after {self.held_s:.3f}s"
-        )
+        return f"{self.lock_name} by {self.holder} token={self.token} {self.reason} after {self.held_s:.3f}s"
 
 
 class SettingsChangedEvent(BaseEvent):
@@ -329,9 +318,7 @@ def build_event(event_cls: type[_E], fields: Mapping[str, Any]) -> _E:
     try:
         return event_cls.model_validate(fields)
     except ValidationError as exc:
-        raise EventValidationError(
-            f"not a valid {event_cls.__name__}", errors=_describe(exc)
-        ) from exc
+        raise EventValidationError(f"not a valid {event_cls.__name__}", errors=_describe(exc)) from exc
 
 
 def _describe(exc: ValidationError) -> str:

@@ -128,8 +128,10 @@ async def test_a_restart_waits_for_a_window_to_end(fleet) -> None:  # noqa: ANN0
     assert b_server.cell("tiny-b-0").restarts == restarts, "restarted while a window held the lock"
     await controller.abort_update_weights(window)
     await until(
-        lambda: b_server.cell("tiny-b-0").restarts == restarts + 1
-        and b_server.cell("tiny-b-0").state is ServerState.SERVING,
+        lambda: (
+            b_server.cell("tiny-b-0").restarts == restarts + 1
+            and b_server.cell("tiny-b-0").state is ServerState.SERVING
+        ),
         timeout=120,
         what="the restart after the window",
     )
