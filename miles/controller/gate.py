@@ -108,9 +108,11 @@ def admit_checkpoint(
             f"{manifest.step}, but checkpoint {path} holds {manifest.checksum}; it is not the "
             "checkpoint training meant (stale, overwritten or corrupted before sealing)"
         )
-    elif latest is not None and latest.step > manifest.step:
+    elif latest is not None and latest.step > manifest.step and weight_version is None:
+        # Training published a newer step and this is none of its checkpoints: stale or foreign.
         # An older checkpoint is refused as such first; a newer one as weights nobody published.
-        _check_newer(weight_version or manifest.weight_version, serving_version)
+        # (An explicit weight_version republishes sealed weights on purpose.)
+        _check_newer(manifest.weight_version, serving_version)
         raise _unpublished(path, model_name=model_name, checksum=manifest.checksum, latest=latest)
     elif settings.require_published_checksum:
         raise CheckpointRejected(

@@ -47,6 +47,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
     # A sealed checkpoint whose manifest says step 7 but holds step 46's weights.
     init_checkpoint(root / "sealed-as-7", model_name="gpt-xyz", seed=5, step=7)
     made["sealed-as-7"] = root / "sealed-as-7"
+    # A sealed checkpoint nobody published.
+    init_checkpoint(root / "sealed-as-50", model_name="gpt-xyz", seed=6, step=50)
+    made["sealed-as-50"] = root / "sealed-as-50"
     return made
 
 
@@ -61,7 +64,7 @@ def publish(controller: AsyncInferenceController, checksum: str, step: int) -> N
     controller.event_logger.log(InferenceEngineWeightChecksumEvent, event, print_log=False)
 
 
-async def test_a_plain_directory_without_a_published_checksum_says_both_ways_out(controller, trained: dict) -> None:  # noqa: ANN001
+async def test_a_plain_directory_without_a_published_checksum_says_both_ways_out(controller, trained: dict) -> None:
     result = await controller.update_rollout_weights(trained["plain-42"])
     assert result.status is UpdateStatus.REJECTED
     assert "no miles manifest" in result.message
@@ -69,7 +72,7 @@ async def test_a_plain_directory_without_a_published_checksum_says_both_ways_out
     assert controller.health().servers[0].weight_version == "41"
 
 
-async def test_a_plain_directory_whose_checksum_was_published_commits_as_that_step(controller, trained: dict) -> None:  # noqa: ANN001
+async def test_a_plain_directory_whose_checksum_was_published_commits_as_that_step(controller, trained: dict) -> None:
     publish(controller, trained["checksum-42"], 42)
     result = await controller.update_rollout_weights(trained["plain-42"])
     assert result.status is UpdateStatus.COMMITTED, result.message
@@ -81,7 +84,7 @@ async def test_a_plain_directory_whose_checksum_was_published_commits_as_that_st
 
 async def test_a_plain_directory_with_other_weights_than_published_is_refused_by_name(
     controller, trained: dict
-) -> None:  # noqa: ANN001
+) -> None:
     publish(controller, trained["checksum-43"], 43)
     # plain-44 holds weights training never published; the latest published is step 43.
     result = await controller.update_rollout_weights(trained["plain-44"])
@@ -96,21 +99,24 @@ async def test_a_plain_directory_with_other_weights_than_published_is_refused_by
     assert controller.health().servers[0].weight_version == "42"
 
 
-async def test_a_sealed_checkpoint_is_matched_by_checksum_not_by_its_step(controller, trained: dict) -> None:  # noqa: ANN001
+async def test_a_sealed_checkpoint_is_matched_by_checksum_not_by_its_step(controller, trained: dict) -> None:
     sealed = read_manifest(trained["sealed-as-7"])
     publish(controller, sealed.checksum, 46)
     result = await controller.update_rollout_weights(trained["sealed-as-7"])
     assert result.status is UpdateStatus.COMMITTED, result.message
     assert (result.step, result.weight_version) == (46, "46")
     # A sealed checkpoint matching nothing published, while newer steps were, is refused by name.
-    publish(controller, trained["checksum-45"], 47)
-    unpublished = await controller.update_rollout_weights(trained["start"], weight_version="100")
+    publish(controller, trained["checksum-45"], 60)
+    unpublished = await controller.update_rollout_weights(trained["sealed-as-50"])
     assert unpublished.status is UpdateStatus.REJECTED
-    assert "never published" in unpublished.message and "step 47" in unpublished.message
+    assert "never published" in unpublished.message and "step 60" in unpublished.message
+    # Unless the caller republishes it on purpose, under a version of its own.
+    republished = await controller.update_rollout_weights(trained["sealed-as-50"], weight_version="70")
+    assert republished.status is UpdateStatus.COMMITTED, republished.message
 
 
-async def test_a_server_restarts_on_weights_from_a_plain_directory(controller, trained: dict) -> None:  # noqa: ANN001
-    publish(controller, trained["checksum-45"], 48)
+async def test_a_server_restarts_on_weights_from_a_plain_directory(controller, trained: dict) -> None:
+    publish(controller, trained["checksum-45"], 80)
     result = await controller.update_rollout_weights(trained["plain-45"])
     assert result.status is UpdateStatus.COMMITTED, result.message
     cell = controller.fleet.rollout(None).cell("gpt-xyz-0")
@@ -121,4 +127,4 @@ async def test_a_server_restarts_on_weights_from_a_plain_directory(controller, t
     while not (cell.restarts > restarts and cell.state is ServerState.SERVING):
         assert time.monotonic() < deadline, "the server never came back"
         await asyncio.sleep(0.05)
-    assert (cell.weight_version, cell.checksum) == ("48", trained["checksum-45"])
+    assert (cell.weight_version, cell.checksum) == ("80", trained["checksum-45"])
