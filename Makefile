@@ -1,4 +1,5 @@
-# The two commands: `make demo` runs the training-while-serving demo, `make test` the suite.
+# The two commands: `make demo` runs the training-while-serving demo, `make test` the static
+# checks (`make lint`) and then the suite.
 # Both create .venv and install what they need; nothing depends on a hand-made environment.
 
 PYTHON ?= python3
@@ -12,7 +13,7 @@ SGLANG_VERSION := 0.5.23
 SGLANG_REF := .sglang-ref
 SGLANG_STAMP := $(SGLANG_REF)/.installed-$(SGLANG_VERSION)
 
-.PHONY: demo test bench clean sglang-ref
+.PHONY: demo lint test bench clean sglang-ref
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +30,15 @@ $(SGLANG_STAMP): | $(STAMP)
 
 sglang-ref: $(SGLANG_STAMP)
 
-test: $(STAMP) $(SGLANG_STAMP)
+# Static checks, in this order: lint, formatting, types, the import layering (pyproject.toml
+# configures each). Any failure stops `make test` before the suite runs.
+lint: $(STAMP)
+	$(BIN)/ruff check miles tests benchmarks
+	$(BIN)/ruff format --check miles tests benchmarks
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+test: lint $(SGLANG_STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

@@ -115,7 +115,8 @@ async def main(args: argparse.Namespace) -> None:
     print(f"{'engine directly':<22}{d50 * 1e3:>10.3f}{p(direct, 0.9) * 1e3:>10.3f}")
     print(f"{'through controller':<22}{r50 * 1e3:>10.3f}{p(routed, 0.9) * 1e3:>10.3f}")
     print(
-        f"added by routing: p50 {(r50 - d50) * 1e3:.3f} ms (target < 1 ms), p90 {(p(routed, 0.9) - p(direct, 0.9)) * 1e3:.3f} ms"
+        f"added by routing: p50 {(r50 - d50) * 1e3:.3f} ms (target < 1 ms), "
+        f"p90 {(p(routed, 0.9) - p(direct, 0.9)) * 1e3:.3f} ms"
     )
     print(f"ratio routed/direct p50: {r50 / d50:.2f}x")
     g50 = statistics.median(guarded)
@@ -130,7 +131,8 @@ async def main(args: argparse.Namespace) -> None:
     for phase, values in phases.items():
         print(f"{'  ' + phase:<34}{statistics.median(values) * 1e3:>10.2f}")
     print(
-        f"protocol overhead (everything but the load): {(c50 - e50) * 1e3:.2f} ms per update ({c50 / e50:.2f}x the load)"
+        f"protocol overhead (everything but the load): {(c50 - e50) * 1e3:.2f} ms per update "
+        f"({c50 / e50:.2f}x the load)"
     )
 
 

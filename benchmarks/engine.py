@@ -41,9 +41,9 @@ from pathlib import Path
 
 import httpx
 import torch
+from _common import BenchmarkError, Samples, check_response, engine_process, load_line, machine_line
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from _common import BenchmarkError, Samples, check_response, engine_process, load_line, machine_line
 from miles.models.presets import init_checkpoint
 from miles.models.tokenizer import PAD_TOKEN_ID
 

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import httpx
 import torch
-
 from _common import BenchmarkError, Samples, check_response, engine_process, load_line, machine_line
+
 from miles.models.presets import get_preset, init_checkpoint
 from miles.weights.checkpoint import open_checkpoint, read_manifest
 from miles.weights.checksum import checksum_state_dict

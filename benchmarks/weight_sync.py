@@ -133,11 +133,13 @@ async def main(args: argparse.Namespace) -> None:
 
     print()
     print(
-        f"{'servers':>7} {'miles s':>9} {'floor s':>9} {'x floor':>8} {'restart s':>10} {'restart/miles':>14} {'from_pretrained s':>18}"
+        f"{'servers':>7} {'miles s':>9} {'floor s':>9} {'x floor':>8} {'restart s':>10} {'restart/miles':>14} "
+        f"{'from_pretrained s':>18}"
     )
     for servers, sync, floor, restart, _ in rows:
         print(
-            f"{servers:>7} {sync:>9.3f} {floor:>9.3f} {sync / floor:>8.2f} {restart:>10.2f} {restart / sync:>14.1f} {loaded:>18.2f}"
+            f"{servers:>7} {sync:>9.3f} {floor:>9.3f} {sync / floor:>8.2f} {restart:>10.2f} {restart / sync:>14.1f} "
+            f"{loaded:>18.2f}"
         )
     print()
     print("where the time goes (median seconds; engine phases are the slowest server's):")

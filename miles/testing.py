@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,20 @@ def running_engine(
         yield url
     finally:
         process.kill()
+
+
+async def wait_until(
+    predicate: Callable[[], bool], *, what: str, timeout: float = 60.0, interval: float = 0.02
+) -> None:
+    """Return once ``predicate()`` holds, checking every ``interval`` seconds (0: every loop turn);
+    AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    # Polling, not an Event: tests watch state (lock waiters, router queues, a fleet's health)
+    # that the product exposes for reading but signals to no one.
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 def copy_checkpoint(source: Path, target: Path) -> Path:

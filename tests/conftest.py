@@ -3,14 +3,46 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from blocking.no_blocking import LOG_DIR_ENV, watch
+
+from miles.testing import wait_until
 
 # Nothing in the suite may reach a model hub; fail loudly instead of downloading.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def no_blocking_call_on_an_event_loop(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test during which a blocking call (sleep, file or socket I/O, a contended lock...)
+    ran on a running event loop, in this process or in one the suite started (an engine, the
+    CLI); ``tests/blocking/no_blocking.py`` says what may block and why."""
+    found: list[str] = []
+    buster = watch(found.append)
+    try:
+        yield
+    finally:
+        buster.deactivate()
+    found += _drain(request.config.stash[_BLOCKING_LOG])
+    if found:
+        pytest.fail(f"{len(found)} blocking call(s) on a running event loop; the first: {found[0]}", pytrace=False)
+
+
+def _drain(log_dir: Path) -> list[str]:
+    """What the processes the suite started found since the last look (and forget it)."""
+    found = []
+    for log in sorted(log_dir.iterdir()):
+        found.append(log.read_text())
+        log.unlink()
+    return found
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +65,42 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return made
 
 
+@pytest.fixture
+def supervisor_rounds() -> Callable[..., Awaitable[None]]:
+    """``await supervisor_rounds(rollout, n)``: wait until the rollout's supervisor has probed its
+    servers ``n`` more times (a negative assertion waits for this, not for a sleep)."""
+
+    async def wait(rollout: Any, count: int = 2) -> None:
+        target = rollout.probe_rounds + count
+        await wait_until(lambda: rollout.probe_rounds >= target, what=f"{count} rounds of health probes")
+
+    return wait
+
+
+_BLOCKING_LOG = pytest.StashKey[Path]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # save_pretrained draws a progress bar per checkpoint; in test output it is only noise.
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    # Every Python process the suite starts imports tests/blocking/sitecustomize.py, which
+    # watches it for blocking calls on its event loops and reports them in this directory.
+    log_dir = config.stash[_BLOCKING_LOG] = Path(tempfile.mkdtemp(prefix="miles-blocking-"))
+    os.environ[LOG_DIR_ENV] = str(log_dir)
+    hooks = str(Path(__file__).parent / "blocking")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (hooks, os.environ.get("PYTHONPATH")) if p)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # What a process reported after the last test looked (an engine of a module's fixture, as it
+    # stopped) fails the run too.
+    log_dir = session.config.stash[_BLOCKING_LOG]
+    late = _drain(log_dir)
+    shutil.rmtree(log_dir, ignore_errors=True)
+    if late:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"blocking calls on a running event loop after the last test: {late}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -127,7 +127,8 @@ class AsyncInferenceController:
         setting), so the audit trail shows who could have let unverified weights through.
         """
         before = self._settings
-        self._settings = self._settings.changed(patch)
+        # Validation resolves the checkpoint roots on the filesystem: off the loop.
+        self._settings = await asyncio.to_thread(self._settings.changed, patch)
         self.fleet.set_health(health_from(self._settings))
         self._events.settings_changed(before, self._settings)
         return self._settings
@@ -316,10 +317,11 @@ class AsyncInferenceController:
         self._window_task = task
         # The window's task sets ``opened`` once the window is open (or failed to open); a task
         # that ends without setting it never got the lock (LockTimeoutError) or was cancelled.
-        await asyncio.wait({opened, task}, return_when=asyncio.FIRST_COMPLETED)
-        if opened.done():
-            return opened.result()
-        return task.result()  # type: ignore[return-value]  # raises what ended the task
+        racers: set[asyncio.Future[Any]] = {opened, task}
+        await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+        if not opened.done():
+            task.result()  # the task ended first: this raises what ended it
+        return opened.result()
 
     @with_lock
     async def _hold_window(
@@ -335,7 +337,7 @@ class AsyncInferenceController:
             await update.take_out(update.server_ids)
             # The engines accept the window's credential from now until it is closed again.
             await set_window(update, open_=True)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001  # handed to start_update_weights through ``opened``
             # Whatever failed once the fleet was touched, put it back as it was: servers on their
             # verified weights and serving, the gate open.
             await self._close_window(update, reason="the window could not open")
@@ -408,7 +410,10 @@ class AsyncInferenceController:
         Raises InvalidRequestError for a bad argument (the window stays open) and ConflictError
         for a token that names no open window (ended, expired, or never opened).
         """
-        ending = Commit(checksum=checksum, step=step, checkpoint=checkpoint, weight_version=weight_version)
+        # Commit checks its arguments, resolving the checkpoint's path on the filesystem: off the loop.
+        ending = await asyncio.to_thread(
+            Commit, checksum=checksum, step=step, checkpoint=checkpoint, weight_version=weight_version
+        )
         return await asyncio.shield(self._open_window(window).end(ending))
 
     @lock_exempt

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from miles.config import ControllerSettings
 from miles.errors import CheckpointError, InvalidRequestError, MilesError, NotFoundError
@@ -140,7 +140,7 @@ class Fleet:
             num_threads=spec.num_threads,
             log_dir=settings.log_dir or self.state_dir / "logs",
             snapshot_dir=self.state_dir / "snapshots" / prefix,
-            engine_secret=self._engine_secret,
+            engine_secret=None if self._engine_secret is None else SecretStr(self._engine_secret),
             guard_inference=settings.api_key is not None,
             allowed_checkpoint_roots=settings.allowed_checkpoint_roots,
             engine_args=spec.engine_args,
@@ -185,7 +185,8 @@ class Fleet:
 
     async def stop(self) -> None:
         await asyncio.gather(*(server.stop() for server in self._servers.values()), return_exceptions=True)
-        self._remove_state_dir()
+        # Logs and exported weights: possibly gigabytes to unlink, off the loop.
+        await asyncio.to_thread(self._remove_state_dir)
 
     def _remove_state_dir(self) -> None:
         if self._owned_state_dir is not None:

@@ -120,13 +120,15 @@ async def commit(update: WeightUpdate, ending: Commit, *, published_checksum: st
             f"({published_checksum}); nothing was admitted"
         )
         return Refused(reason=reason, message=reason)
+    # Reads the checkpoint's manifest: off the loop.
+    holding = await asyncio.to_thread(_checkpoint_holding, ending.checkpoint, ending.checksum)
     update.aim(
         Target(
             weight_version=version,
             step=ending.step,
             checksum=ending.checksum,
             source=ChecksumSource.TRAINING,
-            checkpoint=_checkpoint_holding(ending.checkpoint, ending.checksum),
+            checkpoint=holding,
         )
     )
     ids = update.server_ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
@@ -45,10 +46,12 @@ class LiveDisplay:
             self._live.__enter__()
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._live is not None:
             self._live.update(self._render())
-            self._live.__exit__(*exc_info)
+            self._live.__exit__(exc_type, exc, tb)
 
     def step(self, report: StepReport) -> None:
         self._last = report

@@ -11,15 +11,15 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; the demo runs on machines without a display
 
-import matplotlib.pyplot as plt  # noqa: E402
-from pydantic import BaseModel, ConfigDict  # noqa: E402
+import matplotlib.pyplot as plt
+from pydantic import BaseModel, ConfigDict
 
-from miles.controller.results import UpdateResult, UpdateStatus  # noqa: E402
-from miles.demo.traffic import TrafficStats  # noqa: E402
-from miles.train.reports import TrainingSummary  # noqa: E402
-from miles.utils.audit_utils.event_analyzer import analyze_events  # noqa: E402
-from miles.utils.audit_utils.event_logger.logger import read_events  # noqa: E402
-from miles.utils.audit_utils.event_logger.models import ChecksumMismatchEvent  # noqa: E402
+from miles.controller.results import UpdateResult, UpdateStatus
+from miles.demo.traffic import TrafficStats
+from miles.train.reports import TrainingSummary
+from miles.utils.audit_utils.event_analyzer import analyze_events
+from miles.utils.audit_utils.event_logger.logger import read_events
+from miles.utils.audit_utils.event_logger.models import ChecksumMismatchEvent
 
 
 @dataclass(frozen=True)
@@ -240,11 +240,14 @@ def _markdown(summary: DemoSummary, training: TrainingSummary, updates: list[Upd
         "|---|---|",
         f"| trainer steps | {summary.steps} |",
         f"| updates committed / not committed | {summary.updates_committed} / {summary.updates_failed} |",
-        f"| update latency p50 / p95 | {summary.update_latency_p50_s * 1e3:.1f} ms / {summary.update_latency_p95_s * 1e3:.1f} ms |",
+        f"| update latency p50 / p95 | {summary.update_latency_p50_s * 1e3:.1f} ms"
+        f" / {summary.update_latency_p95_s * 1e3:.1f} ms |",
         f"| publish latency p50 (write + checksum + update) | {summary.publish_latency_p50_s * 1e3:.1f} ms |",
         f"| user requests served / failed | {summary.requests_served} / {summary.requests_failed} |",
-        f"| request latency p50 / p95 | {summary.request_latency_p50_s * 1e3:.1f} ms / {summary.request_latency_p95_s * 1e3:.1f} ms |",
-        f"| mean reward of server samples, first / last steps | {summary.reward_first:.3f} / {summary.reward_last:.3f} |",
+        f"| request latency p50 / p95 | {summary.request_latency_p50_s * 1e3:.1f} ms"
+        f" / {summary.request_latency_p95_s * 1e3:.1f} ms |",
+        f"| mean reward of server samples, first / last steps"
+        f" | {summary.reward_first:.3f} / {summary.reward_last:.3f} |",
         f"| exact answers, first / last steps | {summary.exact_first:.3f} / {summary.exact_last:.3f} |",
         f"| final weight version | {summary.final_weight_version} |",
         "",

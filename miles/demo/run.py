@@ -9,6 +9,7 @@ through the controller, publishes a checkpoint after every step (checksum event,
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -69,12 +70,12 @@ def _run_dir(root: Path) -> Path:
     if latest.is_symlink() or latest.exists():
         latest.unlink()
     latest.symlink_to(run_dir.name)
-    return run_dir
+    return run_dir.resolve()
 
 
 async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
     """Run the whole demo and write its run directory; returns the summary."""
-    run_dir = _run_dir(config.runs_dir).resolve()
+    run_dir = await asyncio.to_thread(_run_dir, config.runs_dir)
     checkpoints, events_dir = run_dir / "checkpoints", run_dir / "events"
     trainer_config = TrainerConfig(
         sft_steps=config.sft_steps,
@@ -154,7 +155,9 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         if http_server is not None:
             await http_server.stop()
         await controller.close()
-    summary = summarize(
+    # Reading the event log back and writing the report: files, off the loop.
+    summary = await asyncio.to_thread(
+        summarize,
         run_dir,
         training=training,
         updates=updates,
@@ -165,7 +168,9 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         pause_mode=config.pause_mode.value,
         wall_s=time.monotonic() - t0,
     )
-    write_report(run_dir, summary, training=training, updates=updates, traffic=traffic_stats)
+    await asyncio.to_thread(
+        functools.partial(write_report, run_dir, summary, training=training, updates=updates, traffic=traffic_stats)
+    )
     display.final(summary)
     return summary
 

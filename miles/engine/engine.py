@@ -142,8 +142,9 @@ class Engine:
         assert self.model is not None, "Engine.start() has not loaded the model yet"
         return self.model
 
-    def stop(self) -> None:
-        self._scheduler.stop()
+    async def stop(self) -> None:
+        """Stop the scheduler thread and wait for it (off the loop: it may be finishing a step)."""
+        await asyncio.to_thread(self._scheduler.stop)
 
     # --- generation ------------------------------------------------------------------------
 
@@ -226,7 +227,7 @@ class Engine:
             prompts = [list(self.tokenizer.encode(t)) for t in texts]
         else:
             raw = request.input_ids or []
-            prompts = raw if raw and isinstance(raw[0], list) else [raw]  # type: ignore[list-item]
+            prompts = raw if raw and isinstance(raw[0], list) else [raw]
         for prompt in prompts:
             if not prompt:
                 raise InvalidRequestError("the prompt is empty; give at least one token")
@@ -235,7 +236,7 @@ class Engine:
                 raise InvalidRequestError(
                     f"input_ids hold token ids outside the vocabulary [0, {self.vocab_size})", tokens=bad[:5]
                 )
-        return prompts  # type: ignore[return-value]
+        return prompts
 
     def _resolved(self, prompt: list[int], sampling: SamplingParams) -> SamplingParams:
         """``sampling`` with its token budget fixed: null means what the context leaves after the
@@ -398,7 +399,9 @@ class _Detokenizer:
         self._tokenizer = tokenizer
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
 
 async def _final(sink: _Sink) -> GenerateResponse:

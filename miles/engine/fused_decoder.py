@@ -27,6 +27,7 @@ Architectures outside the family, or with sliding-window attention, run the Tran
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,32 @@ def supports(model: PreTrainedModel) -> str | None:
     if shared:
         return f"projection weights shared with other modules: {shared[:3]}"
     return None
+
+
+class _Norm(Protocol):
+    weight: torch.Tensor
+
+
+class _Attention(Protocol):
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+
+
+class _Mlp(Protocol):
+    gate_proj: nn.Linear
+    up_proj: nn.Linear
+    down_proj: nn.Linear
+
+
+class _DecoderLayer(Protocol):
+    """What ``_fuse_layer`` reads of a decoder layer of a supported architecture."""
+
+    self_attn: _Attention
+    mlp: _Mlp
+    input_layernorm: _Norm
+    post_attention_layernorm: _Norm
 
 
 @dataclass
@@ -119,7 +146,7 @@ class FusedDecoderRunner:
         self._scaling = float(first.scaling)
         self._split = [self._heads * self._head_dim, self._kv_heads * self._head_dim, self._kv_heads * self._head_dim]
 
-    def _fuse_layer(self, layer: nn.Module) -> _Layer:
+    def _fuse_layer(self, layer: _DecoderLayer) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv_weight, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up_weight, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])

@@ -57,7 +57,7 @@ def create_app(engine: Engine) -> FastAPI:
         try:
             yield
         finally:
-            engine.stop()
+            await engine.stop()
 
     app = FastAPI(title="miles embedded engine", lifespan=lifespan)
     install_error_handlers(

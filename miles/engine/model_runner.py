@@ -21,6 +21,7 @@ from typing import Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import CacheLayerMixin
 
 from miles.engine import fused_decoder
 from miles.engine.settings import Forward
@@ -82,7 +83,8 @@ def load_model(model_path: str | Path, *, device: torch.device) -> PreTrainedMod
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
             tensor.data = tensor.data.clone()
-    model.to(device)
+    # transformers wraps ``to`` with functools.wraps, whose stub drops the method's binding.
+    model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
     return model
@@ -178,7 +180,13 @@ class TransformersRunner:
 
 
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    """Each layer's keys and values; a layer kind without them (linear attention) cannot be re-batched."""
+    pairs = []
+    for layer in cache.layers:
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+            raise TypeError(f"cache layer {type(layer).__name__} holds no keys and values to select rows of")
+        pairs.append((layer.keys, layer.values))
+    return pairs
 
 
 def _pad_time(states: torch.Tensor, width: int) -> torch.Tensor:

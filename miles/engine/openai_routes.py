@@ -4,11 +4,11 @@ requests (the chat template applied), and native snapshots back into OpenAI's st
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, cast
 
 from pydantic import ValidationError
-from transformers import PreTrainedTokenizerBase
+from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from miles.engine.engine import Engine
 from miles.errors import InvalidRequestError
@@ -17,11 +17,11 @@ from miles.protocol.sglang import GenerateRequest, GenerateResponse
 from miles.utils.http import sse
 
 
-def _translated(build: Any) -> GenerateRequest:
+def _translated(build: Callable[[], GenerateRequest]) -> GenerateRequest:
     # The OpenAI models refuse what the native ones would (miles.protocol.openai), so this only
     # guards against the two drifting apart: a 400 naming the field, not a 500.
     try:
-        return build()  # type: ignore[no-any-return]
+        return build()
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors())
         raise InvalidRequestError(f"invalid request: {problems}") from None
@@ -63,13 +63,15 @@ def chat_to_generate(engine: Engine, request: ChatCompletionRequest) -> Generate
             "the engine sets itself; pass only variables the chat template reads"
         )
     try:
-        ids = engine.tokenizer.apply_chat_template(
+        rendered = engine.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, **(request.chat_template_kwargs or {})
         )
     except Exception as exc:  # the template is user data (from the checkpoint); any failure is theirs
         raise InvalidRequestError(f"the model's chat template could not render these messages: {exc}") from exc
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
+    if isinstance(rendered, dict | BatchEncoding):
+        rendered = rendered["input_ids"]
+    # One conversation renders to one list of token ids (GenerateRequest checks that they are).
+    ids = cast("list[int]", rendered)
     return _translated(
         lambda: GenerateRequest(
             input_ids=list(ids),

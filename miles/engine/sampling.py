@@ -137,7 +137,10 @@ def sample_rows(
             want_logprobs=want_logprobs,
             top_logprobs=top_logprobs,
         )
-        return [SampledRow(token=t, logprob=lp, top=top) for t, lp, top in zip(batch.tokens, batch.logprobs, batch.top)]
+        return [
+            SampledRow(token=t, logprob=lp, top=top)
+            for t, lp, top in zip(batch.tokens, batch.logprobs, batch.top, strict=True)
+        ]
     except Exception:
         # Which row broke the batch is found by the retry below; each failing row is reported
         # (with its own traceback) by the caller.
@@ -155,7 +158,7 @@ def sample_rows(
                 top_logprobs=[top_logprobs[row]],
             )
             results.append(SampledRow(token=one.tokens[0], logprob=one.logprobs[0], top=one.top[0]))
-        except Exception as exc:  # this row alone cannot be sampled: it fails, its neighbours go on
+        except Exception as exc:  # noqa: BLE001  # this row alone cannot be sampled: it fails, its neighbours go on
             results.append(SamplingFailure(error=exc))
     return results
 
@@ -218,7 +221,7 @@ def _select(
                 logprobs[row] = chosen[i]
             if top_logprobs[row]:
                 k = top_logprobs[row]
-                top[row] = list(zip(values[i, :k].tolist(), ids[i, :k].tolist()))
+                top[row] = list(zip(values[i, :k].tolist(), ids[i, :k].tolist(), strict=True))
     return SampledTokens(tokens=tokens, logprobs=logprobs, top=top)
 
 

@@ -168,9 +168,14 @@ class Scheduler:
         """
         with self._cond:
             in_flight = self._running_count + len(self._waiting)
-            if mode is PauseMode.IN_PLACE:
+            in_place = mode is PauseMode.IN_PLACE
+
+            def done() -> bool:
+                # in_place waits for the running step only; the other modes for the batch to empty.
+                return not self._in_step and (in_place or self._running_count == 0)
+
+            if in_place:
                 self._state = GenerationState.HELD
-                done = lambda: not self._in_step  # noqa: E731
             else:
                 self._state = GenerationState.PAUSED
                 if mode is PauseMode.ABORT:
@@ -178,7 +183,6 @@ class Scheduler:
                     self._pending_aborts.append((None, message))
                 elif mode is PauseMode.RETRACT:
                     self._pending_retract = True
-                done = lambda: self._running_count == 0 and not self._in_step  # noqa: E731
             self._cond.notify_all()
             if not self._cond.wait_for(done, timeout=timeout):
                 raise TimeoutError(f"pause({mode.value}) did not complete within {timeout}s")
@@ -209,7 +213,7 @@ class Scheduler:
     def _run(self) -> None:
         try:
             self._runner = self._setup()
-        except BaseException as exc:  # reported to start(), which re-raises it in the caller
+        except BaseException as exc:  # noqa: BLE001  # reported to start(), which re-raises it in the caller
             self._setup_error = exc
             self._ready.set()
             return
@@ -222,7 +226,7 @@ class Scheduler:
             for job, future in jobs:
                 try:
                     future.set_result(job())
-                except BaseException as exc:  # handed to the caller waiting in call()
+                except BaseException as exc:  # noqa: BLE001  # handed to the caller waiting in call()
                     future.set_exception(exc)
             with self._cond:
                 if self._stopping and not self._pending_aborts:
@@ -276,10 +280,7 @@ class Scheduler:
             # The queue too: a row retracted after abort() found it running is waiting now.
             with self._cond:
                 self._abort_waiting(rid, message)
-            self._drop_rows(
-                lambda s, rid=rid: rid is None or s.rid == rid,
-                FinishReason(type="abort", message=message),
-            )
+            self._drop_rows(rid, FinishReason(type="abort", message=message))
         if retract and self._rows:
             # Back to the front of the queue, in batch order, keeping what they generated; their
             # KV state is dropped and rebuilt from their history when they are admitted again.
@@ -290,8 +291,9 @@ class Scheduler:
                 self._rows, self._batch, self._logits = [], None, None
                 self._needs_rebuild = False
 
-    def _drop_rows(self, predicate: Callable[[Sequence], bool], reason: FinishReason) -> None:
-        leaving = [s for s in self._rows if predicate(s)]
+    def _drop_rows(self, rid: str | None, reason: FinishReason) -> None:
+        """End the running rows of request ``rid`` (every row when None) with ``reason``."""
+        leaving = [s for s in self._rows if rid is None or s.rid == rid]
         for seq in leaving:
             self._finish(seq, reason, interrupted=True)
         self._keep([i for i, s in enumerate(self._rows) if s not in leaving])
@@ -348,7 +350,7 @@ class Scheduler:
                     continue
                 if seq.stream:
                     seq.sink.progress(self._response(seq, None, interrupted=False))
-            except Exception as exc:  # this request's bookkeeping broke; its neighbours go on
+            except Exception as exc:  # noqa: BLE001  # this request's bookkeeping broke; its neighbours go on
                 self._fail(seq, exc, stage="recording the sampled token")
                 continue
             keep.append(row)
@@ -444,7 +446,7 @@ class Scheduler:
                         logits=torch.cat([group.logits, logits], dim=0),
                         rows=[*group.rows, seq],
                     )
-            except Exception as exc:  # this request fails alone; the others go on
+            except Exception as exc:  # noqa: BLE001  # this request fails alone (logged by _fail); the others go on
                 self._fail(seq, exc, stage="prefill")
         return group
 

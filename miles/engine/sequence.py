@@ -109,8 +109,9 @@ class Sequence:
         spans = [WeightVersionSpan(weight_version=s.version, start=s.start, end=s.end) for s in self._spans]
         start = spans[0].weight_version if spans else current_version
         end = spans[-1].weight_version if spans else current_version
-        logprobs = None
-        top = None
+        # SGLang's shape: (logprob, token id, token text); the text is never filled in.
+        logprobs: list[tuple[float, int, str | None]] | None = None
+        top: list[list[tuple[float, int, str | None]]] | None = None
         if self.return_logprob:
             logprobs = [(lp, tok, None) for lp, tok in zip(self.logprobs, self.output_ids, strict=False)]
             if self.top_logprobs:

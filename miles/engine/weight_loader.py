@@ -119,7 +119,7 @@ def prepare_update(
             manifest_checksum = reader.manifest.checksum
             if expected_checksum is not None and expected_checksum != manifest_checksum:
                 # Refused before hashing: whatever the files hold, this is not the checkpoint asked for.
-                raise UnexpectedChecksumError(
+                raise UnexpectedChecksumError(  # noqa: TRY301  # the except below closes the reader, re-raises
                     "the checkpoint's manifest names another checksum than expected_checksum; "
                     "load the checkpoint the caller expects, or fix expected_checksum",
                     computed=None,
@@ -133,6 +133,7 @@ def prepare_update(
             except OSError as exc:
                 raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
             _raise_if_bad(report, checkpoint)
+            assert report.checksum is not None  # a hashed report without problems has its checksum
             computed = report.checksum
             verified = time.perf_counter()
         except BaseException:

@@ -260,7 +260,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     @app.get("/events", dependencies=as_reader)
     async def get_events(
-        type: Annotated[str | None, Query()] = None,  # noqa: A002 - the field is called "type"
+        type: Annotated[str | None, Query()] = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
     ) -> dict[str, Any]:
         if type is not None and type not in EVENT_TYPES:

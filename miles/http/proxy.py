@@ -156,9 +156,7 @@ class Proxy:
                     headers=self._headers,
                     timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
                 )
-                first = await upstream.content.readany()
-                if not first and upstream.status < 400:
-                    raise aiohttp.ServerDisconnectedError("the stream ended before its first byte")
+                first = await _first_chunk(upstream)
             except _NOT_DELIVERED as exc:
                 if upstream is not None:
                     upstream.release()
@@ -232,3 +230,11 @@ class Proxy:
         except NoServerAvailableError:
             self._metrics.request_done(options.model_name, ok=False, started=tries.started)
             raise
+
+
+async def _first_chunk(upstream: aiohttp.ClientResponse) -> bytes:
+    """The stream's first bytes; a successful stream that ends before any was not delivered."""
+    first = await upstream.content.readany()
+    if not first and upstream.status < 400:
+        raise aiohttp.ServerDisconnectedError("the stream ended before its first byte")
+    return first

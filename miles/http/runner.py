@@ -12,7 +12,7 @@ from miles.controller.core import AsyncInferenceController
 from miles.errors import MilesError
 from miles.http.controller_app import create_app
 
-_GRACE_S = 10.0
+_GRACE_S = 10  # seconds (uvicorn takes whole seconds)
 
 
 def is_loopback(host: str) -> bool:

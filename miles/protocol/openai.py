@@ -215,7 +215,8 @@ class ChatMessage(RequestModel):
                 raise ValueError(f"content parts of type {kind!r} are not supported: {MULTIMODAL}; send text parts")
             text = part.get("text")
             if not isinstance(text, str):
-                raise ValueError("a text content part needs its text as a string")
+                # ValueError, not TypeError: pydantic turns only ValueError into a validation error.
+                raise ValueError("a text content part needs its text as a string")  # noqa: TRY004
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:

@@ -300,7 +300,7 @@ class GenerateRequest(SGLangFields):
             if isinstance(value, list) and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
         if isinstance(self.input_ids, list) and self.input_ids and isinstance(self.input_ids[0], list):
-            if any(len(ids) == 0 for ids in self.input_ids):  # type: ignore[arg-type]
+            if any(len(ids) == 0 for ids in self.input_ids):
                 raise ValueError("input_ids must not contain an empty prompt")
         return self
 
@@ -448,7 +448,8 @@ class UpdateWeightsFromDiskRequest(RequestModel):
     @classmethod
     def _single_path(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("model_path"), list):
-            raise ValueError("model_path must be one checkpoint directory, not a list of paths")
+            # ValueError, not TypeError: pydantic turns only ValueError into a validation error.
+            raise ValueError("model_path must be one checkpoint directory, not a list of paths")  # noqa: TRY004
         return data
 
 

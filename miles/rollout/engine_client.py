@@ -1,4 +1,4 @@
-"""A typed async client for SGLang's native HTTP API, used for every rollout server type.
+"""A typed async client for SGLang's native HTTP API, used for every server type.
 
 The embedded engine and a real SGLang server answer the same calls, so the rollout servers and the
 controller talk to both through this one client (adapter: all engine HTTP calls are made here).

@@ -116,7 +116,7 @@ class EngineProcess:
                 raise EngineStartError(
                     f"engine exited with code {self.returncode} while starting",
                     log=str(self.log_path),
-                    tail=self.log_tail(),
+                    tail=await asyncio.to_thread(self.log_tail),
                 )
             try:
                 response = await http.get(f"{url}/health", timeout=2.0)
@@ -126,7 +126,9 @@ class EngineProcess:
                 pass  # not listening yet
             if time.monotonic() > deadline:
                 raise EngineStartError(
-                    f"engine did not become healthy within {timeout_s}s", log=str(self.log_path), tail=self.log_tail()
+                    f"engine did not become healthy within {timeout_s}s",
+                    log=str(self.log_path),
+                    tail=await asyncio.to_thread(self.log_tail),
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.5)
@@ -139,7 +141,9 @@ class EngineProcess:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
-            while proc.poll() is None and time.monotonic() < deadline:
+            # A Popen's exit is nothing the loop can await, so poll it (poll() never blocks).
+            # Waiting in a thread instead would outlive a cancelled stop() by up to grace_s.
+            while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
             if proc.poll() is None:
                 proc.kill()

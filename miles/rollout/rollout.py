@@ -48,6 +48,7 @@ from miles.rollout.state import (
 from miles.rollout.supervisor import Supervisor
 from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import model_checksum
+from miles.weights.manifest import Manifest
 
 logger = logging.getLogger("miles.rollout")
 
@@ -160,7 +161,7 @@ class Rollout(ABC):
     async def _stop_cell(self, cell: ServerCell) -> None:
         await self._terminate(cell)
         if cell.state is not ServerState.STOPPED:
-            self.transition(cell, ServerState.STOPPED, "rollout server stopped")
+            self.transition(cell, ServerState.STOPPED, "rollout stopped")
         self._clients.pop(cell.server_id, None)
 
     # --- views -----------------------------------------------------------------------------
@@ -169,6 +170,11 @@ class Rollout(ABC):
     def cells(self) -> list[ServerCell]:
         """The servers' records (for this package's supervisor; others use ``snapshot``)."""
         return list(self._cells)
+
+    @property
+    def probe_rounds(self) -> int:
+        """How many rounds of health probes the supervisor has completed."""
+        return self._supervisor.rounds
 
     def alive(self, cell: ServerCell) -> bool:
         return self._alive(cell)
@@ -190,7 +196,7 @@ class Rollout(ABC):
         for cell in self._cells:
             if cell.server_id == server_id:
                 return cell
-        raise RolloutError("no such server in this rollout server", server_id=server_id)
+        raise RolloutError("no such server in this rollout", server_id=server_id)
 
     # --- the update steps the controller drives --------------------------------------------
 
@@ -416,7 +422,7 @@ class Rollout(ABC):
         what the operator chose to start from: its checksum is computed from its files, once, and
         it serves as version "0", so that every published step is newer.
         """
-        manifest = _manifest_or_none(checkpoint)
+        manifest = await asyncio.to_thread(_manifest_or_none, checkpoint)
         if manifest is not None:
             return VerifiedWeights(
                 checkpoint=checkpoint,
@@ -492,7 +498,7 @@ class Rollout(ABC):
         return exported.path
 
 
-def _manifest_or_none(checkpoint: Path):  # noqa: ANN202 - Manifest | None
+def _manifest_or_none(checkpoint: Path) -> Manifest | None:
     try:
         return read_manifest(checkpoint)
     except CheckpointError:

@@ -1,7 +1,8 @@
-"""SFTRollout: the reference rollout server, N embedded engine processes on this machine."""
+"""SFTRollout: the reference server type, each server an embedded engine process on this machine."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -35,7 +36,7 @@ class SFTRollout(Rollout):
     async def stop(self) -> None:
         await super().stop()
         if self._own_dir is not None:
-            shutil.rmtree(self._own_dir, ignore_errors=True)
+            await asyncio.to_thread(shutil.rmtree, self._own_dir, ignore_errors=True)
 
     async def _launch(self, cell: ServerCell, checkpoint: Path) -> str:
         last_error: EngineStartError | None = None
@@ -46,18 +47,20 @@ class SFTRollout(Rollout):
                 log_path=self._log_root / f"{cell.server_id}.log",
                 env=self._environment(),
             )
-            process.start()
+            # mkdir, open and fork/exec: off the loop, which keeps serving the other servers.
+            await asyncio.to_thread(process.start)
             self._processes[cell.server_id] = process
             cell.pid = process.pid
             url = f"http://127.0.0.1:{port}"
             try:
                 await process.wait_healthy(url, timeout_s=self.spec.startup_timeout_s, http=self.http)
-                return url
             except EngineStartError as exc:
                 last_error = exc
                 await process.stop(grace_s=2.0)
                 if "address already in use" not in str(exc.context.get("tail", "")).lower():
                     break
+            else:
+                return url
         assert last_error is not None
         raise last_error
 

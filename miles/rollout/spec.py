@@ -1,4 +1,4 @@
-"""What a rollout server is asked to run: its checkpoint, size, devices, health and timeouts."""
+"""What a rollout is asked to run: its checkpoint, how many servers, devices, health and timeouts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class HealthSettings(BaseModel):
-    """How often a rollout server probes its engines and when it gives up on one."""
+    """How often a rollout's supervisor probes its servers and when it gives up on one."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 

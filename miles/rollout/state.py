@@ -1,4 +1,4 @@
-"""The life of one rollout server (one engine process): states, the transition table, the cell.
+"""The life of one server (one engine process): states, the transition table, the cell.
 
 A ``ServerCell`` is owned by exactly one ``Rollout``, which applies every transition with
 ``ServerCell.transition``; an illegal transition raises instead of corrupting the fleet's view.

@@ -33,6 +33,9 @@ class Supervisor:
         self._rollout = rollout
         # Set to run the next round now: a changed interval, a suspected server.
         self._wake = asyncio.Event()
+        # Rounds of probes completed: lets an observer wait for "the supervisor looked again"
+        # rather than for a span of time.
+        self.rounds = 0
 
     def wake(self) -> None:
         self._wake.set()
@@ -52,6 +55,7 @@ class Supervisor:
                 except Exception:
                     # The loop must outlive any one failed probe or restart; the next round retries.
                     logger.exception("health check of %s failed", cell.server_id)
+            self.rounds += 1
 
     async def _probe(self, cell: ServerCell) -> None:
         if cell.state is ServerState.QUARANTINED:
@@ -118,7 +122,8 @@ class Supervisor:
                     cell.server_id, reason="weights changed outside the controller", fence=fence
                 )
             except MilesError as exc:
-                logger.error("could not restore %s after its weights drifted: %s", cell.server_id, exc)
+                # A MilesError's message carries its context; a traceback per probe tick would be noise.
+                logger.error("could not restore %s after its weights drifted: %s", cell.server_id, exc)  # noqa: TRY400
 
     async def _recover_guarded(self, cell: ServerCell) -> None:
         """Bring a quarantined server back once its verified weights can be found again.
@@ -159,7 +164,8 @@ class Supervisor:
             try:
                 await self._rollout.restart(cell.server_id, reason=reason, fence=fence)
             except MilesError as exc:
-                logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)
+                # A MilesError's message carries its context; a traceback per retry would be noise.
+                logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)  # noqa: TRY400
 
 
 def drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool:

@@ -59,14 +59,14 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
     if any(len(p) == 0 for p in prompts):
         raise ValueError("a prompt is empty; every prompt starts with at least BOS")
     rows = len(prompts)
-    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
     longest = max(1, max(len(c) for c in completions))
     input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((rows, width), dtype=torch.long)
     predictor_index = torch.zeros((rows, longest), dtype=torch.long)
     completion_ids = torch.full((rows, longest), pad_token_id, dtype=torch.long)
     completion_mask = torch.zeros((rows, longest), dtype=torch.bool)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         sequence = [*prompt, *completion]
         input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
         attention_mask[row, : len(sequence)] = 1

@@ -151,7 +151,7 @@ class DiskPublisher:
                 f"applying the checkpoint failed: {exc}", step=step, checksum=manifest.checksum, path=str(target)
             ) from exc
         done = time.monotonic()
-        self._prune()
+        await self._prune()
         return PublishResult(
             step=step,
             weight_version=manifest.weight_version,
@@ -174,6 +174,7 @@ class DiskPublisher:
                 )
             await asyncio.sleep(self._ready_poll_s)
 
-    def _prune(self) -> None:
+    async def _prune(self) -> None:
         while len(self._written) > self._keep_last:
-            shutil.rmtree(self._written.popleft(), ignore_errors=True)
+            # A whole checkpoint to unlink: off the loop.
+            await asyncio.to_thread(shutil.rmtree, self._written.popleft(), ignore_errors=True)

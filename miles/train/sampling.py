@@ -91,7 +91,7 @@ class HttpSampler:
             await asyncio.gather(
                 *(
                     self._one(url, list(prompt), group_size=group_size, max_new_tokens=max_new_tokens)
-                    for url, prompt in zip(targets, prompts)
+                    for url, prompt in zip(targets, prompts, strict=True)
                 )
             )
         )
@@ -135,7 +135,7 @@ def _parse_sample(item: Any, *, url: str) -> Sample:
             output_tokens=len(response.output_ids),
             logprobs=None if pairs is None else len(pairs),
         )
-    if any(token != out for (_, token, _), out in zip(pairs, response.output_ids)):
+    if any(token != out for (_, token, _), out in zip(pairs, response.output_ids, strict=True)):
         raise RolloutRequestError("/generate logprobs name other tokens than output_ids", url=url, rid=meta.id)
     interrupted = meta.interrupted or (meta.finish_reason is not None and meta.finish_reason.type == "abort")
     return Sample(

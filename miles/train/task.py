@@ -100,7 +100,7 @@ def score(problem: Problem, completion: Completion) -> float:
     longest = max(len(completion.text), len(problem.answer))
     if longest == 0:
         return 0.0
-    matched = sum(got == want for got, want in zip(completion.text, problem.answer))
+    matched = sum(got == want for got, want in zip(completion.text, problem.answer, strict=False))
     # At most 0.5 (the right text, never ended): the model must say it is done to be exact.
     return 0.5 * matched / longest
 
@@ -116,4 +116,6 @@ def parse_completion(output_ids: Sequence[int], *, tokenizer: PreTrainedTokenize
         if token == eos or token == NEWLINE_TOKEN_ID:
             kept, ending = list(output_ids[:index]), Ending.EOS if token == eos else Ending.NEWLINE
             break
-    return Completion(text=tokenizer.decode(kept, skip_special_tokens=False), ending=ending)
+    text = tokenizer.decode(kept, skip_special_tokens=False)
+    assert isinstance(text, str)  # one sequence of ids decodes to one string
+    return Completion(text=text, ending=ending)

@@ -253,7 +253,7 @@ class ContextLock:
                 if done:
                     return waiter.future.result()
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise LockTimeoutError(
+                    raise LockTimeoutError(  # noqa: TRY301  # the except below removes the waiter, re-raises
                         f"{holder!r} waited {timeout}s for lock {self._name!r} ({self._describe()}) "
                         "and gave up; nothing was changed",
                         lock=self._name,
@@ -457,7 +457,8 @@ def enforce_lock_discipline(
         if undeclared:
             raise LockDisciplineError(
                 f"class {cls.__qualname__} owns a ContextLock (self.{lock_attribute}) but defines "
-                f"{', '.join(undeclared)} without saying how each relates to it; decorate each with one of {_DECORATORS}",
+                f"{', '.join(undeclared)} without saying how each relates to it; "
+                f"decorate each with one of {_DECORATORS}",
                 cls=cls.__qualname__,
                 methods=undeclared,
             )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -59,7 +59,7 @@ def error_body(message: str, *, code: int, kind: str = "invalid_request_error") 
     return {"error": {"message": message, "type": kind, "code": code}}
 
 
-def error_response(message: str, *, code: int, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(message: str, *, code: int, kind: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, code=code, kind=kind), status_code=code, headers=headers)
 
 

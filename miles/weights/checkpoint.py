@@ -108,7 +108,7 @@ def save_checkpoint(
         manifest = manifest_from_files(tmp, model_name=model_name, step=step, weight_version=weight_version)
         live = checksum_module(model)
         if live.checksum != manifest.checksum:
-            raise ChecksumMismatchError(
+            raise ChecksumMismatchError(  # noqa: TRY301  # the except below removes the temp dir, re-raises
                 "the saved files do not hash to the model in memory (save_pretrained renamed, "
                 "dropped or converted tensors)",
                 expected=live.checksum,

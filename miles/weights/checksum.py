@@ -29,8 +29,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
+from typing import Final
 
 import torch
 import xxhash
@@ -43,7 +45,7 @@ from miles.errors import (
 )
 from miles.weights.safetensors_io import MappedSafetensors, TensorSlot, dtype_name, index_files
 
-ALGORITHM = "xxh3_128"
+ALGORITHM: Final = "xxh3_128"
 
 # Below this many bytes a thread pool costs more than it saves.
 _PARALLEL_MIN_BYTES = 8 * 1024 * 1024
@@ -112,7 +114,8 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    # An ndarray has the buffer protocol on every Python; numpy's stub declares it for 3.12+ only.
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def combine_digests(digests: Iterable[TensorDigest]) -> str:
@@ -271,7 +274,7 @@ def digest_mapped(
         with mapped.region(slot) as view:
             return digest_buffer(view)
 
-    hexes = _run_digests([(slot.nbytes, (lambda m=m, s=slot: job(m, s))) for m, slot in slots], n_threads)
+    hexes = _run_digests([(slot.nbytes, partial(job, m, slot)) for m, slot in slots], n_threads)
     return [
         TensorDigest(name=slot.name, dtype=dtype_name(slot.dtype), shape=slot.shape, digest=h)
         for (_, slot), h in zip(slots, hexes, strict=True)
@@ -389,7 +392,7 @@ def copy_and_checksum(
             dst = target.detach().reshape(-1).view(torch.uint8)
             raw = src.detach().contiguous().reshape(-1).view(torch.uint8)
             hasher = xxhash.xxh3_128()
-            view = memoryview(dst.numpy())
+            view = memoryview(dst.numpy())  # type: ignore[arg-type]  # as in _raw_bytes
             for start in range(0, dst.numel(), _COPY_SLICE_BYTES):
                 end = min(start + _COPY_SLICE_BYTES, dst.numel())
                 dst[start:end].copy_(raw[start:end])

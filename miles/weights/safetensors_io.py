@@ -111,7 +111,7 @@ def open_regular(path: Path) -> BinaryIO:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointFileInvalidError("not a regular file", path=str(path))
+            raise CheckpointFileInvalidError("not a regular file", path=str(path))  # noqa: TRY301  # fd closed below
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

@@ -231,10 +231,10 @@ def compare_with_manifest(
             for n in names
         ]
     for name, digest in zip(names, computed, strict=True):
-        entry = manifest.tensors.get(name)
-        if entry is None:
+        listed = manifest.tensors.get(name)
+        if listed is None:
             continue
-        problems.extend(_entry_problems(name, found[name][0], entry, digest))
+        problems.extend(_entry_problems(name, found[name][0], listed, digest))
     checksum = None if duplicated or not digests else checksum_from_digests(computed, num_bytes=0).checksum
     return problems, checksum
 

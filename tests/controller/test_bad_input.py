@@ -19,7 +19,7 @@ from miles.protocol.sglang import PauseMode
 from miles.ray.rollout.inference_controller import AsyncInferenceController
 from miles.rollout.sft_rollout import SFTRollout
 from miles.rollout.state import ServerState
-from miles.testing import running_controller
+from miles.testing import running_controller, wait_until
 from miles.utils.audit_utils.event_logger.models import WeightUpdateStartedEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -172,7 +172,7 @@ EDGE_CASES: list[tuple[str, str, bytes | None, int]] = [
 @pytest.mark.parametrize(
     ("method", "path", "body", "status"), EDGE_CASES, ids=[f"{m} {p} {i}" for i, (m, p, _, _) in enumerate(EDGE_CASES)]
 )
-async def test_edge_values_get_a_clear_4xx(fleet, method: str, path: str, body: bytes | None, status: int) -> None:  # noqa: ANN001
+async def test_edge_values_get_a_clear_4xx(fleet, method: str, path: str, body: bytes | None, status: int) -> None:
     controller, http = fleet
     before = controller.settings
     response = await http.request(method, path, content=body, headers={"content-type": "application/json"})
@@ -185,7 +185,7 @@ async def test_edge_values_get_a_clear_4xx(fleet, method: str, path: str, body: 
     assert controller.health().lock.held is False
 
 
-async def test_the_fleet_serves_as_before_after_the_hostile_input(fleet) -> None:  # noqa: ANN001
+async def test_the_fleet_serves_as_before_after_the_hostile_input(fleet) -> None:
     controller, http = fleet
     answer = await http.post("/generate", json=GREEDY)
     assert answer.status_code == 200
@@ -194,7 +194,7 @@ async def test_the_fleet_serves_as_before_after_the_hostile_input(fleet) -> None
     assert [s.state for s in report.servers] == ["serving"]
 
 
-async def test_a_window_that_fails_after_touching_the_fleet_puts_it_back(fleet) -> None:  # noqa: ANN001
+async def test_a_window_that_fails_after_touching_the_fleet_puts_it_back(fleet) -> None:
     controller, http = fleet
     reference = (await http.post("/generate", json=GREEDY)).json()["output_ids"]
     PauseFaults.fail = True
@@ -212,7 +212,7 @@ async def test_a_window_that_fails_after_touching_the_fleet_puts_it_back(fleet) 
     assert answer.json()["output_ids"] == reference
 
 
-async def test_an_absurd_ttl_is_refused_before_anything_is_touched(fleet) -> None:  # noqa: ANN001
+async def test_an_absurd_ttl_is_refused_before_anything_is_touched(fleet) -> None:
     controller, _ = fleet
     mark = len(controller.event_logger.events)
     for ttl in (1e12, float("inf"), float("nan"), 0.0, -5.0):
@@ -224,13 +224,14 @@ async def test_an_absurd_ttl_is_refused_before_anything_is_touched(fleet) -> Non
     assert controller.fleet.rollout(None).cell("tiny-0").state is ServerState.SERVING
 
 
-async def test_a_shorter_health_interval_takes_effect_at_once(fleet) -> None:  # noqa: ANN001
+async def test_a_shorter_health_interval_takes_effect_at_once(fleet, supervisor_rounds) -> None:
     import os
     import signal
 
     controller, http = fleet
+    rollout = controller.fleet.rollout(None)
     assert (await http.patch("/config", json={"health_interval_s": 3600})).status_code == 200
-    await asyncio.sleep(0.3)  # the health loop is now asleep for an hour
+    await supervisor_rounds(rollout, 1)  # after this round the supervisor sleeps for an hour
     assert (await http.patch("/config", json={"health_interval_s": 0.2})).status_code == 200
     cell = controller.fleet.rollout(None).cell("tiny-0")
     restarts = cell.restarts
@@ -242,7 +243,7 @@ async def test_a_shorter_health_interval_takes_effect_at_once(fleet) -> None:  #
         await asyncio.sleep(0.05)
 
 
-async def test_a_waiting_stream_ends_when_its_client_leaves(fleet) -> None:  # noqa: ANN001
+async def test_a_waiting_stream_ends_when_its_client_leaves(fleet) -> None:
     controller, http = fleet
     router = controller.router
     assert router is not None
@@ -278,8 +279,7 @@ async def test_requests_waiting_for_a_server_end_at_shutdown(checkpoints: dict[s
             ]
             router = controller.router
             assert router is not None
-            while router.waiting() < 2:
-                await asyncio.sleep(0.02)
+            await wait_until(lambda: router.waiting() >= 2, what="both requests to wait for a server")
             started = time.monotonic()
             controller.stop_routing()
             answers = await asyncio.wait_for(asyncio.gather(*waiting), timeout=30)

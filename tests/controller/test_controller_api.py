@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.testing import running_controller
+from miles.testing import running_controller, wait_until
 from miles.weights.checkpoint import read_manifest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -28,7 +28,7 @@ def greedy(prompt: str = "hi", **extra: object) -> dict[str, object]:
     return {"text": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}, **extra}
 
 
-async def test_health_reports_servers_lock_and_versions(fleet) -> None:  # noqa: ANN001
+async def test_health_reports_servers_lock_and_versions(fleet) -> None:
     _, http = fleet
     response = await http.get("/health")
     assert response.status_code == 200
@@ -53,7 +53,7 @@ async def test_health_reports_servers_lock_and_versions(fleet) -> None:  # noqa:
     }
 
 
-async def test_generate_and_openai_routes_spread_over_servers(fleet) -> None:  # noqa: ANN001
+async def test_generate_and_openai_routes_spread_over_servers(fleet) -> None:
     _, http = fleet
     answers = await asyncio.gather(*(http.post("/generate", json=greedy()) for _ in range(8)))
     assert all(a.status_code == 200 for a in answers)
@@ -72,7 +72,7 @@ async def test_generate_and_openai_routes_spread_over_servers(fleet) -> None:  #
     assert [m["id"] for m in models["data"]] == ["tiny"]
 
 
-async def test_sessions_stick_to_one_server(fleet) -> None:  # noqa: ANN001
+async def test_sessions_stick_to_one_server(fleet) -> None:
     _, http = fleet
     servers = set()
     for _ in range(6):
@@ -81,7 +81,7 @@ async def test_sessions_stick_to_one_server(fleet) -> None:  # noqa: ANN001
     assert len(servers) == 1
 
 
-async def test_streaming_through_the_controller(fleet) -> None:  # noqa: ANN001
+async def test_streaming_through_the_controller(fleet) -> None:
     _, http = fleet
     async with http.stream("POST", "/generate", json=greedy(stream=True)) as response:
         lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
@@ -102,7 +102,7 @@ async def test_streaming_through_the_controller(fleet) -> None:  # noqa: ANN001
         ("/events", {"type": "nope"}, 400, "not a valid event"),
     ],
 )
-async def test_bad_requests_get_a_clear_error(fleet, path: str, body: dict, status: int, needle: str) -> None:  # noqa: ANN001
+async def test_bad_requests_get_a_clear_error(fleet, path: str, body: dict, status: int, needle: str) -> None:
     _, http = fleet
     response = await http.post(path, json=body)
     assert response.status_code == status, response.text
@@ -110,12 +110,14 @@ async def test_bad_requests_get_a_clear_error(fleet, path: str, body: dict, stat
     assert needle in text, text
 
 
-async def test_min_weight_version_waits_for_the_update(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+async def test_min_weight_version_waits_for_the_update(fleet, checkpoints: dict[str, Path]) -> None:
     controller, http = fleet
     current = int(controller.health().models["tiny"].weight_version)
     target = str(current + 1)
     waiting = asyncio.create_task(http.post("/generate", json=greedy(min_weight_version=target)))
-    await asyncio.sleep(0.3)
+    router = controller.router
+    assert router is not None
+    await wait_until(lambda: router.waiting() >= 1, what="the request to wait for the version")
     assert not waiting.done()
     update = await http.post("/update_weights", json={"checkpoint": str(checkpoints["v2"]), "weight_version": target})
     assert update.status_code == 200, update.text
@@ -124,7 +126,7 @@ async def test_min_weight_version_waits_for_the_update(fleet, checkpoints: dict[
     assert answer.json()["meta_info"]["weight_version"] == target
 
 
-async def test_a_checksum_published_over_http_gates_updates(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+async def test_a_checksum_published_over_http_gates_updates(fleet, checkpoints: dict[str, Path]) -> None:
     controller, http = fleet
     v3 = read_manifest(checkpoints["v3"])
     wrong = {"type": "inference_engine_weight_checksum", "model_name": "tiny", "checksum": "0" * 32, "step": v3.step}
@@ -142,7 +144,7 @@ async def test_a_checksum_published_over_http_gates_updates(fleet, checkpoints: 
     assert events[-1]["weight_version"] == "100"
 
 
-async def test_a_training_window_over_http(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+async def test_a_training_window_over_http(fleet, checkpoints: dict[str, Path]) -> None:
     controller, http = fleet
     v4 = read_manifest(checkpoints["v4"])
     window = (await http.post("/update_weights/start", json={"ttl_s": 30})).json()
@@ -165,7 +167,7 @@ async def test_a_training_window_over_http(fleet, checkpoints: dict[str, Path]) 
     assert again.status_code == 409
 
 
-async def test_config_changes_what_may_change_and_refuses_the_rest(fleet) -> None:  # noqa: ANN001
+async def test_config_changes_what_may_change_and_refuses_the_rest(fleet) -> None:
     controller, http = fleet
     view = (await http.get("/config")).json()
     assert "rolling_batch_size" in view["runtime_changeable"]
@@ -182,7 +184,7 @@ async def test_config_changes_what_may_change_and_refuses_the_rest(fleet) -> Non
     assert invalid.status_code == 400
 
 
-async def test_metrics_count_requests_and_updates(fleet) -> None:  # noqa: ANN001
+async def test_metrics_count_requests_and_updates(fleet) -> None:
     _, http = fleet
     text = (await http.get("/metrics")).text
     assert 'miles_requests_total{model="tiny",outcome="ok"}' in text
@@ -190,7 +192,7 @@ async def test_metrics_count_requests_and_updates(fleet) -> None:  # noqa: ANN00
     assert 'miles_servers{model="tiny",state="serving"} 2.0' in text
 
 
-async def test_a_server_dying_under_load_costs_no_request(fleet) -> None:  # noqa: ANN001
+async def test_a_server_dying_under_load_costs_no_request(fleet) -> None:
     import os
     import signal
     import time
@@ -206,7 +208,7 @@ async def test_a_server_dying_under_load_costs_no_request(fleet) -> None:  # noq
             answers.append((await http.post("/generate", json=greedy())).status_code)
 
     users = [asyncio.create_task(user()) for _ in range(4)]
-    await asyncio.sleep(0.3)
+    await wait_until(lambda: len(answers) >= 8, what="traffic before the crash")
     os.kill(server.cell("tiny-1").pid, signal.SIGKILL)
     deadline = time.monotonic() + 120
     while not (server.cell("tiny-1").restarts > restarts and server.cell("tiny-1").state.value == "serving"):

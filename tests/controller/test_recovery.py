@@ -63,7 +63,7 @@ async def single(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInfer
             yield controller, http
 
 
-async def test_a_request_outlives_the_crash_of_the_only_server(single) -> None:  # noqa: ANN001
+async def test_a_request_outlives_the_crash_of_the_only_server(single) -> None:
     controller, http = single
     reference = (await http.post("/generate", json=LONG)).json()["output_ids"]
     cell = controller.fleet.rollout(None).cell("tiny-0")
@@ -80,7 +80,7 @@ async def test_a_request_outlives_the_crash_of_the_only_server(single) -> None: 
     assert time.monotonic() - started < 60
 
 
-async def test_a_stream_that_sent_nothing_outlives_the_crash(single) -> None:  # noqa: ANN001
+async def test_a_stream_that_sent_nothing_outlives_the_crash(single) -> None:
     controller, http = single
     cell = controller.fleet.rollout(None).cell("tiny-0")
     await wait_until(lambda: cell.state is ServerState.SERVING, what="tiny-0 serving")
@@ -93,7 +93,7 @@ async def test_a_stream_that_sent_nothing_outlives_the_crash(single) -> None:  #
     assert len(lines) == 401
 
 
-async def test_pushed_weights_come_back_after_the_only_server_crashes(single, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+async def test_pushed_weights_come_back_after_the_only_server_crashes(single, checkpoints: dict[str, Path]) -> None:
     controller, http = single
     server = controller.fleet.rollout(None)
     cell = server.cell("tiny-0")
@@ -141,7 +141,7 @@ async def pair(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInferen
             yield controller, http
 
 
-async def test_requests_outlive_the_crash_of_every_server(pair) -> None:  # noqa: ANN001
+async def test_requests_outlive_the_crash_of_every_server(pair) -> None:
     controller, http = pair
     reference = (await http.post("/generate", json=LONG)).json()["output_ids"]
     cells = [controller.fleet.rollout(None).cell(sid) for sid in ("tiny-0", "tiny-1")]
@@ -159,7 +159,7 @@ async def test_requests_outlive_the_crash_of_every_server(pair) -> None:  # noqa
 async def test_weights_changed_behind_the_controller_are_quarantined_and_restored(
     pair,
     checkpoints: dict[str, Path],
-    same_label: bool,  # noqa: ANN001
+    same_label: bool,
 ) -> None:
     controller, http = pair
     server = controller.fleet.rollout(None)

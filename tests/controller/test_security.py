@@ -4,7 +4,6 @@ unguarded. Every refusal is a 401/403 with a message and changes nothing."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -17,7 +16,7 @@ import pytest_asyncio
 from miles.errors import MilesError
 from miles.http.runner import HttpServer
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.testing import running_controller
+from miles.testing import running_controller, wait_until
 from miles.utils.audit_utils.event_logger.models import SettingsChangedEvent
 from miles.weights.checkpoint import read_manifest
 
@@ -83,7 +82,7 @@ READ_CALLS = [
 
 
 @pytest.mark.parametrize(("method", "path", "body"), ADMIN_CALLS)
-async def test_changing_endpoints_need_the_admin_token(guarded, method: str, path: str, body: dict) -> None:  # noqa: ANN001
+async def test_changing_endpoints_need_the_admin_token(guarded, method: str, path: str, body: dict) -> None:
     controller, http = guarded
     events, settings = len(controller.event_logger.events), controller.settings
     for headers, status in ((None, 401), (bearer("wrong-" + "w" * 30), 403), (bearer(KEY), 403)):
@@ -103,7 +102,7 @@ async def test_changing_endpoints_need_the_admin_token(guarded, method: str, pat
 
 
 @pytest.mark.parametrize(("method", "path", "body"), READ_CALLS)
-async def test_inference_and_reads_need_the_api_key(guarded, method: str, path: str, body: dict | None) -> None:  # noqa: ANN001
+async def test_inference_and_reads_need_the_api_key(guarded, method: str, path: str, body: dict | None) -> None:
     _, http = guarded
     assert (await http.request(method, path, json=body)).status_code == 401
     assert (await http.request(method, path, json=body, headers=bearer("nope-" + "n" * 30))).status_code == 403
@@ -112,14 +111,18 @@ async def test_inference_and_reads_need_the_api_key(guarded, method: str, path: 
         assert answer.status_code == 200, answer.text
 
 
-async def test_health_stays_open_and_no_secret_is_shown(guarded) -> None:  # noqa: ANN001
+async def test_health_stays_open_and_no_secret_is_shown(guarded) -> None:
     controller, http = guarded
     assert (await http.get("/health")).status_code == 200
     config = (await http.get("/config", headers=bearer(KEY))).text
     assert ADMIN not in config and KEY not in config and controller.engine_secret not in config
 
 
-async def test_nothing_but_the_controller_changes_an_engines_weights(guarded, roots: dict[str, Path]) -> None:  # noqa: ANN001
+async def test_nothing_but_the_controller_changes_an_engines_weights(
+    guarded,
+    roots: dict[str, Path],
+    supervisor_rounds,
+) -> None:
     controller, _ = guarded
     cell = controller.fleet.rollout(None).cell("tiny-0")
     before = (cell.weight_version, cell.checksum)
@@ -145,12 +148,12 @@ async def test_nothing_but_the_controller_changes_an_engines_weights(guarded, ro
             "/update_weights_from_disk", json={"model_path": str(roots["linked"])}, headers=secret
         )
         assert linked.status_code == 403 and "model.safetensors" in linked.text
-    await asyncio.sleep(0.5)  # two health probes: a drift would have been reported by now
+    await supervisor_rounds(controller.fleet.rollout(None), 2)  # a drift would have been noticed
     assert (cell.weight_version, cell.checksum) == before
     assert cell.state.value == "serving"
 
 
-async def test_the_gate_refuses_checkpoint_files_linked_from_outside_the_roots(guarded, roots: dict[str, Path]) -> None:  # noqa: ANN001
+async def test_the_gate_refuses_checkpoint_files_linked_from_outside_the_roots(guarded, roots: dict[str, Path]) -> None:
     _, http = guarded
     for target in (roots["linked"], roots["outside"] / "v4"):
         refused = await http.post("/update_weights", json={"checkpoint": str(target)}, headers=bearer(ADMIN))
@@ -159,7 +162,11 @@ async def test_the_gate_refuses_checkpoint_files_linked_from_outside_the_roots(g
         assert "outside the allowed checkpoint roots" in refused.json()["message"]
 
 
-async def test_a_window_credential_works_only_while_its_window_is_open(guarded, roots: dict[str, Path]) -> None:  # noqa: ANN001
+async def test_a_window_credential_works_only_while_its_window_is_open(
+    guarded,
+    roots: dict[str, Path],
+    supervisor_rounds,
+) -> None:
     controller, http = guarded
     v2 = read_manifest(roots["allowed"] / "v2")
     window = (await http.post("/update_weights/start", json={"ttl_s": 30}, headers=bearer(ADMIN))).json()
@@ -184,8 +191,7 @@ async def test_a_window_credential_works_only_while_its_window_is_open(guarded, 
         assert again.status_code == 403, again.text
         # A window whose lease expired cannot push either.
         short = (await http.post("/update_weights/start", json={"ttl_s": 0.3}, headers=bearer(ADMIN))).json()
-        while controller.health().lock.held:
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: not controller.health().lock.held, what="the lease to expire")
         late = await engine.post(
             f"{url}/update_weights_from_disk",
             json={**load, "model_path": str(roots["allowed"] / "v3")},
@@ -193,11 +199,11 @@ async def test_a_window_credential_works_only_while_its_window_is_open(guarded, 
         )
         assert late.status_code == 403, late.text
     cell = controller.fleet.rollout(None).cell("tiny-0")
-    await asyncio.sleep(0.5)
+    await supervisor_rounds(controller.fleet.rollout(None), 2)
     assert (cell.weight_version, cell.checksum) == ("200", v2.checksum)
 
 
-async def test_changing_a_safety_setting_is_logged(guarded) -> None:  # noqa: ANN001
+async def test_changing_a_safety_setting_is_logged(guarded) -> None:
     controller, http = guarded
     mark = len(controller.event_logger.events)
     for value in (True, False):
@@ -211,7 +217,7 @@ async def test_changing_a_safety_setting_is_logged(guarded) -> None:  # noqa: AN
 
 
 async def test_an_unguarded_controller_refuses_to_listen_off_loopback(checkpoints: dict[str, Path]) -> None:
-    controller = AsyncInferenceController(model_checkpoint=checkpoints["v1"], host="0.0.0.0", port=0)  # noqa: S104
+    controller = AsyncInferenceController(model_checkpoint=checkpoints["v1"], host="0.0.0.0", port=0)
     try:
         with pytest.raises(MilesError, match="MILES_ADMIN_TOKEN"):
             HttpServer(controller)

@@ -31,10 +31,10 @@ def _port() -> int:
     with socket.socket() as sock:
         try:
             sock.bind(("127.0.0.1", 8000))
-            return 8000
         except OSError:
             sock.bind(("127.0.0.1", 0))
             return sock.getsockname()[1]
+        return 8000
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest_asyncio
 
 from miles.controller.results import UpdateStatus
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.testing import running_controller
+from miles.testing import running_controller, wait_until
 from miles.utils.audit_utils.event_analyzer import analyze_events
 from miles.utils.audit_utils.event_logger.models import WeightUpdateCommittedEvent
 
@@ -40,7 +40,7 @@ def committed_versions(controller: AsyncInferenceController, mark: int) -> list[
     return [e.weight_version for e in events if isinstance(e, WeightUpdateCommittedEvent)]
 
 
-async def test_concurrent_updates_commit_in_increasing_order(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+async def test_concurrent_updates_commit_in_increasing_order(fleet, checkpoints: dict[str, Path]) -> None:
     controller, http = fleet
     mark = len(controller.event_logger.events)
 
@@ -55,10 +55,11 @@ async def test_concurrent_updates_commit_in_increasing_order(fleet, checkpoints:
     order = [10, 14, 12, 11, 16, 15, 13]
     window = await controller.start_update_weights(ttl_s=60)
     tasks = []
-    for queued, version in enumerate(order, start=1):
+    for version in order:
         tasks.append(asyncio.create_task(update(version)))
-        while controller.health().lock.waiters < queued:
-            await asyncio.sleep(0.005)
+        await wait_until(
+            lambda: controller.health().lock.waiters >= len(tasks), what=f"{version} to queue", interval=0.005
+        )
     await controller.abort_update_weights(window)
     answers = dict(zip(order, await asyncio.gather(*tasks), strict=True))
     committed = committed_versions(controller, mark)
@@ -79,16 +80,14 @@ async def test_concurrent_updates_commit_in_increasing_order(fleet, checkpoints:
     assert report.passed, report.findings
 
 
-async def test_an_older_update_queued_behind_a_newer_one_is_rejected(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+async def test_an_older_update_queued_behind_a_newer_one_is_rejected(fleet, checkpoints: dict[str, Path]) -> None:
     controller, _ = fleet
     # A window holds the lock, so both updates queue (FIFO): the newer first, then the older.
     window = await controller.start_update_weights(ttl_s=60)
     newer = asyncio.create_task(controller.update_rollout_weights(checkpoints["v2"], weight_version="31"))
-    while controller.health().lock.waiters < 1:
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: controller.health().lock.waiters >= 1, what="the newer update to queue", interval=0.01)
     older = asyncio.create_task(controller.update_rollout_weights(checkpoints["v3"], weight_version="30"))
-    while controller.health().lock.waiters < 2:
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: controller.health().lock.waiters >= 2, what="the older update to queue", interval=0.01)
     await controller.abort_update_weights(window)
     newer_result, older_result = await newer, await older
     assert newer_result.status is UpdateStatus.COMMITTED, newer_result.message
@@ -97,7 +96,7 @@ async def test_an_older_update_queued_behind_a_newer_one_is_rejected(fleet, chec
     assert serving_versions(controller) == {"31"}
 
 
-async def test_a_window_cannot_commit_an_older_version(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+async def test_a_window_cannot_commit_an_older_version(fleet, checkpoints: dict[str, Path]) -> None:
     controller, http = fleet
     current = int(next(iter(serving_versions(controller))) or 0)
     window = (await http.post("/update_weights/start", json={"ttl_s": 30})).json()

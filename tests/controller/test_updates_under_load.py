@@ -16,7 +16,7 @@ import pytest_asyncio
 
 from miles.controller.results import UpdateStatus
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.testing import running_controller
+from miles.testing import running_controller, wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -40,7 +40,7 @@ async def reference_outputs(http: httpx.AsyncClient) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("strategy", ["barrier", "rolling"])
-async def test_updates_under_load_fail_no_request(fleet, checkpoints: dict[str, Path], strategy: str) -> None:  # noqa: ANN001
+async def test_updates_under_load_fail_no_request(fleet, checkpoints: dict[str, Path], strategy: str) -> None:
     controller, url = fleet
     limits = httpx.Limits(max_connections=16)
     async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False, limits=limits) as http:
@@ -83,8 +83,7 @@ async def test_updates_under_load_fail_no_request(fleet, checkpoints: dict[str, 
                 committed.add(version)
                 # Let traffic through between updates: wait for a few more answers.
                 seen = len(responses)
-                while len(responses) < seen + 4:
-                    await asyncio.sleep(0.01)
+                await wait_until(lambda seen=seen: len(responses) >= seen + 4, what="four more answers", interval=0.01)
         finally:
             stop.set()
             await asyncio.gather(*clients)

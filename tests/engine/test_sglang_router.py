@@ -8,6 +8,7 @@ on 127.0.0.1 only, the router's metrics server included.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -34,9 +35,7 @@ def running_router(
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Start ``python -m sglang_router.launch_router`` on loopback; yield its URL and process;
     always kill it."""
-    try:
-        import sglang_router  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("sglang_router") is None:
         pytest.fail("sglang-router is not installed: run `make test` (it installs the dev dependencies)")
     port, metrics_port = free_port(), free_port()
     command = [

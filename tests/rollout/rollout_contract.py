@@ -25,7 +25,7 @@ from miles.weights.checkpoint import read_manifest
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-async def wait_for(predicate, *, timeout: float = 60.0, what: str = "condition") -> None:  # noqa: ANN001
+async def wait_for(predicate, *, timeout: float = 60.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -119,7 +119,10 @@ class RolloutContract:
         # Retract takes running requests out of the batch but keeps them: they finish, whole,
         # once generation continues (partial rollout).
         assert await server.pause(sid, PauseMode.RETRACT) == 1
-        await asyncio.sleep(0.2)
+        info = await server_info(server, sid)
+        # Back in the queue, not answered: it waits for generation to continue.
+        assert info["internal_states"][0]["waiting_requests"] == 1
+        assert info["internal_states"][0]["running_requests"] == 0
         assert not task.done()
         await server.resume(sid)
         result = await task
@@ -133,7 +136,7 @@ class RolloutContract:
 
     async def test_crashed_engine_comes_back_on_last_verified_weights(
         self, server: Rollout, checkpoints: dict[str, Path], kill_engine
-    ) -> None:  # noqa: ANN001
+    ) -> None:
         await update_all(server, checkpoints["v2"])
         sid = server.server_ids[0]
         restarts = server.cell(sid).restarts
@@ -164,7 +167,7 @@ async def _wait_running(server: Rollout, sid: str) -> None:
 class RolloutStopContract:
     """Stopping: every engine the server started is gone, and stopping twice is harmless."""
 
-    async def test_stop_ends_every_engine(self, new_server, engine_probe, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+    async def test_stop_ends_every_engine(self, new_server, engine_probe, checkpoints: dict[str, Path]) -> None:
         server = new_server(checkpoints["v1"])
         await server.start()
         probes = [engine_probe(server, sid) for sid in server.server_ids]

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from miles.rollout.rollout import Rollout
 from miles.rollout.sft_rollout import SFTRollout
 from miles.rollout.spec import HealthSettings, RolloutSpec
 from miles.rollout.state import ServerState, VerifiedWeights
+from miles.testing import wait_until
 from miles.weights.checkpoint import read_manifest
 
 pytestmark = pytest.mark.asyncio
@@ -31,14 +30,6 @@ def spec(checkpoint: Path, tmp: Path, *, num_servers: int) -> RolloutSpec:
         log_dir=tmp / "logs",
         snapshot_dir=tmp / "snapshots",
     )
-
-
-async def wait_until(predicate: Callable[[], bool], *, what: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def push_without_checkpoint(server: Rollout, checkpoint: Path, *, version: str) -> VerifiedWeights:
@@ -69,7 +60,9 @@ async def test_a_restarted_server_copies_pushed_weights_from_a_peer(
         cell = server.cell("rec-0")
         restarts = cell.restarts
         kill(server, "rec-0")
-        await wait_until(lambda: cell.restarts > restarts and cell.state is ServerState.SERVING, what="the restart")
+        await wait_until(
+            lambda: cell.restarts > restarts and cell.state is ServerState.SERVING, what="the restart", timeout=90
+        )
         confirmed = await server.confirm("rec-0")
         assert (confirmed.checksum, confirmed.weight_version) == (verified.checksum, "70")
         # The peer wrote the weights out under the snapshot directory; both servers now reload from there.
@@ -83,7 +76,9 @@ async def test_a_restarted_server_copies_pushed_weights_from_a_peer(
 
 
 async def test_without_a_copy_anywhere_a_restarted_server_is_quarantined_and_says_what_it_holds(
-    checkpoints: dict[str, Path], tmp_path: Path
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
+    supervisor_rounds,
 ) -> None:
     server = SFTRollout(spec(checkpoints["v1"], tmp_path, num_servers=1))
     await server.start()
@@ -92,7 +87,9 @@ async def test_without_a_copy_anywhere_a_restarted_server_is_quarantined_and_say
         cell = server.cell("rec-0")
         restarts = cell.restarts
         kill(server, "rec-0")
-        await wait_until(lambda: cell.restarts > restarts and cell.state is ServerState.QUARANTINED, what="quarantine")
+        await wait_until(
+            lambda: cell.restarts > restarts and cell.state is ServerState.QUARANTINED, what="quarantine", timeout=90
+        )
         v1 = read_manifest(checkpoints["v1"])
         report = server_health(cell.snapshot(), in_flight=0, now=time.time())
         assert report.state == "quarantined"
@@ -101,7 +98,7 @@ async def test_without_a_copy_anywhere_a_restarted_server_is_quarantined_and_say
         assert (report.verified_weight_version, report.verified_checkpoint) == ("71", None)
         assert verified.checksum != v1.checksum
         # It never serves the wrong weights, and is probed again without being restarted in a loop.
-        await asyncio.sleep(1.0)
+        await supervisor_rounds(server, 3)
         assert cell.state is ServerState.QUARANTINED
         assert cell.restarts == restarts + 1
     finally:

@@ -82,7 +82,7 @@ def test_packed_logprobs_match_one_sequence_at_a_time() -> None:
     assert batch.completion_mask.tolist() == [[True, True, False, False], [True, True, True, True]]
     with torch.no_grad():
         packed = completion_logprobs(model, batch)
-        for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             seq = torch.tensor([prompt + completion])
             logprobs = torch.log_softmax(model(seq).logits[0].float(), dim=-1)
             expected = [logprobs[len(prompt) - 1 + t, tok].item() for t, tok in enumerate(completion)]

@@ -11,6 +11,7 @@ from miles.config import RoutingPolicy
 from miles.controller.health import model_health, overall
 from miles.controller.router import Exclusion, NoServerAvailableError, Router
 from miles.rollout.state import ProbeResult, ServerSnapshot, ServerState
+from miles.testing import wait_until
 from miles.utils.weight_version import at_least as version_at_least
 
 
@@ -113,8 +114,7 @@ async def test_an_exclusion_names_one_incarnation_until_a_newer_probe_clears_it(
 async def test_closing_the_router_ends_every_waiting_request() -> None:
     router = Router(servers=lambda _: [snap("a", ServerState.RESTARTING)], policy=lambda: RoutingPolicy.ROUND_ROBIN)
     waiting = [asyncio.create_task(router.acquire("m", timeout_s=600)) for _ in range(3)]
-    while router.waiting() < 3:
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: router.waiting() >= 3, what="three waiting requests", interval=0.01)
     router.close("shutting down")
     results = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), timeout=5)
     assert all(isinstance(r, NoServerAvailableError) and "shutting down" in str(r) for r in results)

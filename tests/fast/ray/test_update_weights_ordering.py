@@ -90,10 +90,10 @@ async def test_the_seven_steps_happen_in_order(
     assert result.checksum_source.value == "published"
     events = events_since(controller, mark)
 
-    def first(predicate) -> int:  # noqa: ANN001
+    def first(predicate) -> int:
         return next(i for i, e in enumerate(events) if predicate(e))
 
-    def last(predicate) -> int:  # noqa: ANN001
+    def last(predicate) -> int:
         return max(i for i, e in enumerate(events) if predicate(e))
 
     published = first(lambda e: isinstance(e, InferenceEngineWeightChecksumEvent) and e.role is ChecksumRole.PUBLISHED)

@@ -10,6 +10,7 @@ import logging
 import pytest
 
 from miles.errors import LockNestingError, LockNotHeldError, LockReentryError, LockTimeoutError
+from miles.testing import wait_until
 from miles.utils.context_lock import ContextLock, LockTransition, LockTransitionKind
 
 
@@ -120,8 +121,7 @@ async def test_waiters_are_served_first_come_first_served() -> None:
     tasks = []
     for name in ("w1", "w2", "w3"):
         tasks.append(asyncio.create_task(waiter(name)))
-        while lock.statistics().waiters < len(tasks):
-            await asyncio.sleep(0)
+        await wait_until(lambda: lock.statistics().waiters >= len(tasks), what=f"{name} to wait", interval=0)
     await first.release()
     await asyncio.gather(*tasks)
     assert order == ["w1", "w2", "w3"]
@@ -133,8 +133,7 @@ async def test_a_timed_out_or_cancelled_waiter_leaves_no_trace() -> None:
     with pytest.raises(LockTimeoutError, match="gave up"):
         await lock.acquire(holder="impatient", timeout=0.01)
     cancelled = asyncio.create_task(lock.acquire(holder="cancelled"))
-    while lock.statistics().waiters < 1:
-        await asyncio.sleep(0)
+    await wait_until(lambda: lock.statistics().waiters >= 1, what="a waiter", interval=0)
     cancelled.cancel()
     await asyncio.gather(cancelled, return_exceptions=True)
     assert lock.statistics().waiters == 0
@@ -150,8 +149,7 @@ async def test_a_waiter_cancelled_as_it_is_granted_passes_the_lock_on() -> None:
     # Fresh contexts: these tasks must not inherit the grant the test's own context holds.
     unlucky = loop.create_task(lock.acquire(holder="unlucky"), context=contextvars.Context())
     patient = loop.create_task(lock.acquire(holder="patient"), context=contextvars.Context())
-    while lock.statistics().waiters < 2:
-        await asyncio.sleep(0)
+    await wait_until(lambda: lock.statistics().waiters >= 2, what="two waiters", interval=0)
     lock.release()  # hands the lock to "unlucky", which has not resumed yet...
     unlucky.cancel()  # ...and is cancelled before it can
     await asyncio.gather(unlucky, return_exceptions=True)
@@ -164,8 +162,9 @@ async def test_a_waiter_is_reminded_of_who_holds_the_lock(caplog: pytest.LogCapt
     holder = await holding(lock, "slow holder")
     waiting = asyncio.create_task(lock.hold(holder="waiter").__aenter__())
     with caplog.at_level(logging.WARNING, logger="miles.lock"):
-        while not any("slow holder" in r.getMessage() for r in caplog.records):
-            await asyncio.sleep(0.005)
+        await wait_until(
+            lambda: any("slow holder" in r.getMessage() for r in caplog.records), what="a reminder", interval=0.005
+        )
     await holder.release()
     await waiting
 

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AwareDatetime,
@@ -260,17 +260,17 @@ class SettingsChangedEvent(BaseEvent):
 _E = TypeVar("_E", bound=BaseEvent)
 
 Event = Annotated[
-    Union[
-        InferenceEngineWeightChecksumEvent,
-        WeightUpdateStartedEvent,
-        WeightUpdateCommittedEvent,
-        WeightUpdateAbortedEvent,
-        ChecksumMismatchEvent,
-        ServerStateChangedEvent,
-        LockAcquiredEvent,
-        LockReleasedEvent,
-        SettingsChangedEvent,
-    ],
+    (
+        InferenceEngineWeightChecksumEvent
+        | WeightUpdateStartedEvent
+        | WeightUpdateCommittedEvent
+        | WeightUpdateAbortedEvent
+        | ChecksumMismatchEvent
+        | ServerStateChangedEvent
+        | LockAcquiredEvent
+        | LockReleasedEvent
+        | SettingsChangedEvent
+    ),
     Field(discriminator="type"),
 ]
 """Any event miles logs; pydantic picks the model from the ``type`` field."""

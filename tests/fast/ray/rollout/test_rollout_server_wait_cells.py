@@ -39,7 +39,7 @@ async def fleet(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInfere
         yield controller, url
 
 
-async def until(predicate, *, timeout: float = 30.0, what: str) -> None:  # noqa: ANN001
+async def until(predicate, *, timeout: float = 30.0, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -54,7 +54,7 @@ def greedy(model: str | None = None) -> dict[str, object]:
     return body
 
 
-async def test_an_update_waits_for_a_held_lock(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+async def test_an_update_waits_for_a_held_lock(fleet, checkpoints: dict[str, Path]) -> None:
     controller, _ = fleet
     window = await controller.start_update_weights("tiny")
     update = asyncio.create_task(controller.update_rollout_weights(checkpoints["v2"], model_name="tiny"))
@@ -69,7 +69,7 @@ async def test_an_update_waits_for_a_held_lock(fleet, checkpoints: dict[str, Pat
     assert set(result.versions.values()) == {"2"}
 
 
-async def test_concurrent_updates_are_serialized(fleet, checkpoints: dict[str, Path]) -> None:  # noqa: ANN001
+async def test_concurrent_updates_are_serialized(fleet, checkpoints: dict[str, Path]) -> None:
     controller, _ = fleet
     first, second = await asyncio.gather(
         controller.update_rollout_weights(checkpoints["v3"], model_name="tiny"),
@@ -91,7 +91,7 @@ async def test_concurrent_updates_are_serialized(fleet, checkpoints: dict[str, P
     assert set(controller.health().models["tiny"].versions) == {"4"}
 
 
-async def test_health_and_routing_keep_answering_during_a_window(fleet) -> None:  # noqa: ANN001
+async def test_health_and_routing_keep_answering_during_a_window(fleet) -> None:
     controller, url = fleet
     window = await controller.start_update_weights("tiny")
     async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http:
@@ -105,7 +105,9 @@ async def test_health_and_routing_keep_answering_during_a_window(fleet) -> None:
         other = await http.post("/generate", json=greedy("tiny-b"))
         assert other.status_code == 200
         held = asyncio.create_task(http.post("/generate", json=greedy("tiny")))
-        await asyncio.sleep(0.3)
+        router = controller.router
+        assert router is not None
+        await until(lambda: router.waiting() >= 1, what="the request to wait at the closed gate")
         assert not held.done()
         assert (await http.get("/v1/models")).status_code == 200
         await controller.abort_update_weights(window)
@@ -114,7 +116,7 @@ async def test_health_and_routing_keep_answering_during_a_window(fleet) -> None:
         assert answered.json()["meta_info"]["weight_version"] == "4"
 
 
-async def test_a_restart_waits_for_a_window_to_end(fleet) -> None:  # noqa: ANN001
+async def test_a_restart_waits_for_a_window_to_end(fleet) -> None:
     controller, _ = fleet
     b_server = controller.fleet.rollout("tiny-b")
     assert isinstance(b_server, SFTRollout)
@@ -124,7 +126,10 @@ async def test_a_restart_waits_for_a_window_to_end(fleet) -> None:  # noqa: ANN0
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     await until(lambda: controller.health().lock.waiters >= 1, what="the restart to queue for the lock")
-    await asyncio.sleep(0.5)
+    # The supervisor keeps probing the other servers while its restart waits for the lock.
+    a_server = controller.fleet.rollout("tiny")
+    rounds = a_server.probe_rounds
+    await until(lambda: a_server.probe_rounds >= rounds + 2, what="two more rounds of probes")
     assert b_server.cell("tiny-b-0").restarts == restarts, "restarted while a window held the lock"
     await controller.abort_update_weights(window)
     await until(
