@@ -26,6 +26,10 @@ class ServerHealth(BaseModel):
     model_name: str
     url: str | None
     device: str
+    # Where the engine runs and the GPUs its runtime gave it (None before its first launch).
+    node_id: str | None
+    node_address: str | None
+    gpu_ids: list[int]
     state: ServerState
     state_for_s: float
     # What the engine holds now, as it last reported it (a quarantined server may hold other
@@ -90,12 +94,15 @@ class FleetHealth(BaseModel):
 
 
 def server_health(snapshot: ServerSnapshot, *, in_flight: int, now: float) -> ServerHealth:
-    probe = snapshot.last_probe
+    probe, placement = snapshot.last_probe, snapshot.placement
     return ServerHealth(
         server_id=snapshot.server_id,
         model_name=snapshot.model_name,
         url=snapshot.url,
-        device=snapshot.device,
+        device=placement.device if placement else snapshot.device,
+        node_id=placement.node_id if placement else None,
+        node_address=placement.node_address if placement else None,
+        gpu_ids=list(placement.gpu_ids) if placement else [],
         state=snapshot.state,
         state_for_s=round(now - snapshot.state_since, 3),
         weight_version=snapshot.weight_version,

@@ -30,12 +30,25 @@ def _exit_with_parent(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="miles-parent-watch", daemon=True).start()
 
 
+def _gpu_ids(raw: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    if not all(p.isdigit() for p in parts):
+        raise typer.BadParameter(f"--gpu-ids takes comma-separated non-negative integers, got {raw!r}")
+    return tuple(int(p) for p in parts)
+
+
 @cli.command()
 def main(
     model_path: Annotated[Path, typer.Option(help="Hugging Face checkpoint directory to serve.")],
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 30000,
-    device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
+    device: Annotated[
+        str, typer.Option(help="cpu, cuda:N, or auto (the first of --gpu-ids when CUDA is available, else cpu)")
+    ] = "cpu",
+    gpu_ids: Annotated[
+        str, typer.Option(help="comma-separated GPU ids this engine was given (its runtime's), reported in server info")
+    ] = "",
+    node_id: Annotated[str | None, typer.Option(help="the id of the node it runs on, reported in server info")] = None,
     served_model_name: Annotated[str | None, typer.Option()] = None,
     max_running_requests: Annotated[int, typer.Option()] = 32,
     num_threads: Annotated[int | None, typer.Option(help="torch intra-op threads")] = None,
@@ -63,6 +76,8 @@ def main(
         host=host,
         port=port,
         device=device,
+        gpu_ids=_gpu_ids(gpu_ids),
+        node_id=node_id,
         served_model_name=served_model_name,
         max_running_requests=max_running_requests,
         num_threads=num_threads,

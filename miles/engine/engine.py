@@ -81,7 +81,7 @@ class Engine:
         self.settings = settings
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)
-        self.device = torch.device(settings.device)
+        self.device = torch.device(settings.resolved_device(cuda_available=torch.cuda.is_available()))
         self.model_path = settings.model_path.resolve()
         self.config = AutoConfig.from_pretrained(str(self.model_path))
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(self.model_path))
@@ -352,6 +352,7 @@ class Engine:
             "host": self.settings.host,
             "port": self.settings.port,
             "device": str(self.device),
+            "base_gpu_id": self.settings.base_gpu_id,
             "dtype": str(self._model.dtype).removeprefix("torch."),
             "load_format": "auto",
             "context_length": self.context_length,
@@ -378,6 +379,8 @@ class Engine:
             "version": __version__,
             "engine": "miles-embedded",
             "forward": self.forward_name,
+            "node_id": self.settings.node_id,
+            "gpu_ids": list(self.settings.gpu_ids),
             "weight_version": held.version,
             "checksum": held.checksum,
             "weights_status": held.status.value,

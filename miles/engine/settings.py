@@ -32,7 +32,13 @@ class EngineSettings(BaseModel):
     model_path: Path
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 30000
+    # "cpu", "cuda[:N]", or "auto": the first of ``gpu_ids`` (or GPU 0) when CUDA is available, else
+    # the CPU (``resolved_device``).
     device: str = "cpu"
+    # The GPUs this engine was given (by its runtime: a Ray bundle's, or the device's index), and
+    # the node it runs on; both reported by /get_server_info.
+    gpu_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    node_id: str | None = None
     served_model_name: str | None = None
     max_running_requests: Annotated[int, Field(ge=1, le=1024)] = 32
     # Torch intra-op threads; engines sharing a small machine should split the cores between them.
@@ -54,9 +60,24 @@ class EngineSettings(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
-        if value != "cpu" and not value.startswith("cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {value!r}")
+        if value not in ("cpu", "auto") and not value.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'auto', got {value!r}")
         return value
+
+    @property
+    def base_gpu_id(self) -> int:
+        """SGLang's ``base_gpu_id``: the first GPU the engine was given (0 without any)."""
+        return self.gpu_ids[0] if self.gpu_ids else 0
+
+    def resolved_device(self, *, cuda_available: bool) -> str:
+        """The device the model runs on: ``device`` unless it is "auto", which means the first
+        given GPU (its physical index: runtimes leave CUDA_VISIBLE_DEVICES unset and pass the
+        ids) when CUDA is available, and the CPU otherwise."""
+        if self.device != "auto":
+            return self.device
+        if not cuda_available:
+            return "cpu"
+        return f"cuda:{self.gpu_ids[0] if self.gpu_ids else 0}"
 
     @staticmethod
     def roots_from_env(environ: dict[str, str] | None = None) -> tuple[Path, ...]:

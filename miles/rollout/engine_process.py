@@ -58,10 +58,15 @@ _REGISTRY = _Registry()
 
 
 def engine_command(
-    checkpoint: Path, *, port: int, num_threads: int | None = None, extra_args: Sequence[str] = ()
+    checkpoint: Path,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    num_threads: int | None = None,
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """The command line of one embedded engine on loopback ``port`` that ends with its parent."""
-    command = [sys.executable, "-m", "miles.engine", "--model-path", str(checkpoint), "--host", "127.0.0.1"]
+    """The command line of one embedded engine on ``host:port`` that ends with its parent."""
+    command = [sys.executable, "-m", "miles.engine", "--model-path", str(checkpoint), "--host", host]
     command += ["--port", str(port), "--exit-with-parent"]
     if num_threads is not None:
         command += ["--num-threads", str(num_threads)]

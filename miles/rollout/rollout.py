@@ -11,8 +11,10 @@ Verified weights are recorded with the checkpoint they can be reloaded from. Wei
 no disk (a training window pushed them) are recovered from a serving peer holding the same
 checksum, which writes them out for the restarted server (``export``).
 
-Subclasses say how an engine process is launched and stopped (``_launch``, ``_terminate``,
-``_alive``); everything else speaks SGLang's HTTP API through ``EngineClient``.
+A server type says what an engine is (``engine_command``); the spec's runtime
+(``miles.rollout.runtime``: local processes or Ray actors) says where it runs, launches and stops
+it, and makes checkpoints readable on its node. Everything else speaks SGLang's HTTP API through
+``EngineClient``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from miles.rollout.engine_client import (
     WeightsExport,
     WeightsIdentity,
 )
+from miles.rollout.runtime import EngineCommand, runtime_for
 from miles.rollout.spec import HealthSettings, RolloutSpec
 from miles.rollout.state import (
     ServerCell,
@@ -110,20 +113,32 @@ class Rollout(ABC):
         self._http: httpx.AsyncClient | None = None
         self._supervisor = Supervisor(self)
         self._supervising: asyncio.Task[None] | None = None
+        # Where the engines run (local processes or Ray actors); an engine that ends wakes the
+        # supervisor at once.
+        self.runtime = runtime_for(spec, on_exit=self._engine_exited)
 
-    # --- subclass hooks --------------------------------------------------------------------
+    # --- the server type's hook, and where its engines run --------------------------------
 
     @abstractmethod
+    def engine_command(self) -> EngineCommand:
+        """How to run one engine of this server type (the runtime decides where)."""
+
     async def _launch(self, cell: ServerCell, checkpoint: Path) -> str:
         """Start an engine for ``cell`` serving ``checkpoint``; return its base URL once healthy."""
+        launched = await self.runtime.launch(
+            cell.server_id, self.engine_command(), checkpoint, device=cell.device, http=self.http
+        )
+        cell.pid = launched.pid
+        cell.placement = launched.placement
+        return launched.url
 
-    @abstractmethod
     async def _terminate(self, cell: ServerCell) -> None:
-        """Stop ``cell``'s engine process (and reap it); must not raise if it already died."""
+        """Stop ``cell``'s engine (and reap it); does not raise if it already died."""
+        await self.runtime.terminate(cell.server_id)
+        cell.pid = None
 
-    @abstractmethod
     def _alive(self, cell: ServerCell) -> bool:
-        """Whether ``cell``'s engine process is still running."""
+        return self.runtime.alive(cell.server_id)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -141,6 +156,7 @@ class Rollout(ABC):
         weights other than its checkpoint's manifest says; everything started is stopped again.
         """
         try:
+            await self.runtime.start(self.server_ids)
             await asyncio.gather(*(self._bring_up(cell, self.spec.checkpoint, restart=False) for cell in self._cells))
         except BaseException:
             await self.stop()
@@ -154,6 +170,7 @@ class Rollout(ABC):
             await asyncio.gather(self._supervising, return_exceptions=True)
             self._supervising = None
         await asyncio.gather(*(self._stop_cell(cell) for cell in self._cells), return_exceptions=True)
+        await self.runtime.close()
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -224,8 +241,10 @@ class Rollout(ABC):
         """Ask the engine to load ``checkpoint``, whose weights must hash to ``expected_checksum``
         (the engine checks before it touches its weights; a plain Hugging Face directory has no
         manifest to check against otherwise); a refusal is returned with ``success=False``."""
+        # Where the engine can read it: in place, or shipped to its node (the Ray runtime).
+        readable = await self.runtime.readable(server_id, checkpoint, expected_checksum=expected_checksum)
         request = UpdateWeightsFromDiskRequest(
-            model_path=str(checkpoint),
+            model_path=str(readable),
             weight_version=weight_version,
             expected_checksum=expected_checksum,
             abort_all_requests=abort_all_requests,
@@ -448,6 +467,10 @@ class Rollout(ABC):
     def set_health(self, health: HealthSettings) -> None:
         """Apply new probe settings now: the supervisor's current wait ends and the next uses them."""
         self.spec = self.spec.model_copy(update={"health": health})
+        self._supervisor.wake()
+
+    def _engine_exited(self, server_id: str) -> None:
+        logger.warning("the engine of %s ended", server_id)
         self._supervisor.wake()
 
     def suspect(self, server_id: str) -> None:

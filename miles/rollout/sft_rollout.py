@@ -1,108 +1,59 @@
-"""SFTRollout: the reference server type, each server an embedded engine process on this machine."""
+"""SFTRollout: the reference server type, each server an embedded engine (``python -m miles.engine``)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import shutil
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from miles.rollout.engine_process import EngineProcess, EngineStartError, engine_command, free_port
+from miles.rollout.engine_process import engine_command
 from miles.rollout.rollout import Rollout
-from miles.rollout.spec import RolloutSpec
-from miles.rollout.state import ServerCell
+from miles.rollout.runtime import EngineCommand, LaunchSlot
 
-_LAUNCH_ATTEMPTS = 3  # a freshly picked free port can be taken before the engine binds it
+
+@dataclass(frozen=True)
+class EmbeddedEngineCommand(EngineCommand):
+    """The embedded engine's command line and environment, given where the runtime placed it."""
+
+    served_model_name: str
+    max_running_requests: int
+    num_threads: int
+    engine_args: tuple[str, ...]
+    # Secrets travel in the environment, never on the command line (which `ps` shows anyone).
+    secret: str | None
+    guard_inference: bool
+
+    def argv(self, slot: LaunchSlot, checkpoint: Path) -> list[str]:
+        placement = slot.placement
+        args = ["--device", placement.device, "--node-id", placement.node_id]
+        if placement.gpu_ids:
+            args += ["--gpu-ids", ",".join(str(i) for i in placement.gpu_ids)]
+        args += ["--served-model-name", self.served_model_name]
+        args += ["--max-running-requests", str(self.max_running_requests)]
+        args += ["--snapshot-dir", str(slot.work_dir), *self.engine_args]
+        return engine_command(checkpoint, host=slot.host, port=slot.port, num_threads=self.num_threads, extra_args=args)
+
+    def environment(self, slot: LaunchSlot) -> dict[str, str]:
+        env = {}
+        if self.secret is not None:
+            env["MILES_ENGINE_SECRET"] = self.secret
+            if self.guard_inference:
+                env["MILES_API_KEY"] = self.secret
+        # Always set, so an engine never inherits other roots from its parent's environment.
+        env["MILES_ALLOWED_CHECKPOINT_ROOTS"] = os.pathsep.join(str(r) for r in slot.checkpoint_roots)
+        return env
 
 
 class SFTRollout(Rollout):
-    """Runs each server as ``python -m miles.engine`` on a free loopback port and its own device."""
+    """Runs each server as an embedded engine, wherever the spec's runtime places it."""
 
-    def __init__(self, spec: RolloutSpec, **hooks: Any) -> None:
-        super().__init__(spec, **hooks)
-        self._processes: dict[str, EngineProcess] = {}
-        # Without directories from the caller, logs and weight copies go to a temporary directory
-        # of our own, removed by stop() so that nothing is left behind.
-        self._own_dir: Path | None = None
-        if spec.log_dir is not None and spec.snapshot_dir is not None:
-            self._log_root, self._snapshot_dir = spec.log_dir, spec.snapshot_dir
-        else:
-            own = self._own_dir = Path(tempfile.mkdtemp(prefix=f"miles-{spec.name}-"))
-            self._log_root = spec.log_dir or own / "logs"
-            self._snapshot_dir = spec.snapshot_dir or own / "snapshots"
-
-    async def stop(self) -> None:
-        await super().stop()
-        if self._own_dir is not None:
-            await asyncio.to_thread(shutil.rmtree, self._own_dir, ignore_errors=True)
-
-    async def _launch(self, cell: ServerCell, checkpoint: Path) -> str:
-        last_error: EngineStartError | None = None
-        for _ in range(_LAUNCH_ATTEMPTS):
-            port = free_port()
-            process = EngineProcess(
-                command=self._command(cell, checkpoint, port),
-                log_path=self._log_root / f"{cell.server_id}.log",
-                env=self._environment(),
-            )
-            # mkdir, open and fork/exec: off the loop, which keeps serving the other servers.
-            await asyncio.to_thread(process.start)
-            self._processes[cell.server_id] = process
-            cell.pid = process.pid
-            url = f"http://127.0.0.1:{port}"
-            try:
-                await process.wait_healthy(url, timeout_s=self.spec.startup_timeout_s, http=self.http)
-            except EngineStartError as exc:
-                last_error = exc
-                await process.stop(grace_s=2.0)
-                if "address already in use" not in str(exc.context.get("tail", "")).lower():
-                    break
-            else:
-                return url
-        assert last_error is not None
-        raise last_error
-
-    def _command(self, cell: ServerCell, checkpoint: Path, port: int) -> list[str]:
-        return engine_command(
-            checkpoint,
-            port=port,
-            num_threads=self.spec.threads_per_engine(),
-            extra_args=(
-                "--device",
-                cell.device,
-                "--served-model-name",
-                self.model_name,
-                "--max-running-requests",
-                str(self.spec.max_running_requests),
-                "--snapshot-dir",
-                str(self._snapshot_dir),
-                *self.spec.engine_args,
-            ),
-        )
-
-    def _environment(self) -> dict[str, str]:
-        """What the engine reads at start-up besides its flags. Secrets travel in the environment,
-        never on the command line, which any user of the machine can read with ``ps``."""
+    def engine_command(self) -> EngineCommand:
         spec = self.spec
-        env = {}
-        if spec.engine_secret is not None:
-            secret = spec.engine_secret.get_secret_value()
-            env["MILES_ENGINE_SECRET"] = secret
-            if spec.guard_inference:
-                env["MILES_API_KEY"] = secret
-        # Always set, so an engine never inherits other roots from this process's environment.
-        roots = [*spec.allowed_checkpoint_roots, self._snapshot_dir] if spec.allowed_checkpoint_roots else []
-        env["MILES_ALLOWED_CHECKPOINT_ROOTS"] = os.pathsep.join(str(r) for r in roots)
-        return env
-
-    async def _terminate(self, cell: ServerCell) -> None:
-        process = self._processes.pop(cell.server_id, None)
-        if process is not None:
-            await process.stop()
-        cell.pid = None
-
-    def _alive(self, cell: ServerCell) -> bool:
-        process = self._processes.get(cell.server_id)
-        return process is not None and process.alive()
+        return EmbeddedEngineCommand(
+            served_model_name=self.model_name,
+            max_running_requests=spec.max_running_requests,
+            num_threads=spec.threads_per_engine(),
+            engine_args=spec.engine_args,
+            secret=spec.engine_secret.get_secret_value() if spec.engine_secret else None,
+            guard_inference=spec.guard_inference,
+        )

@@ -8,6 +8,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from miles.config import CheckpointTransfer, PlacementStrategy, RuntimeKind
+
 
 class HealthSettings(BaseModel):
     """How often a rollout's supervisor probes its servers and when it gives up on one."""
@@ -50,6 +52,17 @@ class RolloutSpec(BaseModel):
     # added, since restarts load copies from there.
     allowed_checkpoint_roots: tuple[Path, ...] = ()
     engine_args: tuple[str, ...] = ()
+    # Where the engines run (miles.rollout.runtime), and what each one asks of a Ray cluster:
+    # fractions share a device (a trainer and an engine colocated on one GPU).
+    runtime: RuntimeKind = RuntimeKind.LOCAL
+    num_gpus_per_engine: Annotated[float, Field(ge=0, le=64)] = 0.0
+    num_cpus_per_engine: Annotated[float, Field(gt=0, le=1024)] = 1.0
+    placement_strategy: PlacementStrategy = PlacementStrategy.PACK
+    checkpoint_transfer: CheckpointTransfer = CheckpointTransfer.AUTO
+    # The Ray cluster to join ("auto", or HOST:PORT); None: the one this process is connected
+    # to, else a new local one.
+    ray_address: str | None = None
+    ray_namespace: Annotated[str, Field(min_length=1, max_length=128)] = "miles"
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSpec:

@@ -13,6 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from miles.errors import MilesError
+from miles.rollout.runtime import Placement
 
 
 class ServerState(StrEnum):
@@ -95,6 +96,8 @@ class ServerSnapshot:
     consecutive_failures: int
     restarts: int
     pid: int | None
+    # Where the engine runs and what it was given (None before its first launch).
+    placement: Placement | None = None
     # Which launch of the server's process this is: a restart makes a new incarnation, so a
     # request that could not reach the old one may take the new one.
     incarnation: int = 0
@@ -118,6 +121,7 @@ class ServerCell:
     consecutive_failures: int = 0
     restarts: int = 0
     incarnation: int = 0
+    placement: Placement | None = None
 
     def transition(self, to: ServerState, *, reason: str) -> StateChange:
         """Move to ``to`` if the table allows it; returns the change (for events), else raises."""
@@ -154,5 +158,6 @@ class ServerCell:
             consecutive_failures=self.consecutive_failures,
             restarts=self.restarts,
             pid=self.pid,
+            placement=self.placement,
             incarnation=self.incarnation,
         )

@@ -1,0 +1,233 @@
+"""Where a rollout's engines run: the runtime that places, launches, watches and stops them.
+
+A rollout says *what* to run for a server (its server type's ``EngineCommand``); the runtime says
+*where*: it picks the node, the devices and a free port, starts the engine there and reports the
+``Placement`` it gave it. ``LocalRuntime`` (here) runs each engine as a child process of this
+process on loopback; ``miles.ray.engines.RayRuntime`` runs each in a Ray actor pinned to a
+placement-group bundle. The state machine, the supervisor, the update transaction, the router and
+``/health`` are the same code for both.
+
+Ray is imported only under ``miles/ray/``: ``runtime_for`` loads the Ray runtime by name, so a
+machine without Ray runs the local runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import shutil
+import socket
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+
+from miles.config import RuntimeKind
+from miles.errors import MilesError
+from miles.rollout.engine_process import EngineProcess, EngineStartError, free_port
+
+if TYPE_CHECKING:
+    from miles.rollout.spec import RolloutSpec
+
+_LAUNCH_ATTEMPTS = 3  # a freshly picked free port can be taken before the engine binds it
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one engine runs and what it was given."""
+
+    node_id: str
+    node_address: str
+    gpu_ids: tuple[int, ...] = ()
+    # What the engine runs its model on: "cpu", or "cuda:N" for the first of ``gpu_ids`` on a
+    # machine with CUDA ("auto" until the engine has resolved it).
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class LaunchSlot:
+    """What the runtime gives one engine: its address, devices and a directory of its node."""
+
+    host: str
+    port: int
+    placement: Placement
+    # A directory on the engine's node for the weights it writes out and checkpoints shipped to it.
+    work_dir: Path
+    # The directories the engine may load checkpoints from (empty: anywhere).
+    checkpoint_roots: tuple[Path, ...] = ()
+
+
+class EngineCommand(ABC):
+    """How to run one engine of a server type, wherever the runtime puts it (must pickle: the
+    Ray runtime builds the command line on the engine's node)."""
+
+    @abstractmethod
+    def argv(self, slot: LaunchSlot, checkpoint: Path) -> list[str]:
+        """The command line of an engine serving ``checkpoint`` in ``slot``."""
+
+    @abstractmethod
+    def environment(self, slot: LaunchSlot) -> dict[str, str]:
+        """What the engine reads from its environment (credentials, checkpoint roots)."""
+
+
+@dataclass(frozen=True)
+class LaunchedEngine:
+    url: str
+    placement: Placement
+    pid: int | None
+
+
+class EngineRuntime(ABC):
+    """Places and runs the engines of one rollout (one per server id)."""
+
+    kind: RuntimeKind
+
+    def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
+        self.spec = spec
+        # Called with a server id when the runtime learns its engine ended (the supervisor is
+        # woken, rather than finding out at its next probe).
+        self.on_exit = on_exit
+
+    async def start(self, server_ids: Sequence[str]) -> None:  # noqa: B027  # optional hook
+        """Reserve what the servers need (a placement group) before any engine launches."""
+
+    @abstractmethod
+    async def launch(
+        self, server_id: str, command: EngineCommand, checkpoint: Path, *, device: str, http: httpx.AsyncClient
+    ) -> LaunchedEngine:
+        """Start an engine for ``server_id`` serving ``checkpoint``; return once it answers /health.
+
+        ``device`` is the one the spec gave the server (the local runtime uses it; the Ray runtime
+        uses the devices of the server's bundle). Raises EngineStartError with the log tail.
+        """
+
+    @abstractmethod
+    async def terminate(self, server_id: str) -> None:
+        """Stop the server's engine (and what runs it); must not raise if it is already gone."""
+
+    @abstractmethod
+    def alive(self, server_id: str) -> bool:
+        """Whether the server's engine is still running, as far as the runtime knows now."""
+
+    async def readable(self, server_id: str, checkpoint: Path, *, expected_checksum: str | None = None) -> Path:
+        """A path at which the server's engine can read ``checkpoint`` (shipped there if needed)."""
+        return checkpoint
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop every engine and release what ``start`` reserved; safe to call twice."""
+
+
+def local_node_id() -> str:
+    return f"local:{socket.gethostname()}"
+
+
+def gpu_ids_of(device: str) -> tuple[int, ...]:
+    """The GPU index a device string names ("cuda:1" -> (1,), "cuda" -> (0,), "cpu" -> ())."""
+    if not device.startswith("cuda"):
+        return ()
+    _, _, index = device.partition(":")
+    return (int(index),) if index.isdigit() else (0,)
+
+
+class LocalRuntime(EngineRuntime):
+    """Each engine a child process of this one, on a free loopback port (the default runtime).
+
+    Without directories from the caller, logs and weight copies go to a temporary directory of its
+    own, removed by ``close()`` so that nothing is left behind.
+    """
+
+    kind = RuntimeKind.LOCAL
+
+    def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
+        super().__init__(spec, on_exit=on_exit)
+        self._processes: dict[str, EngineProcess] = {}
+        self._own_dir: Path | None = None
+        if spec.log_dir is not None and spec.snapshot_dir is not None:
+            self._log_root, self._snapshot_dir = spec.log_dir, spec.snapshot_dir
+        else:
+            own = self._own_dir = Path(tempfile.mkdtemp(prefix=f"miles-{spec.name}-"))
+            self._log_root = spec.log_dir or own / "logs"
+            self._snapshot_dir = spec.snapshot_dir or own / "snapshots"
+
+    async def launch(
+        self, server_id: str, command: EngineCommand, checkpoint: Path, *, device: str, http: httpx.AsyncClient
+    ) -> LaunchedEngine:
+        placement = Placement(
+            node_id=local_node_id(), node_address="127.0.0.1", gpu_ids=gpu_ids_of(device), device=device
+        )
+        last_error: EngineStartError | None = None
+        for _ in range(_LAUNCH_ATTEMPTS):
+            slot = LaunchSlot(
+                host="127.0.0.1",
+                port=free_port(),
+                placement=placement,
+                work_dir=self._snapshot_dir,
+                checkpoint_roots=readable_roots(self.spec.allowed_checkpoint_roots, self._snapshot_dir),
+            )
+            process = EngineProcess(
+                command=command.argv(slot, checkpoint),
+                log_path=self._log_root / f"{server_id}.log",
+                env=command.environment(slot),
+            )
+            # mkdir, open and fork/exec: off the loop, which keeps serving the other servers.
+            await asyncio.to_thread(process.start)
+            self._processes[server_id] = process
+            url = f"http://{slot.host}:{slot.port}"
+            try:
+                await process.wait_healthy(url, timeout_s=self.spec.startup_timeout_s, http=http)
+            except EngineStartError as exc:
+                last_error = exc
+                await process.stop(grace_s=2.0)
+                if "address already in use" not in str(exc.context.get("tail", "")).lower():
+                    break
+            else:
+                return LaunchedEngine(url=url, placement=placement, pid=process.pid)
+        assert last_error is not None
+        raise last_error
+
+    async def terminate(self, server_id: str) -> None:
+        process = self._processes.pop(server_id, None)
+        if process is not None:
+            await process.stop()
+
+    def alive(self, server_id: str) -> bool:
+        process = self._processes.get(server_id)
+        return process is not None and process.alive()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(self.terminate(s) for s in list(self._processes)), return_exceptions=True)
+        if self._own_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, self._own_dir, ignore_errors=True)
+            self._own_dir = None
+
+
+# The runtime classes by kind; the Ray runtime is imported on first use (Ray is optional).
+_RUNTIMES = {
+    RuntimeKind.LOCAL: "miles.rollout.runtime:LocalRuntime",
+    RuntimeKind.RAY: "miles.ray.engines:RayRuntime",
+}
+
+
+def runtime_for(spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> EngineRuntime:
+    """The runtime the spec asks for."""
+    module_name, _, attr = _RUNTIMES[spec.runtime].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise MilesError(
+            f"the {spec.runtime.value} runtime cannot be loaded ({exc}); install miles with the 'ray' extra "
+            "(pip install 'miles[ray]')"
+        ) from exc
+    runtime_cls: type[EngineRuntime] = getattr(module, attr)
+    return runtime_cls(spec, on_exit=on_exit)
+
+
+def readable_roots(allowed: Sequence[Path], work_dir: Path) -> tuple[Path, ...]:
+    """What an engine may load from: the allowed roots and its own work directory (restarts load
+    the weights a peer wrote out there); nothing added when every path is allowed."""
+    return (*allowed, work_dir) if allowed else ()
