@@ -30,6 +30,26 @@ class UpdateStrategy(StrEnum):
     ROLLING = "rolling"
 
 
+class RuntimeKind(StrEnum):
+    LOCAL = "local"  # child processes of the controller, on this machine
+    RAY = "ray"  # Ray actors on placement-group bundles, anywhere in the cluster
+
+
+class PlacementStrategy(StrEnum):
+    """How a rollout's engines are spread over nodes (Ray's placement-group strategies)."""
+
+    PACK = "PACK"  # as few nodes as possible
+    SPREAD = "SPREAD"  # as many nodes as possible
+
+
+class CheckpointTransfer(StrEnum):
+    """How an engine on another node gets a checkpoint the controller names by path."""
+
+    AUTO = "auto"  # read it in place when the engine's node sees the same files, else ship it
+    SHARED = "shared"  # always read in place (a shared filesystem); never ship
+    SHIP = "ship"  # always ship through the object store (nodes share no filesystem)
+
+
 class RoutingPolicy(StrEnum):
     LEAST_OUTSTANDING = "least_outstanding"
     ROUND_ROBIN = "round_robin"
@@ -98,6 +118,12 @@ FIXED_REASONS = {
     "state_dir": "engines were launched writing there; restart to move it",
     "admin_token": "it is a credential; set MILES_ADMIN_TOKEN at start",
     "api_key": "it is a credential; set MILES_API_KEY at start",
+    "runtime": "engines were launched by it; restart the controller to change it",
+    "ray_address": "the controller joined its cluster at start; restart to join another",
+    "ray_namespace": "the controller joined its cluster at start; restart to join another",
+    "num_gpus_per_engine": "engines were placed with it; restart to change it",
+    "num_cpus_per_engine": "engines were placed with it; restart to change it",
+    "placement_strategy": "engines were placed with it; restart to change it",
 }
 
 
@@ -144,6 +170,21 @@ class ControllerSettings(BaseSettings):
     # set) and copies of weights a training window pushed. Default: a temporary directory that
     # is removed when the controller closes.
     state_dir: Path | None = None
+    # Where engines run: "local" (child processes on this machine) or "ray" (actors on a Ray
+    # cluster's placement groups); MILES_RUNTIME=ray. docs/ARCHITECTURE.md, "Runtimes".
+    runtime: RuntimeKind = RuntimeKind.LOCAL
+    # The Ray cluster to join: "auto", HOST:PORT, or None (the one this process is connected to,
+    # else a new one-node cluster on loopback).
+    ray_address: str | None = None
+    ray_namespace: Annotated[str, Field(min_length=1, max_length=128)] = "miles"
+    # What each engine asks of the cluster (every model's default; a server spec may override):
+    # fractions of a GPU share it (a trainer and an engine colocated).
+    num_gpus_per_engine: Annotated[float, Field(ge=0, le=64)] = 0.0
+    num_cpus_per_engine: Annotated[float, Field(gt=0, le=1024)] = 1.0
+    placement_strategy: PlacementStrategy = PlacementStrategy.PACK
+    # How engines on other nodes read checkpoints named by path: in place when they see the same
+    # files (auto), always in place (shared), or always shipped through the object store (ship).
+    checkpoint_transfer: CheckpointTransfer = CheckpointTransfer.AUTO
 
     @field_validator("admin_token", "api_key", mode="before")
     @classmethod

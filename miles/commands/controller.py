@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from miles.config import UpdatePauseMode, UpdateStrategy
+from miles.config import PlacementStrategy, UpdatePauseMode, UpdateStrategy
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 UrlOption = Annotated[str, typer.Option(help="The controller's base URL.", envvar="MILES_URL")]
@@ -31,27 +31,91 @@ def serve(
         list[Path] | None,
         typer.Option(help="Only load checkpoints under this directory (repeatable); binds the engines too."),
     ] = None,
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Run on a Ray cluster: engines as actors on placement groups, the controller as the named "
+            "actor miles_inference_controller (namespace miles).",
+        ),
+    ] = False,
+    address: Annotated[
+        str | None,
+        typer.Option(help="With --ray: the cluster to join, auto or HOST:PORT (default: a new local one)."),
+    ] = None,
+    gpus_per_engine: Annotated[
+        float | None, typer.Option(help="With --ray: GPUs per engine (a fraction shares one).")
+    ] = None,
+    cpus_per_engine: Annotated[float | None, typer.Option(help="With --ray: CPUs per engine.")] = None,
+    placement_strategy: Annotated[
+        PlacementStrategy | None, typer.Option(help="With --ray: PACK or SPREAD the engines over nodes.")
+    ] = None,
 ) -> None:
     """Start a controller with SERVERS rollout servers on CHECKPOINT and serve until interrupted."""
-    from miles.inference_controller import InferenceController
-
     console = Console(stderr=True)
-    overrides: dict[str, Any] = {"num_servers": servers}
+    overrides: dict[str, Any] = {}
     if host is not None:
         overrides["host"] = host
+    if port is not None:
+        overrides["port"] = port
     if events_dir is not None:
         overrides["events_dir"] = events_dir
     if allowed_checkpoint_root:
         overrides["allowed_checkpoint_roots"] = tuple(allowed_checkpoint_root)
+    ray_options = {
+        "ray_address": address,
+        "num_gpus_per_engine": gpus_per_engine,
+        "num_cpus_per_engine": cpus_per_engine,
+        "placement_strategy": placement_strategy,
+    }
+    if not ray and any(v is not None for v in ray_options.values()):
+        raise typer.BadParameter("--address and the placement options need --ray")
+    overrides |= {k: v for k, v in ray_options.items() if v is not None}
     console.print(f"starting {servers} server(s) on {checkpoint} ...")
-    with InferenceController(server_cls, checkpoint, port, **overrides) as controller:
+    stopped = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.set())
+    if ray:
+        _serve_on_ray(server_cls, checkpoint, servers, overrides, console=console, stopped=stopped)
+        return
+    from miles.inference_controller import InferenceController
+
+    with InferenceController(server_cls, checkpoint, num_servers=servers, **overrides) as controller:
         report = controller.health()
         console.print(f"[green]serving[/] {', '.join(report.models)} at {controller.url} (Ctrl-C to stop)")
-        stopped = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stopped.set())
         stopped.wait()
         console.print("stopping ...")
+
+
+def _serve_on_ray(
+    server_cls: str,
+    checkpoint: Path,
+    servers: int,
+    overrides: dict[str, Any],
+    *,
+    console: Console,
+    stopped: threading.Event,
+) -> None:
+    """The controller as the cluster's named actor, until interrupted; then stopped with its engines."""
+    import ray
+
+    from miles.ray.controller import CONTROLLER_NAME, serve_controller
+
+    controller = serve_controller(server_cls, checkpoint.resolve(), num_servers=servers, **overrides)
+    try:
+        report = ray.get(controller.health.remote())
+        url = ray.get(controller.url.remote())
+        nodes = sorted({s.node_address for s in report.servers if s.node_address})
+        console.print(
+            f"[green]serving[/] {', '.join(report.models)} at {url} on nodes {', '.join(nodes)}; "
+            f"training reaches the controller as ray.get_actor({CONTROLLER_NAME!r}, namespace='miles') "
+            "(Ctrl-C to stop)"
+        )
+        stopped.wait()
+        console.print("stopping ...")
+    finally:
+        ray.get(controller.close.remote())
+        ray.kill(controller)
 
 
 def update(

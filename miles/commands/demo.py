@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +13,19 @@ import uvloop
 from rich.console import Console
 
 from miles.config import UpdatePauseMode, UpdateStrategy
+
+
+@contextmanager
+def _local_ray_cluster(servers: int, console: Console) -> Iterator[None]:
+    """A head and one worker node on this machine (on loopback), each with logical GPUs for half
+    the servers; this process connected to it. Started on the main thread, as Ray requires."""
+    from miles.ray.cluster import NodeSpec, connect, local_cluster
+
+    gpus = -(-servers // 2)
+    console.print(f"starting a local Ray cluster of two nodes with {gpus} logical GPU(s) each ...")
+    with local_cluster([NodeSpec(num_cpus=2, num_gpus=gpus)], head=NodeSpec(num_cpus=2, num_gpus=gpus)) as cluster:
+        connect(cluster.address)
+        yield
 
 
 def demo(
@@ -28,6 +43,9 @@ def demo(
     seed: Annotated[int, typer.Option(help="Seeds the model, the task and the users.")] = 0,
     runs_dir: Annotated[Path, typer.Option(help="Where run directories go (and runs/latest).")] = Path("runs"),
     live: Annotated[bool, typer.Option(help="Live terminal view (off: a line every 25 steps).")] = True,
+    ray: Annotated[
+        bool, typer.Option("--ray", help="Run the servers on a local Ray cluster of two nodes (one engine per GPU).")
+    ] = False,
 ) -> None:
     """Train while serving: a controller, 2 rollout servers, a GRPO trainer and user traffic.
 
@@ -49,7 +67,12 @@ def demo(
         seed=seed,
         runs_dir=runs_dir,
         live=live and sys.stdout.isatty(),
+        ray=ray,
     )
-    summary = uvloop.run(run_demo(config, console=console))
+    if ray:
+        with _local_ray_cluster(servers, console):
+            summary = uvloop.run(run_demo(config, console=console))
+    else:
+        summary = uvloop.run(run_demo(config, console=console))
     healthy = summary.requests_failed == 0 and summary.checksum_mismatches == 0 and summary.events_check_passed
     raise typer.Exit(0 if healthy else 1)

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from miles.config import ControllerSettings
+from miles.config import ControllerSettings, PlacementStrategy
 from miles.errors import CheckpointError, InvalidRequestError, MilesError, NotFoundError
 from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutObserver
 from miles.rollout.spec import HealthSettings, RolloutSpec
@@ -41,6 +41,10 @@ class ModelServerSpec(BaseModel):
     max_running_requests: Annotated[int, Field(ge=1)] = 32
     num_threads: Annotated[int, Field(ge=1)] | None = None
     engine_args: tuple[str, ...] = ()
+    # What each engine asks of a Ray cluster; None: the controller's setting.
+    num_gpus_per_engine: Annotated[float, Field(ge=0, le=64)] | None = None
+    num_cpus_per_engine: Annotated[float, Field(gt=0, le=1024)] | None = None
+    placement_strategy: PlacementStrategy | None = None
 
 
 def resolve_server_cls(server_cls: str | type) -> type[Rollout]:
@@ -144,6 +148,13 @@ class Fleet:
             guard_inference=settings.api_key is not None,
             allowed_checkpoint_roots=settings.allowed_checkpoint_roots,
             engine_args=spec.engine_args,
+            runtime=settings.runtime,
+            num_gpus_per_engine=_given(spec.num_gpus_per_engine, settings.num_gpus_per_engine),
+            num_cpus_per_engine=_given(spec.num_cpus_per_engine, settings.num_cpus_per_engine),
+            placement_strategy=spec.placement_strategy or settings.placement_strategy,
+            checkpoint_transfer=settings.checkpoint_transfer,
+            ray_address=settings.ray_address,
+            ray_namespace=settings.ray_namespace,
         )
         self._servers[model_name] = server_cls(rollout_spec, exclusive=exclusive, observer=observer)
 
@@ -203,6 +214,10 @@ def health_from(settings: ControllerSettings) -> HealthSettings:
         timeout_s=settings.health_timeout_s,
         failure_threshold=settings.health_failure_threshold,
     )
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def _model_name(checkpoint: Path, *, fallback: str) -> str:

@@ -15,7 +15,7 @@ import os
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import httpx
 import transformers
@@ -52,6 +52,9 @@ class DemoConfig(BaseModel):
     seed: int = 0
     runs_dir: Path = Path("runs")
     live: bool = True
+    # The servers on the Ray cluster this process is connected to (``miles demo --ray`` starts a
+    # local one of two nodes), not as child processes.
+    ray: bool = False
 
 
 class DemoFailedError(MilesError):
@@ -71,6 +74,16 @@ def _run_dir(root: Path) -> Path:
         latest.unlink()
     latest.symlink_to(run_dir.name)
     return run_dir.resolve()
+
+
+# One engine per (logical) GPU, spread over the nodes; a fraction of a CPU each, since the nodes'
+# CPUs are the same two cores.
+_RAY_PLACEMENT: dict[str, Any] = {
+    "runtime": "ray",
+    "num_gpus_per_engine": 1,
+    "num_cpus_per_engine": 0.25,
+    "placement_strategy": "SPREAD",
+}
 
 
 async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
@@ -99,6 +112,7 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         default_strategy=config.strategy,
         default_pause_mode=config.pause_mode,
         health_interval_s=1.0,
+        **(_RAY_PLACEMENT if config.ray else {}),
     )
     controller.on_update(lambda result: updates.append(UpdateRecord(at=time.monotonic() - t0, result=result)))
     http_server: HttpServer | None = None
@@ -107,6 +121,10 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
     try:
         console.print(f"starting {config.servers} rollout servers on {initial.model_name} step 0 ...")
         await controller.start()
+        if config.ray:
+            for server in controller.health().servers:
+                node = (server.node_id or "?")[:8]
+                console.print(f"  {server.server_id}: Ray node {node} at {server.node_address}, GPU {server.gpu_ids}")
         http_server = HttpServer(controller)
         await http_server.start()
         url = http_server.url

@@ -1,0 +1,171 @@
+"""Joining a Ray cluster, and a cluster of several nodes on this machine (the demo's and the tests').
+
+``connect`` is how every miles component reaches Ray: it joins the cluster this process is already
+connected to, the one at an address ("auto" finds the local head), or starts a one-node cluster
+on loopback. ``LocalCluster`` starts a head and worker nodes on this machine, each declared with
+CPUs and (logical) GPUs, all bound to 127.0.0.1, in a temporary directory of its own that it
+removes when it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray._private import ray_constants
+
+NAMESPACE = "miles"
+logger = logging.getLogger("miles.ray")
+
+# Ray 2.60 binds every node to 127.0.0.1 with this set to 0 (and to the machine's routable
+# address otherwise); a cluster on one machine has no reason to listen anywhere else.
+_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def connect(address: str | None = None, *, namespace: str = NAMESPACE) -> None:
+    """Join a Ray cluster unless this process already is connected to one.
+
+    ``address``: "auto" (the cluster started on this machine with ``ray start``), "HOST:PORT" (a
+    head node's GCS address) or None (a new one-node cluster on loopback, stopped with the process).
+    """
+    if ray.is_initialized():
+        return
+    options: dict[str, Any] = {"namespace": namespace, "log_to_driver": False}
+    if address is None:
+        os.environ.update(_LOOPBACK_ENV)
+        options |= {"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+    else:
+        options["address"] = address
+        if _on_loopback(address):
+            # A cluster on this machine's loopback: the driver must not bind anywhere else.
+            options["_node_ip_address"] = "127.0.0.1"
+    ray.init(**options)
+    logger.info("connected to the Ray cluster at %s", ray.get_runtime_context().gcs_address)
+
+
+def _on_loopback(address: str) -> bool:
+    host = address.removeprefix("ray://").rsplit(":", 1)[0]
+    return host in ("127.0.0.1", "localhost")
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node of a local cluster: logical resources only (Ray schedules by them)."""
+
+    num_cpus: float = 1.0
+    num_gpus: int = 0
+
+
+class LocalCluster:
+    """A head node and worker nodes on this machine, on loopback (``start`` / ``stop``)."""
+
+    def __init__(
+        self,
+        workers: Sequence[NodeSpec] = (NodeSpec(), NodeSpec()),
+        *,
+        head: NodeSpec = NodeSpec(num_cpus=1.0),
+        # How fast a lost node is declared dead (Ray's defaults take ~30 s).
+        health_check_period_ms: int = 500,
+        health_check_failure_threshold: int = 4,
+    ) -> None:
+        self.workers = list(workers)
+        self.head = head
+        self._system_config = {
+            "health_check_initial_delay_ms": 0,
+            "health_check_period_ms": health_check_period_ms,
+            "health_check_failure_threshold": health_check_failure_threshold,
+        }
+        self._cluster: Any = None
+        self._temp_dir: Path | None = None
+        self._environ: dict[str, str | None] = {}
+        self._cluster_mode: bool | None = None
+        self.worker_nodes: list[Any] = []
+
+    @property
+    def address(self) -> str:
+        assert self._cluster is not None, "the cluster is not started"
+        return str(self._cluster.address)
+
+    def start(self) -> LocalCluster:
+        from ray.cluster_utils import Cluster
+
+        # Short: Ray's socket paths live under it and must stay within the OS's 107 bytes.
+        self._temp_dir = Path(tempfile.mkdtemp(prefix="miles-ray-", dir="/tmp"))
+        # Ray writes under RAY_TMPDIR (not /tmp/ray) and binds loopback; token authentication is
+        # off for a cluster only this machine's loopback can reach.
+        for key, value in {**_LOOPBACK_ENV, "RAY_TMPDIR": str(self._temp_dir), "RAY_AUTH_MODE": "disabled"}.items():
+            self._environ.setdefault(key, os.environ.get(key))
+            os.environ[key] = value
+        # The nodes' processes read the variable when they start; this process read it when it
+        # imported Ray, and Ray consults the value it read then.
+        self._cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        try:
+            self._cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "node_ip_address": "127.0.0.1",
+                    "num_cpus": self.head.num_cpus,
+                    "num_gpus": self.head.num_gpus,
+                    "include_dashboard": False,
+                    "_system_config": self._system_config,
+                },
+            )
+            self.worker_nodes = [self._add(w) for w in self.workers]
+            self._cluster.wait_for_nodes()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _add(self, spec: NodeSpec) -> Any:
+        return self._cluster.add_node(node_ip_address="127.0.0.1", num_cpus=spec.num_cpus, num_gpus=spec.num_gpus)
+
+    def add_node(self, spec: NodeSpec) -> Any:
+        node = self._add(spec)
+        self._cluster.wait_for_nodes()
+        self.worker_nodes.append(node)
+        return node
+
+    def remove_node(self, node: Any) -> None:
+        """Lose a node at once, as when a machine dies (its raylet and workers are killed)."""
+        self.worker_nodes.remove(node)
+        self._cluster.remove_node(node, allow_graceful=False)
+
+    def stop(self) -> None:
+        """Disconnect this process and stop every node; restores the environment; idempotent."""
+        if ray.is_initialized():
+            ray.shutdown()
+        if self._cluster is not None:
+            self._cluster.shutdown()
+            self._cluster = None
+        for key, value in self._environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._environ.clear()
+        if self._cluster_mode is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = self._cluster_mode
+            self._cluster_mode = None
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
+
+
+@contextmanager
+def local_cluster(workers: Sequence[NodeSpec] = (NodeSpec(), NodeSpec()), **options: Any) -> Iterator[LocalCluster]:
+    """A started ``LocalCluster``, stopped on exit even when the body fails."""
+    cluster = LocalCluster(workers, **options)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()

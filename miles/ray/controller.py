@@ -1,0 +1,158 @@
+"""The controller as a named Ray actor: training anywhere in the cluster reaches it by name.
+
+``serve_controller`` starts an ``InferenceControllerActor`` named ``miles_inference_controller`` in
+namespace ``miles`` (both changeable); a trainer on any node calls ``get_controller()`` and then
+the controller's own methods, with ``ray.get`` or ``await``::
+
+    controller = get_controller()
+    ray.get(controller.update_rollout_weights.remote("/ckpt/step-100"))
+    window = ray.get(controller.start_update_weights.remote())
+
+The actor runs the same ``AsyncInferenceController`` as every other entry point (its engines on
+the Ray runtime by default), and serves the HTTP API on its node as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from miles.config import ControllerSettings, RuntimeKind
+from miles.controller.core import AsyncInferenceController
+from miles.controller.health import FleetHealth
+from miles.controller.results import UpdateResult, UpdateWindow
+from miles.http.runner import HttpServer
+from miles.ray.cluster import NAMESPACE, connect
+from miles.utils.audit_utils.event_logger.models import EVENT_ADAPTER
+
+CONTROLLER_NAME = "miles_inference_controller"
+
+
+@ray.remote
+class InferenceControllerActor:
+    """One controller in an actor (async: every call runs on the actor's event loop)."""
+
+    def __init__(
+        self,
+        rollout_server_cls: str | Mapping[str, Any],
+        model_checkpoint: str | None,
+        *,
+        num_servers: int,
+        serve_http: bool,
+        settings: dict[str, Any],
+    ) -> None:
+        self._arguments = (rollout_server_cls, model_checkpoint, num_servers, settings)
+        self._serve_http = serve_http
+        self._controller: AsyncInferenceController | None = None
+        self._http: HttpServer | None = None
+
+    async def start(self) -> str | None:
+        """Launch the servers (and the HTTP API); returns the API's URL."""
+        rollout_server_cls, model_checkpoint, num_servers, settings = self._arguments
+        # Built here, on the actor's loop: the lock and the router bind to the loop they run on.
+        self._controller = AsyncInferenceController(
+            rollout_server_cls, model_checkpoint, num_servers=num_servers, **settings
+        )
+        try:
+            await self._controller.start()
+            if self._serve_http:
+                self._http = HttpServer(self._controller)
+                await self._http.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self.url()
+
+    def url(self) -> str | None:
+        return self._http.url if self._http is not None else None
+
+    @property
+    def controller(self) -> AsyncInferenceController:
+        assert self._controller is not None, "call start() first"
+        return self._controller
+
+    async def update_rollout_weights(self, new_checkpoint: str, **kwargs: Any) -> UpdateResult:
+        return await self.controller.update_rollout_weights(new_checkpoint, **kwargs)
+
+    async def start_update_weights(self, model_name: str | None = None, **kwargs: Any) -> UpdateWindow:
+        return await self.controller.start_update_weights(model_name, **kwargs)
+
+    async def end_update_weights(self, window: UpdateWindow | int, **kwargs: Any) -> UpdateResult:
+        return await self.controller.end_update_weights(window, **kwargs)
+
+    async def abort_update_weights(self, window: UpdateWindow | int, **kwargs: Any) -> UpdateResult:
+        return await self.controller.abort_update_weights(window, **kwargs)
+
+    async def health(self) -> FleetHealth:
+        return self.controller.health()
+
+    async def config(self) -> dict[str, Any]:
+        return self.controller.settings.runtime_view()
+
+    async def reconfigure(self, patch: dict[str, Any]) -> dict[str, Any]:
+        return (await self.controller.reconfigure(patch)).model_dump(mode="json")
+
+    async def log_event(self, event: Any) -> str:
+        """Record an event (an ``InferenceEngineWeightChecksumEvent``, or its JSON form)."""
+        parsed = EVENT_ADAPTER.validate_python(event if isinstance(event, dict) else event.model_dump())
+        return self.controller.event_logger.log(type(parsed), parsed, print_log=False).event_id
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
+        if self._controller is not None:
+            await self._controller.close()
+
+
+def serve_controller(
+    rollout_server_cls: str | Mapping[str, Any] = "miles.rollout.sft_rollout.SFTRollout",
+    model_checkpoint: str | Path | None = None,
+    *,
+    num_servers: int = 1,
+    name: str = CONTROLLER_NAME,
+    namespace: str = NAMESPACE,
+    serve_http: bool = True,
+    detached: bool = False,
+    num_cpus: float = 0.1,
+    **settings: Any,
+) -> Any:
+    """Start the named controller actor (engines on the Ray runtime unless ``runtime`` says
+    otherwise) and wait until it serves; returns its handle.
+
+    ``detached``: the actor outlives this driver (stop it with ``close`` and ``ray.kill``).
+    Settings are validated here, so a bad one fails in the caller, not inside the actor.
+    """
+    settings.setdefault("runtime", RuntimeKind.RAY)
+    ControllerSettings(**settings)  # raises ValidationError naming the bad setting
+    connect(settings.get("ray_address"), namespace=namespace)
+    actor = InferenceControllerActor.options(  # type: ignore[attr-defined]
+        name=name,
+        namespace=namespace,
+        num_cpus=num_cpus,
+        lifetime="detached" if detached else None,
+        # The controller must not be restarted by Ray behind training's back: a new one would
+        # start on the first checkpoint and forget every verified update.
+        max_restarts=0,
+    ).remote(
+        rollout_server_cls,
+        None if model_checkpoint is None else str(model_checkpoint),
+        num_servers=num_servers,
+        serve_http=serve_http,
+        settings=settings,
+    )
+    try:
+        ray.get(actor.start.remote())
+    except BaseException:
+        ray.kill(actor)
+        raise
+    return actor
+
+
+def get_controller(name: str = CONTROLLER_NAME, *, namespace: str = NAMESPACE, address: str | None = "auto") -> Any:
+    """The named controller's handle, from any driver or actor in the cluster."""
+    connect(address, namespace=namespace)
+    return ray.get_actor(name, namespace=namespace)
