@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import itertools
 import json
 import statistics
 import sys
@@ -54,11 +55,15 @@ RAY = {
 }
 
 
+_versions = itertools.count(1000)  # serving versions only go forward
+
+
 async def update_latencies(controller: AsyncInferenceController, checkpoints: list[Path], n: int) -> list[float]:
     times = []
     for i in range(n):
+        version = str(next(_versions))
         started = time.perf_counter()
-        result = await controller.update_rollout_weights(checkpoints[i % 2], weight_version=str(1000 + i))
+        result = await controller.update_rollout_weights(checkpoints[i % 2], weight_version=version)
         result.raise_for_status()
         times.append(time.perf_counter() - started)
     return times

@@ -40,7 +40,9 @@ def connect(address: str | None = None, *, namespace: str = NAMESPACE) -> None:
         return
     options: dict[str, Any] = {"namespace": namespace, "log_to_driver": False}
     if address is None:
+        # A new cluster of this process alone: on loopback (see LocalCluster.start for why both).
         os.environ.update(_LOOPBACK_ENV)
+        ray_constants.ENABLE_RAY_CLUSTER = False
         options |= {"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
     else:
         options["address"] = address
