@@ -97,14 +97,12 @@ def _serve_on_ray(
     stopped: threading.Event,
 ) -> None:
     """The controller as the cluster's named actor, until interrupted; then stopped with its engines."""
-    import ray
-
-    from miles.ray.controller import CONTROLLER_NAME, serve_controller
+    from miles.ray.controller import CONTROLLER_NAME, call, serve_controller, stop_controller
 
     controller = serve_controller(server_cls, checkpoint.resolve(), num_servers=servers, **overrides)
     try:
-        report = ray.get(controller.health.remote())
-        url = ray.get(controller.url.remote())
+        report = call(controller, "health")
+        url = call(controller, "url")
         nodes = sorted({s.node_address for s in report.servers if s.node_address})
         console.print(
             f"[green]serving[/] {', '.join(report.models)} at {url} on nodes {', '.join(nodes)}; "
@@ -114,8 +112,7 @@ def _serve_on_ray(
         stopped.wait()
         console.print("stopping ...")
     finally:
-        ray.get(controller.close.remote())
-        ray.kill(controller)
+        stop_controller(controller)
 
 
 def update(

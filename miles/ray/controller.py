@@ -156,3 +156,16 @@ def get_controller(name: str = CONTROLLER_NAME, *, namespace: str = NAMESPACE, a
     """The named controller's handle, from any driver or actor in the cluster."""
     connect(address, namespace=namespace)
     return ray.get_actor(name, namespace=namespace)
+
+
+def call(actor: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call one of the controller actor's methods and wait for its answer."""
+    return ray.get(getattr(actor, method).remote(*args, **kwargs))
+
+
+def stop_controller(actor: Any) -> None:
+    """Stop the controller actor's HTTP API and engines, then the actor itself."""
+    try:
+        ray.get(actor.close.remote())
+    finally:
+        ray.kill(actor)

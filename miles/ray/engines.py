@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -93,7 +94,9 @@ class EngineHost:
         self.node_id = context.get_node_id()
         self.node_address = ray.util.get_node_ip_address()
         self.gpu_ids = tuple(int(i) for i in context.get_accelerator_ids().get("GPU", []))
-        self.work_dir = Path(tempfile.mkdtemp(prefix=f"miles-{server_id}-"))
+        # The node's scratch space: Ray's temporary directory when the node has one of its own
+        # (removed with the cluster), else the system's.
+        self.work_dir = Path(tempfile.mkdtemp(prefix=f"miles-{server_id}-", dir=os.environ.get("RAY_TMPDIR")))
         self.process: EngineProcess | None = None
 
     def placement(self) -> Placement:
@@ -191,6 +194,16 @@ class EngineHost:
             shutil.rmtree(partial, ignore_errors=True)
             raise
         return str(target)
+
+
+async def _discard(host: Any) -> None:
+    """Stop the host's engine and remove its files, then end the actor (dead or hung: ended anyway)."""
+    try:
+        await asyncio.wait_for(host.stop.remote(), timeout=_CONTROL_TIMEOUT_S)
+    except (RayActorError, TimeoutError):
+        pass
+    finally:
+        ray.kill(host)
 
 
 def _append(path: Path, data: bytes) -> None:
@@ -294,6 +307,7 @@ class RayRuntime(EngineRuntime):
             runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
         ).remote(server_id)
         deadline = time.monotonic() + spec.startup_timeout_s
+        placed = False
         try:
             # Scheduling waits for the bundle, which Ray re-creates elsewhere when its node died.
             try:
@@ -304,6 +318,7 @@ class RayRuntime(EngineRuntime):
                     f"{spec.startup_timeout_s:g}s: {_shortfall(self._bundle(), 1)}",
                     server_id=server_id,
                 ) from None
+            placed = True
             readable = await self._readable_on(host, checkpoint, expected_checksum=None)
             # Without a shared filesystem the engine reads only what was shipped to its node.
             ship = spec.checkpoint_transfer is CheckpointTransfer.SHIP
@@ -317,15 +332,18 @@ class RayRuntime(EngineRuntime):
                 timeout=spec.startup_timeout_s + _CONTROL_TIMEOUT_S,
             )
         except BaseException as exc:
-            ray.kill(host)
+            if placed:
+                await _discard(host)
+            else:
+                ray.kill(host)  # never scheduled: nothing on any node to stop
             if isinstance(exc, RayActorError):
                 raise EngineStartError(f"the engine's actor died while starting: {exc}", server_id=server_id) from None
             raise
         if "error" in started:
-            ray.kill(host)
+            await _discard(host)
             raise EngineStartError(started["error"], server_id=server_id, tail=started["tail"])
         if tuple(started["gpu_ids"] or ()) != placement.gpu_ids:
-            ray.kill(host)
+            await _discard(host)
             raise EngineStartError(
                 f"the engine reports GPUs {started['gpu_ids']}, not the {list(placement.gpu_ids)} Ray assigned",
                 server_id=server_id,
@@ -361,13 +379,8 @@ class RayRuntime(EngineRuntime):
         watcher = self._watchers.pop(server_id, None)
         if watcher is not None:
             watcher.cancel()
-        if host is None:
-            return
-        try:
-            await asyncio.wait_for(host.stop.remote(), timeout=_CONTROL_TIMEOUT_S)
-        except (RayActorError, TimeoutError):
-            pass  # dead already, or hung: killed below either way
-        ray.kill(host)
+        if host is not None:
+            await _discard(host)
 
     def alive(self, server_id: str) -> bool:
         return server_id in self._hosts and server_id not in self._ended
@@ -384,7 +397,13 @@ class RayRuntime(EngineRuntime):
         host = self._hosts.get(server_id)
         if host is None:
             return checkpoint  # no engine to load it: the load call fails and says so
-        return await self._readable_on(host, checkpoint, expected_checksum=expected_checksum)
+        try:
+            return await self._readable_on(host, checkpoint, expected_checksum=expected_checksum)
+        except RayActorError as exc:
+            raise CheckpointShipError(
+                f"the engine of {server_id} is gone ({type(exc).__name__}); its supervisor restarts it",
+                server_id=server_id,
+            ) from None
 
     async def _readable_on(self, host: Any, checkpoint: Path, *, expected_checksum: str | None) -> Path:
         mode = self.spec.checkpoint_transfer

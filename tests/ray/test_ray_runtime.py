@@ -17,7 +17,7 @@ import ray
 from miles.controller.results import UpdateStatus
 from miles.errors import MilesError
 from miles.ray.cluster import LocalCluster
-from miles.ray.controller import serve_controller
+from miles.ray.controller import serve_controller, stop_controller
 from miles.rollout.state import ServerState
 from miles.testing import running_controller
 from miles.weights.checkpoint import read_manifest
@@ -169,5 +169,4 @@ def test_training_in_another_driver_reaches_the_named_controller(
         health = httpx.get(f"{url}/health", trust_env=False).json()
         assert health["models"]["tiny"]["weight_version"] == "2"
     finally:
-        ray.get(controller.close.remote())
-        ray.kill(controller)
+        stop_controller(controller)
