@@ -8,6 +8,8 @@ retried elsewhere when they had produced nothing yet; nothing else fails.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,3 +159,26 @@ async def test_a_node_lost_in_the_middle_of_an_update_is_recovered(
         assert dict(traffic.outcomes) == {200: traffic.served}, traffic.errors[:3]
         v2 = read_manifest(checkpoints["v2"]).checksum
         assert all(s.checksum == v2 and s.state is ServerState.SERVING for s in ctl.health().servers)
+
+
+async def test_an_engine_actor_killed_outright_is_replaced(
+    three_workers: LocalCluster, checkpoints: dict[str, Path]
+) -> None:
+    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=1, **settings()) as (ctl, url):
+        assert url is not None
+        (before,) = ctl.health().servers
+        assert before.pid is not None
+        # The engine's parent is the actor's worker process: kill -9 it, as an OOM killer would.
+        stat = Path(f"/proc/{before.pid}/stat").read_text()  # noqa: ASYNC240  # procfs: never blocks
+        os.kill(int(stat.split(")")[-1].split()[1]), signal.SIGKILL)
+
+        def replaced() -> bool:
+            (server,) = ctl.health().servers
+            return server.state is ServerState.SERVING and server.restarts > before.restarts
+
+        await wait_until(replaced, what="the server to be replaced", timeout=120)
+        (after,) = ctl.health().servers
+        assert after.pid != before.pid and after.checksum == read_manifest(checkpoints["v1"]).checksum
+        async with httpx.AsyncClient(trust_env=False) as http:
+            answer = await http.post(f"{url}/generate", json={"text": "ab", "sampling_params": {"max_new_tokens": 2}})
+        assert answer.status_code == 200
