@@ -50,6 +50,10 @@ ENDPOINTS: dict[str, Kind] = {
         path: Kind.CONTROL
         for path in (
             "/update_weights_from_disk",
+            "/update_weights_from_tensor",
+            "/init_weights_update_group",
+            "/update_weights_from_distributed",
+            "/destroy_weights_update_group",
             "/update_weight_version",
             "/pause_generation",
             "/continue_generation",

@@ -9,6 +9,7 @@ JSON 500), so a client never meets an HTML page or a dropped connection.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from miles.engine.access import ENDPOINTS, AccessMiddleware, EngineAccess, admit
 from miles.engine.engine import Engine
 from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream
+from miles.engine.receiver import ShmBucket, WeightGroups
 from miles.errors import InvalidRequestError
 from miles.protocol.auth import FenceRequest
 from miles.protocol.openai import (
@@ -32,12 +34,18 @@ from miles.protocol.openai import (
 from miles.protocol.sglang import (
     AbortRequest,
     ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
     ExportWeightsRequest,
     GenerateRequest,
     GenerateResponse,
+    GroupResponse,
+    InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
     PauseGenerationResponse,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightsResponse,
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
     WeightsCheckerResponse,
@@ -111,6 +119,56 @@ def create_app(engine: Engine) -> FastAPI:
         admit(access, http_request)
         result = await engine.weights.update_from_disk(request)
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.success else 400)
+
+    groups = WeightGroups(device=engine.device)
+
+    async def pushed(result: UpdateWeightsResponse) -> JSONResponse:
+        return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.success else 400)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(
+        request: UpdateWeightsFromTensorRequest, http_request: Request
+    ) -> JSONResponse:
+        admit(access, http_request)
+        bucket = await asyncio.to_thread(ShmBucket, request, engine.weights.check_table)
+        try:
+            result = await engine.weights.apply_pushed(
+                bucket.tensors,
+                weight_version=request.weight_version,
+                expected_checksum=request.expected_checksum,
+                abort_all_requests=request.abort_all_requests,
+                source="shared memory",
+            )
+        finally:
+            bucket.close()
+        return await pushed(result)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: InitWeightsUpdateGroupRequest, http_request: Request) -> GroupResponse:
+        admit(access, http_request)
+        return GroupResponse(success=True, message=await asyncio.to_thread(groups.join, request))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(
+        request: UpdateWeightsFromDistributedRequest, http_request: Request
+    ) -> JSONResponse:
+        admit(access, http_request)
+        tensors = await asyncio.to_thread(groups.receive, request, engine.weights.check_table)
+        result = await engine.weights.apply_pushed(
+            tensors,
+            weight_version=request.weight_version,
+            expected_checksum=request.expected_checksum,
+            abort_all_requests=request.abort_all_requests,
+            source=f"group {request.group_name}",
+        )
+        return await pushed(result)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(
+        request: DestroyWeightsUpdateGroupRequest, http_request: Request
+    ) -> GroupResponse:
+        admit(access, http_request)
+        return GroupResponse(success=True, message=groups.destroy(request.group_name))
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: UpdateWeightVersionRequest, http_request: Request) -> dict[str, Any]:

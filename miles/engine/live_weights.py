@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from miles.engine.rwlock import WeightsLock
@@ -45,7 +46,8 @@ from miles.protocol.sglang import (
     UpdateWeightVersionRequest,
     WeightVersionResponse,
 )
-from miles.weights.checksum import ModelChecksum, checksum_module
+from miles.weights.buckets import BucketTable
+from miles.weights.checksum import ModelChecksum, checksum_module, saved_state_dict
 from miles.weights.paths import checked_path, files_outside_roots
 
 logger = logging.getLogger("miles.engine")
@@ -99,6 +101,8 @@ class LiveWeights:
         # snapshot would race for its directory).
         self._update_lock = asyncio.Lock()
         self._export_lock = asyncio.Lock()
+        # Whether a push of tensors paused generation (it resumes once the last push is verified).
+        self._push_paused = False
 
     @property
     def held(self) -> HeldWeights:
@@ -175,8 +179,10 @@ class LiveWeights:
                 # The copy runs on the scheduler thread, between two steps (one torch thread).
                 checksum = await asyncio.to_thread(self._scheduler.call, lambda: self._copy_in(prepared, version))
                 ok = checksum.checksum == prepared.manifest_checksum
-                if pausing and ok and not request.keep_pause:
+                # A push that paused generation and never completed is superseded by this load.
+                if (pausing or self._push_paused) and ok and not request.keep_pause:
                     self._scheduler.resume()
+                    self._push_paused = False
             finally:
                 prepared.close()
         if not ok:
@@ -200,6 +206,106 @@ class LiveWeights:
             checksum=checksum.checksum,
             checkpoint_checksum=prepared.checkpoint_checksum,
             timings=prepared.timings,
+        )
+
+    def check_table(self, table: BucketTable) -> None:
+        """Raise InvalidRequestError unless every tensor of ``table`` is one the model holds, with
+        its dtype and shape (checked before anything is received or allocated)."""
+        shapes = {e.name: torch.empty(e.shape, dtype=e.torch_dtype(), device="meta") for e in table.entries}
+        _check_pushed(shapes, saved_state_dict(self._model()))
+
+    async def apply_pushed(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        weight_version: str | None,
+        expected_checksum: str | None,
+        abort_all_requests: bool,
+        source: str,
+    ) -> UpdateWeightsResponse:
+        """Copy pushed tensors (one bucket, already checked against their digests) into the live
+        weights; the last push of an update (``expected_checksum`` given) is confirmed over the
+        whole model before the weights serve.
+
+        Generation pauses at the first push and stays paused, the weights marked unverified,
+        until a last push's checksum matches; a mismatch leaves it paused (as for a bad
+        checkpoint) until good weights are loaded. Raises InvalidRequestError for a tensor the
+        model does not have, or of another dtype or shape, before anything is copied.
+        """
+        if expected_checksum is not None and weight_version is None:
+            raise InvalidRequestError(
+                "the last push of an update (with expected_checksum) must name its weight_version"
+            )
+        async with self._update_lock:
+            live = saved_state_dict(self._model())
+            _check_pushed(tensors, live)
+            timings: dict[str, float] = {}
+            paused = 0
+            started = time.perf_counter()
+            if self._scheduler.state is GenerationState.SERVING:
+                mode = PauseMode.ABORT if abort_all_requests else PauseMode.DRAIN
+                paused = await asyncio.to_thread(self._scheduler.pause, mode, message=f"aborted by {source}")
+                self._push_paused = True
+            elif abort_all_requests:
+                self._scheduler.abort(None, message=f"aborted by {source}")
+            timings["pause"] = time.perf_counter() - started
+
+            def copy() -> ModelChecksum | None:
+                waiting = time.perf_counter()
+                with self._lock.write():
+                    timings["write_lock_wait"] = time.perf_counter() - waiting
+                    copied = time.perf_counter()
+                    with torch.no_grad():
+                        for name, tensor in tensors.items():
+                            live[name].copy_(tensor)
+                    timings["copy"] = time.perf_counter() - copied
+                    if expected_checksum is None:
+                        self._held = replace(self._held, status=WeightsStatus.UNVERIFIED)
+                        return None
+                    hashed = time.perf_counter()
+                    result = checksum_module(self._model())
+                    timings["checksum"] = time.perf_counter() - hashed
+                    if result.checksum == expected_checksum:
+                        assert weight_version is not None
+                        self._held = HeldWeights(
+                            version=weight_version, checksum=result.checksum, status=WeightsStatus.VERIFIED
+                        )
+                    else:
+                        self._held = replace(self._held, checksum=result.checksum, status=WeightsStatus.UNVERIFIED)
+                    return result
+
+            # On the scheduler thread, between two steps, like every copy into the live weights.
+            checksum = await asyncio.to_thread(self._scheduler.call, copy)
+        if checksum is None:
+            return UpdateWeightsResponse(
+                success=True,
+                message=f"received {len(tensors)} tensors; generation stays paused until the last push is verified",
+                num_paused_requests=paused,
+                weight_version=self._held.version,
+                timings=timings,
+            )
+        if checksum.checksum != expected_checksum:
+            return UpdateWeightsResponse(
+                success=False,
+                message=(
+                    f"the pushed weights hash to {checksum.checksum}, not the expected {expected_checksum}: a "
+                    "tensor is missing or differs; generation stays paused until good weights are loaded"
+                ),
+                num_paused_requests=paused,
+                weight_version=self._held.version,
+                checksum=checksum.checksum,
+                timings=timings,
+            )
+        if self._push_paused:
+            self._scheduler.resume()
+            self._push_paused = False
+        return UpdateWeightsResponse(
+            success=True,
+            message=f"Succeeded to update model weights from {source}.",
+            num_paused_requests=paused,
+            weight_version=weight_version,
+            checksum=checksum.checksum,
+            timings=timings,
         )
 
     def _copy_in(self, prepared: PreparedUpdate, version: str) -> ModelChecksum:
@@ -302,3 +408,16 @@ class LiveWeights:
 
         async with self._export_lock:
             return await asyncio.to_thread(export)
+
+
+def _check_pushed(tensors: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]) -> None:
+    """Raise InvalidRequestError unless every pushed tensor names a live one of its dtype and shape."""
+    for name, tensor in tensors.items():
+        target = live.get(name)
+        if target is None:
+            raise InvalidRequestError(f"the model has no tensor {name!r}; push the names its checkpoint has")
+        if target.dtype != tensor.dtype or tuple(target.shape) != tuple(tensor.shape):
+            raise InvalidRequestError(
+                f"tensor {name!r} is pushed as {tensor.dtype}{list(tensor.shape)}, but the model holds "
+                f"{target.dtype}{list(target.shape)}"
+            )

@@ -536,3 +536,93 @@ class ExportWeightsResponse(BaseModel):
     path: str
     checksum: str
     weight_version: str
+
+
+# --- weights pushed from the trainer's memory (no disk) ----------------------------------------
+
+# The miles engine reads tensors from a shared-memory segment whose table travels as JSON; it
+# refuses SGLang's pickled tensors, because unpickling a request runs whatever code it names.
+SHM_LOAD_FORMAT = "miles_shm"
+# The flat buckets of a torch.distributed push: one broadcast per bucket.
+FLAT_LOAD_FORMAT = "flattened_bucket"
+_BASE_REQUEST_FIELDS = frozenset({"rid", "http_worker_ipc"})  # SGLang's IPC bookkeeping
+
+
+class _PushFields(SGLangFields):
+    """What every push of tensors carries besides them (SGLang's fields, and ours)."""
+
+    ignored_fields: ClassVar[frozenset[str]] = _BASE_REQUEST_FIELDS | {"torch_empty_cache"}
+    unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {
+        "selector": Unsupported(default="all", reason="the engine has no draft model; leave it 'all'")
+    }
+    extension_fields: ClassVar[frozenset[str]] = frozenset({"expected_checksum"})
+
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: WeightVersion | None = None
+    # The last push of an update carries the model checksum the engine must hold after it (and a
+    # weight_version): the engine confirms it over its live weights before it serves them.
+    # Earlier pushes leave generation paused with the weights unverified.
+    expected_checksum: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+
+class UpdateWeightsFromTensorRequest(_PushFields):
+    """``POST /update_weights_from_tensor``: tensors of the trainer's, handed over in memory.
+
+    ``load_format="miles_shm"``: ``serialized_named_tensors`` holds one base64 document, the JSON
+    ``{"shm": NAME, "table": BucketTable}`` of a segment ``/dev/shm/NAME`` (``NAME`` starts with
+    ``miles-``) on the engine's node; every tensor is checked against its digest before use."""
+
+    serialized_named_tensors: Annotated[list[str], Field(min_length=1, max_length=64)]
+    load_format: str | None = None
+
+
+class InitWeightsUpdateGroupRequest(SGLangFields):
+    """``POST /init_weights_update_group``: join a torch.distributed group whose rank 0 sends."""
+
+    ignored_fields: ClassVar[frozenset[str]] = _BASE_REQUEST_FIELDS
+    extension_fields: ClassVar[frozenset[str]] = frozenset({"timeout_s"})
+
+    master_address: Annotated[str, Field(min_length=1, max_length=255)]
+    master_port: Annotated[int, Field(ge=1, le=65535)]
+    rank_offset: Annotated[int, Field(ge=1, le=4096)]
+    world_size: Annotated[int, Field(ge=2, le=4097)]
+    group_name: Annotated[str, Field(min_length=1, max_length=128)] = "weight_update_group"
+    backend: str = "nccl"
+    # How long every member may take to join; past it both sides fail, naming who is missing.
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+
+
+class UpdateWeightsFromDistributedRequest(_PushFields):
+    """``POST /update_weights_from_distributed``: receive one bucket by broadcast from rank 0.
+
+    ``load_format="flattened_bucket"``: the tensors arrive as one flat broadcast, back to back in
+    the order given; ``digests`` (miles extension) lets the engine check each before use."""
+
+    extension_fields: ClassVar[frozenset[str]] = frozenset({"expected_checksum", "timeout_s", "digests"})
+
+    names: Annotated[list[str], Field(min_length=1, max_length=100_000)]
+    dtypes: list[str]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    group_name: Annotated[str, Field(min_length=1, max_length=128)] = "weight_update_group"
+    load_format: str | None = None
+    digests: list[Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]+$")]] | None = None
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 600.0
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> UpdateWeightsFromDistributedRequest:
+        lengths = {len(self.names), len(self.dtypes), len(self.shapes), len(self.digests or self.names)}
+        if len(lengths) != 1:
+            raise ValueError("names, dtypes, shapes (and digests) must have one entry per tensor")
+        return self
+
+
+class DestroyWeightsUpdateGroupRequest(SGLangFields):
+    ignored_fields: ClassVar[frozenset[str]] = _BASE_REQUEST_FIELDS
+
+    group_name: Annotated[str, Field(min_length=1, max_length=128)] = "weight_update_group"
+
+
+class GroupResponse(BaseModel):
+    success: bool
+    message: str

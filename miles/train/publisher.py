@@ -42,7 +42,9 @@ class PublishResult(BaseModel):
     step: Annotated[int, Field(ge=0)]
     weight_version: str
     checksum: str
-    checkpoint_dir: Path
+    # Where the weights went through: a checkpoint on disk, or pushed from memory (None then).
+    checkpoint_dir: Path | None
+    path: str = "disk"
     save_s: float
     ready_wait_s: float
     apply_s: float

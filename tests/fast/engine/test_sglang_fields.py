@@ -20,10 +20,19 @@ from pydantic import BaseModel, ValidationError
 
 from miles.protocol.compat import SGLANG_VERSION, SGLangFields
 from miles.protocol.openai import ChatCompletionRequest, CompletionRequest
-from miles.protocol.sglang import GenerateRequest, SamplingParams
+from miles.protocol.sglang import (
+    DestroyWeightsUpdateGroupRequest,
+    GenerateRequest,
+    InitWeightsUpdateGroupRequest,
+    SamplingParams,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 REF = Path(os.environ.get("MILES_SGLANG_REF") or REPO / ".sglang-ref")
+
+IO_STRUCT = "sglang/srt/managers/io_struct.py"
 
 # (our model, SGLang source file, SGLang class, a minimal valid request of ours)
 MODELS: list[tuple[type[SGLangFields], str, str, dict[str, Any]]] = [
@@ -36,6 +45,25 @@ MODELS: list[tuple[type[SGLangFields], str, str, dict[str, Any]]] = [
         "ChatCompletionRequest",
         {"messages": [{"role": "user", "content": "hi"}]},
     ),
+    (
+        UpdateWeightsFromTensorRequest,
+        IO_STRUCT,
+        "UpdateWeightsFromTensorReqInput",
+        {"serialized_named_tensors": ["e30="], "load_format": "miles_shm"},
+    ),
+    (
+        InitWeightsUpdateGroupRequest,
+        IO_STRUCT,
+        "InitWeightsUpdateGroupReqInput",
+        {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2},
+    ),
+    (
+        UpdateWeightsFromDistributedRequest,
+        IO_STRUCT,
+        "UpdateWeightsFromDistributedReqInput",
+        {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2]]},
+    ),
+    (DestroyWeightsUpdateGroupRequest, IO_STRUCT, "DestroyWeightsUpdateGroupReqInput", {}),
 ]
 
 

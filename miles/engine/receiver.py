@@ -1,0 +1,244 @@
+"""Weights pushed from a trainer's memory: shared-memory buckets and torch.distributed broadcasts.
+
+Both produce one bucket of named tensors, each checked against the digest it was sent with, which
+``LiveWeights.apply_pushed`` copies into the model; nothing here touches the live weights.
+
+- Shared memory (``/update_weights_from_tensor``, ``load_format="miles_shm"``): the trainer writes
+  a bucket into ``/dev/shm/miles-...`` and sends its table; the engine maps the segment
+  (copy-on-write, so it can never change the trainer's bytes) and reads the tensors from it.
+- torch.distributed (``/init_weights_update_group``, ``/update_weights_from_distributed``,
+  ``/destroy_weights_update_group``): the engine joins a group of its own (a ``TCPStore`` at the
+  trainer's address and a process group made from it, never the process's default group) as rank
+  ``rank_offset``; each update is one flat broadcast per bucket from rank 0. Joining is bounded by
+  ``timeout_s``, and a group that does not form names the ranks that never joined.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import mmap
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import ValidationError
+
+from miles.errors import ConflictError, InvalidRequestError, NotFoundError
+from miles.protocol.sglang import (
+    FLAT_LOAD_FORMAT,
+    SHM_LOAD_FORMAT,
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+)
+from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, unpack
+
+logger = logging.getLogger("miles.engine")
+
+SHM_DIR = Path("/dev/shm")
+_SHM_NAME = re.compile(r"^miles-[A-Za-z0-9_.-]{1,200}$")
+
+
+def broadcast_options(timeout_s: float) -> dist.BroadcastOptions:
+    """A broadcast from rank 0 that gives up after ``timeout_s``."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.timeout = timedelta(seconds=timeout_s)
+    return options
+
+
+def joined_key(rank: int) -> str:
+    """The key each member of a weight-update group sets in its store once it is there."""
+    return f"joined/{rank}"
+
+
+class ShmBucket:
+    """One bucket's tensors read from a shared-memory segment (``close`` when they are copied)."""
+
+    def __init__(self, request: UpdateWeightsFromTensorRequest, check: Callable[[BucketTable], None]) -> None:
+        if request.load_format != SHM_LOAD_FORMAT:
+            raise InvalidRequestError(
+                f"load_format {request.load_format!r} is not accepted: SGLang's pickled tensors would run "
+                f"whatever code the request names when unpickled; send load_format={SHM_LOAD_FORMAT!r} "
+                "(miles.transfer pushes that way)"
+            )
+        if len(request.serialized_named_tensors) != 1:
+            raise InvalidRequestError("serialized_named_tensors must hold one document (the engine has one rank)")
+        try:
+            document = json.loads(base64.b64decode(request.serialized_named_tensors[0], validate=True))
+            name = document["shm"]
+            table = BucketTable.model_validate(document["table"])
+        except (binascii.Error, ValueError, KeyError, TypeError, ValidationError) as exc:
+            raise InvalidRequestError(
+                f'serialized_named_tensors[0] must be base64 of {{"shm": NAME, "table": {{...}}}}: {exc}'
+            ) from None
+        if not isinstance(name, str) or not _SHM_NAME.match(name):
+            raise InvalidRequestError(
+                f"shared-memory segment names start with 'miles-' (letters, digits, ._-): {name!r}"
+            )
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"no shared-memory segment {name!r} on this node: the sender must run on the engine's node"
+            ) from None
+        except OSError as exc:
+            raise InvalidRequestError(f"shared-memory segment {name!r} cannot be opened: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < table.total_bytes or size == 0:
+                raise InvalidRequestError(
+                    f"segment {name!r} holds {size} bytes, fewer than the {table.total_bytes} its table describes"
+                )
+            # Copy-on-write: the engine reads the trainer's bytes and can never change them.
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        flat = torch.frombuffer(self._map, dtype=torch.uint8)
+        try:
+            check(table)
+            self.tensors = unpack(table, flat)
+        except BaseException:
+            del flat
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.tensors = {}
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still referenced somewhere; the map goes with it
+
+
+@dataclass
+class _Group:
+    name: str
+    rank: int
+    world_size: int
+    store: dist.Store
+    group: Any  # ProcessGroupGloo or ProcessGroupNCCL
+
+
+class WeightGroups:
+    """The torch.distributed groups this engine joined to receive weights, by name."""
+
+    def __init__(self, *, device: torch.device) -> None:
+        self._device = device
+        self._groups: dict[str, _Group] = {}
+        self._lock = threading.Lock()
+
+    def join(self, request: InitWeightsUpdateGroupRequest) -> str:
+        """Join the group (blocking: call off the loop); returns a message. Raises ConflictError
+        naming the ranks that did not join within ``timeout_s``."""
+        backend = request.backend.lower()
+        if backend == "nccl" and self._device.type != "cuda":
+            raise InvalidRequestError(
+                f"backend 'nccl' needs CUDA; this engine runs on {self._device}: use backend 'gloo'"
+            )
+        if backend not in ("gloo", "nccl"):
+            raise InvalidRequestError(f"backend {request.backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPU)")
+        with self._lock:
+            if request.group_name in self._groups:
+                raise ConflictError(
+                    f"this engine is already in group {request.group_name!r}; destroy it first "
+                    "(/destroy_weights_update_group)"
+                )
+        timeout = timedelta(seconds=request.timeout_s)
+        rank, world = request.rank_offset, request.world_size
+        if rank >= world:
+            raise InvalidRequestError(f"rank_offset {rank} is outside a group of world_size {world}")
+        try:
+            store = dist.TCPStore(request.master_address, request.master_port, world, False, timeout=timeout)
+        except (RuntimeError, dist.DistError) as exc:
+            raise ConflictError(
+                f"group {request.group_name!r} did not form: its rank 0 at {request.master_address}:"
+                f"{request.master_port} could not be reached within {request.timeout_s:g}s ({exc})"
+            ) from None
+        prefixed = dist.PrefixStore(request.group_name, store)
+        prefixed.set(joined_key(rank), "1")
+        try:
+            group: Any
+            if backend == "gloo":
+                group = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+            else:  # CUDA machines only
+                group = dist.ProcessGroupNCCL(prefixed, rank, world, dist.ProcessGroupNCCL.Options())
+        except (RuntimeError, dist.DistError) as exc:
+            missing = [r for r in range(world) if not prefixed.check([joined_key(r)])]
+            raise ConflictError(
+                f"group {request.group_name!r} did not form within {request.timeout_s:g}s: "
+                + (f"ranks {missing} never joined" if missing else f"every rank joined but the group failed: {exc}")
+            ) from None
+        with self._lock:
+            self._groups[request.group_name] = _Group(request.group_name, rank, world, store, group)
+        logger.info("joined weight-update group %s as rank %d of %d", request.group_name, rank, world)
+        return f"joined group {request.group_name!r} as rank {rank} of {world}"
+
+    def receive(
+        self, request: UpdateWeightsFromDistributedRequest, check: Callable[[BucketTable], None]
+    ) -> dict[str, torch.Tensor]:
+        """One bucket by broadcast from rank 0 (blocking: call off the loop), checked against the
+        digests when given. Raises NotFoundError for an unknown group, ConflictError when the
+        broadcast does not finish within ``timeout_s`` (the sender died or never sent)."""
+        if request.load_format not in (None, FLAT_LOAD_FORMAT):
+            raise InvalidRequestError(
+                f"load_format {request.load_format!r} is not supported; send {FLAT_LOAD_FORMAT!r} "
+                "(every tensor of the bucket in one broadcast)"
+            )
+        with self._lock:
+            member = self._groups.get(request.group_name)
+        if member is None:
+            raise NotFoundError(
+                f"this engine is in no group {request.group_name!r}; join it first (/init_weights_update_group)"
+            )
+        table = table_of(request)
+        check(table)  # names, dtypes and shapes the model has, before a byte is allocated
+        flat = torch.empty(table.total_bytes, dtype=torch.uint8, device=self._device)
+        work = member.group.broadcast([flat], broadcast_options(request.timeout_s))
+        try:
+            work.wait(timedelta(seconds=request.timeout_s))
+        except (RuntimeError, dist.DistError) as exc:
+            raise ConflictError(
+                f"the broadcast of group {request.group_name!r} did not complete within {request.timeout_s:g}s "
+                f"(the sender stopped or never sent): {exc}; destroy the group and push again"
+            ) from None
+        return unpack(table, flat.cpu() if flat.device.type != "cpu" else flat)
+
+    def destroy(self, name: str) -> str:
+        with self._lock:
+            member = self._groups.pop(name, None)
+        if member is None:
+            raise NotFoundError(f"this engine is in no group {name!r}")
+        del member
+        return f"left group {name!r}"
+
+
+def table_of(request: UpdateWeightsFromDistributedRequest) -> BucketTable:
+    entries, offset = [], 0
+    for i, (name, raw_dtype, shape) in enumerate(zip(request.names, request.dtypes, request.shapes, strict=True)):
+        dtype = raw_dtype.removeprefix("torch.")
+        if dtype not in TORCH_DTYPES:
+            raise InvalidRequestError(
+                f"tensor {name!r} has unknown dtype {raw_dtype!r}; known: {', '.join(TORCH_DTYPES)}"
+            )
+        itemsize = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+        nbytes = itemsize
+        for n in shape:
+            nbytes *= n
+        digest = request.digests[i] if request.digests else None
+        entries.append(
+            BucketEntry(name=name, dtype=dtype, shape=tuple(shape), offset=offset, nbytes=nbytes, digest=digest)
+        )
+        offset += nbytes
+    return BucketTable(entries=tuple(entries))

@@ -1,0 +1,441 @@
+"""Pushing weights from the trainer's memory, no disk: ``PushPublisher``, a ``Publisher``.
+
+``publish`` runs the training side of a window (DESIGN.md, "training-driven updates"): open the
+update window on the controller, stream the model's tensors to every engine of the window in
+buckets (a constant number of calls per update, whatever the number of tensors), computing each
+tensor's digest while it is packed and the model checksum from those digests, publish that
+checksum (``InferenceEngineWeightChecksumEvent``), and end the window, so the controller confirms
+every engine's checksum against the published one and admits, quarantines or rolls back exactly
+as for a checkpoint on disk. Anything that fails aborts the window: the servers go back to their
+verified weights.
+
+Paths (``TransferPath``):
+- ``shm``: every engine on this node: each bucket is written once into a shared-memory segment
+  that every engine reads (``/update_weights_from_tensor``);
+- ``distributed``: engines anywhere: a torch.distributed group with this process as rank 0 (gloo
+  on CPU), one flat broadcast per bucket (``/update_weights_from_distributed``);
+- ``auto``: ``shm`` when every engine's address is this machine's, else ``distributed``.
+
+The controller is given as an ``AsyncInferenceController`` (or anything with its window methods
+as coroutines), the blocking ``InferenceController``, a Ray actor handle of the named controller,
+or the URL of its HTTP API (with ``MILES_ADMIN_TOKEN`` from the environment when set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import inspect
+import ipaddress
+import json
+import logging
+import mmap
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from miles.errors import PublishError
+from miles.train.publisher import PublishResult
+from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
+from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable, layout, pack, plan
+from miles.weights.checksum import TensorDigest, checksum_from_digests, saved_state_dict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger("miles.train")
+
+SHM_DIR = Path("/dev/shm")
+GROUP_NAME = "miles_weight_push"
+
+
+class TransferPath(StrEnum):
+    AUTO = "auto"
+    SHM = "shm"
+    DISTRIBUTED = "distributed"
+
+
+@dataclass(frozen=True)
+class Window:
+    """An open update window, whatever the controller was reached through."""
+
+    token: int
+    model_name: str
+    credential: str | None
+    servers: tuple[tuple[str, str], ...]  # (server id, engine URL)
+
+
+@dataclass(frozen=True)
+class Ended:
+    status: str
+    message: str
+
+
+class WindowClient:
+    """The controller's window API, reached in-process, through a Ray handle or over HTTP."""
+
+    def __init__(self, controller: Any) -> None:
+        self._controller = controller
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        bound = getattr(self._controller, method)
+        remote = getattr(bound, "remote", None)
+        if remote is not None:  # a Ray actor handle: its ObjectRef is awaitable
+            return await remote(*args, **kwargs)
+        if inspect.iscoroutinefunction(bound):
+            return await bound(*args, **kwargs)
+        return await asyncio.to_thread(bound, *args, **kwargs)
+
+    async def _http(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        token = os.environ.get("MILES_ADMIN_TOKEN", "").strip()
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        async with httpx.AsyncClient(trust_env=False, timeout=None, headers=headers) as http:
+            answer = await http.post(f"{str(self._controller).rstrip('/')}{path}", json=body)
+        payload: dict[str, Any] = answer.json()
+        if answer.status_code >= 400 and "status" not in payload:
+            raise PublishError(f"the controller refused {path}: {payload.get('detail', payload)}")
+        return payload
+
+    async def open(self, *, model_name: str | None, ttl_s: float) -> Window:
+        if isinstance(self._controller, str):
+            raw = await self._http("/update_weights/start", {"model_name": model_name, "ttl_s": ttl_s})
+        else:
+            window = await self._call("start_update_weights", model_name, ttl_s=ttl_s)
+            raw = window.model_dump(mode="json")
+        return Window(
+            token=int(raw["token"]),
+            model_name=raw["model_name"],
+            credential=raw.get("credential"),
+            servers=tuple((s["server_id"], s["url"]) for s in raw["servers"]),
+        )
+
+    async def publish(self, event: InferenceEngineWeightChecksumEvent) -> None:
+        if isinstance(self._controller, str):
+            await self._http("/events", event.model_dump(mode="json"))
+        elif hasattr(getattr(self._controller, "log_event", None), "remote"):
+            await self._call("log_event", event)
+        else:
+            logger_ = getattr(self._controller, "event_logger", None)
+            if logger_ is None:
+                raise PublishError("the controller given has no event log to publish the checksum to")
+            logger_.log(InferenceEngineWeightChecksumEvent, event, print_log=False)
+
+    async def end(self, window: Window, *, checksum: str, step: int, weight_version: str) -> Ended:
+        if isinstance(self._controller, str):
+            body = {"token": window.token, "checksum": checksum, "step": step, "weight_version": weight_version}
+            raw = await self._http("/update_weights/end", body)
+            return Ended(status=raw["status"], message=raw.get("message", ""))
+        result = await self._call(
+            "end_update_weights", window.token, checksum=checksum, step=step, weight_version=weight_version
+        )
+        return Ended(status=str(result.status), message=result.message)
+
+    async def abort(self, window: Window, *, reason: str) -> None:
+        try:
+            if isinstance(self._controller, str):
+                await self._http("/update_weights/abort", {"token": window.token, "reason": reason})
+            else:
+                await self._call("abort_update_weights", window.token, reason=reason)
+        except Exception as exc:  # noqa: BLE001  # best effort: the window also ends when its lease runs out
+            logger.warning("could not abort window %d: %s", window.token, exc)
+
+
+def on_this_machine(url: str) -> bool:
+    """Whether the engine at ``url`` runs on this machine (its shared memory is ours)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        return False
+    try:
+        ours = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return False
+    return host in ours
+
+
+@dataclass
+class PushStats:
+    path: str
+    buckets: int = 0
+    calls: int = 0
+    bytes: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class PushPublisher:
+    """Publishes the trainer's weights by pushing them into the servers' memory (module docstring)."""
+
+    def __init__(
+        self,
+        controller: Any,
+        *,
+        model_name: str | None = None,
+        path: TransferPath = TransferPath.AUTO,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        master_address: str = "127.0.0.1",
+        ttl_s: float = 120.0,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.client = WindowClient(controller)
+        self.model_name = model_name
+        self.path = TransferPath(path)
+        self.bucket_bytes = bucket_bytes
+        self.master_address = master_address
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self.last: PushStats | None = None
+
+    async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
+        """Return once the servers serve ``model``'s weights as version ``step``, verified.
+
+        Raises PublishError when the push or the commit failed; the servers then serve their
+        previous verified weights.
+        """
+        return await self.push(saved_state_dict(model), step=step)
+
+    async def push(self, named: Mapping[str, torch.Tensor], *, step: int) -> PublishResult:
+        """``publish`` for named tensors (the model's, by the names its checkpoints use)."""
+        started = time.perf_counter()
+        version = str(step)
+        window = await self.client.open(model_name=self.model_name, ttl_s=self.ttl_s)
+        opened = time.perf_counter()
+        try:
+            path = self._choose(window)
+            stats = PushStats(path=path.value)
+            pushing = _ShmPush(self, window) if path is TransferPath.SHM else _DistributedPush(self, window)
+            checksum = await pushing.run(named, version=version, stats=stats)
+            pushed = time.perf_counter()
+            await self.client.publish(
+                InferenceEngineWeightChecksumEvent(
+                    model_name=window.model_name, checksum=checksum, step=step, weight_version=version
+                )
+            )
+            ended = await self.client.end(window, checksum=checksum, step=step, weight_version=version)
+        except BaseException as exc:
+            await self.client.abort(window, reason=f"the push failed: {exc}")
+            if isinstance(exc, PublishError | asyncio.CancelledError):
+                raise
+            raise PublishError(f"pushing step {step} failed: {exc}") from exc
+        if ended.status != "committed":
+            raise PublishError(f"the controller did not commit step {step}: {ended.status}: {ended.message}")
+        stats.timings |= {"open": opened - started, "push": pushed - opened, "commit": time.perf_counter() - pushed}
+        self.last = stats
+        total = time.perf_counter() - started
+        return PublishResult(
+            step=step,
+            weight_version=version,
+            checksum=checksum,
+            checkpoint_dir=None,
+            save_s=0.0,
+            ready_wait_s=0.0,
+            apply_s=total,
+            latency_s=total,
+            path=path.value,
+        )
+
+    def _choose(self, window: Window) -> TransferPath:
+        if self.path is not TransferPath.AUTO:
+            return self.path
+        local = SHM_DIR.is_dir() and all(on_this_machine(url) for _, url in window.servers)
+        return TransferPath.SHM if local else TransferPath.DISTRIBUTED
+
+    def headers(self, window: Window) -> dict[str, str]:
+        return {"authorization": f"Bearer {window.credential}"} if window.credential else {}
+
+
+async def _post_all(
+    http: httpx.AsyncClient, window: Window, path: str, body: Callable[[int], dict[str, Any]], stats: PushStats
+) -> None:
+    """POST to every engine of the window at once; PublishError naming each that refused."""
+
+    async def one(index: int, server_id: str, url: str) -> str | None:
+        answer = await http.post(f"{url}{path}", json=body(index))
+        stats.calls += 1
+        if answer.status_code >= 400 or not answer.json().get("success", True):
+            return f"{server_id}: {answer.text[:500]}"
+        return None
+
+    failures = [f for f in await asyncio.gather(*(one(i, s, u) for i, (s, u) in enumerate(window.servers))) if f]
+    if failures:
+        raise PublishError(f"{path} was refused: " + "; ".join(failures))
+
+
+class _Segment:
+    """A shared-memory segment of this process's (``/dev/shm/miles-...``), removed by ``close``."""
+
+    def __init__(self, size: int) -> None:
+        self.name = f"miles-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path = SHM_DIR / self.name
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(size, 1))
+            self._map = mmap.mmap(fd, max(size, 1))
+        except BaseException:
+            self.path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        self.flat = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def close(self) -> None:
+        del self.flat
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still referenced; the mapping goes with it
+        self.path.unlink(missing_ok=True)
+
+
+class _ShmPush:
+    """Each bucket written once into one shared-memory segment that every engine reads."""
+
+    def __init__(self, publisher: PushPublisher, window: Window) -> None:
+        self.publisher, self.window = publisher, window
+
+    async def run(self, named: Mapping[str, torch.Tensor], *, version: str, stats: PushStats) -> str:
+        buckets = plan(named, bucket_bytes=self.publisher.bucket_bytes)
+        tables = [layout(named, names) for names in buckets]
+        size = max(t.total_bytes for t in tables)
+        segment = await asyncio.to_thread(_Segment, size)
+        digests: list[TensorDigest] = []
+        try:
+            async with httpx.AsyncClient(
+                trust_env=False, timeout=self.publisher.timeout_s, headers=self.publisher.headers(self.window)
+            ) as http:
+                for index, table in enumerate(tables):
+                    packed: BucketTable = await asyncio.to_thread(pack, named, table, segment.flat)
+                    digests += [e.tensor_digest() for e in packed.entries]
+                    last = index == len(tables) - 1
+                    checksum = checksum_from_digests(digests, num_bytes=0).checksum if last else None
+                    document = base64.b64encode(
+                        json.dumps({"shm": segment.name, "table": packed.model_dump(mode="json")}).encode()
+                    ).decode()
+                    body = {
+                        "serialized_named_tensors": [document],
+                        "load_format": "miles_shm",
+                        "weight_version": version if last else None,
+                        "expected_checksum": checksum,
+                    }
+                    await _post_all(http, self.window, "/update_weights_from_tensor", _same(body), stats)
+                    stats.buckets += 1
+                    stats.bytes += table.total_bytes
+        finally:
+            await asyncio.to_thread(segment.close)
+        assert checksum is not None
+        return checksum
+
+
+class _DistributedPush:
+    """A torch.distributed group with this process as rank 0; one broadcast per bucket."""
+
+    def __init__(self, publisher: PushPublisher, window: Window) -> None:
+        self.publisher, self.window = publisher, window
+
+    async def run(self, named: Mapping[str, torch.Tensor], *, version: str, stats: PushStats) -> str:
+        publisher, window = self.publisher, self.window
+        world = len(window.servers) + 1
+        port = _free_port(publisher.master_address)
+        timeout = timedelta(seconds=publisher.timeout_s)
+        store = dist.TCPStore(publisher.master_address, port, world, True, timeout=timeout, wait_for_workers=False)
+        prefixed = dist.PrefixStore(GROUP_NAME, store)
+        prefixed.set("joined/0", "1")
+        digests: list[TensorDigest] = []
+        async with httpx.AsyncClient(
+            trust_env=False, timeout=publisher.timeout_s * 2 + 30, headers=publisher.headers(window)
+        ) as http:
+            join_body = {
+                "master_address": publisher.master_address,
+                "master_port": port,
+                "world_size": world,
+                "group_name": GROUP_NAME,
+                "backend": "gloo",
+                "timeout_s": publisher.timeout_s,
+            }
+            joining = asyncio.create_task(
+                _post_all(
+                    http, window, "/init_weights_update_group", lambda i: {**join_body, "rank_offset": i + 1}, stats
+                )
+            )
+            try:
+                group = await asyncio.to_thread(dist.ProcessGroupGloo, prefixed, 0, world, timeout)
+            except (RuntimeError, dist.DistError):
+                missing = [window.servers[r - 1][0] for r in range(1, world) if not prefixed.check([f"joined/{r}"])]
+                await asyncio.gather(joining, return_exceptions=True)
+                raise PublishError(
+                    f"the weight-update group did not form within {publisher.timeout_s:g}s: "
+                    f"{', '.join(missing) or 'no engine'} never joined"
+                ) from None
+            await joining
+            try:
+                buckets = plan(named, bucket_bytes=publisher.bucket_bytes)
+                for index, names in enumerate(buckets):
+                    table = layout(named, names)
+                    flat = torch.empty(max(table.total_bytes, 1), dtype=torch.uint8)
+                    packed = await asyncio.to_thread(pack, named, table, flat)
+                    digests += [e.tensor_digest() for e in packed.entries]
+                    last = index == len(buckets) - 1
+                    checksum = checksum_from_digests(digests, num_bytes=0).checksum if last else None
+                    body = {
+                        "names": [e.name for e in packed.entries],
+                        "dtypes": [e.dtype for e in packed.entries],
+                        "shapes": [list(e.shape) for e in packed.entries],
+                        "digests": [e.digest for e in packed.entries],
+                        "group_name": GROUP_NAME,
+                        "load_format": "flattened_bucket",
+                        "weight_version": version if last else None,
+                        "expected_checksum": checksum,
+                        "timeout_s": publisher.timeout_s,
+                    }
+                    receiving = asyncio.create_task(
+                        _post_all(http, window, "/update_weights_from_distributed", _same(body), stats)
+                    )
+                    try:
+                        await asyncio.to_thread(_broadcast, group, flat[: table.total_bytes], timeout)
+                    finally:
+                        # The engines' answers say why, when the broadcast failed.
+                        await receiving
+                    stats.buckets += 1
+                    stats.bytes += table.total_bytes
+            finally:
+                await asyncio.gather(
+                    _post_all(
+                        http, window, "/destroy_weights_update_group", lambda _: {"group_name": GROUP_NAME}, stats
+                    ),
+                    return_exceptions=True,
+                )
+        assert checksum is not None
+        return checksum
+
+
+def _same(body: dict[str, Any]) -> Callable[[int], dict[str, Any]]:
+    """The same body for every engine."""
+    return lambda _: body
+
+
+def _broadcast(group: Any, flat: torch.Tensor, timeout: timedelta) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.timeout = timeout
+    group.broadcast([flat], options).wait(timeout)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

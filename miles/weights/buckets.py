@@ -1,0 +1,153 @@
+"""Buckets: many named tensors moved as one flat run of bytes, so that an update takes a number of
+calls that does not grow with the number of tensors.
+
+A bucket's ``BucketTable`` says where each tensor lies in the flat bytes (name, dtype, shape,
+offset, size) and carries its digest (xxh3-128 of its bytes: the digest the model checksum
+combines), so a receiver checks every tensor before it touches its own weights. Packing computes
+the digests while it copies (the slice just written is still in cache). The same table travels
+with a shared-memory segment (``/update_weights_from_tensor``) and, as SGLang's ``names``,
+``dtypes`` and ``shapes`` plus our ``digests``, with a torch.distributed broadcast.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Annotated
+
+import torch
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles.errors import InvalidRequestError
+from miles.weights.checksum import TensorDigest, digest_buffer
+from miles.weights.safetensors_io import SAFETENSORS_DTYPES, dtype_name
+
+# Default bucket size: large enough that per-call costs vanish, small enough to stage twice.
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+_SLICE = 4 * 1024 * 1024
+# Every dtype a checkpoint can hold, by torch's name.
+TORCH_DTYPES = {dtype_name(dtype): dtype for dtype in SAFETENSORS_DTYPES.values()}
+
+
+class BucketEntry(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=1024)]
+    dtype: str  # torch's name, as SGLang sends it: "bfloat16", "float32", ...
+    shape: tuple[Annotated[int, Field(ge=0)], ...]
+    offset: Annotated[int, Field(ge=0)]
+    nbytes: Annotated[int, Field(ge=0)]
+    digest: Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]+$")] | None = None
+
+    def torch_dtype(self) -> torch.dtype:
+        try:
+            return TORCH_DTYPES[self.dtype.removeprefix("torch.")]
+        except KeyError:
+            raise InvalidRequestError(
+                f"tensor {self.name!r} has dtype {self.dtype!r}; known: {', '.join(TORCH_DTYPES)}"
+            ) from None
+
+    def tensor_digest(self) -> TensorDigest:
+        assert self.digest is not None
+        return TensorDigest(name=self.name, dtype=self.dtype, shape=self.shape, digest=self.digest)
+
+
+class BucketTable(BaseModel):
+    """Where each tensor of one bucket lies in its flat bytes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    entries: tuple[BucketEntry, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return max((e.offset + e.nbytes for e in self.entries), default=0)
+
+
+def plan(named: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[str]]:
+    """The tensor names of each bucket, in order; a tensor bigger than a bucket gets its own."""
+    buckets: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in named.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+def layout(named: Mapping[str, torch.Tensor], names: Iterable[str]) -> BucketTable:
+    """The table of ``names`` packed back to back (digests not yet known)."""
+    entries, offset = [], 0
+    for name in names:
+        tensor = named[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        entries.append(
+            BucketEntry(
+                name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape), offset=offset, nbytes=nbytes
+            )
+        )
+        offset += nbytes
+    return BucketTable(entries=tuple(entries))
+
+
+@torch.no_grad()
+def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tensor) -> BucketTable:
+    """Copy each tensor of ``table`` into the flat uint8 tensor ``into`` at its offset, digesting
+    the bytes as they are written; returns the table with the digests."""
+    flat = into.reshape(-1).view(torch.uint8)
+    view = memoryview(flat.numpy())  # type: ignore[arg-type]  # an ndarray has the buffer protocol
+    done = []
+    for entry in table.entries:
+        source = named[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
+        if source.device.type != "cpu":
+            source = source.cpu()
+        hasher = xxhash.xxh3_128()
+        for start in range(0, entry.nbytes, _SLICE):
+            end = min(start + _SLICE, entry.nbytes)
+            flat[entry.offset + start : entry.offset + end].copy_(source[start:end])
+            hasher.update(view[entry.offset + start : entry.offset + end])
+        done.append(entry.model_copy(update={"digest": hasher.hexdigest()}))
+    return BucketTable(entries=tuple(done))
+
+
+def unpack(table: BucketTable, flat: torch.Tensor, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Views of each tensor of ``table`` in the flat uint8 tensor ``flat``, each checked against
+    its digest when it has one.
+
+    Raises InvalidRequestError naming the first tensor that lies outside the bytes, whose size
+    does not match its dtype and shape, or whose bytes do not match its digest.
+    """
+    flat = flat.reshape(-1).view(torch.uint8)
+    view = memoryview(flat.numpy()) if verify else None  # type: ignore[arg-type]
+    out: dict[str, torch.Tensor] = {}
+    for entry in table.entries:
+        dtype = entry.torch_dtype()
+        expected = math.prod(entry.shape) * torch.empty((), dtype=dtype).element_size()
+        if entry.nbytes != expected:
+            raise InvalidRequestError(
+                f"tensor {entry.name!r} says {entry.nbytes} bytes, but "
+                f"{entry.dtype}{list(entry.shape)} takes {expected}"
+            )
+        if entry.offset + entry.nbytes > flat.numel():
+            raise InvalidRequestError(
+                f"tensor {entry.name!r} ends at byte {entry.offset + entry.nbytes}, past the bucket's "
+                f"{flat.numel()} bytes"
+            )
+        if entry.name in out:
+            raise InvalidRequestError(f"tensor {entry.name!r} appears twice in one bucket")
+        raw = flat[entry.offset : entry.offset + entry.nbytes]
+        if view is not None and entry.digest is not None:
+            actual = digest_buffer(view[entry.offset : entry.offset + entry.nbytes])
+            if actual != entry.digest:
+                raise InvalidRequestError(
+                    f"tensor {entry.name!r} arrived with digest {actual}, not the {entry.digest} it was sent "
+                    "with: the bytes were corrupted on the way; push the update again"
+                )
+        out[entry.name] = (
+            raw.view(dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=dtype)
+        )
+    return out
