@@ -50,6 +50,15 @@ class CheckpointTransfer(StrEnum):
     SHIP = "ship"  # always ship through the object store (nodes share no filesystem)
 
 
+class TransferPath(StrEnum):
+    """How a trainer's weights reach the servers."""
+
+    AUTO = "auto"  # shm when every engine is on this machine, else distributed
+    SHM = "shm"
+    DISTRIBUTED = "distributed"
+    DISK = "disk"  # a checkpoint per step (DiskPublisher)
+
+
 class RoutingPolicy(StrEnum):
     LEAST_OUTSTANDING = "least_outstanding"
     ROUND_ROBIN = "round_robin"

@@ -12,7 +12,7 @@ import typer
 import uvloop
 from rich.console import Console
 
-from miles.config import UpdatePauseMode, UpdateStrategy
+from miles.config import TransferPath, UpdatePauseMode, UpdateStrategy
 
 
 @contextmanager
@@ -43,6 +43,13 @@ def demo(
     seed: Annotated[int, typer.Option(help="Seeds the model, the task and the users.")] = 0,
     runs_dir: Annotated[Path, typer.Option(help="Where run directories go (and runs/latest).")] = Path("runs"),
     live: Annotated[bool, typer.Option(help="Live terminal view (off: a line every 25 steps).")] = True,
+    transfer: Annotated[
+        TransferPath,
+        typer.Option(
+            help="How weights reach the servers: auto (pushed from memory: shared memory on one machine, "
+            "torch.distributed across machines), shm, distributed, or disk (a checkpoint per step)."
+        ),
+    ] = TransferPath.AUTO,
     ray: Annotated[
         bool, typer.Option("--ray", help="Run the servers on a local Ray cluster of two nodes (one engine per GPU).")
     ] = False,
@@ -68,6 +75,7 @@ def demo(
         runs_dir=runs_dir,
         live=live and sys.stdout.isatty(),
         ray=ray,
+        transfer=transfer,
     )
     if ray:
         with _local_ray_cluster(servers, console):

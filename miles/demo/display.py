@@ -110,6 +110,7 @@ class LiveDisplay:
                 "update latency p50 / p95",
                 f"{summary.update_latency_p50_s * 1e3:.1f} / {summary.update_latency_p95_s * 1e3:.1f} ms",
             ),
+            (f"publish over {summary.transfer_path} p50", f"{summary.publish_latency_p50_s * 1e3:.1f} ms"),
             ("user requests served / failed", f"{summary.requests_served} / {summary.requests_failed}"),
             (
                 "request latency p50 / p95",

@@ -22,7 +22,7 @@ import transformers
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
-from miles.config import UpdatePauseMode, UpdateStrategy
+from miles.config import TransferPath, UpdatePauseMode, UpdateStrategy
 from miles.controller.core import AsyncInferenceController
 from miles.demo.display import LiveDisplay
 from miles.demo.report import DemoSummary, UpdateRecord, summarize, write_report
@@ -30,7 +30,8 @@ from miles.demo.traffic import UserTraffic
 from miles.errors import MilesError
 from miles.http.runner import HttpServer
 from miles.train.config import TrainerConfig
-from miles.train.publisher import DiskPublisher
+from miles.train.publisher import DiskPublisher, Publisher
+from miles.train.push import PushPublisher
 from miles.train.sampling import HttpSampler
 from miles.train.trainer import Trainer, write_initial_checkpoint
 from miles.weights.checkpoint import Manifest
@@ -52,6 +53,9 @@ class DemoConfig(BaseModel):
     seed: int = 0
     runs_dir: Path = Path("runs")
     live: bool = True
+    # How the trainer's weights reach the servers: a checkpoint on disk, or pushed from memory
+    # (auto: shared memory when every engine is on this machine, else torch.distributed).
+    transfer: TransferPath = TransferPath.AUTO
     # The servers on the Ray cluster this process is connected to (``miles demo --ray`` starts a
     # local one of two nodes), not as child processes.
     ray: bool = False
@@ -144,13 +148,19 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
                 result = await controller.update_rollout_weights(checkpoint_dir)
                 result.raise_for_status()
 
-            publisher = DiskPublisher(
-                checkpoints,
-                model_name=trainer_config.model_name,
-                event_logger=controller.event_logger,
-                apply=apply,
-                ready=ready,
-            )
+            publisher: Publisher
+            if config.transfer is TransferPath.DISK:
+                publisher = DiskPublisher(
+                    checkpoints,
+                    model_name=trainer_config.model_name,
+                    event_logger=controller.event_logger,
+                    apply=apply,
+                    ready=ready,
+                )
+            else:
+                # Straight from the trainer's memory into the engines' (no checkpoint on disk),
+                # committed through a window: the same checksum gate as a checkpoint.
+                publisher = PushPublisher(controller, model_name=trainer_config.model_name, path=config.transfer)
             traffic = UserTraffic(
                 url, clients=config.users, think_s=config.user_think_s, t0=t0, seed=config.seed, headers=headers
             )

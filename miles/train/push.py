@@ -37,7 +37,6 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -46,11 +45,13 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from miles.config import TransferPath
 from miles.errors import PublishError
 from miles.train.publisher import PublishResult
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable, layout, pack, plan
-from miles.weights.checksum import TensorDigest, checksum_from_digests, saved_state_dict
+from miles.weights.checksum import TensorDigest, checksum_from_digests, digest_tensor, saved_state_dict
+from miles.weights.safetensors_io import dtype_name
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -59,12 +60,6 @@ logger = logging.getLogger("miles.train")
 
 SHM_DIR = Path("/dev/shm")
 GROUP_NAME = "miles_weight_push"
-
-
-class TransferPath(StrEnum):
-    AUTO = "auto"
-    SHM = "shm"
-    DISTRIBUTED = "distributed"
 
 
 @dataclass(frozen=True)
@@ -172,8 +167,12 @@ def on_this_machine(url: str) -> bool:
 @dataclass
 class PushStats:
     path: str
+    tensors: int = 0  # sent
+    skipped: int = 0  # unchanged since the last committed push (delta)
     buckets: int = 0
     calls: int = 0
+    # Each sent tensor's digest, computed while it was packed.
+    digests: dict[str, str] = field(default_factory=dict)
     bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -191,7 +190,10 @@ class PushPublisher:
         master_address: str = "127.0.0.1",
         ttl_s: float = 120.0,
         timeout_s: float = 60.0,
+        delta: bool = True,
     ) -> None:
+        if TransferPath(path) is TransferPath.DISK:
+            raise ValueError("PushPublisher pushes from memory; publish through disk with DiskPublisher")
         self.client = WindowClient(controller)
         self.model_name = model_name
         self.path = TransferPath(path)
@@ -199,7 +201,23 @@ class PushPublisher:
         self.master_address = master_address
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
+        self.delta = delta
+        # The digest of every tensor the servers were last committed on (delta pushes).
+        self._held: dict[str, str] | None = None
         self.last: PushStats | None = None
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """One connection pool for every push (a new client costs more than a small push)."""
+        if self._http is None:
+            self._http = httpx.AsyncClient(trust_env=False, timeout=self.timeout_s * 2 + 30)
+        return self._http
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
         """Return once the servers serve ``model``'s weights as version ``step``, verified.
@@ -210,16 +228,36 @@ class PushPublisher:
         return await self.push(saved_state_dict(model), step=step)
 
     async def push(self, named: Mapping[str, torch.Tensor], *, step: int) -> PublishResult:
-        """``publish`` for named tensors (the model's, by the names its checkpoints use)."""
+        """``publish`` for named tensors (the model's, by the names its checkpoints use).
+
+        With ``delta``, after a committed push only the tensors whose digest changed since are
+        sent; the engines confirm the whole model's checksum as always, so a server that does not
+        hold what the last push left fails the commit, and the push is redone in full.
+        """
+        held = self._held
+        try:
+            return await self._push(named, step=step, held=held)
+        except PublishError:
+            self._held = None
+            if held is None:
+                raise
+            logger.warning("a delta push of step %d was not committed; pushing every tensor", step)
+            return await self._push(named, step=step, held=None)
+
+    async def _push(
+        self, named: Mapping[str, torch.Tensor], *, step: int, held: dict[str, str] | None
+    ) -> PublishResult:
         started = time.perf_counter()
         version = str(step)
+        sending, unchanged, digests = await self._delta(named, held)
         window = await self.client.open(model_name=self.model_name, ttl_s=self.ttl_s)
         opened = time.perf_counter()
         try:
-            path = self._choose(window)
-            stats = PushStats(path=path.value)
+            # Looks at /dev/shm and resolves this machine's addresses: off the loop.
+            path = await asyncio.to_thread(self._choose, window)
+            stats = PushStats(path=path.value, tensors=len(sending), skipped=len(unchanged))
             pushing = _ShmPush(self, window) if path is TransferPath.SHM else _DistributedPush(self, window)
-            checksum = await pushing.run(named, version=version, stats=stats)
+            checksum = await pushing.run(sending, version=version, stats=stats, unchanged=unchanged)
             pushed = time.perf_counter()
             await self.client.publish(
                 InferenceEngineWeightChecksumEvent(
@@ -236,6 +274,8 @@ class PushPublisher:
             raise PublishError(f"the controller did not commit step {step}: {ended.status}: {ended.message}")
         stats.timings |= {"open": opened - started, "push": pushed - opened, "commit": time.perf_counter() - pushed}
         self.last = stats
+        if self.delta:
+            self._held = {**(digests or {}), **stats.digests}
         total = time.perf_counter() - started
         return PublishResult(
             step=step,
@@ -249,6 +289,26 @@ class PushPublisher:
             path=path.value,
         )
 
+    async def _delta(
+        self, named: Mapping[str, torch.Tensor], held: dict[str, str] | None
+    ) -> tuple[Mapping[str, torch.Tensor], list[TensorDigest], dict[str, str] | None]:
+        """What to send: every tensor, or (after a committed push) those whose digest changed, with
+        the digests of the rest (the model checksum needs them all)."""
+        if not self.delta or held is None or set(held) != set(named):
+            return named, [], None
+        now = await asyncio.to_thread(_digests, named)
+        changed = {n: t for n, t in named.items() if held[n] != now[n]}
+        if not changed:
+            # The last push carries the checksum the engines confirm: send the smallest tensor.
+            smallest = min(named, key=lambda n: named[n].numel())
+            changed = {smallest: named[smallest]}
+        unchanged = [
+            TensorDigest(name=n, dtype=dtype_name(t.dtype), shape=tuple(t.shape), digest=now[n])
+            for n, t in named.items()
+            if n not in changed
+        ]
+        return changed, unchanged, now
+
     def _choose(self, window: Window) -> TransferPath:
         if self.path is not TransferPath.AUTO:
             return self.path
@@ -259,8 +319,28 @@ class PushPublisher:
         return {"authorization": f"Bearer {window.credential}"} if window.credential else {}
 
 
+class _Authorized:
+    """The publisher's client, with one window's credential on every call."""
+
+    def __init__(self, http: httpx.AsyncClient, headers: dict[str, str]) -> None:
+        self._http, self._headers = http, headers
+
+    async def post(self, url: str, *, json: dict[str, Any]) -> httpx.Response:
+        return await self._http.post(url, json=json, headers=self._headers)
+
+
+# Buckets smaller than this are packed on the event loop: a thread hop costs more.
+_INLINE_PACK_BYTES = 4 * 1024 * 1024
+
+
+async def _pack(named: Mapping[str, torch.Tensor], table: BucketTable, flat: torch.Tensor) -> BucketTable:
+    if table.total_bytes <= _INLINE_PACK_BYTES:
+        return pack(named, table, flat)
+    return await asyncio.to_thread(pack, named, table, flat)
+
+
 async def _post_all(
-    http: httpx.AsyncClient, window: Window, path: str, body: Callable[[int], dict[str, Any]], stats: PushStats
+    http: _Authorized, window: Window, path: str, body: Callable[[int], dict[str, Any]], stats: PushStats
 ) -> None:
     """POST to every engine of the window at once; PublishError naming each that refused."""
 
@@ -280,6 +360,7 @@ class _Segment:
     """A shared-memory segment of this process's (``/dev/shm/miles-...``), removed by ``close``."""
 
     def __init__(self, size: int) -> None:
+        _sweep_dead_segments()
         self.name = f"miles-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.path = SHM_DIR / self.name
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -302,39 +383,59 @@ class _Segment:
         self.path.unlink(missing_ok=True)
 
 
+def _sweep_dead_segments() -> None:
+    """Remove segments left by pushers that died mid-push (named after their process, which is gone)."""
+    for leftover in SHM_DIR.glob("miles-*-*"):
+        pid = leftover.name.split("-")[1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            leftover.unlink(missing_ok=True)
+        except PermissionError:
+            continue  # another user's live process
+
+
 class _ShmPush:
     """Each bucket written once into one shared-memory segment that every engine reads."""
 
     def __init__(self, publisher: PushPublisher, window: Window) -> None:
         self.publisher, self.window = publisher, window
 
-    async def run(self, named: Mapping[str, torch.Tensor], *, version: str, stats: PushStats) -> str:
+    async def run(
+        self,
+        named: Mapping[str, torch.Tensor],
+        *,
+        version: str,
+        stats: PushStats,
+        unchanged: list[TensorDigest],
+    ) -> str:
         buckets = plan(named, bucket_bytes=self.publisher.bucket_bytes)
         tables = [layout(named, names) for names in buckets]
         size = max(t.total_bytes for t in tables)
         segment = await asyncio.to_thread(_Segment, size)
-        digests: list[TensorDigest] = []
+        digests: list[TensorDigest] = list(unchanged)
+        http = _Authorized(self.publisher.http, self.publisher.headers(self.window))
         try:
-            async with httpx.AsyncClient(
-                trust_env=False, timeout=self.publisher.timeout_s, headers=self.publisher.headers(self.window)
-            ) as http:
-                for index, table in enumerate(tables):
-                    packed: BucketTable = await asyncio.to_thread(pack, named, table, segment.flat)
-                    digests += [e.tensor_digest() for e in packed.entries]
-                    last = index == len(tables) - 1
-                    checksum = checksum_from_digests(digests, num_bytes=0).checksum if last else None
-                    document = base64.b64encode(
-                        json.dumps({"shm": segment.name, "table": packed.model_dump(mode="json")}).encode()
-                    ).decode()
-                    body = {
-                        "serialized_named_tensors": [document],
-                        "load_format": "miles_shm",
-                        "weight_version": version if last else None,
-                        "expected_checksum": checksum,
-                    }
-                    await _post_all(http, self.window, "/update_weights_from_tensor", _same(body), stats)
-                    stats.buckets += 1
-                    stats.bytes += table.total_bytes
+            for index, table in enumerate(tables):
+                packed = await _pack(named, table, segment.flat)
+                digests += [e.tensor_digest() for e in packed.entries]
+                stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
+                last = index == len(tables) - 1
+                checksum = checksum_from_digests(digests, num_bytes=0).checksum if last else None
+                document = base64.b64encode(
+                    json.dumps({"shm": segment.name, "table": packed.model_dump(mode="json")}).encode()
+                ).decode()
+                body = {
+                    "serialized_named_tensors": [document],
+                    "load_format": "miles_shm",
+                    "weight_version": version if last else None,
+                    "expected_checksum": checksum,
+                }
+                await _post_all(http, self.window, "/update_weights_from_tensor", _same(body), stats)
+                stats.buckets += 1
+                stats.bytes += table.total_bytes
         finally:
             await asyncio.to_thread(segment.close)
         assert checksum is not None
@@ -347,7 +448,14 @@ class _DistributedPush:
     def __init__(self, publisher: PushPublisher, window: Window) -> None:
         self.publisher, self.window = publisher, window
 
-    async def run(self, named: Mapping[str, torch.Tensor], *, version: str, stats: PushStats) -> str:
+    async def run(
+        self,
+        named: Mapping[str, torch.Tensor],
+        *,
+        version: str,
+        stats: PushStats,
+        unchanged: list[TensorDigest],
+    ) -> str:
         publisher, window = self.publisher, self.window
         world = len(window.servers) + 1
         port = _free_port(publisher.master_address)
@@ -355,72 +463,71 @@ class _DistributedPush:
         store = dist.TCPStore(publisher.master_address, port, world, True, timeout=timeout, wait_for_workers=False)
         prefixed = dist.PrefixStore(GROUP_NAME, store)
         prefixed.set("joined/0", "1")
-        digests: list[TensorDigest] = []
-        async with httpx.AsyncClient(
-            trust_env=False, timeout=publisher.timeout_s * 2 + 30, headers=publisher.headers(window)
-        ) as http:
-            join_body = {
-                "master_address": publisher.master_address,
-                "master_port": port,
-                "world_size": world,
-                "group_name": GROUP_NAME,
-                "backend": "gloo",
-                "timeout_s": publisher.timeout_s,
-            }
-            joining = asyncio.create_task(
-                _post_all(
-                    http, window, "/init_weights_update_group", lambda i: {**join_body, "rank_offset": i + 1}, stats
+        digests: list[TensorDigest] = list(unchanged)
+        http = _Authorized(publisher.http, publisher.headers(window))
+        join_body = {
+            "master_address": publisher.master_address,
+            "master_port": port,
+            "world_size": world,
+            "group_name": GROUP_NAME,
+            "backend": "gloo",
+            "timeout_s": publisher.timeout_s,
+        }
+        joining = asyncio.create_task(
+            _post_all(http, window, "/init_weights_update_group", lambda i: {**join_body, "rank_offset": i + 1}, stats)
+        )
+        try:
+            group = await asyncio.to_thread(dist.ProcessGroupGloo, prefixed, 0, world, timeout)
+        except (RuntimeError, dist.DistError):
+            missing = [window.servers[r - 1][0] for r in range(1, world) if not prefixed.check([f"joined/{r}"])]
+            await asyncio.gather(joining, return_exceptions=True)
+            raise PublishError(
+                f"the weight-update group did not form within {publisher.timeout_s:g}s: "
+                f"{', '.join(missing) or 'no engine'} never joined"
+            ) from None
+        await joining
+        try:
+            buckets = plan(named, bucket_bytes=publisher.bucket_bytes)
+            for index, names in enumerate(buckets):
+                table = layout(named, names)
+                flat = torch.empty(max(table.total_bytes, 1), dtype=torch.uint8)
+                packed = await _pack(named, table, flat)
+                digests += [e.tensor_digest() for e in packed.entries]
+                stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
+                last = index == len(buckets) - 1
+                checksum = checksum_from_digests(digests, num_bytes=0).checksum if last else None
+                body = {
+                    "names": [e.name for e in packed.entries],
+                    "dtypes": [e.dtype for e in packed.entries],
+                    "shapes": [list(e.shape) for e in packed.entries],
+                    "digests": [e.digest for e in packed.entries],
+                    "group_name": GROUP_NAME,
+                    "load_format": "flattened_bucket",
+                    "weight_version": version if last else None,
+                    "expected_checksum": checksum,
+                    "timeout_s": publisher.timeout_s,
+                }
+                receiving = asyncio.create_task(
+                    _post_all(http, window, "/update_weights_from_distributed", _same(body), stats)
                 )
+                try:
+                    await asyncio.to_thread(_broadcast, group, flat[: table.total_bytes], timeout)
+                finally:
+                    # The engines' answers say why, when the broadcast failed.
+                    await receiving
+                stats.buckets += 1
+                stats.bytes += table.total_bytes
+        finally:
+            await asyncio.gather(
+                _post_all(http, window, "/destroy_weights_update_group", lambda _: {"group_name": GROUP_NAME}, stats),
+                return_exceptions=True,
             )
-            try:
-                group = await asyncio.to_thread(dist.ProcessGroupGloo, prefixed, 0, world, timeout)
-            except (RuntimeError, dist.DistError):
-                missing = [window.servers[r - 1][0] for r in range(1, world) if not prefixed.check([f"joined/{r}"])]
-                await asyncio.gather(joining, return_exceptions=True)
-                raise PublishError(
-                    f"the weight-update group did not form within {publisher.timeout_s:g}s: "
-                    f"{', '.join(missing) or 'no engine'} never joined"
-                ) from None
-            await joining
-            try:
-                buckets = plan(named, bucket_bytes=publisher.bucket_bytes)
-                for index, names in enumerate(buckets):
-                    table = layout(named, names)
-                    flat = torch.empty(max(table.total_bytes, 1), dtype=torch.uint8)
-                    packed = await asyncio.to_thread(pack, named, table, flat)
-                    digests += [e.tensor_digest() for e in packed.entries]
-                    last = index == len(buckets) - 1
-                    checksum = checksum_from_digests(digests, num_bytes=0).checksum if last else None
-                    body = {
-                        "names": [e.name for e in packed.entries],
-                        "dtypes": [e.dtype for e in packed.entries],
-                        "shapes": [list(e.shape) for e in packed.entries],
-                        "digests": [e.digest for e in packed.entries],
-                        "group_name": GROUP_NAME,
-                        "load_format": "flattened_bucket",
-                        "weight_version": version if last else None,
-                        "expected_checksum": checksum,
-                        "timeout_s": publisher.timeout_s,
-                    }
-                    receiving = asyncio.create_task(
-                        _post_all(http, window, "/update_weights_from_distributed", _same(body), stats)
-                    )
-                    try:
-                        await asyncio.to_thread(_broadcast, group, flat[: table.total_bytes], timeout)
-                    finally:
-                        # The engines' answers say why, when the broadcast failed.
-                        await receiving
-                    stats.buckets += 1
-                    stats.bytes += table.total_bytes
-            finally:
-                await asyncio.gather(
-                    _post_all(
-                        http, window, "/destroy_weights_update_group", lambda _: {"group_name": GROUP_NAME}, stats
-                    ),
-                    return_exceptions=True,
-                )
         assert checksum is not None
         return checksum
+
+
+def _digests(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    return {name: digest_tensor(tensor) for name, tensor in named.items()}
 
 
 def _same(body: dict[str, Any]) -> Callable[[int], dict[str, Any]]:

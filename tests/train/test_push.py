@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import os
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,11 +21,11 @@ from transformers import AutoModelForCausalLM
 from miles.errors import PublishError
 from miles.rollout.engine_process import free_port
 from miles.rollout.state import ServerState
-from miles.testing import running_controller, running_engine
+from miles.testing import running_controller, running_engine, wait_until
 from miles.train.push import PushPublisher
 from miles.weights.buckets import layout, pack
 from miles.weights.checkpoint import read_manifest
-from miles.weights.checksum import saved_state_dict
+from miles.weights.checksum import checksum_state_dict, saved_state_dict
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -168,3 +171,126 @@ def test_a_group_whose_sender_never_comes_fails_in_bounded_time(engine_url: tupl
         trust_env=False,
     )
     assert unknown.status_code == 404 and "join it first" in unknown.text
+
+
+async def test_a_delta_push_sends_only_what_changed_and_falls_back_when_servers_differ(
+    checkpoints: dict[str, Path], v2_weights: dict[str, torch.Tensor]
+) -> None:
+    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2) as (ctl, _):
+        publisher = PushPublisher(ctl, path="shm", bucket_bytes=64 * 1024, timeout_s=30)
+        await publisher.push(v2_weights, step=7)
+        changed = dict(v2_weights)
+        name = next(n for n, t in changed.items() if t.dtype.is_floating_point and t.numel() > 16)
+        changed[name] = changed[name] + 0.5
+        result = await publisher.push(changed, step=8)
+        stats = publisher.last
+        assert stats is not None and (stats.tensors, stats.skipped) == (1, len(changed) - 1)
+        assert result.checksum == checksum_state_dict(changed).checksum
+        assert all(s.checksum == result.checksum and s.weight_version == "8" for s in ctl.health().servers)
+        # The servers move to other weights behind the publisher's back: its delta would be wrong,
+        # the engines' checksum says so, and it pushes in full.
+        moved = await ctl.update_rollout_weights(checkpoints["v3"], weight_version="9")
+        assert moved.ok, moved.message
+        again = await publisher.push(changed, step=10)
+        assert publisher.last is not None and publisher.last.skipped == 0
+        assert all(s.checksum == again.checksum and s.weight_version == "10" for s in ctl.health().servers)
+
+
+TRAINER = """
+import asyncio, os, sys
+import torch
+from transformers import AutoModelForCausalLM
+import miles.train.push as push
+from miles.weights.checksum import checksum_state_dict, saved_state_dict
+
+url, checkpoint, die = sys.argv[1], sys.argv[2], sys.argv[3] == "die"
+named = saved_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint))
+if die:  # the trainer is killed after its first bucket reached the engines
+    post_all = push._post_all
+    async def dying(*args, **kwargs):
+        await post_all(*args, **kwargs)
+        os._exit(9)
+    push._post_all = dying
+result = asyncio.run(push.PushPublisher(url, bucket_bytes=64 * 1024, ttl_s=3, timeout_s=30).push(named, step=7))
+print(result.path, result.checksum)
+"""
+
+
+@pytest.mark.parametrize("die", [False, True], ids=["commits", "dies-mid-push"])
+async def test_a_trainer_process_pushes_over_http_or_dies_and_serving_stays_verified(
+    checkpoints: dict[str, Path], tmp_path: Path, die: bool
+) -> None:
+    token = "t" * 32
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    v1, v2 = read_manifest(checkpoints["v1"]), read_manifest(checkpoints["v2"])
+    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2, admin_token=token) as (ctl, url):
+        env = {**os.environ, "MILES_ADMIN_TOKEN": token}
+        trainer = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(script),
+            str(url),
+            str(checkpoints["v2"]),
+            "die" if die else "live",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        out, err = await asyncio.wait_for(trainer.communicate(), timeout=180)
+        if not die:
+            assert trainer.returncode == 0, err.decode()[-2000:]
+            assert out.decode().split() == ["shm", v2.checksum]
+            expected = v2
+        else:
+            assert trainer.returncode == 9
+            # Its window's lease runs out: the servers go back to their verified weights.
+            await wait_until(lambda: not ctl.health().lock.held, what="the dead trainer's window to expire")
+            await wait_until(
+                lambda: all(s.state is ServerState.SERVING for s in ctl.health().servers), what="serving again"
+            )
+            expected = v1
+        servers = ctl.health().servers
+        assert all(s.checksum == expected.checksum for s in servers), servers
+        async with httpx.AsyncClient(trust_env=False) as http:
+            assert (await http.post(f"{url}/generate", json=GREEDY)).status_code == 200
+        if die:
+            # The next push commits, and removes the segment the dead trainer left behind.
+            retry = await PushPublisher(ctl, path="shm").push(weights_of(checkpoints["v2"]), step=8)
+            assert retry.checksum == v2.checksum
+    leftovers = await asyncio.to_thread(lambda: list(Path("/dev/shm").glob(f"miles-{trainer.pid}-*")))
+    assert not leftovers
+
+
+@pytest.mark.parametrize("path", ["shm", "distributed"])
+async def test_no_request_sees_mixed_weights_during_a_push(
+    checkpoints: dict[str, Path], v2_weights: dict[str, torch.Tensor], path: str
+) -> None:
+    async def greedy_text(checkpoint: Path) -> str:
+        async with running_controller(model_checkpoint=checkpoint, num_servers=1) as (_, one):
+            async with httpx.AsyncClient(trust_env=False) as http:
+                return str((await http.post(f"{one}/generate", json=GREEDY)).json()["text"])
+
+    versions = {await greedy_text(checkpoints["v1"]): "1", await greedy_text(checkpoints["v2"]): "7"}
+    assert len(versions) == 2
+    seen: list[tuple[str, str]] = []
+    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2) as (ctl, url):
+        stop = asyncio.Event()
+
+        async def client() -> None:
+            async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+                while not stop.is_set():
+                    answer = (await http.post(f"{url}/generate", json=GREEDY)).json()
+                    seen.append((answer["text"], answer["meta_info"]["weight_version"]))
+
+        clients = [asyncio.create_task(client()) for _ in range(3)]
+        try:
+            await wait_until(lambda: len(seen) >= 3, what="traffic before the push")
+            await PushPublisher(ctl, path=path, bucket_bytes=32 * 1024, timeout_s=30).push(v2_weights, step=7)
+            count = len(seen)
+            await wait_until(lambda: len(seen) >= count + 3, what="traffic after the push")
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)
+    # Every answer is one version's greedy output, labelled with that version.
+    assert {(text, versions.get(text)) for text, _ in seen} == {(t, v) for t, v in seen}, seen
+    assert {v for _, v in seen} == {"1", "7"}
