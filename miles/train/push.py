@@ -173,6 +173,8 @@ class PushStats:
     calls: int = 0
     # Each sent tensor's digest, computed while it was packed.
     digests: dict[str, str] = field(default_factory=dict)
+    # What each engine reported each update call cost it (seconds per phase), in call order.
+    engine_timings: list[dict[str, float]] = field(default_factory=list)
     bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -347,8 +349,11 @@ async def _post_all(
     async def one(index: int, server_id: str, url: str) -> str | None:
         answer = await http.post(f"{url}{path}", json=body(index))
         stats.calls += 1
-        if answer.status_code >= 400 or not answer.json().get("success", True):
+        payload = answer.json() if answer.headers.get("content-type", "").startswith("application/json") else {}
+        if answer.status_code >= 400 or not payload.get("success", True):
             return f"{server_id}: {answer.text[:500]}"
+        if isinstance(payload.get("timings"), dict):
+            stats.engine_timings.append(payload["timings"])
         return None
 
     failures = [f for f in await asyncio.gather(*(one(i, s, u) for i, (s, u) in enumerate(window.servers))) if f]

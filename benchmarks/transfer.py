@@ -1,0 +1,236 @@
+"""Weights pushed from the trainer's memory, each path next to its own floor, in one run.
+
+On one preset (default the ~500M bfloat16 one), with 1 and then 2 engines behind a controller:
+- shared memory (``PushPublisher(path="shm")``) vs the memory-copy floor: the bytes times the
+  engines divided by this machine's memcpy bandwidth (measured in this run);
+- torch.distributed, gloo (``path="distributed"``) vs a bare gloo broadcast of the same bytes
+  from this process to as many helper processes as engines (measured in this run);
+- the calls each update made per engine (constant in the number of tensors);
+- the time generation was blocked per update (what each engine held its weights' write lock for,
+  reported by the engine), with requests in flight;
+- a delta push with 10% of the tensors changed vs a full push: bytes moved and time.
+Every push is a whole verified update: window, transfer, per-tensor digests, the engines'
+checksum of their live weights, the controller's commit.
+
+    .venv/bin/python benchmarks/transfer.py [--preset 500m] [--engines 1 2] [--repeats 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from miles.models.presets import init_checkpoint
+from miles.rollout.engine_process import free_port
+from miles.testing import running_controller
+from miles.train.push import PushPublisher
+from miles.weights.checksum import saved_state_dict
+
+
+def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of one in-process copy of ``nbytes`` (the best of ``repeats``)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in first
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return nbytes / best
+
+
+def _timed(job: Any) -> float:
+    started = time.perf_counter()
+    job()
+    return time.perf_counter() - started
+
+
+RECEIVER = textwrap.dedent(
+    """
+    import sys, datetime, torch, torch.distributed as dist
+    port, rank, world, nbytes, repeats = map(int, sys.argv[1:6])
+    timeout = datetime.timedelta(seconds=300)
+    store = dist.PrefixStore("bare", dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout))
+    group = dist.ProcessGroupGloo(store, rank, world, timeout)
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(repeats):
+        group.broadcast(flat, 0).wait()
+    """
+)
+
+
+def bare_gloo_broadcast(nbytes: int, receivers: int, repeats: int) -> float:
+    """Seconds of one gloo broadcast of ``nbytes`` from this process to ``receivers`` processes."""
+    port, world = free_port(), receivers + 1
+    timeout = timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", port, world, True, timeout=timeout, wait_for_workers=False)
+    helpers = [
+        subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), str(r), str(world), str(nbytes), str(repeats)])
+        for r in range(1, world)
+    ]
+    try:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("bare", store), 0, world, timeout)
+        flat = torch.ones(nbytes, dtype=torch.uint8)
+        times = [_timed(lambda: group.broadcast(flat, 0).wait()) for _ in range(repeats)]
+        for helper in helpers:
+            helper.wait(timeout=300)
+    finally:
+        for helper in helpers:
+            if helper.poll() is None:
+                helper.kill()
+                helper.wait()
+    return min(times)
+
+
+def perturbed(named: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """A copy of the weights with ``fraction`` of the tensors (by count) changed."""
+    generator = torch.Generator().manual_seed(seed)
+    names = list(named)
+    chosen = set(names[: max(1, round(len(names) * fraction))]) if fraction < 1 else set(names)
+    out = {}
+    for name, tensor in named.items():
+        if name in chosen and tensor.is_floating_point():
+            noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * 1e-3
+            out[name] = (tensor.float() + noise).to(tensor.dtype)
+        else:
+            out[name] = tensor
+    return out
+
+
+async def traffic(url: str, stop: asyncio.Event) -> int:
+    """Requests kept in flight during the pushes; returns how many were served."""
+    served = 0
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    async with httpx.AsyncClient(trust_env=False, timeout=600) as http:
+        while not stop.is_set():
+            if (await http.post(f"{url}/generate", json=body)).status_code == 200:
+                served += 1
+    return served
+
+
+def blocked_s(timings: list[dict[str, float]]) -> list[float]:
+    """What each update call held the engine's write lock for (the time generation could not run)."""
+    return [t.get("activate", t.get("copy", 0.0) + t.get("checksum", 0.0)) for t in timings]
+
+
+async def one_fleet(
+    args: argparse.Namespace, checkpoint: Path, named: dict[str, torch.Tensor], engines: int
+) -> dict[str, Any]:
+    total_bytes = sum(t.numel() * t.element_size() for t in named.values())
+    figures: dict[str, Any] = {"engines": engines, "bytes": total_bytes, "tensors": len(named)}
+    async with running_controller(
+        model_checkpoint=checkpoint, num_servers=engines, update_timeout_s=1800, request_timeout_s=1800
+    ) as (controller, url):
+        assert url is not None
+        step = 1000
+        for path in ("shm", "distributed"):
+            publisher = PushPublisher(controller, path=path, delta=False, timeout_s=600, ttl_s=1800)
+            times, blocked, calls = [], [], []
+            stop = asyncio.Event()
+            users = asyncio.create_task(traffic(url, stop))
+            try:
+                for _ in range(args.repeats):
+                    step += 1
+                    weights = perturbed(named, 1.0, seed=step)
+                    started = time.perf_counter()
+                    await publisher.push(weights, step=step)
+                    times.append(time.perf_counter() - started)
+                    assert publisher.last is not None
+                    blocked += blocked_s(publisher.last.engine_timings)
+                    calls.append(publisher.last.calls // engines)
+            finally:
+                stop.set()
+                served = await users
+                await publisher.close()
+            figures[path] = {
+                "update_s": statistics.median(times),
+                "calls_per_engine": calls[-1],
+                "blocked_p50_ms": statistics.median(blocked) * 1e3,
+                "blocked_p99_ms": max(blocked) * 1e3,
+                "requests_served_meanwhile": served,
+            }
+        # Delta: 10% of the tensors changed, against a full push of the same weights.
+        publisher = PushPublisher(controller, path="shm", delta=True, timeout_s=600, ttl_s=1800)
+        try:
+            step += 1
+            await publisher.push(perturbed(named, 1.0, seed=step), step=step)
+            full_s, full_bytes = publisher.last.timings["push"], publisher.last.bytes  # type: ignore[union-attr]
+            base = perturbed(named, 1.0, seed=step)
+            step += 1
+            started = time.perf_counter()
+            await publisher.push(perturbed(base, 0.1, seed=step), step=step)
+            delta_s = time.perf_counter() - started
+            assert publisher.last is not None
+            figures["delta"] = {
+                "full_bytes": full_bytes,
+                "delta_bytes": publisher.last.bytes,
+                "full_update_s": full_s + publisher.last.timings["open"] + publisher.last.timings["commit"],
+                "delta_update_s": delta_s,
+                "tensors_sent": publisher.last.tensors,
+                "tensors_skipped": publisher.last.skipped,
+            }
+        finally:
+            await publisher.close()
+    figures["memcpy_floor_s"] = total_bytes * engines / memcpy_bandwidth(total_bytes)
+    figures["gloo_floor_s"] = bare_gloo_broadcast(total_bytes, engines, repeats=args.repeats)
+    return figures
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        gib = r["bytes"] / 2**30
+        print(f"\n{r['engines']} engine(s), {r['tensors']} tensors, {gib:.2f} GiB per push")
+        shm, gloo = r["shm"], r["distributed"]
+        print(
+            f"  shared memory   {shm['update_s']:7.3f} s  floor (memcpy) {r['memcpy_floor_s']:7.3f} s  "
+            f"ratio {shm['update_s'] / r['memcpy_floor_s']:5.2f}x  calls/engine {shm['calls_per_engine']}"
+        )
+        print(
+            f"  gloo            {gloo['update_s']:7.3f} s  floor (bare broadcast) {r['gloo_floor_s']:7.3f} s  "
+            f"speed {r['gloo_floor_s'] / gloo['update_s']:5.2f}x of the floor  calls/engine {gloo['calls_per_engine']}"
+        )
+        for name, figures in (("shm", shm), ("gloo", gloo)):
+            print(
+                f"  blocked per update ({name}): p50 {figures['blocked_p50_ms']:.2f} ms, "
+                f"max {figures['blocked_p99_ms']:.2f} ms; "
+                f"requests served meanwhile {figures['requests_served_meanwhile']}"
+            )
+        d = r["delta"]
+        print(
+            f"  delta (10% of tensors): {d['delta_bytes'] / 2**20:.1f} MiB vs {d['full_bytes'] / 2**20:.1f} MiB, "
+            f"{d['delta_update_s']:.3f} s vs {d['full_update_s']:.3f} s "
+            f"({d['tensors_sent']} sent, {d['tensors_skipped']} unchanged)"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="500m")
+    parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="miles-bench-transfer-") as tmp:
+        checkpoint = Path(tmp) / "model"
+        init_checkpoint(checkpoint, model_name="bench", preset=args.preset, seed=0, step=1)
+        named = {n: t.detach() for n, t in saved_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint)).items()}
+        results = [asyncio.run(one_fleet(args, checkpoint, named, engines)) for engines in args.engines]
+    report(results)
+    if args.json:
+        print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
