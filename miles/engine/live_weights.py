@@ -330,6 +330,11 @@ class LiveWeights:
     def _activate(self, stage: WeightStage, prepared: PreparedUpdate, version: str) -> ModelChecksum:
         """Swap the staged weights in (scheduler thread). ``activate`` in the timings is the time
         the write lock was held: what generation waited for."""
+        try:
+            stage.prepare_activation()
+        except StagingRefusedError as exc:
+            self._staging.give_up(f"a swap was refused: {exc}")
+            return self._copy_in(prepared, version)
         waiting = time.perf_counter()
         with self._lock.write():
             locked = time.perf_counter()

@@ -10,7 +10,8 @@ stride. A ``WeightStage`` writes new bytes into the twins at the same offsets, h
 it is written, and combines the digests into the model checksum (``miles.weights.checksum``) of
 the staged weights: the checksum the live model has once they are activated, since activation
 changes which memory the tensors view, not a byte of it. ``activate`` runs under the write side
-of the weights lock and re-points each tensor at its twin (``Tensor.set_``): O(number of tensors),
+of the weights lock and re-points each tensor at the same place in its twin (what ``Tensor.set_``
+does; a view of the twin built beforehand is assigned to ``tensor.data``): O(number of tensors),
 whatever their size. The old storages become the twins of the next update (double buffering: the
 memory is allocated once).
 
@@ -81,8 +82,6 @@ class _Storage:
     spare: torch.UntypedStorage | None
     viewers: list[torch.Tensor]
     names: list[str]  # the viewers' names, for messages
-    # Each viewer's placement, read when a stage opens so the swap only calls set_.
-    placements: list[_Placement]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +115,10 @@ class StagingBuffers:
         # copied from the live memory into every stage, so the swap keeps their values.
         self._fills = fills
         self._open: WeightStage | None = None
+        # While a stage is open: each viewer with a view of its twin at the same place, and where
+        # it lies in the live storage (to put it back should the swap fail half-way).
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._restore: list[tuple[torch.UntypedStorage, _Placement]] = []
 
     @staticmethod
     def build(model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor] = ()) -> StagingBuffers:
@@ -189,6 +192,7 @@ class StagingBuffers:
             self._open.discard()
         for storage in self._storages:
             storage.spare = None
+        self._pairs, self._restore = [], []
 
     def open(self) -> WeightStage:
         """The stage for the next update, writing into the twins.
@@ -203,8 +207,15 @@ class StagingBuffers:
         moved = self._viewers_moved()
         if moved:
             raise StagingRefusedError("tensors no longer view the memory the staging buffers know", tensors=moved[:5])
+        # Built here, outside the write lock, so that the swap only rebinds each viewer.
+        self._pairs, self._restore = [], []  # and the last stage's views are freed
         for storage in self._storages:
-            storage.placements = [_Placement.of(tensor) for tensor in storage.viewers]
+            assert storage.spare is not None
+            for tensor in storage.viewers:
+                p = _Placement.of(tensor)
+                twin = torch.empty(0, dtype=tensor.dtype, device=storage.spare.device)
+                self._pairs.append((tensor, twin.set_(storage.spare, p.offset, p.size, p.stride)))
+                self._restore.append((storage.live, p))
         self._open = WeightStage(self)
         return self._open
 
@@ -218,11 +229,8 @@ class StagingBuffers:
         p = slot.placement
         return torch.empty(0, dtype=slot.dtype, device=source.device).set_(source, p.offset, p.size, p.stride)
 
-    def _swap(self) -> None:
-        """Re-point every viewer at its twin, then swap the roles of live and twin storages.
-
-        All or nothing: a viewer that cannot be moved puts back those already moved.
-        """
+    def _check_swap(self) -> None:
+        """Raise StagingRefusedError when a tensor nobody reported views a live storage."""
         unknown = self._unknown_viewers()
         if unknown:
             # A reference cycle can keep a dead temporary view alive until the collector runs;
@@ -235,16 +243,31 @@ class StagingBuffers:
                 "leave them on the old weights",
                 storages=unknown[:3],
             )
-        moved: list[tuple[torch.Tensor, torch.UntypedStorage, _Placement]] = []
+
+    def _warm(self) -> None:
+        """Read every viewer and twin view once, so the swap finds them in cache (staging has just
+        streamed the whole model through it)."""
+        for tensor, twin in self._pairs:
+            tensor.data_ptr()
+            twin.data_ptr()
+
+    def _swap(self) -> None:
+        """Re-point every viewer at its twin, then swap the roles of live and twin storages.
+
+        All or nothing: a viewer that cannot be moved puts back those already moved.
+        """
+        self._check_swap()
+        done = 0
         with torch.no_grad():
             try:
-                for storage in self._storages:
-                    assert storage.spare is not None
-                    for tensor, p in zip(storage.viewers, storage.placements, strict=True):
-                        tensor.set_(storage.spare, p.offset, p.size, p.stride)
-                        moved.append((tensor, storage.live, p))
+                # Assigning .data takes the twin view's storage, offset, size and stride into the
+                # same tensor object, as set_ would, in a sixth of its time (no argument parsing):
+                # 0.05 ms for 400 tensors.
+                for tensor, twin in self._pairs:
+                    tensor.data = twin
+                    done += 1
             except BaseException:
-                for tensor, live, p in moved:
+                for (tensor, _), (live, p) in zip(self._pairs[:done], self._restore[:done], strict=True):
                     tensor.set_(live, p.offset, p.size, p.stride)
                 raise
         for storage in self._storages:
@@ -253,6 +276,9 @@ class StagingBuffers:
 
     def _closed(self, stage: WeightStage) -> None:
         if self._open is stage:
+            # The twin views reference what is now (after a swap) the live memory; they must go
+            # before the next swap counts its references, but freeing ~400 tensors is a tenth of
+            # a millisecond the write lock need not wait for: the next open() drops them.
             self._open = None
 
     # --- checks ----------------------------------------------------------------------------
@@ -373,6 +399,17 @@ class WeightStage:
             self._checksum = checksum_from_digests(digests, num_bytes=num_bytes)
         return self._checksum
 
+    def prepare_activation(self) -> None:
+        """Check, before the write lock is taken, what ``activate`` checks again under it, and
+        bring the tensors it moves into cache: a refusal is known without holding the lock, and
+        the swap after staging 1 GB took 0.2 ms instead of 0.45 (500M parameters, 363 tensors).
+
+        Raises StagingRefusedError as ``activate`` does (the stage stays open).
+        """
+        self._require_open()
+        self._buffers._check_swap()
+        self._buffers._warm()
+
     def activate(self) -> ModelChecksum:
         """Swap the staged weights in and return their checksum; the caller holds the write side
         of the weights lock. O(number of tensors).
@@ -443,7 +480,7 @@ def _checkpoint_slots(model: torch.nn.Module) -> tuple[list[_Storage], dict[str,
         storage = tensor.untyped_storage()
         index = index_of.setdefault(storage._cdata, len(storages))
         if index == len(storages):
-            storages.append(_Storage(live=storage, spare=None, viewers=[], names=[], placements=[]))
+            storages.append(_Storage(live=storage, spare=None, viewers=[], names=[]))
         slots[name] = _Slot(storage=index, dtype=tensor.dtype, placement=_Placement.of(tensor))
     return storages, slots
 
