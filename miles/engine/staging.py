@@ -31,7 +31,8 @@ class StagingReport:
 
     mode: StagingMode
     budget: float
-    # Bytes of one copy of the weights (what staging costs); 0 until the model is loaded.
+    # Bytes of one copy of the weights (what staging costs); 0 when they cannot be staged or
+    # staging is off.
     weight_bytes: int = 0
     # Bytes allocated for staging now: 0 until the first staged update, then the same for good.
     staging_bytes: int = 0
