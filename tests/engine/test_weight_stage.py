@@ -18,12 +18,8 @@ from miles.engine.fused_decoder import FusedDecoderRunner
 from miles.engine.model_runner import ModelRunner, TransformersRunner, load_model
 from miles.engine.settings import StagingMode
 from miles.engine.staging import WeightStaging
-from miles.engine.weight_stage import (
-    StagingBuffers,
-    StagingRefusedError,
-    StagingUnsupportedError,
-    _references,
-)
+from miles.engine.weight_memory import StagingUnsupportedError, references
+from miles.engine.weight_stage import StagingBuffers, StagingRefusedError
 from miles.errors import UnsupportedTensorError
 from miles.models.presets import build_model
 from miles.weights.checkpoint import open_checkpoint, read_manifest, save_checkpoint
@@ -139,7 +135,7 @@ def test_a_staged_update_computes_what_a_fresh_model_computes(
     assert checksum_module(model).checksum == read_manifest(paths["v1"]).checksum
     assert _generate(runner) == before
     assert torch.equal(_logits(runner), before_logits)
-    old = [s.live for s in buffers._storages]
+    old = [s.live for s in buffers.memory.storages]
 
     assert stage.activate() == staged
     # The live checksum, recomputed from the model, is the one computed over the stage.
@@ -150,7 +146,7 @@ def test_a_staged_update_computes_what_a_fresh_model_computes(
     assert not torch.equal(_logits(runner), before_logits)
     # Every tensor that viewed an old storage was moved: the one reference left is the Python
     # storage object the buffers keep (this list holds the same objects).
-    assert [_references(storage) for storage in old] == [1] * len(old)
+    assert [references(storage) for storage in old] == [1] * len(old)
 
 
 @pytest.mark.parametrize("runner_name", list(RUNNERS))
@@ -160,15 +156,15 @@ def test_updates_alternate_between_two_sets_of_buffers(
     paths = versions("qwen2, biased qkv (preset small)")
     model, runner = _served(paths["v1"], runner_name)
     buffers = _buffers(model, runner)
-    first = {s.live.data_ptr() for s in buffers._storages}
-    second = {s.spare.data_ptr() for s in buffers._storages if s.spare is not None}
+    first = {s.live.data_ptr() for s in buffers.memory.storages}
+    second = {spare.data_ptr() for spare in buffers.spares if spare is not None}
     allocated = buffers.allocated_bytes
     assert allocated == buffers.nbytes > 0
     seen = []
     for version in ("v2", "v3", "v1", "v2"):
         assert _stage_checkpoint(buffers, paths[version]) == read_manifest(paths[version]).checksum
         assert checksum_module(model).checksum == read_manifest(paths[version]).checksum
-        seen.append({s.live.data_ptr() for s in buffers._storages})
+        seen.append({s.live.data_ptr() for s in buffers.memory.storages})
         assert buffers.allocated_bytes == allocated
     assert seen == [second, first, second, first]
     _, fresh = _served(paths["v2"], runner_name)
@@ -220,7 +216,7 @@ def test_a_tensor_nobody_reported_blocks_the_swap_and_changes_nothing(
         stage.activate()  # and under it
     assert checksum_module(model).checksum == read_manifest(paths["v1"]).checksum
     assert _generate(runner) == before
-    assert all(t.untyped_storage()._cdata == s.live._cdata for s in buffers._storages for t in s.viewers)
+    assert not buffers.memory.viewers_moved()
     del stray
     assert _stage_checkpoint(buffers, paths["v2"]) == read_manifest(paths["v2"]).checksum
 
