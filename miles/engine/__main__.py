@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 import uvicorn
 
-from miles.engine.settings import API_KEY_ENV, SECRET_ENV, EngineSettings, Forward
+from miles.engine.settings import API_KEY_ENV, SECRET_ENV, EngineSettings, Forward, StagingMode
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -56,6 +56,16 @@ def main(
     forward: Annotated[
         Forward, typer.Option(help="auto: the fused Llama-family forward where it applies, else transformers")
     ] = Forward.AUTO,
+    weight_staging: Annotated[
+        StagingMode,
+        typer.Option(
+            help="stage updates beside the live weights and swap them in (on), copy in place (off), "
+            "or stage when the second copy fits in --weight-staging-budget (auto)"
+        ),
+    ] = StagingMode.AUTO,
+    weight_staging_budget: Annotated[
+        float, typer.Option(help="the fraction of available memory the staging copy may take under auto")
+    ] = 0.5,
     snapshot_dir: Annotated[
         Path | None, typer.Option(help="enable POST /export_weights, writing checkpoints under this directory")
     ] = None,
@@ -83,6 +93,8 @@ def main(
         num_threads=num_threads,
         context_length=context_length,
         forward=forward,
+        weight_staging=weight_staging,
+        weight_staging_budget=weight_staging_budget,
         allowed_checkpoint_roots=EngineSettings.roots_from_env(),
         snapshot_dir=snapshot_dir.expanduser().resolve() if snapshot_dir is not None else None,
         log_level=log_level,

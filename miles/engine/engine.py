@@ -37,6 +37,7 @@ from miles.engine.sampling import RowSampler
 from miles.engine.scheduler import GenerationState, Scheduler
 from miles.engine.sequence import Sequence
 from miles.engine.settings import EngineSettings
+from miles.engine.staging import WeightStaging
 from miles.errors import CheckpointError, InvalidRequestError
 from miles.protocol.compat import SGLANG_VERSION
 from miles.protocol.sglang import GenerateRequest, GenerateResponse, PauseMode, SamplingParams
@@ -116,6 +117,7 @@ class Engine:
             version=manifest.weight_version if manifest else DEFAULT_WEIGHT_VERSION,
             loaded_from=self.model_path,
             manifest_checksum=manifest.checksum if manifest else None,
+            staging=WeightStaging(mode=settings.weight_staging, budget=settings.weight_staging_budget),
         )
         self._in_flight: set[str] = set()
         self.started_at = time.time()
@@ -134,7 +136,7 @@ class Engine:
         )
         self.forward_name = runner.name
         # Over the parameters the runner serves from (the fused decoder re-points them).
-        self.weights.record_loaded()
+        self.weights.record_loaded(runner_tensors=runner.weight_views())
         return runner
 
     @property
@@ -384,6 +386,7 @@ class Engine:
             "weight_version": held.version,
             "checksum": held.checksum,
             "weights_status": held.status.value,
+            "weight_staging": self.weights.staging.as_dict(),
             "uptime_s": time.time() - self.started_at,
             "internal_states": [
                 {

@@ -26,7 +26,7 @@ Architectures outside the family, or with sliding-window attention, run the Tran
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -165,6 +165,12 @@ class FusedDecoderRunner:
             down_weight=mlp.down_proj.weight,
             down_bias=mlp.down_proj.bias,
         )
+
+    def weight_views(self) -> list[torch.Tensor]:
+        """The fused weights (and the parameters each layer keeps at hand): views of the weights'
+        memory that are not the model's parameters, so a staged update must re-point them too."""
+        views = (getattr(layer, field.name) for layer in self._layers for field in fields(layer))
+        return [tensor for tensor in views if isinstance(tensor, torch.Tensor)]
 
     # --- the batch's KV state --------------------------------------------------------------
 

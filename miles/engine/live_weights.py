@@ -3,12 +3,19 @@
 ``LiveWeights`` owns the identity of the served weights (``HeldWeights``: version, checksum,
 verified or not), replaced whole under the write side of the weights lock whenever the weights or
 their name change, so a probe never reads a version paired with another version's checksum. The
-checksum is never stale: it is computed once at start-up, by every copy (over the memory just
-written, whatever it hashes to), and by every ``/weights_checker``; a rename keeps it.
+checksum is never stale: it is computed once at start-up, by every load (over the memory it wrote,
+whatever it hashes to: the live weights after a copy, the staged ones before they are swapped in),
+and by every ``/weights_checker``; a rename keeps it.
 
 A load follows the order that makes it safe: check the path, verify the whole checkpoint and match
-it against the live model while generation goes on, pause as asked, copy under the write side of
-the lock on the scheduler thread (between two steps), confirm the checksum, resume.
+it against the live model while generation goes on, then one of two ways (``staging.py`` picks):
+
+- staged: write the new weights beside the live ones and hash them, still serving (a mismatch is
+  refused here, nothing changed); pause as asked; swap them in under the write side of the lock
+  on the scheduler thread, in a time that does not grow with the model (``weight_stage.py``);
+  resume.
+- in place: pause as asked; copy under the write side of the lock on the scheduler thread
+  (between two steps), hashing what was written; confirm the checksum; resume.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from miles.engine.rwlock import WeightsLock
 from miles.engine.scheduler import GenerationState, Scheduler
 from miles.engine.settings import EngineSettings
 from miles.engine.snapshot import export_snapshot
+from miles.engine.staging import StagingReport, WeightStaging
 from miles.engine.weight_loader import PreparedUpdate, UnexpectedChecksumError, apply_update, prepare_update
+from miles.engine.weight_stage import StagingRefusedError, WeightStage
 from miles.errors import (
     CheckpointError,
     ConflictError,
@@ -63,6 +72,14 @@ class WeightsStatus(Enum):
 
 
 @dataclass(frozen=True)
+class _Paused:
+    """How an update paused generation."""
+
+    by_update: bool  # the update paused it (and resumes it); False when the caller had
+    requests: int  # requests in flight when it paused
+
+
+@dataclass(frozen=True)
 class HeldWeights:
     """The identity of the weights the engine holds now (replaced whole, never torn)."""
 
@@ -87,8 +104,10 @@ class LiveWeights:
         version: str,
         loaded_from: Path,
         manifest_checksum: str | None,
+        staging: WeightStaging,
     ) -> None:
         self._settings = settings
+        self._staging = staging
         self._scheduler = scheduler
         self._lock = lock
         self._model = model
@@ -103,6 +122,8 @@ class LiveWeights:
         self._export_lock = asyncio.Lock()
         # Whether a push of tensors paused generation (it resumes once the last push is verified).
         self._push_paused = False
+        # Loads in progress, held here so a load whose caller went away is not collected mid-way.
+        self._loads: set[asyncio.Future[UpdateWeightsResponse]] = set()
 
     @property
     def held(self) -> HeldWeights:
@@ -118,9 +139,16 @@ class LiveWeights:
         held = self._held
         return WeightVersionResponse(weight_version=held.version, checksum=held.checksum)
 
-    def record_loaded(self) -> None:
+    @property
+    def staging(self) -> StagingReport:
+        """Whether updates are staged, and what staging holds (``/get_server_info``)."""
+        return self._staging.report()
+
+    def record_loaded(self, *, runner_tensors: list[torch.Tensor]) -> None:
         """Record the checksum of the weights just loaded at start-up, before serving begins, so
-        the identity probes read is never without one (a hash pass at memory speed)."""
+        the identity probes read is never without one (a hash pass at memory speed), and find
+        the memory a staged update swaps (``runner_tensors``: ``ModelRunner.weight_views``)."""
+        self._staging.attach(self._model(), runner_tensors=runner_tensors)
         checksum = checksum_module(self._model()).checksum
         self._held = replace(self._held, checksum=checksum)
         if self._start_manifest_checksum not in (None, checksum):
@@ -146,6 +174,15 @@ class LiveWeights:
         that fails validation is answered with ``success=False`` and leaves the old weights serving.
         """
         path = await asyncio.to_thread(self._checkpoint_path, request.model_path)
+        # Once started, a load runs to its end even if its caller goes away: a worker thread still
+        # writing a stage (or copying) for a cancelled task would race the next load for the same
+        # memory.
+        load = asyncio.ensure_future(self._load(path, request))
+        self._loads.add(load)
+        load.add_done_callback(self._loads.discard)
+        return await asyncio.shield(load)
+
+    async def _load(self, path: Path, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
         async with self._update_lock:
             try:
                 prepared = await asyncio.to_thread(
@@ -165,43 +202,103 @@ class LiveWeights:
                 )
             try:
                 version = request.weight_version or prepared.weight_version
-                pausing = self._scheduler.state is GenerationState.SERVING
-                paused = 0
-                pause_started = time.perf_counter()
-                if pausing:
-                    mode = PauseMode.ABORT if request.abort_all_requests else PauseMode.DRAIN
-                    paused = await asyncio.to_thread(
-                        self._scheduler.pause, mode, message="aborted by update_weights_from_disk"
-                    )
-                elif request.abort_all_requests:
-                    self._scheduler.abort(None, message="aborted by update_weights_from_disk")
-                prepared.timings["pause"] = time.perf_counter() - pause_started
-                # The copy runs on the scheduler thread, between two steps (one torch thread).
-                checksum = await asyncio.to_thread(self._scheduler.call, lambda: self._copy_in(prepared, version))
-                ok = checksum.checksum == prepared.manifest_checksum
-                # A push that paused generation and never completed is superseded by this load.
-                if (pausing or self._push_paused) and ok and not request.keep_pause:
-                    self._scheduler.resume()
-                    self._push_paused = False
+                opening = time.perf_counter()
+                # Staged when the policy allows it (``staging.py``), else copied in place.
+                stage = await asyncio.to_thread(self._staging.open_stage)
+                if stage is None:
+                    return await self._load_in_place(request, prepared, version)
+                prepared.timings["stage_open"] = time.perf_counter() - opening
+                try:
+                    return await self._load_staged(request, prepared, stage, version)
+                finally:
+                    stage.discard()  # a no-op once activated
             finally:
                 prepared.close()
-        if not ok:
+
+    async def _load_in_place(
+        self, request: UpdateWeightsFromDiskRequest, prepared: PreparedUpdate, version: str
+    ) -> UpdateWeightsResponse:
+        """Pause, copy into the live weights under the write lock, confirm, resume."""
+        paused = await self._pause(request, prepared.timings)
+        # The copy runs on the scheduler thread, between two steps (one torch thread).
+        checksum = await asyncio.to_thread(self._scheduler.call, lambda: self._copy_in(prepared, version))
+        return self._answer(request, prepared, paused=paused, checksum=checksum, version=version)
+
+    async def _load_staged(
+        self, request: UpdateWeightsFromDiskRequest, prepared: PreparedUpdate, stage: WeightStage, version: str
+    ) -> UpdateWeightsResponse:
+        """Write and hash the new weights beside the live ones while serving; only then pause and
+        swap them in under the write lock (``weight_stage.py``)."""
+        timings = prepared.timings
+        started = time.perf_counter()
+        try:
+            await asyncio.to_thread(stage.write_all, prepared.reader.tensor)
+        except OSError as exc:
+            # The files became unreadable after they were verified; the live weights never changed.
+            return self._refused(prepared, f"checkpoint {prepared.reader.directory} could not be staged: {exc}")
+        written = time.perf_counter()
+        timings["stage_write"] = written - started
+        staged = await asyncio.to_thread(stage.checksum)
+        timings["stage_checksum"] = time.perf_counter() - written
+        if staged.checksum != prepared.manifest_checksum:
+            # The files changed after they were verified (or memory failed): refused before anything
+            # paused, and the live weights never changed.
+            return self._refused(
+                prepared,
+                f"weights staged from {prepared.reader.directory} hash to {staged.checksum} but the manifest "
+                f"says {prepared.manifest_checksum}; the checkpoint changed while it was read. Nothing was "
+                "changed; load it again once it is complete",
+            )
+        paused = await self._pause(request, timings)
+        checksum = await asyncio.to_thread(self._scheduler.call, lambda: self._activate(stage, prepared, version))
+        return self._answer(request, prepared, paused=paused, checksum=checksum, version=version)
+
+    async def _pause(self, request: UpdateWeightsFromDiskRequest, timings: dict[str, float]) -> _Paused:
+        """Pause generation for the change as the request asks (unless the caller paused it)."""
+        by_update = self._scheduler.state is GenerationState.SERVING
+        requests = 0
+        started = time.perf_counter()
+        if by_update:
+            mode = PauseMode.ABORT if request.abort_all_requests else PauseMode.DRAIN
+            requests = await asyncio.to_thread(
+                self._scheduler.pause, mode, message="aborted by update_weights_from_disk"
+            )
+        elif request.abort_all_requests:
+            self._scheduler.abort(None, message="aborted by update_weights_from_disk")
+        timings["pause"] = time.perf_counter() - started
+        return _Paused(by_update=by_update, requests=requests)
+
+    def _answer(
+        self,
+        request: UpdateWeightsFromDiskRequest,
+        prepared: PreparedUpdate,
+        *,
+        paused: _Paused,
+        checksum: ModelChecksum,
+        version: str,
+    ) -> UpdateWeightsResponse:
+        """Resume (unless asked not to) and answer, once the weights changed to ``checksum``."""
+        if checksum.checksum != prepared.manifest_checksum:
             return UpdateWeightsResponse(
                 success=False,
                 message=(
-                    f"weights loaded from {path} hash to {checksum.checksum} but the manifest says "
-                    f"{prepared.manifest_checksum}; generation stays paused until a good checkpoint is loaded"
+                    f"weights loaded from {prepared.reader.directory} hash to {checksum.checksum} but the manifest "
+                    f"says {prepared.manifest_checksum}; generation stays paused until a good checkpoint is loaded"
                 ),
-                num_paused_requests=paused,
+                num_paused_requests=paused.requests,
                 weight_version=self._held.version,
                 checksum=checksum.checksum,
                 checkpoint_checksum=prepared.checkpoint_checksum,
                 timings=prepared.timings,
             )
+        # A push that paused generation and never completed is superseded by this load.
+        if (paused.by_update or self._push_paused) and not request.keep_pause:
+            self._scheduler.resume()
+            self._push_paused = False
         return UpdateWeightsResponse(
             success=True,
-            message=f"Succeeded to update model weights from {path}.",
-            num_paused_requests=paused,
+            message=f"Succeeded to update model weights from {prepared.reader.directory}.",
+            num_paused_requests=paused.requests,
             weight_version=version,
             checksum=checksum.checksum,
             checkpoint_checksum=prepared.checkpoint_checksum,
@@ -308,18 +405,56 @@ class LiveWeights:
             timings=timings,
         )
 
+    def _refused(self, prepared: PreparedUpdate, message: str) -> UpdateWeightsResponse:
+        logger.warning("refused staged update: %s", message)
+        return UpdateWeightsResponse(
+            success=False,
+            message=message,
+            weight_version=self._held.version,
+            checkpoint_checksum=prepared.checkpoint_checksum,
+            timings=prepared.timings,
+        )
+
     def _copy_in(self, prepared: PreparedUpdate, version: str) -> ModelChecksum:
         waiting = time.perf_counter()
         with self._lock.write():
             prepared.timings["write_lock_wait"] = time.perf_counter() - waiting
-            checksum = apply_update(prepared)
-            # Whatever the outcome, the record says what the weights hash to now (a drift probe
-            # must see an unverified copy for what it is); the version moves only with a match.
-            if checksum.checksum == prepared.manifest_checksum:
-                self._held = HeldWeights(version=version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
-                self._loaded_from = Path(prepared.reader.directory)
-            else:
-                self._held = replace(self._held, checksum=checksum.checksum, status=WeightsStatus.UNVERIFIED)
+            return self._copy_locked(prepared, version)
+
+    def _copy_locked(self, prepared: PreparedUpdate, version: str) -> ModelChecksum:
+        checksum = apply_update(prepared, self._model())
+        # Whatever the outcome, the record says what the weights hash to now (a drift probe
+        # must see an unverified copy for what it is); the version moves only with a match.
+        if checksum.checksum == prepared.manifest_checksum:
+            self._held = HeldWeights(version=version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
+            self._loaded_from = Path(prepared.reader.directory)
+        else:
+            self._held = replace(self._held, checksum=checksum.checksum, status=WeightsStatus.UNVERIFIED)
+        return checksum
+
+    def _activate(self, stage: WeightStage, prepared: PreparedUpdate, version: str) -> ModelChecksum:
+        """Swap the staged weights in (scheduler thread). ``activate`` in the timings is the time
+        the write lock was held: what generation waited for."""
+        try:
+            stage.prepare_activation()
+        except StagingRefusedError as exc:
+            self._staging.give_up(f"a swap was refused: {exc}")
+            return self._copy_in(prepared, version)
+        waiting = time.perf_counter()
+        with self._lock.write():
+            locked = time.perf_counter()
+            prepared.timings["write_lock_wait"] = locked - waiting
+            try:
+                checksum = stage.activate()
+            except StagingRefusedError as exc:
+                # Some tensor would have kept the old weights: nothing was swapped. The update
+                # goes on as an in-place copy, under this same lock.
+                self._staging.give_up(f"a swap was refused: {exc}")
+                return self._copy_locked(prepared, version)
+            # The staged checksum is the live one now: activation moved no byte.
+            self._held = HeldWeights(version=version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
+            self._loaded_from = Path(prepared.reader.directory)
+            prepared.timings["activate"] = time.perf_counter() - locked
             return checksum
 
     def _checkpoint_path(self, raw: str) -> Path:

@@ -44,6 +44,12 @@ class ModelRunner(Protocol[KV]):
 
     def select(self, batch: KV, keep: list[int]) -> KV: ...
 
+    def weight_views(self) -> list[torch.Tensor]:
+        """Tensors the runner holds, besides the model's parameters and buffers, that view the
+        weights' memory: a staged update re-points them with the parameters
+        (``weight_stage.py``), and refuses to swap while any tensor it was not told of does."""
+        ...
+
 
 def build_runner(
     model: PreTrainedModel, *, device: torch.device, pad_token_id: int, forward: Forward = Forward.AUTO
@@ -99,6 +105,10 @@ class TransformersRunner:
         self.model = model
         self.device = device
         self.pad_token_id = pad_token_id
+
+    def weight_views(self) -> list[torch.Tensor]:
+        """None: the model's own forward reads its parameters and nothing else."""
+        return []
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> tuple[BatchKV, torch.Tensor]:

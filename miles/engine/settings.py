@@ -24,6 +24,16 @@ class Forward(Enum):
     TRANSFORMERS = "transformers"  # the model's own Transformers forward
 
 
+class StagingMode(Enum):
+    """How a weight update reaches the live weights (``miles.engine.staging``)."""
+
+    # Stage when a second copy of the weights fits in ``weight_staging_budget`` of the memory
+    # available when it is first needed, else copy in place.
+    AUTO = "auto"
+    ON = "on"  # always stage (in place only when the second copy cannot be allocated)
+    OFF = "off"  # copy in place, generation paused for the whole copy
+
+
 class EngineSettings(BaseModel):
     """How one engine process serves one model."""
 
@@ -45,6 +55,10 @@ class EngineSettings(BaseModel):
     num_threads: Annotated[int, Field(ge=1)] | None = None
     context_length: Annotated[int, Field(ge=8)] | None = None
     forward: Forward = Forward.AUTO
+    weight_staging: StagingMode = StagingMode.AUTO
+    # The fraction of the memory available (host RAM, or the GPU's free memory) that ``auto`` lets
+    # the staging copy of the weights take.
+    weight_staging_budget: float = 0.5
     # Checkpoint directories that /update_weights_from_disk may read; empty means any local path.
     allowed_checkpoint_roots: tuple[Path, ...] = ()
     health_generate_timeout_s: Annotated[float, Field(gt=0)] = 20.0
@@ -62,6 +76,16 @@ class EngineSettings(BaseModel):
     def _device(cls, value: str) -> str:
         if value not in ("cpu", "auto") and not value.startswith("cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'auto', got {value!r}")
+        return value
+
+    @field_validator("weight_staging_budget")
+    @classmethod
+    def _budget(cls, value: float) -> float:
+        if not 0 < value <= 1:
+            raise ValueError(
+                f"weight_staging_budget is a fraction of the available memory in (0, 1], got {value}; "
+                "0.5 lets the staging copy take half of it"
+            )
         return value
 
     @property

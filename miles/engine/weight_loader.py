@@ -2,10 +2,12 @@
 
 The order is what makes an update safe: (1) the whole checkpoint is memory-mapped and every
 tensor's digest checked against its manifest, (2) every name, shape and dtype is matched against
-the live model, and only then (3) the caller takes the write side of the weights lock and
-``apply`` copies each tensor into the existing parameter storage. Steps 1-2 run while generation
-continues on the old weights; a refused checkpoint never touches them. No second copy of the model
-is made: the source tensors are views of the file's page-cache pages.
+the live model, and only then (3) the caller either stages it (``weight_stage.py``: written beside
+the live weights while serving, then swapped in) or takes the write side of the weights lock and
+``apply_update`` copies each tensor into the existing parameter storage. Steps 1-2 run while
+generation continues on the old weights; a refused checkpoint never touches them. The in-place
+copy makes no second copy of the model: the source tensors are views of the file's page-cache
+pages.
 
 A plain Hugging Face directory (no miles manifest) loads the same way when the caller names the
 checksum it expects: the verification pass computes every tensor's digest from the maps and the
@@ -61,7 +63,6 @@ class PreparedUpdate:
     """A verified checkpoint matched against the live model, ready to be copied in."""
 
     reader: CheckpointReader
-    targets: dict[str, torch.Tensor]
     # The model checksum hashed from the checkpoint's files by the verification pass.
     checkpoint_checksum: str | None = None
     # Seconds per phase of this load (open, verify, match, copy, checksum), for the response.
@@ -140,10 +141,9 @@ def prepare_update(
             reader.close()
             raise
     try:
-        targets = saved_state_dict(model)
-        _match(targets, reader, checkpoint)
+        _match(_layout(model), reader, checkpoint)
         timings = {"open": opened - started, "verify": verified - opened, "match": time.perf_counter() - verified}
-        return PreparedUpdate(reader=reader, targets=targets, checkpoint_checksum=computed, timings=timings)
+        return PreparedUpdate(reader=reader, checkpoint_checksum=computed, timings=timings)
     except BaseException:
         reader.close()
         raise
@@ -222,10 +222,16 @@ def _raise_if_bad(report: VerificationReport, checkpoint: Path) -> None:
     raise CheckpointError(f"checkpoint failed verification: {problems}{more}", path=str(checkpoint))
 
 
-def _match(targets: dict[str, torch.Tensor], reader: CheckpointReader, checkpoint: Path) -> None:
+def _layout(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every tensor a checkpoint of ``model`` holds. Not the tensors: a held
+    view of the live weights would keep their memory alive past a staged swap."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in saved_state_dict(model).items()}
+
+
+def _match(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], reader: CheckpointReader, checkpoint: Path) -> None:
     names = set(reader.tensor_names)
-    missing = sorted(set(targets) - names)
-    extra = sorted(names - set(targets))
+    missing = sorted(set(layout) - names)
+    extra = sorted(names - set(layout))
     if missing or extra:
         raise IncompatibleCheckpointError(
             "checkpoint tensors do not match the served model; it was written for another architecture",
@@ -233,21 +239,22 @@ def _match(targets: dict[str, torch.Tensor], reader: CheckpointReader, checkpoin
             missing=missing[:5] or None,
             unexpected=extra[:5] or None,
         )
-    for name, live in targets.items():
+    for name, (shape, dtype) in layout.items():
         info = reader.info(name)
-        if tuple(info.shape) != tuple(live.shape) or info.dtype != live.dtype:
+        if tuple(info.shape) != shape or info.dtype != dtype:
             raise IncompatibleCheckpointError(
                 "checkpoint tensor differs in shape or dtype from the served model",
                 path=str(checkpoint),
                 tensor=name,
-                expected=f"{dtype_name(live.dtype)}{list(live.shape)}",
+                expected=f"{dtype_name(dtype)}{list(shape)}",
                 actual=f"{dtype_name(info.dtype)}{list(info.shape)}",
             )
 
 
 @torch.no_grad()
-def apply_update(update: PreparedUpdate) -> ModelChecksum:
-    """Copy every tensor into the live model and return the checksum of what it now holds.
+def apply_update(update: PreparedUpdate, model: torch.nn.Module) -> ModelChecksum:
+    """Copy every tensor into the live ``model`` in place and return the checksum of what it now
+    holds.
 
     The caller must hold the write side of the weights lock.
     """
@@ -256,6 +263,6 @@ def apply_update(update: PreparedUpdate) -> ModelChecksum:
     # it describes what the model holds now, at the cost of a cache read, not a second pass.
     # One thread: the caller is the engine's torch thread (see scheduler.py); copy_ still uses
     # its intra-op threads.
-    checksum = copy_and_checksum(update.targets, update.reader.tensor, threads=1)
+    checksum = copy_and_checksum(saved_state_dict(model), update.reader.tensor, threads=1)
     update.timings["copy_and_checksum"] = time.perf_counter() - started
     return checksum

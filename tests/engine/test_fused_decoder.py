@@ -133,7 +133,7 @@ def test_weight_updates_reach_the_fused_weights(tmp_path: Path) -> None:
 
     update = prepare_update(model, tmp_path / "v2")
     try:
-        checksum = apply_update(update)
+        checksum = apply_update(update, model)
     finally:
         update.close()
     assert checksum.checksum == read_manifest(tmp_path / "v2").checksum

@@ -1,0 +1,210 @@
+"""Where a model's weights live: the storages behind the tensors a checkpoint holds, and every
+tensor object that views them.
+
+Staged activation (``weight_stage.py``) swaps whole storages, so it needs this map, and the map
+must be complete: a tensor that views a storage but is missing here would go on reading it after
+the swap. The model's parameters are not independent tensors: the fused decoder makes q/k/v and
+gate/up views of one fused buffer each, tied embeddings share one, and the runner keeps handles of
+its own on the fused buffers (``ModelRunner.weight_views``). Every tensor object holds one
+reference to the storage it views, so a storage's reference count shows a viewer nobody listed
+(``WeightMemory.unknown_viewers``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from miles.errors import MilesError
+from miles.weights.checksum import saved_state_dict
+from miles.weights.safetensors_io import dtype_name
+
+
+class StagingUnsupportedError(MilesError):
+    """The model's weights cannot be staged; updates are copied in place instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a tensor lies in its storage, in elements of its dtype."""
+
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> Placement:
+        return Placement(int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()))
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for d in self.size:
+            count *= d
+        return count
+
+    def byte_span(self, itemsize: int) -> tuple[int, int]:
+        """The bytes of the storage this placement reaches: ``[begin, end)``."""
+        if self.numel == 0:
+            return (self.offset * itemsize, self.offset * itemsize)
+        last = self.offset + sum((d - 1) * s for d, s in zip(self.size, self.stride, strict=True))
+        return (self.offset * itemsize, (last + 1) * itemsize)
+
+
+@dataclass(slots=True)
+class StorageViews:
+    """One storage the weights live in and every tensor object that views it."""
+
+    # The storage the viewers view now; a staged swap replaces it with its twin.
+    live: torch.UntypedStorage
+    viewers: list[torch.Tensor]
+    names: list[str]  # the viewers' names, for messages
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one tensor of the checkpoint's name space lives (a name ``checksum_module`` lists)."""
+
+    storage: int  # index in WeightMemory.storages
+    dtype: torch.dtype
+    placement: Placement
+
+
+class WeightMemory:
+    """The storages of a model's checkpoint tensors, their viewers, and where each tensor lies."""
+
+    def __init__(
+        self, *, storages: list[StorageViews], slots: dict[str, Slot], fills: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        self.storages = storages
+        self.slots = slots
+        # Model tensors on these storages that no checkpoint holds (a non-persistent buffer), with
+        # their storage's index: a stage copies them from the live memory, so a swap keeps them.
+        self.fills = fills
+
+    @staticmethod
+    def of(model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor] = ()) -> WeightMemory:
+        """The map of ``model``'s weights; ``runner_tensors`` are the tensors the runner holds
+        besides the model's parameters and buffers (``ModelRunner.weight_views``).
+
+        Raises StagingUnsupportedError naming the reason: a tensor that is not dense, tensors that
+        overlap in memory without being the same view, or a storage viewed by a tensor that
+        neither the model nor the runner lists.
+        """
+        storages, slots = _checkpoint_slots(model)
+        index_of = {s.live._cdata: i for i, s in enumerate(storages)}
+        canonical = {(s.storage, s.dtype, s.placement) for s in slots.values()}
+        fills: list[tuple[int, torch.Tensor]] = []
+        seen: set[int] = set()
+
+        def add(name: str, tensor: torch.Tensor, *, of_model: bool) -> None:
+            if id(tensor) in seen:
+                return  # one object listed twice (tied weights): one viewer
+            seen.add(id(tensor))
+            index = index_of.get(tensor.untyped_storage()._cdata)
+            if index is None:
+                return  # memory no checkpoint writes (a rotary table): no update changes it
+            _require_dense(tensor, name)
+            storages[index].viewers.append(tensor)
+            storages[index].names.append(name)
+            if of_model and (index, tensor.dtype, Placement.of(tensor)) not in canonical:
+                fills.append((index, tensor))
+
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            add(name, parameter, of_model=True)
+        for name, buffer in model.named_buffers(remove_duplicate=False):
+            add(name, buffer, of_model=True)
+        for i, held in enumerate(runner_tensors):
+            add(f"runner tensor {i}", held, of_model=False)
+        memory = WeightMemory(storages=storages, slots=slots, fills=fills)
+        memory._check_layout()
+        unknown = memory.unknown_viewers()
+        if unknown:
+            raise StagingUnsupportedError(
+                "some weight memory is viewed by tensors that neither the model nor its runner lists, "
+                "so a swap could not re-point them; list them in the runner's weight_views()",
+                storages=unknown[:3],
+            )
+        return memory
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.storages[0].live.device if self.storages else "cpu")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one copy of these storages."""
+        return sum(s.live.nbytes() for s in self.storages)
+
+    def unknown_viewers(self) -> list[str]:
+        """Storages with more references than their known viewers hold, plus one: the storage
+        object this map keeps (``StorageViews.live``; any other Python object wrapping the same
+        storage is that same object)."""
+        return [
+            f"{s.names[:3]}: {references(s.live) - 1} references, {len(s.viewers)} known"
+            for s in self.storages
+            if references(s.live) != len(s.viewers) + 1
+        ]
+
+    def viewers_moved(self) -> list[str]:
+        """Names of viewers that no longer view the storage they were found on."""
+        return [
+            name
+            for s in self.storages
+            for tensor, name in zip(s.viewers, s.names, strict=True)
+            if tensor.untyped_storage()._cdata != s.live._cdata
+        ]
+
+    def _check_layout(self) -> None:
+        """Refuse tensors that overlap without being the same view: staging could not say which
+        bytes belong to which name, nor copy one without changing the other."""
+        spans: dict[int, list[tuple[int, int, str]]] = {}
+        for name, slot in self.slots.items():
+            begin, end = slot.placement.byte_span(slot.dtype.itemsize)
+            spans.setdefault(slot.storage, []).append((begin, end, name))
+        for index, tensor in self.fills:
+            begin, end = Placement.of(tensor).byte_span(tensor.dtype.itemsize)
+            spans.setdefault(index, []).append((begin, end, f"a {dtype_name(tensor.dtype)} tensor no checkpoint holds"))
+        for entries in spans.values():
+            entries.sort()
+            for (_, end, first), (begin, _, second) in zip(entries, entries[1:], strict=False):
+                if begin < end:
+                    raise StagingUnsupportedError(
+                        "two weight tensors overlap in memory without being the same view",
+                        first=first,
+                        second=second,
+                    )
+
+
+def references(storage: torch.UntypedStorage) -> int:
+    """How many references the storage has: one per tensor object viewing it, one per Python
+    storage object wrapping it."""
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+def _checkpoint_slots(model: torch.nn.Module) -> tuple[list[StorageViews], dict[str, Slot]]:
+    """The storages holding the tensors a checkpoint of ``model`` holds, and where each lies.
+
+    A function of its own so that the state dict's tensors (detached views, each one more
+    reference to its storage) are gone when the caller counts references.
+    """
+    storages: list[StorageViews] = []
+    index_of: dict[int, int] = {}
+    slots: dict[str, Slot] = {}
+    for name, tensor in saved_state_dict(model).items():
+        _require_dense(tensor, name)
+        if tensor.numel() == 0:
+            continue  # no bytes to stage; its view of whatever storage never changes
+        storage = tensor.untyped_storage()
+        index = index_of.setdefault(storage._cdata, len(storages))
+        if index == len(storages):
+            storages.append(StorageViews(live=storage, viewers=[], names=[]))
+        slots[name] = Slot(storage=index, dtype=tensor.dtype, placement=Placement.of(tensor))
+    return storages, slots
+
+
+def _require_dense(tensor: torch.Tensor, name: str) -> None:
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested or tensor.device.type == "meta":
+        raise StagingUnsupportedError("only dense tensors with memory can be staged", tensor=name)
