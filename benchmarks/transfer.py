@@ -120,9 +120,14 @@ async def traffic(url: str, stop: asyncio.Event) -> int:
     return served
 
 
-def blocked_s(timings: list[dict[str, float]]) -> list[float]:
-    """What each update call held the engine's write lock for (the time generation could not run)."""
-    return [t.get("activate", t.get("copy", 0.0) + t.get("checksum", 0.0)) for t in timings]
+def blocked_s(bucket_timings: list[dict[str, float]], activations: list[dict[str, float]], engines: int) -> list[float]:
+    """What one update held each engine's weights write lock for (the time its generation could
+    not run): the swap of a staged update, else every bucket's copy and checksum in place."""
+    swaps = [t["activate"] for t in activations if "activate" in t]
+    if swaps:
+        return swaps
+    in_place = sum(t.get("copy", 0.0) + t.get("checksum", 0.0) for t in bucket_timings)
+    return [in_place / engines] * engines
 
 
 async def one_fleet(
@@ -148,7 +153,10 @@ async def one_fleet(
                     await publisher.push(weights, step=step)
                     times.append(time.perf_counter() - started)
                     assert publisher.last is not None
-                    blocked += blocked_s(publisher.last.engine_timings)
+                    result = controller.last_update
+                    assert result is not None
+                    activations = [o.load_timings for o in result.servers]
+                    blocked += blocked_s(publisher.last.engine_timings, activations, engines)
                     calls.append(publisher.last.calls // engines)
             finally:
                 stop.set()

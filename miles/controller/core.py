@@ -46,7 +46,7 @@ from miles.controller.results import (
 )
 from miles.controller.router import Router
 from miles.controller.transaction import Target, WeightUpdate
-from miles.controller.windows import Abort, Commit, OpenWindow, Refused, WriteOuts, commit, set_window
+from miles.controller.windows import Abort, Commit, OpenWindow, Refused, WriteOuts, aim, commit, refusal, set_window
 from miles.errors import ConflictError, InvalidRequestError, LockTimeoutError, MilesError
 from miles.protocol.auth import window_credential
 from miles.rollout.rollout import Rollout
@@ -295,6 +295,7 @@ class AsyncInferenceController:
         *,
         ttl_s: float | None = None,
         pause_mode: UpdatePauseMode | str | None = None,
+        staged: bool = False,
     ) -> UpdateWindow:
         """Open a window: hold requests, pause every server, and keep the lock for training.
 
@@ -303,6 +304,10 @@ class AsyncInferenceController:
         within ``ttl_s`` the window is rolled back and its credential refused. Raises for invalid
         arguments before anything is touched, and re-raises (after putting every server back) a
         failure while the window opened.
+
+        ``staged``: the servers keep serving while training pushes into their engines' staging
+        buffers (``activate=false``); the commit then takes them out only to swap the verified
+        weights in (draining per ``pause_mode``), so serving stops for the swap, not the transfer.
         """
         rollout = self.fleet.rollout(model_name)
         ttl = check_seconds(
@@ -313,7 +318,9 @@ class AsyncInferenceController:
         )
         pause = _choice(UpdatePauseMode, pause_mode or self._settings.default_pause_mode, "pause_mode")
         opened: asyncio.Future[UpdateWindow] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._hold_window(rollout, ttl_s=ttl, pause_mode=pause, opened=opened))
+        task = asyncio.create_task(
+            self._hold_window(rollout, ttl_s=ttl, pause_mode=pause, staged=bool(staged), opened=opened)
+        )
         self._window_task = task
         # The window's task sets ``opened`` once the window is open (or failed to open); a task
         # that ends without setting it never got the lock (LockTimeoutError) or was cancelled.
@@ -325,7 +332,13 @@ class AsyncInferenceController:
 
     @with_lock
     async def _hold_window(
-        self, rollout: Rollout, *, ttl_s: float, pause_mode: UpdatePauseMode, opened: asyncio.Future[UpdateWindow]
+        self,
+        rollout: Rollout,
+        *,
+        ttl_s: float,
+        pause_mode: UpdatePauseMode,
+        staged: bool,
+        opened: asyncio.Future[UpdateWindow],
     ) -> None:
         """The task that holds a window's lock: open it, wait for its ending, carry that out."""
         update = self._new_update(rollout, mode=UpdateMode.WINDOW, pause_mode=pause_mode)
@@ -333,8 +346,9 @@ class AsyncInferenceController:
         try:
             await self._heal(update)
             self._events.started(update)
-            self.router.close_gate(update.model_name)
-            await update.take_out(update.server_ids)
+            if not staged:
+                self.router.close_gate(update.model_name)
+                await update.take_out(update.server_ids)
             # The engines accept the window's credential from now until it is closed again.
             await set_window(update, open_=True)
         except BaseException as exc:  # noqa: BLE001  # handed to start_update_weights through ``opened``
@@ -344,12 +358,15 @@ class AsyncInferenceController:
             self._finish(update.result(UpdateStatus.ROLLED_BACK, message=f"the window could not open: {exc}"))
             opened.set_exception(exc)
             return
-        window = OpenWindow(update=update, public=self._describe_window(update, ttl_s=ttl_s, pause_mode=pause_mode))
+        window = OpenWindow(
+            update=update,
+            public=self._describe_window(update, ttl_s=ttl_s, pause_mode=pause_mode, staged=staged),
+        )
         self._window = window
         opened.set_result(window.public)
         ending, answer = await window.wait(ttl_s)
         try:
-            result = await self._end_window(update, ending)
+            result = await self._end_window(update, ending, staged=staged)
         except BaseException as exc:
             self._window = None
             await self._close_window(update, reason=f"ending the window failed: {exc}")
@@ -363,20 +380,31 @@ class AsyncInferenceController:
             answer.set_result(result)
 
     @requires_lock
-    async def _end_window(self, update: WeightUpdate, ending: Commit | Abort) -> UpdateResult:
+    async def _end_window(self, update: WeightUpdate, ending: Commit | Abort, *, staged: bool) -> UpdateResult:
         if isinstance(ending, Abort):
             await self._close_window(update, reason=ending.reason)
             return update.result(UpdateStatus.ABORTED, message=ending.reason)
         # Nothing may push once the weights are being confirmed: close the window on the engines.
         await set_window(update, open_=False)
         published = self.published.expected(update.model_name, ending.step)
-        outcome = await commit(update, ending, published_checksum=published.checksum if published else None)
+        refused = refusal(update, ending, published_checksum=published.checksum if published else None)
+        if refused is not None:
+            await self._close_window(update, reason=refused.reason)
+            return update.result(UpdateStatus.ROLLED_BACK, message=refused.message)
+        await aim(update, ending)
+        assert self.router is not None
+        if staged:
+            # The servers served throughout; only now do they leave routing, drain, and swap in
+            # the weights their engines staged and verified.
+            self.router.close_gate(update.model_name)
+            await update.take_out(update.server_ids)
+            await update.activate(update.server_ids)
+        outcome = await commit(update)
         if isinstance(outcome, Refused):
             await self._close_window(update, reason=outcome.reason)
             return update.result(UpdateStatus.ROLLED_BACK, message=outcome.message)
         if published is None:
             self._events.published(update.model_name, ending.checksum, ending.step, update.weight_version)
-        assert self.router is not None
         self.router.open_gate(update.model_name)
         if update.checkpoint is None:
             self._write_outs.start(update.rollout, checksum=ending.checksum, step=ending.step)
@@ -436,7 +464,9 @@ class AsyncInferenceController:
         return open_window
 
     @lock_exempt
-    def _describe_window(self, update: WeightUpdate, *, ttl_s: float, pause_mode: UpdatePauseMode) -> UpdateWindow:
+    def _describe_window(
+        self, update: WeightUpdate, *, ttl_s: float, pause_mode: UpdatePauseMode, staged: bool
+    ) -> UpdateWindow:
         return UpdateWindow(
             window_id=uuid.uuid4().hex[:12],
             update_id=update.update_id,
@@ -450,6 +480,7 @@ class AsyncInferenceController:
                 for s in update.rollout.snapshot()
             ),
             credential=window_credential(self._engine_secret, update.token),
+            staged=staged,
         )
 
     # --- updates and recovery ------------------------------------------------------------------

@@ -147,3 +147,6 @@ class UpdateWindow(BaseModel):
     pause_mode: UpdatePauseMode
     servers: tuple[WindowServer, ...]
     credential: str | None = None
+    # The servers keep serving while training pushes: pushes stage (``activate=false``) and the
+    # commit swaps the weights in.
+    staged: bool = False

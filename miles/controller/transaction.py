@@ -176,6 +176,27 @@ class WeightUpdate:
 
         await self._each(self._healthy(server_ids), "load", one)
 
+    async def activate(self, server_ids: list[str]) -> None:
+        """Have each server serve the weights a window pushed into its stage (verified there)."""
+        target = self._target()
+
+        async def one(server_id: str) -> None:
+            response = await self.rollout.activate(
+                server_id, weight_version=target.weight_version, expected_checksum=target.checksum, fence=self.token
+            )
+            note = self.progress[server_id]
+            note.load_timings = dict(response.timings)
+            if not response.success:
+                note.step, note.error = ServerStep.REFUSED, f"activation refused: {response.message}"
+                return
+            note.step = ServerStep.LOADED
+            if response.checksum is not None and response.weight_version is not None:
+                note.reported = WeightsChecksum(
+                    checksum=response.checksum, algorithm="xxh3_128", weight_version=response.weight_version
+                )
+
+        await self._each(self._healthy(server_ids), "activate", one)
+
     async def confirm(self, server_ids: list[str]) -> None:
         """Get each server's checksum of what it holds; only an exact match is confirmed.
 

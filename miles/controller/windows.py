@@ -101,11 +101,10 @@ class OpenWindow:
             return Abort(reason="the window's lease expired before training ended it"), None
 
 
-async def commit(update: WeightUpdate, ending: Commit, *, published_checksum: str | None) -> UpdateStatus | Refused:
-    """Verify what every server of ``update`` holds against the checksum training gave, and admit.
+def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | None) -> Refused | None:
+    """Why ``ending`` may not commit at all (checked before any server is touched), or None.
 
-    ``published_checksum`` is what training published for that step, if it did. Returns COMMITTED,
-    or why nothing was admitted (the caller rolls the window back).
+    ``published_checksum`` is what training published for that step, if it did.
     """
     version = ending.weight_version or str(ending.step)
     if is_newer(version, update.previous_version) is False:
@@ -120,17 +119,29 @@ async def commit(update: WeightUpdate, ending: Commit, *, published_checksum: st
             f"({published_checksum}); nothing was admitted"
         )
         return Refused(reason=reason, message=reason)
+    return None
+
+
+async def aim(update: WeightUpdate, ending: Commit) -> None:
+    """Fix the window's target: the weights training says its servers now hold (or stage)."""
     # Reads the checkpoint's manifest: off the loop.
     holding = await asyncio.to_thread(_checkpoint_holding, ending.checkpoint, ending.checksum)
     update.aim(
         Target(
-            weight_version=version,
+            weight_version=ending.weight_version or str(ending.step),
             step=ending.step,
             checksum=ending.checksum,
             source=ChecksumSource.TRAINING,
             checkpoint=holding,
         )
     )
+
+
+async def commit(update: WeightUpdate) -> UpdateStatus | Refused:
+    """Verify what every server of ``update`` holds against the target's checksum, and admit.
+
+    Returns COMMITTED, or why nothing was admitted (the caller rolls the window back).
+    """
     ids = update.server_ids
     await update.confirm(ids)
     if update.failed(ids):

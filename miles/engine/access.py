@@ -51,6 +51,7 @@ ENDPOINTS: dict[str, Kind] = {
         for path in (
             "/update_weights_from_disk",
             "/update_weights_from_tensor",
+            "/activate_weights",
             "/init_weights_update_group",
             "/update_weights_from_distributed",
             "/destroy_weights_update_group",

@@ -33,6 +33,7 @@ from miles.protocol.openai import (
 )
 from miles.protocol.sglang import (
     AbortRequest,
+    ActivateWeightsRequest,
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
     ExportWeightsRequest,
@@ -138,10 +139,16 @@ def create_app(engine: Engine) -> FastAPI:
                 expected_checksum=request.expected_checksum,
                 abort_all_requests=request.abort_all_requests,
                 source="shared memory",
+                activate=request.activate,
             )
         finally:
             bucket.close()
         return await pushed(result)
+
+    @app.post("/activate_weights")
+    async def activate_weights(request: ActivateWeightsRequest, http_request: Request) -> JSONResponse:
+        admit(access, http_request)
+        return await pushed(await engine.weights.activate_staged(request))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: InitWeightsUpdateGroupRequest, http_request: Request) -> GroupResponse:
@@ -160,6 +167,7 @@ def create_app(engine: Engine) -> FastAPI:
             expected_checksum=request.expected_checksum,
             abort_all_requests=request.abort_all_requests,
             source=f"group {request.group_name}",
+            activate=request.activate,
         )
         return await pushed(result)
 
@@ -233,7 +241,11 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/fence")
     async def fence(request: FenceRequest, http_request: Request) -> dict[str, Any]:
         admit(access, http_request)
-        return access.move_fence(request).model_dump()
+        state = access.move_fence(request).model_dump()
+        if not request.window_open:
+            # A window ended: what it pushed but did not activate is dropped.
+            await engine.weights.discard_push()
+        return state
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

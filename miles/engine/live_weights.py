@@ -47,6 +47,7 @@ from miles.errors import (
     PermissionDeniedError,
 )
 from miles.protocol.sglang import (
+    ActivateWeightsRequest,
     ExportWeightsRequest,
     ExportWeightsResponse,
     PauseMode,
@@ -122,6 +123,10 @@ class LiveWeights:
         self._export_lock = asyncio.Lock()
         # Whether a push of tensors paused generation (it resumes once the last push is verified).
         self._push_paused = False
+        # The stage buckets of a push are written into, and pushed weights staged and verified,
+        # waiting for /activate_weights (the live weights are untouched until then).
+        self._push_stage: WeightStage | None = None
+        self._staged_push: _StagedPush | None = None
         # Loads in progress, held here so a load whose caller went away is not collected mid-way.
         self._loads: set[asyncio.Future[UpdateWeightsResponse]] = set()
 
@@ -184,6 +189,8 @@ class LiveWeights:
 
     async def _load(self, path: Path, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
         async with self._update_lock:
+            # A push that never finished (or was never activated) is superseded by this load.
+            self._drop_staged_push()
             try:
                 prepared = await asyncio.to_thread(
                     prepare_update,
@@ -319,60 +326,244 @@ class LiveWeights:
         expected_checksum: str | None,
         abort_all_requests: bool,
         source: str,
+        activate: bool = True,
     ) -> UpdateWeightsResponse:
-        """Copy pushed tensors (one bucket, already checked against their digests) into the live
-        weights; the last push of an update (``expected_checksum`` given) is confirmed over the
-        whole model before the weights serve.
+        """Take one bucket of pushed tensors (already checked against their digests); the last push
+        of an update (``expected_checksum`` given) is confirmed over the whole model before the
+        weights serve.
 
-        Generation pauses at the first push and stays paused, the weights marked unverified,
-        until a last push's checksum matches; a mismatch leaves it paused (as for a bad
-        checkpoint) until good weights are loaded. Raises InvalidRequestError for a tensor the
-        model does not have, or of another dtype or shape, before anything is copied.
+        Staged when the staging policy allows (the engine keeps serving while buckets arrive, and
+        only the swap blocks generation); with ``activate=False`` the verified stage waits for
+        ``activate_staged`` (the controller's commit). Otherwise copied in place: generation
+        pauses at the first push and stays paused, the weights marked unverified, until a last
+        push's checksum matches. Raises InvalidRequestError for a tensor the model does not have,
+        or of another dtype or shape, before anything is copied; ConflictError for a push that
+        must stage (``activate=False``) on an engine that cannot stage now.
         """
         if expected_checksum is not None and weight_version is None:
             raise InvalidRequestError(
                 "the last push of an update (with expected_checksum) must name its weight_version"
             )
         async with self._update_lock:
-            live = saved_state_dict(self._model())
-            _check_pushed(tensors, live)
-            timings: dict[str, float] = {}
-            paused = 0
-            started = time.perf_counter()
-            if self._scheduler.state is GenerationState.SERVING:
-                mode = PauseMode.ABORT if abort_all_requests else PauseMode.DRAIN
-                paused = await asyncio.to_thread(self._scheduler.pause, mode, message=f"aborted by {source}")
-                self._push_paused = True
-            elif abort_all_requests:
-                self._scheduler.abort(None, message=f"aborted by {source}")
-            timings["pause"] = time.perf_counter() - started
+            _check_pushed(tensors, saved_state_dict(self._model()))
+            if self._push_stage is None:
+                self._drop_staged_push()
+                self._push_stage = await asyncio.to_thread(self._staging.open_stage)
+            if self._push_stage is not None:
+                return await self._push_staged(
+                    tensors,
+                    weight_version=weight_version,
+                    expected_checksum=expected_checksum,
+                    abort_all_requests=abort_all_requests,
+                    source=source,
+                    activate=activate,
+                )
+            if not activate:
+                why = self._staging.report().reason or "staging is off"
+                raise ConflictError(
+                    f"this engine cannot stage pushed weights now ({why}); push in a window whose servers "
+                    "leave routing for the push, or raise --weight-staging-budget"
+                )
+            return await self._push_in_place(
+                tensors,
+                weight_version=weight_version,
+                expected_checksum=expected_checksum,
+                abort_all_requests=abort_all_requests,
+                source=source,
+            )
 
-            def copy() -> ModelChecksum | None:
-                waiting = time.perf_counter()
-                with self._lock.write():
-                    timings["write_lock_wait"] = time.perf_counter() - waiting
-                    copied = time.perf_counter()
-                    with torch.no_grad():
-                        for name, tensor in tensors.items():
-                            live[name].copy_(tensor)
-                    timings["copy"] = time.perf_counter() - copied
-                    if expected_checksum is None:
-                        self._held = replace(self._held, status=WeightsStatus.UNVERIFIED)
-                        return None
-                    hashed = time.perf_counter()
-                    result = checksum_module(self._model())
-                    timings["checksum"] = time.perf_counter() - hashed
-                    if result.checksum == expected_checksum:
-                        assert weight_version is not None
-                        self._held = HeldWeights(
-                            version=weight_version, checksum=result.checksum, status=WeightsStatus.VERIFIED
-                        )
-                    else:
-                        self._held = replace(self._held, checksum=result.checksum, status=WeightsStatus.UNVERIFIED)
-                    return result
+    async def activate_staged(self, request: ActivateWeightsRequest) -> UpdateWeightsResponse:
+        """Serve the pushed weights staged and verified earlier (``activate=False``): drain or abort
+        running requests as asked, swap, resume. Raises ConflictError when no staged weights
+        hash to ``expected_checksum``."""
+        async with self._update_lock:
+            staged = self._staged_push
+            if staged is None or staged.checksum != request.expected_checksum:
+                have = "nothing is staged" if staged is None else f"the staged weights hash to {staged.checksum}"
+                raise ConflictError(
+                    f"no staged weights hash to {request.expected_checksum} ({have}); push them first with "
+                    "activate=false"
+                )
+            self._staged_push = None
+            return await self._activate_push(
+                staged.stage,
+                version=request.weight_version,
+                abort_all_requests=request.abort_all_requests,
+                timings={},
+                source="staged weights",
+            )
 
-            # On the scheduler thread, between two steps, like every copy into the live weights.
-            checksum = await asyncio.to_thread(self._scheduler.call, copy)
+    async def discard_push(self) -> None:
+        """Drop a push that never reached its last bucket (its window ended): the live weights
+        never changed. Staged and verified weights stay until activated or superseded by the
+        next push or load (the window's commit activates them after closing the window)."""
+        async with self._update_lock:
+            if self._push_stage is not None:
+                self._push_stage.discard()
+                self._push_stage = None
+
+    def _drop_staged_push(self) -> None:
+        if self._push_stage is not None:
+            self._push_stage.discard()
+            self._push_stage = None
+        if self._staged_push is not None:
+            self._staged_push.stage.discard()
+            self._staged_push = None
+
+    async def _push_staged(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        weight_version: str | None,
+        expected_checksum: str | None,
+        abort_all_requests: bool,
+        source: str,
+        activate: bool,
+    ) -> UpdateWeightsResponse:
+        stage = self._push_stage
+        assert stage is not None
+        timings: dict[str, float] = {}
+        started = time.perf_counter()
+        await asyncio.to_thread(_stage_all, stage, tensors)
+        timings["stage_write"] = time.perf_counter() - started
+        held = self._held
+        if expected_checksum is None:
+            return UpdateWeightsResponse(
+                success=True,
+                message=f"staged {len(tensors)} tensors; the engine serves {held.version} meanwhile",
+                weight_version=held.version,
+                timings=timings,
+            )
+        hashed = time.perf_counter()
+        staged = await asyncio.to_thread(stage.checksum)
+        timings["stage_checksum"] = time.perf_counter() - hashed
+        self._push_stage = None
+        if staged.checksum != expected_checksum:
+            stage.discard()
+            return UpdateWeightsResponse(
+                success=False,
+                message=(
+                    f"the pushed weights hash to {staged.checksum}, not the expected {expected_checksum}: a tensor "
+                    f"is missing or differs. Nothing changed; the engine serves {held.version}"
+                ),
+                weight_version=held.version,
+                checksum=staged.checksum,
+                timings=timings,
+            )
+        assert weight_version is not None
+        if not activate:
+            self._staged_push = _StagedPush(stage=stage, checksum=staged.checksum)
+            return UpdateWeightsResponse(
+                success=True,
+                message=f"staged and verified; the engine serves {held.version} until /activate_weights",
+                weight_version=held.version,
+                checksum=staged.checksum,
+                timings=timings,
+            )
+        return await self._activate_push(
+            stage, version=weight_version, abort_all_requests=abort_all_requests, timings=timings, source=source
+        )
+
+    async def _activate_push(
+        self,
+        stage: WeightStage,
+        *,
+        version: str,
+        abort_all_requests: bool,
+        timings: dict[str, float],
+        source: str,
+    ) -> UpdateWeightsResponse:
+        """Swap a verified stage in between two steps, draining (or aborting) running requests first."""
+        paused = 0
+        by_push = self._scheduler.state is GenerationState.SERVING
+        started = time.perf_counter()
+        if by_push:
+            mode = PauseMode.ABORT if abort_all_requests else PauseMode.DRAIN
+            paused = await asyncio.to_thread(self._scheduler.pause, mode, message=f"aborted by {source}")
+        timings["pause"] = time.perf_counter() - started
+
+        def swap() -> ModelChecksum:
+            stage.prepare_activation()
+            waiting = time.perf_counter()
+            with self._lock.write():
+                locked = time.perf_counter()
+                timings["write_lock_wait"] = locked - waiting
+                checksum = stage.activate()
+                self._held = HeldWeights(version=version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
+                timings["activate"] = time.perf_counter() - locked
+                return checksum
+
+        try:
+            checksum = await asyncio.to_thread(self._scheduler.call, swap)
+        except StagingRefusedError as exc:
+            stage.discard()
+            self._staging.give_up(f"a swap was refused: {exc}")
+            message = f"the pushed weights could not be swapped in ({exc}); nothing changed, push them again"
+            ok = False
+        else:
+            message, ok = f"Succeeded to update model weights from {source}.", True
+        if (by_push or self._push_paused) and ok:
+            self._scheduler.resume()
+            self._push_paused = False
+        elif by_push:
+            self._scheduler.resume()
+        return UpdateWeightsResponse(
+            success=ok,
+            message=message,
+            num_paused_requests=paused,
+            weight_version=version if ok else self._held.version,
+            checksum=checksum.checksum if ok else None,
+            timings=timings,
+        )
+
+    async def _push_in_place(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        weight_version: str | None,
+        expected_checksum: str | None,
+        abort_all_requests: bool,
+        source: str,
+    ) -> UpdateWeightsResponse:
+        """Copy one bucket into the live weights under the write lock (see ``apply_pushed``)."""
+        live = saved_state_dict(self._model())
+        timings: dict[str, float] = {}
+        paused = 0
+        started = time.perf_counter()
+        if self._scheduler.state is GenerationState.SERVING:
+            mode = PauseMode.ABORT if abort_all_requests else PauseMode.DRAIN
+            paused = await asyncio.to_thread(self._scheduler.pause, mode, message=f"aborted by {source}")
+            self._push_paused = True
+        elif abort_all_requests:
+            self._scheduler.abort(None, message=f"aborted by {source}")
+        timings["pause"] = time.perf_counter() - started
+
+        def copy() -> ModelChecksum | None:
+            waiting = time.perf_counter()
+            with self._lock.write():
+                timings["write_lock_wait"] = time.perf_counter() - waiting
+                copied = time.perf_counter()
+                with torch.no_grad():
+                    for name, tensor in tensors.items():
+                        live[name].copy_(tensor)
+                timings["copy"] = time.perf_counter() - copied
+                if expected_checksum is None:
+                    self._held = replace(self._held, status=WeightsStatus.UNVERIFIED)
+                    return None
+                hashed = time.perf_counter()
+                result = checksum_module(self._model())
+                timings["checksum"] = time.perf_counter() - hashed
+                if result.checksum == expected_checksum:
+                    assert weight_version is not None
+                    self._held = HeldWeights(
+                        version=weight_version, checksum=result.checksum, status=WeightsStatus.VERIFIED
+                    )
+                else:
+                    self._held = replace(self._held, checksum=result.checksum, status=WeightsStatus.UNVERIFIED)
+                return result
+
+        # On the scheduler thread, between two steps, like every copy into the live weights.
+        checksum = await asyncio.to_thread(self._scheduler.call, copy)
         if checksum is None:
             return UpdateWeightsResponse(
                 success=True,
@@ -543,6 +734,17 @@ class LiveWeights:
 
         async with self._export_lock:
             return await asyncio.to_thread(export)
+
+
+@dataclass(frozen=True)
+class _StagedPush:
+    stage: WeightStage
+    checksum: str
+
+
+def _stage_all(stage: WeightStage, tensors: Mapping[str, torch.Tensor]) -> None:
+    for name, tensor in tensors.items():
+        stage.write(name, tensor)
 
 
 def _check_pushed(tensors: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]) -> None:

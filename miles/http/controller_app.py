@@ -75,6 +75,9 @@ class StartWindowRequest(_Strict):
     model_name: Label | None = None
     ttl_s: Annotated[float, Field(ge=LEASE_TTL_MIN_S, le=LEASE_TTL_MAX_S)] | None = None
     pause_mode: UpdatePauseMode | None = None
+    # Servers keep serving while training pushes into their engines' stages (see
+    # AsyncInferenceController.start_update_weights).
+    staged: bool = False
 
 
 class EndWindowRequest(_Strict):
@@ -224,7 +227,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     @app.post("/update_weights/start", dependencies=as_admin)
     async def start_window(request: StartWindowRequest) -> dict[str, Any]:
         window = await controller.start_update_weights(
-            request.model_name, ttl_s=request.ttl_s, pause_mode=request.pause_mode
+            request.model_name, ttl_s=request.ttl_s, pause_mode=request.pause_mode, staged=request.staged
         )
         return window.model_dump(mode="json")
 

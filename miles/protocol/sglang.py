@@ -555,7 +555,7 @@ class _PushFields(SGLangFields):
     unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {
         "selector": Unsupported(default="all", reason="the engine has no draft model; leave it 'all'")
     }
-    extension_fields: ClassVar[frozenset[str]] = frozenset({"expected_checksum"})
+    extension_fields: ClassVar[frozenset[str]] = frozenset({"expected_checksum", "activate"})
 
     flush_cache: bool = True
     abort_all_requests: bool = False
@@ -564,6 +564,9 @@ class _PushFields(SGLangFields):
     # weight_version): the engine confirms it over its live weights before it serves them.
     # Earlier pushes leave generation paused with the weights unverified.
     expected_checksum: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # False: stage the pushed weights beside the live ones and keep serving; after the last
+    # push, wait for /activate_weights (refused by an engine that cannot stage now).
+    activate: bool = True
 
 
 class UpdateWeightsFromTensorRequest(_PushFields):
@@ -599,7 +602,7 @@ class UpdateWeightsFromDistributedRequest(_PushFields):
     ``load_format="flattened_bucket"``: the tensors arrive as one flat broadcast, back to back in
     the order given; ``digests`` (miles extension) lets the engine check each before use."""
 
-    extension_fields: ClassVar[frozenset[str]] = frozenset({"expected_checksum", "timeout_s", "digests"})
+    extension_fields: ClassVar[frozenset[str]] = frozenset({"expected_checksum", "activate", "timeout_s", "digests"})
 
     names: Annotated[list[str], Field(min_length=1, max_length=100_000)]
     dtypes: list[str]
@@ -621,6 +624,15 @@ class DestroyWeightsUpdateGroupRequest(SGLangFields):
     ignored_fields: ClassVar[frozenset[str]] = _BASE_REQUEST_FIELDS
 
     group_name: Annotated[str, Field(min_length=1, max_length=128)] = "weight_update_group"
+
+
+class ActivateWeightsRequest(RequestModel):
+    """``POST /activate_weights`` (miles extension): serve the pushed weights staged with
+    ``activate=false``, which must hash to ``expected_checksum``, as ``weight_version``."""
+
+    weight_version: WeightVersion
+    expected_checksum: Annotated[str, Field(min_length=1, max_length=256)]
+    abort_all_requests: bool = False
 
 
 class GroupResponse(BaseModel):

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from miles.errors import MilesError
 from miles.protocol.auth import FENCE_HEADER, FenceRequest, FenceState
 from miles.protocol.sglang import (
+    ActivateWeightsRequest,
     ExportWeightsRequest,
     ExportWeightsResponse,
     PauseGenerationRequest,
@@ -158,6 +159,24 @@ class EngineClient:
             fence=fence,
         )
         return WeightsExport(path=Path(body.path), checksum=body.checksum, weight_version=body.weight_version)
+
+    async def activate_weights(
+        self, request: ActivateWeightsRequest, *, timeout: float | None = None, fence: int | None = None
+    ) -> UpdateWeightsResponse:
+        """Have the engine serve the pushed weights it staged; a refusal comes back as ``success=False``."""
+        response = await self._call(
+            "POST", "/activate_weights", json=request.model_dump(mode="json"), timeout=timeout, fence=fence
+        )
+        if response.status_code in (200, 400):
+            try:
+                return UpdateWeightsResponse.model_validate_json(response.content)
+            except ValidationError:
+                pass
+        raise EngineCallError(
+            f"activate_weights answered {response.status_code}: {_error_text(response)}",
+            status_code=response.status_code,
+            server_id=self.server_id,
+        )
 
     async def update_weights_from_disk(
         self, request: UpdateWeightsFromDiskRequest, *, timeout: float | None = None, fence: int | None = None

@@ -31,7 +31,12 @@ from typing import Protocol
 import httpx
 
 from miles.errors import CheckpointError, MilesError
-from miles.protocol.sglang import PauseMode, UpdateWeightsFromDiskRequest, UpdateWeightsResponse
+from miles.protocol.sglang import (
+    ActivateWeightsRequest,
+    PauseMode,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsResponse,
+)
 from miles.rollout.engine_client import (
     EngineCallError,
     EngineClient,
@@ -252,6 +257,14 @@ class Rollout(ABC):
         return await self.client(server_id).update_weights_from_disk(
             request, timeout=self.spec.update_timeout_s, fence=fence
         )
+
+    async def activate(
+        self, server_id: str, *, weight_version: str, expected_checksum: str, fence: int | None = None
+    ) -> UpdateWeightsResponse:
+        """Have the engine serve the weights a window pushed into its stage (they must hash to
+        ``expected_checksum``); a refusal is returned with ``success=False``."""
+        request = ActivateWeightsRequest(weight_version=weight_version, expected_checksum=expected_checksum)
+        return await self.client(server_id).activate_weights(request, timeout=self.spec.update_timeout_s, fence=fence)
 
     async def confirm(self, server_id: str, *, fence: int | None = None) -> WeightsChecksum:
         """The checksum the engine computes now over the weights it holds."""

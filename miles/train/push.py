@@ -60,6 +60,8 @@ logger = logging.getLogger("miles.train")
 
 SHM_DIR = Path("/dev/shm")
 GROUP_NAME = "miles_weight_push"
+# How an engine that cannot stage refuses a staged push (miles.engine.live_weights).
+_CANNOT_STAGE = "cannot stage pushed weights"
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class Window:
     model_name: str
     credential: str | None
     servers: tuple[tuple[str, str], ...]  # (server id, engine URL)
+    # The servers serve while the push stages; the commit swaps the weights in.
+    staged: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,17 +107,19 @@ class WindowClient:
             raise PublishError(f"the controller refused {path}: {payload.get('detail', payload)}")
         return payload
 
-    async def open(self, *, model_name: str | None, ttl_s: float) -> Window:
+    async def open(self, *, model_name: str | None, ttl_s: float, staged: bool) -> Window:
         if isinstance(self._controller, str):
-            raw = await self._http("/update_weights/start", {"model_name": model_name, "ttl_s": ttl_s})
+            body = {"model_name": model_name, "ttl_s": ttl_s, "staged": staged}
+            raw = await self._http("/update_weights/start", body)
         else:
-            window = await self._call("start_update_weights", model_name, ttl_s=ttl_s)
+            window = await self._call("start_update_weights", model_name, ttl_s=ttl_s, staged=staged)
             raw = window.model_dump(mode="json")
         return Window(
             token=int(raw["token"]),
             model_name=raw["model_name"],
             credential=raw.get("credential"),
             servers=tuple((s["server_id"], s["url"]) for s in raw["servers"]),
+            staged=bool(raw.get("staged", False)),
         )
 
     async def publish(self, event: InferenceEngineWeightChecksumEvent) -> None:
@@ -193,6 +199,7 @@ class PushPublisher:
         ttl_s: float = 120.0,
         timeout_s: float = 60.0,
         delta: bool = True,
+        staged: bool = True,
     ) -> None:
         if TransferPath(path) is TransferPath.DISK:
             raise ValueError("PushPublisher pushes from memory; publish through disk with DiskPublisher")
@@ -204,6 +211,8 @@ class PushPublisher:
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         self.delta = delta
+        # Push into the engines' staging buffers while they serve (a staged window).
+        self.staged = staged
         # The digest of every tensor the servers were last committed on (delta pushes).
         self._held: dict[str, str] | None = None
         self.last: PushStats | None = None
@@ -238,21 +247,25 @@ class PushPublisher:
         """
         held = self._held
         try:
-            return await self._push(named, step=step, held=held)
-        except PublishError:
+            return await self._push(named, step=step, held=held, staged=self.staged)
+        except PublishError as exc:
             self._held = None
+            if self.staged and _CANNOT_STAGE in str(exc):
+                # Some engine cannot hold a second copy now: its servers leave routing instead.
+                logger.warning("an engine cannot stage step %d; pushing with the servers out of routing", step)
+                return await self._push(named, step=step, held=None, staged=False)
             if held is None:
                 raise
             logger.warning("a delta push of step %d was not committed; pushing every tensor", step)
-            return await self._push(named, step=step, held=None)
+            return await self._push(named, step=step, held=None, staged=self.staged)
 
     async def _push(
-        self, named: Mapping[str, torch.Tensor], *, step: int, held: dict[str, str] | None
+        self, named: Mapping[str, torch.Tensor], *, step: int, held: dict[str, str] | None, staged: bool
     ) -> PublishResult:
         started = time.perf_counter()
         version = str(step)
         sending, unchanged, digests = await self._delta(named, held)
-        window = await self.client.open(model_name=self.model_name, ttl_s=self.ttl_s)
+        window = await self.client.open(model_name=self.model_name, ttl_s=self.ttl_s, staged=staged)
         opened = time.perf_counter()
         try:
             # Looks at /dev/shm and resolves this machine's addresses: off the loop.
@@ -437,6 +450,7 @@ class _ShmPush:
                     "load_format": "miles_shm",
                     "weight_version": version if last else None,
                     "expected_checksum": checksum,
+                    "activate": not self.window.staged,
                 }
                 await _post_all(http, self.window, "/update_weights_from_tensor", _same(body), stats)
                 stats.buckets += 1
@@ -510,6 +524,7 @@ class _DistributedPush:
                     "load_format": "flattened_bucket",
                     "weight_version": version if last else None,
                     "expected_checksum": checksum,
+                    "activate": not window.staged,
                     "timeout_s": publisher.timeout_s,
                 }
                 receiving = asyncio.create_task(

@@ -294,3 +294,40 @@ async def test_no_request_sees_mixed_weights_during_a_push(
     # Every answer is one version's greedy output, labelled with that version.
     assert {(text, versions.get(text)) for text, _ in seen} == {(t, v) for t, v in seen}, seen
     assert {v for _, v in seen} == {"1", "7"}
+
+
+async def test_a_staged_push_keeps_serving_until_the_commit_swaps_the_weights_in(
+    checkpoints: dict[str, Path], v2_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import miles.train.push as push
+
+    during: list[tuple[int, str]] = []
+    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2) as (ctl, url):
+        post_all = push._post_all
+
+        async def and_generate(*args: object, **kwargs: object) -> None:
+            await post_all(*args, **kwargs)  # type: ignore[arg-type]
+            # Between two buckets of the push, the window is open: requests are still served.
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+                answer = await http.post(f"{url}/generate", json=GREEDY)
+            during.append((answer.status_code, answer.json()["meta_info"]["weight_version"]))
+
+        monkeypatch.setattr(push, "_post_all", and_generate)
+        result = await PushPublisher(ctl, path="shm", bucket_bytes=64 * 1024).push(v2_weights, step=7)
+        assert len(during) > 1 and set(during) == {(200, "1")}, during
+        assert all(s.checksum == result.checksum and s.weight_version == "7" for s in ctl.health().servers)
+        # The commit's swap, not the transfer, is what each server was out of routing for.
+        outcomes = ctl.last_update.servers if ctl.last_update else ()
+        assert outcomes and all("activate" in o.load_timings for o in outcomes)
+
+
+async def test_engines_that_cannot_stage_get_the_push_with_their_servers_out_of_routing(
+    checkpoints: dict[str, Path], v2_weights: dict[str, torch.Tensor]
+) -> None:
+    v2 = read_manifest(checkpoints["v2"])
+    async with running_controller(
+        {"tiny": {"checkpoint": checkpoints["v1"], "num_servers": 2, "engine_args": ("--weight-staging", "off")}}
+    ) as (ctl, _):
+        result = await PushPublisher(ctl, path="shm").push(v2_weights, step=7)
+        assert result.checksum == v2.checksum
+        assert all(s.checksum == v2.checksum and s.state is ServerState.SERVING for s in ctl.health().servers)
