@@ -129,6 +129,8 @@ class _Group:
     world_size: int
     store: dist.Store
     group: Any  # ProcessGroupGloo or ProcessGroupNCCL
+    # Where broadcasts land: the engine's GPU with NCCL, the CPU with gloo.
+    device: torch.device
 
 
 class WeightGroups:
@@ -181,7 +183,8 @@ class WeightGroups:
                 + (f"ranks {missing} never joined" if missing else f"every rank joined but the group failed: {exc}")
             ) from None
         with self._lock:
-            self._groups[request.group_name] = _Group(request.group_name, rank, world, store, group)
+            device = self._device if backend == "nccl" else torch.device("cpu")
+            self._groups[request.group_name] = _Group(request.group_name, rank, world, store, group, device)
         logger.info("joined weight-update group %s as rank %d of %d", request.group_name, rank, world)
         return f"joined group {request.group_name!r} as rank {rank} of {world}"
 
@@ -204,7 +207,7 @@ class WeightGroups:
             )
         table = table_of(request)
         check(table)  # names, dtypes and shapes the model has, before a byte is allocated
-        flat = torch.empty(table.total_bytes, dtype=torch.uint8, device=self._device)
+        flat = torch.empty(table.total_bytes, dtype=torch.uint8, device=member.device)
         work = member.group.broadcast([flat], broadcast_options(request.timeout_s))
         try:
             work.wait(timedelta(seconds=request.timeout_s))

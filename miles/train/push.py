@@ -484,19 +484,23 @@ class _DistributedPush:
         prefixed.set("joined/0", "1")
         digests: list[TensorDigest] = list(unchanged)
         http = _Authorized(publisher.http, publisher.headers(window))
+        # NCCL between GPUs when the trainer's weights are on one (the engines receive on theirs),
+        # gloo between CPUs otherwise.
+        device = next((t.device for t in named.values() if t.device.type == "cuda"), None)
+        backend = "nccl" if device is not None else "gloo"
         join_body = {
             "master_address": publisher.master_address,
             "master_port": port,
             "world_size": world,
             "group_name": GROUP_NAME,
-            "backend": "gloo",
+            "backend": backend,
             "timeout_s": publisher.timeout_s,
         }
         joining = asyncio.create_task(
             _post_all(http, window, "/init_weights_update_group", lambda i: {**join_body, "rank_offset": i + 1}, stats)
         )
         try:
-            group = await asyncio.to_thread(dist.ProcessGroupGloo, prefixed, 0, world, timeout)
+            group = await asyncio.to_thread(_process_group, backend, prefixed, world, timeout)
         except (RuntimeError, dist.DistError):
             missing = [window.servers[r - 1][0] for r in range(1, world) if not prefixed.check([f"joined/{r}"])]
             await asyncio.gather(joining, return_exceptions=True)
@@ -531,7 +535,8 @@ class _DistributedPush:
                     _post_all(http, window, "/update_weights_from_distributed", _same(body), stats)
                 )
                 try:
-                    await asyncio.to_thread(_broadcast, group, flat[: table.total_bytes], timeout)
+                    sent = flat[: table.total_bytes]
+                    await asyncio.to_thread(_broadcast, group, sent if device is None else sent.to(device), timeout)
                 finally:
                     # The engines' answers say why, when the broadcast failed.
                     await receiving
@@ -553,6 +558,13 @@ def _digests(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
 def _same(body: dict[str, Any]) -> Callable[[int], dict[str, Any]]:
     """The same body for every engine."""
     return lambda _: body
+
+
+def _process_group(backend: str, store: dist.Store, world: int, timeout: timedelta) -> Any:
+    """This process as rank 0 of a group of ``world`` (the engines join as the other ranks)."""
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, 0, world, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(store, 0, world, timeout)
 
 
 def _broadcast(group: Any, flat: torch.Tensor, timeout: timedelta) -> None:
