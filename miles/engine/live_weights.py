@@ -483,7 +483,7 @@ class LiveWeights:
         timings["pause"] = time.perf_counter() - started
 
         def swap() -> ModelChecksum:
-            stage.prepare_activation()
+            _prepare(stage)
             waiting = time.perf_counter()
             with self._lock.write():
                 locked = time.perf_counter()
@@ -626,11 +626,7 @@ class LiveWeights:
     def _activate(self, stage: WeightStage, prepared: PreparedUpdate, version: str) -> ModelChecksum:
         """Swap the staged weights in (scheduler thread). ``activate`` in the timings is the time
         the write lock was held: what generation waited for."""
-        try:
-            stage.prepare_activation()
-        except StagingRefusedError as exc:
-            self._staging.give_up(f"a swap was refused: {exc}")
-            return self._copy_in(prepared, version)
+        _prepare(stage)
         waiting = time.perf_counter()
         with self._lock.write():
             locked = time.perf_counter()
@@ -734,6 +730,16 @@ class LiveWeights:
 
         async with self._export_lock:
             return await asyncio.to_thread(export)
+
+
+def _prepare(stage: WeightStage) -> None:
+    """Warm the swap before the write lock is taken. A refusal here may be a reader holding the
+    weights for a moment (an export writing them out, a checksum): ``activate`` checks again
+    under the write lock, once every reader is gone, and only a refusal there is final."""
+    try:
+        stage.prepare_activation()
+    except StagingRefusedError as exc:
+        logger.info("the swap's check before the lock was refused (checked again under it): %s", exc)
 
 
 @dataclass(frozen=True)
