@@ -331,3 +331,17 @@ async def test_engines_that_cannot_stage_get_the_push_with_their_servers_out_of_
         result = await PushPublisher(ctl, path="shm").push(v2_weights, step=7)
         assert result.checksum == v2.checksum
         assert all(s.checksum == v2.checksum and s.state is ServerState.SERVING for s in ctl.health().servers)
+
+
+def test_the_readme_push_through_the_blocking_controller(checkpoints: dict[str, Path]) -> None:
+    from miles.inference_controller import InferenceController
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["v2"])
+    controller = InferenceController(model_checkpoint=checkpoints["v1"], port=0, health_interval_s=0.5)
+    try:
+        publisher = PushPublisher(controller)
+        result = asyncio.run(publisher.publish(model, None, step=42))  # type: ignore[arg-type]
+        assert result.checksum == read_manifest(checkpoints["v2"]).checksum
+        assert controller.health().models["tiny"].weight_version == "42"
+    finally:
+        controller.close()
