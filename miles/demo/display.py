@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -35,7 +34,6 @@ class LiveDisplay:
         )
         self._task = self._progress.add_task("steps", total=total_steps)
         self._live = Live(self._render(), console=console, refresh_per_second=4, transient=False) if live else None
-        self._started = time.monotonic()
         self._printed = 0
 
     def attach_traffic(self, stats: TrafficStats) -> None:

@@ -27,7 +27,6 @@ from miles.controller.core import AsyncInferenceController
 from miles.demo.display import LiveDisplay
 from miles.demo.report import DemoSummary, UpdateRecord, summarize, write_report
 from miles.demo.traffic import UserTraffic
-from miles.errors import MilesError
 from miles.http.runner import HttpServer
 from miles.train.config import TrainerConfig
 from miles.train.publisher import DiskPublisher, Publisher
@@ -59,10 +58,6 @@ class DemoConfig(BaseModel):
     # The servers on the Ray cluster this process is connected to (``miles demo --ray`` starts a
     # local one of two nodes), not as child processes.
     ray: bool = False
-
-
-class DemoFailedError(MilesError):
-    """The demo ran but broke one of its promises (a failed request, a mismatch, a failed audit)."""
 
 
 def _run_dir(root: Path) -> Path:

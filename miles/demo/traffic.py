@@ -56,7 +56,6 @@ class UserTraffic:
     def __init__(
         self, url: str, *, clients: int, think_s: float, t0: float, seed: int, headers: dict[str, str] | None = None
     ) -> None:
-        self._url = url
         self._clients = clients
         self._think_s = think_s
         self._t0 = t0

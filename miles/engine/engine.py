@@ -290,10 +290,6 @@ class Engine:
         text = message or "aborted by /abort_request"
         return self._scheduler.abort(None if abort_all else rid, message=text)
 
-    @property
-    def generation_state(self) -> GenerationState:
-        return self._scheduler.state
-
     # --- health and info -------------------------------------------------------------------
 
     async def health_generate(self) -> str | None:
