@@ -142,7 +142,7 @@ async def one_fleet(
         step = 1000
         for path in ("shm", "distributed"):
             publisher = PushPublisher(controller, path=path, delta=False, timeout_s=600, ttl_s=1800)
-            times, blocked, calls = [], [], []
+            times, transfers, blocked, calls = [], [], [], []
             stop = asyncio.Event()
             users = asyncio.create_task(traffic(url, stop))
             try:
@@ -153,6 +153,7 @@ async def one_fleet(
                     await publisher.push(weights, step=step)
                     times.append(time.perf_counter() - started)
                     assert publisher.last is not None
+                    transfers.append(publisher.last.timings["push"])
                     result = controller.last_update
                     assert result is not None
                     activations = [o.load_timings for o in result.servers]
@@ -164,6 +165,7 @@ async def one_fleet(
                 await publisher.close()
             figures[path] = {
                 "update_s": statistics.median(times),
+                "transfer_s": statistics.median(transfers),
                 "calls_per_engine": calls[-1],
                 "blocked_p50_ms": statistics.median(blocked) * 1e3,
                 "blocked_p99_ms": max(blocked) * 1e3,
@@ -202,11 +204,13 @@ def report(results: list[dict[str, Any]]) -> None:
         print(f"\n{r['engines']} engine(s), {r['tensors']} tensors, {gib:.2f} GiB per push")
         shm, gloo = r["shm"], r["distributed"]
         print(
-            f"  shared memory   {shm['update_s']:7.3f} s  floor (memcpy) {r['memcpy_floor_s']:7.3f} s  "
+            f"  shared memory   {shm['update_s']:7.3f} s (transfer {shm['transfer_s']:.3f} s)  "
+            f"floor (memcpy) {r['memcpy_floor_s']:7.3f} s  "
             f"ratio {shm['update_s'] / r['memcpy_floor_s']:5.2f}x  calls/engine {shm['calls_per_engine']}"
         )
         print(
-            f"  gloo            {gloo['update_s']:7.3f} s  floor (bare broadcast) {r['gloo_floor_s']:7.3f} s  "
+            f"  gloo            {gloo['update_s']:7.3f} s (transfer {gloo['transfer_s']:.3f} s)  "
+            f"floor (bare broadcast) {r['gloo_floor_s']:7.3f} s  "
             f"speed {r['gloo_floor_s'] / gloo['update_s']:5.2f}x of the floor  calls/engine {gloo['calls_per_engine']}"
         )
         for name, figures in (("shm", shm), ("gloo", gloo)):

@@ -173,11 +173,18 @@ class WriteOuts:
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
+        self._latest: dict[str, asyncio.Task[None]] = {}
 
     def start(self, rollout: Rollout, *, checksum: str, step: int) -> None:
+        # Only the newest weights are worth writing: a write-out still waiting for older ones of
+        # the same model (training pushes every step) is dropped.
+        previous = self._latest.get(rollout.model_name)
+        if previous is not None and not previous.done():
+            previous.cancel()
         task = asyncio.get_running_loop().create_task(
             _write_out(rollout, checksum=checksum, step=step), name=f"write-out-{rollout.model_name}"
         )
+        self._latest[rollout.model_name] = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -21,6 +21,7 @@ it against the live model while generation goes on, then one of two ways (``stag
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -708,15 +709,18 @@ class LiveWeights:
             )
 
         def export() -> ExportWeightsResponse:
-            # The read side for the whole write: steps go on, but no copy or rename can change
-            # the weights (or their name) between the record read here and the last byte written.
-            # A worker thread, not the scheduler's: the write takes long and steps must not wait.
+            # A copy of the weights and their record, taken under the read side of the lock (steps
+            # go on; no update changes them meanwhile), then written without it: an update waits
+            # for a memory copy, not for gigabytes to reach the disk. A worker thread, not the
+            # scheduler's: steps must not wait for the write.
             with self._lock.read():
                 self.require_verified("exporting")
                 held = self._held
                 assert held.checksum is not None, "the checksum is recorded before the engine serves"
+                model = copy.deepcopy(self._model())
+            try:
                 path = export_snapshot(
-                    self._model(),
+                    model,
                     tokenizer=self._tokenizer,
                     snapshot_dir=snapshot_dir,
                     model_name=self._served_model_name,
@@ -724,6 +728,8 @@ class LiveWeights:
                     checksum=held.checksum,
                     step=request.step,
                 )
+            finally:
+                del model
             return ExportWeightsResponse(
                 success=True, path=str(path), checksum=held.checksum, weight_version=held.version
             )
