@@ -24,6 +24,7 @@ or the URL of its HTTP API (with ``MILES_ADMIN_TOKEN`` from the environment when
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
 import inspect
 import ipaddress
@@ -217,6 +218,7 @@ class PushPublisher:
         self._held: dict[str, str] | None = None
         self.last: PushStats | None = None
         self._http: httpx.AsyncClient | None = None
+        self._segment: _Segment | None = None
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -225,7 +227,23 @@ class PushPublisher:
             self._http = httpx.AsyncClient(trust_env=False, timeout=self.timeout_s * 2 + 30)
         return self._http
 
+    async def segment(self, size: int) -> _Segment:
+        """The shared-memory segment buckets are written into, kept from one push to the next
+        (its pages are faulted in once, not per push); a bigger one replaces it when needed."""
+        if self._segment is not None and self._segment.size < size:
+            await self.drop_segment()
+        if self._segment is None:
+            self._segment = await asyncio.to_thread(_Segment, size)
+        return self._segment
+
+    async def drop_segment(self) -> None:
+        if self._segment is not None:
+            segment, self._segment = self._segment, None
+            await asyncio.to_thread(segment.close)
+
     async def close(self) -> None:
+        """Remove the shared-memory segment and close the connections; the publisher can be used again."""
+        await self.drop_segment()
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -374,11 +392,23 @@ async def _post_all(
         raise PublishError(f"{path} was refused: " + "; ".join(failures))
 
 
+# Segments of this process's, removed at exit if nobody closed them (a process killed outright
+# leaves them to the next pusher's sweep).
+_LIVE_SEGMENTS: set[Path] = set()
+
+
+@atexit.register
+def _remove_live_segments() -> None:
+    for path in list(_LIVE_SEGMENTS):
+        path.unlink(missing_ok=True)
+
+
 class _Segment:
     """A shared-memory segment of this process's (``/dev/shm/miles-...``), removed by ``close``."""
 
     def __init__(self, size: int) -> None:
         _sweep_dead_segments()
+        self.size = size
         self.name = f"miles-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.path = SHM_DIR / self.name
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -391,6 +421,8 @@ class _Segment:
         finally:
             os.close(fd)
         self.flat = torch.frombuffer(self._map, dtype=torch.uint8)
+        # Removed when closed, or when this process exits without closing it.
+        _LIVE_SEGMENTS.add(self.path)
 
     def close(self) -> None:
         del self.flat
@@ -399,6 +431,7 @@ class _Segment:
         except BufferError:
             pass  # a view is still referenced; the mapping goes with it
         self.path.unlink(missing_ok=True)
+        _LIVE_SEGMENTS.discard(self.path)
 
 
 def _sweep_dead_segments() -> None:
@@ -432,7 +465,7 @@ class _ShmPush:
         buckets = plan(named, bucket_bytes=self.publisher.bucket_bytes)
         tables = [layout(named, names) for names in buckets]
         size = max(t.total_bytes for t in tables)
-        segment = await asyncio.to_thread(_Segment, size)
+        segment = await self.publisher.segment(size)
         digests: list[TensorDigest] = list(unchanged)
         http = _Authorized(self.publisher.http, self.publisher.headers(self.window))
         try:
@@ -455,8 +488,9 @@ class _ShmPush:
                 await _post_all(http, self.window, "/update_weights_from_tensor", _same(body), stats)
                 stats.buckets += 1
                 stats.bytes += table.total_bytes
-        finally:
-            await asyncio.to_thread(segment.close)
+        except BaseException:
+            await self.publisher.drop_segment()
+            raise
         assert checksum is not None
         return checksum
 
