@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from miles.engine.access import ENDPOINTS, AccessMiddleware, EngineAccess, admit
 from miles.engine.engine import Engine
 from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream
-from miles.engine.receiver import ShmBucket, WeightGroups
+from miles.engine.receiver import SegmentMaps, ShmBucket, WeightGroups
 from miles.errors import InvalidRequestError
 from miles.protocol.auth import FenceRequest
 from miles.protocol.openai import (
@@ -122,6 +122,7 @@ def create_app(engine: Engine) -> FastAPI:
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.success else 400)
 
     groups = WeightGroups(device=engine.device)
+    segments = SegmentMaps()
 
     async def pushed(result: UpdateWeightsResponse) -> JSONResponse:
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.success else 400)
@@ -131,7 +132,7 @@ def create_app(engine: Engine) -> FastAPI:
         request: UpdateWeightsFromTensorRequest, http_request: Request
     ) -> JSONResponse:
         admit(access, http_request)
-        bucket = await asyncio.to_thread(ShmBucket, request, engine.weights.check_table)
+        bucket = await asyncio.to_thread(ShmBucket, request, engine.weights.check_table, segments)
         try:
             result = await engine.weights.apply_pushed(
                 bucket.tensors,

@@ -65,7 +65,9 @@ def joined_key(rank: int) -> str:
 class ShmBucket:
     """One bucket's tensors read from a shared-memory segment (``close`` when they are copied)."""
 
-    def __init__(self, request: UpdateWeightsFromTensorRequest, check: Callable[[BucketTable], None]) -> None:
+    def __init__(
+        self, request: UpdateWeightsFromTensorRequest, check: Callable[[BucketTable], None], segments: SegmentMaps
+    ) -> None:
         if request.load_format != SHM_LOAD_FORMAT:
             raise InvalidRequestError(
                 f"load_format {request.load_format!r} is not accepted: SGLang's pickled tensors would run "
@@ -86,6 +88,25 @@ class ShmBucket:
             raise InvalidRequestError(
                 f"shared-memory segment names start with 'miles-' (letters, digits, ._-): {name!r}"
             )
+        flat = segments.open(name, table.total_bytes)
+        check(table)
+        self.tensors = unpack(table, flat)
+
+    def close(self) -> None:
+        self.tensors = {}
+
+
+class SegmentMaps:
+    """The shared-memory segment last read, kept mapped: a pusher reuses its segment from one
+    bucket and update to the next, and mapping it again would fault every page in again."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, int, int, int] | None = None
+        self._map: mmap.mmap | None = None
+        self._lock = threading.Lock()
+
+    def open(self, name: str, needed: int) -> torch.Tensor:
+        """The segment's bytes (a copy-on-write mapping: the engine can never change the sender's)."""
         path = SHM_DIR / name
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -96,30 +117,30 @@ class ShmBucket:
         except OSError as exc:
             raise InvalidRequestError(f"shared-memory segment {name!r} cannot be opened: {exc.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
-            if size < table.total_bytes or size == 0:
+            status = os.fstat(fd)
+            if status.st_size < needed or status.st_size == 0:
                 raise InvalidRequestError(
-                    f"segment {name!r} holds {size} bytes, fewer than the {table.total_bytes} its table describes"
+                    f"segment {name!r} holds {status.st_size} bytes, fewer than the {needed} its table describes"
                 )
-            # Copy-on-write: the engine reads the trainer's bytes and can never change them.
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            key = (name, status.st_dev, status.st_ino, status.st_size)
+            with self._lock:
+                if key != self._key or self._map is None:
+                    self._release()
+                    self._map = mmap.mmap(
+                        fd, status.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                    )
+                    self._key = key
+                return torch.frombuffer(self._map, dtype=torch.uint8)
         finally:
             os.close(fd)
-        flat = torch.frombuffer(self._map, dtype=torch.uint8)
-        try:
-            check(table)
-            self.tensors = unpack(table, flat)
-        except BaseException:
-            del flat
-            self.close()
-            raise
 
-    def close(self) -> None:
-        self.tensors = {}
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a view is still referenced somewhere; the map goes with it
+    def _release(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a view is still referenced somewhere; the map goes with it
+        self._map, self._key = None, None
 
 
 @dataclass
