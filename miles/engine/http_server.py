@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -124,15 +125,21 @@ def create_app(engine: Engine) -> FastAPI:
     groups = WeightGroups(device=engine.device)
     segments = SegmentMaps()
 
-    async def pushed(result: UpdateWeightsResponse) -> JSONResponse:
-        return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.success else 400)
+    async def pushed(result: UpdateWeightsResponse, *, received: float | None = None) -> JSONResponse:
+        body = result.model_dump(mode="json")
+        if received is not None:
+            # Mapping or receiving the bucket and checking every tensor's digest.
+            body["timings"] = {"receive": received, **body["timings"]}
+        return JSONResponse(body, status_code=200 if result.success else 400)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(
         request: UpdateWeightsFromTensorRequest, http_request: Request
     ) -> JSONResponse:
         admit(access, http_request)
+        started = time.perf_counter()
         bucket = await asyncio.to_thread(ShmBucket, request, engine.weights.check_table, segments)
+        received = time.perf_counter() - started
         try:
             result = await engine.weights.apply_pushed(
                 bucket.tensors,
@@ -144,7 +151,7 @@ def create_app(engine: Engine) -> FastAPI:
             )
         finally:
             bucket.close()
-        return await pushed(result)
+        return await pushed(result, received=received)
 
     @app.post("/activate_weights")
     async def activate_weights(request: ActivateWeightsRequest, http_request: Request) -> JSONResponse:
@@ -161,7 +168,9 @@ def create_app(engine: Engine) -> FastAPI:
         request: UpdateWeightsFromDistributedRequest, http_request: Request
     ) -> JSONResponse:
         admit(access, http_request)
+        started = time.perf_counter()
         tensors = await asyncio.to_thread(groups.receive, request, engine.weights.check_table)
+        received = time.perf_counter() - started
         result = await engine.weights.apply_pushed(
             tensors,
             weight_version=request.weight_version,
@@ -170,7 +179,7 @@ def create_app(engine: Engine) -> FastAPI:
             source=f"group {request.group_name}",
             activate=request.activate,
         )
-        return await pushed(result)
+        return await pushed(result, received=received)
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(

@@ -152,6 +152,13 @@ class _Group:
     group: Any  # ProcessGroupGloo or ProcessGroupNCCL
     # Where broadcasts land: the engine's GPU with NCCL, the CPU with gloo.
     device: torch.device
+    # Kept from one bucket to the next (its pages faulted in once), grown when a bucket is bigger.
+    buffer: torch.Tensor | None = None
+
+    def flat(self, nbytes: int) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() < nbytes:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.buffer[:nbytes]
 
 
 class WeightGroups:
@@ -228,7 +235,7 @@ class WeightGroups:
             )
         table = table_of(request)
         check(table)  # names, dtypes and shapes the model has, before a byte is allocated
-        flat = torch.empty(table.total_bytes, dtype=torch.uint8, device=member.device)
+        flat = member.flat(table.total_bytes)
         work = member.group.broadcast([flat], broadcast_options(request.timeout_s))
         try:
             work.wait(timedelta(seconds=request.timeout_s))

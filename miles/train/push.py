@@ -545,9 +545,11 @@ class _DistributedPush:
         await joining
         try:
             buckets = plan(named, bucket_bytes=publisher.bucket_bytes)
-            for index, names in enumerate(buckets):
-                table = layout(named, names)
-                flat = torch.empty(max(table.total_bytes, 1), dtype=torch.uint8)
+            tables = [layout(named, names) for names in buckets]
+            # One buffer for every bucket: its pages are faulted in once.
+            buffer = torch.empty(max(max(t.total_bytes for t in tables), 1), dtype=torch.uint8)
+            for index, table in enumerate(tables):
+                flat = buffer[: max(table.total_bytes, 1)]
                 packed = await _pack(named, table, flat)
                 digests += [e.tensor_digest() for e in packed.entries]
                 stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
