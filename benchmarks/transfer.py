@@ -206,12 +206,12 @@ def report(results: list[dict[str, Any]]) -> None:
         print(
             f"  shared memory   {shm['update_s']:7.3f} s (transfer {shm['transfer_s']:.3f} s)  "
             f"floor (memcpy) {r['memcpy_floor_s']:7.3f} s  "
-            f"ratio {shm['update_s'] / r['memcpy_floor_s']:5.2f}x  calls/engine {shm['calls_per_engine']}"
+            f"transfer/floor {shm['transfer_s'] / r['memcpy_floor_s']:5.2f}x  calls/engine {shm['calls_per_engine']}"
         )
         print(
             f"  gloo            {gloo['update_s']:7.3f} s (transfer {gloo['transfer_s']:.3f} s)  "
             f"floor (bare broadcast) {r['gloo_floor_s']:7.3f} s  "
-            f"speed {r['gloo_floor_s'] / gloo['update_s']:5.2f}x of the floor  calls/engine {gloo['calls_per_engine']}"
+            f"floor/transfer {r['gloo_floor_s'] / gloo['transfer_s']:5.2f}x  calls/engine {gloo['calls_per_engine']}"
         )
         for name, figures in (("shm", shm), ("gloo", gloo)):
             print(
