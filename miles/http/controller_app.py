@@ -34,9 +34,9 @@ from miles.config import (
     UpdateStrategy,
 )
 from miles.controller.core import AsyncInferenceController
-from miles.errors import EventLogError, InvalidRequestError
+from miles.errors import EventLogError, InvalidRequestError, NotFoundError
 from miles.http.auth import Access, Credentials
-from miles.http.metrics import CONTENT_TYPE, ControllerMetrics
+from miles.http.metrics import CONTENT_TYPE, NO_REQUEST_METRICS, ControllerMetrics
 from miles.http.proxy import Proxy, RouteOptions, new_session
 from miles.utils.audit_utils.event_logger.models import EVENT_ADAPTER, EVENT_TYPES
 from miles.utils.http import install_error_handlers, until_disconnected
@@ -94,16 +94,23 @@ class AbortWindowRequest(_Strict):
 
 
 def create_app(controller: AsyncInferenceController) -> FastAPI:
-    metrics = ControllerMetrics(controller.health)
-    controller.on_update(metrics.update_done)
+    enabled = controller.settings.metrics_enabled
+    metrics = ControllerMetrics(
+        controller.health, waiting=lambda: controller.router.waiting() if controller.router else 0
+    )
+    if enabled:
+        controller.on_update(metrics.update_done)
     sessions: list[aiohttp.ClientSession] = []
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         sessions.append(new_session())  # created on the serving loop, which it must belong to
+        subscription = controller.event_logger.subscribe(metrics.event) if enabled else None
         try:
             yield
         finally:
+            if subscription is not None:
+                subscription.close()
             await sessions.pop().close()
 
     app = FastAPI(title="miles inference controller", lifespan=lifespan)
@@ -133,7 +140,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
                 Proxy(
                     router=controller.router,
                     session=sessions[0],
-                    metrics=metrics,
+                    metrics=metrics if enabled else NO_REQUEST_METRICS,
                     # Enough for every server to fail once and each to be tried again restarted.
                     max_attempts=2 * servers + 2,
                     on_unreachable=controller.suspect,
@@ -210,6 +217,8 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     @app.get("/metrics", dependencies=as_reader)
     async def metrics_endpoint() -> Response:
+        if not enabled:
+            raise NotFoundError("metrics are off on this controller; start it with MILES_METRICS_ENABLED=true")
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/update_weights", dependencies=as_admin)

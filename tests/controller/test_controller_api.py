@@ -187,8 +187,8 @@ async def test_config_changes_what_may_change_and_refuses_the_rest(fleet) -> Non
 async def test_metrics_count_requests_and_updates(fleet) -> None:
     _, http = fleet
     text = (await http.get("/metrics")).text
-    assert 'miles_requests_total{model="tiny",outcome="ok"}' in text
-    assert 'miles_updates_total{model="tiny",status="committed"}' in text
+    assert 'miles_requests_total{model="tiny",server="tiny-0",outcome="ok"}' in text
+    assert 'miles_updates_total{model="tiny",strategy="barrier",path="disk",status="committed"}' in text
     assert 'miles_servers{model="tiny",state="serving"} 2.0' in text
 
 
