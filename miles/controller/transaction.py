@@ -329,7 +329,7 @@ class WeightUpdate:
             message=message,
             duration_s=time.monotonic() - self.started,
             timings={**(timings or {}), **self.phases},
-            serving_blocked_s=self.router.blocked_seconds(self.model_name) - self._blocked_before,
+            serving_blocked_s=max(self.router.blocked_seconds(self.model_name) - self._blocked_before, 0.0),
             bytes_moved=target.num_bytes * loaded if target and target.num_bytes is not None else None,
             fencing_token=self.token,
         )
