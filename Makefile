@@ -13,7 +13,12 @@ SGLANG_VERSION := 0.5.23
 SGLANG_REF := .sglang-ref
 SGLANG_STAMP := $(SGLANG_REF)/.installed-$(SGLANG_VERSION)
 
-.PHONY: demo lint test bench clean sglang-ref
+.PHONY: demo lint test bench clean sglang-ref browser
+
+# Chromium for the status page's browser test (tests/controller/test_status_page.py): the system's
+# package, driven by Playwright (pinned in pyproject.toml), which never downloads a browser of its
+# own. Installed once, as root (CI) or through sudo; skipped when it is already there.
+CHROMIUM := /usr/bin/chromium
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +35,13 @@ $(SGLANG_STAMP): | $(STAMP)
 
 sglang-ref: $(SGLANG_STAMP)
 
+$(CHROMIUM):
+	@if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO="sudo -n"; \
+	else echo "install Chromium (apt-get install chromium) for the status page test" >&2; exit 1; fi; \
+	$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium
+
+browser: $(CHROMIUM)
+
 # Static checks, in this order: lint, formatting, types, the import layering (pyproject.toml
 # configures each). Any failure stops `make test` before the suite runs.
 lint: $(STAMP)
@@ -38,7 +50,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint $(SGLANG_STAMP)
+test: lint $(SGLANG_STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

@@ -6,7 +6,8 @@ are removed before forwarding: ``model`` on ``/generate`` (which model, when sev
 ``min_weight_version`` (wait for a server at that version or later) and, on the OpenAI endpoints,
 ``session_id`` (keep a conversation on one server; SGLang's ``/generate`` has it natively).
 
-Operations: ``GET /health`` (200 while the fleet can serve, else 503), ``/metrics``,
+Operations: ``GET /health`` (200 while the fleet can serve, else 503), ``/metrics``, the status page
+at ``/`` (and its JSON at ``/status``),
 ``POST /update_weights`` (+ ``/start``, ``/end``, ``/abort`` for training-driven windows),
 ``POST/GET /events``, ``GET/PATCH /config``.
 """
@@ -38,6 +39,7 @@ from miles.errors import EventLogError, InvalidRequestError, NotFoundError
 from miles.http.auth import Access, Credentials
 from miles.http.metrics import CONTENT_TYPE, NO_REQUEST_METRICS, ControllerMetrics
 from miles.http.proxy import Proxy, RouteOptions, new_session
+from miles.http.status import add_status_page
 from miles.utils.audit_utils.event_logger.models import EVENT_ADAPTER, EVENT_TYPES
 from miles.utils.http import install_error_handlers, until_disconnected
 from miles.weights.paths import path_text_problem
@@ -220,6 +222,8 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         if not enabled:
             raise NotFoundError("metrics are off on this controller; start it with MILES_METRICS_ENABLED=true")
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    add_status_page(app, controller, metrics=metrics if enabled else None, reader=reader)
 
     @app.post("/update_weights", dependencies=as_admin)
     async def update_weights(request: UpdateRequest) -> JSONResponse:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -121,6 +122,52 @@ class _FleetCollector(Collector):
         yield GaugeMetricFamily(names.FLEET_OK, "1 while every model can serve", value=int(report.ok))
 
 
+class RequestHistory:
+    """Routed requests per second over the last ``seconds``: how many, how many failed, latency.
+
+    A ring of one slot per second, reused as time goes round: recording costs a few integer
+    operations, and the status page reads the last minutes at any time.
+    """
+
+    def __init__(self, seconds: int = 300) -> None:
+        self._size = seconds
+        self._second = [-1] * seconds
+        self._count = [0] * seconds
+        self._failed = [0] * seconds
+        self._latency = [0.0] * seconds
+
+    def record(self, latency_s: float, *, ok: bool, now: float | None = None) -> None:
+        second = int(time.time() if now is None else now)
+        slot = second % self._size
+        if self._second[slot] != second:
+            self._second[slot], self._count[slot], self._failed[slot], self._latency[slot] = second, 0, 0, 0.0
+        self._count[slot] += 1
+        self._failed[slot] += 0 if ok else 1
+        self._latency[slot] += latency_s
+
+    def window(self, *, now: float | None = None) -> RequestWindow:
+        """The last ``seconds`` whole seconds, oldest first (the current second is still filling)."""
+        last = int(time.time() if now is None else now) - 1
+        first = last - self._size + 1
+        requests, failed, latency = [], [], []
+        for second in range(first, last + 1):
+            slot = second % self._size
+            seen = self._second[slot] == second
+            count = self._count[slot] if seen else 0
+            requests.append(count)
+            failed.append(self._failed[slot] if seen else 0)
+            latency.append(round(self._latency[slot] / count * 1e3, 3) if count else None)
+        return RequestWindow(start=first, requests=requests, failed=failed, mean_latency_ms=latency)
+
+
+@dataclass(frozen=True)
+class RequestWindow:
+    start: int  # the first second, as a Unix time
+    requests: list[int]
+    failed: list[int]
+    mean_latency_ms: list[float | None]
+
+
 class ControllerMetrics:
     """The controller's series; see the module docstring for what feeds each."""
 
@@ -181,6 +228,7 @@ class ControllerMetrics:
             names.LOCK_HOLD_SECONDS, "Seconds the controller lock was held", ["holder"],
             registry=registry, buckets=names.UPDATE_BUCKETS,
         )  # fmt: skip
+        self.history = RequestHistory()
         # Each model's committed versions, oldest first (bounded): what staleness is counted in.
         self._versions: dict[str, list[str]] = {}
         registry.register(_FleetCollector(health, waiting))
@@ -193,8 +241,10 @@ class ControllerMetrics:
     def request_done(
         self, model: str, *, server: str, outcome: str, started: float, content: bytes | None = None
     ) -> None:
+        latency = time.perf_counter() - started
         self._requests.labels(model, server, outcome).inc()
-        self._latency.labels(model).observe(time.perf_counter() - started)
+        self._latency.labels(model).observe(latency)
+        self.history.record(latency, ok=outcome == "ok")
         if not content or outcome != "ok":
             return
         tokens = sum(int(n) for n in _COMPLETION_TOKENS.findall(content))
