@@ -5,6 +5,8 @@ Side by side in one run, on one tiny-model engine per controller:
   (``POST /generate``, one new token, sequential from a separate client process; median and p90);
 - the same through a second controller with the admin token and the API key set (every request
   presents its key, and the engines behind it require their secret), against the first;
+- the same through a third controller with metrics off (``metrics_enabled=False``: routed requests
+  record nothing), against the first, whose metrics are on (the default);
 - ``update_rollout_weights`` through the controller vs. the engine's own
   ``/update_weights_from_disk`` of the same checkpoint (the data movement): the difference is the
   protocol's overhead (lock, validation, pause, checksum confirmation, admission, events).
@@ -72,18 +74,23 @@ async def main(args: argparse.Namespace) -> None:
             running_controller(
                 model_checkpoint=root / "a", num_servers=1, health_interval_s=2.0, **guarded_settings
             ) as (_, guarded_url),
+            running_controller(
+                model_checkpoint=root / "a", num_servers=1, health_interval_s=2.0, metrics_enabled=False
+            ) as (_, unmetered_url),
         ):
-            assert url is not None and guarded_url is not None
+            assert url is not None and guarded_url is not None and unmetered_url is not None
             engine = controller.health().servers[0].url
             assert engine is not None
             # Interleave rounds so drift on a shared machine hits every path alike.
             direct: list[float] = []
             routed: list[float] = []
             guarded: list[float] = []
+            unmetered: list[float] = []
             for _ in range(args.rounds):
                 per_round = args.requests // args.rounds
                 direct += await asyncio.to_thread(latencies, engine, per_round)
                 routed += await asyncio.to_thread(latencies, url, per_round)
+                unmetered += await asyncio.to_thread(latencies, unmetered_url, per_round)
                 guarded += await asyncio.to_thread(latencies, guarded_url, per_round, KEY)
 
             # Updates: the engine alone (data movement + its own verification) vs. the protocol.
@@ -122,6 +129,11 @@ async def main(args: argparse.Namespace) -> None:
     g50 = statistics.median(guarded)
     print(f"{'guarded controller':<22}{g50 * 1e3:>10.3f}{p(guarded, 0.9) * 1e3:>10.3f}")
     print(f"tokens checked (API key, engine secret) vs. open controller, p50: {g50 / r50:.3f}x (target <= 1.05x)")
+    u50 = statistics.median(unmetered)
+    print(f"{'metrics off':<22}{u50 * 1e3:>10.3f}{p(unmetered, 0.9) * 1e3:>10.3f}")
+    print(
+        f"metrics on vs. off, p50: {r50 / u50:.3f}x, p90: {p(routed, 0.9) / p(unmetered, 0.9):.3f}x (target <= 1.05x)"
+    )
     print()
     e50, c50 = statistics.median(engine_only), statistics.median(protocol)
     print(f"Update of a tiny model, 1 server, {args.updates} updates each")
