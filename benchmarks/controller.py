@@ -11,7 +11,7 @@ Side by side in one run, on one tiny-model engine per controller:
   ``/update_weights_from_disk`` of the same checkpoint (the data movement): the difference is the
   protocol's overhead (lock, validation, pause, checksum confirmation, admission, events).
 
-    .venv/bin/python benchmarks/controller.py [--requests 500] [--updates 30]
+    .venv/bin/python benchmarks/controller.py [--requests 600] [--rounds 3] [--updates 30]
 """
 
 from __future__ import annotations
@@ -51,6 +51,34 @@ print(json.dumps(times))
 """
 
 
+# Two controllers, one request to each in turn from one client: drift on a shared machine (other
+# processes, frequency changes) hits both sides alike, which separate runs cannot promise.
+PAIRED_CLIENT = r"""
+import json, sys, time, httpx
+a, b, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+with httpx.Client(trust_env=False) as http:
+    for _ in range(50):
+        http.post(a + "/generate", json=body)
+        http.post(b + "/generate", json=body)
+    times = {a: [], b: []}
+    for i in range(2 * n):
+        url = (a, b)[i % 2] if (i // 2) % 2 == 0 else (b, a)[i % 2]  # ABBA: neither always goes first
+        t = time.perf_counter()
+        http.post(url + "/generate", json=body).raise_for_status()
+        times[url].append(time.perf_counter() - t)
+print(json.dumps([times[a], times[b]]))
+"""
+
+
+def paired_latencies(url_a: str, url_b: str, n: int) -> tuple[list[float], list[float]]:
+    done = subprocess.run(
+        [sys.executable, "-c", PAIRED_CLIENT, url_a, url_b, str(n)], capture_output=True, text=True, check=True
+    )
+    first, second = json.loads(done.stdout)
+    return first, second
+
+
 def latencies(url: str, n: int, token: str = "") -> list[float]:
     done = subprocess.run(
         [sys.executable, "-c", CLIENT, url, str(n), token], capture_output=True, text=True, check=True
@@ -61,6 +89,29 @@ def latencies(url: str, n: int, token: str = "") -> list[float]:
 def p(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def recording_cost(calls: int = 200_000) -> tuple[float, float]:
+    """Seconds per routed request spent recording it, metrics on and off (no network: the CPU cost
+    alone, which a loaded machine cannot hide the way it hides a few microseconds in a round trip)."""
+    from miles.http.metrics import NO_REQUEST_METRICS, ControllerMetrics
+
+    metrics = ControllerMetrics(lambda: None)  # type: ignore[arg-type,return-value]  # never scraped here
+    answer = json.dumps(
+        {
+            "text": "x",
+            "output_ids": [5],
+            "meta_info": {"id": "r", "prompt_tokens": 3, "completion_tokens": 1, "e2e_latency": 0.001,
+                          "weight_version": "7", "weight_version_start": "7", "weight_version_end": "7"},
+        }
+    ).encode()  # fmt: skip
+    costs = []
+    for recorder in (metrics, NO_REQUEST_METRICS):
+        started = time.perf_counter()
+        for _ in range(calls):
+            recorder.request_done("tiny", server="tiny-0", outcome="ok", started=started, content=answer)
+        costs.append((time.perf_counter() - started) / calls)
+    return costs[0], costs[1]
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -85,13 +136,13 @@ async def main(args: argparse.Namespace) -> None:
             direct: list[float] = []
             routed: list[float] = []
             guarded: list[float] = []
-            unmetered: list[float] = []
             for _ in range(args.rounds):
                 per_round = args.requests // args.rounds
                 direct += await asyncio.to_thread(latencies, engine, per_round)
                 routed += await asyncio.to_thread(latencies, url, per_round)
-                unmetered += await asyncio.to_thread(latencies, unmetered_url, per_round)
                 guarded += await asyncio.to_thread(latencies, guarded_url, per_round, KEY)
+            # Metrics on (the first controller) and off, request by request from one client.
+            metered, unmetered = await asyncio.to_thread(paired_latencies, url, unmetered_url, args.requests)
 
             # Updates: the engine alone (data movement + its own verification) vs. the protocol.
             secret = {"authorization": f"Bearer {controller.engine_secret}"}
@@ -129,10 +180,21 @@ async def main(args: argparse.Namespace) -> None:
     g50 = statistics.median(guarded)
     print(f"{'guarded controller':<22}{g50 * 1e3:>10.3f}{p(guarded, 0.9) * 1e3:>10.3f}")
     print(f"tokens checked (API key, engine secret) vs. open controller, p50: {g50 / r50:.3f}x (target <= 1.05x)")
-    u50 = statistics.median(unmetered)
-    print(f"{'metrics off':<22}{u50 * 1e3:>10.3f}{p(unmetered, 0.9) * 1e3:>10.3f}")
+    print()
+    m50, u50 = statistics.median(metered), statistics.median(unmetered)
+    print(f"Metrics on vs. off ({len(metered)} requests each, alternating from one client)")
+    print(f"{'path':<22}{'p50 ms':>10}{'p90 ms':>10}{'mean ms':>10}")
+    for name, values in (("metrics on", metered), ("metrics off", unmetered)):
+        print(f"{name:<22}{statistics.median(values) * 1e3:>10.3f}{p(values, 0.9) * 1e3:>10.3f}"
+              f"{statistics.fmean(values) * 1e3:>10.3f}")  # fmt: skip
     print(
-        f"metrics on vs. off, p50: {r50 / u50:.3f}x, p90: {p(routed, 0.9) / p(unmetered, 0.9):.3f}x (target <= 1.05x)"
+        f"metrics on / off: p50 {m50 / u50:.3f}x, p90 {p(metered, 0.9) / p(unmetered, 0.9):.3f}x, "
+        f"mean {statistics.fmean(metered) / statistics.fmean(unmetered):.3f}x (target <= 1.05x)"
+    )
+    on, off = recording_cost()
+    print(
+        f"recording one routed request: {on * 1e6:.2f} us with metrics on, {off * 1e6:.2f} us off; "
+        f"{(on - off) / r50 * 100:.3f}% of the routed p50 above"
     )
     print()
     e50, c50 = statistics.median(engine_only), statistics.median(protocol)

@@ -9,11 +9,13 @@ its event log, and the requests per second the metrics record.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import asdict
 from importlib.resources import files
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from miles.controller.core import AsyncInferenceController
@@ -34,7 +36,7 @@ _ASSETS = {
 
 def status_report(controller: AsyncInferenceController, metrics: ControllerMetrics | None) -> dict[str, Any]:
     """What the page shows, as JSON: ``health``, ``updates``, ``requests`` (None with metrics off), ``events``."""
-    events = list(controller.event_logger.events)[-_EVENTS_READ:]
+    events = controller.event_logger.events[-_EVENTS_READ:]
     updates = update_timelines(events)[-_UPDATES_SHOWN:]
     return {
         "health": controller.health().model_dump(mode="json"),
@@ -57,24 +59,31 @@ def add_status_page(
     controller: AsyncInferenceController,
     *,
     metrics: ControllerMetrics | None,
-    reader: Any,
+    reader: Callable[[Request], None],
 ) -> None:
     """Mount the page (open: it holds no data) and ``GET /status`` (a reader's credential)."""
-    package = files(__name__)
-    # Read once: the files ship in the package and never change while it runs.
-    assets = {path: (package.joinpath(name).read_bytes(), kind) for path, (name, kind) in _ASSETS.items()}
+    # Read at the first request, off the event loop, then kept: the files ship in the package and
+    # never change while it runs.
+    loaded: dict[str, bytes] = {}
 
     def asset(path: str) -> Any:
-        body, kind = assets[path]
+        name, kind = _ASSETS[path]
 
         async def serve() -> Response:
+            body = loaded.get(path)
+            if body is None:
+                body = loaded[path] = await asyncio.to_thread(_read, name)
             return Response(body, media_type=kind, headers={"cache-control": "no-cache"})
 
         return serve
 
-    for path in assets:
+    for path in _ASSETS:
         app.get(path, include_in_schema=False)(asset(path))
 
     @app.get("/status", dependencies=[Depends(reader)])
     async def status() -> dict[str, Any]:
         return status_report(controller, metrics)
+
+
+def _read(name: str) -> bytes:
+    return files(__name__).joinpath(name).read_bytes()
