@@ -1,4 +1,5 @@
-"""Prometheus metrics after real traffic and real updates: the controller's and an engine's /metrics.
+"""Prometheus metrics after real traffic and real updates: the controller's and an engine's /metrics,
+and the status page's JSON while an update holds the lock.
 
 A real controller over two embedded engines. The failed update uses the edge fake of the protocol
 tests: a rollout whose last server loads other (valid) weights than it was asked to.
@@ -6,6 +7,7 @@ tests: a rollout whose last server loads other (valid) weights than it was asked
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -169,6 +171,28 @@ async def test_an_engine_serves_its_own_metrics_under_sglang_names(fleet, checkp
     (weights,) = labelled(samples, "miles_engine_weights_info")
     assert weights["weight_version"] == server.weight_version
     assert weights["checksum"] == server.checksum
+
+
+async def test_status_and_metrics_stay_live_while_a_window_holds_the_lock(fleet) -> None:
+    controller, http = fleet
+    window = (await http.post("/update_weights/start", json={})).json()
+    try:
+        status = await asyncio.wait_for(http.get("/status"), timeout=5)
+        assert status.status_code == 200
+        lock = status.json()["health"]["lock"]
+        assert lock["held"] and lock["detached"] and lock["token"] == window["token"]
+        (running,) = [u for u in status.json()["updates"] if u["status"] == "running"]
+        assert running["update_id"] == window["update_id"] and running["strategy"] == "window"
+        samples = await asyncio.wait_for(scrape(http), timeout=5)
+        assert total(samples, "miles_lock_held") == 1
+        assert total(samples, "miles_servers", state="updating") == 2
+    finally:
+        aborted = await http.post("/update_weights/abort", json={"token": window["token"]})
+    assert aborted.json()["status"] == "aborted"
+    after = (await http.get("/status")).json()
+    assert after["updates"][0]["update_id"] == window["update_id"]
+    assert after["updates"][0]["status"] == "aborted" and "transfer" in after["updates"][0]["phases"]
+    assert sum(after["requests"]["requests"]) > 0
 
 
 async def test_metrics_can_be_turned_off(checkpoints: dict[str, Path]) -> None:
