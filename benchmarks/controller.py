@@ -5,13 +5,13 @@ Side by side in one run, on one tiny-model engine per controller:
   (``POST /generate``, one new token, sequential from a separate client process; median and p90);
 - the same through a second controller with the admin token and the API key set (every request
   presents its key, and the engines behind it require their secret), against the first;
-- the same through a third controller with metrics off (``metrics_enabled=False``: routed requests
-  record nothing), against the first, whose metrics are on (the default);
+- metrics on (the default) vs. off (``metrics_enabled=False``: routed requests record nothing):
+  fresh pairs of controllers, one of each, one request to each in turn from one client;
 - ``update_rollout_weights`` through the controller vs. the engine's own
   ``/update_weights_from_disk`` of the same checkpoint (the data movement): the difference is the
   protocol's overhead (lock, validation, pause, checksum confirmation, admission, events).
 
-    .venv/bin/python benchmarks/controller.py [--requests 600] [--rounds 3] [--updates 30]
+    .venv/bin/python benchmarks/controller.py [--requests 600] [--rounds 3] [--updates 30] [--pairs 4]
 """
 
 from __future__ import annotations
@@ -114,6 +114,33 @@ def recording_cost(calls: int = 200_000) -> tuple[float, float]:
     return costs[0], costs[1]
 
 
+async def metrics_on_off(root: Path, *, requests: int, pairs: int) -> tuple[list[float], list[float], list[float]]:
+    """Routed latencies through a controller with metrics on and one with them off, request by
+    request from one client; ``pairs`` fresh pairs of controllers (each with its own engine), the
+    order of starting them alternated, so neither side keeps a faster engine or an earlier start.
+    Returns both sides' latencies and each pair's p50 ratio."""
+    metered: list[float] = []
+    unmetered: list[float] = []
+    ratios: list[float] = []
+    for pair in range(pairs):
+        sides = [True, False] if pair % 2 == 0 else [False, True]
+        async with (
+            running_controller(
+                model_checkpoint=root / "a", num_servers=1, health_interval_s=2.0, metrics_enabled=sides[0]
+            ) as (_, first),
+            running_controller(
+                model_checkpoint=root / "a", num_servers=1, health_interval_s=2.0, metrics_enabled=sides[1]
+            ) as (_, second),
+        ):
+            assert first is not None and second is not None
+            on_url, off_url = (first, second) if sides[0] else (second, first)
+            on, off = await asyncio.to_thread(paired_latencies, on_url, off_url, requests // pairs)
+        metered += on
+        unmetered += off
+        ratios.append(statistics.median(on) / statistics.median(off))
+    return metered, unmetered, ratios
+
+
 async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="miles-bench-controller-") as tmp:
         root = Path(tmp)
@@ -125,11 +152,8 @@ async def main(args: argparse.Namespace) -> None:
             running_controller(
                 model_checkpoint=root / "a", num_servers=1, health_interval_s=2.0, **guarded_settings
             ) as (_, guarded_url),
-            running_controller(
-                model_checkpoint=root / "a", num_servers=1, health_interval_s=2.0, metrics_enabled=False
-            ) as (_, unmetered_url),
         ):
-            assert url is not None and guarded_url is not None and unmetered_url is not None
+            assert url is not None and guarded_url is not None
             engine = controller.health().servers[0].url
             assert engine is not None
             # Interleave rounds so drift on a shared machine hits every path alike.
@@ -141,8 +165,6 @@ async def main(args: argparse.Namespace) -> None:
                 direct += await asyncio.to_thread(latencies, engine, per_round)
                 routed += await asyncio.to_thread(latencies, url, per_round)
                 guarded += await asyncio.to_thread(latencies, guarded_url, per_round, KEY)
-            # Metrics on (the first controller) and off, request by request from one client.
-            metered, unmetered = await asyncio.to_thread(paired_latencies, url, unmetered_url, args.requests)
 
             # Updates: the engine alone (data movement + its own verification) vs. the protocol.
             secret = {"authorization": f"Bearer {controller.engine_secret}"}
@@ -167,6 +189,9 @@ async def main(args: argparse.Namespace) -> None:
                 for phase, seconds in result.timings.items():
                     phases.setdefault(phase, []).append(seconds)
 
+        # Metrics on and off: fresh pairs of controllers, after the others have stopped.
+        metered, unmetered, ratios = await metrics_on_off(root, requests=args.requests, pairs=args.pairs)
+
     d50, r50 = statistics.median(direct), statistics.median(routed)
     print(f"Routed request latency ({len(direct)} requests per path, 1 new token, sequential client)")
     print(f"{'path':<22}{'p50 ms':>10}{'p90 ms':>10}")
@@ -182,7 +207,10 @@ async def main(args: argparse.Namespace) -> None:
     print(f"tokens checked (API key, engine secret) vs. open controller, p50: {g50 / r50:.3f}x (target <= 1.05x)")
     print()
     m50, u50 = statistics.median(metered), statistics.median(unmetered)
-    print(f"Metrics on vs. off ({len(metered)} requests each, alternating from one client)")
+    print(
+        f"Metrics on vs. off ({len(metered)} requests each, alternating from one client, "
+        f"{len(ratios)} fresh pairs of controllers)"
+    )
     print(f"{'path':<22}{'p50 ms':>10}{'p90 ms':>10}{'mean ms':>10}")
     for name, values in (("metrics on", metered), ("metrics off", unmetered)):
         print(f"{name:<22}{statistics.median(values) * 1e3:>10.3f}{p(values, 0.9) * 1e3:>10.3f}"
@@ -191,6 +219,7 @@ async def main(args: argparse.Namespace) -> None:
         f"metrics on / off: p50 {m50 / u50:.3f}x, p90 {p(metered, 0.9) / p(unmetered, 0.9):.3f}x, "
         f"mean {statistics.fmean(metered) / statistics.fmean(unmetered):.3f}x (target <= 1.05x)"
     )
+    print("p50 on / off per pair: " + ", ".join(f"{r:.3f}x" for r in ratios))
     on, off = recording_cost()
     print(
         f"recording one routed request: {on * 1e6:.2f} us with metrics on, {off * 1e6:.2f} us off; "
@@ -215,6 +244,7 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--updates", type=int, default=30)
+    parser.add_argument("--pairs", type=int, default=4, help="fresh controller pairs for metrics on vs. off")
     import uvloop
 
     uvloop.run(main(parser.parse_args()))
