@@ -219,7 +219,10 @@ async def main(args: argparse.Namespace) -> None:
         f"metrics on / off: p50 {m50 / u50:.3f}x, p90 {p(metered, 0.9) / p(unmetered, 0.9):.3f}x, "
         f"mean {statistics.fmean(metered) / statistics.fmean(unmetered):.3f}x (target <= 1.05x)"
     )
-    print("p50 on / off per pair: " + ", ".join(f"{r:.3f}x" for r in ratios))
+    print(
+        "p50 on / off per pair: " + ", ".join(f"{r:.3f}x" for r in ratios)
+        + f"; geometric mean {statistics.geometric_mean(ratios):.3f}x"
+    )  # fmt: skip
     on, off = recording_cost()
     print(
         f"recording one routed request: {on * 1e6:.2f} us with metrics on, {off * 1e6:.2f} us off; "
