@@ -518,8 +518,9 @@ class PauseGenerationResponse(BaseModel):
 
     status: str
     message: str
-    mode: PauseMode
-    num_paused_requests: int
+    # The embedded engine's additions; SGLang answers only ``status`` and ``message``.
+    mode: PauseMode | None = None
+    num_paused_requests: int = 0
 
 
 class WeightVersionResponse(BaseModel):

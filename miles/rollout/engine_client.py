@@ -92,6 +92,8 @@ class EngineClient:
         self.server_id = server_id
         self._http = http
         self._auth = {"authorization": f"Bearer {secret}"} if secret else {}
+        # Learned on the first probe: the server has no /get_weight_version (SGLang 0.5.23).
+        self._model_info_versions = False
 
     async def _call(
         self, method: str, path: str, *, json: Any = None, timeout: float | None = None, fence: int | None = None
@@ -122,6 +124,9 @@ class EngineClient:
         fence: int | None = None,
     ) -> ModelT:
         response = await self._call(method, path, json=json, timeout=timeout, fence=fence)
+        return await self._answer(method, path, response, answer)
+
+    async def _answer(self, method: str, path: str, response: httpx.Response, answer: type[ModelT]) -> ModelT:
         if response.status_code >= 400:
             raise EngineCallError(
                 f"{method} {path} answered {response.status_code}: {_error_text(response)}",
@@ -144,9 +149,18 @@ class EngineClient:
         return response.status_code == 200
 
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
-        """``/get_weight_version``: the version, and the checksum the engine keeps of its weights."""
-        body = await self._ok("GET", "/get_weight_version", WeightVersionResponse, timeout=timeout)
-        return WeightsIdentity(weight_version=body.weight_version, checksum=body.checksum)
+        """``/get_weight_version``: the version, and the checksum the engine keeps of its weights.
+
+        SGLang 0.5.23 has no such endpoint: its version is in ``/model_info``, and it keeps no
+        checksum (``checksum`` is then None)."""
+        if not self._model_info_versions:
+            response = await self._call("GET", "/get_weight_version", timeout=timeout)
+            if response.status_code != 404:
+                body = await self._answer("GET", "/get_weight_version", response, WeightVersionResponse)
+                return WeightsIdentity(weight_version=body.weight_version, checksum=body.checksum)
+            self._model_info_versions = True
+        info = await self.model_info(timeout=timeout)
+        return WeightsIdentity(weight_version=str(info.get("weight_version")), checksum=None)
 
     async def fence(self, token: int, *, window_open: bool) -> FenceState:
         """``/fence``: the engine refuses weight changes fenced below ``token`` from now on, and
@@ -263,18 +277,18 @@ class EngineClient:
             return False
         return response.status_code == 200
 
-    async def model_info(self) -> dict[str, Any]:
+    async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
         """``/model_info`` (SGLang's newer name), or ``/get_model_info`` on servers without it."""
-        return await self._info("/model_info", "/get_model_info")
+        return await self._info("/model_info", "/get_model_info", timeout=timeout)
 
-    async def server_info(self) -> dict[str, Any]:
+    async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
         """``/server_info`` (SGLang's newer name), or ``/get_server_info`` on servers without it."""
-        return await self._info("/server_info", "/get_server_info")
+        return await self._info("/server_info", "/get_server_info", timeout=timeout)
 
-    async def _info(self, path: str, old_path: str) -> dict[str, Any]:
-        response = await self._call("GET", path)
+    async def _info(self, path: str, old_path: str, *, timeout: float | None) -> dict[str, Any]:
+        response = await self._call("GET", path, timeout=timeout)
         if response.status_code == 404:
-            response = await self._call("GET", old_path)
+            response = await self._call("GET", old_path, timeout=timeout)
         if response.status_code >= 400:
             raise EngineCallError(
                 f"GET {old_path} answered {response.status_code}: {_error_text(response)}",

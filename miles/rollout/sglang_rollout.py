@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles.errors import CheckpointError
-from miles.protocol.sglang import UpdateWeightsResponse
+from miles.protocol.sglang import PauseMode, UpdateWeightsResponse
 from miles.rollout.engine_client import SGLANG_ENGINE_DIGEST, EngineCallError, WeightsChecksum
 from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutObserver
 from miles.rollout.runtime import EngineCommand, LaunchSlot
@@ -155,6 +155,19 @@ class SGLangRollout(Rollout):
                 checksum=canonical, algorithm="xxh3_128", weight_version=reported.weight_version, layout=reported.layout
             )
         return self.record_checksum(server_id, reported)
+
+    async def pause(self, server_id: str, mode: PauseMode, *, fence: int | None = None) -> int:
+        """As the base; on an SGLang server, ``drain`` is no pause at all: SGLang has no such mode
+        (its modes are abort, retract and in_place), and needs none: the server is out of
+        routing, and each of its weight updates waits for the requests running on it to finish
+        (its tokenizer manager's ``model_update_lock``) before it touches the weights."""
+        try:
+            return await super().pause(server_id, mode, fence=fence)
+        except EngineCallError as exc:
+            if mode is not PauseMode.DRAIN or exc.status_code not in (400, 422):
+                raise
+            logger.debug("%s has no drain mode; its weight updates drain by themselves", server_id)
+            return 0
 
     async def fence(self, server_id: str, token: int, *, window_open: bool) -> None:
         """As the base on servers that fence (the embedded engine); SGLang has no ``/fence``."""
