@@ -5,7 +5,7 @@ weights is told to load the verified ones."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
