@@ -5,7 +5,7 @@ weights is told to load the verified ones."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -83,7 +83,7 @@ def attach_spec(checkpoint: Path, urls: list[str], log_dir: Path) -> RolloutSpec
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(
     checkpoints: dict[str, Path], external: list[ExternalEngine], tmp_path_factory: pytest.TempPathFactory
-):
+) -> AsyncIterator[SGLangRollout]:
     rollout = SGLangRollout(
         attach_spec(checkpoints["v1"], [e.url for e in external], tmp_path_factory.mktemp("attach-logs"))
     )
