@@ -13,8 +13,8 @@ from pathlib import Path
 # child of its own, as SGLang starts its scheduler), prints their pids, and waits.
 LAUNCHER = """
 import subprocess, sys, time
-child = "import time; time.sleep(600)"
-program = [sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(600)"]
+child = [sys.executable, "-c", "import time; time.sleep(600)"]
+program = [sys.executable, "-c", f"import subprocess, time; subprocess.Popen({child!r}); time.sleep(600)"]
 wrapper = subprocess.Popen([sys.executable, "-m", "miles.rollout.with_parent", "--", *program])
 print(wrapper.pid, flush=True)
 time.sleep(600)
