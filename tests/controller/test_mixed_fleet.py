@@ -1,0 +1,152 @@
+"""One controller owning SFT and SGLang servers side by side: an embedded-engine policy it launches
+and an SGLang judge someone else runs (attached), through the API, HTTP and the command line, with
+per-model routing and one /health."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles.inference_controller import InferenceController
+from miles.models.presets import init_checkpoint
+from miles.rollout.engine_process import EngineProcess, engine_command, free_port
+from miles.weights.checkpoint import read_manifest
+
+SFT = "miles.rollout.sft_rollout.SFTRollout"
+SGLANG = "miles.ray.rollout.sglang_rollout.SGLangRollout"
+
+
+@pytest.fixture(scope="module")
+def judge_checkpoints(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[str, Path]) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("judge")
+    init_checkpoint(root / "b2", model_name="tiny-b", preset="tiny", seed=11, step=2)
+    return {"b1": checkpoints["b1"], "b2": root / "b2"}
+
+
+@pytest.fixture
+def judge_url(judge_checkpoints: dict[str, Path], tmp_path: Path) -> Iterator[str]:
+    """An SGLang-speaking server someone else runs (an embedded engine started here)."""
+    port = free_port()
+    process = EngineProcess(
+        command=engine_command(judge_checkpoints["b1"], port=port, num_threads=1), log_path=tmp_path / "judge.log"
+    )
+    process.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+
+
+def fleet(checkpoints: dict[str, Path], judge_checkpoints: dict[str, Path], judge_url: str) -> dict[str, object]:
+    return {
+        "policy": {"cls": SFT, "checkpoint": str(checkpoints["v1"]), "num_servers": 1, "num_threads": 1},
+        "judge": {"cls": SGLANG, "checkpoint": str(judge_checkpoints["b1"]), "urls": [judge_url]},
+    }
+
+
+def generate(url: str, model: str) -> dict:  # type: ignore[type-arg]
+    body = {"text": "hi", "model": model, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    answer = httpx.post(f"{url}/generate", json=body, timeout=60, trust_env=False)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_mixed_fleet_through_the_api_and_http(
+    checkpoints: dict[str, Path], judge_checkpoints: dict[str, Path], judge_url: str
+) -> None:
+    with InferenceController(
+        fleet(checkpoints, judge_checkpoints, judge_url), port=0, health_interval_s=0.2
+    ) as controller:
+        assert controller.url is not None
+        health = httpx.get(f"{controller.url}/health", timeout=10, trust_env=False).json()
+        assert health["ok"] and set(health["models"]) == {"tiny", "tiny-b"}
+        attached = {s["model_name"]: s["attached"] for s in health["servers"]}
+        assert attached == {"tiny": False, "tiny-b": True}
+        assert generate(controller.url, "tiny")["meta_info"]["weight_version"] == "1"
+        assert generate(controller.url, "tiny-b")["meta_info"]["weight_version"] == "1"
+        models = httpx.get(f"{controller.url}/v1/models", timeout=10, trust_env=False).json()
+        assert {m["id"] for m in models["data"]} == {"tiny", "tiny-b"}
+
+        # Each model updates on its own: the policy through the API, the judge over HTTP.
+        policy = controller.update_rollout_weights(checkpoints["v2"], model_name="tiny")
+        assert policy.status == "committed", policy
+        answer = httpx.post(
+            f"{controller.url}/update_weights",
+            json={"checkpoint": str(judge_checkpoints["b2"]), "model_name": "tiny-b"},
+            timeout=120,
+            trust_env=False,
+        )
+        assert answer.status_code == 200, answer.text
+        report = controller.health()
+        checksums = {s.model_name: s.checksum for s in report.servers}
+        assert checksums == {
+            "tiny": read_manifest(checkpoints["v2"]).checksum,
+            "tiny-b": read_manifest(judge_checkpoints["b2"]).checksum,
+        }
+        assert generate(controller.url, "tiny-b")["meta_info"]["weight_version"] == "2"
+    # The controller never stops a server it did not start.
+    assert httpx.get(f"{judge_url}/health", timeout=10, trust_env=False).status_code == 200
+
+
+def test_a_launching_server_type_given_urls_is_refused_by_name(checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(Exception, match="SFTRollout launches its own servers and cannot attach"):
+        InferenceController({"m": {"cls": SFT, "checkpoint": str(checkpoints["v1"]), "urls": ["http://127.0.0.1:9"]}})
+
+
+def test_mixed_fleet_from_the_command_line(
+    checkpoints: dict[str, Path], judge_checkpoints: dict[str, Path], judge_url: str, tmp_path: Path
+) -> None:
+    spec = tmp_path / "fleet.json"
+    spec.write_text(json.dumps(fleet(checkpoints, judge_checkpoints, judge_url)))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "miles.cli", "serve", "--fleet", str(spec), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert serve.poll() is None, serve.stderr.read() if serve.stderr else "serve exited"
+            try:
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "miles serve --fleet never became healthy"
+            time.sleep(0.2)  # a separate process starting; nothing to wait on but its answer
+        miles = [sys.executable, "-m", "miles.cli"]
+        update = subprocess.run(
+            [*miles, "update", "--url", url, "--model", "tiny-b", "--checkpoint", str(judge_checkpoints["b2"])],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert update.returncode == 0, update.stdout + update.stderr
+        health = subprocess.run([*miles, "health", "--url", url, "--json"], capture_output=True, text=True, timeout=60)
+        report = json.loads(health.stdout)
+        versions = {s["model_name"]: (s["weight_version"], s["attached"]) for s in report["servers"]}
+        assert versions == {"tiny": ("1", False), "tiny-b": ("2", True)}
+    finally:
+        serve.terminate()
+        serve.wait(timeout=60)
+    assert httpx.get(f"{judge_url}/health", timeout=10, trust_env=False).status_code == 200
+
+
+def test_serve_refuses_a_fleet_file_that_is_not_a_mapping(tmp_path: Path) -> None:
+    spec = tmp_path / "fleet.json"
+    spec.write_text("[1, 2]")
+    done = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "serve", "--fleet", str(spec)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert "must hold a JSON object of names to server specs" in done.stderr
