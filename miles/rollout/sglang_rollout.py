@@ -25,10 +25,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles.config import RuntimeKind
 from miles.errors import CheckpointError
 from miles.protocol.sglang import PauseMode, UpdateWeightsResponse
 from miles.rollout.engine_client import SGLANG_ENGINE_DIGEST, EngineCallError, WeightsChecksum
-from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutObserver
+from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutError, RolloutObserver
 from miles.rollout.runtime import EngineCommand, LaunchSlot
 from miles.rollout.sglang_digests import DigestBook
 from miles.rollout.spec import RolloutSpec, SGLangServerArgs
@@ -92,6 +93,8 @@ class SGLangRollout(Rollout):
         exclusive: ExclusiveSection | None = None,
         observer: RolloutObserver | None = None,
     ) -> None:
+        if spec.runtime is RuntimeKind.RAY and not spec.urls:
+            check_ray_gpus(spec)
         super().__init__(spec, exclusive=exclusive, observer=observer)
         self._digests = DigestBook()
         # server id -> the checkpoint it was last given (launched on, or loaded): the weights its
@@ -218,6 +221,20 @@ class SGLangRollout(Rollout):
             return None
         self._hashed[checkpoint] = (files, checksum)
         return checksum
+
+
+def check_ray_gpus(spec: RolloutSpec) -> None:
+    """On Ray, each server's bundle must hold the GPUs SGLang will use (tp_size * dp_size of them),
+    or a fraction of one GPU for a one-GPU server sharing it with a trainer."""
+    wanted = spec.sglang.gpus_per_engine
+    given = spec.num_gpus_per_engine
+    if given == wanted or (wanted == 1 and 0 < given < 1):
+        return
+    raise RolloutError(
+        f"an SGLang server with tp_size={spec.sglang.tp_size} and dp_size={spec.sglang.dp_size} uses {wanted} "
+        f"GPU(s), but each engine asks Ray for {given}; set num_gpus_per_engine={wanted}",
+        rollout=spec.name,
+    )
 
 
 def _file_signature(checkpoint: Path) -> tuple[tuple[str, int, int], ...]:
