@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from miles.config import ControllerSettings, PlacementStrategy, RuntimeKind
 from miles.errors import CheckpointError, InvalidRequestError, MilesError, NotFoundError
 from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutObserver
-from miles.rollout.spec import EngineUrl, HealthSettings, RolloutSpec, SGLangServerArgs
+from miles.rollout.spec import EngineUrls, HealthSettings, RolloutSpec, SGLangServerArgs
 from miles.rollout.state import ServerSnapshot
 from miles.weights.checkpoint import read_manifest
 
@@ -42,7 +42,7 @@ class ModelServerSpec(BaseModel):
     checkpoint: Path
     model_name: str | None = None
     num_servers: Annotated[int, Field(ge=1, le=64)] | None = None
-    urls: tuple[EngineUrl, ...] = ()
+    urls: EngineUrls = ()
     sglang: SGLangServerArgs | None = None
     devices: tuple[str, ...] | None = None
     max_running_requests: Annotated[int, Field(ge=1)] = 32

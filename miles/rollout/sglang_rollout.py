@@ -42,6 +42,44 @@ logger = logging.getLogger("miles.rollout")
 DEFAULT_LAUNCHER = ("-m", "sglang.launch_server")
 
 
+# The flags miles sets on every server (and SGLang's other spellings of them), by ServerArgs
+# field: given again in ``engine_args`` they would win (argparse keeps the last), and a server
+# would listen elsewhere than the controller looks, or use GPUs its runtime did not give it.
+MILES_FLAGS: dict[str, tuple[str, ...]] = {
+    "model_path": ("--model-path", "--model"),
+    "host": ("--host",),
+    "port": ("--port",),
+    "served_model_name": ("--served-model-name",),
+    "tp_size": ("--tp-size", "--tensor-parallel-size"),
+    "dp_size": ("--dp-size", "--data-parallel-size"),
+    "max_running_requests": ("--max-running-requests",),
+    "base_gpu_id": ("--base-gpu-id",),
+    "mem_fraction_static": ("--mem-fraction-static",),
+    "context_length": ("--context-length",),
+}
+# Where the spec says each of them instead.
+_SPEC_FIELD = {
+    "model_path": "checkpoint",
+    "host": "the runtime (it picks the address)",
+    "port": "the runtime (it picks a free port)",
+    "served_model_name": "model_name",
+    "max_running_requests": "max_running_requests",
+    "base_gpu_id": "devices (local) or the Ray bundle",
+}
+
+
+def check_engine_args(engine_args: tuple[str, ...]) -> None:
+    """Refuse extra SGLang flags that repeat one miles sets, naming where to set it instead."""
+    for arg in engine_args:
+        flag = arg.split("=", 1)[0]
+        for field, flags in MILES_FLAGS.items():
+            if flag in flags:
+                where = _SPEC_FIELD.get(field, f"sglang.{field}")
+                raise RolloutError(
+                    f"engine_args sets {flag}, which miles sets for every SGLang server; use {where} instead"
+                )
+
+
 @dataclass(frozen=True)
 class SGLangLaunchCommand(EngineCommand):
     """``python -m sglang.launch_server`` for one server, given where the runtime placed it."""
@@ -93,6 +131,8 @@ class SGLangRollout(Rollout):
         exclusive: ExclusiveSection | None = None,
         observer: RolloutObserver | None = None,
     ) -> None:
+        if not spec.urls:
+            check_engine_args(spec.engine_args)
         if spec.runtime is RuntimeKind.RAY and not spec.urls:
             check_ray_gpus(spec)
         super().__init__(spec, exclusive=exclusive, observer=observer)

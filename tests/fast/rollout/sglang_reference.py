@@ -140,6 +140,17 @@ def request_classes(names: set[str]) -> dict[str, Any]:
     return {name: getattr(module, name) for name in names}
 
 
+def flags_of(server_args: Any, dests: list[str]) -> dict[str, list[str]]:
+    """Every option string of SGLang's parser that sets each of ``dests``."""
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    found: dict[str, list[str]] = {dest: [] for dest in dests}
+    for action in parser._actions:
+        if action.dest in found:
+            found[action.dest] += action.option_strings
+    return found
+
+
 def check_request(classes: dict[str, Any], msgspec: Any, class_name: str, body: dict[str, Any]) -> dict[str, Any]:
     cls = classes[class_name]
     fields = msgspec.structs.fields(cls)
@@ -180,6 +191,7 @@ def main() -> None:
     answers = {
         "argvs": [parse_argv(server_args, argv) for argv in questions.get("argvs", [])],
         "requests": [check_request(classes, msgspec, name, body) for name, body in requests],
+        "flags": flags_of(server_args, questions.get("flags_of", [])),
     }
     print(json.dumps(answers))
 

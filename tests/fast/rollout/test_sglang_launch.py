@@ -33,8 +33,9 @@ from miles.protocol.sglang import (
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
 )
+from miles.rollout.rollout import RolloutError
 from miles.rollout.runtime import LaunchSlot, Placement
-from miles.rollout.sglang_rollout import SGLangLaunchCommand
+from miles.rollout.sglang_rollout import MILES_FLAGS, SGLangLaunchCommand, check_engine_args
 from miles.rollout.spec import SGLangServerArgs
 
 HERE = Path(__file__).parent
@@ -143,7 +144,8 @@ def sglang() -> dict[str, Any]:
         for args, extra, s, _ in LAUNCHES
     ]
     argvs.append(["--model-path", "/ckpt/0", "--tensor-parallel-size-typo", "2"])
-    questions = {"argvs": argvs, "requests": [[cls, body(req)] for req, cls, _ in REQUESTS]}
+    questions: dict[str, Any] = {"argvs": argvs, "requests": [[cls, body(req)] for req, cls, _ in REQUESTS]}
+    questions["flags_of"] = list(MILES_FLAGS)
     questions["requests"].append(["PauseGenerationReqInput", body(PauseGenerationRequest(mode=PauseMode.DRAIN))])
     done = subprocess.run(
         [sys.executable, str(HERE / "sglang_reference.py")],
@@ -197,3 +199,21 @@ def test_launch_command_runs_sglang_under_the_parent_watch() -> None:
     assert argv[:5] == [sys.executable, "-m", "miles.rollout.with_parent", "--", sys.executable]
     assert argv[5:7] == ["-m", "sglang.launch_server"]
     assert argv[argv.index("--base-gpu-id") + 1] == "2"
+
+
+def test_every_spelling_of_a_flag_miles_sets_is_known(sglang: dict[str, Any]) -> None:
+    """SGLang's parser names every option that sets what miles sets: all must be refused in
+    engine_args (an alias SGLang adds shows up here)."""
+    assert {dest: sorted(flags) for dest, flags in sglang["flags"].items()} == {
+        dest: sorted(flags) for dest, flags in MILES_FLAGS.items()
+    }
+
+
+@pytest.mark.parametrize("arg", ["--port", "--port=31000", "--tensor-parallel-size", "--model", "--base-gpu-id=3"])
+def test_engine_args_may_not_repeat_what_miles_sets(arg: str) -> None:
+    with pytest.raises(RolloutError, match=f"engine_args sets {arg.split('=')[0]}"):
+        check_engine_args(("--chunked-prefill-size", "8192", arg, "1"))
+
+
+def test_engine_args_pass_everything_else() -> None:
+    check_engine_args(("--chunked-prefill-size", "8192", "--attention-backend", "triton", "--portable"))
