@@ -416,7 +416,10 @@ class Rollout(ABC):
         cell.incarnation += 1
         cell.consecutive_failures = 0
         cell.last_probe = None
-        secret = self.spec.engine_secret.get_secret_value() if self.spec.engine_secret else None
+        # A server someone else runs (attached) never sees the controller's secret: it does not
+        # check it, and it would let that server change the weights of the engines launched here.
+        attached = cell.placement is not None and cell.placement.attached
+        secret = self.spec.engine_secret.get_secret_value() if self.spec.engine_secret and not attached else None
         self._clients[cell.server_id] = EngineClient(url, http=self.http, server_id=cell.server_id, secret=secret)
         self.transition(cell, ServerState.PENDING_WEIGHTS, "engine healthy")
         expected = cell.verified or await self._initial_weights(checkpoint)

@@ -44,6 +44,31 @@ def judge_url(judge_checkpoints: dict[str, Path], tmp_path: Path) -> Iterator[st
         process.kill()
 
 
+@pytest.fixture
+def shaped_judge_url(judge_checkpoints: dict[str, Path], tmp_path: Path) -> Iterator[str]:
+    """The judge behind a proxy that answers as SGLang does and records what it is sent."""
+    engine_port, proxy_port = free_port(), free_port()
+    proxy = Path(__file__).parents[1] / "rollout" / "sglang_shaped_proxy.py"
+    processes = [
+        EngineProcess(
+            command=engine_command(judge_checkpoints["b1"], port=engine_port, num_threads=1),
+            log_path=tmp_path / "judge.log",
+        ),
+        EngineProcess(
+            command=[sys.executable, str(proxy), "--upstream", f"http://127.0.0.1:{engine_port}"]
+            + ["--port", str(proxy_port)],
+            log_path=tmp_path / "proxy.log",
+        ),
+    ]
+    try:
+        for process in processes:
+            process.start()
+        yield f"http://127.0.0.1:{proxy_port}"
+    finally:
+        for process in processes:
+            process.kill()
+
+
 def fleet(checkpoints: dict[str, Path], judge_checkpoints: dict[str, Path], judge_url: str) -> dict[str, object]:
     return {
         "policy": {"cls": SFT, "checkpoint": str(checkpoints["v1"]), "num_servers": 1, "num_threads": 1},
@@ -150,3 +175,19 @@ def test_serve_refuses_a_fleet_file_that_is_not_a_mapping(tmp_path: Path) -> Non
     )
     assert done.returncode != 0
     assert "must hold a JSON object of names to server specs" in done.stderr
+
+
+def test_no_credential_of_the_controller_reaches_an_attached_server(
+    checkpoints: dict[str, Path], judge_checkpoints: dict[str, Path], shaped_judge_url: str
+) -> None:
+    with InferenceController(
+        fleet(checkpoints, judge_checkpoints, shaped_judge_url), port=0, health_interval_s=0.2
+    ) as controller:
+        assert controller.url is not None
+        generate(controller.url, "tiny-b")
+        generate(controller.url, "tiny")
+        result = controller.update_rollout_weights(judge_checkpoints["b2"], model_name="tiny-b")
+        assert result.status == "committed", result
+        secret = controller.core.engine_secret
+        seen = httpx.get(f"{shaped_judge_url}/_fake/authorizations", timeout=10, trust_env=False).json()
+        assert not any(secret in header for header in seen), seen

@@ -9,6 +9,8 @@ URL, except where SGLang 0.5.23 answers otherwise:
 - ``/get_weight_version`` and ``/fence`` do not exist (404);
 - ``/pause_generation`` refuses ``drain`` (not an SGLang mode) and answers only status and message.
 
+``GET /_fake/authorizations`` lists every ``Authorization`` header it was sent (to check that
+nothing of the controller's credentials reaches a server someone else runs).
 ``POST /_fake/digest_salt {"salt": "..."}`` makes the digests it reports from then on different
 (a server whose load went wrong in a way the engine did not notice), ``""`` restores them.
 """
@@ -29,6 +31,17 @@ def build(upstream: str) -> FastAPI:
     app = FastAPI()
     http = httpx.AsyncClient(base_url=upstream, timeout=600, trust_env=False)
     state = {"salt": ""}
+    authorizations: set[str] = set()
+
+    @app.middleware("http")
+    async def record(request: Request, call_next: Any) -> Response:
+        if "authorization" in request.headers:
+            authorizations.add(request.headers["authorization"])
+        return await call_next(request)
+
+    @app.get("/_fake/authorizations")
+    async def seen() -> list[str]:
+        return sorted(authorizations)
 
     async def forward(request: Request) -> httpx.Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
