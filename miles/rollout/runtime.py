@@ -219,6 +219,7 @@ class AttachedRuntime(EngineRuntime):
     def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
         super().__init__(spec, on_exit=on_exit)
         self._urls: dict[str, str] = {}
+        self._answered: set[str] = set()
 
     async def start(self, server_ids: Sequence[str]) -> None:
         self._urls = dict(zip(server_ids, self.spec.urls, strict=True))
@@ -227,7 +228,12 @@ class AttachedRuntime(EngineRuntime):
         self, server_id: str, command: EngineCommand, checkpoint: Path, *, device: str, http: httpx.AsyncClient
     ) -> LaunchedEngine:
         url = self._urls[server_id]
-        await wait_until_answering(url, timeout_s=self.spec.startup_timeout_s, http=http)
+        # At start the server may still be coming up. Later (a restart) it is down for as long
+        # as its owner keeps it down, and the wait holds the controller's lock: wait one probe's
+        # time, and let the supervisor try again at its next round.
+        timeout_s = self.spec.health.timeout_s if server_id in self._answered else self.spec.startup_timeout_s
+        await wait_until_answering(url, timeout_s=timeout_s, http=http)
+        self._answered.add(server_id)
         host = httpx.URL(url).host
         placement = Placement(node_id=f"attached:{host}", node_address=host, device=device, attached=True)
         return LaunchedEngine(url=url, placement=placement, pid=None)

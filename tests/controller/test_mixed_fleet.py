@@ -191,3 +191,37 @@ def test_no_credential_of_the_controller_reaches_an_attached_server(
         secret = controller.core.engine_secret
         seen = httpx.get(f"{shaped_judge_url}/_fake/authorizations", timeout=10, trust_env=False).json()
         assert not any(secret in header for header in seen), seen
+
+
+def test_an_attached_server_that_stays_down_does_not_hold_up_the_other_models(
+    checkpoints: dict[str, Path], judge_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    port = free_port()
+    judge = EngineProcess(
+        command=engine_command(judge_checkpoints["b1"], port=port, num_threads=1), log_path=tmp_path / "judge.log"
+    )
+    judge.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with InferenceController(
+            fleet(checkpoints, judge_checkpoints, url),
+            port=0,
+            health_interval_s=0.2,
+            health_timeout_s=1.0,
+            # A restart that waited the whole start-up time for the judge would hold the lock
+            # longer than an update waits for it.
+            startup_timeout_s=300,
+            lock_timeout_s=60,
+        ) as controller:
+            judge.kill()  # its owner takes it down, and keeps it down
+            deadline = time.monotonic() + 60
+            while next(s for s in controller.health().servers if s.model_name == "tiny-b").state == "serving":
+                assert time.monotonic() < deadline, "the supervisor never noticed the judge was gone"
+                time.sleep(0.1)  # the supervisor's probes run on the controller's own loop thread
+            # Each attempt to bring the judge back holds the lock for one probe timeout.
+            result = controller.update_rollout_weights(checkpoints["v2"], model_name="tiny")
+            assert result.status == "committed", result
+            report = controller.health()
+            assert report.models["tiny-b"].serving == 0 and report.status == "unavailable"
+    finally:
+        judge.kill()
