@@ -30,6 +30,11 @@ def main() -> None:
     argv += ["--max-running-requests", args.max_running_requests]
     if args.context_length:
         argv += ["--context-length", args.context_length]
+    if args.base_gpu_id is not None:
+        # The GPUs SGLang would take: tp*dp from the base. The engine reports them (the Ray runtime
+        # checks them against its bundle) and runs on the first when CUDA is there.
+        gpus = range(args.base_gpu_id, args.base_gpu_id + args.tp_size * args.dp_size)
+        argv += ["--gpu-ids", ",".join(str(g) for g in gpus), "--device", "auto"]
     print("stand-in for sglang.launch_server:", " ".join(sys.argv[1:]), flush=True)
     os.execv(sys.executable, argv)
 
