@@ -37,11 +37,14 @@ def launch_spec(checkpoint: Path, log_dir: Path) -> RolloutSpec:
 
 
 def children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
+    """The processes ``pid`` started, from any of its threads."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue  # the thread ended meanwhile
+    return found
 
 
 def running(pid: int) -> bool:
