@@ -127,3 +127,16 @@ async def test_sglang_pause_modes_and_probes(server: SGLangRollout, supervisor_r
     assert identity.weight_version == "1" and identity.checksum is None  # from /model_info
     await supervisor_rounds(server, 3)
     assert all(snap.state is ServerState.SERVING for snap in server.snapshot())
+
+
+async def test_the_rest_of_sglangs_api_through_the_client(server: SGLangRollout) -> None:
+    client = server.client(server.server_ids[1])
+    assert await client.health()
+    assert await client.health_generate()
+    model = await client.model_info()
+    assert model["served_model_name"] == server.model_name and model["weight_version"] == "1"
+    info = await client.server_info()
+    assert info["served_model_name"] == server.model_name and info["tp_size"] == 1
+    await client.abort_request(abort_all=True, abort_message="nothing to abort")
+    await client.abort_request("no-such-request")
+    await client.flush_cache()
