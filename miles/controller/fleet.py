@@ -105,6 +105,7 @@ class Fleet:
         engine_secret: str | None = None,
     ) -> None:
         self._servers: dict[str, Rollout] = {}
+        self._attached_urls: set[str] = set()
         self._engine_secret = engine_secret
         self._gated = settings.gated_launch
         # The controller's working files (logs, weight copies) live here; a directory we made
@@ -139,6 +140,13 @@ class Fleet:
         if spec.sglang is not None and not server_cls.takes_sglang_args:
             raise InvalidRequestError(
                 f"server spec {name!r}: 'sglang' launch arguments are for SGLangRollout, not {server_cls.__name__}"
+            )
+        taken = sorted(set(spec.urls) & self._attached_urls)
+        if taken:
+            # Two rollouts driving one server would each load their own weights into it.
+            raise InvalidRequestError(
+                f"server spec {name!r} attaches {', '.join(taken)}, which another spec attaches too; "
+                "give each server to one model"
             )
         if spec.urls and spec.num_servers not in (None, len(spec.urls)):
             raise InvalidRequestError(
@@ -181,6 +189,7 @@ class Fleet:
             sglang=spec.sglang or SGLangServerArgs(),
         )
         self._servers[model_name] = server_cls(rollout_spec, exclusive=exclusive, observer=observer)
+        self._attached_urls |= set(rollout_spec.urls)
 
     @property
     def model_names(self) -> list[str]:

@@ -125,6 +125,19 @@ def test_a_launching_server_type_given_urls_is_refused_by_name(checkpoints: dict
         InferenceController({"m": {"cls": SFT, "checkpoint": str(checkpoints["v1"]), "urls": ["http://127.0.0.1:9"]}})
 
 
+def test_one_server_attached_to_two_models_is_refused_by_name(
+    checkpoints: dict[str, Path], judge_checkpoints: dict[str, Path]
+) -> None:
+    url = "http://127.0.0.1:9"
+    with pytest.raises(Exception, match="attaches http://127.0.0.1:9, which another spec attaches too"):
+        InferenceController(
+            {
+                "a": {"cls": SGLANG, "checkpoint": str(checkpoints["v1"]), "urls": [url]},
+                "b": {"cls": SGLANG, "checkpoint": str(judge_checkpoints["b1"]), "urls": [f"{url}/"]},
+            }
+        )
+
+
 def test_mixed_fleet_from_the_command_line(
     checkpoints: dict[str, Path], judge_checkpoints: dict[str, Path], judge_url: str, tmp_path: Path
 ) -> None:
