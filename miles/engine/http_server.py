@@ -128,7 +128,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def pushed(result: UpdateWeightsResponse, *, received: float | None = None) -> JSONResponse:
         body = result.model_dump(mode="json")
         if received is not None:
-            # Mapping or receiving the bucket and checking every tensor's digest.
+            # Mapping or receiving the bucket.
             body["timings"] = {"receive": received, **body["timings"]}
         return JSONResponse(body, status_code=200 if result.success else 400)
 
@@ -142,7 +142,7 @@ def create_app(engine: Engine) -> FastAPI:
         received = time.perf_counter() - started
         try:
             result = await engine.weights.apply_pushed(
-                bucket.tensors,
+                bucket.received,
                 weight_version=request.weight_version,
                 expected_checksum=request.expected_checksum,
                 abort_all_requests=request.abort_all_requests,
@@ -169,10 +169,10 @@ def create_app(engine: Engine) -> FastAPI:
     ) -> JSONResponse:
         admit(access, http_request)
         started = time.perf_counter()
-        tensors = await asyncio.to_thread(groups.receive, request, engine.weights.check_table)
+        bucket = await asyncio.to_thread(groups.receive, request, engine.weights.check_table)
         received = time.perf_counter() - started
         result = await engine.weights.apply_pushed(
-            tensors,
+            bucket,
             weight_version=request.weight_version,
             expected_checksum=request.expected_checksum,
             abort_all_requests=request.abort_all_requests,

@@ -1,7 +1,8 @@
 """Weights pushed from a trainer's memory: shared-memory buckets and torch.distributed broadcasts.
 
-Both produce one bucket of named tensors, each checked against the digest it was sent with, which
-``LiveWeights.apply_pushed`` copies into the model; nothing here touches the live weights.
+Both produce one bucket of named tensors with the digests they were sent with (``Received``), which
+``LiveWeights.apply_pushed`` copies into the model, checking each digest over the bytes it copied;
+nothing here touches the live weights.
 
 - Shared memory (``/update_weights_from_tensor``, ``load_format="miles_shm"``): the trainer writes
   a bucket into ``/dev/shm/miles-...`` and sends its table; the engine maps the segment
@@ -41,7 +42,7 @@ from miles.protocol.sglang import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, unpack
+from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, Received, unpack
 
 logger = logging.getLogger("miles.engine")
 
@@ -64,6 +65,8 @@ def joined_key(rank: int) -> str:
 
 class ShmBucket:
     """One bucket's tensors read from a shared-memory segment (``close`` when they are copied)."""
+
+    received: Received
 
     def __init__(
         self, request: UpdateWeightsFromTensorRequest, check: Callable[[BucketTable], None], segments: SegmentMaps
@@ -90,10 +93,10 @@ class ShmBucket:
             )
         flat = segments.open(name, table.total_bytes)
         check(table)
-        self.tensors = unpack(table, flat)
+        self.received = unpack(table, flat)
 
     def close(self) -> None:
-        self.tensors = {}
+        self.received = Received(tensors={}, digests={})
 
 
 class SegmentMaps:
@@ -216,11 +219,9 @@ class WeightGroups:
         logger.info("joined weight-update group %s as rank %d of %d", request.group_name, rank, world)
         return f"joined group {request.group_name!r} as rank {rank} of {world}"
 
-    def receive(
-        self, request: UpdateWeightsFromDistributedRequest, check: Callable[[BucketTable], None]
-    ) -> dict[str, torch.Tensor]:
-        """One bucket by broadcast from rank 0 (blocking: call off the loop), checked against the
-        digests when given. Raises NotFoundError for an unknown group, ConflictError when the
+    def receive(self, request: UpdateWeightsFromDistributedRequest, check: Callable[[BucketTable], None]) -> Received:
+        """One bucket by broadcast from rank 0 (blocking: call off the loop), with the digests it
+        was sent with (checked as it is copied out). Raises NotFoundError for an unknown group, ConflictError when the
         broadcast does not finish within ``timeout_s`` (the sender died or never sent)."""
         if request.load_format not in (None, FLAT_LOAD_FORMAT):
             raise InvalidRequestError(
