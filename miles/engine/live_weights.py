@@ -490,16 +490,11 @@ class LiveWeights:
             paused = await asyncio.to_thread(self._scheduler.pause, mode, message=f"aborted by {source}")
         timings["pause"] = time.perf_counter() - started
 
+        def refused(exc: StagingRefusedError) -> ModelChecksum:
+            raise exc
+
         def swap() -> ModelChecksum:
-            _prepare(stage)
-            waiting = time.perf_counter()
-            with self._lock.write():
-                locked = time.perf_counter()
-                timings["write_lock_wait"] = locked - waiting
-                checksum = stage.activate()
-                self._held = HeldWeights(version=version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
-                timings["activate"] = time.perf_counter() - locked
-                return checksum
+            return self._swap(stage, version=version, timings=timings, refused=refused)
 
         try:
             checksum = await asyncio.to_thread(self._scheduler.call, swap)
@@ -632,24 +627,43 @@ class LiveWeights:
         return checksum
 
     def _activate(self, stage: WeightStage, prepared: PreparedUpdate, version: str) -> ModelChecksum:
-        """Swap the staged weights in (scheduler thread). ``activate`` in the timings is the time
-        the write lock was held: what generation waited for."""
+        """Swap the staged checkpoint in (scheduler thread); a swap the stage refuses (some tensor
+        would have kept the old weights) becomes an in-place copy, under the same lock."""
+
+        def refused(exc: StagingRefusedError) -> ModelChecksum:
+            self._staging.give_up(f"a swap was refused: {exc}")
+            return self._copy_locked(prepared, version)
+
+        def swapped() -> None:
+            self._loaded_from = Path(prepared.reader.directory)
+
+        return self._swap(stage, version=version, timings=prepared.timings, refused=refused, swapped=swapped)
+
+    def _swap(
+        self,
+        stage: WeightStage,
+        *,
+        version: str,
+        timings: dict[str, float],
+        refused: Callable[[StagingRefusedError], ModelChecksum],
+        swapped: Callable[[], None] = lambda: None,
+    ) -> ModelChecksum:
+        """Swap a verified stage in under the write side of the lock (scheduler thread, between two
+        steps): the staged checksum is the live one then, since activation moves no byte.
+        ``refused`` answers, under the same lock, a swap the stage refused. ``activate`` in the
+        timings is the time the write lock was held: what generation waited for."""
         _prepare(stage)
         waiting = time.perf_counter()
         with self._lock.write():
             locked = time.perf_counter()
-            prepared.timings["write_lock_wait"] = locked - waiting
+            timings["write_lock_wait"] = locked - waiting
             try:
                 checksum = stage.activate()
             except StagingRefusedError as exc:
-                # Some tensor would have kept the old weights: nothing was swapped. The update
-                # goes on as an in-place copy, under this same lock.
-                self._staging.give_up(f"a swap was refused: {exc}")
-                return self._copy_locked(prepared, version)
-            # The staged checksum is the live one now: activation moved no byte.
+                return refused(exc)
             self._held = HeldWeights(version=version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
-            self._loaded_from = Path(prepared.reader.directory)
-            prepared.timings["activate"] = time.perf_counter() - locked
+            swapped()
+            timings["activate"] = time.perf_counter() - locked
             return checksum
 
     def _checkpoint_path(self, raw: str) -> Path:
