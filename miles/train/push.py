@@ -11,7 +11,8 @@ verified weights.
 
 Paths (``TransferPath``):
 - ``shm``: every engine on this node: each bucket is written once into a shared-memory segment
-  that every engine reads (``/update_weights_from_tensor``);
+  that every engine reads (``/update_weights_from_tensor``); weights on a GPU are packed in GPU
+  memory and handed over as CUDA IPC handles instead (``load_format="miles_cuda_ipc"``);
 - ``distributed``: engines anywhere: a torch.distributed group with this process as rank 0 (gloo
   on CPU), one flat broadcast per bucket (``/update_weights_from_distributed``);
 - ``auto``: ``shm`` when every engine's address is this machine's, else ``distributed``.
@@ -48,6 +49,7 @@ import torch.distributed as dist
 
 from miles.config import TransferPath
 from miles.errors import PublishError
+from miles.protocol.sglang import CUDA_IPC_LOAD_FORMAT, CudaIpcHandle
 from miles.train.publisher import PublishResult
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable, layout, pack, plan
@@ -289,7 +291,13 @@ class PushPublisher:
             # Looks at /dev/shm and resolves this machine's addresses: off the loop.
             path = await asyncio.to_thread(self._choose, window)
             stats = PushStats(path=path.value, tensors=len(sending), skipped=len(unchanged))
-            pushing = _ShmPush(self, window) if path is TransferPath.SHM else _DistributedPush(self, window)
+            pushing: _ShmPush | _CudaIpcPush | _DistributedPush
+            if path is TransferPath.SHM:
+                # On this machine: GPU tensors by CUDA IPC handle, host tensors through /dev/shm.
+                on_gpu = any(t.device.type == "cuda" for t in sending.values())
+                pushing = _CudaIpcPush(self, window) if on_gpu else _ShmPush(self, window)
+            else:
+                pushing = _DistributedPush(self, window)
             checksum = await pushing.run(sending, version=version, stats=stats, unchanged=unchanged)
             pushed = time.perf_counter()
             await self.client.publish(
@@ -530,6 +538,66 @@ class _ShmPush:
         except BaseException:
             await self.publisher.drop_segment()
             raise
+
+
+class _CudaIpcPush:
+    """Buckets packed in the trainer's GPU memory (two buffers, as for shared memory) and handed to
+    every engine on this machine as CUDA IPC handles: no copy through the host."""
+
+    def __init__(self, publisher: PushPublisher, window: Window) -> None:
+        self.publisher, self.window = publisher, window
+
+    async def run(
+        self,
+        named: Mapping[str, torch.Tensor],
+        *,
+        version: str,
+        stats: PushStats,
+        unchanged: list[TensorDigest],
+    ) -> str:
+        device = next(t.device for t in named.values() if t.device.type == "cuda")
+        tables = [layout(named, names) for names in plan(named, bucket_bytes=self.publisher.bucket_bytes)]
+        size = max(max(t.total_bytes for t in tables), 1)
+        buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(_regions(tables))]
+        http = _Authorized(self.publisher.http, self.publisher.headers(self.window))
+
+        async def send(index: int, packed: BucketTable, checksum: str | None) -> None:
+            buffer = buffers[index % len(buffers)]
+
+            def body(_: int) -> dict[str, Any]:
+                # A handle of its own per engine: each engine's release counts against its own.
+                document = {"cuda_ipc": cuda_ipc_handle(buffer).model_dump(), "table": packed.model_dump(mode="json")}
+                return {
+                    "serialized_named_tensors": [base64.b64encode(json.dumps(document).encode()).decode()],
+                    "load_format": CUDA_IPC_LOAD_FORMAT,
+                    "weight_version": version if checksum is not None else None,
+                    "expected_checksum": checksum,
+                    "activate": not self.window.staged,
+                }
+
+            await _post_all(http, self.window, "/update_weights_from_tensor", body, stats)
+
+        return await _stream(named, tables, buffers, send, stats=stats, unchanged=unchanged)
+
+
+def cuda_ipc_handle(buffer: torch.Tensor) -> CudaIpcHandle:
+    """How another process on this machine opens the flat uint8 CUDA tensor ``buffer``."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, shared = reduce_tensor(buffer)
+    (_, _, _, offset, _, _, device, handle, size, storage_offset, _, ref_handle, ref_offset, event, sync) = shared
+    return CudaIpcHandle(
+        device=device,
+        numel=buffer.numel(),
+        storage_offset=offset,
+        storage_handle=base64.b64encode(handle).decode(),
+        storage_size_bytes=size,
+        storage_offset_bytes=storage_offset,
+        ref_counter_handle=base64.b64encode(ref_handle).decode(),
+        ref_counter_offset=ref_offset,
+        event_handle=base64.b64encode(event).decode() if event else None,
+        event_sync_required=bool(sync),
+    )
 
 
 class _DistributedPush:

@@ -107,6 +107,8 @@ def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tens
     """Copy each tensor of ``table`` into the flat uint8 tensor ``into`` at its offset, digesting
     the bytes as they are written; returns the table with the digests."""
     flat = into.reshape(-1).view(torch.uint8)
+    if flat.device.type != "cpu":
+        return _pack_on_device(named, table, flat)
     view = memoryview(flat.numpy())  # type: ignore[arg-type]  # an ndarray has the buffer protocol
     done = []
     for entry in table.entries:
@@ -145,6 +147,18 @@ class Received:
         for name, tensor in self.tensors.items():
             if name in self.digests:
                 self.check(name, digest_tensor(tensor))
+
+
+def _pack_on_device(named: Mapping[str, torch.Tensor], table: BucketTable, flat: torch.Tensor) -> BucketTable:
+    """``pack`` into GPU memory: each tensor copied on its device, digested from a host copy; returns
+    once the copies are done (another process reads the bytes next)."""
+    done = []
+    for entry in table.entries:
+        source = named[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[entry.offset : entry.offset + entry.nbytes].copy_(source)
+        done.append(entry.model_copy(update={"digest": digest_tensor(source)}))
+    torch.cuda.synchronize(flat.device)
+    return BucketTable(entries=tuple(done))
 
 
 def unpack(table: BucketTable, flat: torch.Tensor) -> Received:

@@ -122,6 +122,35 @@ def test_a_corrupted_bucket_is_refused_before_the_weights_change(
             trust_env=False,
         )
         assert pickled.status_code == 400 and "pickled" in pickled.text
+        # A CUDA IPC handle means nothing to an engine on the CPU: refused by name, before it is opened.
+        ipc = httpx.post(
+            f"{url}/update_weights_from_tensor",
+            json={
+                "serialized_named_tensors": [
+                    base64.b64encode(
+                        json.dumps(
+                            {
+                                "cuda_ipc": {
+                                    "device": 0,
+                                    "numel": table.total_bytes,
+                                    "storage_offset": 0,
+                                    "storage_handle": "AAAA",
+                                    "storage_size_bytes": table.total_bytes,
+                                    "storage_offset_bytes": 0,
+                                    "ref_counter_handle": "AAAA",
+                                    "ref_counter_offset": 0,
+                                },
+                                "table": packed.model_dump(mode="json"),
+                            }
+                        ).encode()
+                    ).decode()
+                ],
+                "load_format": "miles_cuda_ipc",
+            },
+            headers=auth,
+            trust_env=False,
+        )
+        assert ipc.status_code == 400 and "needs an engine on a GPU" in ipc.text, ipc.text
         bad = packed.model_dump(mode="json")
         bad["entries"][0]["shape"] = [1, *bad["entries"][0]["shape"][1:], 7]
         shaped = httpx.post(
