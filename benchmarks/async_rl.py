@@ -79,7 +79,7 @@ def child(args: argparse.Namespace) -> None:
     import uvloop
     from rich.console import Console
 
-    from miles.config import UpdatePauseMode
+    from miles.config import UpdatePauseMode, UpdateStrategy
     from miles.demo.run import DemoConfig, quiet_logs, run_demo
     from miles.train.config import LoopMode
 
@@ -95,7 +95,10 @@ def child(args: argparse.Namespace) -> None:
         live=False,
         loop=loop,
         max_staleness=args.max_staleness,
-        pause_mode=UpdatePauseMode.RETRACT if loop is LoopMode.ASYNC else UpdatePauseMode.DRAIN,
+        pause_mode=UpdatePauseMode(args.pause_mode)
+        if args.pause_mode
+        else (UpdatePauseMode.RETRACT if loop is LoopMode.ASYNC else UpdatePauseMode.DRAIN),
+        strategy=UpdateStrategy(args.strategy),
     )
     try:
         summary = uvloop.run(run_demo(config, console=Console(quiet=True)))
@@ -178,6 +181,9 @@ def run_one(loop: str, args: argparse.Namespace, work: Path, index: int) -> dict
         str(args.seed),
         "--max-staleness",
         str(args.max_staleness),
+        "--strategy",
+        args.strategy,
+        *(["--pause-mode", args.pause_mode] if args.pause_mode else []),
     ]
     started = time.monotonic()
     subprocess.run(command, check=True, timeout=3600)
@@ -194,6 +200,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--strategy", default="barrier", help="how updates move through the fleet")
+    parser.add_argument("--pause-mode", help="default: retract for async (generations continue), drain for sync")
+    parser.add_argument("--loops", nargs="+", default=["sync", "async"], help=argparse.SUPPRESS)
     parser.add_argument("--window", type=int, default=20, help="steps averaged for the final reward and the curve")
     parser.add_argument("--margin", type=float, default=0.02, help="threshold = sync's final reward - margin")
     parser.add_argument("--json", action="store_true")

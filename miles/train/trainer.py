@@ -16,7 +16,8 @@ GRPO runs in one of two loops (``TrainerConfig.loop``):
   max_staleness`` is published, and asks for that version or a later one (``min_weight_version``),
   so no sample's first token is more than ``max_staleness`` versions behind what trains on it.
   Groups are trained in the order they were started (problems are drawn in the same order as the
-  sync loop draws them).
+  sync loop draws them). A step's weights are published from a copy while the trainer trains the
+  next step, so publishing overlaps training too (one publish at a time, in step order).
 
 Torch work runs in a worker thread so the event loop (which may also run a controller or a UI)
 stays responsive.
@@ -25,6 +26,8 @@ stays responsive.
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
 import os
 import random
 import time
@@ -39,7 +42,7 @@ from miles.models.tokenizer import build_tokenizer
 from miles.train.config import LoopMode, TrainerConfig
 from miles.train.grpo import clipped_policy_loss, group_advantages
 from miles.train.policy import completion_logprobs, encode_answer, encode_prompt, pack, sft_loss
-from miles.train.publisher import Publisher
+from miles.train.publisher import Publisher, PublishResult
 from miles.train.reports import Phase, Staleness, StepReport, TrainingSummary, rewards_by_version
 from miles.train.sampling import Group, Sample, Sampler
 from miles.train.task import Problem, parse_completion, score
@@ -182,17 +185,21 @@ class Trainer:
                 update,
                 started=started,
                 trainer_idle_s=waited,
-                fleet_idle_s=self._fleet.idle_s() - idle_before,
+                fleet_idle_before=idle_before,
             )
 
     async def _grpo_async(self, count: int, optimizer: torch.optim.Optimizer) -> AsyncGenerator[StepReport]:
-        """``count`` GRPO steps with sampling overlapped (module docstring)."""
+        """``count`` GRPO steps with sampling overlapped (module docstring). A step's weights are
+        published from a copy while the trainer goes on to the next step; its report comes once
+        that publish is done."""
         cfg = self.config
         per_step = cfg.prompts_per_step
         first = self._steps_done
         started_groups: list[tuple[Problem, asyncio.Task[Group]]] = []
         changed = asyncio.Condition()
         stopped = asyncio.Event()
+        # What a publish reads while the model trains on (allocated once, refreshed per publish).
+        published_copy = copy.deepcopy(self.model).eval()
 
         def admitted(trained_on: int) -> Callable[[], bool]:
             return lambda: trained_on - self._published <= cfg.max_staleness
@@ -215,7 +222,17 @@ class Trainer:
                     stopped.set()
                     changed.notify_all()  # the trainer sees the producer stop, whatever stopped it
 
+        async def publish(step: int) -> PublishResult:
+            result = await self._publisher.publish(published_copy, self.tokenizer, step=step)
+            async with changed:
+                self._published = step
+                changed.notify_all()
+            return result
+
         producer = asyncio.create_task(produce())
+        publishing: asyncio.Task[PublishResult] | None = None
+        # The last step's report, waiting for its publish.
+        pending: Callable[..., StepReport] | None = None
         try:
             for step_index in range(count):
                 started = time.monotonic()
@@ -235,21 +252,42 @@ class Trainer:
                 waited = time.monotonic() - waiting
                 scored = self._score([problem for problem, _ in batch], groups)
                 update = await asyncio.to_thread(self._grpo_update, scored, optimizer)
-                report = await self._finish(
+                step = self._count_step()
+                # The copy is free once the last publish is done: the report of its step goes out.
+                last = await publishing if publishing is not None else None
+                if pending is not None:
+                    yield pending(publish=last)
+                publishing = None
+                if self._due(step):
+                    await asyncio.to_thread(_copy_weights, published_copy, self.model)
+                    publishing = asyncio.create_task(publish(step))
+                pending = functools.partial(
+                    self._report,
                     Phase.GRPO,
+                    step,
                     groups,
                     scored,
                     update,
-                    started=started,
+                    step_s=time.monotonic() - started,
                     trainer_idle_s=waited,
                     fleet_idle_s=self._fleet.idle_s() - idle_before,
                 )
-                async with changed:
-                    changed.notify_all()
-                yield report
+            if pending is not None:
+                ending = time.monotonic()
+                idle_before = self._fleet.idle_s()
+                last = await publishing if publishing is not None else None
+                report = pending(publish=last)
+                yield report.model_copy(
+                    update={
+                        "step_s": report.step_s + time.monotonic() - ending,
+                        "fleet_idle_s": report.fleet_idle_s + self._fleet.idle_s() - idle_before,
+                    }
+                )
         finally:
             producer.cancel()
             tasks = [task for _, task in started_groups]
+            if publishing is not None:
+                tasks.append(publishing)  # type: ignore[arg-type]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(producer, *tasks, return_exceptions=True)
@@ -263,16 +301,47 @@ class Trainer:
         *,
         started: float,
         trainer_idle_s: float,
-        fleet_idle_s: float,
+        fleet_idle_before: float,
     ) -> StepReport:
         """Count the step, publish when due, and report it."""
-        cfg = self.config
-        step = self._steps_done + 1
-        self._steps_done = step
+        step = self._count_step()
         publish = None
-        if step % cfg.publish_every == 0 or step == cfg.total_steps:
+        if self._due(step):
             publish = await self._publisher.publish(self.model, self.tokenizer, step=step)
             self._published = step
+        return self._report(
+            phase,
+            step,
+            groups,
+            scored,
+            update,
+            publish=publish,
+            step_s=time.monotonic() - started,
+            trainer_idle_s=trainer_idle_s,
+            fleet_idle_s=self._fleet.idle_s() - fleet_idle_before,
+        )
+
+    def _count_step(self) -> int:
+        self._steps_done += 1
+        return self._steps_done
+
+    def _due(self, step: int) -> bool:
+        """Whether ``step`` publishes (every ``publish_every`` steps, and the last one)."""
+        return step % self.config.publish_every == 0 or step == self.config.total_steps
+
+    def _report(
+        self,
+        phase: Phase,
+        step: int,
+        groups: Sequence[Group],
+        scored: Sequence[Sequence[_Scored]],
+        update: _Update,
+        *,
+        publish: PublishResult | None,
+        step_s: float,
+        trainer_idle_s: float,
+        fleet_idle_s: float,
+    ) -> StepReport:
         samples = [s for group in scored for s in group]
         rewards = [s.reward for s in samples]
         return StepReport(
@@ -289,7 +358,7 @@ class Trainer:
             clip_fraction=update.clip_fraction,
             mean_ratio=update.mean_ratio,
             publish=publish,
-            step_s=time.monotonic() - started,
+            step_s=step_s,
             trainer_idle_s=trainer_idle_s,
             fleet_idle_s=fleet_idle_s,
         )
@@ -397,6 +466,12 @@ class _FleetClock:
             self.running -= 1
             if self.running == 0:
                 self.idle_since = time.monotonic()
+
+
+@torch.no_grad()
+def _copy_weights(target: torch.nn.Module, source: torch.nn.Module) -> None:
+    for into, value in zip(target.state_dict().values(), source.state_dict().values(), strict=True):
+        into.copy_(value)
 
 
 def _flat(group: Sequence[_Scored]) -> bool:
