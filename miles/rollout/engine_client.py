@@ -187,34 +187,27 @@ class EngineClient:
         self, request: ActivateWeightsRequest, *, timeout: float | None = None, fence: int | None = None
     ) -> UpdateWeightsResponse:
         """Have the engine serve the pushed weights it staged; a refusal comes back as ``success=False``."""
-        response = await self._call(
-            "POST", "/activate_weights", json=request.model_dump(mode="json"), timeout=timeout, fence=fence
-        )
-        if response.status_code in (200, 400):
-            try:
-                return UpdateWeightsResponse.model_validate_json(response.content)
-            except ValidationError:
-                pass
-        raise EngineCallError(
-            f"activate_weights answered {response.status_code}: {_error_text(response)}",
-            status_code=response.status_code,
-            server_id=self.server_id,
-        )
+        return await self._update("/activate_weights", request, timeout=timeout, fence=fence)
 
     async def update_weights_from_disk(
         self, request: UpdateWeightsFromDiskRequest, *, timeout: float | None = None, fence: int | None = None
     ) -> UpdateWeightsResponse:
         """Ask the engine to load a checkpoint; a refusal comes back as ``success=False``."""
-        response = await self._call(
-            "POST", "/update_weights_from_disk", json=request.model_dump(mode="json"), timeout=timeout, fence=fence
-        )
+        return await self._update("/update_weights_from_disk", request, timeout=timeout, fence=fence)
+
+    async def _update(
+        self, path: str, request: BaseModel, *, timeout: float | None, fence: int | None
+    ) -> UpdateWeightsResponse:
+        """A call that changes the weights: its ``UpdateWeightsResponse``, a refusal (400) included;
+        EngineCallError for any other answer (a plain 400 for an invalid request among them)."""
+        response = await self._call("POST", path, json=request.model_dump(mode="json"), timeout=timeout, fence=fence)
         if response.status_code in (200, 400):
             try:
                 return UpdateWeightsResponse.model_validate_json(response.content)
             except ValidationError:
                 pass  # a plain 400 (invalid request) rather than a refusal: reported below
         raise EngineCallError(
-            f"update_weights_from_disk answered {response.status_code}: {_error_text(response)}",
+            f"{path.lstrip('/')} answered {response.status_code}: {_error_text(response)}",
             status_code=response.status_code,
             server_id=self.server_id,
         )
