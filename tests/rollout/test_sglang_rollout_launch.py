@@ -15,7 +15,7 @@ import pytest
 from miles.rollout.sglang_rollout import SGLangRollout
 from miles.rollout.spec import HealthSettings, RolloutSpec, SGLangServerArgs
 from miles.rollout.state import ServerState
-from miles.testing import wait_until
+from miles.testing import process_alive, wait_until
 from miles.weights.checkpoint import read_manifest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -47,18 +47,6 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie has ended; only its parent has not reaped it yet.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 async def test_launched_server_serves_logs_and_leaves_nothing_behind(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -82,7 +70,7 @@ async def test_launched_server_serves_logs_and_leaves_nothing_behind(
         (server,) = children(wrapper)
         restarts = snap.restarts
         os.kill(wrapper, signal.SIGKILL)
-        await wait_until(lambda: not running(server), what="the server to end with its wrapper", timeout=30)
+        await wait_until(lambda: not process_alive(server), what="the server to end with its wrapper", timeout=30)
         await wait_until(
             lambda: (
                 rollout.cell(snap.server_id).restarts > restarts
@@ -96,7 +84,7 @@ async def test_launched_server_serves_logs_and_leaves_nothing_behind(
         (server,) = children(wrapper)
     finally:
         await rollout.stop()
-    assert not running(wrapper) and not running(server)
+    assert not process_alive(wrapper) and not process_alive(server)
 
 
 async def test_a_server_that_refuses_its_arguments_fails_start_with_its_log(

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from miles.rollout.engine_process import free_port
+from miles.testing import process_alive
 
 STANDIN = [sys.executable, str(Path(__file__).parent / "sglang_standin.py")]
 
@@ -33,13 +34,6 @@ def descendants(pid: int) -> list[int]:
     for child in children(pid):
         found += [child, *descendants(child)]
     return found
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_for(predicate, *, what: str, timeout: float) -> None:  # type: ignore[no-untyped-def]
@@ -81,7 +75,7 @@ def test_no_server_outlives_a_controller_killed_outright(checkpoints: dict[str, 
         assert len(tree) >= 4, tree  # two wrappers and the two servers under them
         serve.kill()
         serve.wait()
-        wait_for(lambda: not any(running(p) for p in tree), what="every server to end", timeout=30)
+        wait_for(lambda: not any(process_alive(p) for p in tree), what="every server to end", timeout=30)
     finally:
         if serve.poll() is None:
             serve.kill()
