@@ -12,8 +12,8 @@ STAMP := $(VENV)/.installed
 SGLANG_VERSION := 0.5.23
 SGLANG_REF := .sglang-ref
 SGLANG_STAMP := $(SGLANG_REF)/.installed-$(SGLANG_VERSION)
-# The one dependency SGLang's ServerArgs and request classes cannot be read without (msgspec,
-# the version SGLang 0.5.23's wheel resolves to), beside its source and outside the venv, for
+# The one dependency SGLang's ServerArgs and request classes cannot be read without (msgspec;
+# SGLang does not pin it, we do), beside its source and outside the venv, for
 # tests/fast/rollout/test_sglang_launch.py, which loads those classes with the rest stubbed.
 SGLANG_DEPS := .sglang-deps
 MSGSPEC_VERSION := 0.23.0
