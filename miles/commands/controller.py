@@ -218,7 +218,8 @@ def health(
     for s in body["servers"]:
         probe = "-" if s["last_probe_ok"] is None else ("ok" if s["last_probe_ok"] else "failing")
         table.add_row(
-            s["server_id"],
+            # Attached: someone else runs it; a restart waits for it and verifies it again.
+            f"{s['server_id']} (attached)" if s.get("attached") else s["server_id"],
             s["model_name"],
             s["state"],
             str(s["weight_version"]),

@@ -5,6 +5,7 @@ per-model routing and one /health."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -170,6 +171,10 @@ def test_mixed_fleet_from_the_command_line(
             timeout=120,
         )
         assert update.returncode == 0, update.stdout + update.stderr
+        wide = {**os.environ, "COLUMNS": "200"}
+        table = subprocess.run([*miles, "health", "--url", url], capture_output=True, text=True, timeout=60, env=wide)
+        assert "(attached)" in table.stdout, table.stdout  # the judge's row, and only it
+        assert table.stdout.count("(attached)") == 1, table.stdout
         health = subprocess.run([*miles, "health", "--url", url, "--json"], capture_output=True, text=True, timeout=60)
         report = json.loads(health.stdout)
         versions = {s["model_name"]: (s["weight_version"], s["attached"]) for s in report["servers"]}
