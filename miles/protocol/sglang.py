@@ -503,13 +503,24 @@ class WeightsCheckerResponse(BaseModel):
     payload: WeightsChecksumPayload | None = None
 
 
+class SGLangWeightsCheckerResponse(WeightsCheckerResponse):
+    """``/weights_checker`` as either server type answers it: miles' canonical ``payload``, or
+    SGLang's own fields (``sglang/srt/entrypoints/http_server.py``, ``check_weights``): one
+    ``ChecksumInfo`` per rank in ``ranks`` (per-tensor digests of SGLang's own parameters, fused
+    and sharded as it holds them) and ``per_engine_checksum``, SHA-256 over the ranks' checksums."""
+
+    ranks: list[dict[str, Any]] | None = None
+    per_engine_checksum: str | None = None
+
+
 class PauseGenerationResponse(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     status: str
     message: str
-    mode: PauseMode
-    num_paused_requests: int
+    # The embedded engine's additions; SGLang answers only ``status`` and ``message``.
+    mode: PauseMode | None = None
+    num_paused_requests: int = 0
 
 
 class WeightVersionResponse(BaseModel):
