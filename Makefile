@@ -12,6 +12,12 @@ STAMP := $(VENV)/.installed
 SGLANG_VERSION := 0.5.23
 SGLANG_REF := .sglang-ref
 SGLANG_STAMP := $(SGLANG_REF)/.installed-$(SGLANG_VERSION)
+# The one dependency SGLang's ServerArgs and request classes cannot be read without (msgspec;
+# SGLang does not pin it, we do), beside its source and outside the venv, for
+# tests/fast/rollout/test_sglang_launch.py, which loads those classes with the rest stubbed.
+SGLANG_DEPS := .sglang-deps
+MSGSPEC_VERSION := 0.23.0
+SGLANG_DEPS_STAMP := $(SGLANG_DEPS)/.installed-msgspec-$(MSGSPEC_VERSION)
 
 .PHONY: demo lint test bench clean sglang-ref browser
 
@@ -33,7 +39,12 @@ $(SGLANG_STAMP): | $(STAMP)
 	$(BIN)/pip install --quiet --no-deps --no-compile --target $(SGLANG_REF) sglang==$(SGLANG_VERSION)
 	touch $(SGLANG_STAMP)
 
-sglang-ref: $(SGLANG_STAMP)
+$(SGLANG_DEPS_STAMP): | $(STAMP)
+	rm -rf $(SGLANG_DEPS)
+	$(BIN)/pip install --quiet --no-deps --no-compile --target $(SGLANG_DEPS) msgspec==$(MSGSPEC_VERSION)
+	touch $(SGLANG_DEPS_STAMP)
+
+sglang-ref: $(SGLANG_STAMP) $(SGLANG_DEPS_STAMP)
 
 $(CHROMIUM):
 	@if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO="sudo -n"; \
@@ -50,11 +61,11 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint $(SGLANG_STAMP) $(CHROMIUM)
+test: lint $(SGLANG_STAMP) $(SGLANG_DEPS_STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/checksum.py
 
 clean:
-	rm -rf $(VENV) runs $(SGLANG_REF)
+	rm -rf $(VENV) runs $(SGLANG_REF) $(SGLANG_DEPS)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on a machine with a CUDA device (run from the repository root):
-# the CUDA tests (an engine on a GPU, staged updates there, pushes over shared memory and NCCL),
+# the CUDA tests (an engine on a GPU, staged updates there, pushes over shared memory, CUDA IPC and
+# NCCL),
 # the engine and update tests on that machine, and the transfer and staging benchmarks.
 #
 #     bash benchmarks/gpu_check.sh [OUT_DIR]

@@ -4,6 +4,7 @@ themselves. Nothing in the product imports this module."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -94,3 +95,16 @@ async def running_controller(
         if server is not None:
             await server.stop()
         await controller.close()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -21,15 +21,35 @@ from miles.commands.health_view import health_view
 from miles.config import PlacementStrategy, UpdatePauseMode, UpdateStrategy
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_SERVER_CLS = "miles.rollout.sft_rollout.SFTRollout"
 UrlOption = Annotated[str, typer.Option(help="The controller's base URL.", envvar="MILES_URL")]
 
 
+SGLANG_SERVER_CLS = "miles.rollout.sglang_rollout.SGLangRollout"
+
+
 def serve(
-    checkpoint: Annotated[Path, typer.Option(help="Checkpoint directory the servers start on.")],
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(help="Checkpoint directory the servers start on (attached ones are made to hold it)."),
+    ] = None,
     servers: Annotated[int, typer.Option(help="Rollout servers (engine processes).")] = 1,
     port: Annotated[int | None, typer.Option(help="HTTP port (default MILES_PORT or 8000).")] = None,
     host: Annotated[str | None, typer.Option(help="HTTP host (default MILES_HOST or 127.0.0.1).")] = None,
-    server_cls: Annotated[str, typer.Option(help="Rollout class.")] = "miles.rollout.sft_rollout.SFTRollout",
+    server_cls: Annotated[
+        str | None, typer.Option(help="Rollout class (default SFTRollout; SGLangRollout with --attach).")
+    ] = None,
+    attach: Annotated[
+        list[str] | None,
+        typer.Option(help="The URL of an SGLang server someone else runs, to serve CHECKPOINT (repeatable)."),
+    ] = None,
+    fleet: Annotated[
+        Path | None,
+        typer.Option(
+            help='A JSON file mapping names to server specs ({"cls", "checkpoint", "num_servers", "urls", '
+            '"sglang", ...}): several models and server types under one controller.'
+        ),
+    ] = None,
     events_dir: Annotated[Path | None, typer.Option(help="Write the event log here.")] = None,
     allowed_checkpoint_root: Annotated[
         list[Path] | None,
@@ -55,7 +75,8 @@ def serve(
         PlacementStrategy | None, typer.Option(help="With --ray: PACK or SPREAD the engines over nodes.")
     ] = None,
 ) -> None:
-    """Start a controller with SERVERS rollout servers on CHECKPOINT and serve until interrupted."""
+    """Start a controller with SERVERS rollout servers on CHECKPOINT (or attached to the --attach
+    URLs, or the --fleet of several models) and serve until interrupted."""
     console = Console(stderr=True)
     overrides: dict[str, Any] = {}
     if host is not None:
@@ -75,26 +96,47 @@ def serve(
     if not ray and any(v is not None for v in ray_options.values()):
         raise typer.BadParameter("--address and the placement options need --ray")
     overrides |= {k: v for k, v in ray_options.items() if v is not None}
-    console.print(f"starting {servers} server(s) on {checkpoint} ...")
+    fleet_spec = _fleet_spec(checkpoint, servers=servers, server_cls=server_cls, attach=attach or [], fleet=fleet)
+    console.print(f"starting {', '.join(fleet_spec)} ...")
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
     if ray:
-        _serve_on_ray(server_cls, checkpoint, servers, overrides, console=console, stopped=stopped)
+        _serve_on_ray(fleet_spec, overrides, console=console, stopped=stopped)
         return
     from miles.inference_controller import InferenceController
 
-    with InferenceController(server_cls, checkpoint, num_servers=servers, **overrides) as controller:
+    with InferenceController(fleet_spec, **overrides) as controller:
         report = controller.health()
         console.print(f"[green]serving[/] {', '.join(report.models)} at {controller.url} (Ctrl-C to stop)")
         stopped.wait()
         console.print("stopping ...")
 
 
+def _fleet_spec(
+    checkpoint: Path | None, *, servers: int, server_cls: str | None, attach: list[str], fleet: Path | None
+) -> dict[str, Any]:
+    """What the controller serves, from ``serve``'s options: name -> server spec."""
+    if fleet is not None:
+        if checkpoint is not None or attach or server_cls is not None:
+            raise typer.BadParameter("--fleet describes every server; give no --checkpoint, --attach or --server-cls")
+        try:
+            mapping = json.loads(fleet.read_text())
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(f"--fleet {fleet}: {exc}") from exc
+        if not isinstance(mapping, dict) or not mapping or not all(isinstance(v, dict) for v in mapping.values()):
+            raise typer.BadParameter(f"--fleet {fleet} must hold a JSON object of names to server specs")
+        return mapping
+    if checkpoint is None:
+        raise typer.BadParameter("give --checkpoint (or --fleet)")
+    spec: dict[str, Any] = {"cls": server_cls or (SGLANG_SERVER_CLS if attach else DEFAULT_SERVER_CLS)}
+    spec |= {"checkpoint": str(checkpoint.resolve())}
+    spec |= {"urls": attach} if attach else {"num_servers": servers}
+    return {"default": spec}
+
+
 def _serve_on_ray(
-    server_cls: str,
-    checkpoint: Path,
-    servers: int,
+    fleet_spec: dict[str, Any],
     overrides: dict[str, Any],
     *,
     console: Console,
@@ -103,7 +145,7 @@ def _serve_on_ray(
     """The controller as the cluster's named actor, until interrupted; then stopped with its engines."""
     from miles.ray.controller import CONTROLLER_NAME, call, serve_controller, stop_controller
 
-    controller = serve_controller(server_cls, checkpoint.resolve(), num_servers=servers, **overrides)
+    controller = serve_controller(fleet_spec, **overrides)
     try:
         report = call(controller, "health")
         url = call(controller, "url")

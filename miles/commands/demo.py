@@ -36,8 +36,12 @@ def demo(
         UpdateStrategy, typer.Option(help="How updates move through the fleet.")
     ] = UpdateStrategy.BARRIER,
     pause_mode: Annotated[
-        UpdatePauseMode, typer.Option(help="What updates do to running requests.")
-    ] = UpdatePauseMode.DRAIN,
+        UpdatePauseMode | None,
+        typer.Option(
+            help="What updates do to running requests (default: drain; retract with --async, so generations "
+            "in flight continue on the new weights)."
+        ),
+    ] = None,
     publish_every: Annotated[int, typer.Option(help="Publish weights after every N trainer steps.")] = 1,
     users: Annotated[int, typer.Option(help="Simulated users sending requests meanwhile.")] = 2,
     seed: Annotated[int, typer.Option(help="Seeds the model, the task and the users.")] = 0,
@@ -50,6 +54,16 @@ def demo(
             "torch.distributed across machines), shm, distributed, or disk (a checkpoint per step)."
         ),
     ] = TransferPath.AUTO,
+    async_loop: Annotated[
+        bool,
+        typer.Option(
+            "--async", help="Asynchronous GRPO: the fleet generates the next steps' samples while the trainer trains."
+        ),
+    ] = False,
+    max_staleness: Annotated[
+        int | None,
+        typer.Option(help="With --async: how many versions a sample may be behind the weights it trains (default 1)."),
+    ] = None,
     ray: Annotated[
         bool, typer.Option("--ray", help="Run the servers on a local Ray cluster of two nodes (one engine per GPU).")
     ] = False,
@@ -59,6 +73,7 @@ def demo(
     Exits 1 if any user request failed, any checksum mismatched, or the event audit found a problem.
     """
     from miles.demo.run import DemoConfig, quiet_logs, run_demo
+    from miles.train.config import LoopMode
 
     quiet_logs()
     console = Console()
@@ -68,7 +83,9 @@ def demo(
         sft_steps=defaults.sft_steps if sft_steps is None else sft_steps,
         servers=servers,
         strategy=strategy,
-        pause_mode=pause_mode,
+        pause_mode=pause_mode or (UpdatePauseMode.RETRACT if async_loop else UpdatePauseMode.DRAIN),
+        loop=LoopMode.ASYNC if async_loop else LoopMode.SYNC,
+        max_staleness=defaults.max_staleness if max_staleness is None else max_staleness,
         publish_every=publish_every,
         users=users,
         seed=seed,

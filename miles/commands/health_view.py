@@ -61,17 +61,19 @@ def _model_table(name: str, model: dict[str, Any], servers: list[dict[str, Any]]
     # One space between columns and none at the edges: a fleet of long ids still fits 80 columns.
     table = Table(title=title, title_justify="left", box=None, padding=(0, 1, 0, 0), header_style="bold")
     # Ids and states are what a person looks for: they keep their whole width, the others give way.
-    table.add_column("server", no_wrap=True, min_width=max((len(s["server_id"]) for s in servers), default=6))
+    # Attached: someone else runs it; a restart waits for it and verifies it again.
+    ids = [s["server_id"] + (" (attached)" if s.get("attached") else "") for s in servers]
+    table.add_column("server", no_wrap=True, min_width=max((len(i) for i in ids), default=6))
     table.add_column("state", no_wrap=True, min_width=max((len(s["state"]) for s in servers), default=5))
     table.add_column("version", overflow="ellipsis", no_wrap=True, min_width=7, max_width=14)
     table.add_column("checksum", no_wrap=True, overflow="ellipsis", max_width=8)
     table.add_column("reqs", justify="right", no_wrap=True)  # routed requests in flight
     table.add_column("probe", no_wrap=True)
     table.add_column("rst", justify="right", no_wrap=True)  # restarts
-    for s in servers:
+    for s, shown_id in zip(servers, ids, strict=True):
         probe = "-" if s["last_probe_ok"] is None else ("ok" if s["last_probe_ok"] else "failing")
         table.add_row(
-            s["server_id"],
+            shown_id,
             Text(s["state"], style=_STATE_STYLE.get(s["state"], "")),
             str(s["weight_version"] or "-"),
             (s["checksum"] or "-")[:8],

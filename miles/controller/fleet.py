@@ -18,10 +18,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from miles.config import ControllerSettings, PlacementStrategy
+from miles.config import ControllerSettings, PlacementStrategy, RuntimeKind
 from miles.errors import CheckpointError, InvalidRequestError, MilesError, NotFoundError
 from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutObserver
-from miles.rollout.spec import HealthSettings, RolloutSpec
+from miles.rollout.spec import EngineUrls, HealthSettings, RolloutSpec, SGLangServerArgs
 from miles.rollout.state import ServerSnapshot
 from miles.weights.checkpoint import read_manifest
 
@@ -29,14 +29,21 @@ DEFAULT_SERVER_CLS = "miles.rollout.sft_rollout.SFTRollout"
 
 
 class ModelServerSpec(BaseModel):
-    """One served model: which server type runs it, on which checkpoint, with how many servers."""
+    """One served model: which server type runs it, on which checkpoint, with how many servers.
 
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    ``cls`` is accepted for ``server_cls``. ``urls`` attaches servers someone else runs (server
+    types that can: ``SGLangRollout``), one server per URL; ``sglang`` is what launched SGLang
+    servers are given (``engine_args``: further flags, passed through).
+    """
 
-    server_cls: str | type = DEFAULT_SERVER_CLS
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True, populate_by_name=True)
+
+    server_cls: Annotated[str | type, Field(alias="cls")] = DEFAULT_SERVER_CLS
     checkpoint: Path
     model_name: str | None = None
-    num_servers: Annotated[int, Field(ge=1, le=64)] = 1
+    num_servers: Annotated[int, Field(ge=1, le=64)] | None = None
+    urls: EngineUrls = ()
+    sglang: SGLangServerArgs | None = None
     devices: tuple[str, ...] | None = None
     max_running_requests: Annotated[int, Field(ge=1)] = 32
     num_threads: Annotated[int, Field(ge=1)] | None = None
@@ -98,6 +105,7 @@ class Fleet:
         engine_secret: str | None = None,
     ) -> None:
         self._servers: dict[str, Rollout] = {}
+        self._attached_urls: set[str] = set()
         self._engine_secret = engine_secret
         self._gated = settings.gated_launch
         # The controller's working files (logs, weight copies) live here; a directory we made
@@ -124,6 +132,27 @@ class Fleet:
         """Build the Rollout of one spec (its logs and weight copies under the state dir)."""
         assert self.state_dir is not None
         server_cls = resolve_server_cls(spec.server_cls)
+        if spec.urls and not server_cls.can_attach:
+            raise InvalidRequestError(
+                f"server spec {name!r}: {server_cls.__name__} launches its own servers and cannot attach to urls; "
+                "use miles.rollout.sglang_rollout.SGLangRollout for servers someone else runs"
+            )
+        if spec.sglang is not None and not server_cls.takes_sglang_args:
+            raise InvalidRequestError(
+                f"server spec {name!r}: 'sglang' launch arguments are for SGLangRollout, not {server_cls.__name__}"
+            )
+        taken = sorted(set(spec.urls) & self._attached_urls)
+        if taken:
+            # Two rollouts driving one server would each load their own weights into it.
+            raise InvalidRequestError(
+                f"server spec {name!r} attaches {', '.join(taken)}, which another spec attaches too; "
+                "give each server to one model"
+            )
+        if spec.urls and spec.num_servers not in (None, len(spec.urls)):
+            raise InvalidRequestError(
+                f"server spec {name!r} lists {len(spec.urls)} urls but num_servers is {spec.num_servers}; "
+                "attach mode has one server per URL (leave num_servers out)"
+            )
         model_name = spec.model_name or _model_name(spec.checkpoint, fallback=name)
         if model_name in self._servers:
             raise InvalidRequestError(
@@ -134,7 +163,7 @@ class Fleet:
             name=prefix,
             checkpoint=spec.checkpoint.resolve(),
             model_name=model_name,
-            num_servers=spec.num_servers,
+            num_servers=spec.num_servers or len(spec.urls) or 1,
             devices=spec.devices,
             health=health_from(settings),
             startup_timeout_s=settings.startup_timeout_s,
@@ -148,15 +177,19 @@ class Fleet:
             guard_inference=settings.api_key is not None,
             allowed_checkpoint_roots=settings.allowed_checkpoint_roots,
             engine_args=spec.engine_args,
-            runtime=settings.runtime,
+            # Attached servers run wherever their owner started them.
+            runtime=RuntimeKind.LOCAL if spec.urls else settings.runtime,
             num_gpus_per_engine=_given(spec.num_gpus_per_engine, settings.num_gpus_per_engine),
             num_cpus_per_engine=_given(spec.num_cpus_per_engine, settings.num_cpus_per_engine),
             placement_strategy=spec.placement_strategy or settings.placement_strategy,
             checkpoint_transfer=settings.checkpoint_transfer,
             ray_address=settings.ray_address,
             ray_namespace=settings.ray_namespace,
+            urls=spec.urls,
+            sglang=spec.sglang or SGLangServerArgs(),
         )
         self._servers[model_name] = server_cls(rollout_spec, exclusive=exclusive, observer=observer)
+        self._attached_urls |= set(rollout_spec.urls)
 
     @property
     def model_names(self) -> list[str]:

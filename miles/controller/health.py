@@ -30,6 +30,9 @@ class ServerHealth(BaseModel):
     node_id: str | None
     node_address: str | None
     gpu_ids: list[int]
+    # Someone else runs the server (attach mode): the controller never starts or stops it, and a
+    # restart waits for it to answer again and verifies its weights.
+    attached: bool
     state: ServerState
     state_for_s: float
     # What the engine holds now, as it last reported it (a quarantined server may hold other
@@ -103,6 +106,7 @@ def server_health(snapshot: ServerSnapshot, *, in_flight: int, now: float) -> Se
         node_id=placement.node_id if placement else None,
         node_address=placement.node_address if placement else None,
         gpu_ids=list(placement.gpu_ids) if placement else [],
+        attached=placement.attached if placement else False,
         state=snapshot.state,
         state_for_s=round(now - snapshot.state_since, 3),
         weight_version=snapshot.weight_version,

@@ -43,6 +43,8 @@ class RouteLease:
     incarnation: int
     url: str
     weight_version: str | None
+    # Someone else runs the server: it is sent nothing of the controller's own credentials.
+    attached: bool = False
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,7 @@ class Router:
             incarnation=chosen.incarnation,
             url=chosen.url,
             weight_version=chosen.weight_version,
+            attached=chosen.placement is not None and chosen.placement.attached,
         )
 
     def _bind(self, model_name: str, session_id: str, server_id: str) -> None:

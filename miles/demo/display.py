@@ -124,6 +124,11 @@ class LiveDisplay:
             ("checksum mismatches", f"{summary.checksum_mismatches}"),
             ("reward first -> last", f"{summary.reward_first:.3f} -> {summary.reward_last:.3f}"),
             ("exact answers first -> last", f"{summary.exact_first:.3f} -> {summary.exact_last:.3f}"),
+            (
+                f"{summary.loop} GRPO: trainer / fleet idle",
+                f"{summary.trainer_idle_fraction:.0%} / {summary.fleet_idle_fraction:.0%}",
+            ),
+            ("most stale sample / dropped", f"{summary.max_staleness} versions / {summary.samples_dropped}"),
             ("event audit", "passed" if summary.events_check_passed else "FAILED"),
             ("wall time", f"{summary.wall_s:.0f} s"),
         ]

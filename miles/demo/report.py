@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from miles.controller.results import UpdateResult, UpdateStatus
 from miles.demo.traffic import TrafficStats
-from miles.train.reports import TrainingSummary
+from miles.train.reports import Phase, TrainingSummary
 from miles.utils.audit_utils.event_analyzer import analyze_events
 from miles.utils.audit_utils.event_logger.logger import read_events
 from miles.utils.audit_utils.event_logger.models import ChecksumMismatchEvent
@@ -56,6 +56,13 @@ class DemoSummary(BaseModel):
     servers: int
     strategy: str
     pause_mode: str
+    # GRPO's loop ("sync" or "async"), what it cost in idle time, and how stale its samples were.
+    loop: str = "sync"
+    max_staleness: int = 0
+    staleness_counts: list[int] = []
+    trainer_idle_fraction: float = 0.0
+    fleet_idle_fraction: float = 0.0
+    samples_dropped: int = 0
     wall_s: float
     run_dir: str
 
@@ -78,6 +85,7 @@ def summarize(
     strategy: str,
     pause_mode: str,
     wall_s: float,
+    loop: str = "sync",
 ) -> DemoSummary:
     events = read_events(events_dir)
     analysis = analyze_events(events)
@@ -85,6 +93,7 @@ def summarize(
     latencies = [r.duration_s for r in committed]
     publishes = [s.publish.latency_s for s in training.steps if s.publish is not None]
     request_latencies = [r.latency_s for r in traffic.records if r.ok]
+    trainer_idle, fleet_idle = training.idle_fractions()
     return DemoSummary(
         steps=len(training.steps),
         updates_committed=len(committed),
@@ -108,9 +117,27 @@ def summarize(
         servers=servers,
         strategy=strategy,
         pause_mode=pause_mode,
+        loop=loop,
+        max_staleness=training.max_staleness,
+        staleness_counts=_staleness_counts(training),
+        trainer_idle_fraction=trainer_idle,
+        fleet_idle_fraction=fleet_idle,
+        samples_dropped=training.samples_dropped,
         wall_s=wall_s,
         run_dir=str(run_dir),
     )
+
+
+def _staleness_counts(training: TrainingSummary) -> list[int]:
+    """How many GRPO samples were 0, 1, 2, ... versions stale, over the run."""
+    counts: list[int] = []
+    for step in training.steps:
+        if step.phase is not Phase.GRPO:
+            continue
+        for gap, count in enumerate(step.staleness.counts):
+            counts += [0] * (gap + 1 - len(counts))
+            counts[gap] += count
+    return counts
 
 
 def write_report(
@@ -121,15 +148,17 @@ def write_report(
     updates: list[UpdateRecord],
     traffic: TrafficStats,
 ) -> list[Path]:
-    """Write summary.json, report.md and the plots; return the files written."""
-    written = [run_dir / "summary.json", run_dir / "report.md"]
+    """Write summary.json, training.json (every step's report), report.md and the plots; return
+    the files written."""
+    written = [run_dir / "summary.json", run_dir / "training.json", run_dir / "report.md"]
     written[0].write_text(summary.model_dump_json(indent=2) + "\n")
+    written[1].write_text(training.model_dump_json() + "\n")
     plots = [
         _plot_rewards(run_dir / "reward.png", training),
         _plot_updates(run_dir / "updates.png", updates),
         _plot_requests(run_dir / "requests.png", traffic, updates),
     ]
-    written[1].write_text(_markdown(summary, training, updates, plots))
+    written[2].write_text(_markdown(summary, training, updates, plots))
     return written + plots
 
 
@@ -216,7 +245,8 @@ def _plot_requests(path: Path, traffic: TrafficStats, updates: list[UpdateRecord
         ylabel="request latency (ms)",
         title="User requests around updates",
     )
-    ax.set_yscale("log")
+    if traffic.records:
+        ax.set_yscale("log")  # a log scale of nothing fails (a run without users)
     ax.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -254,6 +284,11 @@ def _markdown(summary: DemoSummary, training: TrainingSummary, updates: list[Upd
         f" | {summary.reward_first:.3f} / {summary.reward_last:.3f} |",
         f"| exact answers, first / last steps | {summary.exact_first:.3f} / {summary.exact_last:.3f} |",
         f"| final weight version | {summary.final_weight_version} |",
+        f"| GRPO loop | {summary.loop} |",
+        f"| sample staleness (versions behind: samples) | {_staleness_text(summary.staleness_counts)} |",
+        f"| trainer idle / fleet idle (GRPO) | {summary.trainer_idle_fraction:.0%}"
+        f" / {summary.fleet_idle_fraction:.0%} |",
+        f"| samples dropped | {summary.samples_dropped} |",
         "",
     ]
     if summary.event_findings:
@@ -271,3 +306,7 @@ def _markdown(summary: DemoSummary, training: TrainingSummary, updates: list[Upd
         "",
     ]
     return "\n".join(lines)
+
+
+def _staleness_text(counts: list[int]) -> str:
+    return ", ".join(f"{gap}: {count}" for gap, count in enumerate(counts) if count) or "no GRPO samples"

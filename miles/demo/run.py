@@ -28,7 +28,7 @@ from miles.demo.display import LiveDisplay
 from miles.demo.report import DemoSummary, UpdateRecord, summarize, write_report
 from miles.demo.traffic import UserTraffic
 from miles.http.runner import HttpServer
-from miles.train.config import TrainerConfig
+from miles.train.config import LoopMode, TrainerConfig
 from miles.train.publisher import DiskPublisher, Publisher
 from miles.train.push import PushPublisher
 from miles.train.sampling import HttpSampler
@@ -55,6 +55,9 @@ class DemoConfig(BaseModel):
     # How the trainer's weights reach the servers: a checkpoint on disk, or pushed from memory
     # (auto: shared memory when every engine is on this machine, else torch.distributed).
     transfer: TransferPath = TransferPath.AUTO
+    # GRPO's loop: sync, or async (sampling the next steps while training, staleness bounded).
+    loop: LoopMode = LoopMode.SYNC
+    max_staleness: Annotated[int, Field(ge=0, le=16)] = TrainerConfig().max_staleness
     # The servers on the Ray cluster this process is connected to (``miles demo --ray`` starts a
     # local one of two nodes), not as child processes.
     ray: bool = False
@@ -94,6 +97,8 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         grpo_steps=config.grpo_steps,
         publish_every=config.publish_every,
         seed=config.seed,
+        loop=config.loop,
+        max_staleness=config.max_staleness,
         summary_window=max(1, min(10, (config.sft_steps + config.grpo_steps) // 10)),
     )
     console.print(f"run directory: {run_dir}")
@@ -129,6 +134,7 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         url = http_server.url
         console.print(
             f"controller at {url}; training {trainer_config.sft_steps} SFT + {trainer_config.grpo_steps} GRPO steps"
+            + (f" (async, max staleness {config.max_staleness})" if config.loop is LoopMode.ASYNC else "")
         )
         console.print(f"status page: {url}/ (open it in a browser while the demo runs)")
         display.link(f"{url}/")
@@ -192,6 +198,7 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         strategy=config.strategy.value,
         pause_mode=config.pause_mode.value,
         wall_s=time.monotonic() - t0,
+        loop=config.loop.value,
     )
     await asyncio.to_thread(
         functools.partial(write_report, run_dir, summary, training=training, updates=updates, traffic=traffic_stats)

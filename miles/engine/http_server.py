@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from miles.engine.access import ENDPOINTS, AccessMiddleware, EngineAccess, admit
 from miles.engine.engine import Engine
 from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream
-from miles.engine.receiver import SegmentMaps, ShmBucket, WeightGroups
+from miles.engine.receiver import SegmentMaps, TensorBucket, WeightGroups
 from miles.errors import InvalidRequestError
 from miles.protocol.auth import FenceRequest
 from miles.protocol.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -34,6 +34,7 @@ from miles.protocol.openai import (
     new_id,
 )
 from miles.protocol.sglang import (
+    CUDA_IPC_LOAD_FORMAT,
     AbortRequest,
     ActivateWeightsRequest,
     ContinueGenerationRequest,
@@ -138,7 +139,7 @@ def create_app(engine: Engine) -> FastAPI:
         engine.metrics.weight_load(source, started=started, success=result.success)
         body = result.model_dump(mode="json")
         if received is not None:
-            # Mapping or receiving the bucket and checking every tensor's digest.
+            # Mapping or receiving the bucket.
             body["timings"] = {"receive": received, **body["timings"]}
         return JSONResponse(body, status_code=200 if result.success else 400)
 
@@ -148,15 +149,17 @@ def create_app(engine: Engine) -> FastAPI:
     ) -> JSONResponse:
         admit(access, http_request)
         started = time.perf_counter()
-        bucket = await asyncio.to_thread(ShmBucket, request, engine.weights.check_table, segments)
+        bucket = await asyncio.to_thread(
+            TensorBucket, request, engine.weights.check_table, segments, device=engine.device
+        )
         received = time.perf_counter() - started
         try:
             result = await engine.weights.apply_pushed(
-                bucket.tensors,
+                bucket.received,
                 weight_version=request.weight_version,
                 expected_checksum=request.expected_checksum,
                 abort_all_requests=request.abort_all_requests,
-                source="shared memory",
+                source="CUDA IPC" if request.load_format == CUDA_IPC_LOAD_FORMAT else "shared memory",
                 activate=request.activate,
             )
         finally:
@@ -180,10 +183,10 @@ def create_app(engine: Engine) -> FastAPI:
     ) -> JSONResponse:
         admit(access, http_request)
         started = time.perf_counter()
-        tensors = await asyncio.to_thread(groups.receive, request, engine.weights.check_table)
+        bucket = await asyncio.to_thread(groups.receive, request, engine.weights.check_table)
         received = time.perf_counter() - started
         result = await engine.weights.apply_pushed(
-            tensors,
+            bucket,
             weight_version=request.weight_version,
             expected_checksum=request.expected_checksum,
             abort_all_requests=request.abort_all_requests,

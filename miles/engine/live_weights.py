@@ -57,7 +57,7 @@ from miles.protocol.sglang import (
     UpdateWeightVersionRequest,
     WeightVersionResponse,
 )
-from miles.weights.buckets import BucketTable
+from miles.weights.buckets import BucketTable, Received
 from miles.weights.checksum import ModelChecksum, checksum_module, saved_state_dict
 from miles.weights.paths import checked_path, files_outside_roots
 
@@ -321,7 +321,7 @@ class LiveWeights:
 
     async def apply_pushed(
         self,
-        tensors: Mapping[str, torch.Tensor],
+        bucket: Received,
         *,
         weight_version: str | None,
         expected_checksum: str | None,
@@ -329,8 +329,9 @@ class LiveWeights:
         source: str,
         activate: bool = True,
     ) -> UpdateWeightsResponse:
-        """Take one bucket of pushed tensors (already checked against their digests); the last push
-        of an update (``expected_checksum`` given) is confirmed over the whole model before the
+        """Take one bucket of pushed tensors, each checked against the digest it was sent with (over
+        the bytes staged, in the same pass as the copy; before anything is copied in place); the
+        last push of an update (``expected_checksum`` given) is confirmed over the whole model before the
         weights serve.
 
         Staged when the staging policy allows (the engine keeps serving while buckets arrive, and
@@ -338,21 +339,22 @@ class LiveWeights:
         ``activate_staged`` (the controller's commit). Otherwise copied in place: generation
         pauses at the first push and stays paused, the weights marked unverified, until a last
         push's checksum matches. Raises InvalidRequestError for a tensor the model does not have,
-        or of another dtype or shape, before anything is copied; ConflictError for a push that
-        must stage (``activate=False``) on an engine that cannot stage now.
+        or of another dtype or shape, before anything is copied, and for a tensor whose bytes do
+        not match their digest (the staged push is dropped: the live weights never changed);
+        ConflictError for a push that must stage (``activate=False``) on an engine that cannot stage now.
         """
         if expected_checksum is not None and weight_version is None:
             raise InvalidRequestError(
                 "the last push of an update (with expected_checksum) must name its weight_version"
             )
         async with self._update_lock:
-            _check_pushed(tensors, saved_state_dict(self._model()))
+            _check_pushed(bucket.tensors, saved_state_dict(self._model()))
             if self._push_stage is None:
                 self._drop_staged_push()
                 self._push_stage = await asyncio.to_thread(self._staging.open_stage)
             if self._push_stage is not None:
                 return await self._push_staged(
-                    tensors,
+                    bucket,
                     weight_version=weight_version,
                     expected_checksum=expected_checksum,
                     abort_all_requests=abort_all_requests,
@@ -365,8 +367,9 @@ class LiveWeights:
                     f"this engine cannot stage pushed weights now ({why}); push in a window whose servers "
                     "leave routing for the push, or raise --weight-staging-budget"
                 )
+            await asyncio.to_thread(bucket.verify)
             return await self._push_in_place(
-                tensors,
+                bucket.tensors,
                 weight_version=weight_version,
                 expected_checksum=expected_checksum,
                 abort_all_requests=abort_all_requests,
@@ -413,7 +416,7 @@ class LiveWeights:
 
     async def _push_staged(
         self,
-        tensors: Mapping[str, torch.Tensor],
+        bucket: Received,
         *,
         weight_version: str | None,
         expected_checksum: str | None,
@@ -425,13 +428,17 @@ class LiveWeights:
         assert stage is not None
         timings: dict[str, float] = {}
         started = time.perf_counter()
-        await asyncio.to_thread(_stage_all, stage, tensors)
+        try:
+            await asyncio.to_thread(_stage_all, stage, bucket)
+        except InvalidRequestError:
+            self._drop_staged_push()
+            raise
         timings["stage_write"] = time.perf_counter() - started
         held = self._held
         if expected_checksum is None:
             return UpdateWeightsResponse(
                 success=True,
-                message=f"staged {len(tensors)} tensors; the engine serves {held.version} meanwhile",
+                message=f"staged {len(bucket.tensors)} tensors; the engine serves {held.version} meanwhile",
                 weight_version=held.version,
                 timings=timings,
             )
@@ -483,16 +490,11 @@ class LiveWeights:
             paused = await asyncio.to_thread(self._scheduler.pause, mode, message=f"aborted by {source}")
         timings["pause"] = time.perf_counter() - started
 
+        def refused(exc: StagingRefusedError) -> ModelChecksum:
+            raise exc
+
         def swap() -> ModelChecksum:
-            _prepare(stage)
-            waiting = time.perf_counter()
-            with self._lock.write():
-                locked = time.perf_counter()
-                timings["write_lock_wait"] = locked - waiting
-                checksum = stage.activate()
-                self._held = HeldWeights(version=version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
-                timings["activate"] = time.perf_counter() - locked
-                return checksum
+            return self._swap(stage, version=version, timings=timings, refused=refused)
 
         try:
             checksum = await asyncio.to_thread(self._scheduler.call, swap)
@@ -625,24 +627,43 @@ class LiveWeights:
         return checksum
 
     def _activate(self, stage: WeightStage, prepared: PreparedUpdate, version: str) -> ModelChecksum:
-        """Swap the staged weights in (scheduler thread). ``activate`` in the timings is the time
-        the write lock was held: what generation waited for."""
+        """Swap the staged checkpoint in (scheduler thread); a swap the stage refuses (some tensor
+        would have kept the old weights) becomes an in-place copy, under the same lock."""
+
+        def refused(exc: StagingRefusedError) -> ModelChecksum:
+            self._staging.give_up(f"a swap was refused: {exc}")
+            return self._copy_locked(prepared, version)
+
+        def swapped() -> None:
+            self._loaded_from = Path(prepared.reader.directory)
+
+        return self._swap(stage, version=version, timings=prepared.timings, refused=refused, swapped=swapped)
+
+    def _swap(
+        self,
+        stage: WeightStage,
+        *,
+        version: str,
+        timings: dict[str, float],
+        refused: Callable[[StagingRefusedError], ModelChecksum],
+        swapped: Callable[[], None] = lambda: None,
+    ) -> ModelChecksum:
+        """Swap a verified stage in under the write side of the lock (scheduler thread, between two
+        steps): the staged checksum is the live one then, since activation moves no byte.
+        ``refused`` answers, under the same lock, a swap the stage refused. ``activate`` in the
+        timings is the time the write lock was held: what generation waited for."""
         _prepare(stage)
         waiting = time.perf_counter()
         with self._lock.write():
             locked = time.perf_counter()
-            prepared.timings["write_lock_wait"] = locked - waiting
+            timings["write_lock_wait"] = locked - waiting
             try:
                 checksum = stage.activate()
             except StagingRefusedError as exc:
-                # Some tensor would have kept the old weights: nothing was swapped. The update
-                # goes on as an in-place copy, under this same lock.
-                self._staging.give_up(f"a swap was refused: {exc}")
-                return self._copy_locked(prepared, version)
-            # The staged checksum is the live one now: activation moved no byte.
+                return refused(exc)
             self._held = HeldWeights(version=version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
-            self._loaded_from = Path(prepared.reader.directory)
-            prepared.timings["activate"] = time.perf_counter() - locked
+            swapped()
+            timings["activate"] = time.perf_counter() - locked
             return checksum
 
     def _checkpoint_path(self, raw: str) -> Path:
@@ -754,9 +775,9 @@ class _StagedPush:
     checksum: str
 
 
-def _stage_all(stage: WeightStage, tensors: Mapping[str, torch.Tensor]) -> None:
-    for name, tensor in tensors.items():
-        stage.write(name, tensor)
+def _stage_all(stage: WeightStage, bucket: Received) -> None:
+    for name, tensor in bucket.tensors.items():
+        bucket.check(name, stage.write(name, tensor))
 
 
 def _check_pushed(tensors: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]) -> None:

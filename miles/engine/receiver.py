@@ -1,11 +1,14 @@
 """Weights pushed from a trainer's memory: shared-memory buckets and torch.distributed broadcasts.
 
-Both produce one bucket of named tensors, each checked against the digest it was sent with, which
-``LiveWeights.apply_pushed`` copies into the model; nothing here touches the live weights.
+Both produce one bucket of named tensors with the digests they were sent with (``Received``), which
+``LiveWeights.apply_pushed`` copies into the model, checking each digest over the bytes it copied;
+nothing here touches the live weights.
 
 - Shared memory (``/update_weights_from_tensor``, ``load_format="miles_shm"``): the trainer writes
   a bucket into ``/dev/shm/miles-...`` and sends its table; the engine maps the segment
   (copy-on-write, so it can never change the trainer's bytes) and reads the tensors from it.
+- CUDA IPC (``load_format="miles_cuda_ipc"``, GPU engines): the trainer packs a bucket in its GPU
+  memory and sends the buffer's IPC handles as JSON; the engine opens it and copies from it.
 - torch.distributed (``/init_weights_update_group``, ``/update_weights_from_distributed``,
   ``/destroy_weights_update_group``): the engine joins a group of its own (a ``TCPStore`` at the
   trainer's address and a process group made from it, never the process's default group) as rank
@@ -35,13 +38,15 @@ from pydantic import ValidationError
 
 from miles.errors import ConflictError, InvalidRequestError, NotFoundError
 from miles.protocol.sglang import (
+    CUDA_IPC_LOAD_FORMAT,
     FLAT_LOAD_FORMAT,
     SHM_LOAD_FORMAT,
+    CudaIpcHandle,
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, unpack
+from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, Received, unpack
 
 logger = logging.getLogger("miles.engine")
 
@@ -62,38 +67,89 @@ def joined_key(rank: int) -> str:
     return f"joined/{rank}"
 
 
-class ShmBucket:
-    """One bucket's tensors read from a shared-memory segment (``close`` when they are copied)."""
+class TensorBucket:
+    """One bucket's tensors handed over in memory: read from a shared-memory segment, or from a
+    CUDA IPC handle of the sender's GPU memory (``close`` once they are copied)."""
+
+    received: Received
 
     def __init__(
-        self, request: UpdateWeightsFromTensorRequest, check: Callable[[BucketTable], None], segments: SegmentMaps
+        self,
+        request: UpdateWeightsFromTensorRequest,
+        check: Callable[[BucketTable], None],
+        segments: SegmentMaps,
+        *,
+        device: torch.device,
     ) -> None:
-        if request.load_format != SHM_LOAD_FORMAT:
+        if request.load_format not in (SHM_LOAD_FORMAT, CUDA_IPC_LOAD_FORMAT):
             raise InvalidRequestError(
                 f"load_format {request.load_format!r} is not accepted: SGLang's pickled tensors would run "
                 f"whatever code the request names when unpickled; send load_format={SHM_LOAD_FORMAT!r} "
-                "(miles.transfer pushes that way)"
+                f"(or {CUDA_IPC_LOAD_FORMAT!r} from a GPU; miles.train.push.PushPublisher pushes that way)"
             )
         if len(request.serialized_named_tensors) != 1:
             raise InvalidRequestError("serialized_named_tensors must hold one document (the engine has one rank)")
+        key = "shm" if request.load_format == SHM_LOAD_FORMAT else "cuda_ipc"
         try:
             document = json.loads(base64.b64decode(request.serialized_named_tensors[0], validate=True))
-            name = document["shm"]
+            source = document[key]
             table = BucketTable.model_validate(document["table"])
+            handle = CudaIpcHandle.model_validate(source) if key == "cuda_ipc" else None
         except (binascii.Error, ValueError, KeyError, TypeError, ValidationError) as exc:
             raise InvalidRequestError(
-                f'serialized_named_tensors[0] must be base64 of {{"shm": NAME, "table": {{...}}}}: {exc}'
+                f'serialized_named_tensors[0] must be base64 of {{"{key}": ..., "table": {{...}}}}: {exc}'
             ) from None
-        if not isinstance(name, str) or not _SHM_NAME.match(name):
-            raise InvalidRequestError(
-                f"shared-memory segment names start with 'miles-' (letters, digits, ._-): {name!r}"
-            )
-        flat = segments.open(name, table.total_bytes)
-        check(table)
-        self.tensors = unpack(table, flat)
+        if handle is not None:
+            if device.type != "cuda":
+                raise InvalidRequestError(
+                    f"load_format {CUDA_IPC_LOAD_FORMAT!r} needs an engine on a GPU; this one runs on {device}: "
+                    f"push over shared memory ({SHM_LOAD_FORMAT!r}) from CPU tensors"
+                )
+            check(table)
+            flat = _open_cuda_ipc(handle, table.total_bytes)
+        else:
+            if not isinstance(source, str) or not _SHM_NAME.match(source):
+                raise InvalidRequestError(
+                    f"shared-memory segment names start with 'miles-' (letters, digits, ._-): {source!r}"
+                )
+            flat = segments.open(source, table.total_bytes)
+            check(table)
+        self.received = unpack(table, flat)
 
     def close(self) -> None:
-        self.tensors = {}
+        self.received = Received(tensors={}, digests={})
+
+
+def _open_cuda_ipc(handle: CudaIpcHandle, needed: int) -> torch.Tensor:
+    """The sender's flat uint8 CUDA tensor, opened from its IPC handles (as torch.multiprocessing
+    rebuilds a shared CUDA tensor, without unpickling anything)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    if handle.numel < needed:
+        raise InvalidRequestError(f"the CUDA buffer holds {handle.numel} bytes, fewer than the {needed} of its table")
+    try:
+        return rebuild_cuda_tensor(
+            torch.Tensor,
+            torch.Size([handle.numel]),
+            (1,),
+            handle.storage_offset,
+            torch.storage.TypedStorage,
+            torch.uint8,
+            handle.device,
+            base64.b64decode(handle.storage_handle, validate=True),
+            handle.storage_size_bytes,
+            handle.storage_offset_bytes,
+            False,
+            base64.b64decode(handle.ref_counter_handle, validate=True),
+            handle.ref_counter_offset,
+            base64.b64decode(handle.event_handle, validate=True) if handle.event_handle else None,
+            handle.event_sync_required,
+        )
+    except (binascii.Error, RuntimeError) as exc:
+        raise InvalidRequestError(
+            f"the CUDA IPC handle cannot be opened ({exc}): the sender must run on this engine's node, "
+            "with its buffer alive until the push is answered"
+        ) from None
 
 
 class SegmentMaps:
@@ -216,11 +272,9 @@ class WeightGroups:
         logger.info("joined weight-update group %s as rank %d of %d", request.group_name, rank, world)
         return f"joined group {request.group_name!r} as rank {rank} of {world}"
 
-    def receive(
-        self, request: UpdateWeightsFromDistributedRequest, check: Callable[[BucketTable], None]
-    ) -> dict[str, torch.Tensor]:
-        """One bucket by broadcast from rank 0 (blocking: call off the loop), checked against the
-        digests when given. Raises NotFoundError for an unknown group, ConflictError when the
+    def receive(self, request: UpdateWeightsFromDistributedRequest, check: Callable[[BucketTable], None]) -> Received:
+        """One bucket by broadcast from rank 0 (blocking: call off the loop), with the digests it
+        was sent with (checked as it is copied out). Raises NotFoundError for an unknown group, ConflictError when the
         broadcast does not finish within ``timeout_s`` (the sender died or never sent)."""
         if request.load_format not in (None, FLAT_LOAD_FORMAT):
             raise InvalidRequestError(

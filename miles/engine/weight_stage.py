@@ -231,8 +231,9 @@ class WeightStage:
     def nbytes(self) -> int:
         return self._buffers.nbytes
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Stage ``tensor`` as the new value of ``name`` (copied; the source may go after).
+    def write(self, name: str, tensor: torch.Tensor) -> str:
+        """Stage ``tensor`` as the new value of ``name`` (copied; the source may go after) and
+        return the digest of the bytes staged.
 
         Raises KeyError for a name the served model does not hold, UnsupportedTensorError for a
         dtype or shape other than the live tensor's, RuntimeError once the stage is closed.
@@ -249,7 +250,8 @@ class WeightStage:
                 staged=f"{dtype_name(tensor.dtype)}{list(tensor.shape)}",
             )
         self._checksum = None
-        self._digests[name] = _copy_and_digest(self._buffers._view(slot, twin=True), tensor)
+        digest = self._digests[name] = _copy_and_digest(self._buffers._view(slot, twin=True), tensor)
+        return digest
 
     def write_all(self, source: Callable[[str], torch.Tensor]) -> None:
         """Stage ``source(name)`` for every name in ``names`` (a whole checkpoint)."""

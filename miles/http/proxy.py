@@ -89,6 +89,9 @@ class Proxy:
         self._headers = dict(_JSON)
         if engine_secret:
             self._headers["authorization"] = f"Bearer {engine_secret}"
+        # Servers someone else runs (attached) never see the secret: it would let them, or anyone
+        # on the way to them, change the weights of the engines this controller launched.
+        self._attached_headers = dict(_JSON)
         self._session = session
         self._metrics = metrics
         self._max_attempts = max_attempts
@@ -105,7 +108,7 @@ class Proxy:
                 async with self._session.post(
                     f"{lease.url}{path}",
                     data=payload,
-                    headers=self._headers,
+                    headers=self._attached_headers if lease.attached else self._headers,
                     timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
                 ) as upstream:
                     content = await upstream.read()
@@ -162,7 +165,7 @@ class Proxy:
                 upstream = await self._session.post(
                     f"{lease.url}{path}",
                     data=payload,
-                    headers=self._headers,
+                    headers=self._attached_headers if lease.attached else self._headers,
                     timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
                 )
                 first = await _first_chunk(upstream)

@@ -503,13 +503,24 @@ class WeightsCheckerResponse(BaseModel):
     payload: WeightsChecksumPayload | None = None
 
 
+class SGLangWeightsCheckerResponse(WeightsCheckerResponse):
+    """``/weights_checker`` as either server type answers it: miles' canonical ``payload``, or
+    SGLang's own fields (``sglang/srt/entrypoints/http_server.py``, ``check_weights``): one
+    ``ChecksumInfo`` per rank in ``ranks`` (per-tensor digests of SGLang's own parameters, fused
+    and sharded as it holds them) and ``per_engine_checksum``, SHA-256 over the ranks' checksums."""
+
+    ranks: list[dict[str, Any]] | None = None
+    per_engine_checksum: str | None = None
+
+
 class PauseGenerationResponse(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     status: str
     message: str
-    mode: PauseMode
-    num_paused_requests: int
+    # The embedded engine's additions; SGLang answers only ``status`` and ``message``.
+    mode: PauseMode | None = None
+    num_paused_requests: int = 0
 
 
 class WeightVersionResponse(BaseModel):
@@ -543,6 +554,8 @@ class ExportWeightsResponse(BaseModel):
 # The miles engine reads tensors from a shared-memory segment whose table travels as JSON; it
 # refuses SGLang's pickled tensors, because unpickling a request runs whatever code it names.
 SHM_LOAD_FORMAT = "miles_shm"
+# A bucket in the trainer's GPU memory, handed over as a CUDA IPC handle (JSON, never pickled).
+CUDA_IPC_LOAD_FORMAT = "miles_cuda_ipc"
 # The flat buckets of a torch.distributed push: one broadcast per bucket.
 FLAT_LOAD_FORMAT = "flattened_bucket"
 _BASE_REQUEST_FIELDS = frozenset({"rid", "http_worker_ipc"})  # SGLang's IPC bookkeeping
@@ -574,10 +587,30 @@ class UpdateWeightsFromTensorRequest(_PushFields):
 
     ``load_format="miles_shm"``: ``serialized_named_tensors`` holds one base64 document, the JSON
     ``{"shm": NAME, "table": BucketTable}`` of a segment ``/dev/shm/NAME`` (``NAME`` starts with
-    ``miles-``) on the engine's node; every tensor is checked against its digest before use."""
+    ``miles-``) on the engine's node. ``load_format="miles_cuda_ipc"``: the JSON
+    ``{"cuda_ipc": CudaIpcHandle, "table": BucketTable}`` of a flat bucket in GPU memory of a
+    process on the engine's node. Every tensor is checked against its digest."""
 
     serialized_named_tensors: Annotated[list[str], Field(min_length=1, max_length=64)]
     load_format: str | None = None
+
+
+class CudaIpcHandle(BaseModel):
+    """A flat uint8 CUDA tensor of another process's, as ``torch.multiprocessing`` shares it
+    (``reduce_tensor``): the bytes of its IPC handles in base64, and where the tensor lies."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    device: Annotated[int, Field(ge=0, le=1023)]
+    numel: Annotated[int, Field(ge=0)]
+    storage_offset: Annotated[int, Field(ge=0)]
+    storage_handle: Annotated[str, Field(min_length=1, max_length=4096)]
+    storage_size_bytes: Annotated[int, Field(ge=0)]
+    storage_offset_bytes: Annotated[int, Field(ge=0)]
+    ref_counter_handle: Annotated[str, Field(min_length=1, max_length=4096)]
+    ref_counter_offset: Annotated[int, Field(ge=0)]
+    event_handle: Annotated[str, Field(max_length=4096)] | None = None
+    event_sync_required: bool = False
 
 
 class InitWeightsUpdateGroupRequest(SGLangFields):

@@ -143,7 +143,7 @@ class EngineHost:
             except (EngineStartError, httpx.HTTPError, ValueError) as exc:
                 await self.process.stop(grace_s=2.0)
                 return {"error": str(exc), "tail": await asyncio.to_thread(self.process.log_tail)}
-        return {"url": url, "pid": self.process.pid, "device": info.get("device"), "gpu_ids": info.get("gpu_ids")}
+        return {"url": url, "pid": self.process.pid, "device": info.get("device"), "gpu_ids": _reported_gpu_ids(info)}
 
     async def wait_exit(self) -> int | None:
         """Return when the engine process ends (its exit code); raises if the actor dies first."""
@@ -466,3 +466,15 @@ def _shortfall(bundle: dict[str, float], count: int) -> str:
                 f"{resource} {amount * count:g} needed in all, {available.get(resource, 0.0):g} free in the cluster"
             )
     return "; ".join(problems) or f"the cluster has {len(nodes)} nodes, {dict(available)} free"
+
+
+def _reported_gpu_ids(info: dict[str, Any]) -> list[int] | None:
+    """The GPUs an engine says it uses: the embedded engine lists them (``gpu_ids``); an SGLang
+    server uses ``tp_size * dp_size`` consecutive ones from ``base_gpu_id``, ``gpu_id_step`` apart."""
+    if "gpu_ids" in info:
+        return info["gpu_ids"]
+    if info.get("base_gpu_id") is None or info.get("device") not in (None, "cuda"):
+        return None
+    count = int(info.get("tp_size") or 1) * int(info.get("dp_size") or 1)
+    step = int(info.get("gpu_id_step") or 1)
+    return [int(info["base_gpu_id"]) + i * step for i in range(count)]

@@ -16,17 +16,18 @@ from pydantic import BaseModel, ValidationError
 from miles.errors import MilesError
 from miles.protocol.auth import FENCE_HEADER, FenceRequest, FenceState
 from miles.protocol.sglang import (
+    AbortRequest,
     ActivateWeightsRequest,
     ExportWeightsRequest,
     ExportWeightsResponse,
     PauseGenerationRequest,
     PauseGenerationResponse,
     PauseMode,
+    SGLangWeightsCheckerResponse,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsResponse,
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
-    WeightsCheckerResponse,
     WeightVersionResponse,
 )
 
@@ -41,6 +42,11 @@ class EngineCallError(MilesError):
         super().__init__(message, status_code=status_code, **context)
 
 
+# What a real SGLang server's weights checker reports: ``per_engine_checksum``, SHA-256 over its
+# ranks' digests of the parameters as SGLang holds them (fused, sharded), not miles' canonical one.
+SGLANG_ENGINE_DIGEST = "sglang_per_engine_sha256"
+
+
 @dataclass(frozen=True)
 class WeightsChecksum:
     """What an engine reports about the weights it holds right now."""
@@ -48,6 +54,9 @@ class WeightsChecksum:
     checksum: str
     algorithm: str
     weight_version: str
+    # For an SGLang digest: the parallel layout it was computed over ("tp2-dp1-pp1"); the same
+    # weights hash alike only under the same layout.
+    layout: str | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,8 @@ class EngineClient:
         self.server_id = server_id
         self._http = http
         self._auth = {"authorization": f"Bearer {secret}"} if secret else {}
+        # Learned on the first probe: the server has no /get_weight_version (SGLang 0.5.23).
+        self._model_info_versions = False
 
     async def _call(
         self, method: str, path: str, *, json: Any = None, timeout: float | None = None, fence: int | None = None
@@ -113,6 +124,9 @@ class EngineClient:
         fence: int | None = None,
     ) -> ModelT:
         response = await self._call(method, path, json=json, timeout=timeout, fence=fence)
+        return await self._answer(method, path, response, answer)
+
+    async def _answer(self, method: str, path: str, response: httpx.Response, answer: type[ModelT]) -> ModelT:
         if response.status_code >= 400:
             raise EngineCallError(
                 f"{method} {path} answered {response.status_code}: {_error_text(response)}",
@@ -135,9 +149,18 @@ class EngineClient:
         return response.status_code == 200
 
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
-        """``/get_weight_version``: the version, and the checksum the engine keeps of its weights."""
-        body = await self._ok("GET", "/get_weight_version", WeightVersionResponse, timeout=timeout)
-        return WeightsIdentity(weight_version=body.weight_version, checksum=body.checksum)
+        """``/get_weight_version``: the version, and the checksum the engine keeps of its weights.
+
+        SGLang 0.5.23 has no such endpoint: its version is in ``/model_info``, and it keeps no
+        checksum (``checksum`` is then None)."""
+        if not self._model_info_versions:
+            response = await self._call("GET", "/get_weight_version", timeout=timeout)
+            if response.status_code != 404:
+                body = await self._answer("GET", "/get_weight_version", response, WeightVersionResponse)
+                return WeightsIdentity(weight_version=body.weight_version, checksum=body.checksum)
+            self._model_info_versions = True
+        info = await self.model_info(timeout=timeout)
+        return WeightsIdentity(weight_version=str(info.get("weight_version")), checksum=None)
 
     async def fence(self, token: int, *, window_open: bool) -> FenceState:
         """``/fence``: the engine refuses weight changes fenced below ``token`` from now on, and
@@ -164,34 +187,27 @@ class EngineClient:
         self, request: ActivateWeightsRequest, *, timeout: float | None = None, fence: int | None = None
     ) -> UpdateWeightsResponse:
         """Have the engine serve the pushed weights it staged; a refusal comes back as ``success=False``."""
-        response = await self._call(
-            "POST", "/activate_weights", json=request.model_dump(mode="json"), timeout=timeout, fence=fence
-        )
-        if response.status_code in (200, 400):
-            try:
-                return UpdateWeightsResponse.model_validate_json(response.content)
-            except ValidationError:
-                pass
-        raise EngineCallError(
-            f"activate_weights answered {response.status_code}: {_error_text(response)}",
-            status_code=response.status_code,
-            server_id=self.server_id,
-        )
+        return await self._update("/activate_weights", request, timeout=timeout, fence=fence)
 
     async def update_weights_from_disk(
         self, request: UpdateWeightsFromDiskRequest, *, timeout: float | None = None, fence: int | None = None
     ) -> UpdateWeightsResponse:
         """Ask the engine to load a checkpoint; a refusal comes back as ``success=False``."""
-        response = await self._call(
-            "POST", "/update_weights_from_disk", json=request.model_dump(mode="json"), timeout=timeout, fence=fence
-        )
+        return await self._update("/update_weights_from_disk", request, timeout=timeout, fence=fence)
+
+    async def _update(
+        self, path: str, request: BaseModel, *, timeout: float | None, fence: int | None
+    ) -> UpdateWeightsResponse:
+        """A call that changes the weights: its ``UpdateWeightsResponse``, a refusal (400) included;
+        EngineCallError for any other answer (a plain 400 for an invalid request among them)."""
+        response = await self._call("POST", path, json=request.model_dump(mode="json"), timeout=timeout, fence=fence)
         if response.status_code in (200, 400):
             try:
                 return UpdateWeightsResponse.model_validate_json(response.content)
             except ValidationError:
                 pass  # a plain 400 (invalid request) rather than a refusal: reported below
         raise EngineCallError(
-            f"update_weights_from_disk answered {response.status_code}: {_error_text(response)}",
+            f"{path.lstrip('/')} answered {response.status_code}: {_error_text(response)}",
             status_code=response.status_code,
             server_id=self.server_id,
         )
@@ -216,21 +232,77 @@ class EngineClient:
         await self._call_ok("POST", "/continue_generation", json={}, fence=fence)
 
     async def weights_checksum(self, *, timeout: float | None = None, fence: int | None = None) -> WeightsChecksum:
-        """The checksum the engine computes now over the weights it holds (``/weights_checker``)."""
+        """The checksum the engine computes now over the weights it holds (``/weights_checker``).
+
+        The embedded engine answers miles' canonical checksum; a real SGLang server answers its
+        own ``per_engine_checksum`` (``algorithm`` says which; ``SGLangRollout`` maps the latter
+        onto the canonical one)."""
         request = WeightsCheckerRequest(action="checksum")
         body = await self._ok(
             "POST",
             "/weights_checker",
-            WeightsCheckerResponse,
+            SGLangWeightsCheckerResponse,
             json=request.model_dump(mode="json"),
             timeout=timeout,
             fence=fence,
         )
-        if not body.success or body.payload is None:
-            raise EngineCallError(f"weights_checker gave no checksum: {body.message}", server_id=self.server_id)
-        return WeightsChecksum(
-            checksum=body.payload.checksum, algorithm=body.payload.algorithm, weight_version=body.payload.weight_version
-        )
+        if body.success and body.payload is not None:
+            return WeightsChecksum(
+                checksum=body.payload.checksum,
+                algorithm=body.payload.algorithm,
+                weight_version=body.payload.weight_version,
+            )
+        if body.success and body.per_engine_checksum:
+            identity = await self.weight_identity(timeout=timeout)
+            return WeightsChecksum(
+                checksum=body.per_engine_checksum,
+                algorithm=SGLANG_ENGINE_DIGEST,
+                weight_version=identity.weight_version,
+                layout=_layout(body.ranks or []),
+            )
+        raise EngineCallError(f"weights_checker gave no checksum: {body.message}", server_id=self.server_id)
+
+    async def health_generate(self, *, timeout: float = 30.0) -> bool:
+        """True when ``/health_generate`` answers 200: the server generated a token just now."""
+        try:
+            response = await self._call("GET", "/health_generate", timeout=timeout)
+        except EngineCallError:
+            return False
+        return response.status_code == 200
+
+    async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """``/model_info`` (SGLang's newer name), or ``/get_model_info`` on servers without it."""
+        return await self._info("/model_info", "/get_model_info", timeout=timeout)
+
+    async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """``/server_info`` (SGLang's newer name), or ``/get_server_info`` on servers without it."""
+        return await self._info("/server_info", "/get_server_info", timeout=timeout)
+
+    async def _info(self, path: str, old_path: str, *, timeout: float | None) -> dict[str, Any]:
+        response = await self._call("GET", path, timeout=timeout)
+        if response.status_code == 404:
+            response = await self._call("GET", old_path, timeout=timeout)
+        if response.status_code >= 400:
+            raise EngineCallError(
+                f"GET {old_path} answered {response.status_code}: {_error_text(response)}",
+                status_code=response.status_code,
+                server_id=self.server_id,
+            )
+        body = response.json()
+        if not isinstance(body, dict):
+            raise EngineCallError(f"GET {path} answered something other than an object", server_id=self.server_id)
+        return body
+
+    async def abort_request(
+        self, rid: str = "", *, abort_all: bool = False, abort_message: str | None = None, fence: int | None = None
+    ) -> None:
+        """``/abort_request``: end the request ``rid``, or every request with ``abort_all``."""
+        request = AbortRequest(rid=rid, abort_all=abort_all, abort_message=abort_message)
+        await self._call_ok("POST", "/abort_request", json=request.model_dump(mode="json"), fence=fence)
+
+    async def flush_cache(self, *, fence: int | None = None) -> None:
+        """``/flush_cache``: drop the server's prefix cache (SGLang refuses while requests run)."""
+        await self._call_ok("POST", "/flush_cache", fence=fence)
 
     async def _call_ok(self, method: str, path: str, *, json: Any = None, fence: int | None = None) -> None:
         """A call whose answer carries nothing the caller uses: only its success matters."""
@@ -255,3 +327,13 @@ def _error_text(response: httpx.Response) -> str:
         if "message" in body:
             return str(body["message"])
     return str(body)[:500]
+
+
+def _layout(ranks: list[dict[str, Any]]) -> str | None:
+    """The parallel layout an SGLang digest was computed over, from its ranks' ``parallelism_info``."""
+    for rank in ranks:
+        infos = rank.get("parallelism_info")
+        info = infos[0] if isinstance(infos, list) and infos else infos
+        if isinstance(info, dict):
+            return f"tp{info.get('tp_size')}-dp{info.get('dp_size')}-pp{info.get('pp_size')}"
+    return None

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import httpx
 
@@ -95,6 +95,11 @@ async def _no_guard(_: str) -> AsyncIterator[int | None]:
 
 class Rollout(ABC):
     """Base of every server type (``SFTRollout`` ...): one model's servers; see the module docstring."""
+
+    # Whether the server type can take servers someone else runs (a spec's ``urls``), and
+    # SGLang's launch arguments (a spec's ``sglang``).
+    can_attach: ClassVar[bool] = False
+    takes_sglang_args: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -411,7 +416,10 @@ class Rollout(ABC):
         cell.incarnation += 1
         cell.consecutive_failures = 0
         cell.last_probe = None
-        secret = self.spec.engine_secret.get_secret_value() if self.spec.engine_secret else None
+        # A server someone else runs (attached) never sees the controller's secret: it does not
+        # check it, and it would let that server change the weights of the engines launched here.
+        attached = cell.placement is not None and cell.placement.attached
+        secret = self.spec.engine_secret.get_secret_value() if self.spec.engine_secret and not attached else None
         self._clients[cell.server_id] = EngineClient(url, http=self.http, server_id=cell.server_id, secret=secret)
         self.transition(cell, ServerState.PENDING_WEIGHTS, "engine healthy")
         expected = cell.verified or await self._initial_weights(checkpoint)
@@ -420,6 +428,8 @@ class Rollout(ABC):
             # Confirm first, rename after: a label is only moved onto weights proven to be the
             # verified ones, so an engine that came up on other weights reports its own version.
             confirmed = await self.confirm(cell.server_id, fence=fence)
+            if confirmed.checksum != expected.checksum:
+                confirmed = await self._adopt(cell, expected, confirmed, fence=fence)
             if confirmed.checksum == expected.checksum and confirmed.weight_version != expected.weight_version:
                 # A checkpoint's manifest carries its own version; restore the one it was admitted as.
                 await client.update_weight_version(expected.weight_version, fence=fence)
@@ -442,6 +452,15 @@ class Rollout(ABC):
             )
         self.admit(cell.server_id, expected, reason="weights confirmed after start")
         self._restored(cell, expected)
+
+    async def _adopt(
+        self, cell: ServerCell, expected: VerifiedWeights, confirmed: WeightsChecksum, *, fence: int | None
+    ) -> WeightsChecksum:
+        """An engine came up holding other weights than ``expected``: what it holds after the
+        server type has done what it can. A launched engine started on the checkpoint it was
+        given, so nothing can be done (it is quarantined); a server type whose engines run
+        elsewhere (attached) loads ``expected`` into it here."""
+        return confirmed
 
     def _restored(self, cell: ServerCell, verified: VerifiedWeights) -> None:
         if self.observer is not None:

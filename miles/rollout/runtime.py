@@ -18,6 +18,7 @@ import importlib
 import shutil
 import socket
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ class Placement:
     # What the engine runs its model on: "cpu", or "cuda:N" for the first of ``gpu_ids`` on a
     # machine with CUDA ("auto" until the engine has resolved it).
     device: str = "cpu"
+    # Someone else runs the engine (attach mode): the controller never starts or stops it.
+    attached: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,65 @@ class LocalRuntime(EngineRuntime):
             self._own_dir = None
 
 
+class AttachedRuntime(EngineRuntime):
+    """Servers someone else runs, at the URLs the spec lists (attach mode): never started or
+    stopped here. "Launching" one waits until it answers ``/health``, so a restart is "wait for it
+    to come back, then verify it again"; a server that stopped answering is found by the probes."""
+
+    kind = RuntimeKind.LOCAL
+
+    def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
+        super().__init__(spec, on_exit=on_exit)
+        self._urls: dict[str, str] = {}
+        self._answered: set[str] = set()
+
+    async def start(self, server_ids: Sequence[str]) -> None:
+        self._urls = dict(zip(server_ids, self.spec.urls, strict=True))
+
+    async def launch(
+        self, server_id: str, command: EngineCommand, checkpoint: Path, *, device: str, http: httpx.AsyncClient
+    ) -> LaunchedEngine:
+        url = self._urls[server_id]
+        # At start the server may still be coming up. Later (a restart) it is down for as long
+        # as its owner keeps it down, and the wait holds the controller's lock: wait one probe's
+        # time, and let the supervisor try again at its next round.
+        timeout_s = self.spec.health.timeout_s if server_id in self._answered else self.spec.startup_timeout_s
+        await wait_until_answering(url, timeout_s=timeout_s, http=http)
+        self._answered.add(server_id)
+        host = httpx.URL(url).host
+        placement = Placement(node_id=f"attached:{host}", node_address=host, device=device, attached=True)
+        return LaunchedEngine(url=url, placement=placement, pid=None)
+
+    async def terminate(self, server_id: str) -> None:
+        """Nothing to stop: the server belongs to whoever started it."""
+
+    def alive(self, server_id: str) -> bool:
+        # No process to look at; the probes (and their failure threshold) say when it is gone.
+        return True
+
+    async def close(self) -> None:
+        self._urls = {}
+
+
+async def wait_until_answering(url: str, *, timeout_s: float, http: httpx.AsyncClient) -> None:
+    """Poll ``url/health`` until it answers 200; EngineStartError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    last = "no answer"
+    while True:
+        try:
+            response = await http.get(f"{url}/health", timeout=2.0)
+            if response.status_code == 200:
+                return
+            last = f"/health answered {response.status_code}"
+        except httpx.HTTPError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() > deadline:
+            raise EngineStartError(f"the server at {url} did not answer /health within {timeout_s}s ({last})", url=url)
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+
+
 # The runtime classes by kind; the Ray runtime is imported on first use (Ray is optional).
 _RUNTIMES = {
     RuntimeKind.LOCAL: "miles.rollout.runtime:LocalRuntime",
@@ -214,7 +276,9 @@ _RUNTIMES = {
 
 
 def runtime_for(spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> EngineRuntime:
-    """The runtime the spec asks for."""
+    """The runtime the spec asks for (servers at given URLs are attached, whatever the kind)."""
+    if spec.urls:
+        return AttachedRuntime(spec, on_exit=on_exit)
     module_name, _, attr = _RUNTIMES[spec.runtime].partition(":")
     try:
         module = importlib.import_module(module_name)

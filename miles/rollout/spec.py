@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+import httpx
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, StrictFloat, StrictInt, model_validator
 
 from miles.config import CheckpointTransfer, PlacementStrategy, RuntimeKind
 
@@ -19,6 +20,56 @@ class HealthSettings(BaseModel):
     interval_s: Annotated[float, Field(gt=0)] = 2.0
     timeout_s: Annotated[float, Field(gt=0)] = 5.0
     failure_threshold: Annotated[int, Field(ge=1)] = 3
+
+
+def _engine_url(value: str) -> str:
+    try:
+        url = httpx.URL(value)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"{value!r} is not a server's base URL ({exc}); give one like http://10.0.0.5:30000") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"{value!r} is not a server's base URL; give one like http://10.0.0.5:30000")
+    if url.path not in ("", "/") or url.query or url.fragment:
+        raise ValueError(f"{value!r} has a path or query; give the server's base URL (http://HOST:PORT)")
+    if url.userinfo:
+        # It would be shown in /health and the logs; SGLang servers take no credentials from miles.
+        raise ValueError(f"the server URL for {url.host} carries credentials; give http://HOST:PORT without them")
+    if url.port is not None and not 1 <= url.port <= 65535:
+        raise ValueError(f"{value!r} has port {url.port}; a port is 1..65535")
+    return value.rstrip("/")
+
+
+# A server's base URL (``http://HOST:PORT``), normalised without a trailing slash.
+EngineUrl = Annotated[str, Field(min_length=1, max_length=2048), AfterValidator(_engine_url)]
+
+
+def _unique_urls(urls: tuple[str, ...]) -> tuple[str, ...]:
+    if len(set(urls)) != len(urls):
+        raise ValueError("urls lists a server twice; give each attached server once")
+    return urls
+
+
+# Attached servers' base URLs, one per server, each once.
+EngineUrls = Annotated[tuple[EngineUrl, ...], AfterValidator(_unique_urls)]
+
+
+class SGLangServerArgs(BaseModel):
+    """What each launched SGLang server is given beside what miles sets (SGLang's ``ServerArgs``
+    names; the spec's ``engine_args`` are passed through as they are, after these)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    tp_size: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    dp_size: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    mem_fraction_static: Annotated[StrictFloat, Field(gt=0, lt=1)] | None = None
+    context_length: Annotated[StrictInt, Field(ge=1)] | None = None
+    # The program that serves (before its arguments); default ``python -m sglang.launch_server``
+    # with this interpreter. Another program taking SGLang's arguments may stand in for it.
+    launcher: Annotated[tuple[Annotated[str, Field(min_length=1)], ...], Field(min_length=1)] | None = None
+
+    @property
+    def gpus_per_engine(self) -> int:
+        return self.tp_size * self.dp_size
 
 
 class RolloutSpec(BaseModel):
@@ -63,6 +114,11 @@ class RolloutSpec(BaseModel):
     # to, else a new local one.
     ray_address: str | None = None
     ray_namespace: Annotated[str, Field(min_length=1, max_length=128)] = "miles"
+    # Attach mode: the base URLs of servers someone else runs, one per server (the controller
+    # never starts or stops them; a restart waits for the server to answer and verifies it again).
+    urls: EngineUrls = ()
+    # What an SGLang server is launched with (SGLangRollout; see miles.rollout.sglang_rollout).
+    sglang: SGLangServerArgs = SGLangServerArgs()
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSpec:
@@ -70,6 +126,12 @@ class RolloutSpec(BaseModel):
             raise ValueError(
                 f"devices lists {len(self.devices)} entries for {self.num_servers} servers; give one per server"
             )
+        if self.urls and len(self.urls) != self.num_servers:
+            raise ValueError(
+                f"urls lists {len(self.urls)} servers but num_servers is {self.num_servers}; give one URL per server"
+            )
+        if self.urls and self.runtime is not RuntimeKind.LOCAL:
+            raise ValueError("attached servers (urls) run wherever their owner started them; leave runtime unset")
         return self
 
     def resolved_devices(self) -> list[str]:

@@ -14,6 +14,7 @@ distribution the tokens were drawn from.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -22,6 +23,17 @@ from miles.models.presets import PRESETS
 from miles.train.task import ReverseTask
 
 TEMPERATURE = 1.0
+
+
+class LoopMode(StrEnum):
+    """How GRPO steps and sampling follow each other."""
+
+    # Sample a batch, train on it, publish, repeat: the fleet idles while the trainer trains.
+    SYNC = "sync"
+    # A producer keeps the fleet generating the batches of the next steps while the trainer
+    # trains on finished ones, never starting a group that would be trained on more than
+    # ``max_staleness`` versions after the one it is generated on.
+    ASYNC = "async"
 
 
 class TrainerConfig(BaseModel):
@@ -50,6 +62,10 @@ class TrainerConfig(BaseModel):
     # steps, and at 1e-3 and above that noise undoes what SFT taught faster than rewards teach.
     grpo_learning_rate: Annotated[float, Field(gt=0)] = 3e-4
     clip_eps: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    loop: LoopMode = LoopMode.SYNC
+    # Async only: how many published versions a sample's first token may be behind the weights
+    # it is trained on (0 makes the async loop sample each batch after the publish before it).
+    max_staleness: Annotated[int, Field(ge=0, le=16)] = 1
     advantage_eps: Annotated[float, Field(gt=0)] = 1e-6
 
     max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
@@ -74,6 +90,12 @@ class TrainerConfig(BaseModel):
     def _check(self) -> TrainerConfig:
         if self.sft_steps + self.grpo_steps == 0:
             raise ValueError("sft_steps and grpo_steps are both 0; give at least one training step")
+        if self.loop is LoopMode.ASYNC and self.publish_every - 1 > self.max_staleness:
+            raise ValueError(
+                f"with loop='async', publish_every ({self.publish_every}) may be at most max_staleness + 1 "
+                f"({self.max_staleness + 1}): samples for a step could otherwise never be admitted; publish "
+                "more often or raise max_staleness"
+            )
         needed = self.task.max_answer_chars + 1
         if self.max_new_tokens < needed:
             raise ValueError(

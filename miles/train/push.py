@@ -11,7 +11,8 @@ verified weights.
 
 Paths (``TransferPath``):
 - ``shm``: every engine on this node: each bucket is written once into a shared-memory segment
-  that every engine reads (``/update_weights_from_tensor``);
+  that every engine reads (``/update_weights_from_tensor``); weights on a GPU are packed in GPU
+  memory and handed over as CUDA IPC handles instead (``load_format="miles_cuda_ipc"``);
 - ``distributed``: engines anywhere: a torch.distributed group with this process as rank 0 (gloo
   on CPU), one flat broadcast per bucket (``/update_weights_from_distributed``);
 - ``auto``: ``shm`` when every engine's address is this machine's, else ``distributed``.
@@ -35,7 +36,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -48,6 +49,7 @@ import torch.distributed as dist
 
 from miles.config import TransferPath
 from miles.errors import PublishError
+from miles.protocol.sglang import CUDA_IPC_LOAD_FORMAT, CudaIpcHandle
 from miles.train.publisher import PublishResult
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable, layout, pack, plan
@@ -289,7 +291,13 @@ class PushPublisher:
             # Looks at /dev/shm and resolves this machine's addresses: off the loop.
             path = await asyncio.to_thread(self._choose, window)
             stats = PushStats(path=path.value, tensors=len(sending), skipped=len(unchanged))
-            pushing = _ShmPush(self, window) if path is TransferPath.SHM else _DistributedPush(self, window)
+            pushing: _ShmPush | _CudaIpcPush | _DistributedPush
+            if path is TransferPath.SHM:
+                # On this machine: GPU tensors by CUDA IPC handle, host tensors through /dev/shm.
+                on_gpu = any(t.device.type == "cuda" for t in sending.values())
+                pushing = _CudaIpcPush(self, window) if on_gpu else _ShmPush(self, window)
+            else:
+                pushing = _DistributedPush(self, window)
             checksum = await pushing.run(sending, version=version, stats=stats, unchanged=unchanged)
             pushed = time.perf_counter()
             await self.client.publish(
@@ -448,8 +456,52 @@ def _sweep_dead_segments() -> None:
             continue  # another user's live process
 
 
+async def _stream(
+    named: Mapping[str, torch.Tensor],
+    tables: Sequence[BucketTable],
+    buffers: Sequence[torch.Tensor],
+    send: Callable[[int, BucketTable, str | None], Coroutine[Any, Any, None]],
+    *,
+    stats: PushStats,
+    unchanged: list[TensorDigest],
+) -> str:
+    """Pack each bucket into ``buffers[index % len(buffers)]`` (digesting it), then ``send`` it
+    (its index, its table with the digests, and the model checksum with the last one); returns the
+    checksum. With two buffers the next bucket is packed while the engines take the one before;
+    a bucket is sent only once the one before it is in."""
+    digests: list[TensorDigest] = list(unchanged)
+    sending: asyncio.Task[None] | None = None
+    checksum: str | None = None
+    try:
+        for index, table in enumerate(tables):
+            packed = await _pack(named, table, buffers[index % len(buffers)])
+            digests += [e.tensor_digest() for e in packed.entries]
+            stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
+            if index == len(tables) - 1:
+                checksum = checksum_from_digests(digests, num_bytes=0).checksum
+            if sending is not None:
+                await sending
+            sending = asyncio.create_task(send(index, packed, checksum))
+            stats.buckets += 1
+            stats.bytes += packed.nbytes
+        if sending is not None:
+            await sending
+    finally:
+        if sending is not None and not sending.done():
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+    assert checksum is not None
+    return checksum
+
+
+def _regions(tables: Sequence[BucketTable]) -> int:
+    """Buffers to pack into: two when there is a next bucket to pack while one is taken."""
+    return min(2, len(tables))
+
+
 class _ShmPush:
-    """Each bucket written once into one shared-memory segment that every engine reads."""
+    """Each bucket written once into a shared-memory segment that every engine reads: two regions,
+    the next bucket written into one while the engines read the other."""
 
     def __init__(self, publisher: PushPublisher, window: Window) -> None:
         self.publisher, self.window = publisher, window
@@ -463,40 +515,94 @@ class _ShmPush:
         unchanged: list[TensorDigest],
     ) -> str:
         buckets = plan(named, bucket_bytes=self.publisher.bucket_bytes)
-        tables = [layout(named, names) for names in buckets]
-        size = max(t.total_bytes for t in tables)
-        segment = await self.publisher.segment(size)
-        digests: list[TensorDigest] = list(unchanged)
+        region = max(layout(named, names).total_bytes for names in buckets)
+        tables = [layout(named, names, start=(i % 2) * region) for i, names in enumerate(buckets)]
+        segment = await self.publisher.segment(region * _regions(tables))
         http = _Authorized(self.publisher.http, self.publisher.headers(self.window))
+
+        async def send(index: int, packed: BucketTable, checksum: str | None) -> None:
+            document = base64.b64encode(
+                json.dumps({"shm": segment.name, "table": packed.model_dump(mode="json")}).encode()
+            ).decode()
+            body = {
+                "serialized_named_tensors": [document],
+                "load_format": "miles_shm",
+                "weight_version": version if checksum is not None else None,
+                "expected_checksum": checksum,
+                "activate": not self.window.staged,
+            }
+            await _post_all(http, self.window, "/update_weights_from_tensor", _same(body), stats)
+
         try:
-            for index, table in enumerate(tables):
-                packed = await _pack(named, table, segment.flat)
-                digests += [e.tensor_digest() for e in packed.entries]
-                stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
-                last = index == len(tables) - 1
-                checksum = checksum_from_digests(digests, num_bytes=0).checksum if last else None
-                document = base64.b64encode(
-                    json.dumps({"shm": segment.name, "table": packed.model_dump(mode="json")}).encode()
-                ).decode()
-                body = {
-                    "serialized_named_tensors": [document],
-                    "load_format": "miles_shm",
-                    "weight_version": version if last else None,
-                    "expected_checksum": checksum,
-                    "activate": not self.window.staged,
-                }
-                await _post_all(http, self.window, "/update_weights_from_tensor", _same(body), stats)
-                stats.buckets += 1
-                stats.bytes += table.total_bytes
+            return await _stream(named, tables, [segment.flat], send, stats=stats, unchanged=unchanged)
         except BaseException:
             await self.publisher.drop_segment()
             raise
-        assert checksum is not None
-        return checksum
+
+
+class _CudaIpcPush:
+    """Buckets packed in the trainer's GPU memory (two buffers, as for shared memory) and handed to
+    every engine on this machine as CUDA IPC handles: no copy through the host."""
+
+    def __init__(self, publisher: PushPublisher, window: Window) -> None:
+        self.publisher, self.window = publisher, window
+
+    async def run(
+        self,
+        named: Mapping[str, torch.Tensor],
+        *,
+        version: str,
+        stats: PushStats,
+        unchanged: list[TensorDigest],
+    ) -> str:
+        device = next(t.device for t in named.values() if t.device.type == "cuda")
+        tables = [layout(named, names) for names in plan(named, bucket_bytes=self.publisher.bucket_bytes)]
+        size = max(max(t.total_bytes for t in tables), 1)
+        buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(_regions(tables))]
+        http = _Authorized(self.publisher.http, self.publisher.headers(self.window))
+
+        async def send(index: int, packed: BucketTable, checksum: str | None) -> None:
+            buffer = buffers[index % len(buffers)]
+
+            def body(_: int) -> dict[str, Any]:
+                # A handle of its own per engine: each engine's release counts against its own.
+                document = {"cuda_ipc": cuda_ipc_handle(buffer).model_dump(), "table": packed.model_dump(mode="json")}
+                return {
+                    "serialized_named_tensors": [base64.b64encode(json.dumps(document).encode()).decode()],
+                    "load_format": CUDA_IPC_LOAD_FORMAT,
+                    "weight_version": version if checksum is not None else None,
+                    "expected_checksum": checksum,
+                    "activate": not self.window.staged,
+                }
+
+            await _post_all(http, self.window, "/update_weights_from_tensor", body, stats)
+
+        return await _stream(named, tables, buffers, send, stats=stats, unchanged=unchanged)
+
+
+def cuda_ipc_handle(buffer: torch.Tensor) -> CudaIpcHandle:
+    """How another process on this machine opens the flat uint8 CUDA tensor ``buffer``."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, shared = reduce_tensor(buffer)
+    (_, _, _, offset, _, _, device, handle, size, storage_offset, _, ref_handle, ref_offset, event, sync) = shared
+    return CudaIpcHandle(
+        device=device,
+        numel=buffer.numel(),
+        storage_offset=offset,
+        storage_handle=base64.b64encode(handle).decode(),
+        storage_size_bytes=size,
+        storage_offset_bytes=storage_offset,
+        ref_counter_handle=base64.b64encode(ref_handle).decode(),
+        ref_counter_offset=ref_offset,
+        event_handle=base64.b64encode(event).decode() if event else None,
+        event_sync_required=bool(sync),
+    )
 
 
 class _DistributedPush:
-    """A torch.distributed group with this process as rank 0; one broadcast per bucket."""
+    """A torch.distributed group with this process as rank 0; one broadcast per bucket, the next
+    bucket packed into a second buffer while one is broadcast."""
 
     def __init__(self, publisher: PushPublisher, window: Window) -> None:
         self.publisher, self.window = publisher, window
@@ -516,7 +622,6 @@ class _DistributedPush:
         store = dist.TCPStore(publisher.master_address, port, world, True, timeout=timeout, wait_for_workers=False)
         prefixed = dist.PrefixStore(GROUP_NAME, store)
         prefixed.set("joined/0", "1")
-        digests: list[TensorDigest] = list(unchanged)
         http = _Authorized(publisher.http, publisher.headers(window))
         # NCCL between GPUs when the trainer's weights are on one (the engines receive on theirs),
         # gloo between CPUs otherwise.
@@ -543,48 +648,41 @@ class _DistributedPush:
                 f"{', '.join(missing) or 'no engine'} never joined"
             ) from None
         await joining
+        tables = [layout(named, names) for names in plan(named, bucket_bytes=publisher.bucket_bytes)]
+        # Buffers kept for every bucket: their pages are faulted in once.
+        size = max(max(t.total_bytes for t in tables), 1)
+        buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(_regions(tables))]
+
+        async def send(index: int, packed: BucketTable, checksum: str | None) -> None:
+            body = {
+                "names": [e.name for e in packed.entries],
+                "dtypes": [e.dtype for e in packed.entries],
+                "shapes": [list(e.shape) for e in packed.entries],
+                "digests": [e.digest for e in packed.entries],
+                "group_name": GROUP_NAME,
+                "load_format": "flattened_bucket",
+                "weight_version": version if checksum is not None else None,
+                "expected_checksum": checksum,
+                "activate": not window.staged,
+                "timeout_s": publisher.timeout_s,
+            }
+            receiving = asyncio.create_task(
+                _post_all(http, window, "/update_weights_from_distributed", _same(body), stats)
+            )
+            try:
+                sent = buffers[index % len(buffers)][: packed.total_bytes]
+                await asyncio.to_thread(_broadcast, group, sent if device is None else sent.to(device), timeout)
+            finally:
+                # The engines' answers say why, when the broadcast failed.
+                await receiving
+
         try:
-            buckets = plan(named, bucket_bytes=publisher.bucket_bytes)
-            tables = [layout(named, names) for names in buckets]
-            # One buffer for every bucket: its pages are faulted in once.
-            buffer = torch.empty(max(max(t.total_bytes for t in tables), 1), dtype=torch.uint8)
-            for index, table in enumerate(tables):
-                flat = buffer[: max(table.total_bytes, 1)]
-                packed = await _pack(named, table, flat)
-                digests += [e.tensor_digest() for e in packed.entries]
-                stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
-                last = index == len(buckets) - 1
-                checksum = checksum_from_digests(digests, num_bytes=0).checksum if last else None
-                body = {
-                    "names": [e.name for e in packed.entries],
-                    "dtypes": [e.dtype for e in packed.entries],
-                    "shapes": [list(e.shape) for e in packed.entries],
-                    "digests": [e.digest for e in packed.entries],
-                    "group_name": GROUP_NAME,
-                    "load_format": "flattened_bucket",
-                    "weight_version": version if last else None,
-                    "expected_checksum": checksum,
-                    "activate": not window.staged,
-                    "timeout_s": publisher.timeout_s,
-                }
-                receiving = asyncio.create_task(
-                    _post_all(http, window, "/update_weights_from_distributed", _same(body), stats)
-                )
-                try:
-                    sent = flat[: table.total_bytes]
-                    await asyncio.to_thread(_broadcast, group, sent if device is None else sent.to(device), timeout)
-                finally:
-                    # The engines' answers say why, when the broadcast failed.
-                    await receiving
-                stats.buckets += 1
-                stats.bytes += table.total_bytes
+            return await _stream(named, tables, buffers, send, stats=stats, unchanged=unchanged)
         finally:
             await asyncio.gather(
                 _post_all(http, window, "/destroy_weights_update_group", lambda _: {"group_name": GROUP_NAME}, stats),
                 return_exceptions=True,
             )
-        assert checksum is not None
-        return checksum
 
 
 def _digests(named: Mapping[str, torch.Tensor]) -> dict[str, str]:

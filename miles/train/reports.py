@@ -36,21 +36,25 @@ class VersionReward(_Frozen):
 
 
 class Staleness(_Frozen):
-    """How many optimizer steps behind the trainer the weights that produced the samples were.
+    """How many published versions the weights that produced the samples' first tokens were behind
+    the weights the step trained.
 
-    ``staleness = steps the trainer had taken when it asked - int(sample's weight_version)``.
-    Samples whose version is not a step number are counted in ``unparsed`` and left out of the
-    figures; with no parsed sample every figure is 0.
+    ``staleness = steps the trainer had taken when it trained on the sample - int(version of the
+    sample's first token)``. ``counts[k]`` is how many samples were ``k`` versions behind. Samples
+    whose version is not a step number are counted in ``unparsed`` and left out of the figures;
+    with no parsed sample every figure is 0.
     """
 
     min: int = 0
     max: int = 0
     mean: float = 0.0
+    counts: tuple[int, ...] = ()
     unparsed: Annotated[int, Field(ge=0)] = 0
 
     @classmethod
     def of(cls, versions: Sequence[str], *, trainer_step: int) -> Staleness:
-        """The staleness of samples with ``versions``, asked for after ``trainer_step`` steps."""
+        """The staleness of samples whose first tokens came from ``versions``, trained on after
+        ``trainer_step`` steps."""
         gaps: list[int] = []
         unparsed = 0
         for version in versions:
@@ -60,7 +64,10 @@ class Staleness(_Frozen):
                 unparsed += 1
         if not gaps:
             return cls(unparsed=unparsed)
-        return cls(min=min(gaps), max=max(gaps), mean=sum(gaps) / len(gaps), unparsed=unparsed)
+        counts = [0] * (max(0, max(gaps)) + 1)
+        for gap in gaps:
+            counts[max(gap, 0)] += 1
+        return cls(min=min(gaps), max=max(gaps), mean=sum(gaps) / len(gaps), counts=tuple(counts), unparsed=unparsed)
 
 
 def rewards_by_version(versions: Sequence[str], rewards: Sequence[float]) -> tuple[VersionReward, ...]:
@@ -96,6 +103,10 @@ class StepReport(_Frozen):
     # None on steps that did not publish (``publish_every`` > 1).
     publish: PublishResult | None = None
     step_s: float
+    # Of ``step_s``: the trainer waiting for samples (idle), and the fleet generating none of the
+    # trainer's (idle for training; it may serve users meanwhile).
+    trainer_idle_s: Annotated[float, Field(ge=0)] = 0.0
+    fleet_idle_s: Annotated[float, Field(ge=0)] = 0.0
 
     @property
     def published_version(self) -> str | None:
@@ -120,6 +131,25 @@ class TrainingSummary(_Frozen):
     wall_s: float
     # The last checkpoint published: what the servers serve when the run ends.
     final_publish: PublishResult
+
+    @property
+    def samples_dropped(self) -> int:
+        """Samples generated but left out of training (cut short by an update or a pause)."""
+        return sum(s.num_interrupted for s in self.steps)
+
+    @property
+    def max_staleness(self) -> int:
+        """The most versions any trained sample's first token was behind."""
+        return max((s.staleness.max for s in self.steps), default=0)
+
+    def idle_fractions(self, phase: Phase = Phase.GRPO) -> tuple[float, float]:
+        """The shares of ``phase``'s time the trainer waited for samples and the fleet generated
+        none of the trainer's (0 when the run had no such step)."""
+        steps = [s for s in self.steps if s.phase is phase]
+        total = sum(s.step_s for s in steps)
+        if total <= 0:
+            return 0.0, 0.0
+        return sum(s.trainer_idle_s for s in steps) / total, sum(s.fleet_idle_s for s in steps) / total
 
     @classmethod
     def of(cls, steps: Sequence[StepReport], *, window: int, wall_s: float) -> TrainingSummary:

@@ -34,6 +34,7 @@ class Sample:
     logprobs: tuple[float, ...]
     # ``meta_info.weight_version``: the version the last token was generated on.
     weight_version: str
+    # The version the first token was generated on (they differ when an update came mid-answer).
     weight_version_start: str
     # Cut short by a pause or an update (partial rollout); the trainer leaves these out.
     interrupted: bool
@@ -50,8 +51,16 @@ class Group:
 class Sampler(Protocol):
     """Where training samples come from."""
 
-    async def sample(self, prompts: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int) -> list[Group]:
-        """One ``Group`` of ``group_size`` samples per prompt, in prompt order.
+    async def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        min_weight_version: str | None = None,
+    ) -> list[Group]:
+        """One ``Group`` of ``group_size`` samples per prompt, in prompt order, generated on
+        ``min_weight_version`` or a later version when given (the controller routes them so).
 
         Raises:
             RolloutRequestError: a request failed or its answer was unusable.
@@ -84,19 +93,35 @@ class HttpSampler:
         # when each call has fewer prompts than there are servers.
         self._next_url = itertools.cycle(range(len(self._urls)))
 
-    async def sample(self, prompts: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int) -> list[Group]:
-        """See ``Sampler.sample``."""
+    async def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        min_weight_version: str | None = None,
+    ) -> list[Group]:
+        """See ``Sampler.sample``; ``min_weight_version`` needs a controller's URL (an engine has
+        one version and would refuse the field)."""
         targets = [self._urls[next(self._next_url)] for _ in prompts]
         return list(
             await asyncio.gather(
                 *(
-                    self._one(url, list(prompt), group_size=group_size, max_new_tokens=max_new_tokens)
+                    self._one(
+                        url,
+                        list(prompt),
+                        group_size=group_size,
+                        max_new_tokens=max_new_tokens,
+                        min_weight_version=min_weight_version,
+                    )
                     for url, prompt in zip(targets, prompts, strict=True)
                 )
             )
         )
 
-    async def _one(self, url: str, prompt: list[int], *, group_size: int, max_new_tokens: int) -> Group:
+    async def _one(
+        self, url: str, prompt: list[int], *, group_size: int, max_new_tokens: int, min_weight_version: str | None
+    ) -> Group:
         payload: dict[str, Any] = {
             "input_ids": prompt,
             "sampling_params": {
@@ -108,6 +133,8 @@ class HttpSampler:
             },
             "return_logprob": True,
         }
+        if min_weight_version is not None:
+            payload["min_weight_version"] = min_weight_version
         try:
             response = await self._http.post(f"{url}/generate", json=payload, timeout=self._timeout_s)
         except httpx.HTTPError as exc:

@@ -1,31 +1,48 @@
 """The training loop: an SFT warm-up, then GRPO on completions sampled from the servers.
 
 Every step is one optimizer step. An SFT step trains on correct answers (teacher forcing) while,
-concurrently, a few prompts are sampled from the servers to measure reward. A GRPO step samples
-``prompts_per_step`` groups of ``group_size`` completions from the servers, scores them, and
-trains on them with the clipped policy-gradient loss against the servers' logprobs. After every
-``publish_every`` steps (and after the last) the weights are published, so the next samples come
-from the new version. Torch work runs in a worker thread so the event loop (which may also run a
-controller or a UI) stays responsive.
+concurrently, a few prompts are sampled from the servers to measure reward. A GRPO step trains on
+``prompts_per_step`` groups of ``group_size`` completions sampled from the servers, scored, with
+the clipped policy-gradient loss against the servers' logprobs (each token's own: the weights
+that generated it, so the ratio is the importance ratio against the behaviour policy even when
+an update came mid-answer). After every ``publish_every`` steps (and after the last) the weights
+are published, so the next samples come from the new version.
+
+GRPO runs in one of two loops (``TrainerConfig.loop``):
+- sync: sample a batch, train on it, publish, repeat; the fleet idles while the trainer trains.
+- async: a producer keeps the fleet generating the groups of the next steps while the trainer
+  trains on finished ones. Staleness is bounded by admission, not by discarding work: a group
+  meant for the step that trains on version ``t`` starts only once version ``t -
+  max_staleness`` is published, and asks for that version or a later one (``min_weight_version``),
+  so no sample's first token is more than ``max_staleness`` versions behind what trains on it.
+  Groups are trained in the order they were started (problems are drawn in the same order as the
+  sync loop draws them). A step's weights are published from a copy while the trainer trains the
+  next step, so publishing overlaps training too (one publish at a time, in step order).
+
+Torch work runs in a worker thread so the event loop (which may also run a controller or a UI)
+stays responsive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from contextlib import aclosing, contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
 from miles.models.presets import build_model
 from miles.models.tokenizer import build_tokenizer
-from miles.train.config import TrainerConfig
+from miles.train.config import LoopMode, TrainerConfig
 from miles.train.grpo import clipped_policy_loss, group_advantages
 from miles.train.policy import completion_logprobs, encode_answer, encode_prompt, pack, sft_loss
-from miles.train.publisher import Publisher
+from miles.train.publisher import Publisher, PublishResult
 from miles.train.reports import Phase, Staleness, StepReport, TrainingSummary, rewards_by_version
 from miles.train.sampling import Group, Sample, Sampler
 from miles.train.task import Problem, parse_completion, score
@@ -102,6 +119,9 @@ class Trainer:
         self._train_rng = random.Random(f"{config.seed}/train")
         self._eval_rng = random.Random(f"{config.seed}/eval")
         self._steps_done = 0
+        # The last step published (0: the initial checkpoint, which the servers start on).
+        self._published = 0
+        self._fleet = _FleetClock()
 
     async def run(self) -> TrainingSummary:
         """Run every SFT step, then every GRPO step; return the summary.
@@ -124,37 +144,205 @@ class Trainer:
                 continue
             # A fresh optimizer per phase: SFT's moment estimates describe another objective.
             optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0)
-            for _ in range(count):
-                report = await self._step(phase, optimizer)
-                reports.append(report)
-                if self._on_step is not None:
-                    self._on_step(report)
+            steps = (
+                self._grpo_async(count, optimizer)
+                if phase is Phase.GRPO and cfg.loop is LoopMode.ASYNC
+                else self._sync(phase, count, optimizer)
+            )
+            # Closed on the way out whatever happens: the async loop's producer stops with it.
+            async with aclosing(steps):
+                async for report in steps:
+                    reports.append(report)
+                    if self._on_step is not None:
+                        self._on_step(report)
         return TrainingSummary.of(reports, window=cfg.summary_window, wall_s=time.monotonic() - started)
 
-    async def _step(self, phase: Phase, optimizer: torch.optim.Optimizer) -> StepReport:
+    async def _sync(self, phase: Phase, count: int, optimizer: torch.optim.Optimizer) -> AsyncGenerator[StepReport]:
         cfg = self.config
-        step = self._steps_done + 1
-        started = time.monotonic()
-        update: _Update
-        if phase is Phase.SFT:
-            measured = [cfg.task.sample(self._eval_rng) for _ in range(cfg.sft_eval_prompts)]
-            lesson = [cfg.task.sample(self._train_rng) for _ in range(cfg.sft_batch_size)]
-            # Measuring and training overlap: the samples come from the weights already served.
-            groups, update = await asyncio.gather(
-                self._sample(measured), asyncio.to_thread(self._sft_update, lesson, optimizer)
+        for _ in range(count):
+            started = time.monotonic()
+            idle_before = self._fleet.idle_s()
+            waited = 0.0
+            if phase is Phase.SFT:
+                measured = [cfg.task.sample(self._eval_rng) for _ in range(cfg.sft_eval_prompts)]
+                lesson = [cfg.task.sample(self._train_rng) for _ in range(cfg.sft_batch_size)]
+                # Measuring and training overlap: the samples come from the weights already served.
+                groups, update = await asyncio.gather(
+                    self._sample(measured), asyncio.to_thread(self._sft_update, lesson, optimizer)
+                )
+                scored = self._score(measured, groups)
+            else:
+                problems = [cfg.task.sample(self._train_rng) for _ in range(cfg.prompts_per_step)]
+                waiting = time.monotonic()
+                groups = await self._sample(problems)
+                waited = time.monotonic() - waiting
+                scored = self._score(problems, groups)
+                update = await asyncio.to_thread(self._grpo_update, scored, optimizer)
+            yield await self._finish(
+                phase,
+                groups,
+                scored,
+                update,
+                started=started,
+                trainer_idle_s=waited,
+                fleet_idle_before=idle_before,
             )
-            scored = self._score(measured, groups)
-        else:
-            problems = [cfg.task.sample(self._train_rng) for _ in range(cfg.prompts_per_step)]
-            groups = await self._sample(problems)
-            scored = self._score(problems, groups)
-            update = await asyncio.to_thread(self._grpo_update, scored, optimizer)
-        self._steps_done = step
+
+    async def _grpo_async(self, count: int, optimizer: torch.optim.Optimizer) -> AsyncGenerator[StepReport]:
+        """``count`` GRPO steps with sampling overlapped (module docstring). A step's weights are
+        published from a copy while the trainer goes on to the next step; its report comes once
+        that publish is done."""
+        cfg = self.config
+        per_step = cfg.prompts_per_step
+        first = self._steps_done
+        started_groups: list[tuple[Problem, asyncio.Task[Group]]] = []
+        changed = asyncio.Condition()
+        stopped = asyncio.Event()
+        # What a publish reads while the model trains on (allocated once, refreshed per publish).
+        published_copy = copy.deepcopy(self.model).eval()
+
+        def admitted(trained_on: int) -> Callable[[], bool]:
+            return lambda: trained_on - self._published <= cfg.max_staleness
+
+        async def produce() -> None:
+            try:
+                for index in range(count * per_step):
+                    # The trainer's version when it trains on this group: the group may start once
+                    # the version max_staleness before it is published, and asks for it or later.
+                    async with changed:
+                        await changed.wait_for(admitted(first + index // per_step))
+                        floor = self._published
+                    problem = cfg.task.sample(self._train_rng)
+                    task = asyncio.create_task(self._sample_group(problem, min_weight_version=str(floor)))
+                    async with changed:
+                        started_groups.append((problem, task))
+                        changed.notify_all()
+            finally:
+                async with changed:
+                    stopped.set()
+                    changed.notify_all()  # the trainer sees the producer stop, whatever stopped it
+
+        async def publish(step: int) -> PublishResult:
+            result = await self._publisher.publish(published_copy, self.tokenizer, step=step)
+            async with changed:
+                self._published = step
+                changed.notify_all()
+            return result
+
+        producer = asyncio.create_task(produce())
+        publishing: asyncio.Task[PublishResult] | None = None
+        # The last step's report, waiting for its publish.
+        pending: Callable[..., StepReport] | None = None
+        try:
+            for step_index in range(count):
+                started = time.monotonic()
+                idle_before = self._fleet.idle_s()
+                needed = (step_index + 1) * per_step
+
+                def startable(needed: int = needed) -> bool:
+                    return len(started_groups) >= needed or stopped.is_set()
+
+                waiting = time.monotonic()
+                async with changed:
+                    await changed.wait_for(startable)
+                if len(started_groups) < needed:
+                    await producer  # raises what stopped it
+                batch = started_groups[step_index * per_step : needed]
+                groups = list(await asyncio.gather(*(task for _, task in batch)))
+                waited = time.monotonic() - waiting
+                scored = self._score([problem for problem, _ in batch], groups)
+                update = await asyncio.to_thread(self._grpo_update, scored, optimizer)
+                step = self._count_step()
+                # The copy is free once the last publish is done: the report of its step goes out.
+                last = await publishing if publishing is not None else None
+                if pending is not None:
+                    yield pending(publish=last)
+                publishing = None
+                if self._due(step):
+                    await asyncio.to_thread(_copy_weights, published_copy, self.model)
+                    publishing = asyncio.create_task(publish(step))
+                pending = functools.partial(
+                    self._report,
+                    Phase.GRPO,
+                    step,
+                    groups,
+                    scored,
+                    update,
+                    step_s=time.monotonic() - started,
+                    trainer_idle_s=waited,
+                    fleet_idle_s=self._fleet.idle_s() - idle_before,
+                )
+            if pending is not None:
+                ending = time.monotonic()
+                idle_before = self._fleet.idle_s()
+                last = await publishing if publishing is not None else None
+                report = pending(publish=last)
+                yield report.model_copy(
+                    update={
+                        "step_s": report.step_s + time.monotonic() - ending,
+                        "fleet_idle_s": report.fleet_idle_s + self._fleet.idle_s() - idle_before,
+                    }
+                )
+        finally:
+            producer.cancel()
+            tasks = [task for _, task in started_groups]
+            if publishing is not None:
+                tasks.append(publishing)  # type: ignore[arg-type]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(producer, *tasks, return_exceptions=True)
+
+    async def _finish(
+        self,
+        phase: Phase,
+        groups: Sequence[Group],
+        scored: Sequence[Sequence[_Scored]],
+        update: _Update,
+        *,
+        started: float,
+        trainer_idle_s: float,
+        fleet_idle_before: float,
+    ) -> StepReport:
+        """Count the step, publish when due, and report it."""
+        step = self._count_step()
         publish = None
-        if step % cfg.publish_every == 0 or step == cfg.total_steps:
+        if self._due(step):
             publish = await self._publisher.publish(self.model, self.tokenizer, step=step)
+            self._published = step
+        return self._report(
+            phase,
+            step,
+            groups,
+            scored,
+            update,
+            publish=publish,
+            step_s=time.monotonic() - started,
+            trainer_idle_s=trainer_idle_s,
+            fleet_idle_s=self._fleet.idle_s() - fleet_idle_before,
+        )
+
+    def _count_step(self) -> int:
+        self._steps_done += 1
+        return self._steps_done
+
+    def _due(self, step: int) -> bool:
+        """Whether ``step`` publishes (every ``publish_every`` steps, and the last one)."""
+        return step % self.config.publish_every == 0 or step == self.config.total_steps
+
+    def _report(
+        self,
+        phase: Phase,
+        step: int,
+        groups: Sequence[Group],
+        scored: Sequence[Sequence[_Scored]],
+        update: _Update,
+        *,
+        publish: PublishResult | None,
+        step_s: float,
+        trainer_idle_s: float,
+        fleet_idle_s: float,
+    ) -> StepReport:
         samples = [s for group in scored for s in group]
-        versions = [s.sample.weight_version for s in samples]
         rewards = [s.reward for s in samples]
         return StepReport(
             step=step,
@@ -162,22 +350,36 @@ class Trainer:
             loss=update.loss,
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
             exact_rate=sum(s.exact for s in samples) / len(samples) if samples else 0.0,
-            rewards_by_version=rewards_by_version(versions, rewards),
+            rewards_by_version=rewards_by_version([s.sample.weight_version for s in samples], rewards),
             num_samples=len(samples),
             num_interrupted=sum(len(g.samples) for g in groups) - len(samples),
-            staleness=Staleness.of(versions, trainer_step=step - 1),
+            staleness=Staleness.of([s.sample.weight_version_start for s in samples], trainer_step=step - 1),
             num_flat_groups=0 if phase is Phase.SFT else sum(_flat(group) for group in scored),
             clip_fraction=update.clip_fraction,
             mean_ratio=update.mean_ratio,
             publish=publish,
-            step_s=time.monotonic() - started,
+            step_s=step_s,
+            trainer_idle_s=trainer_idle_s,
+            fleet_idle_s=fleet_idle_s,
         )
 
     async def _sample(self, problems: Sequence[Problem]) -> list[Group]:
         prompts = [encode_prompt(p, tokenizer=self.tokenizer) for p in problems]
-        return await self._sampler.sample(
-            prompts, group_size=self.config.group_size, max_new_tokens=self.config.max_new_tokens
-        )
+        with self._fleet.busy():
+            return await self._sampler.sample(
+                prompts, group_size=self.config.group_size, max_new_tokens=self.config.max_new_tokens
+            )
+
+    async def _sample_group(self, problem: Problem, *, min_weight_version: str) -> Group:
+        prompt = encode_prompt(problem, tokenizer=self.tokenizer)
+        with self._fleet.busy():
+            (group,) = await self._sampler.sample(
+                [prompt],
+                group_size=self.config.group_size,
+                max_new_tokens=self.config.max_new_tokens,
+                min_weight_version=min_weight_version,
+            )
+        return group
 
     def _score(self, problems: Sequence[Problem], groups: Sequence[Group]) -> list[list[_Scored]]:
         scored: list[list[_Scored]] = []
@@ -238,6 +440,38 @@ class Trainer:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         optimizer.step()
+
+
+@dataclass
+class _FleetClock:
+    """How long the fleet had none of the trainer's generations to run."""
+
+    running: int = 0
+    idle_since: float | None = field(default_factory=time.monotonic)
+    idle: float = 0.0
+
+    def idle_s(self) -> float:
+        now = time.monotonic()
+        return self.idle + (now - self.idle_since if self.idle_since is not None else 0.0)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        if self.running == 0 and self.idle_since is not None:
+            self.idle += time.monotonic() - self.idle_since
+            self.idle_since = None
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            if self.running == 0:
+                self.idle_since = time.monotonic()
+
+
+@torch.no_grad()
+def _copy_weights(target: torch.nn.Module, source: torch.nn.Module) -> None:
+    for into, value in zip(target.state_dict().values(), source.state_dict().values(), strict=True):
+        into.copy_(value)
 
 
 def _flat(group: Sequence[_Scored]) -> bool:

@@ -3,8 +3,9 @@ calls that does not grow with the number of tensors.
 
 A bucket's ``BucketTable`` says where each tensor lies in the flat bytes (name, dtype, shape,
 offset, size) and carries its digest (xxh3-128 of its bytes: the digest the model checksum
-combines), so a receiver checks every tensor before it touches its own weights. Packing computes
-the digests while it copies (the slice just written is still in cache). The same table travels
+combines), so a receiver checks every tensor it takes: over the bytes it copied, in the same pass
+(``Received.check``), or before it copies (``Received.verify``). Packing computes the digests
+while it copies (the slice just written is still in cache). The same table travels
 with a shared-memory segment (``/update_weights_from_tensor``) and, as SGLang's ``names``,
 ``dtypes`` and ``shapes`` plus our ``digests``, with a torch.distributed broadcast.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Annotated
 
 import torch
@@ -20,7 +22,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles.errors import InvalidRequestError
-from miles.weights.checksum import TensorDigest, digest_buffer
+from miles.weights.checksum import TensorDigest, digest_tensor
 from miles.weights.safetensors_io import SAFETENSORS_DTYPES, dtype_name
 
 # Default bucket size: large enough that per-call costs vanish, small enough to stage twice.
@@ -62,7 +64,13 @@ class BucketTable(BaseModel):
 
     @property
     def total_bytes(self) -> int:
+        """Where the last tensor ends: how many bytes the flat run must hold."""
         return max((e.offset + e.nbytes for e in self.entries), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the tensors themselves."""
+        return sum(e.nbytes for e in self.entries)
 
 
 def plan(named: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[str]]:
@@ -79,9 +87,9 @@ def plan(named: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFAULT_BUCKE
     return [b for b in buckets if b]
 
 
-def layout(named: Mapping[str, torch.Tensor], names: Iterable[str]) -> BucketTable:
-    """The table of ``names`` packed back to back (digests not yet known)."""
-    entries, offset = [], 0
+def layout(named: Mapping[str, torch.Tensor], names: Iterable[str], *, start: int = 0) -> BucketTable:
+    """The table of ``names`` packed back to back from byte ``start`` (digests not yet known)."""
+    entries, offset = [], start
     for name in names:
         tensor = named[name]
         nbytes = tensor.numel() * tensor.element_size()
@@ -99,6 +107,8 @@ def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tens
     """Copy each tensor of ``table`` into the flat uint8 tensor ``into`` at its offset, digesting
     the bytes as they are written; returns the table with the digests."""
     flat = into.reshape(-1).view(torch.uint8)
+    if flat.device.type != "cpu":
+        return _pack_on_device(named, table, flat)
     view = memoryview(flat.numpy())  # type: ignore[arg-type]  # an ndarray has the buffer protocol
     done = []
     for entry in table.entries:
@@ -114,15 +124,50 @@ def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tens
     return BucketTable(entries=tuple(done))
 
 
-def unpack(table: BucketTable, flat: torch.Tensor, *, verify: bool = True) -> dict[str, torch.Tensor]:
-    """Views of each tensor of ``table`` in the flat uint8 tensor ``flat``, each checked against
-    its digest when it has one.
+@dataclass(frozen=True)
+class Received:
+    """One bucket's tensors as they arrived (views of the bucket's bytes), with the digests they
+    were sent with. Nothing has checked them yet: whoever copies them out checks each digest over
+    the bytes it copied (one pass: ``check``), or calls ``verify`` before it copies."""
+
+    tensors: Mapping[str, torch.Tensor]
+    digests: Mapping[str, str]
+
+    def check(self, name: str, actual: str) -> None:
+        """Raise InvalidRequestError when ``actual`` is not the digest ``name`` was sent with."""
+        expected = self.digests.get(name)
+        if expected is not None and actual != expected:
+            raise InvalidRequestError(
+                f"tensor {name!r} arrived with digest {actual}, not the {expected} it was sent "
+                "with: the bytes were corrupted on the way; push the update again"
+            )
+
+    def verify(self) -> None:
+        """Check every tensor against its digest (raises as ``check``)."""
+        for name, tensor in self.tensors.items():
+            if name in self.digests:
+                self.check(name, digest_tensor(tensor))
+
+
+def _pack_on_device(named: Mapping[str, torch.Tensor], table: BucketTable, flat: torch.Tensor) -> BucketTable:
+    """``pack`` into GPU memory: each tensor copied on its device, digested from a host copy; returns
+    once the copies are done (another process reads the bytes next)."""
+    done = []
+    for entry in table.entries:
+        source = named[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[entry.offset : entry.offset + entry.nbytes].copy_(source)
+        done.append(entry.model_copy(update={"digest": digest_tensor(source)}))
+    torch.cuda.synchronize(flat.device)
+    return BucketTable(entries=tuple(done))
+
+
+def unpack(table: BucketTable, flat: torch.Tensor) -> Received:
+    """Views of each tensor of ``table`` in the flat uint8 tensor ``flat``, with their digests.
 
     Raises InvalidRequestError naming the first tensor that lies outside the bytes, whose size
-    does not match its dtype and shape, or whose bytes do not match its digest.
+    does not match its dtype and shape, or that appears twice.
     """
     flat = flat.reshape(-1).view(torch.uint8)
-    view = memoryview(flat.numpy()) if verify else None  # type: ignore[arg-type]
     out: dict[str, torch.Tensor] = {}
     for entry in table.entries:
         dtype = entry.torch_dtype()
@@ -140,14 +185,7 @@ def unpack(table: BucketTable, flat: torch.Tensor, *, verify: bool = True) -> di
         if entry.name in out:
             raise InvalidRequestError(f"tensor {entry.name!r} appears twice in one bucket")
         raw = flat[entry.offset : entry.offset + entry.nbytes]
-        if view is not None and entry.digest is not None:
-            actual = digest_buffer(view[entry.offset : entry.offset + entry.nbytes])
-            if actual != entry.digest:
-                raise InvalidRequestError(
-                    f"tensor {entry.name!r} arrived with digest {actual}, not the {entry.digest} it was sent "
-                    "with: the bytes were corrupted on the way; push the update again"
-                )
         out[entry.name] = (
             raw.view(dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=dtype)
         )
-    return out
+    return Received(tensors=out, digests={e.name: e.digest for e in table.entries if e.digest is not None})

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from miles.rollout.engine_process import free_port
+from miles.testing import process_alive
 
 
 def _miles(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -32,19 +33,6 @@ def _wait_healthy(url: str, process: subprocess.Popen[str], timeout: float = 120
             pass
         time.sleep(0.2)
     raise AssertionError("miles serve never became healthy")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) is gone for every practical purpose.
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_serve_update_health_commands(checkpoints: dict[str, Path], tmp_path: Path) -> None:
@@ -100,7 +88,7 @@ def test_serve_update_health_commands(checkpoints: dict[str, Path], tmp_path: Pa
         serve.send_signal(signal.SIGINT)
         serve.wait(timeout=60)
     assert serve.returncode == 0
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
     audit = _miles("events", str(tmp_path / "events"), "--check")
     assert audit.returncode == 0, audit.stdout
     timeline = _miles("events", str(tmp_path / "events"), "--timeline")
@@ -136,11 +124,11 @@ def test_engines_die_with_a_parent_that_is_killed(checkpoints: dict[str, Path], 
     try:
         line = parent.stdout.readline() if parent.stdout else ""
         pids = [int(p) for p in line.split()]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(process_alive(p) for p in pids)
         parent.kill()  # no cleanup code runs in the parent: the engines must notice on their own
         parent.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while any(_alive(p) for p in pids):
+        while any(process_alive(p) for p in pids):
             assert time.monotonic() < deadline, "engines outlived their killed parent"
             time.sleep(0.2)
     finally:

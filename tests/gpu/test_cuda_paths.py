@@ -1,6 +1,6 @@
 """The GPU paths, on a CUDA machine (skipped elsewhere; ``benchmarks/gpu_check.sh`` runs them):
 an engine on a GPU, a staged update there, and pushes into it over shared memory (from CPU
-tensors) and over NCCL (from the trainer's GPU tensors)."""
+tensors), by CUDA IPC handle and over NCCL (from the trainer's GPU tensors)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ async def test_an_engine_on_a_gpu_updates_from_disk_staged(checkpoints: dict[str
         assert ctl.health().servers[0].checksum == read_manifest(checkpoints["v2"]).checksum
 
 
-@pytest.mark.parametrize(("path", "device"), [("shm", "cpu"), ("distributed", "cuda")])
+# shm from GPU tensors goes by CUDA IPC handle; from host tensors through /dev/shm.
+@pytest.mark.parametrize(("path", "device"), [("shm", "cpu"), ("shm", "cuda"), ("distributed", "cuda")])
 async def test_pushes_into_a_gpu_engine(checkpoints: dict[str, Path], path: str, device: str) -> None:
     named = {
         n: t.to(device) for n, t in saved_state_dict(AutoModelForCausalLM.from_pretrained(checkpoints["v2"])).items()

@@ -16,20 +16,9 @@ import httpx
 import pytest
 
 from miles.rollout.engine_process import free_port
+from miles.testing import process_alive
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_serve_on_ray_answers_and_stops_with_everything_it_started(
@@ -66,7 +55,7 @@ def test_serve_on_ray_answers_and_stops_with_everything_it_started(
         assert [s["state"] for s in servers] == ["serving", "serving"]
         assert all(s["node_id"] and s["node_address"] == "127.0.0.1" for s in servers)
         pids = [s["pid"] for s in servers]
-        assert all(_alive(pid) for pid in pids)
+        assert all(process_alive(pid) for pid in pids)
     finally:
         if serve.poll() is None:
             serve.send_signal(signal.SIGINT)
@@ -75,6 +64,6 @@ def test_serve_on_ray_answers_and_stops_with_everything_it_started(
     assert serve.returncode == 0, err[-3000:]
     assert "miles_inference_controller" in err
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)

@@ -122,6 +122,35 @@ def test_a_corrupted_bucket_is_refused_before_the_weights_change(
             trust_env=False,
         )
         assert pickled.status_code == 400 and "pickled" in pickled.text
+        # A CUDA IPC handle means nothing to an engine on the CPU: refused by name, before it is opened.
+        ipc = httpx.post(
+            f"{url}/update_weights_from_tensor",
+            json={
+                "serialized_named_tensors": [
+                    base64.b64encode(
+                        json.dumps(
+                            {
+                                "cuda_ipc": {
+                                    "device": 0,
+                                    "numel": table.total_bytes,
+                                    "storage_offset": 0,
+                                    "storage_handle": "AAAA",
+                                    "storage_size_bytes": table.total_bytes,
+                                    "storage_offset_bytes": 0,
+                                    "ref_counter_handle": "AAAA",
+                                    "ref_counter_offset": 0,
+                                },
+                                "table": packed.model_dump(mode="json"),
+                            }
+                        ).encode()
+                    ).decode()
+                ],
+                "load_format": "miles_cuda_ipc",
+            },
+            headers=auth,
+            trust_env=False,
+        )
+        assert ipc.status_code == 400 and "needs an engine on a GPU" in ipc.text, ipc.text
         bad = packed.model_dump(mode="json")
         bad["entries"][0]["shape"] = [1, *bad["entries"][0]["shape"][1:], 7]
         shaped = httpx.post(
@@ -144,6 +173,51 @@ def test_a_corrupted_bucket_is_refused_before_the_weights_change(
     assert after == before
     # Still generating on its verified weights.
     assert httpx.post(f"{url}/generate", json=GREEDY, headers=auth, trust_env=False).status_code == 200
+
+
+def test_a_corrupted_bucket_drops_the_whole_push(
+    engine_url: tuple[str, dict[str, str]], v2_weights: dict[str, torch.Tensor], checkpoints: dict[str, Path]
+) -> None:
+    """Digests are checked over the bytes staged: a bad bucket leaves nothing of its push behind, so
+    the buckets before it must be pushed again."""
+    url, auth = engine_url
+    before = httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json()
+    names = list(v2_weights)
+    head, middle, tail = names[:2], names[2:4], names[4:]
+    name = f"miles-test-{uuid.uuid4().hex[:8]}"
+    segment = Path("/dev/shm") / name
+    whole = layout(v2_weights, names)
+    with open(segment, "w+b") as f:
+        f.truncate(whole.total_bytes)
+
+    def push(part: list[str], *, corrupt: bool = False, last: bool = False) -> httpx.Response:
+        flat = torch.from_file(str(segment), shared=True, size=whole.total_bytes, dtype=torch.uint8)
+        packed = pack(v2_weights, layout(v2_weights, part), flat)
+        if corrupt:
+            flat[packed.entries[0].offset] ^= 0xFF
+        body = {
+            "serialized_named_tensors": [shm_document(name, packed.model_dump(mode="json"))],
+            "load_format": "miles_shm",
+            "weight_version": "7" if last else None,
+            "expected_checksum": read_manifest(checkpoints["v2"]).checksum if last else None,
+        }
+        return httpx.post(f"{url}/update_weights_from_tensor", json=body, headers=auth, trust_env=False, timeout=60)
+
+    try:
+        assert push(head).status_code == 200
+        refused = push(middle, corrupt=True)
+        assert refused.status_code == 400 and middle[0] in refused.text and "digest" in refused.text
+        # The head bucket went with the bad one: finishing the push without it does not verify.
+        unfinished = push(middle + tail, last=True)
+        assert unfinished.status_code == 400 and "hash to" in unfinished.text
+        assert httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json() == before
+        # Pushed again whole, it serves.
+        assert push(head).status_code == 200
+        done = push(middle + tail, last=True)
+        assert done.status_code == 200, done.text
+        assert done.json()["weight_version"] == "7"
+    finally:
+        segment.unlink()
 
 
 def test_a_group_whose_sender_never_comes_fails_in_bounded_time(engine_url: tuple[str, dict[str, str]]) -> None:

@@ -1,0 +1,82 @@
+"""Run a server program so that it never outlives the process that launched it.
+
+``python -m miles.rollout.with_parent -- PROGRAM ARGS...`` runs PROGRAM in a process group of
+its own and ends that whole group (the program and every process it started: SGLang's scheduler
+and detokenizer processes) when this wrapper is told to stop (SIGTERM, SIGINT), when the program
+exits, or when the wrapper's own parent (the controller, or the Ray actor hosting the engine)
+dies. The embedded engine does this itself (``--exit-with-parent``); SGLang's ``launch_server``
+has no such option. If the wrapper itself is killed outright, the kernel ends the program
+(``PR_SET_PDEATHSIG`` on Linux).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+
+_POLL_S = 0.5
+_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_this_process() -> None:
+    # Runs in the child between fork and exec; this wrapper has a single thread, so that is safe.
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+
+
+def _end_group(child: subprocess.Popen[bytes], *, grace_s: float) -> None:
+    _signal_group(child.pid, signal.SIGTERM)
+    try:
+        child.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    # Whatever the program started and left behind goes too.
+    _signal_group(child.pid, signal.SIGKILL)
+    child.wait()
+
+
+def run(argv: list[str]) -> int:
+    """Run ``argv`` until it exits or this process's parent dies; returns its exit code."""
+    parent = os.getppid()
+    child = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_this_process)
+    stopping: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while True:
+        try:
+            code = child.wait(timeout=_POLL_S)
+        except subprocess.TimeoutExpired:
+            if stopping or os.getppid() != parent:
+                _end_group(child, grace_s=_GRACE_S)
+                return 0 if stopping else 1
+            continue
+        _signal_group(child.pid, signal.SIGKILL)
+        return code
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        sys.exit("usage: python -m miles.rollout.with_parent -- PROGRAM [ARGS...]")
+    sys.exit(run(argv))
+
+
+if __name__ == "__main__":
+    main()
