@@ -161,8 +161,8 @@ class RequestHistory:
         self._latency[slot] += latency_s
 
     def window(self, *, now: float | None = None) -> RequestWindow:
-        """The last ``seconds`` whole seconds, oldest first (the current second is still filling)."""
-        last = int(time.time() if now is None else now) - 1
+        """The last ``seconds`` seconds, oldest first; the last one is the current second, still filling."""
+        last = int(time.time() if now is None else now)
         first = last - self._size + 1
         requests, failed, latency = [], [], []
         for second in range(first, last + 1):

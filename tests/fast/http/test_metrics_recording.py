@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from miles.config import UpdatePauseMode
 from miles.controller.health import FleetHealth, FleetStatus, LockHealth
 from miles.controller.results import UpdateMode, UpdateResult, UpdateStatus
-from miles.http.metrics import ControllerMetrics, outcome_of
+from miles.http.metrics import ControllerMetrics, RequestHistory, outcome_of
 from miles.utils.audit_utils.event_logger.models import (
     ChecksumMismatchEvent,
     LockAcquiredEvent,
@@ -109,3 +109,19 @@ def test_events_feed_mismatches_quarantines_and_the_lock() -> None:
     assert values(metrics, "miles_checksum_mismatches_total") == {(("model", "m"), ("server", "s1")): 1}
     assert values(metrics, "miles_quarantines_total") == {(("model", "m"), ("server", "s1")): 1}
     assert values(metrics, "miles_lock_wait_seconds_count") == {(("holder", "h"),): 1}
+
+
+def test_request_history_keeps_the_last_seconds_and_forgets_older_ones() -> None:
+    history = RequestHistory(seconds=5)
+    history.record(0.010, ok=True, now=100.2)
+    history.record(0.030, ok=False, now=100.9)
+    history.record(0.005, ok=True, now=103.0)
+    window = history.window(now=103.5)
+    assert window.start == 99
+    assert window.requests == [0, 2, 0, 0, 1]
+    assert window.failed == [0, 1, 0, 0, 0]
+    assert window.mean_latency_ms == [None, 20.0, None, None, 5.0]
+    # Five seconds on, the slot of second 100 is reused for 105: the old counts are gone.
+    history.record(0.001, ok=True, now=105.1)
+    later = history.window(now=105.2)
+    assert later.start == 101 and later.requests == [0, 0, 1, 0, 1]
