@@ -19,7 +19,12 @@ SGLANG_DEPS := .sglang-deps
 MSGSPEC_VERSION := 0.23.0
 SGLANG_DEPS_STAMP := $(SGLANG_DEPS)/.installed-msgspec-$(MSGSPEC_VERSION)
 
-.PHONY: demo lint test bench clean sglang-ref
+.PHONY: demo lint test bench clean sglang-ref browser
+
+# Chromium for the status page's browser test (tests/controller/test_status_page.py): the system's
+# package, driven by Playwright (pinned in pyproject.toml), which never downloads a browser of its
+# own. Installed once, as root (CI) or through sudo; skipped when it is already there.
+CHROMIUM := /usr/bin/chromium
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +46,13 @@ $(SGLANG_DEPS_STAMP): | $(STAMP)
 
 sglang-ref: $(SGLANG_STAMP) $(SGLANG_DEPS_STAMP)
 
+$(CHROMIUM):
+	@if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO="sudo -n"; \
+	else echo "install Chromium (apt-get install chromium) for the status page test" >&2; exit 1; fi; \
+	$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium
+
+browser: $(CHROMIUM)
+
 # Static checks, in this order: lint, formatting, types, the import layering (pyproject.toml
 # configures each). Any failure stops `make test` before the suite runs.
 lint: $(STAMP)
@@ -49,7 +61,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint $(SGLANG_STAMP) $(SGLANG_DEPS_STAMP)
+test: lint $(SGLANG_STAMP) $(SGLANG_DEPS_STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

@@ -194,6 +194,10 @@ class ControllerSettings(BaseSettings):
     # How engines on other nodes read checkpoints named by path: in place when they see the same
     # files (auto), always in place (shared), or always shipped through the object store (ship).
     checkpoint_transfer: CheckpointTransfer = CheckpointTransfer.AUTO
+    # Prometheus series of routed requests, updates and the fleet at /metrics (docs/METRICS.md).
+    # Off, routed requests record nothing and /metrics answers 404 (benchmarks/controller.py
+    # measures the difference).
+    metrics_enabled: bool = True
 
     @field_validator("admin_token", "api_key", mode="before")
     @classmethod

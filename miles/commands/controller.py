@@ -6,14 +6,18 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
+from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
+from miles.commands.health_view import health_view
 from miles.config import PlacementStrategy, UpdatePauseMode, UpdateStrategy
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -205,37 +209,61 @@ def update(
 def health(
     url: UrlOption = DEFAULT_URL,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw in place until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(min=0.1, max=3600, help="Seconds between redraws (--watch).")] = 2.0,
+    count: Annotated[
+        int | None, typer.Option(min=1, help="With --watch: stop after this many redraws.", show_default=False)
+    ] = None,
 ) -> None:
     """Show a running controller's health; exit 1 when the fleet cannot serve."""
+    if watch:
+        if as_json:
+            raise typer.BadParameter("--watch draws a table; leave out --json", param_hint="--watch")
+        _watch_health(url, interval=interval, count=count)
+        return
     body = _call("GET", f"{url}/health", timeout=10)
     if as_json:
         typer.echo(json.dumps(body, indent=2))
         raise typer.Exit(0 if body["ok"] else 1)
-    console = Console()
-    colour = {"ok": "green", "updating": "yellow", "degraded": "yellow"}.get(body["status"], "red")
-    console.print(f"fleet: [{colour}]{body['status']}[/]  up {body['uptime_s']:.0f}s")
-    table = Table("server", "model", "state", "version", "checksum", "in flight", "probe", "restarts")
-    for s in body["servers"]:
-        probe = "-" if s["last_probe_ok"] is None else ("ok" if s["last_probe_ok"] else "failing")
-        table.add_row(
-            # Attached: someone else runs it; a restart waits for it and verifies it again.
-            f"{s['server_id']} (attached)" if s.get("attached") else s["server_id"],
-            s["model_name"],
-            s["state"],
-            str(s["weight_version"]),
-            str(s["checksum"])[:12],
-            str(s["in_flight"]),
-            probe,
-            str(s["restarts"]),
-        )
-    console.print(table)
-    lock = body["lock"]
-    holder = f"held by {lock['holder']} (token {lock['token']})" if lock["held"] else "free"
-    console.print(f"lock: {holder}, {lock['waiters']} waiting")
-    last = body.get("last_update")
-    if last:
-        console.print(f"last update: {last['status']} {last['weight_version']} in {last['duration_s']:.3f}s")
+    Console().print(health_view(body))
     raise typer.Exit(0 if body["ok"] else 1)
+
+
+def _watch_health(url: str, *, interval: float, count: int | None) -> None:
+    """Redraw the health view every ``interval`` seconds; an unreachable controller is shown, not fatal."""
+    console = Console()
+    drawn = 0
+    with Live(console=console, auto_refresh=False, transient=False) as live:
+        try:
+            while count is None or drawn < count:
+                try:
+                    body = _get(f"{url}/health", timeout=min(10.0, max(interval, 1.0)))
+                    view: RenderableType = health_view(body, url=url)
+                except _Unreachable as exc:
+                    view = Text(f"cannot reach the controller at {url}: {exc}; retrying every {interval:g}s")
+                live.update(view, refresh=True)
+                drawn += 1
+                if count is None or drawn < count:
+                    time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
+
+
+class _Unreachable(Exception):
+    pass
+
+
+def _get(url: str, *, timeout: float) -> dict[str, Any]:
+    token = _credential()
+    headers = {"authorization": f"Bearer {token}"} if token else None
+    try:
+        response = httpx.get(url, headers=headers, timeout=timeout, trust_env=False)
+        body = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise _Unreachable(str(exc) or type(exc).__name__) from exc
+    if not isinstance(body, dict) or "servers" not in body:
+        raise _Unreachable(f"answered {response.status_code}: {response.text[:200]}")
+    return body
 
 
 def _credential() -> str | None:

@@ -1,8 +1,9 @@
-"""``miles events DIR``: show an event log as a table or JSON lines, and check it with the analyzer.
+"""``miles events DIR``: show an event log as a table, JSON lines or update timelines; check it.
 
-Mounted by the ``miles`` command with ``add_typer(events.app, name="events")``. Exit status: 0 when
-all went well, 1 when ``--check`` found violations, 2 when the log could not be read or an option is
-invalid.
+``--timeline`` prints one block per weight update (its phases as bars, its servers' steps), read
+back from the log by ``event_analyzer.timeline``. Mounted by the ``miles`` command with
+``add_typer(events.app, name="events")``. Exit status: 0 when all went well, 1 when ``--check``
+found violations, 2 when the log could not be read or an option is invalid.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rich.text import Text
 
 from miles.errors import EventLogError
 from miles.utils.audit_utils.event_analyzer import AnalysisReport, analyze_events
+from miles.utils.audit_utils.event_analyzer.timeline import UpdateTimeline, update_timelines
 from miles.utils.audit_utils.event_logger.logger import read_events
 from miles.utils.audit_utils.event_logger.models import EVENT_TYPES, Event
 
@@ -69,6 +71,14 @@ def events(
             help="Run the analyzer over the whole log (filters do not apply); exit 1 on findings.",
         ),
     ] = False,
+    timeline: Annotated[
+        bool,
+        typer.Option(
+            "--timeline",
+            help="One block per weight update: its phases as bars, then its servers' steps "
+            "(--server and --limit apply: updates of that server, the N most recent).",
+        ),
+    ] = False,
 ) -> None:
     """Print the events logged in DIR, oldest first; with --check, also what the analyzer finds."""
     wanted_types = _validate_types(types or ())
@@ -87,7 +97,19 @@ def events(
         shown = shown[-limit:]
 
     console = Console(highlight=False)
-    if as_json:
+    if timeline:
+        updates = [t for t in update_timelines(logged) if server is None or server in t.server_ids]
+        if limit is not None:
+            updates = updates[-limit:]
+        for update in updates:
+            if as_json:
+                typer.echo(update.model_dump_json())
+            else:
+                for line in timeline_lines(update):
+                    console.print(Text(line))
+        if not updates and not as_json:
+            console.print(Text("no weight updates in this log"))
+    elif as_json:
         for event in shown:
             typer.echo(event.model_dump_json())
     else:
@@ -158,3 +180,30 @@ def _print_report(report: AnalysisReport, *, console: Console, as_json: bool) ->
     console.print(Text(f"check failed: {len(report.findings)} finding(s) in {report.events_checked} events"))
     for finding in report.findings:
         console.print(Text(f"[{finding.rule}] {finding.message}"))
+
+
+_BAR_WIDTH = 40
+
+
+def timeline_lines(update: UpdateTimeline, *, width: int = 80) -> list[str]:
+    """An update as lines of at most ``width`` characters: a header, a bar per phase, its steps."""
+    took = "running" if update.duration_s is None else _seconds(update.duration_s)
+    blocked = "" if update.serving_blocked_s is None else f" blocked {_seconds(update.serving_blocked_s)}"
+    lines = [
+        f"{update.started_at.strftime('%H:%M:%S.%f')[:-3]} {update.update_id[:8]} {update.model_name} "
+        f"-> {update.weight_version} {update.strategy} {update.status} {took}{blocked}"
+    ]
+    longest = max(update.phases.values(), default=0.0)
+    for phase, seconds in update.phases.items():
+        cells = 0 if longest <= 0 else max(1 if seconds > 0 else 0, round(_BAR_WIDTH * seconds / longest))
+        lines.append(f"  {phase:<10}{_seconds(seconds):>10} {'#' * cells}")
+    for step in update.steps:
+        lines.append(f"  +{step.at_s:8.3f}s {step.server_id or '':<12} {step.what}")
+    if update.message:
+        lines.append(f"  {update.message}")
+    lines.append("")
+    return [line if len(line) <= width else line[: width - 1] + "…" for line in lines]
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.1f}ms" if value < 1 else f"{value:.2f}s"

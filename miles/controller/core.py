@@ -256,6 +256,7 @@ class AsyncInferenceController:
                 checksum=admitted.expected_checksum,
                 source=admitted.checksum_source,
                 checkpoint=admitted.path,
+                num_bytes=admitted.manifest.num_bytes if admitted.manifest else None,
             )
         )
         self._events.started(update)
@@ -364,7 +365,8 @@ class AsyncInferenceController:
         )
         self._window = window
         opened.set_result(window.public)
-        ending, answer = await window.wait(ttl_s)
+        with update.timed("transfer"):  # training pushing its weights, until it ends the window
+            ending, answer = await window.wait(ttl_s)
         try:
             result = await self._end_window(update, ending, staged=staged)
         except BaseException as exc:

@@ -137,6 +137,8 @@ class ControllerEvents:
                     "checksum": result.expected_checksum or "",
                     "server_ids": tuple(o.server_id for o in result.servers),
                     "duration_s": result.duration_s,
+                    "timings": result.timings,
+                    "serving_blocked_s": result.serving_blocked_s,
                 },
                 print_log=False,
             )
@@ -150,6 +152,9 @@ class ControllerEvents:
                 "step": result.step,
                 "reason": f"{result.status.value}: {result.message}",
                 "server_versions": {o.server_id: o.weight_version or "" for o in result.servers},
+                "duration_s": result.duration_s,
+                "timings": result.timings,
+                "serving_blocked_s": result.serving_blocked_s,
             },
             print_log=False,
         )

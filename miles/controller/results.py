@@ -87,7 +87,14 @@ class UpdateResult(BaseModel):
     servers: tuple[ServerOutcome, ...] = ()
     message: str
     duration_s: float
+    # Seconds per phase: lock_wait, validate (the checkpoint gate), transfer (a window's pushes),
+    # pause, load, confirm, commit, rollback; and transaction (everything after the gate).
     timings: dict[str, float] = {}
+    # How long requests for the model were held at the router (a barrier's gate; 0 for rolling).
+    serving_blocked_s: float = 0.0
+    # Weight bytes the servers loaded (the manifest's size times the servers that loaded it);
+    # None when no manifest says how large the weights are (a window's pushes, a plain directory).
+    bytes_moved: int | None = None
     fencing_token: int | None = None
 
     @property

@@ -85,16 +85,32 @@ class Router:
         self._turn = itertools.count()
         self._closed: str | None = None
         self._waiting = 0
+        # Seconds each model's gate has been closed in all, and since when it is closed now: an
+        # update reads the difference as how long it held requests (serving blocked).
+        self._blocked: dict[str, float] = {}
+        self._closed_since: dict[str, float] = {}
 
     # --- what the controller tells the router -----------------------------------------------
 
     def close_gate(self, model_name: str) -> None:
         """Hold new requests for ``model_name`` (a barrier update is switching every server)."""
-        self._gate(model_name).clear()
+        gate = self._gate(model_name)
+        if gate.is_set():
+            self._closed_since[model_name] = time.monotonic()
+        gate.clear()
 
     def open_gate(self, model_name: str) -> None:
+        since = self._closed_since.pop(model_name, None)
+        if since is not None:
+            self._blocked[model_name] = self._blocked.get(model_name, 0.0) + time.monotonic() - since
         self._gate(model_name).set()
         self.fleet_changed()
+
+    def blocked_seconds(self, model_name: str) -> float:
+        """How long requests for ``model_name`` have been held at its gate, in all, until now."""
+        since = self._closed_since.get(model_name)
+        current = time.monotonic() - since if since is not None else 0.0
+        return self._blocked.get(model_name, 0.0) + current
 
     def gate_open(self, model_name: str) -> bool:
         return self._gate(model_name).is_set()

@@ -17,10 +17,11 @@ server cannot leave the others paused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -72,6 +73,8 @@ class Target:
     source: ChecksumSource
     # Where restarts can reload these weights; None for weights a window pushed (on no disk yet).
     checkpoint: Path | None
+    # The weights' size as the checkpoint's manifest records it; None when no manifest says.
+    num_bytes: int | None = None
 
 
 class UpdateEvents(Protocol):
@@ -110,6 +113,11 @@ class WeightUpdate:
         self.previous_version = _verified_version(rollout)
         self.target: Target | None = None
         self.progress: dict[str, ServerProgress] = {sid: ServerProgress() for sid in rollout.server_ids}
+        # Seconds spent in each step (pause, load, confirm, commit, rollback), summed over batches.
+        self.phases: dict[str, float] = {}
+        # The router's running total of gate-closed time at the start: the result reports the
+        # difference, how long this update held the model's requests.
+        self._blocked_before = router.blocked_seconds(self.model_name)
 
     # --- what the update installs ----------------------------------------------------------------
 
@@ -141,6 +149,15 @@ class WeightUpdate:
 
     # --- the protocol's steps ------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the time spent inside to ``phases[phase]`` (reported in the result's timings)."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.phases[phase] = self.phases.get(phase, 0.0) + time.monotonic() - started
+
     async def take_out(self, server_ids: list[str]) -> None:
         """Stop routing to the servers, then pause them (in-flight work per the pause mode)."""
         for server_id in server_ids:
@@ -148,7 +165,8 @@ class WeightUpdate:
             self.progress[server_id].step = ServerStep.TAKEN_OUT
         self.router.fleet_changed()
         mode = PauseMode(self.pause_mode.value)
-        await self._each(server_ids, "pause", lambda sid: self.rollout.pause(sid, mode, fence=self.token))
+        with self.timed("pause"):
+            await self._each(server_ids, "pause", lambda sid: self.rollout.pause(sid, mode, fence=self.token))
 
     async def load(self, server_ids: list[str], checkpoint: Path) -> None:
         """Have each server load ``checkpoint``; it verifies the bytes before touching its weights."""
@@ -174,7 +192,8 @@ class WeightUpdate:
                     checksum=response.checksum, algorithm="xxh3_128", weight_version=response.weight_version
                 )
 
-        await self._each(self._healthy(server_ids), "load", one)
+        with self.timed("load"):
+            await self._each(self._healthy(server_ids), "load", one)
 
     async def activate(self, server_ids: list[str]) -> None:
         """Have each server serve the weights a window pushed into its stage (verified there)."""
@@ -195,7 +214,8 @@ class WeightUpdate:
                     checksum=response.checksum, algorithm="xxh3_128", weight_version=response.weight_version
                 )
 
-        await self._each(self._healthy(server_ids), "activate", one)
+        with self.timed("load"):
+            await self._each(self._healthy(server_ids), "activate", one)
 
     async def confirm(self, server_ids: list[str]) -> None:
         """Get each server's checksum of what it holds; only an exact match is confirmed.
@@ -227,7 +247,8 @@ class WeightUpdate:
                 await self.rollout.relabel(server_id, target.weight_version, fence=self.token)
             note.step = ServerStep.CONFIRMED
 
-        await self._each(self._healthy(server_ids), "confirm", one)
+        with self.timed("confirm"):
+            await self._each(self._healthy(server_ids), "confirm", one)
 
     async def admit(self, server_ids: list[str]) -> None:
         """Readmit confirmed servers at the new version and let them generate again."""
@@ -238,10 +259,11 @@ class WeightUpdate:
             checksum=target.checksum,
             step=target.step,
         )
-        for server_id in server_ids:
-            self.rollout.admit(server_id, verified, reason=f"checksum confirmed for {target.weight_version}")
-            self.progress[server_id].step = ServerStep.ADMITTED
-        await self._each(server_ids, "resume", lambda sid: self.rollout.resume(sid, fence=self.token))
+        with self.timed("commit"):
+            for server_id in server_ids:
+                self.rollout.admit(server_id, verified, reason=f"checksum confirmed for {target.weight_version}")
+                self.progress[server_id].step = ServerStep.ADMITTED
+            await self._each(server_ids, "resume", lambda sid: self.rollout.resume(sid, fence=self.token))
         self.router.fleet_changed()
 
     async def roll_back(self, server_ids: list[str], *, reason: str) -> None:
@@ -253,7 +275,8 @@ class WeightUpdate:
             if self.progress[server_id].step is not ServerStep.PENDING:
                 self.progress[server_id].step = ServerStep.RESTORED
 
-        results = await asyncio.gather(*(one(sid) for sid in server_ids), return_exceptions=True)
+        with self.timed("rollback"):
+            results = await asyncio.gather(*(one(sid) for sid in server_ids), return_exceptions=True)
         for server_id, outcome in zip(server_ids, results, strict=True):
             if isinstance(outcome, BaseException):
                 logger.error("could not restore %s: %s", server_id, outcome)
@@ -289,6 +312,7 @@ class WeightUpdate:
             if failures:
                 message = f"{message}: " + "; ".join(failures)
         target = self.target
+        loaded = sum(1 for o in outcomes if o.loaded)
         return UpdateResult(
             update_id=self.update_id,
             status=status,
@@ -304,7 +328,9 @@ class WeightUpdate:
             servers=outcomes,
             message=message,
             duration_s=time.monotonic() - self.started,
-            timings=timings or {},
+            timings={**(timings or {}), **self.phases},
+            serving_blocked_s=max(self.router.blocked_seconds(self.model_name) - self._blocked_before, 0.0),
+            bytes_moved=target.num_bytes * loaded if target and target.num_bytes is not None else None,
             fencing_token=self.token,
         )
 

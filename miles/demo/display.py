@@ -27,6 +27,7 @@ class LiveDisplay:
         self._console = console
         self._controller = controller
         self._traffic: TrafficStats | None = None
+        self._status_page: str | None = None
         self._rewards: deque[float] = deque(maxlen=20)
         self._last: StepReport | None = None
         self._progress = Progress(
@@ -38,6 +39,10 @@ class LiveDisplay:
 
     def attach_traffic(self, stats: TrafficStats) -> None:
         self._traffic = stats
+
+    def link(self, status_page: str) -> None:
+        """Show the controller's status page (its URL) while the demo runs."""
+        self._status_page = status_page
 
     def __enter__(self) -> LiveDisplay:
         if self._live is not None:
@@ -95,6 +100,8 @@ class LiveDisplay:
         )
         style = "red" if failed else "green"
         table.add_row("user requests", f"{served} served, [{style}]{failed} failed[/]")
+        if self._status_page:
+            table.add_row("status page", f"[link={self._status_page}]{self._status_page}[/link]")
         return Group(self._progress, table)
 
     def final(self, summary: DemoSummary) -> None:

@@ -136,6 +136,8 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
             f"controller at {url}; training {trainer_config.sft_steps} SFT + {trainer_config.grpo_steps} GRPO steps"
             + (f" (async, max staleness {config.max_staleness})" if config.loop is LoopMode.ASYNC else "")
         )
+        console.print(f"status page: {url}/ (open it in a browser while the demo runs)")
+        display.link(f"{url}/")
         # The demo's own clients present the controller's credential when one is configured.
         token = controller.settings.api_key or controller.settings.admin_token
         headers = {"authorization": f"Bearer {token.get_secret_value()}"} if token else None

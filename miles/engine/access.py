@@ -75,6 +75,7 @@ ENDPOINTS: dict[str, Kind] = {
             "/get_server_info",
             "/server_info",
             "/get_weight_version",
+            "/metrics",
             "/v1/models",
             "/v1/completions",
             "/v1/chat/completions",

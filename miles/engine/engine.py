@@ -31,6 +31,7 @@ from transformers import (
 
 from miles import __version__
 from miles.engine.live_weights import LiveWeights, WeightsStatus
+from miles.engine.metrics import EngineMetrics
 from miles.engine.model_runner import ModelRunner, build_runner, load_model
 from miles.engine.rwlock import WeightsLock
 from miles.engine.sampling import RowSampler
@@ -121,6 +122,7 @@ class Engine:
         )
         self._in_flight: set[str] = set()
         self.started_at = time.time()
+        self.metrics = EngineMetrics(self.served_model_name, stats=self._scheduler.stats, weights=self._weights_info)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -150,6 +152,10 @@ class Engine:
 
     # --- generation ------------------------------------------------------------------------
 
+    def _weights_info(self) -> dict[str, str]:
+        held = self.weights.held
+        return {"weight_version": held.version, "checksum": held.checksum or "", "status": held.status.value}
+
     @property
     def weight_version(self) -> str:
         return self.weights.held.version
@@ -164,6 +170,8 @@ class Engine:
             raise
         finally:
             self._release(pending)
+        for item, result in zip(pending, results, strict=True):
+            self.metrics.request_done(item.sequence, result)
         if request.is_batch or len(results) > 1:
             return results
         return results[0]
@@ -183,6 +191,8 @@ class Engine:
         try:
             while True:
                 final, response = await item.sink.queue.get()
+                if final:
+                    self.metrics.request_done(item.sequence, response)
                 yield response
                 if final:
                     return

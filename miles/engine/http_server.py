@@ -25,6 +25,7 @@ from miles.engine.openai_routes import chat_to_generate, completion_to_generate,
 from miles.engine.receiver import SegmentMaps, TensorBucket, WeightGroups
 from miles.errors import InvalidRequestError
 from miles.protocol.auth import FenceRequest
+from miles.protocol.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from miles.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -102,6 +103,10 @@ def create_app(engine: Engine) -> FastAPI:
     async def server_info() -> dict[str, Any]:
         return {**engine.server_info(), **access.state.model_dump()}
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:
         return engine.weights.identity().model_dump(mode="json")
@@ -120,13 +125,18 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest, http_request: Request) -> JSONResponse:
         admit(access, http_request)
+        started = time.perf_counter()
         result = await engine.weights.update_from_disk(request)
+        engine.metrics.weight_load("disk", started=started, success=result.success)
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.success else 400)
 
     groups = WeightGroups(device=engine.device)
     segments = SegmentMaps()
 
-    async def pushed(result: UpdateWeightsResponse, *, received: float | None = None) -> JSONResponse:
+    async def pushed(
+        result: UpdateWeightsResponse, *, source: str, started: float, received: float | None = None
+    ) -> JSONResponse:
+        engine.metrics.weight_load(source, started=started, success=result.success)
         body = result.model_dump(mode="json")
         if received is not None:
             # Mapping or receiving the bucket.
@@ -154,12 +164,13 @@ def create_app(engine: Engine) -> FastAPI:
             )
         finally:
             bucket.close()
-        return await pushed(result, received=received)
+        return await pushed(result, source="tensor", started=started, received=received)
 
     @app.post("/activate_weights")
     async def activate_weights(request: ActivateWeightsRequest, http_request: Request) -> JSONResponse:
         admit(access, http_request)
-        return await pushed(await engine.weights.activate_staged(request))
+        started = time.perf_counter()
+        return await pushed(await engine.weights.activate_staged(request), source="activate", started=started)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: InitWeightsUpdateGroupRequest, http_request: Request) -> GroupResponse:
@@ -182,7 +193,7 @@ def create_app(engine: Engine) -> FastAPI:
             source=f"group {request.group_name}",
             activate=request.activate,
         )
-        return await pushed(result, received=received)
+        return await pushed(result, source="distributed", started=started, received=received)
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(

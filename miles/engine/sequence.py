@@ -48,6 +48,8 @@ class Sequence:
     top_logprobs: int = 0
     return_logprob: bool = False
     arrived: float = field(default_factory=time.monotonic)
+    # When the first output token was sampled (time to first token); None until then.
+    first_token_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[float, int]]] = field(default_factory=list)
@@ -65,6 +67,8 @@ class Sequence:
         """Append one sampled token, credited to the weights that computed its logits."""
         assert self.logits_version is not None, f"request {self.rid} sampled a token without logits"
         index = len(self.output_ids)
+        if index == 0 and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         self.output_ids.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)

@@ -6,7 +6,8 @@ are removed before forwarding: ``model`` on ``/generate`` (which model, when sev
 ``min_weight_version`` (wait for a server at that version or later) and, on the OpenAI endpoints,
 ``session_id`` (keep a conversation on one server; SGLang's ``/generate`` has it natively).
 
-Operations: ``GET /health`` (200 while the fleet can serve, else 503), ``/metrics``,
+Operations: ``GET /health`` (200 while the fleet can serve, else 503), ``/metrics``, the status page
+at ``/`` (and its JSON at ``/status``),
 ``POST /update_weights`` (+ ``/start``, ``/end``, ``/abort`` for training-driven windows),
 ``POST/GET /events``, ``GET/PATCH /config``.
 """
@@ -34,10 +35,11 @@ from miles.config import (
     UpdateStrategy,
 )
 from miles.controller.core import AsyncInferenceController
-from miles.errors import EventLogError, InvalidRequestError
+from miles.errors import EventLogError, InvalidRequestError, NotFoundError
 from miles.http.auth import Access, Credentials
-from miles.http.metrics import CONTENT_TYPE, ControllerMetrics
+from miles.http.metrics import CONTENT_TYPE, NO_REQUEST_METRICS, ControllerMetrics
 from miles.http.proxy import Proxy, RouteOptions, new_session
+from miles.http.status import add_status_page
 from miles.utils.audit_utils.event_logger.models import EVENT_ADAPTER, EVENT_TYPES
 from miles.utils.http import install_error_handlers, until_disconnected
 from miles.weights.paths import path_text_problem
@@ -94,16 +96,23 @@ class AbortWindowRequest(_Strict):
 
 
 def create_app(controller: AsyncInferenceController) -> FastAPI:
-    metrics = ControllerMetrics(controller.health)
-    controller.on_update(metrics.update_done)
+    enabled = controller.settings.metrics_enabled
+    metrics = ControllerMetrics(
+        controller.health, waiting=lambda: controller.router.waiting() if controller.router else 0
+    )
+    if enabled:
+        controller.on_update(metrics.update_done)
     sessions: list[aiohttp.ClientSession] = []
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         sessions.append(new_session())  # created on the serving loop, which it must belong to
+        subscription = controller.event_logger.subscribe(metrics.event) if enabled else None
         try:
             yield
         finally:
+            if subscription is not None:
+                subscription.close()
             await sessions.pop().close()
 
     app = FastAPI(title="miles inference controller", lifespan=lifespan)
@@ -133,7 +142,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
                 Proxy(
                     router=controller.router,
                     session=sessions[0],
-                    metrics=metrics,
+                    metrics=metrics if enabled else NO_REQUEST_METRICS,
                     # Enough for every server to fail once and each to be tried again restarted.
                     max_attempts=2 * servers + 2,
                     on_unreachable=controller.suspect,
@@ -210,7 +219,11 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     @app.get("/metrics", dependencies=as_reader)
     async def metrics_endpoint() -> Response:
+        if not enabled:
+            raise NotFoundError("metrics are off on this controller; start it with MILES_METRICS_ENABLED=true")
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    add_status_page(app, controller, metrics=metrics if enabled else None, reader=reader)
 
     @app.post("/update_weights", dependencies=as_admin)
     async def update_weights(request: UpdateRequest) -> JSONResponse:

@@ -1,79 +1,324 @@
-"""Prometheus metrics of one controller (its own registry, so several controllers can coexist)."""
+"""Prometheus metrics of one controller (its own registry, so several controllers can coexist).
+
+Three sources feed it: the proxy records every routed request (``request_done``, ``first_byte``);
+the controller's update listener and event log feed updates, mismatches, quarantines and the lock
+(``update_done``, ``event``); and the health report is read at scrape time for what is a state
+rather than an event (servers, versions, in flight, restarts). The names live in
+``miles.protocol.metrics``; docs/METRICS.md says what each answers.
+
+With ``metrics_enabled`` off the proxy records through ``NO_REQUEST_METRICS`` instead, which does
+nothing: that is the side benchmarks/controller.py compares against.
+"""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from miles.controller.health import FleetHealth
-from miles.controller.results import UpdateResult
+from miles.controller.results import UpdateMode, UpdateResult, UpdateStatus
+from miles.protocol import metrics as names
+from miles.rollout.state import ServerState
+from miles.utils.audit_utils.event_logger.models import (
+    ChecksumMismatchEvent,
+    Event,
+    LockAcquiredEvent,
+    LockReleasedEvent,
+    ServerStateChangedEvent,
+)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = names.CONTENT_TYPE
+
+# Read from the answer's bytes rather than by parsing it: a routed answer is passed through as it
+# came, and a search costs microseconds where a parse of a long answer costs more. SGLang's
+# ``meta_info`` and the OpenAI ``usage`` both name completion_tokens; a batch answer has several.
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+_VERSION_START = re.compile(rb'"weight_version_start":\s*"([^"]{0,256})"')
+
+
+class RequestMetrics(Protocol):
+    """What the proxy records per routed request."""
+
+    def first_byte(self, model: str, *, started: float) -> None: ...
+
+    def request_done(
+        self, model: str, *, server: str, outcome: str, started: float, content: bytes | None = None
+    ) -> None: ...
+
+
+class _NoRequestMetrics:
+    def first_byte(self, model: str, *, started: float) -> None:
+        return None
+
+    def request_done(
+        self, model: str, *, server: str, outcome: str, started: float, content: bytes | None = None
+    ) -> None:
+        return None
+
+
+NO_REQUEST_METRICS: RequestMetrics = _NoRequestMetrics()
+
+
+def outcome_of(status: int) -> str:
+    """The ``outcome`` label of an answered request: ok, client_error or server_error."""
+    if status < 400:
+        return "ok"
+    return "client_error" if status < 500 else "server_error"
 
 
 class _FleetCollector(Collector):
-    """Server states, in-flight requests and the lock, read from the health report at scrape time."""
+    """Servers, their weights, in-flight and waiting requests and the lock, read at scrape time."""
 
-    def __init__(self, health: Callable[[], FleetHealth]) -> None:
+    def __init__(self, health: Callable[[], FleetHealth], waiting: Callable[[], int]) -> None:
         self._health = health
+        self._waiting = waiting
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         report = self._health()
-        states = GaugeMetricFamily("miles_servers", "Servers by model and state", labels=["model", "state"])
+        states = GaugeMetricFamily(names.SERVERS, "Servers by model and state", labels=["model", "state"])
         counts: dict[tuple[str, str], int] = {}
         for server in report.servers:
-            key = (server.model_name, server.state)
+            key = (server.model_name, server.state.value)
             counts[key] = counts.get(key, 0) + 1
         for (model, state), count in sorted(counts.items()):
             states.add_metric([model, state], count)
         yield states
-        in_flight = GaugeMetricFamily("miles_server_in_flight", "Routed requests in flight", labels=["server"])
-        for server in report.servers:
-            in_flight.add_metric([server.server_id], server.in_flight)
-        yield in_flight
-        yield GaugeMetricFamily("miles_lock_held", "1 while the controller lock is held", value=int(report.lock.held))
-        yield GaugeMetricFamily(
-            "miles_lock_waiters", "Tasks waiting for the controller lock", value=report.lock.waiters
+        info = InfoMetricFamily(
+            names.SERVER,
+            "Each server's state and the weights it holds (version, confirmed checksum), its node and GPUs",
+            labels=["model", "server"],
         )
-        yield GaugeMetricFamily("miles_fleet_ok", "1 while every model can serve", value=int(report.ok))
+        in_flight = GaugeMetricFamily(names.SERVER_IN_FLIGHT, "Routed requests in flight", labels=["server"])
+        restarts = CounterMetricFamily(names.SERVER_RESTARTS, "Restarts of each server", labels=["model", "server"])
+        for server in report.servers:
+            info.add_metric(
+                [server.model_name, server.server_id],
+                {
+                    "state": server.state.value,
+                    "weight_version": server.weight_version or "",
+                    "checksum": server.checksum or "",
+                    "verified_weight_version": server.verified_weight_version or "",
+                    "node": server.node_address or server.node_id or "",
+                    "gpus": ",".join(map(str, server.gpu_ids)),
+                },
+            )
+            in_flight.add_metric([server.server_id], server.in_flight)
+            restarts.add_metric([server.model_name, server.server_id], server.restarts)
+        yield info
+        yield in_flight
+        yield restarts
+        yield GaugeMetricFamily(
+            names.REQUESTS_WAITING, "Routed requests waiting for a server (held by an update)", value=self._waiting()
+        )
+        yield GaugeMetricFamily(names.LOCK_HELD, "1 while the controller lock is held", value=int(report.lock.held))
+        yield GaugeMetricFamily(names.LOCK_WAITERS, "Tasks waiting for the controller lock", value=report.lock.waiters)
+        yield GaugeMetricFamily(names.FLEET_OK, "1 while every model can serve", value=int(report.ok))
+
+
+class _Children:
+    """A metric's children by label values, kept in a dict for the per-request path:
+    prometheus_client's ``labels()`` validates and locks on every call (~2.5 us each, measured)."""
+
+    def __init__(self, metric: Counter | Histogram) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
+
+class RequestHistory:
+    """Routed requests per second over the last ``seconds``: how many, how many failed, latency.
+
+    A ring of one slot per second, reused as time goes round: recording costs a few integer
+    operations, and the status page reads the last minutes at any time.
+    """
+
+    def __init__(self, seconds: int = 300) -> None:
+        self._size = seconds
+        self._second = [-1] * seconds
+        self._count = [0] * seconds
+        self._failed = [0] * seconds
+        self._latency = [0.0] * seconds
+
+    def record(self, latency_s: float, *, ok: bool, now: float | None = None) -> None:
+        second = int(time.time() if now is None else now)
+        slot = second % self._size
+        if self._second[slot] != second:
+            self._second[slot], self._count[slot], self._failed[slot], self._latency[slot] = second, 0, 0, 0.0
+        self._count[slot] += 1
+        self._failed[slot] += 0 if ok else 1
+        self._latency[slot] += latency_s
+
+    def window(self, *, now: float | None = None) -> RequestWindow:
+        """The last ``seconds`` seconds, oldest first; the last one is the current second, still filling."""
+        last = int(time.time() if now is None else now)
+        first = last - self._size + 1
+        requests, failed, latency = [], [], []
+        for second in range(first, last + 1):
+            slot = second % self._size
+            seen = self._second[slot] == second
+            count = self._count[slot] if seen else 0
+            requests.append(count)
+            failed.append(self._failed[slot] if seen else 0)
+            latency.append(round(self._latency[slot] / count * 1e3, 3) if count else None)
+        return RequestWindow(start=first, requests=requests, failed=failed, mean_latency_ms=latency)
+
+
+@dataclass(frozen=True)
+class RequestWindow:
+    start: int  # the first second, as a Unix time
+    requests: list[int]
+    failed: list[int]
+    mean_latency_ms: list[float | None]
 
 
 class ControllerMetrics:
-    def __init__(self, health: Callable[[], FleetHealth]) -> None:
-        self.registry = CollectorRegistry()
+    """The controller's series; see the module docstring for what feeds each."""
+
+    def __init__(self, health: Callable[[], FleetHealth], *, waiting: Callable[[], int] = lambda: 0) -> None:
+        self.registry = registry = CollectorRegistry()
         self._requests = Counter(
-            "miles_requests", "Routed inference requests", ["model", "outcome"], registry=self.registry
+            names.REQUESTS, "Routed inference requests", ["model", "server", "outcome"], registry=registry
         )
         self._latency = Histogram(
-            "miles_request_seconds",
-            "End-to-end latency of routed requests",
-            ["model"],
-            registry=self.registry,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            names.REQUEST_SECONDS, "End-to-end latency of routed requests", ["model"],
+            registry=registry, buckets=names.LATENCY_BUCKETS,
+        )  # fmt: skip
+        self._ttft = Histogram(
+            names.TIME_TO_FIRST_TOKEN, "Time to the first streamed byte of routed streaming requests", ["model"],
+            registry=registry, buckets=names.LATENCY_BUCKETS,
+        )  # fmt: skip
+        self._tokens = Counter(
+            names.GENERATED_TOKENS, "Tokens generated for routed requests", ["model", "server"], registry=registry
         )
+        self._staleness = Histogram(
+            names.SAMPLE_STALENESS,
+            "How many committed versions behind the newest the weights a response started on were",
+            ["model"], registry=registry, buckets=names.STALENESS_BUCKETS,
+        )  # fmt: skip
         self._updates = Counter(
-            "miles_updates", "Weight updates by outcome", ["model", "status"], registry=self.registry
+            names.UPDATES, "Weight updates", ["model", "strategy", "path", "status"], registry=registry
         )
         self._update_seconds = Histogram(
-            "miles_update_seconds",
-            "Weight update duration",
-            ["model"],
-            registry=self.registry,
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
-        )
-        self.registry.register(_FleetCollector(health))
+            names.UPDATE_SECONDS, "Weight update duration, lock wait included", ["model", "strategy"],
+            registry=registry, buckets=names.UPDATE_BUCKETS,
+        )  # fmt: skip
+        self._phase_seconds = Histogram(
+            names.UPDATE_PHASE_SECONDS, "Seconds per phase of a weight update", ["model", "phase"],
+            registry=registry, buckets=names.UPDATE_BUCKETS,
+        )  # fmt: skip
+        self._blocked = Histogram(
+            names.UPDATE_BLOCKED_SECONDS, "Seconds an update held the model's requests at the router", ["model"],
+            registry=registry, buckets=names.UPDATE_BUCKETS,
+        )  # fmt: skip
+        self._bytes = Histogram(
+            names.UPDATE_BYTES, "Weight bytes the servers loaded per update", ["model"],
+            registry=registry, buckets=names.BYTES_BUCKETS,
+        )  # fmt: skip
+        self._mismatches = Counter(
+            names.CHECKSUM_MISMATCHES, "Servers that reported other weights than expected", ["model", "server"],
+            registry=registry,
+        )  # fmt: skip
+        self._quarantines = Counter(names.QUARANTINES, "Servers quarantined", ["model", "server"], registry=registry)
+        self._rollbacks = Counter(
+            names.ROLLBACKS, "Servers put back on their verified weights by an update", ["model", "server"],
+            registry=registry,
+        )  # fmt: skip
+        self._lock_wait = Histogram(
+            names.LOCK_WAIT_SECONDS, "Seconds waited for the controller lock", ["holder"],
+            registry=registry, buckets=names.UPDATE_BUCKETS,
+        )  # fmt: skip
+        self._lock_hold = Histogram(
+            names.LOCK_HOLD_SECONDS, "Seconds the controller lock was held", ["holder"],
+            registry=registry, buckets=names.UPDATE_BUCKETS,
+        )  # fmt: skip
+        self.history = RequestHistory()
+        self._request = _Children(self._requests)
+        self._latency_of = _Children(self._latency)
+        self._ttft_of = _Children(self._ttft)
+        self._tokens_of = _Children(self._tokens)
+        self._staleness_of = _Children(self._staleness)
+        # Each model's committed versions, oldest first (bounded): what staleness is counted in.
+        self._versions: dict[str, list[str]] = {}
+        registry.register(_FleetCollector(health, waiting))
 
-    def request_done(self, model: str, *, ok: bool, started: float) -> None:
-        self._requests.labels(model, "ok" if ok else "failed").inc()
-        self._latency.labels(model).observe(time.perf_counter() - started)
+    # --- RequestMetrics ------------------------------------------------------------------------
+
+    def first_byte(self, model: str, *, started: float) -> None:
+        self._ttft_of(model).observe(time.perf_counter() - started)
+
+    def request_done(
+        self, model: str, *, server: str, outcome: str, started: float, content: bytes | None = None
+    ) -> None:
+        latency = time.perf_counter() - started
+        self._request(model, server, outcome).inc()
+        self._latency_of(model).observe(latency)
+        self.history.record(latency, ok=outcome == "ok")
+        if not content or outcome != "ok":
+            return
+        tokens = sum(int(n) for n in _COMPLETION_TOKENS.findall(content))
+        if tokens:
+            self._tokens_of(model, server).inc(tokens)
+        for version in _VERSION_START.findall(content):
+            self._staleness_of(model).observe(self._behind(model, version.decode(errors="replace")))
+
+    def _behind(self, model: str, version: str) -> int:
+        """Committed versions newer than ``version``: all of them for one older than any known."""
+        versions = self._versions.get(model)
+        if not versions:
+            return 0
+        try:
+            return len(versions) - 1 - versions.index(version)
+        except ValueError:
+            return len(versions)
+
+    # --- updates and events ----------------------------------------------------------------------
 
     def update_done(self, result: UpdateResult) -> None:
-        self._updates.labels(result.model_name, result.status.value).inc()
-        self._update_seconds.labels(result.model_name).observe(result.duration_s)
+        model = result.model_name
+        strategy = result.strategy.value
+        path = "push" if result.strategy is UpdateMode.WINDOW else "disk"
+        self._updates.labels(model, strategy, path, result.status.value).inc()
+        self._update_seconds.labels(model, strategy).observe(result.duration_s)
+        for phase, seconds in result.timings.items():
+            self._phase_seconds.labels(model, phase).observe(seconds)
+        self._blocked.labels(model).observe(result.serving_blocked_s)
+        if result.bytes_moved is not None:
+            self._bytes.labels(model).observe(result.bytes_moved)
+        for server in result.servers:
+            if server.progress is not None and server.progress.value == "restored":
+                self._rollbacks.labels(model, server.server_id).inc()
+        if result.status is UpdateStatus.COMMITTED and result.weight_version:
+            versions = self._versions.setdefault(model, [])
+            if not versions and result.previous_version:
+                versions.append(result.previous_version)
+            if result.weight_version in versions:
+                versions.remove(result.weight_version)
+            versions.append(result.weight_version)
+            del versions[: -names.STALENESS_BUCKETS[-1] - 1]
+
+    def event(self, event: Event) -> None:
+        """An event the controller logged (subscribed to its event log)."""
+        if isinstance(event, ChecksumMismatchEvent):
+            self._mismatches.labels(event.model_name, event.server_id).inc()
+        elif isinstance(event, ServerStateChangedEvent):
+            if event.to_state == ServerState.QUARANTINED.value:
+                self._quarantines.labels(event.model_name, event.server_id).inc()
+        elif isinstance(event, LockAcquiredEvent):
+            self._lock_wait.labels(event.holder).observe(event.waited_s)
+        elif isinstance(event, LockReleasedEvent):
+            self._lock_hold.labels(event.holder).observe(event.held_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

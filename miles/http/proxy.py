@@ -26,7 +26,7 @@ import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
 from miles.controller.router import Exclusion, NoServerAvailableError, RouteLease, Router
-from miles.http.metrics import ControllerMetrics
+from miles.http.metrics import RequestMetrics, outcome_of
 
 logger = logging.getLogger("miles.router")
 
@@ -35,6 +35,7 @@ _NOT_DELIVERED = (aiohttp.ClientConnectionError,)
 _JSON = {"content-type": "application/json"}
 # Answers that say the server failed, not the request: worth one try elsewhere.
 _SERVER_FAILED = frozenset({500, 502, 503, 504})
+_COUNTS = b'"completion_tokens"'
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class Proxy:
         *,
         router: Router,
         session: aiohttp.ClientSession,
-        metrics: ControllerMetrics,
+        metrics: RequestMetrics,
         max_attempts: int,
         on_unreachable: Callable[[str, str], None],
         engine_secret: str | None = None,
@@ -121,7 +122,9 @@ class Proxy:
                 continue
             except TimeoutError:
                 self._router.release(lease)
-                self._metrics.request_done(options.model_name, ok=False, started=tries.started)
+                self._metrics.request_done(
+                    options.model_name, server=lease.server_id, outcome="timeout", started=tries.started
+                )
                 raise
             except BaseException:
                 self._router.release(lease)
@@ -133,7 +136,13 @@ class Proxy:
                     logger.warning("%s answered %d; retrying on %s", lease.server_id, status, other.server_id)
                     lease = other
                     continue
-            self._metrics.request_done(options.model_name, ok=status < 400, started=tries.started)
+            self._metrics.request_done(
+                options.model_name,
+                server=lease.server_id,
+                outcome=outcome_of(status),
+                started=tries.started,
+                content=content,
+            )
             return Response(
                 content=content,
                 status_code=status,
@@ -160,6 +169,7 @@ class Proxy:
                     timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
                 )
                 first = await _first_chunk(upstream)
+                self._metrics.first_byte(options.model_name, started=tries.started)
             except _NOT_DELIVERED as exc:
                 if upstream is not None:
                     upstream.release()
@@ -181,18 +191,28 @@ class Proxy:
     async def _relay(
         self, upstream: aiohttp.ClientResponse, first: bytes, lease: RouteLease, tries: _Attempts
     ) -> AsyncIterator[bytes]:
-        ok = upstream.status < 400
+        outcome = outcome_of(upstream.status)
+        # Each streamed chunk repeats the counts so far: the last one says what the request made.
+        last = first
         try:
             yield first
             async for chunk in upstream.content.iter_any():
+                if _COUNTS in chunk:
+                    last = chunk
                 yield chunk
         except (aiohttp.ClientError, asyncio.CancelledError):
-            ok = False
+            outcome = "interrupted"
             raise
         finally:
             upstream.release()
             self._router.release(lease)
-            self._metrics.request_done(tries.options.model_name, ok=ok, started=tries.started)
+            self._metrics.request_done(
+                tries.options.model_name,
+                server=lease.server_id,
+                outcome=outcome,
+                started=tries.started,
+                content=_last_event(last),
+            )
 
     async def _after_unreachable(self, lease: RouteLease, tries: _Attempts, exc: BaseException) -> RouteLease:
         """Exclude the incarnation that failed, have it probed now, and wait for another lease."""
@@ -200,7 +220,9 @@ class Proxy:
         tries.exclude(lease)
         self._on_unreachable(lease.model_name, lease.server_id)
         if tries.left <= 0:
-            self._metrics.request_done(tries.options.model_name, ok=False, started=tries.started)
+            self._metrics.request_done(
+                tries.options.model_name, server=lease.server_id, outcome="unreachable", started=tries.started
+            )
             raise NoServerAvailableError(
                 f"no server of {tries.options.model_name!r} could be reached after {self._max_attempts} attempts",
                 tried=sorted({e.server_id for e in tries.excluded}),
@@ -231,7 +253,7 @@ class Proxy:
                 exclude=tries.excluded,
             )
         except NoServerAvailableError:
-            self._metrics.request_done(options.model_name, ok=False, started=tries.started)
+            self._metrics.request_done(options.model_name, server="", outcome="unavailable", started=tries.started)
             raise
 
 
@@ -241,3 +263,11 @@ async def _first_chunk(upstream: aiohttp.ClientResponse) -> bytes:
     if not first and upstream.status < 400:
         raise aiohttp.ServerDisconnectedError("the stream ended before its first byte")
     return first
+
+
+def _last_event(chunk: bytes) -> bytes:
+    """The last server-sent event of ``chunk`` that carries the counts (not ``[DONE]``)."""
+    for event in reversed(chunk.split(b"\n\n")):
+        if _COUNTS in event:
+            return event
+    return b""

@@ -67,6 +67,14 @@ def test_serve_update_health_commands(checkpoints: dict[str, Path], tmp_path: Pa
 
         table = _miles("health", "--url", url)
         assert table.returncode == 0 and "tiny-0" in table.stdout and "lock: free" in table.stdout
+        assert max(len(line) for line in table.stdout.splitlines()) <= 80
+        watched = _miles("health", "--url", url, "--watch", "--interval", "0.1", "--count", "3")
+        assert watched.returncode == 0, watched.stderr
+        assert "tiny-1" in watched.stdout and "lock: free" in watched.stdout
+        lost = _miles(
+            "health", "--url", f"http://127.0.0.1:{free_port()}", "--watch", "--interval", "0.1", "--count", "2"
+        )
+        assert lost.returncode == 0 and "cannot reach the controller" in lost.stdout
 
         updated = _miles("update", "--checkpoint", str(checkpoints["v2"]), "--url", url, "--strategy", "rolling")
         assert updated.returncode == 0, updated.stdout + updated.stderr
@@ -83,6 +91,11 @@ def test_serve_update_health_commands(checkpoints: dict[str, Path], tmp_path: Pa
     assert not any(process_alive(pid) for pid in pids)
     audit = _miles("events", str(tmp_path / "events"), "--check")
     assert audit.returncode == 0, audit.stdout
+    timeline = _miles("events", str(tmp_path / "events"), "--timeline")
+    assert timeline.returncode == 0, timeline.stderr
+    assert " rolling committed " in timeline.stdout and " rejected " not in timeline.stdout
+    for phase in ("lock_wait", "validate", "pause", "load", "confirm", "commit"):
+        assert f"  {phase} " in timeline.stdout, timeline.stdout
 
 
 def test_engines_die_with_a_parent_that_is_killed(checkpoints: dict[str, Path], tmp_path: Path) -> None:

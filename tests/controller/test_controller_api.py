@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -187,8 +188,8 @@ async def test_config_changes_what_may_change_and_refuses_the_rest(fleet) -> Non
 async def test_metrics_count_requests_and_updates(fleet) -> None:
     _, http = fleet
     text = (await http.get("/metrics")).text
-    assert 'miles_requests_total{model="tiny",outcome="ok"}' in text
-    assert 'miles_updates_total{model="tiny",status="committed"}' in text
+    assert re.search(r'miles_requests_total\{model="tiny",outcome="ok",server="tiny-[01]"\} [1-9]', text)
+    assert 'miles_updates_total{model="tiny",path="disk",status="committed",strategy="barrier"}' in text
     assert 'miles_servers{model="tiny",state="serving"} 2.0' in text
 
 

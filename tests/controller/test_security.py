@@ -76,6 +76,7 @@ READ_CALLS = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
     ("GET", "/v1/models", None),
     ("GET", "/metrics", None),
+    ("GET", "/status", None),
     ("GET", "/events", None),
     ("GET", "/config", None),
 ]
@@ -114,6 +115,9 @@ async def test_inference_and_reads_need_the_api_key(guarded, method: str, path: 
 async def test_health_stays_open_and_no_secret_is_shown(guarded) -> None:
     controller, http = guarded
     assert (await http.get("/health")).status_code == 200
+    # The status page itself holds no data (its script asks /status, with the key): it stays open.
+    page = await http.get("/")
+    assert page.status_code == 200 and "tiny-0" not in page.text
     config = (await http.get("/config", headers=bearer(KEY))).text
     assert ADMIN not in config and KEY not in config and controller.engine_secret not in config
 

@@ -148,6 +148,10 @@ class WeightUpdateCommittedEvent(BaseEvent):
     checksum: str = Field(min_length=1)
     server_ids: tuple[str, ...]
     duration_s: NonNegativeFloat
+    # Seconds per phase (``UpdateResult.timings``) and how long the model's requests were held at
+    # the router; absent from logs written before they were recorded.
+    timings: dict[str, NonNegativeFloat] = {}
+    serving_blocked_s: NonNegativeFloat | None = None
 
     def involved_servers(self) -> tuple[str, ...]:
         return self.server_ids
@@ -168,6 +172,11 @@ class WeightUpdateAbortedEvent(BaseEvent):
     # A dict, not a tuple of pairs, because that is the natural JSON shape; the model is frozen,
     # so the mapping is only ever read.
     server_versions: dict[str, str]
+    duration_s: NonNegativeFloat | None = None
+    # Seconds per phase (``UpdateResult.timings``) and how long the model's requests were held at
+    # the router; absent from logs written before they were recorded.
+    timings: dict[str, NonNegativeFloat] = {}
+    serving_blocked_s: NonNegativeFloat | None = None
 
     def involved_servers(self) -> tuple[str, ...]:
         return tuple(self.server_versions)

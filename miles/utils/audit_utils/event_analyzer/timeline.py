@@ -1,0 +1,153 @@
+"""Weight updates read back from an event log as timelines: phases, server steps, outcome.
+
+An update's events run from its ``weight_update_started`` to its ``weight_update_committed`` or
+``weight_update_aborted`` (matched by ``update_id``); between them, the state changes, confirmed
+checksums and mismatches of its servers are its steps, timed from its start. ``miles events DIR
+--timeline`` prints them and the controller's status page draws them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict
+
+from miles.utils.audit_utils.event_logger.models import (
+    ChecksumMismatchEvent,
+    ChecksumRole,
+    Event,
+    InferenceEngineWeightChecksumEvent,
+    ServerStateChangedEvent,
+    WeightUpdateAbortedEvent,
+    WeightUpdateCommittedEvent,
+    WeightUpdateStartedEvent,
+    short_checksum,
+)
+
+# The order an update goes through its phases (``UpdateResult.timings``); ``transaction`` is the
+# sum of those after the gate, so it is not one of them.
+PHASE_ORDER = ("lock_wait", "validate", "transfer", "pause", "load", "confirm", "commit", "rollback")
+
+
+class TimelineStep(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    at_s: float  # seconds after the update started
+    server_id: str | None
+    what: str
+
+
+class UpdateTimeline(BaseModel):
+    """One update as its events tell it; ``status`` is ``running`` until it ends."""
+
+    model_config = ConfigDict(frozen=True)
+
+    update_id: str
+    model_name: str
+    weight_version: str
+    strategy: str
+    pause_mode: str
+    server_ids: tuple[str, ...]
+    started_at: datetime
+    status: str
+    duration_s: float | None
+    serving_blocked_s: float | None
+    # The phases in the order the update went through them, then any others.
+    phases: dict[str, float]
+    steps: tuple[TimelineStep, ...]
+    message: str | None
+
+
+def update_timelines(events: Iterable[Event]) -> list[UpdateTimeline]:
+    """Every update that started in ``events`` (oldest first), ended or still running."""
+    open_: dict[str, _Building] = {}
+    done: list[UpdateTimeline] = []
+    for event in events:
+        if isinstance(event, WeightUpdateStartedEvent):
+            open_[event.update_id] = _Building(event)
+        elif isinstance(event, WeightUpdateCommittedEvent | WeightUpdateAbortedEvent):
+            building = open_.pop(event.update_id, None)
+            if building is not None:
+                done.append(building.end(event))
+        else:
+            for building in open_.values():
+                building.add(event)
+    done.extend(b.running() for b in open_.values())
+    return sorted(done, key=lambda t: t.started_at)
+
+
+def ordered_phases(timings: dict[str, float]) -> dict[str, float]:
+    known = {name: timings[name] for name in PHASE_ORDER if name in timings}
+    others = {name: value for name, value in sorted(timings.items()) if name not in PHASE_ORDER}
+    others.pop("transaction", None)
+    return known | others
+
+
+class _Building:
+    def __init__(self, started: WeightUpdateStartedEvent) -> None:
+        self.started = started
+        self.steps: list[TimelineStep] = []
+
+    def add(self, event: Event) -> None:
+        step = _step(event, self.started)
+        if step is not None:
+            self.steps.append(step)
+
+    def end(self, event: WeightUpdateCommittedEvent | WeightUpdateAbortedEvent) -> UpdateTimeline:
+        if isinstance(event, WeightUpdateCommittedEvent):
+            status, message = "committed", None
+        else:
+            status, _, message = event.reason.partition(": ")
+            status = status if status.isidentifier() else "aborted"
+        return self._timeline(
+            status=status,
+            duration_s=event.duration_s,
+            serving_blocked_s=event.serving_blocked_s,
+            timings=event.timings,
+            message=message or None,
+        )
+
+    def running(self) -> UpdateTimeline:
+        return self._timeline(status="running", duration_s=None, serving_blocked_s=None, timings={}, message=None)
+
+    def _timeline(
+        self,
+        *,
+        status: str,
+        duration_s: float | None,
+        serving_blocked_s: float | None,
+        timings: dict[str, float],
+        message: str | None,
+    ) -> UpdateTimeline:
+        started = self.started
+        return UpdateTimeline(
+            update_id=started.update_id,
+            model_name=started.model_name,
+            weight_version=started.weight_version,
+            strategy=started.strategy,
+            pause_mode=started.pause_mode,
+            server_ids=started.server_ids,
+            started_at=started.timestamp,
+            status=status,
+            duration_s=duration_s,
+            serving_blocked_s=serving_blocked_s,
+            phases=ordered_phases(timings),
+            steps=tuple(self.steps),
+            message=message,
+        )
+
+
+def _step(event: Event, started: WeightUpdateStartedEvent) -> TimelineStep | None:
+    at = (event.timestamp - started.timestamp).total_seconds()
+    if isinstance(event, ServerStateChangedEvent) and event.server_id in started.server_ids:
+        return TimelineStep(at_s=at, server_id=event.server_id, what=f"{event.from_state} -> {event.to_state}")
+    if (
+        isinstance(event, InferenceEngineWeightChecksumEvent)
+        and event.role is ChecksumRole.CONFIRMED
+        and event.server_id in started.server_ids
+    ):
+        return TimelineStep(at_s=at, server_id=event.server_id, what=f"confirmed {short_checksum(event.checksum)}")
+    if isinstance(event, ChecksumMismatchEvent) and event.update_id == started.update_id:
+        return TimelineStep(at_s=at, server_id=event.server_id, what=f"mismatch: {event.summary()}")
+    return None
