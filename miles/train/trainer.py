@@ -16,8 +16,9 @@ GRPO runs in one of two loops (``TrainerConfig.loop``):
   max_staleness`` is published, and asks for that version or a later one (``min_weight_version``),
   so no sample's first token is more than ``max_staleness`` versions behind what trains on it.
   Groups are trained in the order they were started (problems are drawn in the same order as the
-  sync loop draws them). A step's weights are published from a copy while the trainer trains the
-  next step, so publishing overlaps training too (one publish at a time, in step order).
+  sync loop draws them). With ``max_staleness`` of 2 or more a step's weights are published from a
+  copy while the trainer trains the next step, so publishing overlaps training too (one publish at
+  a time, in step order); with 1, the next batch generates while the trainer trains and publishes.
 
 Torch work runs in a worker thread so the event loop (which may also run a controller or a UI)
 stays responsive.
@@ -200,6 +201,11 @@ class Trainer:
         stopped = asyncio.Event()
         # What a publish reads while the model trains on (allocated once, refreshed per publish).
         published_copy = copy.deepcopy(self.model).eval()
+        # Publishing while the next step trains delays the version the next groups may start on
+        # by a step: worth it only when the bound leaves room for sampling, training and
+        # publishing to overlap all three (max_staleness >= 2); otherwise sampling overlaps
+        # training and publishing, one after the other.
+        overlap_publish = cfg.max_staleness >= 2
 
         def admitted(trained_on: int) -> Callable[[], bool]:
             return lambda: trained_on - self._published <= cfg.max_staleness
@@ -261,6 +267,8 @@ class Trainer:
                 if self._due(step):
                     await asyncio.to_thread(_copy_weights, published_copy, self.model)
                     publishing = asyncio.create_task(publish(step))
+                    if not overlap_publish:
+                        await asyncio.wait([publishing])
                 pending = functools.partial(
                     self._report,
                     Phase.GRPO,
