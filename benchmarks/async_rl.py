@@ -153,9 +153,10 @@ _CHECKS = (
 def _time_to(run: dict[str, Any], threshold: float, window: int) -> float | None:
     """GRPO wall time until the run's moving mean reward first reaches ``threshold``."""
     elapsed = 0.0
-    for step_s, mean in zip(run["step_s"], _moving(run["rewards"], window), strict=True):
+    for index, (step_s, mean) in enumerate(zip(run["step_s"], _moving(run["rewards"], window), strict=True)):
         elapsed += step_s
-        if mean >= threshold:
+        # Only full windows: one lucky step early on is not the run reaching the threshold.
+        if index + 1 >= window and mean >= threshold:
             return elapsed
     return None
 
