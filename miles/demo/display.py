@@ -128,7 +128,7 @@ class LiveDisplay:
                 f"{summary.loop} GRPO: trainer / fleet idle",
                 f"{summary.trainer_idle_fraction:.0%} / {summary.fleet_idle_fraction:.0%}",
             ),
-            ("most stale sample / dropped", f"{summary.max_staleness} versions / {summary.samples_dropped}"),
+            ("samples: most versions behind / dropped", f"{summary.max_staleness} / {summary.samples_dropped}"),
             ("event audit", "passed" if summary.events_check_passed else "FAILED"),
             ("wall time", f"{summary.wall_s:.0f} s"),
         ]
