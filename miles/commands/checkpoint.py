@@ -9,21 +9,20 @@ from __future__ import annotations
 
 from enum import IntEnum, StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from miles.errors import CheckpointError, CheckpointFileMissingError, ManifestMissingError
-from miles.models.presets import get_preset, init_checkpoint
-from miles.weights.checkpoint import (
-    VerificationReport,
-    read_manifest,
-    seal_checkpoint,
-    verify_checkpoint,
-)
-from miles.weights.checksum import checksum_safetensors
+
+if TYPE_CHECKING:
+    from miles.weights.checkpoint import VerificationReport
+
+# The commands import what reads or builds weights (torch, transformers: seconds to import) when
+# they run, so that the ``miles`` command, which mounts this group, starts in a fraction of a
+# second for the commands that need neither (``health``, ``update``, ``events``).
 
 app = typer.Typer(
     name="checkpoint",
@@ -73,6 +72,8 @@ def init(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
 ) -> None:
     """Build a preset model with its tokenizer and write it as a sealed checkpoint at OUT."""
+    from miles.models.presets import get_preset, init_checkpoint
+
     try:
         manifest = init_checkpoint(
             out, model_name=model_name, preset=preset.value, seed=seed, step=step, overwrite=overwrite
@@ -91,6 +92,8 @@ def verify(directory: DirArg) -> None:
     """Recompute every digest from the files and compare with the manifest."""
     if not _is_checkpoint_at_all(directory):
         raise _fail(f"{directory} is not a checkpoint (no manifest, no safetensors files)", ExitCode.NOT_A_CHECKPOINT)
+    from miles.weights.checkpoint import verify_checkpoint
+
     report = verify_checkpoint(directory)
     if report.ok:
         typer.echo(f"OK {report.checksum}")
@@ -113,6 +116,9 @@ def checksum(directory: DirArg) -> None:
     """Print the model checksum recomputed from the weight files (exit 1 if it differs from the manifest)."""
     if not _is_checkpoint_at_all(directory):
         raise _fail(f"{directory} is not a checkpoint (no manifest, no safetensors files)", ExitCode.NOT_A_CHECKPOINT)
+    from miles.weights.checkpoint import read_manifest
+    from miles.weights.checksum import checksum_safetensors
+
     try:
         actual = checksum_safetensors(directory).checksum
     except CheckpointError as exc:
@@ -142,6 +148,8 @@ def seal(
     ] = None,
 ) -> None:
     """Write a manifest for an existing Hugging Face model directory."""
+    from miles.weights.checkpoint import seal_checkpoint
+
     try:
         manifest = seal_checkpoint(directory, model_name=model_name, step=step, weight_version=weight_version)
     except CheckpointFileMissingError as exc:
