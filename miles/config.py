@@ -110,6 +110,7 @@ RUNTIME_CHANGEABLE = frozenset(
         "lease_ttl_s",
         "request_timeout_s",
         "require_published_checksum",
+        "write_out_interval_s",
     }
 )
 # Runtime settings that decide which weights may serve: changing one is logged loudly.
@@ -198,6 +199,10 @@ class ControllerSettings(BaseSettings):
     # Off, routed requests record nothing and /metrics answers 404 (benchmarks/controller.py
     # measures the difference).
     metrics_enabled: bool = True
+    # Weights a training window pushed are written to disk by one engine after the commit, so a
+    # restart can reload them; per model, write-outs start at least this far apart, each with the
+    # newest committed weights (a restart in between copies newer weights from a peer).
+    write_out_interval_s: Annotated[float, Field(ge=0, le=HOUR)] = 2.0
 
     @field_validator("admin_token", "api_key", mode="before")
     @classmethod

@@ -95,7 +95,7 @@ class AsyncInferenceController:
         )
         self._window: OpenWindow | None = None
         self._window_task: asyncio.Task[None] | None = None
-        self._write_outs = WriteOuts()
+        self._write_outs = WriteOuts(lambda: self._settings.write_out_interval_s)
         self._last_update: UpdateResult | None = None
         self._update_listeners: list[Callable[[UpdateResult], None]] = []
         self._started_at = time.time()

@@ -7,13 +7,17 @@ an ``Ending`` to the task holding the window, which carries it out under the loc
 If no ending arrives within the window's TTL, the task rolls the window back itself.
 
 Weights a window pushed exist on no disk: after such a commit one engine writes them out in the
-background (``WriteOuts``), so that any server, even the only one, can be restarted on them.
+background (``WriteOuts``, at most one write-out per ``write_out_interval_s``), so that any
+server, even the only one, can be restarted on them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,29 +173,42 @@ async def set_window(update: WeightUpdate, *, open_: bool) -> None:
 
 
 class WriteOuts:
-    """Background copies, to disk, of weights windows pushed (see the module docstring)."""
+    """Background copies, to disk, of weights windows pushed (see the module docstring).
 
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._latest: dict[str, asyncio.Task[None]] = {}
+    Per model, one write-out runs at a time and they start at least ``interval_s()`` apart; each
+    writes the newest weights committed by then. Training that pushes every step would otherwise
+    have an engine write every step's weights to disk while it serves: a restart between two
+    write-outs copies the newer weights from a peer that holds them.
+    """
+
+    def __init__(self, interval_s: Callable[[], float]) -> None:
+        self._interval_s = interval_s
+        self._newest: dict[str, tuple[Rollout, str, int]] = {}
+        self._writers: dict[str, asyncio.Task[None]] = {}
+        self._started: dict[str, float] = {}
 
     def start(self, rollout: Rollout, *, checksum: str, step: int) -> None:
-        # Only the newest weights are worth writing: a write-out still waiting for older ones of
-        # the same model (training pushes every step) is dropped.
-        previous = self._latest.get(rollout.model_name)
-        if previous is not None and not previous.done():
-            previous.cancel()
-        task = asyncio.get_running_loop().create_task(
-            _write_out(rollout, checksum=checksum, step=step), name=f"write-out-{rollout.model_name}"
-        )
-        self._latest[rollout.model_name] = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """Write these weights out, or newer ones committed before the next write-out starts."""
+        model = rollout.model_name
+        self._newest[model] = (rollout, checksum, step)
+        writer = self._writers.get(model)
+        if writer is None or writer.done():
+            self._writers[model] = asyncio.get_running_loop().create_task(self._write(model), name=f"write-out-{model}")
+
+    async def _write(self, model: str) -> None:
+        while model in self._newest:
+            wait = self._started.get(model, -math.inf) + self._interval_s() - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            rollout, checksum, step = self._newest.pop(model)
+            self._started[model] = time.monotonic()
+            await _write_out(rollout, checksum=checksum, step=step)
 
     async def cancel(self) -> None:
-        for task in list(self._tasks):
+        writers = list(self._writers.values())
+        for task in writers:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*writers, return_exceptions=True)
 
 
 async def _write_out(rollout: Rollout, *, checksum: str, step: int) -> None:

@@ -131,6 +131,41 @@ async def test_pushed_weights_come_back_after_the_only_server_crashes(single, ch
     assert (report.weight_version, report.checksum, report.verified_weight_version) == ("500", v3.checksum, "500")
 
 
+async def test_pushes_in_quick_succession_are_written_out_at_most_once_per_interval(
+    single, checkpoints: dict[str, Path]
+) -> None:
+    controller, http = single
+    await controller.reconfigure({"write_out_interval_s": 3.0})
+    try:
+        snapshots = controller.fleet.state_dir
+        for step, name in ((601, "v2"), (602, "v4"), (603, "v1")):
+            window = (await http.post("/update_weights/start", json={"ttl_s": 60})).json()
+            async with httpx.AsyncClient(timeout=60, trust_env=False) as direct:
+                pushed = await direct.post(
+                    f"{window['servers'][0]['url']}/update_weights_from_disk",
+                    json={"model_path": str(checkpoints[name])},
+                    headers={"authorization": f"Bearer {window['credential']}"},
+                )
+                assert pushed.json()["success"] is True
+            checksum = read_manifest(checkpoints[name]).checksum
+            ended = await http.post(
+                "/update_weights/end", json={"token": window["token"], "checksum": checksum, "step": step}
+            )
+            assert ended.json()["status"] == "committed", ended.text
+
+        def holds_the_last() -> bool:
+            written = controller.health().servers[0].verified_checkpoint
+            return written is not None and read_manifest(Path(written)).checksum == checksum
+
+        # The newest weights are written out within the interval; the ones a newer commit replaced
+        # before their turn never are (no engine wrote every step's weights while serving).
+        await wait_until(holds_the_last, what="the last pushed weights to be written out", timeout=30)
+        assert controller.health().servers[0].verified_weight_version == "603"
+        assert list(snapshots.rglob("*-603-*")) and not list(snapshots.rglob("*-602-*"))
+    finally:
+        await controller.reconfigure({"write_out_interval_s": 2.0})
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pair(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInferenceController, httpx.AsyncClient]]:
     async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2, request_timeout_s=600) as (
