@@ -386,8 +386,10 @@ class AsyncInferenceController:
         if isinstance(ending, Abort):
             await self._close_window(update, reason=ending.reason)
             return update.result(UpdateStatus.ABORTED, message=ending.reason)
-        # Nothing may push once the weights are being confirmed: close the window on the engines.
-        await set_window(update, open_=False)
+        # Nothing may push once the weights are being confirmed: close the window on the engines
+        # (a staged window's engines close it as they activate, in the same call).
+        if not staged:
+            await set_window(update, open_=False)
         published = self.published.expected(update.model_name, ending.step)
         refused = refusal(update, ending, published_checksum=published.checksum if published else None)
         if refused is not None:
@@ -396,10 +398,11 @@ class AsyncInferenceController:
         await aim(update, ending)
         assert self.router is not None
         if staged:
-            # The servers served throughout; only now do they leave routing, drain, and swap in
-            # the weights their engines staged and verified.
+            # The servers served throughout; only now do they leave routing, and each engine
+            # pauses (per the pause mode), swaps in the weights it staged and verified, and
+            # resumes, in one call.
             self.router.close_gate(update.model_name)
-            await update.take_out(update.server_ids)
+            await update.take_out(update.server_ids, pause=False)
             await update.activate(update.server_ids)
         outcome = await commit(update)
         if isinstance(outcome, Refused):

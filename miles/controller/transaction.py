@@ -57,6 +57,9 @@ class ServerProgress:
     confirmed: str | None = None
     # What the checkpoint's own bytes hash to, when a refusing server computed it (plain directory).
     checkpoint_checksum: str | None = None
+    # The controller paused the engine's generation (take_out), so admitting it resumes it; an
+    # engine taken out without a pause pauses and resumes itself around a staged swap.
+    paused: bool = False
 
     def fail(self, error: str) -> None:
         self.step = ServerStep.FAILED
@@ -158,12 +161,17 @@ class WeightUpdate:
         finally:
             self.phases[phase] = self.phases.get(phase, 0.0) + time.monotonic() - started
 
-    async def take_out(self, server_ids: list[str]) -> None:
-        """Stop routing to the servers, then pause them (in-flight work per the pause mode)."""
+    async def take_out(self, server_ids: list[str], *, pause: bool = True) -> None:
+        """Stop routing to the servers, then pause them (in-flight work per the pause mode), unless
+        ``pause`` is False (their engines pause themselves for a staged swap: ``activate``)."""
         for server_id in server_ids:
             self.rollout.begin_update(server_id, reason=f"update {self.update_id} to {self.weight_version}")
             self.progress[server_id].step = ServerStep.TAKEN_OUT
         self.router.fleet_changed()
+        if not pause:
+            return
+        for server_id in server_ids:
+            self.progress[server_id].paused = True
         mode = PauseMode(self.pause_mode.value)
         with self.timed("pause"):
             await self._each(server_ids, "pause", lambda sid: self.rollout.pause(sid, mode, fence=self.token))
@@ -196,12 +204,22 @@ class WeightUpdate:
             await self._each(self._healthy(server_ids), "load", one)
 
     async def activate(self, server_ids: list[str]) -> None:
-        """Have each server serve the weights a window pushed into its stage (verified there)."""
+        """Have each server serve the weights a window pushed into its stage (verified there).
+
+        Servers taken out without a pause are still generating: each engine pauses itself per the
+        pause mode, swaps, and resumes, in one call (and ends the window there), so generation
+        stops for the swap only, not for three round trips.
+        """
         target = self._target()
 
         async def one(server_id: str) -> None:
+            generating = not self.progress[server_id].paused
             response = await self.rollout.activate(
-                server_id, weight_version=target.weight_version, expected_checksum=target.checksum, fence=self.token
+                server_id,
+                weight_version=target.weight_version,
+                expected_checksum=target.checksum,
+                pause_mode=PauseMode(self.pause_mode.value) if generating else None,
+                fence=self.token,
             )
             note = self.progress[server_id]
             note.load_timings = dict(response.timings)
@@ -263,7 +281,8 @@ class WeightUpdate:
             for server_id in server_ids:
                 self.rollout.admit(server_id, verified, reason=f"checksum confirmed for {target.weight_version}")
                 self.progress[server_id].step = ServerStep.ADMITTED
-            await self._each(server_ids, "resume", lambda sid: self.rollout.resume(sid, fence=self.token))
+            paused = [sid for sid in server_ids if self.progress[sid].paused]
+            await self._each(paused, "resume", lambda sid: self.rollout.resume(sid, fence=self.token))
         self.router.fleet_changed()
 
     async def roll_back(self, server_ids: list[str], *, reason: str) -> None:

@@ -227,6 +227,12 @@ class EngineAccess:
             self._fence, self._window_open = grant.fence, False
             logger.info("fence raised to %d by a control call", grant.fence)
 
+    def close_window(self) -> None:
+        """End the open window, if any: its credential changes nothing from now on."""
+        if self._window_open:
+            self._window_open = False
+            logger.info("fence %d, window closed", self._fence)
+
     def move_fence(self, request: FenceRequest) -> FenceState:
         """``POST /fence``: raise the fence to ``request.token`` and record its window's state.
 

@@ -169,6 +169,8 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/activate_weights")
     async def activate_weights(request: ActivateWeightsRequest, http_request: Request) -> JSONResponse:
         admit(access, http_request)
+        # Nothing may change the weights between their swap and the controller's commit.
+        access.close_window()
         started = time.perf_counter()
         return await pushed(await engine.weights.activate_staged(request), source="activate", started=started)
 

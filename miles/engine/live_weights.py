@@ -267,7 +267,7 @@ class LiveWeights:
         requests = 0
         started = time.perf_counter()
         if by_update:
-            mode = PauseMode.ABORT if request.abort_all_requests else PauseMode.DRAIN
+            mode = _pause_mode(abort_all_requests=request.abort_all_requests)
             requests = await asyncio.to_thread(
                 self._scheduler.pause, mode, message="aborted by update_weights_from_disk"
             )
@@ -392,7 +392,7 @@ class LiveWeights:
             return await self._activate_push(
                 staged.stage,
                 version=request.weight_version,
-                abort_all_requests=request.abort_all_requests,
+                mode=request.pause_mode or _pause_mode(abort_all_requests=request.abort_all_requests),
                 timings={},
                 source="staged weights",
             )
@@ -469,7 +469,11 @@ class LiveWeights:
                 timings=timings,
             )
         return await self._activate_push(
-            stage, version=weight_version, abort_all_requests=abort_all_requests, timings=timings, source=source
+            stage,
+            version=weight_version,
+            mode=_pause_mode(abort_all_requests=abort_all_requests),
+            timings=timings,
+            source=source,
         )
 
     async def _activate_push(
@@ -477,16 +481,16 @@ class LiveWeights:
         stage: WeightStage,
         *,
         version: str,
-        abort_all_requests: bool,
+        mode: PauseMode,
         timings: dict[str, float],
         source: str,
     ) -> UpdateWeightsResponse:
-        """Swap a verified stage in between two steps, draining (or aborting) running requests first."""
+        """Swap a verified stage in between two steps; an engine still generating pauses first
+        (running requests as ``mode`` says) and resumes after."""
         paused = 0
         by_push = self._scheduler.state is GenerationState.SERVING
         started = time.perf_counter()
         if by_push:
-            mode = PauseMode.ABORT if abort_all_requests else PauseMode.DRAIN
             paused = await asyncio.to_thread(self._scheduler.pause, mode, message=f"aborted by {source}")
         timings["pause"] = time.perf_counter() - started
 
@@ -534,7 +538,7 @@ class LiveWeights:
         paused = 0
         started = time.perf_counter()
         if self._scheduler.state is GenerationState.SERVING:
-            mode = PauseMode.ABORT if abort_all_requests else PauseMode.DRAIN
+            mode = _pause_mode(abort_all_requests=abort_all_requests)
             paused = await asyncio.to_thread(self._scheduler.pause, mode, message=f"aborted by {source}")
             self._push_paused = True
         elif abort_all_requests:
@@ -757,6 +761,11 @@ class LiveWeights:
 
         async with self._export_lock:
             return await asyncio.to_thread(export)
+
+
+def _pause_mode(*, abort_all_requests: bool) -> PauseMode:
+    """How a push that activates at once treats running requests (SGLang's ``abort_all_requests``)."""
+    return PauseMode.ABORT if abort_all_requests else PauseMode.DRAIN
 
 
 def _prepare(stage: WeightStage) -> None:

@@ -661,11 +661,18 @@ class DestroyWeightsUpdateGroupRequest(SGLangFields):
 
 class ActivateWeightsRequest(RequestModel):
     """``POST /activate_weights`` (miles extension): serve the pushed weights staged with
-    ``activate=false``, which must hash to ``expected_checksum``, as ``weight_version``."""
+    ``activate=false``, which must hash to ``expected_checksum``, as ``weight_version``.
+
+    Activation ends the window the weights were pushed in (its credential pushes no more). An
+    engine that is generating pauses itself for the swap and resumes after it, in this one call;
+    ``pause_mode`` says what happens to its running requests meanwhile (default: ``drain``, or
+    ``abort`` with ``abort_all_requests``).
+    """
 
     weight_version: WeightVersion
     expected_checksum: Annotated[str, Field(min_length=1, max_length=256)]
     abort_all_requests: bool = False
+    pause_mode: PauseMode | None = None
 
 
 class GroupResponse(BaseModel):

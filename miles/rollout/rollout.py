@@ -264,11 +264,20 @@ class Rollout(ABC):
         )
 
     async def activate(
-        self, server_id: str, *, weight_version: str, expected_checksum: str, fence: int | None = None
+        self,
+        server_id: str,
+        *,
+        weight_version: str,
+        expected_checksum: str,
+        pause_mode: PauseMode | None = None,
+        fence: int | None = None,
     ) -> UpdateWeightsResponse:
         """Have the engine serve the weights a window pushed into its stage (they must hash to
-        ``expected_checksum``); a refusal is returned with ``success=False``."""
-        request = ActivateWeightsRequest(weight_version=weight_version, expected_checksum=expected_checksum)
+        ``expected_checksum``); a refusal is returned with ``success=False``. An engine still
+        generating pauses itself (``pause_mode``), swaps and resumes; the window ends there."""
+        request = ActivateWeightsRequest(
+            weight_version=weight_version, expected_checksum=expected_checksum, pause_mode=pause_mode
+        )
         return await self.client(server_id).activate_weights(request, timeout=self.spec.update_timeout_s, fence=fence)
 
     async def confirm(self, server_id: str, *, fence: int | None = None) -> WeightsChecksum:

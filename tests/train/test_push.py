@@ -391,8 +391,13 @@ async def test_a_staged_push_keeps_serving_until_the_commit_swaps_the_weights_in
         assert len(during) > 1 and set(during) == {(200, "1")}, during
         assert all(s.checksum == result.checksum and s.weight_version == "7" for s in ctl.health().servers)
         # The commit's swap, not the transfer, is what each server was out of routing for.
-        outcomes = ctl.last_update.servers if ctl.last_update else ()
+        last = ctl.last_update
+        outcomes = last.servers if last else ()
         assert outcomes and all("activate" in o.load_timings for o in outcomes)
+        # One call per engine: it paused itself for the swap and resumed (the controller sent no
+        # pause and no continue), and the window ended there.
+        assert last is not None and "pause" not in last.timings, last.timings
+        assert all("pause" in o.load_timings for o in outcomes)
 
 
 async def test_engines_that_cannot_stage_get_the_push_with_their_servers_out_of_routing(
