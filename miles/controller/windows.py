@@ -183,26 +183,35 @@ class WriteOuts:
 
     def __init__(self, interval_s: Callable[[], float]) -> None:
         self._interval_s = interval_s
-        self._newest: dict[str, tuple[Rollout, str, int]] = {}
+        # Per model: the newest weights to write (and the attempt it would be), and when the next
+        # write-out may start.
+        self._newest: dict[str, tuple[Rollout, str, int, int]] = {}
+        self._not_before: dict[str, float] = {}
         self._writers: dict[str, asyncio.Task[None]] = {}
-        self._started: dict[str, float] = {}
 
     def start(self, rollout: Rollout, *, checksum: str, step: int) -> None:
         """Write these weights out, or newer ones committed before the next write-out starts."""
         model = rollout.model_name
-        self._newest[model] = (rollout, checksum, step)
+        self._newest[model] = (rollout, checksum, step, 1)
         writer = self._writers.get(model)
         if writer is None or writer.done():
             self._writers[model] = asyncio.get_running_loop().create_task(self._write(model), name=f"write-out-{model}")
 
     async def _write(self, model: str) -> None:
         while model in self._newest:
-            wait = self._started.get(model, -math.inf) + self._interval_s() - time.monotonic()
+            wait = self._not_before.get(model, -math.inf) - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
-            rollout, checksum, step = self._newest.pop(model)
-            self._started[model] = time.monotonic()
-            await _write_out(rollout, checksum=checksum, step=step)
+            rollout, checksum, step, attempt = self._newest.pop(model)
+            self._not_before[model] = time.monotonic() + self._interval_s()
+            last = attempt >= _WRITE_OUT_ATTEMPTS
+            if await _write_out(rollout, checksum=checksum, step=step, warn=last) or last:
+                continue
+            if model not in self._newest:
+                # Its servers were in the next update's commit, or an engine could not write:
+                # again shortly, unless newer weights come first.
+                self._newest[model] = (rollout, checksum, step, attempt + 1)
+                self._not_before[model] = time.monotonic() + _WRITE_OUT_RETRY_S
 
     async def cancel(self) -> None:
         writers = list(self._writers.values())
@@ -211,7 +220,12 @@ class WriteOuts:
         await asyncio.gather(*writers, return_exceptions=True)
 
 
-async def _write_out(rollout: Rollout, *, checksum: str, step: int) -> None:
+_WRITE_OUT_ATTEMPTS = 5
+_WRITE_OUT_RETRY_S = 0.25
+
+
+async def _write_out(rollout: Rollout, *, checksum: str, step: int, warn: bool) -> bool:
+    """Have one server holding ``checksum`` write it out and record the copy; whether it did."""
     # The engine holds its weights still while it writes (an update waits for the copy), and the
     # copy is only recorded for servers still verified on the same checksum.
     holders = [
@@ -223,13 +237,16 @@ async def _write_out(rollout: Rollout, *, checksum: str, step: int) -> None:
         try:
             exported = await rollout.export(server_id, step=step)
         except EngineCallError as exc:
-            logger.warning("%s could not write out the pushed weights: %s", server_id, exc)
+            level = logging.WARNING if warn else logging.INFO
+            logger.log(level, "%s could not write out %s: %s", server_id, checksum, exc)
             continue
         if exported.checksum == checksum:
             recorded = rollout.remember_checkpoint(checksum, exported.path)
             logger.info("pushed weights %s written to %s for %s", checksum, exported.path, ", ".join(recorded))
-            return
-    logger.warning("no server could write out the pushed weights %s; restarts will copy them from a peer", checksum)
+            return True
+    if warn:
+        logger.warning("no server could write out the pushed weights %s; restarts will copy them from a peer", checksum)
+    return False
 
 
 def _checkpoint_holding(checkpoint: str | Path | None, checksum: str) -> Path | None:
