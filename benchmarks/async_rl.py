@@ -11,7 +11,8 @@ number of GRPO steps; the figures compare the GRPO phase:
   mean first reaches it;
 - the ratio of those times (sync / async), both loops' final rewards and reward curves;
 - the share of GRPO time the trainer waited for samples and the fleet generated none of the
-  trainer's; sample staleness; failed requests, checksum mismatches and the event audit.
+  trainer's; sample staleness; failed requests, checksum mismatches and the event audit;
+- each update's duration and how long it held requests at the gate (medians, from the event log).
 
     .venv/bin/python benchmarks/async_rl.py [--sft-steps 150] [--grpo-steps 150] [--repeats 1] [--json]
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,6 +84,8 @@ def child(args: argparse.Namespace) -> None:
     from miles.config import UpdatePauseMode, UpdateStrategy
     from miles.demo.run import DemoConfig, quiet_logs, run_demo
     from miles.train.config import LoopMode
+    from miles.utils.audit_utils.event_logger.logger import read_events
+    from miles.utils.audit_utils.event_logger.models import WeightUpdateCommittedEvent
 
     quiet_logs()
     loop = LoopMode(args.child)
@@ -106,6 +110,9 @@ def child(args: argparse.Namespace) -> None:
         stop.set()
     training = json.loads((Path(summary.run_dir) / "training.json").read_text())
     grpo = [s for s in training["steps"] if s["phase"] == "grpo"]
+    # The GRPO phase's updates (each step publishes; the SFT phase's come first).
+    committed = [e for e in read_events(Path(summary.run_dir) / "events") if isinstance(e, WeightUpdateCommittedEvent)]
+    updates = committed[-len(grpo) :]
     Path(args.out).write_text(
         json.dumps(
             {
@@ -114,6 +121,8 @@ def child(args: argparse.Namespace) -> None:
                 "step_s": [s["step_s"] for s in grpo],
                 "trainer_idle_s": [s["trainer_idle_s"] for s in grpo],
                 "fleet_idle_s": [s["fleet_idle_s"] for s in grpo],
+                "update_s": [e.duration_s for e in updates],
+                "serving_blocked_s": [e.serving_blocked_s or 0.0 for e in updates],
                 "staleness_counts": summary.staleness_counts,
                 "max_staleness": summary.max_staleness,
                 "samples_dropped": summary.samples_dropped,
@@ -131,6 +140,10 @@ def child(args: argparse.Namespace) -> None:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
 def _moving(values: list[float], window: int) -> list[float]:
@@ -240,6 +253,8 @@ def main() -> None:
                     "speedup": speedup,
                     "grpo_wall_s": {loop: sum(r["step_s"]) for loop, r in pair.items()},
                     "idle_trainer_fleet": idle,
+                    "update_p50_s": {loop: _median(r["update_s"]) for loop, r in pair.items()},
+                    "serving_blocked_p50_s": {loop: _median(r["serving_blocked_s"]) for loop, r in pair.items()},
                     "curves": {loop: _moving(r["rewards"], args.window) for loop, r in pair.items()},
                     "checks": {loop: {k: r[k] for k in _CHECKS} for loop, r in pair.items()},
                 }
@@ -257,6 +272,10 @@ def main() -> None:
                     f"fleet idle {idle[loop][1]:4.0%}  staleness {r['staleness_counts']}  "
                     f"dropped {r['samples_dropped']}  failed {r['requests_failed']}  "
                     f"mismatches {r['checksum_mismatches']}  audit {'ok' if r['events_check_passed'] else 'FAILED'}"
+                )
+                print(
+                    f"         update p50 {_median(r['update_s']) * 1e3:5.1f} ms  "
+                    f"serving blocked p50 {_median(r['serving_blocked_s']) * 1e3:5.1f} ms"
                 )
             print(
                 f"  time to threshold, sync / async: {'n/a' if speedup is None else f'{speedup:.2f}x'}; "
