@@ -235,6 +235,8 @@ class AsyncInferenceController:
         update = self._new_update(rollout, mode=mode, pause_mode=pause_mode, started=started)
         timings = {"lock_wait": time.monotonic() - started}
         await self._heal(update)
+        # Loading changes the live weights in place: the ones served now must be on disk first.
+        await self._write_outs.flush(update.model_name)
         try:
             admitted = await asyncio.to_thread(
                 admit_checkpoint,
@@ -348,6 +350,9 @@ class AsyncInferenceController:
             await self._heal(update)
             self._events.started(update)
             if not staged:
+                # Training will change the live weights in place: the ones served now must be on
+                # disk first, for a rollback.
+                await self._write_outs.flush(update.model_name)
                 self.router.close_gate(update.model_name)
                 await update.take_out(update.server_ids)
             # The engines accept the window's credential from now until it is closed again.

@@ -14,6 +14,7 @@ server, even the only one, can be restarted on them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -178,7 +179,9 @@ class WriteOuts:
     Per model, one write-out runs at a time and they start at least ``interval_s()`` apart; each
     writes the newest weights committed by then. Training that pushes every step would otherwise
     have an engine write every step's weights to disk while it serves: a restart between two
-    write-outs copies the newer weights from a peer that holds them.
+    write-outs copies the newer weights from a peer that holds them. An update about to change
+    live weights in place (a disk update, an unstaged window) first ``flush``es: if it fails, every
+    server must be able to go back to the weights they serve now, even if it changed them all.
     """
 
     def __init__(self, interval_s: Callable[[], float]) -> None:
@@ -188,6 +191,7 @@ class WriteOuts:
         self._newest: dict[str, tuple[Rollout, str, int, int]] = {}
         self._not_before: dict[str, float] = {}
         self._writers: dict[str, asyncio.Task[None]] = {}
+        self._hurry: dict[str, asyncio.Event] = {}
 
     def start(self, rollout: Rollout, *, checksum: str, step: int) -> None:
         """Write these weights out, or newer ones committed before the next write-out starts."""
@@ -201,7 +205,10 @@ class WriteOuts:
         while model in self._newest:
             wait = self._not_before.get(model, -math.inf) - time.monotonic()
             if wait > 0:
-                await asyncio.sleep(wait)
+                hurry = self._hurry.setdefault(model, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(hurry.wait(), timeout=wait)
+                hurry.clear()
             rollout, checksum, step, attempt = self._newest.pop(model)
             self._not_before[model] = time.monotonic() + self._interval_s()
             last = attempt >= _WRITE_OUT_ATTEMPTS
@@ -212,6 +219,16 @@ class WriteOuts:
                 # again shortly, unless newer weights come first.
                 self._newest[model] = (rollout, checksum, step, attempt + 1)
                 self._not_before[model] = time.monotonic() + _WRITE_OUT_RETRY_S
+
+    async def flush(self, model: str) -> None:
+        """Write out now the newest weights still waiting for their turn, and return once no
+        write-out of ``model`` is pending or running."""
+        writer = self._writers.get(model)
+        if writer is None or writer.done():
+            return
+        self._not_before[model] = -math.inf
+        self._hurry.setdefault(model, asyncio.Event()).set()
+        await asyncio.shield(writer)
 
     async def cancel(self) -> None:
         writers = list(self._writers.values())

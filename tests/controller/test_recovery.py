@@ -14,12 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
+from transformers import AutoModelForCausalLM
 
 from miles.ray.rollout.inference_controller import AsyncInferenceController
 from miles.rollout.state import ServerState
 from miles.testing import running_controller
+from miles.train.push import PushPublisher
 from miles.utils.audit_utils.event_logger.models import ChecksumMismatchEvent
 from miles.weights.checkpoint import read_manifest
+from miles.weights.checksum import saved_state_dict
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -134,34 +137,69 @@ async def test_pushed_weights_come_back_after_the_only_server_crashes(single, ch
 async def test_pushes_in_quick_succession_are_written_out_at_most_once_per_interval(
     single, checkpoints: dict[str, Path]
 ) -> None:
-    controller, http = single
+    controller, _ = single
     await controller.reconfigure({"write_out_interval_s": 3.0})
+    publisher = PushPublisher(controller, path="shm")
     try:
         snapshots = controller.fleet.state_dir
         for step, name in ((601, "v2"), (602, "v4"), (603, "v1")):
-            window = (await http.post("/update_weights/start", json={"ttl_s": 60})).json()
-            async with httpx.AsyncClient(timeout=60, trust_env=False) as direct:
-                pushed = await direct.post(
-                    f"{window['servers'][0]['url']}/update_weights_from_disk",
-                    json={"model_path": str(checkpoints[name])},
-                    headers={"authorization": f"Bearer {window['credential']}"},
-                )
-                assert pushed.json()["success"] is True
-            checksum = read_manifest(checkpoints[name]).checksum
-            ended = await http.post(
-                "/update_weights/end", json={"token": window["token"], "checksum": checksum, "step": step}
-            )
-            assert ended.json()["status"] == "committed", ended.text
+            weights = saved_state_dict(AutoModelForCausalLM.from_pretrained(checkpoints[name]))
+            result = await publisher.push(weights, step=step)
+        checksum = result.checksum
 
         def holds_the_last() -> bool:
             written = controller.health().servers[0].verified_checkpoint
             return written is not None and read_manifest(Path(written)).checksum == checksum
 
-        # The newest weights are written out within the interval; the ones a newer commit replaced
-        # before their turn never are (no engine wrote every step's weights while serving).
+        # Staged pushes: the newest weights are written out within the interval; the ones a newer
+        # commit replaced before their turn never are (no engine wrote every step while serving).
         await wait_until(holds_the_last, what="the last pushed weights to be written out", timeout=30)
         assert controller.health().servers[0].verified_weight_version == "603"
         assert list(snapshots.rglob("*-603-*")) and not list(snapshots.rglob("*-602-*"))
+    finally:
+        await publisher.close()
+        await controller.reconfigure({"write_out_interval_s": 2.0})
+
+
+async def test_a_window_that_changes_weights_in_place_first_writes_out_the_ones_it_may_roll_back_to(
+    single, checkpoints: dict[str, Path]
+) -> None:
+    controller, http = single
+    # Long enough that the second commit's write-out would still wait its turn when the next
+    # window opens.
+    await controller.reconfigure({"write_out_interval_s": 600.0})
+    try:
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as direct:
+
+            async def window(name: str) -> dict:
+                opened = (await http.post("/update_weights/start", json={"ttl_s": 60})).json()
+                pushed = await direct.post(
+                    f"{opened['servers'][0]['url']}/update_weights_from_disk",
+                    json={"model_path": str(checkpoints[name])},
+                    headers={"authorization": f"Bearer {opened['credential']}"},
+                )
+                assert pushed.json()["success"] is True
+                return opened
+
+            for step, name in ((701, "v2"), (702, "v4")):
+                opened = await window(name)
+                ended = await http.post(
+                    "/update_weights/end",
+                    json={
+                        "token": opened["token"],
+                        "checksum": read_manifest(checkpoints[name]).checksum,
+                        "step": step,
+                    },
+                )
+                assert ended.json()["status"] == "committed", ended.text
+            # This window overwrites the only server's weights, then is aborted: the server can
+            # only go back to step 702's weights if they were written out when the window opened.
+            opened = await window("v3")
+            aborted = await http.post("/update_weights/abort", json={"token": opened["token"]})
+            assert aborted.json()["status"] == "aborted", aborted.text
+        report = controller.health().servers[0]
+        assert report.state == "serving", report
+        assert (report.weight_version, report.checksum) == ("702", read_manifest(checkpoints["v4"]).checksum)
     finally:
         await controller.reconfigure({"write_out_interval_s": 2.0})
 
