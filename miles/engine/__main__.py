@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +14,8 @@ import typer
 import uvicorn
 
 from miles.engine.settings import API_KEY_ENV, SECRET_ENV, EngineSettings, Forward, StagingMode
+
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -105,6 +108,11 @@ def main(
     from miles.engine.engine import Engine
     from miles.engine.http_server import create_app
 
+    # The scheduler thread runs Python between torch's kernels for as long as requests run. The
+    # event loop (HTTP, weight pushes, the controller's calls) and the worker threads it hands
+    # work to must get the interpreter back within half a millisecond, not Python's default 5 ms:
+    # each call to an engine that is generating crosses threads several times.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     engine = Engine(settings)
     uvicorn.run(
         create_app(engine),

@@ -427,24 +427,32 @@ class LiveWeights:
         stage = self._push_stage
         assert stage is not None
         timings: dict[str, float] = {}
-        started = time.perf_counter()
+
+        def write() -> ModelChecksum | None:
+            """Stage the bucket and, after the last one, hash the whole stage: one thread hop."""
+            started = time.perf_counter()
+            _stage_all(stage, bucket)
+            timings["stage_write"] = time.perf_counter() - started
+            if expected_checksum is None:
+                return None
+            hashed = time.perf_counter()
+            checksum = stage.checksum()
+            timings["stage_checksum"] = time.perf_counter() - hashed
+            return checksum
+
         try:
-            await asyncio.to_thread(_stage_all, stage, bucket)
+            staged = await asyncio.to_thread(write)
         except InvalidRequestError:
             self._drop_staged_push()
             raise
-        timings["stage_write"] = time.perf_counter() - started
         held = self._held
-        if expected_checksum is None:
+        if staged is None:
             return UpdateWeightsResponse(
                 success=True,
                 message=f"staged {len(bucket.tensors)} tensors; the engine serves {held.version} meanwhile",
                 weight_version=held.version,
                 timings=timings,
             )
-        hashed = time.perf_counter()
-        staged = await asyncio.to_thread(stage.checksum)
-        timings["stage_checksum"] = time.perf_counter() - hashed
         self._push_stage = None
         if staged.checksum != expected_checksum:
             stage.discard()
