@@ -291,11 +291,11 @@ class PushPublisher:
             # Looks at /dev/shm and resolves this machine's addresses: off the loop.
             path = await asyncio.to_thread(self._choose, window)
             stats = PushStats(path=path.value, tensors=len(sending), skipped=len(unchanged))
-            pushing: _ShmPush | _CudaIpcPush | _DistributedPush
+            pushing: _TensorPush | _DistributedPush
             if path is TransferPath.SHM:
                 # On this machine: GPU tensors by CUDA IPC handle, host tensors through /dev/shm.
-                on_gpu = any(t.device.type == "cuda" for t in sending.values())
-                pushing = _CudaIpcPush(self, window) if on_gpu else _ShmPush(self, window)
+                gpu = next((t.device for t in sending.values() if t.device.type == "cuda"), None)
+                pushing = _TensorPush(self, window, device=gpu)
             else:
                 pushing = _DistributedPush(self, window)
             checksum = await pushing.run(sending, version=version, stats=stats, unchanged=unchanged)
@@ -499,12 +499,14 @@ def _regions(tables: Sequence[BucketTable]) -> int:
     return min(2, len(tables))
 
 
-class _ShmPush:
-    """Each bucket written once into a shared-memory segment that every engine reads: two regions,
-    the next bucket written into one while the engines read the other."""
+class _TensorPush:
+    """Buckets handed to every engine on this machine through ``/update_weights_from_tensor``:
+    host tensors written once into a shared-memory segment every engine maps, GPU tensors packed in
+    the trainer's GPU memory and handed over as CUDA IPC handles (no copy through the host). Two
+    regions either way: the next bucket is packed into one while the engines read the other."""
 
-    def __init__(self, publisher: PushPublisher, window: Window) -> None:
-        self.publisher, self.window = publisher, window
+    def __init__(self, publisher: PushPublisher, window: Window, *, device: torch.device | None) -> None:
+        self.publisher, self.window, self.device = publisher, window, device
 
     async def run(
         self,
@@ -515,61 +517,32 @@ class _ShmPush:
         unchanged: list[TensorDigest],
     ) -> str:
         buckets = plan(named, bucket_bytes=self.publisher.bucket_bytes)
-        region = max(layout(named, names).total_bytes for names in buckets)
-        tables = [layout(named, names, start=(i % 2) * region) for i, names in enumerate(buckets)]
-        segment = await self.publisher.segment(region * _regions(tables))
+        region = max(max(layout(named, names).total_bytes for names in buckets), 1)
         http = _Authorized(self.publisher.http, self.publisher.headers(self.window))
+        if self.device is None:
+            # One segment, kept from push to push, with the two regions one after the other.
+            tables = [layout(named, names, start=(i % 2) * region) for i, names in enumerate(buckets)]
+            segment = await self.publisher.segment(region * _regions(tables))
+            buffers = [segment.flat]
+            load_format = "miles_shm"
 
-        async def send(index: int, packed: BucketTable, checksum: str | None) -> None:
-            document = base64.b64encode(
-                json.dumps({"shm": segment.name, "table": packed.model_dump(mode="json")}).encode()
-            ).decode()
-            body = {
-                "serialized_named_tensors": [document],
-                "load_format": "miles_shm",
-                "weight_version": version if checksum is not None else None,
-                "expected_checksum": checksum,
-                "activate": not self.window.staged,
-            }
-            await _post_all(http, self.window, "/update_weights_from_tensor", _same(body), stats)
+            def where(index: int) -> dict[str, Any]:
+                return {"shm": segment.name}
+        else:
+            tables = [layout(named, names) for names in buckets]
+            buffers = [torch.empty(region, dtype=torch.uint8, device=self.device) for _ in range(_regions(tables))]
+            load_format = CUDA_IPC_LOAD_FORMAT
 
-        try:
-            return await _stream(named, tables, [segment.flat], send, stats=stats, unchanged=unchanged)
-        except BaseException:
-            await self.publisher.drop_segment()
-            raise
-
-
-class _CudaIpcPush:
-    """Buckets packed in the trainer's GPU memory (two buffers, as for shared memory) and handed to
-    every engine on this machine as CUDA IPC handles: no copy through the host."""
-
-    def __init__(self, publisher: PushPublisher, window: Window) -> None:
-        self.publisher, self.window = publisher, window
-
-    async def run(
-        self,
-        named: Mapping[str, torch.Tensor],
-        *,
-        version: str,
-        stats: PushStats,
-        unchanged: list[TensorDigest],
-    ) -> str:
-        device = next(t.device for t in named.values() if t.device.type == "cuda")
-        tables = [layout(named, names) for names in plan(named, bucket_bytes=self.publisher.bucket_bytes)]
-        size = max(max(t.total_bytes for t in tables), 1)
-        buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(_regions(tables))]
-        http = _Authorized(self.publisher.http, self.publisher.headers(self.window))
-
-        async def send(index: int, packed: BucketTable, checksum: str | None) -> None:
-            buffer = buffers[index % len(buffers)]
-
-            def body(_: int) -> dict[str, Any]:
+            def where(index: int) -> dict[str, Any]:
                 # A handle of its own per engine: each engine's release counts against its own.
-                document = {"cuda_ipc": cuda_ipc_handle(buffer).model_dump(), "table": packed.model_dump(mode="json")}
+                return {"cuda_ipc": cuda_ipc_handle(buffers[index % len(buffers)]).model_dump()}
+
+        async def send(index: int, packed: BucketTable, checksum: str | None) -> None:
+            def body(_: int) -> dict[str, Any]:
+                document = {**where(index), "table": packed.model_dump(mode="json")}
                 return {
                     "serialized_named_tensors": [base64.b64encode(json.dumps(document).encode()).decode()],
-                    "load_format": CUDA_IPC_LOAD_FORMAT,
+                    "load_format": load_format,
                     "weight_version": version if checksum is not None else None,
                     "expected_checksum": checksum,
                     "activate": not self.window.staged,
@@ -577,7 +550,12 @@ class _CudaIpcPush:
 
             await _post_all(http, self.window, "/update_weights_from_tensor", body, stats)
 
-        return await _stream(named, tables, buffers, send, stats=stats, unchanged=unchanged)
+        try:
+            return await _stream(named, tables, buffers, send, stats=stats, unchanged=unchanged)
+        except BaseException:
+            if self.device is None:
+                await self.publisher.drop_segment()
+            raise
 
 
 def cuda_ipc_handle(buffer: torch.Tensor) -> CudaIpcHandle:
