@@ -61,6 +61,8 @@ def test_serve_on_ray_answers_and_stops_with_everything_it_started(
             serve.send_signal(signal.SIGINT)
         out, err = serve.communicate(timeout=90)
         shutil.rmtree(ray_dir, ignore_errors=True)
+        if report is None:
+            print(f"`miles serve --ray` exited {serve.returncode}; its stderr:\n{err[-5000:]}")
     assert serve.returncode == 0, err[-3000:]
     assert "miles_inference_controller" in err
     deadline = time.monotonic() + 30
