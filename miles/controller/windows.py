@@ -228,7 +228,10 @@ class WriteOuts:
             return
         self._not_before[model] = -math.inf
         self._hurry.setdefault(model, asyncio.Event()).set()
-        await asyncio.shield(writer)
+        try:
+            await asyncio.shield(writer)
+        except Exception as exc:  # noqa: BLE001  # the update goes on; its rollback may find no copy
+            logger.warning("writing out %s's weights before an in-place update failed: %s", model, exc)
 
     async def cancel(self) -> None:
         writers = list(self._writers.values())
