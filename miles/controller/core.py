@@ -355,8 +355,9 @@ class AsyncInferenceController:
                 await self._write_outs.flush(update.model_name)
                 self.router.close_gate(update.model_name)
                 await update.take_out(update.server_ids)
-            # The engines accept the window's credential from now until it is closed again.
-            await set_window(update, open_=True)
+            # The engines accept the window's credential from now until it is closed again (a
+            # staged window's only to stage: its servers serve meanwhile).
+            await set_window(update, open_=True, staged=staged)
         except BaseException as exc:  # noqa: BLE001  # handed to start_update_weights through ``opened``
             # Whatever failed once the fleet was touched, put it back as it was: servers on their
             # verified weights and serving, the gate open.

@@ -155,8 +155,9 @@ async def commit(update: WeightUpdate) -> UpdateStatus | Refused:
     return UpdateStatus.COMMITTED
 
 
-async def set_window(update: WeightUpdate, *, open_: bool) -> None:
-    """Tell every engine of ``update`` whether its window's credential may push (``/fence``).
+async def set_window(update: WeightUpdate, *, open_: bool, staged: bool = False) -> None:
+    """Tell every engine of ``update`` whether its window's credential may push (``/fence``);
+    a ``staged`` window's credential may only stage (its servers serve meanwhile).
 
     Closing cannot fail the caller: an engine that cannot be told (it died) is restarted before it
     serves again, and a new process knows no window.
@@ -164,7 +165,7 @@ async def set_window(update: WeightUpdate, *, open_: bool) -> None:
 
     async def one(server_id: str) -> None:
         try:
-            await update.rollout.fence(server_id, update.token, window_open=open_)
+            await update.rollout.fence(server_id, update.token, window_open=open_, staged=staged)
         except MilesError as exc:
             if open_:
                 raise

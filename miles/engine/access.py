@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from pydantic import SecretStr
@@ -88,6 +88,17 @@ ENDPOINTS: dict[str, Kind] = {
 }
 
 _WINDOW_ALLOWED = frozenset(p for p, k in ENDPOINTS.items() if k is Kind.CONTROL) - {"/fence"}
+# What the credential of a staged window may call: its servers serve while it is open, so nothing
+# that changes what they serve (the pushes themselves only with ``activate=false``).
+_STAGING_ALLOWED = frozenset(
+    {
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/weights_checker",
+    }
+)
 
 
 def kind_of(path: str) -> Kind:
@@ -104,6 +115,8 @@ class ControlGrant:
 
     fence: int | None
     window: int | None
+    # The path called (what a staged window's credential may call depends on it).
+    path: str = field(default="", compare=False)
 
 
 class EngineAccess:
@@ -114,6 +127,8 @@ class EngineAccess:
         self._api_key = api_key
         self._fence = 0
         self._window_open = False
+        # The open window is staged: its credential may only stage (``FenceRequest.staged``).
+        self._window_staged = False
 
     @property
     def state(self) -> FenceState:
@@ -143,11 +158,11 @@ class EngineAccess:
                     f"the {FENCE_HEADER} header ({token}) differs from the window credential's token ({window}); "
                     "drop the header or send the window's token",
                 )
-            self._check_window(window)
+            self._check_window(window, path)
             token = window
         if token is not None:
             self._check_not_stale(token)
-        return ControlGrant(fence=token, window=window)
+        return ControlGrant(fence=token, window=window, path=path)
 
     def _check_inference(self, path: str, authorization: str | None) -> None:
         # Inference and reads stay open unless an API key is set: the secret guards what changes
@@ -195,12 +210,25 @@ class EngineAccess:
                 raise PermissionDeniedError(f"a window credential cannot call {path}: it needs {needs}")
         raise PermissionDeniedError(f"the credential presented for {path} is wrong: it needs {needs}")
 
-    def _check_window(self, window: int) -> None:
+    def _check_window(self, window: int, path: str, *, activates: bool = False) -> None:
         if window != self._fence or not self._window_open:
             state = "open" if self._window_open else "closed"
             raise PermissionDeniedError(
                 f"training window {window} is closed or superseded: this engine's fence is {self._fence} "
                 f"(window {state}); ask the controller for a new window",
+            )
+        if not self._window_staged:
+            return
+        if path.rstrip("/") not in _STAGING_ALLOWED:
+            raise PermissionDeniedError(
+                f"training window {window} is staged (its servers serve meanwhile): its credential cannot call "
+                f"{path}; push with activate=false, and the controller's commit activates the weights"
+            )
+        if activates:
+            raise PermissionDeniedError(
+                f"training window {window} is staged (its servers serve meanwhile): a push with activate=true "
+                "would change the weights they serve; push with activate=false, and the controller's commit "
+                "activates them"
             )
 
     def _check_not_stale(self, token: int) -> None:
@@ -211,26 +239,28 @@ class EngineAccess:
 
     # --- changes (once the handler runs) ------------------------------------------------------
 
-    def admit(self, grant: ControlGrant | None) -> None:
+    def admit(self, grant: ControlGrant | None, *, activates: bool = False) -> None:
         """Let a control call through: checks again what may have changed since ``authorize`` (the
         body was read in between, and other calls ran) and raises the fence to the call's token.
+        ``activates``: the call's body asks to change the served weights (a push with
+        ``activate=true``), which a staged window's credential may not.
 
         Raises InvalidRequestError (409 stale, 403 window closed) like ``authorize``.
         """
         if grant is None or grant.fence is None:
             return
         if grant.window is not None:
-            self._check_window(grant.window)
+            self._check_window(grant.window, grant.path, activates=activates)
         self._check_not_stale(grant.fence)
         if grant.fence > self._fence:
             # A newer owner: whatever window the old token had is over.
-            self._fence, self._window_open = grant.fence, False
+            self._fence, self._window_open, self._window_staged = grant.fence, False, False
             logger.info("fence raised to %d by a control call", grant.fence)
 
     def close_window(self) -> None:
         """End the open window, if any: its credential changes nothing from now on."""
         if self._window_open:
-            self._window_open = False
+            self._window_open = self._window_staged = False
             logger.info("fence %d, window closed", self._fence)
 
     def move_fence(self, request: FenceRequest) -> FenceState:
@@ -240,7 +270,12 @@ class EngineAccess:
         """
         self._check_not_stale(request.token)
         self._fence, self._window_open = request.token, request.window_open
-        logger.info("fence %d, window %s", self._fence, "open" if self._window_open else "closed")
+        self._window_staged = request.window_open and request.staged
+        logger.info(
+            "fence %d, window %s",
+            self._fence,
+            ("open, staged" if self._window_staged else "open") if self._window_open else "closed",
+        )
         return self.state
 
 
@@ -305,6 +340,6 @@ class AccessMiddleware:
         await self.app(scope, receive, send)
 
 
-def admit(access: EngineAccess, request: Request) -> None:
+def admit(access: EngineAccess, request: Request, *, activates: bool = False) -> None:
     """Admit the control call ``request`` (see ``EngineAccess.admit``); handlers call it first."""
-    access.admit(getattr(request.state, GRANT_STATE_KEY, None))
+    access.admit(getattr(request.state, GRANT_STATE_KEY, None), activates=activates)

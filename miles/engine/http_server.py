@@ -147,7 +147,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def update_weights_from_tensor(
         request: UpdateWeightsFromTensorRequest, http_request: Request
     ) -> JSONResponse:
-        admit(access, http_request)
+        admit(access, http_request, activates=request.activate)
         started = time.perf_counter()
         bucket = await asyncio.to_thread(
             TensorBucket, request, engine.weights.check_table, segments, device=engine.device
@@ -183,7 +183,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def update_weights_from_distributed(
         request: UpdateWeightsFromDistributedRequest, http_request: Request
     ) -> JSONResponse:
-        admit(access, http_request)
+        admit(access, http_request, activates=request.activate)
         started = time.perf_counter()
         bucket = await asyncio.to_thread(groups.receive, request, engine.weights.check_table)
         received = time.perf_counter() - started

@@ -66,10 +66,13 @@ def _window_digest(secret: str, token: int) -> str:
 
 class FenceRequest(RequestModel):
     """``POST /fence`` (secret only): raise the engine's fence to ``token`` and record whether the
-    training window with that token is open."""
+    training window with that token is open. A ``staged`` window's servers keep serving while it is
+    open, so its credential may only stage weights (``activate=false``) and read their checksum:
+    the controller's commit activates them."""
 
     token: Annotated[StrictInt, Field(ge=0, le=MAX_FENCE)]
     window_open: StrictBool
+    staged: StrictBool = False
 
 
 class FenceState(BaseModel):

@@ -162,10 +162,11 @@ class EngineClient:
         info = await self.model_info(timeout=timeout)
         return WeightsIdentity(weight_version=str(info.get("weight_version")), checksum=None)
 
-    async def fence(self, token: int, *, window_open: bool) -> FenceState:
+    async def fence(self, token: int, *, window_open: bool, staged: bool = False) -> FenceState:
         """``/fence``: the engine refuses weight changes fenced below ``token`` from now on, and
-        accepts the credential of window ``token`` while ``window_open``."""
-        request = FenceRequest(token=token, window_open=window_open)
+        accepts the credential of window ``token`` while ``window_open`` (only to stage weights
+        when ``staged``)."""
+        request = FenceRequest(token=token, window_open=window_open, staged=staged)
         return await self._ok("POST", "/fence", FenceState, json=request.model_dump(mode="json"))
 
     async def export_weights(

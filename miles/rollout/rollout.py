@@ -292,9 +292,10 @@ class Rollout(ABC):
         cell.weight_version = reported.weight_version
         return reported
 
-    async def fence(self, server_id: str, token: int, *, window_open: bool) -> None:
-        """Tell the engine the newest fencing token, and whether a window holding it may push."""
-        await self.client(server_id).fence(token, window_open=window_open)
+    async def fence(self, server_id: str, token: int, *, window_open: bool, staged: bool = False) -> None:
+        """Tell the engine the newest fencing token, and whether a window holding it may push
+        (``staged``: only into the engine's stage)."""
+        await self.client(server_id).fence(token, window_open=window_open, staged=staged)
 
     async def relabel(self, server_id: str, weight_version: str, *, fence: int | None = None) -> None:
         """Have the engine serve the weights it holds under ``weight_version`` (no reload)."""

@@ -212,10 +212,10 @@ class SGLangRollout(Rollout):
             logger.debug("%s has no drain mode; its weight updates drain by themselves", server_id)
             return 0
 
-    async def fence(self, server_id: str, token: int, *, window_open: bool) -> None:
+    async def fence(self, server_id: str, token: int, *, window_open: bool, staged: bool = False) -> None:
         """As the base on servers that fence (the embedded engine); SGLang has no ``/fence``."""
         try:
-            await super().fence(server_id, token, window_open=window_open)
+            await super().fence(server_id, token, window_open=window_open, staged=staged)
         except EngineCallError as exc:
             if exc.status_code != 404:
                 raise

@@ -207,6 +207,45 @@ async def test_a_window_credential_works_only_while_its_window_is_open(
     assert (cell.weight_version, cell.checksum) == ("200", v2.checksum)
 
 
+async def test_a_staged_window_credential_cannot_change_what_its_servers_serve(
+    guarded, roots: dict[str, Path], supervisor_rounds
+) -> None:
+    """The servers of a staged window stay in routing: its credential may stage weights for the
+    commit to activate, and nothing else; what clients get never changes before the commit."""
+    controller, http = guarded
+    headers = {**bearer(KEY)}
+    before = (await http.post("/generate", json=GREEDY, headers=headers)).json()
+    window = (
+        await http.post("/update_weights/start", json={"ttl_s": 30, "staged": True}, headers=bearer(ADMIN))
+    ).json()
+    assert window["staged"] is True, window
+    credential = bearer(window["credential"])
+    url = window["servers"][0]["url"]
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as engine:
+        for path, body in (
+            ("/update_weights_from_disk", {"model_path": str(roots["allowed"] / "v2"), "weight_version": "200"}),
+            ("/update_weight_version", {"new_version": "forged"}),
+            ("/activate_weights", {"expected_checksum": "0" * 32, "weight_version": "forged"}),
+        ):
+            refused = await engine.post(f"{url}{path}", json=body, headers=credential)
+            assert refused.status_code == 403 and "is staged" in refused.text, (path, refused.text)
+    during = (await http.post("/generate", json=GREEDY, headers=headers)).json()
+    assert (during["text"], during["meta_info"]["weight_version"]) == (
+        before["text"],
+        before["meta_info"]["weight_version"],
+    )
+    aborted = await http.post(
+        "/update_weights/abort", json={"token": window["token"], "reason": "test"}, headers=bearer(ADMIN)
+    )
+    assert aborted.status_code == 200, aborted.text
+    rollout = controller.fleet.rollout(None)
+    await supervisor_rounds(rollout, 2)
+    cell = rollout.cell("tiny-0")
+    assert cell.state.value == "serving"
+    after = (await http.post("/generate", json=GREEDY, headers=headers)).json()
+    assert after["text"] == before["text"]
+
+
 async def test_changing_a_safety_setting_is_logged(guarded) -> None:
     controller, http = guarded
     mark = len(controller.event_logger.events)

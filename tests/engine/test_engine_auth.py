@@ -168,3 +168,46 @@ def test_an_unusable_credential_stops_the_engine_at_start(
     )
     assert result.returncode != 0
     assert name in result.stderr
+
+
+def test_a_staged_window_credential_only_stages_and_activation_ends_it(
+    http: httpx.Client, checkpoints: dict[str, Path]
+) -> None:
+    """A staged window's servers serve while it is open: its credential may stage weights and read
+    their checksum, nothing that changes what is served; the controller's /activate_weights ends it."""
+    w = int(fence_state(http)["fence"]) + 1  # type: ignore[arg-type]
+    served = http.get("/get_weight_version", headers=bearer(KEY)).json()["weight_version"]
+    opened = http.post("/fence", json={"token": w, "window_open": True, "staged": True}, headers=bearer(SECRET))
+    assert opened.json() == {"fence": w, "window_open": True}
+    window = bearer(window_credential(SECRET, w))
+    live_changes = [
+        ("/update_weights_from_disk", {"model_path": str(checkpoints["v3"])}),
+        ("/update_weight_version", {"new_version": "forged"}),
+        ("/activate_weights", {"expected_checksum": "0" * 32, "weight_version": "forged"}),
+        ("/pause_generation", {}),
+        ("/abort_request", {"abort_all": True}),
+        ("/export_weights", {"step": 1}),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["e30="], "load_format": "miles_shm"}),
+        (
+            "/update_weights_from_distributed",
+            {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g", "activate": True},
+        ),
+    ]
+    for path, body in live_changes:
+        assert "is staged" in error(http.post(path, json=body, headers=window), 403), path
+    # Staging calls pass the credential check (this one then fails on its made-up segment).
+    staging = {"serialized_named_tensors": ["e30="], "load_format": "miles_shm", "activate": False}
+    assert http.post("/update_weights_from_tensor", json=staging, headers=window).status_code == 400
+    assert http.post("/weights_checker", json={}, headers=window).status_code == 200
+    assert http.get("/get_weight_version", headers=bearer(KEY)).json()["weight_version"] == served
+
+    # The controller's activation ends the window, whatever it finds staged (nothing, here).
+    refused = http.post(
+        "/activate_weights",
+        json={"expected_checksum": "0" * 32, "weight_version": "9"},
+        headers=bearer(SECRET, fence=w),
+    )
+    assert refused.status_code == 409, refused.text
+    assert fence_state(http) == {"fence": w, "window_open": False}
+    assert "closed or superseded" in error(http.post("/weights_checker", json={}, headers=window), 403)
+    assert http.get("/get_weight_version", headers=bearer(KEY)).json()["weight_version"] == served
