@@ -224,6 +224,9 @@ class WeightGroups:
         self._device = device
         self._groups: dict[str, _Group] = {}
         self._lock = threading.Lock()
+        # The receive buffer of the last group left, by device, for the next group that joins:
+        # a pusher forms a group per update, and a fresh buffer faults every page in again.
+        self._spare: dict[torch.device, torch.Tensor] = {}
 
     def join(self, request: InitWeightsUpdateGroupRequest) -> str:
         """Join the group (blocking: call off the loop); returns a message. Raises ConflictError
@@ -268,7 +271,8 @@ class WeightGroups:
             ) from None
         with self._lock:
             device = self._device if backend == "nccl" else torch.device("cpu")
-            self._groups[request.group_name] = _Group(request.group_name, rank, world, store, group, device)
+            spare = self._spare.pop(device, None)
+            self._groups[request.group_name] = _Group(request.group_name, rank, world, store, group, device, spare)
         logger.info("joined weight-update group %s as rank %d of %d", request.group_name, rank, world)
         return f"joined group {request.group_name!r} as rank {rank} of {world}"
 
@@ -305,6 +309,9 @@ class WeightGroups:
             member = self._groups.pop(name, None)
         if member is None:
             raise NotFoundError(f"this engine is in no group {name!r}")
+        if member.buffer is not None:
+            with self._lock:
+                self._spare[member.device] = member.buffer
         del member
         return f"left group {name!r}"
 

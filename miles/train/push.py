@@ -221,6 +221,8 @@ class PushPublisher:
         self.last: PushStats | None = None
         self._http: httpx.AsyncClient | None = None
         self._segment: _Segment | None = None
+        # The broadcast buffers, kept from one push to the next like the segment.
+        self._broadcast_buffers: list[torch.Tensor] = []
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -238,14 +240,23 @@ class PushPublisher:
             self._segment = await asyncio.to_thread(_Segment, size)
         return self._segment
 
+    def broadcast_buffers(self, count: int, size: int) -> list[torch.Tensor]:
+        """``count`` host buffers of at least ``size`` bytes to pack broadcast buckets into, kept
+        from one push to the next (their pages are faulted in once)."""
+        if len(self._broadcast_buffers) < count or any(b.numel() < size for b in self._broadcast_buffers[:count]):
+            self._broadcast_buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)]
+        return self._broadcast_buffers[:count]
+
     async def drop_segment(self) -> None:
         if self._segment is not None:
             segment, self._segment = self._segment, None
             await asyncio.to_thread(segment.close)
 
     async def close(self) -> None:
-        """Remove the shared-memory segment and close the connections; the publisher can be used again."""
+        """Remove the shared-memory segment, free the broadcast buffers and close the connections;
+        the publisher can be used again."""
         await self.drop_segment()
+        self._broadcast_buffers = []
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -627,9 +638,8 @@ class _DistributedPush:
             ) from None
         await joining
         tables = [layout(named, names) for names in plan(named, bucket_bytes=publisher.bucket_bytes)]
-        # Buffers kept for every bucket: their pages are faulted in once.
         size = max(max(t.total_bytes for t in tables), 1)
-        buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(_regions(tables))]
+        buffers = publisher.broadcast_buffers(_regions(tables), size)
 
         async def send(index: int, packed: BucketTable, checksum: str | None) -> None:
             body = {

@@ -61,6 +61,14 @@ async def test_a_push_serves_exactly_the_published_weights(
         assert all(s.weight_version == "7" for s in servers)
         async with httpx.AsyncClient(trust_env=False) as http:
             answers = {(await http.post(f"{url}/generate", json=GREEDY)).json()["text"] for _ in range(4)}
+        # The next push reuses what the first one left (the sender's buffers and segment, the
+        # engines' receive buffers) and delivers exactly its own weights.
+        v1 = read_manifest(checkpoints["v1"])
+        again = await publisher.push(weights_of(checkpoints["v1"]), step=8)
+        assert again.checksum == v1.checksum
+        servers = ctl.health().servers
+        assert all(s.state is ServerState.SERVING and (s.checksum, s.weight_version) == (v1.checksum, "8") for s in servers)
+        await publisher.close()
     # The same greedy text as an engine loaded from the checkpoint itself.
     async with running_controller(model_checkpoint=checkpoints["v2"], num_servers=1) as (_, url2):
         async with httpx.AsyncClient(trust_env=False) as http:
