@@ -41,9 +41,23 @@ def v2_weights(checkpoints: dict[str, Path]) -> dict[str, torch.Tensor]:
     return weights_of(checkpoints["v2"])
 
 
+@pytest.fixture(scope="module")
+def greedy_of(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The greedy text of an engine that loaded the v1 and then the v2 checkpoint from disk."""
+    texts = {}
+    with running_engine(checkpoints["v1"], log_dir=tmp_path_factory.mktemp("greedy")) as url:
+        with httpx.Client(base_url=url, trust_env=False, timeout=60) as http:
+            texts["v1"] = str(http.post("/generate", json=GREEDY).json()["text"])
+            loaded = http.post("/update_weights_from_disk", json={"model_path": str(checkpoints["v2"])})
+            assert loaded.status_code == 200 and loaded.json()["success"], loaded.text
+            texts["v2"] = str(http.post("/generate", json=GREEDY).json()["text"])
+    assert texts["v1"] != texts["v2"]
+    return texts
+
+
 @pytest.mark.parametrize("path", ["shm", "distributed"])
 async def test_a_push_serves_exactly_the_published_weights(
-    checkpoints: dict[str, Path], v2_weights: dict[str, torch.Tensor], path: str
+    checkpoints: dict[str, Path], v2_weights: dict[str, torch.Tensor], greedy_of: dict[str, str], path: str
 ) -> None:
     v2 = read_manifest(checkpoints["v2"])
     async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2) as (ctl, url):
@@ -67,13 +81,12 @@ async def test_a_push_serves_exactly_the_published_weights(
         again = await publisher.push(weights_of(checkpoints["v1"]), step=8)
         assert again.checksum == v1.checksum
         servers = ctl.health().servers
-        assert all(s.state is ServerState.SERVING and (s.checksum, s.weight_version) == (v1.checksum, "8") for s in servers)
+        assert all(
+            s.state is ServerState.SERVING and (s.checksum, s.weight_version) == (v1.checksum, "8") for s in servers
+        )
         await publisher.close()
     # The same greedy text as an engine loaded from the checkpoint itself.
-    async with running_controller(model_checkpoint=checkpoints["v2"], num_servers=1) as (_, url2):
-        async with httpx.AsyncClient(trust_env=False) as http:
-            expected = (await http.post(f"{url2}/generate", json=GREEDY)).json()["text"]
-    assert answers == {expected}
+    assert answers == {greedy_of["v2"]}
 
 
 async def test_a_push_missing_a_tensor_is_rolled_back_and_serving_stays_verified(
@@ -89,11 +102,15 @@ async def test_a_push_missing_a_tensor_is_rolled_back_and_serving_stays_verified
         assert not ctl.health().lock.held
 
 
-@pytest.fixture
-def engine_url(checkpoints: dict[str, Path], tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    """One engine of our own with a control secret (no controller)."""
+@pytest.fixture(scope="module")
+def engine_url(
+    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """One engine of our own with a control secret (no controller), for the tests that push into it
+    by hand (each compares the engine with itself before and after)."""
     secret = "s" * 32
-    with running_engine(checkpoints["v1"], log_dir=tmp_path, env={"MILES_ENGINE_SECRET": secret}) as url:
+    log_dir = tmp_path_factory.mktemp("engine")
+    with running_engine(checkpoints["v1"], log_dir=log_dir, env={"MILES_ENGINE_SECRET": secret}) as url:
         yield url, {"authorization": f"Bearer {secret}"}
 
 
@@ -345,15 +362,9 @@ async def test_a_trainer_process_pushes_over_http_or_dies_and_serving_stays_veri
 
 @pytest.mark.parametrize("path", ["shm", "distributed"])
 async def test_no_request_sees_mixed_weights_during_a_push(
-    checkpoints: dict[str, Path], v2_weights: dict[str, torch.Tensor], path: str
+    checkpoints: dict[str, Path], v2_weights: dict[str, torch.Tensor], greedy_of: dict[str, str], path: str
 ) -> None:
-    async def greedy_text(checkpoint: Path) -> str:
-        async with running_controller(model_checkpoint=checkpoint, num_servers=1) as (_, one):
-            async with httpx.AsyncClient(trust_env=False) as http:
-                return str((await http.post(f"{one}/generate", json=GREEDY)).json()["text"])
-
-    versions = {await greedy_text(checkpoints["v1"]): "1", await greedy_text(checkpoints["v2"]): "7"}
-    assert len(versions) == 2
+    versions = {greedy_of["v1"]: "1", greedy_of["v2"]: "7"}
     seen: list[tuple[str, str]] = []
     async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2) as (ctl, url):
         stop = asyncio.Event()
