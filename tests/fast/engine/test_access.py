@@ -125,3 +125,27 @@ def test_window_credentials_work_only_while_their_window_is_the_open_fence() -> 
     assert a.state.model_dump() == {"fence": 5, "window_open": False}
     refused(lambda: a.admit(grant), 403)
     refused(lambda: a.move_fence(FenceRequest(token=4, window_open=True)), 409)
+
+
+def test_a_staged_window_credential_may_only_stage() -> None:
+    a = access()
+    window = f"Bearer {window_credential(SECRET, 6)}"
+    a.move_fence(FenceRequest(token=6, window_open=True, staged=True))
+    for path in ("/update_weights_from_disk", "/update_weight_version", "/activate_weights", "/pause_generation"):
+        assert "is staged" in refused(lambda path=path: a.authorize(path, authorization=window, fence=None), 403)
+    push = a.authorize("/update_weights_from_tensor", authorization=window, fence=None)
+    assert push == ControlGrant(6, 6)
+    assert "activate=true" in refused(lambda: a.admit(push, activates=True), 403)
+    a.admit(push, activates=False)
+    assert a.authorize("/weights_checker", authorization=window, fence=None) == ControlGrant(6, 6)
+    # The secret (the controller) is not limited by the window's kind.
+    a.admit(a.authorize("/activate_weights", authorization=f"Bearer {SECRET}", fence="6"), activates=True)
+    # Reopened as an ordinary window (its servers out of routing), the credential may load.
+    a.move_fence(FenceRequest(token=6, window_open=True))
+    a.admit(a.authorize("/update_weights_from_disk", authorization=window, fence=None), activates=True)
+    # Closing ends the staged kind with the window.
+    a.move_fence(FenceRequest(token=7, window_open=True, staged=True))
+    a.close_window()
+    a.move_fence(FenceRequest(token=7, window_open=True))
+    later = f"Bearer {window_credential(SECRET, 7)}"
+    assert a.authorize("/update_weight_version", authorization=later, fence=None) == ControlGrant(7, 7)
