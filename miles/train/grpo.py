@@ -47,6 +47,11 @@ class PolicyLoss:
     # Share of tokens where the clipped term was the smaller one (the gradient was cut there).
     clip_fraction: float
     mean_ratio: float
+    # How far the trainer's policy is from the behaviour policy that sampled the tokens: the
+    # token mean of ``ratio - 1 - log(ratio)``, an estimate of KL(behaviour || trainer) that is
+    # never negative and 0 only when the logprobs agree. (The mean ratio itself is 1 in
+    # expectation whatever the gap, so it cannot tell.)
+    behaviour_kl: float = 0.0
 
 
 def clipped_policy_loss(
@@ -90,4 +95,13 @@ def clipped_policy_loss(
         cut = (clipped < unclipped) & mask
         clip_fraction = float(cut.sum()) / num_tokens
         mean_ratio = float(ratio.masked_fill(~mask, 0.0).sum()) / num_tokens
-    return PolicyLoss(loss=loss, num_tokens=num_tokens, clip_fraction=clip_fraction, mean_ratio=mean_ratio)
+        log_ratio = logp_trainer.detach() - logp_server.detach()
+        kl = (ratio.detach() - 1.0 - log_ratio).masked_fill(~mask, 0.0)
+        behaviour_kl = float(kl.sum()) / num_tokens
+    return PolicyLoss(
+        loss=loss,
+        num_tokens=num_tokens,
+        clip_fraction=clip_fraction,
+        mean_ratio=mean_ratio,
+        behaviour_kl=behaviour_kl,
+    )

@@ -97,9 +97,11 @@ class StepReport(_Frozen):
     staleness: Staleness
     # GRPO only: groups whose rewards were all equal (no learning signal; a sign of collapse).
     num_flat_groups: Annotated[int, Field(ge=0)] = 0
-    # GRPO only (0 in SFT): share of tokens whose gradient the clip cut, and the mean ratio.
+    # GRPO only (0 in SFT): share of tokens whose gradient the clip cut, the mean ratio, and the
+    # estimated KL from the behaviour policy (the servers' logprobs) to the trainer's.
     clip_fraction: float = 0.0
     mean_ratio: float = 1.0
+    behaviour_kl: float = 0.0
     # None on steps that did not publish (``publish_every`` > 1).
     publish: PublishResult | None = None
     step_s: float

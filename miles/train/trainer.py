@@ -82,6 +82,7 @@ class _Update:
     loss: float
     clip_fraction: float = 0.0
     mean_ratio: float = 1.0
+    behaviour_kl: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,6 +366,7 @@ class Trainer:
             num_flat_groups=0 if phase is Phase.SFT else sum(_flat(group) for group in scored),
             clip_fraction=update.clip_fraction,
             mean_ratio=update.mean_ratio,
+            behaviour_kl=update.behaviour_kl,
             publish=publish,
             step_s=step_s,
             trainer_idle_s=trainer_idle_s,
@@ -440,7 +442,10 @@ class Trainer:
         )
         self._apply_gradients(result.loss, optimizer)
         return _Update(
-            loss=float(result.loss.detach()), clip_fraction=result.clip_fraction, mean_ratio=result.mean_ratio
+            loss=float(result.loss.detach()),
+            clip_fraction=result.clip_fraction,
+            mean_ratio=result.mean_ratio,
+            behaviour_kl=result.behaviour_kl,
         )
 
     def _apply_gradients(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:

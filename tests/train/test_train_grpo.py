@@ -59,6 +59,18 @@ def test_unclipped_ratio_one_is_minus_the_token_mean_advantage() -> None:
     assert result.num_tokens == 4
     assert result.clip_fraction == 0.0
     assert result.mean_ratio == pytest.approx(1.0)
+    assert result.behaviour_kl == 0.0
+
+
+def test_the_behaviour_kl_sees_a_gap_the_mean_ratio_averages_away() -> None:
+    # Ratios 2 and 1/2 average to 1.25, and 0.5 and 1.5 to exactly 1: the mean ratio says little.
+    # The estimate r - 1 - log r is 0 only at r = 1, and positive either side; masked tokens count
+    # for nothing.
+    result, _ = _loss([[0.5, 1.5, 9.0]], [0.0], [[True, True, False]])
+    assert result.mean_ratio == pytest.approx(1.0)
+    expected = ((0.5 - 1 - math.log(0.5)) + (1.5 - 1 - math.log(1.5))) / 2
+    assert result.behaviour_kl == pytest.approx(expected)
+    assert result.behaviour_kl > 0.05
 
 
 def test_token_mean_weighs_tokens_not_sequences() -> None:
