@@ -281,8 +281,24 @@ def main() -> None:
                 f"  time to threshold, sync / async: {'n/a' if speedup is None else f'{speedup:.2f}x'}; "
                 f"GRPO wall, sync / async: {sum(sync['step_s']) / sum(asyn['step_s']):.2f}x"
             )
+    if len(rows) > 1:
+        _summary(rows)
     if args.json:
         print(json.dumps(rows, indent=2))
+
+
+def _summary(rows: list[dict[str, Any]]) -> None:
+    """The ratios over every repeat: the median, and the spread (the sync loop alone moves by a few
+    percent from run to run)."""
+    walls = [r["grpo_wall_s"]["sync"] / r["grpo_wall_s"]["async"] for r in rows]
+    reaches = [r["speedup"] for r in rows if r["speedup"] is not None]
+    print(f"\nover {len(rows)} repeats, sync / async:")
+    print(f"  GRPO wall          median {statistics.median(walls):.2f}x  (from {min(walls):.2f}x to {max(walls):.2f}x)")
+    if reaches:
+        print(
+            f"  time to threshold  median {statistics.median(reaches):.2f}x  "
+            f"(from {min(reaches):.2f}x to {max(reaches):.2f}x; {len(reaches)} of {len(rows)} repeats reached it)"
+        )
 
 
 if __name__ == "__main__":
