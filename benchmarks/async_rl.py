@@ -1,10 +1,11 @@
 """Synchronous vs asynchronous GRPO on the same task, seed and budget, side by side in one run.
 
-Each run is ``miles demo``'s job (a controller, rollout servers, the reference trainer pushing
+Each run is ``miles demo``'s job (a controller, a rollout server, the reference trainer pushing
 every step's weights through the fastest verified path) in a process of its own, with no user
-traffic, the trainer on one core and the rollout servers on the other (CPU affinity), as users with
-separate trainer and rollout GPUs have them. Both loops run the same SFT warm-up and then the same
-number of GRPO steps; the figures compare the GRPO phase:
+traffic, the trainer on one core and the rollout server on the other (CPU affinity), as users with
+separate trainer and rollout GPUs have them (``--servers 2`` puts two engines on the fleet's
+core). Both loops run the same SFT warm-up and then the same number of GRPO steps; the figures
+compare the GRPO phase:
 
 - the sync loop's final reward (mean of the last ``--window`` GRPO steps) sets the threshold, less
   ``--margin`` for noise; each loop's time to threshold is the GRPO wall time until its moving
@@ -210,7 +211,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sft-steps", type=int, default=150)
     parser.add_argument("--grpo-steps", type=int, default=150)
-    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument(
+        "--servers",
+        type=int,
+        default=1,
+        help="rollout servers on the fleet's core (one, as users run one engine per rollout device)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1)
