@@ -36,6 +36,15 @@ from miles.utils.http import error_response, status_of
 logger = logging.getLogger("miles.engine")
 
 
+class WindowState(Enum):
+    """The window of the engine's fencing token: its credential works only while it is open, and
+    only to stage weights while it is staged (its servers serve meanwhile)."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    STAGED = "open, staged"
+
+
 class Kind(Enum):
     OPEN = "open"
     INFERENCE = "inference"  # inference and read-only endpoints: the API key (or the secret)
@@ -126,13 +135,11 @@ class EngineAccess:
         self._secret = secret
         self._api_key = api_key
         self._fence = 0
-        self._window_open = False
-        # The open window is staged: its credential may only stage (``FenceRequest.staged``).
-        self._window_staged = False
+        self._window = WindowState.CLOSED
 
     @property
     def state(self) -> FenceState:
-        return FenceState(fence=self._fence, window_open=self._window_open)
+        return FenceState(fence=self._fence, window_open=self._window is not WindowState.CLOSED)
 
     # --- authentication (before the body is read) ----------------------------------------------
 
@@ -211,13 +218,12 @@ class EngineAccess:
         raise PermissionDeniedError(f"the credential presented for {path} is wrong: it needs {needs}")
 
     def _check_window(self, window: int, path: str, *, activates: bool = False) -> None:
-        if window != self._fence or not self._window_open:
-            state = "open" if self._window_open else "closed"
+        if window != self._fence or self._window is WindowState.CLOSED:
             raise PermissionDeniedError(
                 f"training window {window} is closed or superseded: this engine's fence is {self._fence} "
-                f"(window {state}); ask the controller for a new window",
+                f"(window {self._window.value}); ask the controller for a new window",
             )
-        if not self._window_staged:
+        if self._window is not WindowState.STAGED:
             return
         if path.rstrip("/") not in _STAGING_ALLOWED:
             raise PermissionDeniedError(
@@ -254,13 +260,13 @@ class EngineAccess:
         self._check_not_stale(grant.fence)
         if grant.fence > self._fence:
             # A newer owner: whatever window the old token had is over.
-            self._fence, self._window_open, self._window_staged = grant.fence, False, False
+            self._fence, self._window = grant.fence, WindowState.CLOSED
             logger.info("fence raised to %d by a control call", grant.fence)
 
     def close_window(self) -> None:
         """End the open window, if any: its credential changes nothing from now on."""
-        if self._window_open:
-            self._window_open = self._window_staged = False
+        if self._window is not WindowState.CLOSED:
+            self._window = WindowState.CLOSED
             logger.info("fence %d, window closed", self._fence)
 
     def move_fence(self, request: FenceRequest) -> FenceState:
@@ -269,13 +275,12 @@ class EngineAccess:
         Raises InvalidRequestError (409) for a token below the fence.
         """
         self._check_not_stale(request.token)
-        self._fence, self._window_open = request.token, request.window_open
-        self._window_staged = request.window_open and request.staged
-        logger.info(
-            "fence %d, window %s",
-            self._fence,
-            ("open, staged" if self._window_staged else "open") if self._window_open else "closed",
-        )
+        self._fence = request.token
+        if not request.window_open:
+            self._window = WindowState.CLOSED
+        else:
+            self._window = WindowState.STAGED if request.staged else WindowState.OPEN
+        logger.info("fence %d, window %s", self._fence, self._window.value)
         return self.state
 
 
