@@ -185,16 +185,16 @@ def create_app(engine: Engine) -> FastAPI:
     ) -> JSONResponse:
         admit(access, http_request, activates=request.activate)
         started = time.perf_counter()
-        bucket = await asyncio.to_thread(groups.receive, request, engine.weights.check_table)
-        received = time.perf_counter() - started
-        result = await engine.weights.apply_pushed(
-            bucket,
-            weight_version=request.weight_version,
-            expected_checksum=request.expected_checksum,
-            abort_all_requests=request.abort_all_requests,
-            source=f"group {request.group_name}",
-            activate=request.activate,
-        )
+        async with groups.bucket(request, engine.weights.check_table) as bucket:
+            received = time.perf_counter() - started
+            result = await engine.weights.apply_pushed(
+                bucket,
+                weight_version=request.weight_version,
+                expected_checksum=request.expected_checksum,
+                abort_all_requests=request.abort_all_requests,
+                source=f"group {request.group_name}",
+                activate=request.activate,
+            )
         return await pushed(result, source="distributed", started=started, received=received)
 
     @app.post("/destroy_weights_update_group")

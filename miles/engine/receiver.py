@@ -18,16 +18,18 @@ nothing here touches the live weights.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import logging
 import mmap
 import os
 import re
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -210,6 +212,8 @@ class _Group:
     device: torch.device
     # Kept from one bucket to the next (its pages faulted in once), grown when a bucket is bigger.
     buffer: torch.Tensor | None = None
+    # Held from a broadcast into ``buffer`` until its tensors are copied out (``WeightGroups.bucket``).
+    in_use: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def flat(self, nbytes: int) -> torch.Tensor:
         if self.buffer is None or self.buffer.numel() < nbytes:
@@ -223,6 +227,7 @@ class WeightGroups:
     def __init__(self, *, device: torch.device) -> None:
         self._device = device
         self._groups: dict[str, _Group] = {}
+        self._joining: set[str] = set()  # names being joined: a second join of one name is refused
         self._lock = threading.Lock()
         # The receive buffer of the last group left, by device, for the next group that joins:
         # a pusher forms a group per update, and a fresh buffer faults every page in again.
@@ -238,16 +243,24 @@ class WeightGroups:
             )
         if backend not in ("gloo", "nccl"):
             raise InvalidRequestError(f"backend {request.backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPU)")
-        with self._lock:
-            if request.group_name in self._groups:
-                raise ConflictError(
-                    f"this engine is already in group {request.group_name!r}; destroy it first "
-                    "(/destroy_weights_update_group)"
-                )
-        timeout = timedelta(seconds=request.timeout_s)
         rank, world = request.rank_offset, request.world_size
         if rank >= world:
             raise InvalidRequestError(f"rank_offset {rank} is outside a group of world_size {world}")
+        with self._lock:
+            if request.group_name in self._groups or request.group_name in self._joining:
+                raise ConflictError(
+                    f"this engine is already in group {request.group_name!r} or joining it; destroy it first "
+                    "(/destroy_weights_update_group)"
+                )
+            self._joining.add(request.group_name)
+        try:
+            return self._join(request, backend, rank, world)
+        finally:
+            with self._lock:
+                self._joining.discard(request.group_name)
+
+    def _join(self, request: InitWeightsUpdateGroupRequest, backend: str, rank: int, world: int) -> str:
+        timeout = timedelta(seconds=request.timeout_s)
         try:
             store = dist.TCPStore(request.master_address, request.master_port, world, False, timeout=timeout)
         except (RuntimeError, dist.DistError) as exc:
@@ -276,10 +289,17 @@ class WeightGroups:
         logger.info("joined weight-update group %s as rank %d of %d", request.group_name, rank, world)
         return f"joined group {request.group_name!r} as rank {rank} of {world}"
 
-    def receive(self, request: UpdateWeightsFromDistributedRequest, check: Callable[[BucketTable], None]) -> Received:
-        """One bucket by broadcast from rank 0 (blocking: call off the loop), with the digests it
-        was sent with (checked as it is copied out). Raises NotFoundError for an unknown group, ConflictError when the
-        broadcast does not finish within ``timeout_s`` (the sender died or never sent)."""
+    @contextlib.asynccontextmanager
+    async def bucket(
+        self, request: UpdateWeightsFromDistributedRequest, check: Callable[[BucketTable], None]
+    ) -> AsyncIterator[Received]:
+        """One bucket by broadcast from rank 0, with the digests it was sent with (checked as it is
+        copied out), held until the block ends: a group takes one bucket at a time, and its buffer
+        is neither overwritten by the next broadcast nor handed to another group while the
+        tensors viewing it are copied out.
+
+        Raises NotFoundError for an unknown group, ConflictError when the broadcast does not finish
+        within ``timeout_s`` (the sender died or never sent)."""
         if request.load_format not in (None, FLAT_LOAD_FORMAT):
             raise InvalidRequestError(
                 f"load_format {request.load_format!r} is not supported; send {FLAT_LOAD_FORMAT!r} "
@@ -293,6 +313,11 @@ class WeightGroups:
             )
         table = table_of(request)
         check(table)  # names, dtypes and shapes the model has, before a byte is allocated
+        async with member.in_use:
+            yield await asyncio.to_thread(self._receive, member, request, table)
+
+    @staticmethod
+    def _receive(member: _Group, request: UpdateWeightsFromDistributedRequest, table: BucketTable) -> Received:
         flat = member.flat(table.total_bytes)
         work = member.group.broadcast([flat], broadcast_options(request.timeout_s))
         try:
@@ -309,7 +334,8 @@ class WeightGroups:
             member = self._groups.pop(name, None)
         if member is None:
             raise NotFoundError(f"this engine is in no group {name!r}")
-        if member.buffer is not None:
+        if member.buffer is not None and not member.in_use.locked():
+            # A buffer still being received into or copied out of goes with its group.
             with self._lock:
                 self._spare[member.device] = member.buffer
         del member

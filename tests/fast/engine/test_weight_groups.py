@@ -1,0 +1,189 @@
+"""An engine's weight-update groups over real gloo, in one process: the sender is rank 0 on a
+thread, the engine's ``WeightGroups`` rank 1 (the HTTP side is tested in tests/train/test_push.py).
+
+What is pinned here is the receive buffer's life: a bucket's tensors view the group's buffer until
+they are copied out, so neither the group's next broadcast nor another group may write into it
+meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from miles.engine.receiver import WeightGroups, broadcast_options
+from miles.errors import ConflictError
+from miles.protocol.sglang import InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest
+from miles.weights.buckets import BucketTable
+
+N = 1024  # float32 elements per bucket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Sender:
+    """Rank 0 of a two-member gloo group, formed on a thread while the engine joins."""
+
+    def __init__(self, groups: WeightGroups, name: str) -> None:
+        port = free_port()
+        self.name = name
+        made: dict[str, Any] = {}
+
+        def rank0() -> None:
+            store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=20))
+            made["store"] = store
+            made["group"] = dist.ProcessGroupGloo(dist.PrefixStore(name, store), 0, 2, timedelta(seconds=20))
+
+        thread = threading.Thread(target=rank0)
+        thread.start()
+        groups.join(
+            InitWeightsUpdateGroupRequest(
+                master_address="127.0.0.1",
+                master_port=port,
+                rank_offset=1,
+                world_size=2,
+                group_name=name,
+                backend="gloo",
+                timeout_s=20,
+            )
+        )
+        thread.join()
+        self._store, self._group = made["store"], made["group"]
+
+    def send(self, value: float) -> threading.Thread:
+        """Broadcast one bucket of ``N`` floats equal to ``value`` (on a thread: it returns once the
+        engine has received it)."""
+        flat = torch.full((N,), value).view(torch.uint8)
+        thread = threading.Thread(target=lambda: self._group.broadcast([flat], broadcast_options(20)).wait())
+        thread.start()
+        return thread
+
+    def request(self) -> UpdateWeightsFromDistributedRequest:
+        return UpdateWeightsFromDistributedRequest(
+            names=["w"], dtypes=["float32"], shapes=[[N]], group_name=self.name, timeout_s=20
+        )
+
+
+def unchecked(_: BucketTable) -> None:
+    pass
+
+
+@pytest.fixture
+def groups() -> WeightGroups:
+    return WeightGroups(device=torch.device("cpu"))
+
+
+def test_a_buffer_being_copied_out_is_not_handed_to_the_next_group(groups: WeightGroups) -> None:
+    async def scenario() -> None:
+        first = Sender(groups, "first")
+        sent = first.send(1.0)
+        async with groups.bucket(first.request(), unchecked) as bucket:
+            sent.join()
+            # The pusher leaves and another group forms while the bucket is still being copied out.
+            groups.destroy("first")
+            second = await asyncio.to_thread(Sender, groups, "second")
+            sent = second.send(2.0)
+            async with groups.bucket(second.request(), unchecked) as other:
+                sent.join()
+                assert torch.equal(other.tensors["w"], torch.full((N,), 2.0))
+            assert torch.equal(bucket.tensors["w"], torch.full((N,), 1.0))
+        groups.destroy("second")
+
+    asyncio.run(scenario())
+
+
+def test_a_group_takes_one_bucket_at_a_time(groups: WeightGroups) -> None:
+    async def scenario() -> None:
+        sender = Sender(groups, "one")
+        sent = [sender.send(1.0), sender.send(2.0)]
+        seen: list[float] = []
+
+        async def take(hold: asyncio.Event | None) -> None:
+            async with groups.bucket(sender.request(), unchecked) as bucket:
+                if hold is not None:
+                    await hold.wait()
+                seen.append(float(bucket.tensors["w"][0]))
+
+        hold = asyncio.Event()
+        first = asyncio.create_task(take(hold))
+        await asyncio.sleep(0)  # the first call holds the group before the second asks
+        second = asyncio.create_task(take(None))
+        await asyncio.to_thread(sent[0].join)
+        # The second broadcast cannot land in the buffer the first bucket's tensors still view.
+        await asyncio.sleep(0.2)
+        assert not second.done()
+        hold.set()
+        await asyncio.gather(first, second)
+        for thread in sent:
+            thread.join()
+        assert seen == [1.0, 2.0]
+        groups.destroy("one")
+
+    asyncio.run(scenario())
+
+
+def test_a_group_left_hands_its_buffer_to_the_next_one(groups: WeightGroups) -> None:
+    async def scenario() -> None:
+        first = Sender(groups, "first")
+        sent = first.send(1.0)
+        async with groups.bucket(first.request(), unchecked) as bucket:
+            sent.join()
+            buffer = bucket.tensors["w"].untyped_storage().data_ptr()
+        groups.destroy("first")
+        second = await asyncio.to_thread(Sender, groups, "second")
+        sent = second.send(2.0)
+        async with groups.bucket(second.request(), unchecked) as bucket:
+            sent.join()
+            assert bucket.tensors["w"].untyped_storage().data_ptr() == buffer
+        groups.destroy("second")
+
+    asyncio.run(scenario())
+
+
+def test_a_second_join_of_a_group_being_joined_is_refused_and_the_first_forms(groups: WeightGroups) -> None:
+    port = free_port()
+    made: dict[str, Any] = {}
+    request = InitWeightsUpdateGroupRequest(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank_offset=1,
+        world_size=2,
+        group_name="raced",
+        backend="gloo",
+        timeout_s=20,
+    )
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    first = threading.Thread(target=lambda: made.setdefault("answer", groups.join(request)))
+    first.start()
+    # The first join waits in the store for rank 0, which has not come yet: it is joining.
+    prefixed = dist.PrefixStore("raced", store)
+    prefixed.wait(["joined/1"])
+    with pytest.raises(ConflictError, match="already in group 'raced' or joining it"):
+        groups.join(request)
+    rank0 = dist.ProcessGroupGloo(prefixed, 0, 2, timedelta(seconds=20))
+    first.join()
+    assert "joined group 'raced'" in made["answer"]
+    flat = torch.full((N,), 3.0).view(torch.uint8)
+    sent = threading.Thread(target=lambda: rank0.broadcast([flat], broadcast_options(20)).wait())
+    sent.start()
+
+    async def take() -> float:
+        request = UpdateWeightsFromDistributedRequest(
+            names=["w"], dtypes=["float32"], shapes=[[N]], group_name="raced", timeout_s=20
+        )
+        async with groups.bucket(request, unchecked) as bucket:
+            return float(bucket.tensors["w"][0])
+
+    assert asyncio.run(take()) == 3.0
+    sent.join()
+    groups.destroy("raced")
