@@ -8,6 +8,11 @@ attention and MLP matrices, biases, norms: a few hundred tensors), then measures
 the same tensors saved to a temp file (page cache warm), ``hashlib.sha256`` over the same bytes,
 and ``Tensor.copy_`` into preallocated tensors. Prints GB/s (1e9 bytes) and the ratios
 ours / sha256 and ours / memcpy (targets: >= 10x and >= 0.5x).
+
+Then copying and checksumming in one pass, on one thread (``copy_and_checksum``: what loading,
+staging and packing a push do): the copy and the hash made one after the other over the whole
+tensors, and one pass slice by slice, at the slice size the code uses and at others, each as a
+ratio to the code's.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from miles.weights.checksum import checksum_safetensors, checksum_state_dict, default_threads
+import miles.weights.checksum as checksum_module
+from miles.weights.checksum import checksum_safetensors, checksum_state_dict, copy_and_checksum, default_threads
 
 _HIDDEN = 1024
 _KV = 256
@@ -126,6 +132,38 @@ def main() -> None:
         ratio_sha = f"{r.gbps / sha.gbps:9.1f}" if ours else f"{'':>9}"
         ratio_copy = f"{r.gbps / memcpy.gbps:9.2f}" if ours else f"{'':>9}"
         print(f"{r.name:<40} {r.seconds:8.3f} {r.gbps:8.2f} {ratio_sha} {ratio_copy}")
+    copy_and_hash(tensors, destination, args.repeats, num_bytes)
+
+
+def copy_and_hash(
+    tensors: dict[str, torch.Tensor], destination: dict[str, torch.Tensor], repeats: int, num_bytes: int
+) -> None:
+    """One thread copying and checksumming: two passes, then one pass at several slice sizes."""
+    shipped = checksum_module.COPY_SLICE_BYTES
+    rows = [
+        (
+            "copy, then checksum (two passes)",
+            best_of(
+                repeats,
+                lambda: (
+                    [destination[name].copy_(t) for name, t in tensors.items()],
+                    checksum_state_dict(destination, threads=1),
+                ),
+            ),
+        )
+    ]
+    for size in sorted({64 << 10, 256 << 10, 1 << 20, 4 << 20, shipped}):
+        checksum_module.COPY_SLICE_BYTES = size
+        try:
+            seconds = best_of(repeats, lambda: copy_and_checksum(destination, tensors.__getitem__, threads=1))
+        finally:
+            checksum_module.COPY_SLICE_BYTES = shipped
+        label = f"one pass, {size >> 10} KiB slices" + (" (the code's)" if size == shipped else "")
+        rows.append((label, seconds))
+    ours = next(seconds for label, seconds in rows if "the code's" in label)
+    print(f"\n{'copy and checksum, 1 thread':<40} {'best s':>8} {'GB/s':>8} {'t / ours':>9}")
+    for label, seconds in rows:
+        print(f"{label:<40} {seconds:8.3f} {num_bytes / seconds / 1e9:8.2f} {seconds / ours:9.2f}")
 
 
 if __name__ == "__main__":

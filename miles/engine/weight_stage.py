@@ -35,12 +35,14 @@ import xxhash
 
 from miles.engine.weight_memory import Placement, Slot, WeightMemory
 from miles.errors import MilesError, UnsupportedTensorError
-from miles.weights.checksum import ModelChecksum, TensorDigest, checksum_from_digests, digest_tensor
+from miles.weights.checksum import (
+    COPY_SLICE_BYTES,
+    ModelChecksum,
+    TensorDigest,
+    checksum_from_digests,
+    digest_tensor,
+)
 from miles.weights.safetensors_io import dtype_name
-
-# Copy and hash in slices this big: the slice just written is still in cache when it is hashed,
-# so the hash costs a cache read instead of a second pass over memory (as copy_and_checksum does).
-_SLICE_BYTES = 4 * 1024 * 1024
 
 
 class StagingRefusedError(MilesError):
@@ -335,9 +337,9 @@ def _copy_and_digest(target: torch.Tensor, source: torch.Tensor) -> str:
     dst = target.reshape(-1).view(torch.uint8).numpy()
     src = source.reshape(-1).view(torch.uint8).numpy()
     view = memoryview(dst)  # type: ignore[arg-type]  # an ndarray has the buffer protocol
-    hasher = xxhash.xxh3_128()
-    for start in range(0, dst.size, _SLICE_BYTES):
-        end = min(start + _SLICE_BYTES, dst.size)
+    hasher = xxhash.xxh3_128()  # slice by slice, as miles.weights.checksum.copy_and_checksum does
+    for start in range(0, dst.size, COPY_SLICE_BYTES):
+        end = min(start + COPY_SLICE_BYTES, dst.size)
         np.copyto(dst[start:end], src[start:end])
         hasher.update(view[start:end])
     return hasher.hexdigest()

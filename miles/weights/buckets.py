@@ -22,12 +22,11 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles.errors import InvalidRequestError
-from miles.weights.checksum import TensorDigest, digest_tensor
+from miles.weights.checksum import COPY_SLICE_BYTES, TensorDigest, digest_tensor
 from miles.weights.safetensors_io import SAFETENSORS_DTYPES, dtype_name
 
 # Default bucket size: large enough that per-call costs vanish, small enough to stage twice.
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
-_SLICE = 4 * 1024 * 1024
 # Every dtype a checkpoint can hold, by torch's name.
 TORCH_DTYPES = {dtype_name(dtype): dtype for dtype in SAFETENSORS_DTYPES.values()}
 
@@ -116,8 +115,8 @@ def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tens
         if source.device.type != "cpu":
             source = source.cpu()
         hasher = xxhash.xxh3_128()
-        for start in range(0, entry.nbytes, _SLICE):
-            end = min(start + _SLICE, entry.nbytes)
+        for start in range(0, entry.nbytes, COPY_SLICE_BYTES):
+            end = min(start + COPY_SLICE_BYTES, entry.nbytes)
             flat[entry.offset + start : entry.offset + end].copy_(source[start:end])
             hasher.update(view[entry.offset + start : entry.offset + end])
         done.append(entry.model_copy(update={"digest": hasher.hexdigest()}))

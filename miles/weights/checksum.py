@@ -352,9 +352,11 @@ def _expand_paths(paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathL
     return paths
 
 
-# Copy and hash in slices this big: the slice just written is still in cache when it is hashed,
-# so the hash costs a cache read instead of a second pass over memory.
-_COPY_SLICE_BYTES = 4 * 1024 * 1024
+# Copy and hash in slices this big: the slice just written is still in the core's cache when it
+# is hashed, so the hash costs a cache read instead of a second pass over memory. Source and
+# target slices should both fit in L2 (2 MiB per core on the machines measured); smaller slices
+# pay per-slice overhead (`benchmarks/checksum.py` compares sizes; docs/PERFORMANCE.md).
+COPY_SLICE_BYTES = 1024 * 1024
 
 
 def copy_and_checksum(
@@ -393,8 +395,8 @@ def copy_and_checksum(
             raw = src.detach().contiguous().reshape(-1).view(torch.uint8)
             hasher = xxhash.xxh3_128()
             view = memoryview(dst.numpy())  # type: ignore[arg-type]  # as in _raw_bytes
-            for start in range(0, dst.numel(), _COPY_SLICE_BYTES):
-                end = min(start + _COPY_SLICE_BYTES, dst.numel())
+            for start in range(0, dst.numel(), COPY_SLICE_BYTES):
+                end = min(start + COPY_SLICE_BYTES, dst.numel())
                 dst[start:end].copy_(raw[start:end])
                 hasher.update(view[start:end])
             return hasher.hexdigest()
