@@ -343,8 +343,13 @@ class WeightGroups:
 
 
 def table_of(request: UpdateWeightsFromDistributedRequest) -> BucketTable:
-    entries, offset = [], 0
+    """The bucket a broadcast will carry, refused (InvalidRequestError) before any byte arrives when
+    it names a tensor twice or a dtype torch does not know."""
+    entries, offset, seen = [], 0, set()
     for i, (name, raw_dtype, shape) in enumerate(zip(request.names, request.dtypes, request.shapes, strict=True)):
+        if name in seen:
+            raise InvalidRequestError(f"tensor {name!r} appears twice in one bucket; name each tensor once")
+        seen.add(name)
         dtype = raw_dtype.removeprefix("torch.")
         if dtype not in TORCH_DTYPES:
             raise InvalidRequestError(

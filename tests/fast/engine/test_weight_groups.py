@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from miles.engine.receiver import WeightGroups, broadcast_options
-from miles.errors import ConflictError
+from miles.errors import ConflictError, InvalidRequestError
 from miles.protocol.sglang import InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest
 from miles.weights.buckets import BucketTable
 
@@ -187,3 +187,23 @@ def test_a_second_join_of_a_group_being_joined_is_refused_and_the_first_forms(gr
     assert asyncio.run(take()) == 3.0
     sent.join()
     groups.destroy("raced")
+
+
+def test_a_bucket_naming_a_tensor_twice_is_refused_before_any_byte_arrives(groups: WeightGroups) -> None:
+    async def scenario() -> None:
+        sender = Sender(groups, "twice")
+        request = UpdateWeightsFromDistributedRequest(
+            names=["w", "w"], dtypes=["float32"] * 2, shapes=[[N]] * 2, group_name="twice", timeout_s=20
+        )
+        # No broadcast is coming: a refusal that waited for one would take the 20 s timeout.
+        with pytest.raises(InvalidRequestError, match="'w' appears twice"):
+            async with asyncio.timeout(5):
+                async with groups.bucket(request, unchecked):
+                    pass
+        sent = sender.send(4.0)
+        async with groups.bucket(sender.request(), unchecked) as bucket:
+            sent.join()
+            assert float(bucket.tensors["w"][0]) == 4.0
+        groups.destroy("twice")
+
+    asyncio.run(scenario())
