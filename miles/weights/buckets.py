@@ -161,7 +161,8 @@ def _pack_on_device(named: Mapping[str, torch.Tensor], table: BucketTable, flat:
 
 
 def unpack(table: BucketTable, flat: torch.Tensor) -> Received:
-    """Views of each tensor of ``table`` in the flat uint8 tensor ``flat``, with their digests.
+    """Views of each tensor of ``table`` in the flat uint8 tensor ``flat``, with their digests (a
+    copy for a tensor whose offset is not a multiple of its element size).
 
     Raises InvalidRequestError naming the first tensor that lies outside the bytes, whose size
     does not match its dtype and shape, or that appears twice.
@@ -184,6 +185,9 @@ def unpack(table: BucketTable, flat: torch.Tensor) -> Received:
         if entry.name in out:
             raise InvalidRequestError(f"tensor {entry.name!r} appears twice in one bucket")
         raw = flat[entry.offset : entry.offset + entry.nbytes]
+        if (flat.storage_offset() + entry.offset) % dtype.itemsize:
+            # Packed back to back after a tensor of a smaller dtype: torch views only aligned bytes.
+            raw = raw.clone()
         out[entry.name] = (
             raw.view(dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=dtype)
         )
