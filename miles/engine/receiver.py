@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -167,7 +168,8 @@ class SegmentMaps:
         """The segment's bytes (a copy-on-write mapping: the engine can never change the sender's)."""
         path = SHM_DIR / name
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            # Non-blocking: opening a FIFO for reading would wait for a writer that may never come.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             raise NotFoundError(
                 f"no shared-memory segment {name!r} on this node: the sender must run on the engine's node"
@@ -176,6 +178,11 @@ class SegmentMaps:
             raise InvalidRequestError(f"shared-memory segment {name!r} cannot be opened: {exc.strerror}") from None
         try:
             status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode):
+                raise InvalidRequestError(
+                    f"{name!r} in {SHM_DIR} is not a shared-memory segment (not a regular file); "
+                    "push from miles.train.push.PushPublisher, which creates one"
+                )
             if status.st_size < needed or status.st_size == 0:
                 raise InvalidRequestError(
                     f"segment {name!r} holds {status.st_size} bytes, fewer than the {needed} its table describes"
