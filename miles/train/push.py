@@ -394,10 +394,14 @@ async def _pack(named: Mapping[str, torch.Tensor], table: BucketTable, flat: tor
 async def _post_all(
     http: _Authorized, window: Window, path: str, body: Callable[[int], dict[str, Any]], stats: PushStats
 ) -> None:
-    """POST to every engine of the window at once; PublishError naming each that refused."""
+    """POST to every engine of the window at once; PublishError naming each that refused or did
+    not answer."""
 
     async def one(index: int, server_id: str, url: str) -> str | None:
-        answer = await http.post(f"{url}{path}", json=body(index))
+        try:
+            answer = await http.post(f"{url}{path}", json=body(index))
+        except httpx.HTTPError as exc:
+            return f"{server_id} at {url} did not answer ({type(exc).__name__}: {exc})"
         stats.calls += 1
         payload = answer.json() if answer.headers.get("content-type", "").startswith("application/json") else {}
         if answer.status_code >= 400 or not payload.get("success", True):
@@ -408,7 +412,7 @@ async def _post_all(
 
     failures = [f for f in await asyncio.gather(*(one(i, s, u) for i, (s, u) in enumerate(window.servers))) if f]
     if failures:
-        raise PublishError(f"{path} was refused: " + "; ".join(failures))
+        raise PublishError(f"{path} failed: " + "; ".join(failures))
 
 
 # Segments of this process's, removed at exit if nobody closed them (a process killed outright

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -22,7 +23,7 @@ from miles.errors import PublishError
 from miles.rollout.engine_process import free_port
 from miles.rollout.state import ServerState
 from miles.testing import running_controller, running_engine, wait_until
-from miles.train.push import PushPublisher
+from miles.train.push import PushPublisher, TransferPath, Window
 from miles.weights.buckets import layout, pack
 from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import checksum_state_dict, saved_state_dict
@@ -89,17 +90,38 @@ async def test_a_push_serves_exactly_the_published_weights(
     assert answers == {greedy_of["v2"]}
 
 
-async def test_a_push_missing_a_tensor_is_rolled_back_and_serving_stays_verified(
+async def test_a_push_missing_a_tensor_or_an_engine_is_rolled_back_and_serving_stays_verified(
     checkpoints: dict[str, Path], v2_weights: dict[str, torch.Tensor]
 ) -> None:
-    v1 = read_manifest(checkpoints["v1"])
+    v1, v2 = read_manifest(checkpoints["v1"]), read_manifest(checkpoints["v2"])
     partial = dict(list(v2_weights.items())[:-1])
-    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2) as (ctl, _):
+    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2) as (ctl, url):
         with pytest.raises(PublishError, match="hash to"):
             await PushPublisher(ctl, path="shm", timeout_s=30).push(partial, step=7)
         servers = ctl.health().servers
         assert all(s.state is ServerState.SERVING and s.checksum == v1.checksum for s in servers), servers
         assert not ctl.health().lock.held
+
+        class KillsAnEngine(PushPublisher):
+            """Kills the window's first engine outright once the window is open, before any bucket."""
+
+            def _choose(self, window: Window) -> TransferPath:
+                pid = ctl.fleet.rollout(None).cell(window.servers[0][0]).pid
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                return super()._choose(window)
+
+        with pytest.raises(PublishError, match=r"tiny-\d at http://127\.0\.0\.1:\d+ did not answer"):
+            await KillsAnEngine(ctl, path="shm", timeout_s=30).push(v2_weights, step=8)
+        await wait_until(
+            lambda: all(s.state is ServerState.SERVING for s in ctl.health().servers), what="the engine replaced"
+        )
+        servers = ctl.health().servers
+        assert all(s.checksum == v1.checksum and s.weight_version == "1" for s in servers), servers
+        async with httpx.AsyncClient(trust_env=False) as http:
+            assert (await http.post(f"{url}/generate", json=GREEDY)).status_code == 200
+        await PushPublisher(ctl, path="shm", timeout_s=30).push(v2_weights, step=9)
+        assert all(s.checksum == v2.checksum for s in ctl.health().servers)
 
 
 @pytest.fixture(scope="module")
