@@ -234,7 +234,9 @@ class WeightGroups:
     def __init__(self, *, device: torch.device) -> None:
         self._device = device
         self._groups: dict[str, _Group] = {}
-        self._joining: set[str] = set()  # names being joined: a second join of one name is refused
+        # Groups being joined, by name and rank 0's address: the same join twice is refused, while a
+        # new group of a name whose last join is still waiting on a rank 0 that gave up may form.
+        self._joining: set[tuple[str, str, int]] = set()
         self._lock = threading.Lock()
         # The receive buffer of the last group left, by device, for the next group that joins:
         # a pusher forms a group per update, and a fresh buffer faults every page in again.
@@ -253,18 +255,24 @@ class WeightGroups:
         rank, world = request.rank_offset, request.world_size
         if rank >= world:
             raise InvalidRequestError(f"rank_offset {rank} is outside a group of world_size {world}")
+        joining = (request.group_name, request.master_address, request.master_port)
         with self._lock:
-            if request.group_name in self._groups or request.group_name in self._joining:
+            if request.group_name in self._groups:
                 raise ConflictError(
-                    f"this engine is already in group {request.group_name!r} or joining it; destroy it first "
+                    f"this engine is already in group {request.group_name!r}; destroy it first "
                     "(/destroy_weights_update_group)"
                 )
-            self._joining.add(request.group_name)
+            if joining in self._joining:
+                raise ConflictError(
+                    f"this engine is already joining group {request.group_name!r} at "
+                    f"{request.master_address}:{request.master_port}"
+                )
+            self._joining.add(joining)
         try:
             return self._join(request, backend, rank, world)
         finally:
             with self._lock:
-                self._joining.discard(request.group_name)
+                self._joining.discard(joining)
 
     def _join(self, request: InitWeightsUpdateGroupRequest, backend: str, rank: int, world: int) -> str:
         timeout = timedelta(seconds=request.timeout_s)
@@ -290,6 +298,10 @@ class WeightGroups:
                 + (f"ranks {missing} never joined" if missing else f"every rank joined but the group failed: {exc}")
             ) from None
         with self._lock:
+            if request.group_name in self._groups:  # another join of the name formed first
+                raise ConflictError(
+                    f"group {request.group_name!r} was joined meanwhile (at another rank 0); destroy it and join again"
+                )
             device = self._device if backend == "nccl" else torch.device("cpu")
             spare = self._spare.pop(device, None)
             self._groups[request.group_name] = _Group(request.group_name, rank, world, store, group, device, spare)

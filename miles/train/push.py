@@ -34,6 +34,7 @@ import logging
 import mmap
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -392,10 +393,17 @@ async def _pack(named: Mapping[str, torch.Tensor], table: BucketTable, flat: tor
 
 
 async def _post_all(
-    http: _Authorized, window: Window, path: str, body: Callable[[int], dict[str, Any]], stats: PushStats
+    http: _Authorized,
+    window: Window,
+    path: str,
+    body: Callable[[int], dict[str, Any]],
+    stats: PushStats,
+    *,
+    fail_fast: bool = False,
 ) -> None:
     """POST to every engine of the window at once; PublishError naming each that refused or did
-    not answer."""
+    not answer (with ``fail_fast``, the first one, as soon as it does: the calls still waiting
+    are dropped)."""
 
     async def one(index: int, server_id: str, url: str) -> str | None:
         try:
@@ -410,7 +418,16 @@ async def _post_all(
             stats.engine_timings.append(payload["timings"])
         return None
 
-    failures = [f for f in await asyncio.gather(*(one(i, s, u) for i, (s, u) in enumerate(window.servers))) if f]
+    calls = [asyncio.ensure_future(one(i, s, u)) for i, (s, u) in enumerate(window.servers)]
+    failures: list[str] = []
+    pending: set[asyncio.Future[str | None]] = set(calls)
+    try:
+        while pending and not (failures and fail_fast):
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failures += [failure for call in calls if call in done and (failure := call.result())]
+    finally:
+        for call in pending:
+            call.cancel()
     if failures:
         raise PublishError(f"{path} failed: " + "; ".join(failures))
 
@@ -629,10 +646,25 @@ class _DistributedPush:
             "timeout_s": publisher.timeout_s,
         }
         joining = asyncio.create_task(
-            _post_all(http, window, "/init_weights_update_group", lambda i: {**join_body, "rank_offset": i + 1}, stats)
+            _post_all(
+                http,
+                window,
+                "/init_weights_update_group",
+                lambda i: {**join_body, "rank_offset": i + 1},
+                stats,
+                fail_fast=True,
+            )
         )
+        forming = _in_daemon_thread(_process_group, backend, prefixed, world, timeout)
         try:
-            group = await asyncio.to_thread(_process_group, backend, prefixed, world, timeout)
+            await asyncio.wait((forming, joining), return_when=asyncio.FIRST_EXCEPTION)
+            refused = joining.exception() if joining.done() else None
+            if refused is not None and not forming.done():
+                # An engine refused to join or did not answer: the group cannot form, so say so now
+                # rather than when its timeout runs out (the thread forming it ends then, unwatched).
+                forming.add_done_callback(lambda f: f.cancelled() or f.exception())
+                raise refused
+            group = await forming
         except (RuntimeError, dist.DistError):
             missing = [window.servers[r - 1][0] for r in range(1, world) if not prefixed.check([f"joined/{r}"])]
             await asyncio.gather(joining, return_exceptions=True)
@@ -684,6 +716,35 @@ def _digests(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
 def _same(body: dict[str, Any]) -> Callable[[int], dict[str, Any]]:
     """The same body for every engine."""
     return lambda _: body
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """``fn(*args)`` on a thread of its own, as a future of this loop. A daemon thread, unlike
+    ``asyncio.to_thread``'s executor, does not hold up the loop's shutdown (or the interpreter's
+    exit) while it waits for a group that will not form."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001  # handed to the awaiting task
+            outcome, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, outcome, error)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+    threading.Thread(target=run, name="miles-push-group", daemon=True).start()
+    return future
 
 
 def _process_group(backend: str, store: dist.Store, world: int, timeout: timedelta) -> Any:

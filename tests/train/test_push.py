@@ -105,22 +105,34 @@ async def test_a_push_missing_a_tensor_or_an_engine_is_rolled_back_and_serving_s
         class KillsAnEngine(PushPublisher):
             """Kills the window's first engine outright once the window is open, before any bucket."""
 
+            killed: int | None = None
+
             def _choose(self, window: Window) -> TransferPath:
-                pid = ctl.fleet.rollout(None).cell(window.servers[0][0]).pid
-                assert pid is not None
-                os.kill(pid, signal.SIGKILL)
+                KillsAnEngine.killed = ctl.fleet.rollout(None).cell(window.servers[0][0]).pid
+                assert KillsAnEngine.killed is not None
+                os.kill(KillsAnEngine.killed, signal.SIGKILL)
                 return super()._choose(window)
 
-        with pytest.raises(PublishError, match=r"tiny-\d at http://127\.0\.0\.1:\d+ did not answer"):
-            await KillsAnEngine(ctl, path="shm", timeout_s=30).push(v2_weights, step=8)
-        await wait_until(
-            lambda: all(s.state is ServerState.SERVING for s in ctl.health().servers), what="the engine replaced"
-        )
-        servers = ctl.health().servers
-        assert all(s.checksum == v1.checksum and s.weight_version == "1" for s in servers), servers
-        async with httpx.AsyncClient(trust_env=False) as http:
-            assert (await http.post(f"{url}/generate", json=GREEDY)).status_code == 200
-        await PushPublisher(ctl, path="shm", timeout_s=30).push(v2_weights, step=9)
+        for step, path in ((8, "shm"), (9, "distributed")):
+            started = time.monotonic()
+            with pytest.raises(PublishError, match=r"tiny-\d at http://127\.0\.0\.1:\d+ did not answer"):
+                await KillsAnEngine(ctl, path=path, timeout_s=30).push(v2_weights, step=step)
+            # A group that cannot form fails when its engine is found gone, not after timeout_s.
+            assert time.monotonic() - started < 15, path
+            await wait_until(
+                lambda: all(
+                    s.state is ServerState.SERVING and s.pid not in (None, KillsAnEngine.killed)
+                    for s in ctl.health().servers
+                ),
+                what="the engine replaced",
+            )
+            servers = ctl.health().servers
+            assert all(s.checksum == v1.checksum and s.weight_version == "1" for s in servers), servers
+            async with httpx.AsyncClient(trust_env=False) as http:
+                assert (await http.post(f"{url}/generate", json=GREEDY)).status_code == 200
+        # The engine that joined the group which never formed may still wait in it: the next push
+        # forms a new one all the same.
+        await PushPublisher(ctl, path="distributed", timeout_s=30).push(v2_weights, step=10)
         assert all(s.checksum == v2.checksum for s in ctl.health().servers)
 
 

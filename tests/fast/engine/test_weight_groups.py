@@ -168,7 +168,7 @@ def test_a_second_join_of_a_group_being_joined_is_refused_and_the_first_forms(gr
     # The first join waits in the store for rank 0, which has not come yet: it is joining.
     prefixed = dist.PrefixStore("raced", store)
     prefixed.wait(["joined/1"])
-    with pytest.raises(ConflictError, match="already in group 'raced' or joining it"):
+    with pytest.raises(ConflictError, match="already joining group 'raced' at 127.0.0.1"):
         groups.join(request)
     rank0 = dist.ProcessGroupGloo(prefixed, 0, 2, timedelta(seconds=20))
     first.join()
@@ -207,3 +207,42 @@ def test_a_bucket_naming_a_tensor_twice_is_refused_before_any_byte_arrives(group
         groups.destroy("twice")
 
     asyncio.run(scenario())
+
+
+def test_a_new_group_of_a_name_forms_while_a_join_of_it_still_waits_for_a_rank_0_that_gave_up(
+    groups: WeightGroups,
+) -> None:
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    stale = InitWeightsUpdateGroupRequest(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank_offset=1,
+        world_size=2,
+        group_name="again",
+        backend="gloo",
+        timeout_s=2,
+    )
+    failed: list[BaseException] = []
+
+    def join_stale() -> None:
+        try:
+            groups.join(stale)
+        except ConflictError as exc:
+            failed.append(exc)
+
+    waiting = threading.Thread(target=join_stale)
+    waiting.start()
+    dist.PrefixStore("again", store).wait(["joined/1"])  # it waits for a rank 0 that never forms
+    sender = Sender(groups, "again")  # the pusher's next try, at another port
+    waiting.join()
+    assert len(failed) == 1 and "ranks [0] never joined" in str(failed[0])
+
+    async def take() -> float:
+        sent = sender.send(5.0)
+        async with groups.bucket(sender.request(), unchecked) as bucket:
+            sent.join()
+            return float(bucket.tensors["w"][0])
+
+    assert asyncio.run(take()) == 5.0
+    groups.destroy("again")
