@@ -31,6 +31,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def join_request(port: int, name: str, *, timeout_s: float = 20) -> InitWeightsUpdateGroupRequest:
+    """The engine's join of group ``name`` as rank 1 of 2, with rank 0's store at ``port``."""
+    return InitWeightsUpdateGroupRequest(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank_offset=1,
+        world_size=2,
+        group_name=name,
+        backend="gloo",
+        timeout_s=timeout_s,
+    )
+
+
 class Sender:
     """Rank 0 of a two-member gloo group, formed on a thread while the engine joins."""
 
@@ -46,17 +59,7 @@ class Sender:
 
         thread = threading.Thread(target=rank0)
         thread.start()
-        groups.join(
-            InitWeightsUpdateGroupRequest(
-                master_address="127.0.0.1",
-                master_port=port,
-                rank_offset=1,
-                world_size=2,
-                group_name=name,
-                backend="gloo",
-                timeout_s=20,
-            )
-        )
+        groups.join(join_request(port, name))
         thread.join()
         self._store, self._group = made["store"], made["group"]
 
@@ -153,15 +156,7 @@ def test_a_group_left_hands_its_buffer_to_the_next_one(groups: WeightGroups) -> 
 def test_a_second_join_of_a_group_being_joined_is_refused_and_the_first_forms(groups: WeightGroups) -> None:
     port = free_port()
     made: dict[str, Any] = {}
-    request = InitWeightsUpdateGroupRequest(
-        master_address="127.0.0.1",
-        master_port=port,
-        rank_offset=1,
-        world_size=2,
-        group_name="raced",
-        backend="gloo",
-        timeout_s=20,
-    )
+    request = join_request(port, "raced")
     store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=20), wait_for_workers=False)
     first = threading.Thread(target=lambda: made.setdefault("answer", groups.join(request)))
     first.start()
@@ -214,15 +209,7 @@ def test_a_new_group_of_a_name_forms_while_a_join_of_it_still_waits_for_a_rank_0
 ) -> None:
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=20), wait_for_workers=False)
-    stale = InitWeightsUpdateGroupRequest(
-        master_address="127.0.0.1",
-        master_port=port,
-        rank_offset=1,
-        world_size=2,
-        group_name="again",
-        backend="gloo",
-        timeout_s=2,
-    )
+    stale = join_request(port, "again", timeout_s=2)
     failed: list[BaseException] = []
 
     def join_stale() -> None:
