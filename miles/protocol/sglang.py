@@ -613,6 +613,10 @@ class CudaIpcHandle(BaseModel):
     event_sync_required: bool = False
 
 
+# The longest a weight-update group may take to form, or one broadcast to run (``timeout_s``).
+PUSH_TIMEOUT_MAX_S = 3600.0
+
+
 class InitWeightsUpdateGroupRequest(SGLangFields):
     """``POST /init_weights_update_group``: join a torch.distributed group whose rank 0 sends."""
 
@@ -626,7 +630,7 @@ class InitWeightsUpdateGroupRequest(SGLangFields):
     group_name: Annotated[str, Field(min_length=1, max_length=128)] = "weight_update_group"
     backend: str = "nccl"
     # How long every member may take to join; past it both sides fail, naming who is missing.
-    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    timeout_s: Annotated[float, Field(gt=0, le=PUSH_TIMEOUT_MAX_S)] = 60.0
 
 
 class UpdateWeightsFromDistributedRequest(_PushFields):
@@ -643,7 +647,7 @@ class UpdateWeightsFromDistributedRequest(_PushFields):
     group_name: Annotated[str, Field(min_length=1, max_length=128)] = "weight_update_group"
     load_format: str | None = None
     digests: list[Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]+$")]] | None = None
-    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 600.0
+    timeout_s: Annotated[float, Field(gt=0, le=PUSH_TIMEOUT_MAX_S)] = 600.0
 
     @model_validator(mode="after")
     def _same_lengths(self) -> UpdateWeightsFromDistributedRequest:

@@ -31,6 +31,7 @@ import inspect
 import ipaddress
 import json
 import logging
+import math
 import mmap
 import os
 import socket
@@ -48,9 +49,9 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from miles.config import TransferPath
+from miles.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, TransferPath
 from miles.errors import PublishError
-from miles.protocol.sglang import CUDA_IPC_LOAD_FORMAT, CudaIpcHandle
+from miles.protocol.sglang import CUDA_IPC_LOAD_FORMAT, PUSH_TIMEOUT_MAX_S, CudaIpcHandle
 from miles.train.publisher import PublishResult
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable, layout, pack, plan
@@ -189,6 +190,13 @@ class PushStats:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def _check_seconds(name: str, value: float, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number of seconds, not {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low:g} and {high:g} seconds, not {value:g}")
+
+
 class PushPublisher:
     """Publishes the trainer's weights by pushing them into the servers' memory (module docstring)."""
 
@@ -207,6 +215,11 @@ class PushPublisher:
     ) -> None:
         if TransferPath(path) is TransferPath.DISK:
             raise ValueError("PushPublisher pushes from memory; publish through disk with DiskPublisher")
+        # Refused here rather than by the controller or every engine in the middle of a push.
+        _check_seconds("ttl_s", ttl_s, LEASE_TTL_MIN_S, LEASE_TTL_MAX_S)
+        _check_seconds("timeout_s", timeout_s, 0.1, PUSH_TIMEOUT_MAX_S)
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive number of bytes, not {bucket_bytes!r}")
         self.client = WindowClient(controller)
         self.model_name = model_name
         self.path = TransferPath(path)
