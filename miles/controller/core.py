@@ -246,6 +246,7 @@ class AsyncInferenceController:
                 published=self.published,
                 weight_version=weight_version,
                 serving_version=update.previous_version,
+                start_checkpoint=rollout.spec.checkpoint,
             )
         except CheckpointRejected as rejected:
             timings["validate"] = time.monotonic() - started - timings["lock_wait"]

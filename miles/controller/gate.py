@@ -3,23 +3,32 @@
 The gate checks what only the coordinator can know: the path and every file in it are allowed,
 the checkpoint is well-formed and for this model, its weights are the ones training published
 (matched by checksum, the identity of the weights), and its version is newer than the one
-serving. It does not hash the tensors: every server hashes the bytes before it touches its own
-weights, against the manifest of a sealed checkpoint, or against the published checksum for a
-plain Hugging Face directory (``save_pretrained`` output, no manifest).
+serving. A checkpoint an update loads also becomes its servers' restart point (an update replaces
+weights only; a server that crashes starts again on the checkpoint it last verified), so one no
+engine could start from (no readable config, a tokenizer file missing) or one whose config
+describes another model is refused too.
+
+It does not hash the tensors: every server hashes the bytes before it touches its own weights,
+against the manifest of a sealed checkpoint, or against the published checksum for a plain
+Hugging Face directory (``save_pretrained`` output, no manifest).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from miles.config import ControllerSettings
 from miles.controller.published import PublishedChecksum, PublishedChecksums
 from miles.controller.results import ChecksumSource
-from miles.errors import InvalidRequestError
+from miles.errors import CheckpointFileInvalidError, InvalidRequestError
 from miles.utils.weight_version import is_newer
 from miles.weights.checkpoint import MANIFEST_NAME, Manifest, verify_checkpoint
 from miles.weights.paths import checked_path, files_outside_roots, inside_roots
+from miles.weights.safetensors_io import open_regular
 from miles.weights.verification import plain_checkpoint_problems
 
 
@@ -50,12 +59,39 @@ def admit_checkpoint(
     published: PublishedChecksums,
     weight_version: str | None,
     serving_version: str | None,
+    start_checkpoint: Path | None = None,
 ) -> AdmittedCheckpoint:
     """Check ``checkpoint`` for an update of ``model_name``; raises CheckpointRejected if it fails.
 
     ``serving_version`` must be read under the controller's lock, by the update that is about
     to run: a value read earlier may have been overtaken by an update that queued ahead.
+    ``start_checkpoint`` is the checkpoint the servers were started from: the new checkpoint's
+    ``config.json`` must agree with its own.
     """
+    try:
+        admitted = _admit(
+            checkpoint,
+            model_name=model_name,
+            settings=settings,
+            published=published,
+            weight_version=weight_version,
+            serving_version=serving_version,
+        )
+    except OSError as exc:  # the filesystem failed under a check (an I/O error, a path too long)
+        raise CheckpointRejected(f"checkpoint {checkpoint} cannot be read: {exc.strerror or exc}") from None
+    _check_restartable(admitted.path, start_checkpoint)
+    return admitted
+
+
+def _admit(
+    checkpoint: Path,
+    *,
+    model_name: str,
+    settings: ControllerSettings,
+    published: PublishedChecksums,
+    weight_version: str | None,
+    serving_version: str | None,
+) -> AdmittedCheckpoint:
     try:
         path = checked_path(str(checkpoint), field="checkpoint")
     except InvalidRequestError as exc:
@@ -74,7 +110,8 @@ def admit_checkpoint(
             f"checkpoint {path} has files that resolve outside the allowed checkpoint roots "
             f"({', '.join(escaping[:5])}); copy the files in instead of linking to them"
         )
-    if not (path / MANIFEST_NAME).exists():
+    # lexists: a manifest that is there but cannot be opened (a symlink loop) is refused as such.
+    if not os.path.lexists(path / MANIFEST_NAME):
         return _admit_plain(
             path,
             model_name=model_name,
@@ -207,3 +244,103 @@ def _check_newer(version: str, serving_version: str | None) -> None:
             f"({serving_version}); serving versions never go back. Pass a newer weight_version to "
             "republish older weights on purpose"
         )
+
+
+CONFIG_NAME = "config.json"
+# What a config says about the file or the run rather than the model: saved by other library
+# versions or settings, they differ between checkpoints of one model.
+_NOT_THE_MODEL = frozenset(
+    {
+        "transformers_version",
+        "_name_or_path",
+        "_commit_hash",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+# Configs are a few kilobytes; this bounds what a hostile file can make the gate read.
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+
+
+# The files a tokenizer is loaded from, whichever kind of tokenizer it is.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+
+
+def _check_restartable(checkpoint: Path, start_checkpoint: Path | None) -> None:
+    """Refuse a checkpoint without a readable ``config.json``, whose config disagrees with the
+    start checkpoint's on a setting both name (a setting one leaves out is its default), or that
+    lacks a tokenizer file the start checkpoint has (an engine loads its tokenizer from the
+    checkpoint it starts on)."""
+    config = _read_config(checkpoint)
+    if isinstance(config, str):
+        raise CheckpointRejected(
+            f"checkpoint {checkpoint} {config}: a server that restarts from it could not start; save the "
+            f"model's config with its weights (save_pretrained writes {CONFIG_NAME})"
+        )
+    reference = _read_config(start_checkpoint) if start_checkpoint is not None else None
+    if not isinstance(reference, dict):
+        return  # the start checkpoint is gone or unreadable: nothing to compare with
+    assert start_checkpoint is not None
+    missing = [
+        name for name in TOKENIZER_FILES if (start_checkpoint / name).is_file() and not (checkpoint / name).is_file()
+    ]
+    if missing:
+        raise CheckpointRejected(
+            f"checkpoint {checkpoint} has no {', '.join(missing)}, which the servers' tokenizer was loaded "
+            f"from (start checkpoint {start_checkpoint}): a server that restarts from it could not start; "
+            "save the tokenizer with the weights (tokenizer.save_pretrained(DIR)) or copy those files in"
+        )
+    differing = sorted(
+        key for key in (config.keys() & reference.keys()) - _NOT_THE_MODEL if config[key] != reference[key]
+    )
+    if differing:
+        shown = "; ".join(
+            f"{key} is {_short(config[key])} there and {_short(reference[key])} in the start checkpoint"
+            for key in differing[:5]
+        )
+        raise CheckpointRejected(
+            f"checkpoint {checkpoint} is for another model than the one these servers run ({shown}; "
+            f"start checkpoint {start_checkpoint}). An update replaces weights only: start the servers "
+            "on a checkpoint of the new architecture instead"
+        )
+
+
+def _read_config(directory: Path) -> dict[str, Any] | str:
+    """The checkpoint's config as a JSON object, or what is wrong with it."""
+    path = directory / CONFIG_NAME
+    try:
+        with open_regular(path) as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except (FileNotFoundError, NotADirectoryError):
+        return f"has no {CONFIG_NAME}"
+    except CheckpointFileInvalidError as exc:
+        return f"has a {CONFIG_NAME} that cannot be read ({exc.message})"
+    except OSError as exc:
+        return f"has a {CONFIG_NAME} that cannot be read ({exc.strerror})"
+    if len(raw) > MAX_CONFIG_BYTES:
+        return f"has a {CONFIG_NAME} larger than {MAX_CONFIG_BYTES} bytes"
+    try:
+        config = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        return f"has a {CONFIG_NAME} that is not JSON ({exc})"
+    if not isinstance(config, dict):
+        return f"has a {CONFIG_NAME} that is not a JSON object"
+    return config
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 80 else text[:77] + "..."

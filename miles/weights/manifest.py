@@ -171,8 +171,8 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     try:
         with open_regular(path) as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
-    except CheckpointFileInvalidError:
-        raise ManifestInvalidError("manifest is not a regular file", path=str(path)) from None
+    except CheckpointFileInvalidError as exc:
+        raise ManifestInvalidError(f"manifest {exc.message}", path=str(path)) from None
     except IsADirectoryError:
         raise ManifestInvalidError("manifest is a directory, not a file", path=str(path)) from None
     except FileNotFoundError:
@@ -182,6 +182,8 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         ) from None
     except NotADirectoryError:
         raise ManifestMissingError("checkpoint path is not a directory", path=str(directory)) from None
+    except OSError as exc:  # a read error of the device or filesystem
+        raise ManifestInvalidError(f"manifest cannot be read ({exc.strerror})", path=str(path)) from None
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestInvalidError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes", path=str(path))
     try:

@@ -107,8 +107,16 @@ def open_regular(path: Path) -> BinaryIO:
     A checkpoint is data an attacker may shape: a FIFO in place of a weights file would block a
     plain ``open`` forever, and a device file would be read as weights. O_NONBLOCK makes the open
     of a FIFO return at once, so its type can be checked; it changes nothing for regular files.
+    A path that cannot be opened for another reason than being absent (a symlink loop, no
+    permission, a name too long) is invalid too, with the system's reason; FileNotFoundError and
+    NotADirectoryError pass through, for the caller to say what is missing.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise
+    except OSError as exc:
+        raise CheckpointFileInvalidError(f"cannot be opened ({exc.strerror})", path=str(path)) from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CheckpointFileInvalidError("not a regular file", path=str(path))  # noqa: TRY301  # fd closed below
@@ -145,8 +153,10 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
                     "safetensors header length is implausibly large", path=str(path), header_len=header_len
                 )
             raw = f.read(header_len)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise CheckpointFileMissingError("safetensors file does not exist", path=str(path)) from None
+    except OSError as exc:  # a read error of the device or filesystem
+        raise CheckpointFileInvalidError(f"cannot be read ({exc.strerror})", path=str(path)) from None
     if len(raw) < header_len:
         raise CheckpointFileTruncatedError(
             "safetensors file ends inside its header", path=str(path), size=size, header_len=header_len

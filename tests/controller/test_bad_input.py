@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -210,6 +211,36 @@ async def test_a_window_that_fails_after_touching_the_fleet_puts_it_back(fleet) 
     assert [s.state for s in report.servers] == ["serving"]
     answer = await asyncio.wait_for(http.post("/generate", json=GREEDY), timeout=30)
     assert answer.json()["output_ids"] == reference
+
+
+async def test_a_checkpoint_a_server_could_not_restart_from_is_refused(
+    fleet, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Weights that verify, next to a config no engine can start from (or one of another model):
+    loading them would make the checkpoint the servers' restart point, so the update is refused."""
+    controller, http = fleet
+    reference = (await http.post("/generate", json=GREEDY)).json()["output_ids"]
+    before = controller.health()
+    broken = {
+        "garbage": ("{not json", "config.json that is not JSON"),
+        "narrower": (
+            json.dumps({**json.loads((checkpoints["v2"] / "config.json").read_text()), "hidden_size": 8}),
+            "hidden_size is 8 there",
+        ),
+    }
+    for name, (config, says) in broken.items():
+        checkpoint = tmp_path / name
+        shutil.copytree(checkpoints["v2"], checkpoint)
+        (checkpoint / "config.json").write_text(config)
+        answer = await http.post("/update_weights", json={"checkpoint": str(checkpoint), "weight_version": "900"})
+        assert answer.status_code == 409
+        assert answer.json()["status"] == "rejected"
+        assert says in answer.json()["message"]
+    after = controller.health()
+    assert [(s.state, s.weight_version, s.verified_checkpoint) for s in after.servers] == [
+        (s.state, s.weight_version, s.verified_checkpoint) for s in before.servers
+    ]
+    assert (await http.post("/generate", json=GREEDY)).json()["output_ids"] == reference
 
 
 async def test_an_absurd_ttl_is_refused_before_anything_is_touched(fleet) -> None:
