@@ -5,8 +5,8 @@ the checkpoint is well-formed and for this model, its weights are the ones train
 (matched by checksum, the identity of the weights), and its version is newer than the one
 serving. A checkpoint an update loads also becomes its servers' restart point (an update replaces
 weights only; a server that crashes starts again on the checkpoint it last verified), so one no
-engine could start from (no readable config, a tokenizer file missing) or one whose config
-describes another model is refused too.
+engine could start from (no readable config, a tokenizer or generation config missing) or one
+whose config describes another model is refused too.
 
 It does not hash the tensors: every server hashes the bytes before it touches its own weights,
 against the manifest of a sealed checkpoint, or against the published checksum for a plain
@@ -266,8 +266,9 @@ _NOT_THE_MODEL = frozenset(
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 
 
-# The files a tokenizer is loaded from, whichever kind of tokenizer it is.
-TOKENIZER_FILES = (
+# What an engine reads from its checkpoint at start besides the config and the weights: the
+# tokenizer (whichever kind), its chat template, and the generation config (the EOS tokens).
+START_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "tokenizer.model",
@@ -276,14 +277,17 @@ TOKENIZER_FILES = (
     "vocab.txt",
     "special_tokens_map.json",
     "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
 )
 
 
 def _check_restartable(checkpoint: Path, start_checkpoint: Path | None) -> None:
     """Refuse a checkpoint without a readable ``config.json``, whose config disagrees with the
     start checkpoint's on a setting both name (a setting one leaves out is its default), or that
-    lacks a tokenizer file the start checkpoint has (an engine loads its tokenizer from the
-    checkpoint it starts on)."""
+    lacks a file the servers read from the start checkpoint when they started (their tokenizer,
+    chat template, generation config)."""
     config = _read_config(checkpoint)
     if isinstance(config, str):
         raise CheckpointRejected(
@@ -295,13 +299,15 @@ def _check_restartable(checkpoint: Path, start_checkpoint: Path | None) -> None:
         return  # the start checkpoint is gone or unreadable: nothing to compare with
     assert start_checkpoint is not None
     missing = [
-        name for name in TOKENIZER_FILES if (start_checkpoint / name).is_file() and not (checkpoint / name).is_file()
+        name for name in START_FILES if (start_checkpoint / name).is_file() and not (checkpoint / name).is_file()
     ]
     if missing:
         raise CheckpointRejected(
-            f"checkpoint {checkpoint} has no {', '.join(missing)}, which the servers' tokenizer was loaded "
-            f"from (start checkpoint {start_checkpoint}): a server that restarts from it could not start; "
-            "save the tokenizer with the weights (tokenizer.save_pretrained(DIR)) or copy those files in"
+            f"checkpoint {checkpoint} has no {', '.join(missing)}, which the servers read from their start "
+            f"checkpoint {start_checkpoint}: a server that restarts from it would not start, or would not "
+            "serve as the others do; save the tokenizer and the generation config with the weights "
+            "(tokenizer.save_pretrained(DIR), model.generation_config.save_pretrained(DIR)) or copy those "
+            "files in"
         )
     differing = sorted(
         key for key in (config.keys() & reference.keys()) - _NOT_THE_MODEL if config[key] != reference[key]

@@ -61,7 +61,11 @@ BROKEN: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "no tokenizer": (
         lambda d: [(d / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")],
-        "has no tokenizer.json, tokenizer_config.json, which the servers' tokenizer was loaded from",
+        "has no tokenizer.json, tokenizer_config.json, which the servers read from their start checkpoint",
+    ),
+    "no generation config": (
+        lambda d: (d / "generation_config.json").unlink(),
+        "has no generation_config.json, which the servers read",
     ),
     "weights a symlink loop": (
         lambda d: loop(d / "model.safetensors"),
