@@ -8,7 +8,9 @@ On one preset (default the ~500M bfloat16 one), with 1 and then 2 engines behind
 - the calls each update made per engine (constant in the number of tensors);
 - the time generation was blocked per update (what each engine held its weights' write lock for,
   reported by the engine), with requests in flight;
-- a delta push with 10% of the tensors changed vs a full push: bytes moved and time.
+- a delta push with 10% of the tensors changed vs a full push: bytes moved and time;
+- where each path's transfer went: the sender's packing, group forming, broadcasts and waits
+  for the engines' answers, and what the engines reported spending on each phase.
 Every push is a whole verified update: window, transfer, per-tensor digests, the engines'
 checksum of their live weights, the controller's commit.
 
@@ -120,6 +122,16 @@ async def traffic(url: str, stop: asyncio.Event) -> int:
     return served
 
 
+def push_phases(sender: dict[str, float], engine: list[dict[str, float]], engines: int) -> dict[str, float]:
+    """The sender's phases of one push, and each engine's phases summed over its calls (mean of
+    the engines), prefixed ``engine_``."""
+    phases = {k: v for k, v in sender.items() if k in ("pack", "join", "broadcast", "engines")}
+    for timings in engine:
+        for key, seconds in timings.items():
+            phases[f"engine_{key}"] = phases.get(f"engine_{key}", 0.0) + seconds / engines
+    return phases
+
+
 def blocked_s(bucket_timings: list[dict[str, float]], activations: list[dict[str, float]], engines: int) -> list[float]:
     """What one update held each engine's weights write lock for (the time its generation could
     not run): the swap of a staged update, else every bucket's copy and checksum in place."""
@@ -143,6 +155,7 @@ async def one_fleet(
         for path in ("shm", "distributed"):
             publisher = PushPublisher(controller, path=path, delta=False, timeout_s=600, ttl_s=1800)
             times, transfers, blocked, calls = [], [], [], []
+            phases: list[dict[str, float]] = []
             stop = asyncio.Event()
             users = asyncio.create_task(traffic(url, stop))
             try:
@@ -159,6 +172,7 @@ async def one_fleet(
                     activations = [o.load_timings for o in result.servers]
                     blocked += blocked_s(publisher.last.engine_timings, activations, engines)
                     calls.append(publisher.last.calls // engines)
+                    phases.append(push_phases(publisher.last.timings, publisher.last.engine_timings, engines))
             finally:
                 stop.set()
                 served = await users
@@ -170,6 +184,9 @@ async def one_fleet(
                 "blocked_p50_ms": statistics.median(blocked) * 1e3,
                 "blocked_p99_ms": max(blocked) * 1e3,
                 "requests_served_meanwhile": served,
+                # Where the transfer's time went (medians, seconds): the sender's phases summed over
+                # buckets, and each engine's (as it reported them) summed over its calls.
+                "phases_s": {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[-1]},
             }
         # Delta: 10% of the tensors changed, against a push where every tensor changed, both
         # whole updates through the same warmed-up delta publisher.
@@ -226,6 +243,10 @@ def report(results: list[dict[str, Any]]) -> None:
                 f"  blocked per update ({name}): p50 {figures['blocked_p50_ms']:.2f} ms, "
                 f"max {figures['blocked_p99_ms']:.2f} ms; "
                 f"requests served meanwhile {figures['requests_served_meanwhile']}"
+            )
+            print(
+                f"  where the transfer went ({name}, s): "
+                + ", ".join(f"{k} {v:.3f}" for k, v in figures["phases_s"].items())
             )
         d = r["delta"]
         print(

@@ -187,7 +187,14 @@ class PushStats:
     # What each engine reported each update call cost it (seconds per phase), in call order.
     engine_timings: list[dict[str, float]] = field(default_factory=list)
     bytes: int = 0
+    # Seconds: "open", "push" and "commit" of the window; within the push, the sender's own
+    # phases, summed over buckets: "pack" (copy and digest), "join" (forming the group),
+    # "broadcast", and "engines" (waiting for the engines' answers once their bytes are sent).
     timings: dict[str, float] = field(default_factory=dict)
+
+    def spent(self, phase: str, since: float) -> None:
+        """Add the time from ``since`` (a ``time.perf_counter()``) to now to ``phase``."""
+        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - since
 
 
 def _check_seconds(name: str, value: float, low: float, high: float) -> None:
@@ -519,7 +526,9 @@ async def _stream(
     checksum: str | None = None
     try:
         for index, table in enumerate(tables):
+            packing = time.perf_counter()
             packed = await _pack(named, table, buffers[index % len(buffers)])
+            stats.spent("pack", packing)
             digests += [e.tensor_digest() for e in packed.entries]
             stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
             if index == len(tables) - 1:
@@ -593,7 +602,9 @@ class _TensorPush:
                     "activate": not self.window.staged,
                 }
 
+            waiting = time.perf_counter()
             await _post_all(http, self.window, "/update_weights_from_tensor", body, stats)
+            stats.spent("engines", waiting)
 
         try:
             return await _stream(named, tables, buffers, send, stats=stats, unchanged=unchanged)
@@ -669,6 +680,7 @@ class _DistributedPush:
             )
         )
         forming = _in_daemon_thread(_process_group, backend, prefixed, world, timeout)
+        joined = time.perf_counter()
         try:
             await asyncio.wait((forming, joining), return_when=asyncio.FIRST_EXCEPTION)
             refused = joining.exception() if joining.done() else None
@@ -686,6 +698,7 @@ class _DistributedPush:
                 f"{', '.join(missing) or 'no engine'} never joined"
             ) from None
         await joining
+        stats.spent("join", joined)
         tables = [layout(named, names) for names in plan(named, bucket_bytes=publisher.bucket_bytes)]
         size = max(max(t.total_bytes for t in tables), 1)
         buffers = publisher.broadcast_buffers(_regions(tables), size)
@@ -708,10 +721,14 @@ class _DistributedPush:
             )
             try:
                 sent = buffers[index % len(buffers)][: packed.total_bytes]
+                broadcasting = time.perf_counter()
                 await asyncio.to_thread(_broadcast, group, sent if device is None else sent.to(device), timeout)
+                stats.spent("broadcast", broadcasting)
             finally:
                 # The engines' answers say why, when the broadcast failed.
+                waiting = time.perf_counter()
                 await receiving
+                stats.spent("engines", waiting)
 
         try:
             return await _stream(named, tables, buffers, send, stats=stats, unchanged=unchanged)

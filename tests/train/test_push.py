@@ -71,6 +71,11 @@ async def test_a_push_serves_exactly_the_published_weights(
         # One call per bucket and engine (plus joining and leaving the group): constant in tensors.
         per_engine = stats.buckets + (2 if path == "distributed" else 0)
         assert stats.calls == 2 * per_engine
+        # Where the push's time went: the sender's phases (packing overlaps the sending), each
+        # within the push as a whole.
+        phases = {"pack", "engines"} | ({"join", "broadcast"} if path == "distributed" else set())
+        assert phases <= stats.timings.keys(), stats.timings
+        assert all(0 < stats.timings[p] <= stats.timings["push"] for p in phases), stats.timings
         servers = ctl.health().servers
         assert all(s.state is ServerState.SERVING and s.checksum == v2.checksum for s in servers)
         assert all(s.weight_version == "7" for s in servers)
