@@ -24,7 +24,7 @@ from typing import Annotated, Any
 import aiohttp
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from miles.config import (
     LEASE_TTL_MAX_S,
@@ -40,7 +40,12 @@ from miles.http.auth import Access, Credentials
 from miles.http.metrics import CONTENT_TYPE, NO_REQUEST_METRICS, ControllerMetrics
 from miles.http.proxy import Proxy, RouteOptions, new_session
 from miles.http.status import add_status_page
-from miles.utils.audit_utils.event_logger.models import EVENT_ADAPTER, EVENT_TYPES
+from miles.utils.audit_utils.event_logger.models import (
+    EVENT_ADAPTER,
+    EVENT_TYPES,
+    ChecksumRole,
+    InferenceEngineWeightChecksumEvent,
+)
 from miles.utils.http import install_error_handlers, until_disconnected
 from miles.weights.paths import path_text_problem
 
@@ -61,7 +66,13 @@ def _usable_path(value: str) -> str:
 
 
 PathText = Annotated[str, AfterValidator(_usable_path)]
-Label = Annotated[str, Field(min_length=1, max_length=256)]
+# One line of a sensible length: names, versions and checksums reach logs, tables and answers as
+# they are (a newline in one would forge a log line).
+Label = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+# Steps are 64-bit wherever they are stored or compared.
+Step = Annotated[int, Field(ge=0, lt=2**63, strict=True)]
+_LABEL: TypeAdapter[str] = TypeAdapter(Label)
+_STEP: TypeAdapter[int] = TypeAdapter(Step)
 
 
 class UpdateRequest(_Strict):
@@ -84,8 +95,8 @@ class StartWindowRequest(_Strict):
 
 class EndWindowRequest(_Strict):
     token: Annotated[int, Field(strict=True)]
-    checksum: Annotated[str, Field(min_length=1, max_length=256)]
-    step: Annotated[int, Field(ge=0, lt=2**63, strict=True)]
+    checksum: Label
+    step: Step
     checkpoint: PathText | None = None
     weight_version: Label | None = None
 
@@ -93,6 +104,25 @@ class EndWindowRequest(_Strict):
 class AbortWindowRequest(_Strict):
     token: Annotated[int, Field(strict=True)]
     reason: Annotated[str, Field(max_length=4096)] = "aborted by training"
+
+
+def _posted_checksum_problems(event: InferenceEngineWeightChecksumEvent) -> list[str]:
+    """What a checksum posted by another process may not hold, by the bounds of this API's own
+    requests (the event model itself also records what servers report, unbounded)."""
+    fields: list[tuple[str, Any, TypeAdapter[Any]]] = [
+        ("model_name", event.model_name, _LABEL),
+        ("checksum", event.checksum, _LABEL),
+        ("step", event.step, _STEP),
+    ]
+    if event.weight_version is not None:
+        fields.append(("weight_version", event.weight_version, _LABEL))
+    problems = []
+    for name, value, adapter in fields:
+        try:
+            adapter.validate_python(value)
+        except ValidationError as exc:
+            problems.append(f"{name}: {exc.errors()[0]['msg']}")
+    return problems
 
 
 def create_app(controller: AsyncInferenceController) -> FastAPI:
@@ -268,6 +298,22 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
             raise InvalidRequestError(f"not a valid event ({problems}); known types: {', '.join(EVENT_TYPES)}") from exc
+        # The controller logs every other event itself, as it happens: one posted from outside
+        # would put an update, a lock, a server state or a server's confirmation into the audit
+        # that never was.
+        if not isinstance(event, InferenceEngineWeightChecksumEvent):
+            raise InvalidRequestError(
+                f"a {event.type} event cannot be posted: POST /events records the checksums training "
+                "publishes (type inference_engine_weight_checksum); the controller logs the other events itself"
+            )
+        if event.role is not ChecksumRole.PUBLISHED:
+            raise InvalidRequestError(
+                f"a checksum with role {event.role.value!r} cannot be posted: the controller records what "
+                "servers confirm; training posts role 'published' (the default)"
+            )
+        out_of_bounds = _posted_checksum_problems(event)
+        if out_of_bounds:
+            raise InvalidRequestError(f"not a valid event ({'; '.join(out_of_bounds)})")
         try:
             logged = controller.event_logger.log(type(event), event, print_log=False)
         except EventLogError as exc:

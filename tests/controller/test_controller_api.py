@@ -90,6 +90,9 @@ async def test_streaming_through_the_controller(fleet) -> None:
     assert len(lines) == 5
 
 
+PUBLISHED = {"type": "inference_engine_weight_checksum", "model_name": "tiny", "checksum": "c" * 32, "step": 1}
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "needle"),
     [
@@ -99,8 +102,19 @@ async def test_streaming_through_the_controller(fleet) -> None:
         ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
         ("/update_weights", {"checkpoint": "/nonexistent"}, 409, "not a directory"),
         ("/update_weights", {"checkpoint": "/x", "strategy": "sideways"}, 400, "strategy"),
+        ("/update_weights", {"checkpoint": "/x", "weight_version": "7\nforged"}, 400, "weight_version"),
         ("/update_weights/end", {"token": 999, "checksum": "c", "step": 1}, 409, "token"),
         ("/events", {"type": "nope"}, 400, "not a valid event"),
+        (
+            "/events",
+            {"type": "lock_acquired", "lock_name": "x", "holder": "y", "token": 1, "waited_s": 0},
+            400,
+            "a lock_acquired event cannot be",
+        ),
+        ("/events", {**PUBLISHED, "role": "confirmed", "server_id": "tiny-0"}, 400, "role 'confirmed' cannot be"),
+        ("/events", {**PUBLISHED, "checksum": "a\nb"}, 400, "checksum: String should match pattern"),
+        ("/events", {**PUBLISHED, "model_name": "m" * 257}, 400, "model_name: String should have at most 256"),
+        ("/events", {**PUBLISHED, "step": 2**63}, 400, "step: Input should be less than"),
     ],
 )
 async def test_bad_requests_get_a_clear_error(fleet, path: str, body: dict, status: int, needle: str) -> None:
