@@ -77,9 +77,9 @@ def admit_checkpoint(
             weight_version=weight_version,
             serving_version=serving_version,
         )
-    except OSError as exc:  # the filesystem failed under a check (an I/O error, a path too long)
+        _check_restartable(admitted.path, start_checkpoint)
+    except OSError as exc:  # the filesystem failed under a check (an I/O error, no permission)
         raise CheckpointRejected(f"checkpoint {checkpoint} cannot be read: {exc.strerror or exc}") from None
-    _check_restartable(admitted.path, start_checkpoint)
     return admitted
 
 
