@@ -77,9 +77,11 @@ def admit_checkpoint(
             weight_version=weight_version,
             serving_version=serving_version,
         )
-        _check_restartable(admitted.path, start_checkpoint)
+        problem = restart_point_problem(admitted.path, start_checkpoint)
     except OSError as exc:  # the filesystem failed under a check (an I/O error, no permission)
         raise CheckpointRejected(f"checkpoint {checkpoint} cannot be read: {exc.strerror or exc}") from None
+    if problem is not None:
+        raise CheckpointRejected(problem)
     return admitted
 
 
@@ -283,26 +285,27 @@ START_FILES = (
 )
 
 
-def _check_restartable(checkpoint: Path, start_checkpoint: Path | None) -> None:
-    """Refuse a checkpoint without a readable ``config.json``, whose config disagrees with the
-    start checkpoint's on a setting both name (a setting one leaves out is its default), or that
-    lacks a file the servers read from the start checkpoint when they started (their tokenizer,
-    chat template, generation config)."""
+def restart_point_problem(checkpoint: Path, start_checkpoint: Path | None) -> str | None:
+    """Why servers could not restart from ``checkpoint`` as they run now, or None: it has no
+    readable ``config.json``, its config disagrees with the start checkpoint's on a setting both
+    name (a setting one leaves out is its default), or it lacks a file the servers read from the
+    start checkpoint when they started (their tokenizer, chat template, generation config).
+    Raises OSError when the filesystem fails under the checks."""
     config = _read_config(checkpoint)
     if isinstance(config, str):
-        raise CheckpointRejected(
+        return (
             f"checkpoint {checkpoint} {config}: a server that restarts from it could not start; save the "
             f"model's config with its weights (save_pretrained writes {CONFIG_NAME})"
         )
     reference = _read_config(start_checkpoint) if start_checkpoint is not None else None
     if not isinstance(reference, dict):
-        return  # the start checkpoint is gone or unreadable: nothing to compare with
+        return None  # the start checkpoint is gone or unreadable: nothing to compare with
     assert start_checkpoint is not None
     missing = [
         name for name in START_FILES if (start_checkpoint / name).is_file() and not (checkpoint / name).is_file()
     ]
     if missing:
-        raise CheckpointRejected(
+        return (
             f"checkpoint {checkpoint} has no {', '.join(missing)}, which the servers read from their start "
             f"checkpoint {start_checkpoint}: a server that restarts from it would not start, or would not "
             "serve as the others do; save the tokenizer and the generation config with the weights "
@@ -317,11 +320,12 @@ def _check_restartable(checkpoint: Path, start_checkpoint: Path | None) -> None:
             f"{key} is {_short(config[key])} there and {_short(reference[key])} in the start checkpoint"
             for key in differing[:5]
         )
-        raise CheckpointRejected(
+        return (
             f"checkpoint {checkpoint} is for another model than the one these servers run ({shown}; "
             f"start checkpoint {start_checkpoint}). An update replaces weights only: start the servers "
             "on a checkpoint of the new architecture instead"
         )
+    return None
 
 
 def _read_config(directory: Path) -> dict[str, Any] | str:

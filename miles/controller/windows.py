@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles.controller.gate import restart_point_problem
 from miles.controller.results import ChecksumSource, UpdateResult, UpdateStatus, UpdateWindow
 from miles.controller.transaction import Target, WeightUpdate
 from miles.errors import CheckpointError, ConflictError, InvalidRequestError, MilesError
@@ -130,7 +131,9 @@ def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | N
 async def aim(update: WeightUpdate, ending: Commit) -> None:
     """Fix the window's target: the weights training says its servers now hold (or stage)."""
     # Reads the checkpoint's manifest: off the loop.
-    holding = await asyncio.to_thread(_checkpoint_holding, ending.checkpoint, ending.checksum)
+    holding = await asyncio.to_thread(
+        _checkpoint_holding, ending.checkpoint, ending.checksum, update.rollout.spec.checkpoint
+    )
     update.aim(
         Target(
             weight_version=ending.weight_version or str(ending.step),
@@ -270,21 +273,27 @@ async def _write_out(rollout: Rollout, *, checksum: str, step: int, warn: bool) 
     return False
 
 
-def _checkpoint_holding(checkpoint: str | Path | None, checksum: str) -> Path | None:
-    """``checkpoint`` when its manifest says it holds weights with ``checksum``; else None.
+def _checkpoint_holding(checkpoint: str | Path | None, checksum: str, start_checkpoint: Path) -> Path | None:
+    """``checkpoint`` when its manifest says it holds weights with ``checksum`` and servers could
+    restart from it as they run now; else None (an engine then writes the weights out).
 
     A window's checkpoint is where restarts reload its weights from, so a directory that holds
-    other weights (a stale path, a later save over it) must not be recorded as theirs.
+    other weights (a stale path, a later save over it), or that an engine could not start from,
+    must not be recorded as theirs.
     """
     if checkpoint is None:
         return None
     path = checked_path(str(checkpoint), field="checkpoint")
     try:
         manifest = read_manifest(path)
-    except CheckpointError as exc:
+        problem = restart_point_problem(path, start_checkpoint)
+    except (CheckpointError, OSError) as exc:
         logger.warning("window checkpoint %s cannot serve restarts: %s", path, exc)
         return None
     if manifest.checksum != checksum:
         logger.warning("window checkpoint %s holds %s, not the committed %s", path, manifest.checksum, checksum)
+        return None
+    if problem is not None:
+        logger.warning("window checkpoint %s cannot serve restarts: %s", path, problem)
         return None
     return path

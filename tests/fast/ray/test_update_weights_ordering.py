@@ -263,3 +263,24 @@ async def test_an_expired_lease_is_rolled_back_and_its_token_refused(
     all_serving_verified(controller, "3", v3.checksum)
     with pytest.raises(ConflictError):
         await controller.end_update_weights(window, checksum=v3.checksum, step=4)
+
+
+async def test_a_window_checkpoint_no_server_could_restart_from_is_not_their_restart_point(
+    controller: AsyncInferenceController, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Training ends its window naming the directory it pushed from; its manifest holds the pushed
+    weights but its config is broken, so the servers keep an engine's write-out as their restart
+    point instead of a directory they could not start from."""
+    v4 = read_manifest(checkpoints["v4"])
+    pushed_from = copy_checkpoint(checkpoints["v4"], tmp_path / "v4-broken-config")
+    (pushed_from / "config.json").write_text("{")
+    window = await controller.start_update_weights(ttl_s=30)
+    server = controller.fleet.rollout(None)
+    for target in window.servers:
+        response = await server.load(target.server_id, pushed_from, weight_version="4", expected_checksum=v4.checksum)
+        assert response.success
+    result = await controller.end_update_weights(window, checksum=v4.checksum, step=4, checkpoint=pushed_from)
+    assert result.status is UpdateStatus.COMMITTED, result.message
+    all_serving_verified(controller, "4", v4.checksum)
+    restart_points = {s.verified_checkpoint for s in controller.health().servers}
+    assert str(pushed_from) not in restart_points, restart_points
