@@ -172,7 +172,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         with open_regular(path) as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     except CheckpointFileInvalidError as exc:
-        raise ManifestInvalidError(f"manifest {exc.message}", path=str(path)) from None
+        raise ManifestInvalidError(f"manifest: {exc.message}", path=str(path)) from None
     except IsADirectoryError:
         raise ManifestInvalidError("manifest is a directory, not a file", path=str(path)) from None
     except FileNotFoundError:
