@@ -5,8 +5,8 @@ the checkpoint is well-formed and for this model, its weights are the ones train
 (matched by checksum, the identity of the weights), and its version is newer than the one
 serving. A checkpoint an update loads also becomes its servers' restart point (an update replaces
 weights only; a server that crashes starts again on the checkpoint it last verified), so one no
-engine could start from (no readable config, a tokenizer or generation config missing) or one
-whose config describes another model is refused too.
+engine could start from (no readable config, no tokenizer) or one whose config describes another
+model is refused too.
 
 It does not hash the tensors: every server hashes the bytes before it touches its own weights,
 against the manifest of a sealed checkpoint, or against the published checksum for a plain
@@ -268,29 +268,17 @@ _NOT_THE_MODEL = frozenset(
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 
 
-# What an engine reads from its checkpoint at start besides the config and the weights: the
-# tokenizer (whichever kind), its chat template, and the generation config (the EOS tokens).
-START_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
+# A tokenizer's vocabulary, in whichever form it was saved: an engine loads its tokenizer from the
+# checkpoint it starts on. The other tokenizer files (tokenizer_config.json, special_tokens_map.json,
+# a chat template) come and go between library versions, so their absence is no reason to refuse.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def restart_point_problem(checkpoint: Path, start_checkpoint: Path | None) -> str | None:
     """Why servers could not restart from ``checkpoint`` as they run now, or None: it has no
     readable ``config.json``, its config disagrees with the start checkpoint's on a setting both
-    name (a setting one leaves out is its default), or it lacks a file the servers read from the
-    start checkpoint when they started (their tokenizer, chat template, generation config).
-    Raises OSError when the filesystem fails under the checks."""
+    name (a setting one leaves out is its default), or it has no tokenizer where the start
+    checkpoint has one. Raises OSError when the filesystem fails under the checks."""
     config = _read_config(checkpoint)
     if isinstance(config, str):
         return (
@@ -301,16 +289,15 @@ def restart_point_problem(checkpoint: Path, start_checkpoint: Path | None) -> st
     if not isinstance(reference, dict):
         return None  # the start checkpoint is gone or unreadable: nothing to compare with
     assert start_checkpoint is not None
-    missing = [
-        name for name in START_FILES if (start_checkpoint / name).is_file() and not (checkpoint / name).is_file()
-    ]
-    if missing:
+
+    def has_vocabulary(directory: Path) -> bool:
+        return any((directory / name).is_file() for name in VOCABULARY_FILES)
+
+    if has_vocabulary(start_checkpoint) and not has_vocabulary(checkpoint):
         return (
-            f"checkpoint {checkpoint} has no {', '.join(missing)}, which the servers read from their start "
-            f"checkpoint {start_checkpoint}: a server that restarts from it would not start, or would not "
-            "serve as the others do; save the tokenizer and the generation config with the weights "
-            "(tokenizer.save_pretrained(DIR), model.generation_config.save_pretrained(DIR)) or copy those "
-            "files in"
+            f"checkpoint {checkpoint} has no tokenizer (none of {', '.join(VOCABULARY_FILES)}), and a server "
+            "that restarts from it could not start: save the tokenizer with the weights "
+            f"(tokenizer.save_pretrained(DIR)) or copy its files in from the start checkpoint {start_checkpoint}"
         )
     differing = sorted(
         key for key in (config.keys() & reference.keys()) - _NOT_THE_MODEL if config[key] != reference[key]

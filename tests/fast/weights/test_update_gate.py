@@ -61,11 +61,7 @@ BROKEN: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "no tokenizer": (
         lambda d: [(d / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")],
-        "has no tokenizer.json, tokenizer_config.json, which the servers read from their start checkpoint",
-    ),
-    "no generation config": (
-        lambda d: (d / "generation_config.json").unlink(),
-        "has no generation_config.json, which the servers read",
+        "has no tokenizer (none of tokenizer.json, tokenizer.model, vocab.json, vocab.txt)",
     ),
     "weights a symlink loop": (
         lambda d: loop(d / "model.safetensors"),
@@ -100,6 +96,11 @@ def test_settings_that_describe_the_file_not_the_model_may_differ(make_checkpoin
         config["a_setting_only_this_one_names"] = 1
 
     edit_config(new, saved_elsewhere)
+    # Saved by another library version: no generation config or chat template file, and the
+    # vocabulary in another form.
+    for name in ("generation_config.json", "chat_template.jinja", "tokenizer_config.json"):
+        (new / name).unlink(missing_ok=True)
+    (new / "tokenizer.json").rename(new / "vocab.json")
     admitted = admit(new, start)
     assert admitted.expected_checksum == manifest.checksum  # type: ignore[attr-defined]
     assert admitted.weight_version == "2"
