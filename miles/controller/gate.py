@@ -65,8 +65,8 @@ def admit_checkpoint(
 
     ``serving_version`` must be read under the controller's lock, by the update that is about
     to run: a value read earlier may have been overtaken by an update that queued ahead.
-    ``start_checkpoint`` is the checkpoint the servers were started from: the new checkpoint's
-    ``config.json`` must agree with its own.
+    ``start_checkpoint`` is the checkpoint the servers were started from: the new checkpoint must
+    be one they could restart from as they run now (``restart_point_problem``).
     """
     try:
         admitted = _admit(
@@ -285,10 +285,8 @@ def restart_point_problem(checkpoint: Path, start_checkpoint: Path | None) -> st
             f"checkpoint {checkpoint} {config}: a server that restarts from it could not start; save the "
             f"model's config with its weights (save_pretrained writes {CONFIG_NAME})"
         )
-    reference = _read_config(start_checkpoint) if start_checkpoint is not None else None
-    if not isinstance(reference, dict):
-        return None  # the start checkpoint is gone or unreadable: nothing to compare with
-    assert start_checkpoint is not None
+    if start_checkpoint is None:
+        return None
 
     def has_vocabulary(directory: Path) -> bool:
         return any((directory / name).is_file() for name in VOCABULARY_FILES)
@@ -299,6 +297,9 @@ def restart_point_problem(checkpoint: Path, start_checkpoint: Path | None) -> st
             "that restarts from it could not start: save the tokenizer with the weights "
             f"(tokenizer.save_pretrained(DIR)) or copy its files in from the start checkpoint {start_checkpoint}"
         )
+    reference = _read_config(start_checkpoint)
+    if isinstance(reference, str):
+        return None  # the start checkpoint is gone or unreadable: nothing to compare with
     differing = sorted(
         key for key in (config.keys() & reference.keys()) - _NOT_THE_MODEL if config[key] != reference[key]
     )
