@@ -15,8 +15,10 @@ Hugging Face directory (``save_pretrained`` output, no manifest).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,108 +70,95 @@ def admit_checkpoint(
     ``start_checkpoint`` is the checkpoint the servers were started from: the new checkpoint must
     be one they could restart from as they run now (``restart_point_problem``).
     """
-    try:
-        admitted = _admit(
-            checkpoint,
-            model_name=model_name,
-            settings=settings,
-            published=published,
-            weight_version=weight_version,
-            serving_version=serving_version,
+    with _refused_when_unreadable(checkpoint):
+        try:
+            path = checked_path(str(checkpoint), field="checkpoint")
+        except InvalidRequestError as exc:
+            raise CheckpointRejected(exc.message) from exc
+        roots = settings.allowed_checkpoint_roots
+        if not inside_roots(path, roots):
+            raise CheckpointRejected(
+                f"checkpoint {path} is outside the allowed checkpoint roots ({', '.join(map(str, roots))}); "
+                "move it under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS"
+            )
+        if not path.is_dir():
+            raise CheckpointRejected(f"checkpoint {path} is not a directory")
+        escaping = files_outside_roots(path, roots)
+        if escaping:
+            raise CheckpointRejected(
+                f"checkpoint {path} has files that resolve outside the allowed checkpoint roots "
+                f"({', '.join(escaping[:5])}); copy the files in instead of linking to them"
+            )
+        problem = restart_point_problem(path, start_checkpoint)
+        if problem is not None:
+            raise CheckpointRejected(problem)
+        # lexists: a manifest that is there but cannot be opened (a symlink loop) is refused as such.
+        if not os.path.lexists(path / MANIFEST_NAME):
+            return _admit_plain(
+                path,
+                model_name=model_name,
+                published=published,
+                weight_version=weight_version,
+                serving_version=serving_version,
+            )
+        # Structure only (manifest, files, headers): every server hashes the bytes against the
+        # manifest before it touches its weights, so a second full pass here would only add a read of
+        # the whole checkpoint per update (minutes for large models on disk).
+        report = verify_checkpoint(path, digests=False)
+        if not report.ok or report.manifest is None:
+            problems = "; ".join(f"{p.kind.value}: {p.message}" for p in report.problems[:5])
+            raise CheckpointRejected(f"checkpoint {path} failed verification: {problems}")
+        manifest = report.manifest
+        if manifest.model_name != model_name:
+            raise CheckpointRejected(
+                f"checkpoint {path} is for model {manifest.model_name!r}, but these servers serve {model_name!r}"
+            )
+        matched = published.matching(model_name, manifest.checksum)
+        same_step = published.expected(model_name, manifest.step)
+        latest = published.latest(model_name)
+        if matched is not None:
+            # Matched by checksum: these are the weights training published for that step, whatever
+            # step the manifest was sealed with.
+            expected, source, step = matched.checksum, ChecksumSource.PUBLISHED, matched.step
+            version = weight_version or matched.weight_version or str(matched.step)
+        elif same_step is not None:
+            raise CheckpointRejected(
+                f"checksum mismatch: training published {same_step.checksum} for {model_name} step "
+                f"{manifest.step}, but checkpoint {path} holds {manifest.checksum}; it is not the "
+                "checkpoint training meant (stale, overwritten or corrupted before sealing)"
+            )
+        elif latest is not None and latest.step > manifest.step and weight_version is None:
+            # Training published a newer step and this is none of its checkpoints: stale or foreign.
+            # An older checkpoint is refused as such first; a newer one as weights nobody published.
+            # (An explicit weight_version republishes sealed weights on purpose.)
+            _check_newer(manifest.weight_version, serving_version)
+            raise _unpublished(path, model_name=model_name, checksum=manifest.checksum, latest=latest)
+        elif settings.require_published_checksum:
+            raise CheckpointRejected(
+                f"no checksum was published for {model_name} step {manifest.step}; log an "
+                "InferenceEngineWeightChecksumEvent first (require_published_checksum is on)"
+            )
+        else:
+            expected, source, step = manifest.checksum, ChecksumSource.MANIFEST, manifest.step
+            version = weight_version or manifest.weight_version
+        _check_newer(version, serving_version)
+        return AdmittedCheckpoint(
+            path=path,
+            manifest=manifest,
+            expected_checksum=expected,
+            checksum_source=source,
+            weight_version=version,
+            step=step,
         )
-        problem = restart_point_problem(admitted.path, start_checkpoint)
-    except OSError as exc:  # the filesystem failed under a check (an I/O error, no permission)
+
+
+@contextlib.contextmanager
+def _refused_when_unreadable(checkpoint: Path) -> Iterator[None]:
+    """An OS error under the gate's checks (an I/O error, no permission) is a refusal too."""
+    try:
+        yield
+    except OSError as exc:
         raise CheckpointRejected(f"checkpoint {checkpoint} cannot be read: {exc.strerror or exc}") from None
-    if problem is not None:
-        raise CheckpointRejected(problem)
-    return admitted
-
-
-def _admit(
-    checkpoint: Path,
-    *,
-    model_name: str,
-    settings: ControllerSettings,
-    published: PublishedChecksums,
-    weight_version: str | None,
-    serving_version: str | None,
-) -> AdmittedCheckpoint:
-    try:
-        path = checked_path(str(checkpoint), field="checkpoint")
-    except InvalidRequestError as exc:
-        raise CheckpointRejected(exc.message) from exc
-    roots = settings.allowed_checkpoint_roots
-    if not inside_roots(path, roots):
-        raise CheckpointRejected(
-            f"checkpoint {path} is outside the allowed checkpoint roots ({', '.join(map(str, roots))}); "
-            "move it under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS"
-        )
-    if not path.is_dir():
-        raise CheckpointRejected(f"checkpoint {path} is not a directory")
-    escaping = files_outside_roots(path, roots)
-    if escaping:
-        raise CheckpointRejected(
-            f"checkpoint {path} has files that resolve outside the allowed checkpoint roots "
-            f"({', '.join(escaping[:5])}); copy the files in instead of linking to them"
-        )
-    # lexists: a manifest that is there but cannot be opened (a symlink loop) is refused as such.
-    if not os.path.lexists(path / MANIFEST_NAME):
-        return _admit_plain(
-            path,
-            model_name=model_name,
-            published=published,
-            weight_version=weight_version,
-            serving_version=serving_version,
-        )
-    # Structure only (manifest, files, headers): every server hashes the bytes against the
-    # manifest before it touches its weights, so a second full pass here would only add a read of
-    # the whole checkpoint per update (minutes for large models on disk).
-    report = verify_checkpoint(path, digests=False)
-    if not report.ok or report.manifest is None:
-        problems = "; ".join(f"{p.kind.value}: {p.message}" for p in report.problems[:5])
-        raise CheckpointRejected(f"checkpoint {path} failed verification: {problems}")
-    manifest = report.manifest
-    if manifest.model_name != model_name:
-        raise CheckpointRejected(
-            f"checkpoint {path} is for model {manifest.model_name!r}, but these servers serve {model_name!r}"
-        )
-    matched = published.matching(model_name, manifest.checksum)
-    same_step = published.expected(model_name, manifest.step)
-    latest = published.latest(model_name)
-    if matched is not None:
-        # Matched by checksum: these are the weights training published for that step, whatever
-        # step the manifest was sealed with.
-        expected, source, step = matched.checksum, ChecksumSource.PUBLISHED, matched.step
-        version = weight_version or matched.weight_version or str(matched.step)
-    elif same_step is not None:
-        raise CheckpointRejected(
-            f"checksum mismatch: training published {same_step.checksum} for {model_name} step "
-            f"{manifest.step}, but checkpoint {path} holds {manifest.checksum}; it is not the "
-            "checkpoint training meant (stale, overwritten or corrupted before sealing)"
-        )
-    elif latest is not None and latest.step > manifest.step and weight_version is None:
-        # Training published a newer step and this is none of its checkpoints: stale or foreign.
-        # An older checkpoint is refused as such first; a newer one as weights nobody published.
-        # (An explicit weight_version republishes sealed weights on purpose.)
-        _check_newer(manifest.weight_version, serving_version)
-        raise _unpublished(path, model_name=model_name, checksum=manifest.checksum, latest=latest)
-    elif settings.require_published_checksum:
-        raise CheckpointRejected(
-            f"no checksum was published for {model_name} step {manifest.step}; log an "
-            "InferenceEngineWeightChecksumEvent first (require_published_checksum is on)"
-        )
-    else:
-        expected, source, step = manifest.checksum, ChecksumSource.MANIFEST, manifest.step
-        version = weight_version or manifest.weight_version
-    _check_newer(version, serving_version)
-    return AdmittedCheckpoint(
-        path=path,
-        manifest=manifest,
-        expected_checksum=expected,
-        checksum_source=source,
-        weight_version=version,
-        step=step,
-    )
 
 
 def _admit_plain(

@@ -669,6 +669,7 @@ class _DistributedPush:
             "backend": backend,
             "timeout_s": publisher.timeout_s,
         }
+        joined = time.perf_counter()
         joining = asyncio.create_task(
             _post_all(
                 http,
@@ -680,7 +681,6 @@ class _DistributedPush:
             )
         )
         forming = _in_daemon_thread(_process_group, backend, prefixed, world, timeout)
-        joined = time.perf_counter()
         try:
             await asyncio.wait((forming, joining), return_when=asyncio.FIRST_EXCEPTION)
             refused = joining.exception() if joining.done() else None
