@@ -16,6 +16,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from miles.errors import ConflictError, InvalidRequestError
+from miles.utils.http import DEFAULT_MAX_REQUEST_MIB
 
 
 class UpdateStrategy(StrEnum):
@@ -134,6 +135,7 @@ FIXED_REASONS = {
     "num_gpus_per_engine": "engines were placed with it; restart to change it",
     "num_cpus_per_engine": "engines were placed with it; restart to change it",
     "placement_strategy": "engines were placed with it; restart to change it",
+    "max_request_mib": "the HTTP server was built with it; restart the controller to change it",
 }
 
 
@@ -162,6 +164,9 @@ class ControllerSettings(BaseSettings):
     lock_timeout_s: Annotated[float, Field(ge=0.01, le=DAY)] = 600.0
     lease_ttl_s: Annotated[float, Field(ge=LEASE_TTL_MIN_S, le=LEASE_TTL_MAX_S)] = 120.0
     request_timeout_s: Annotated[float, Field(ge=0.5, le=DAY)] = 600.0
+    # The largest request body the controller reads (413 above it). Engines have their own limit
+    # (the engine's --max-request-mib, in a model's engine_args), with the same default.
+    max_request_mib: Annotated[int, Field(ge=1, le=1 << 16)] = DEFAULT_MAX_REQUEST_MIB
     routing_policy: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING
     rolling_batch_size: Annotated[int, Field(ge=1, le=1024)] = 1
     default_strategy: UpdateStrategy = UpdateStrategy.BARRIER

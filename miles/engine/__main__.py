@@ -14,6 +14,7 @@ import typer
 import uvicorn
 
 from miles.engine.settings import API_KEY_ENV, SECRET_ENV, EngineSettings, Forward, StagingMode
+from miles.utils.http import DEFAULT_MAX_REQUEST_MIB
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 
@@ -69,6 +70,9 @@ def main(
     weight_staging_budget: Annotated[
         float, typer.Option(help="the fraction of available memory the staging copy may take under auto")
     ] = 0.5,
+    max_request_mib: Annotated[
+        int, typer.Option(help="the largest request body the engine reads, in MiB (413 above it)")
+    ] = DEFAULT_MAX_REQUEST_MIB,
     snapshot_dir: Annotated[
         Path | None, typer.Option(help="enable POST /export_weights, writing checkpoints under this directory")
     ] = None,
@@ -100,6 +104,7 @@ def main(
         weight_staging_budget=weight_staging_budget,
         allowed_checkpoint_roots=EngineSettings.roots_from_env(),
         snapshot_dir=snapshot_dir.expanduser().resolve() if snapshot_dir is not None else None,
+        max_request_mib=max_request_mib,
         log_level=log_level,
         secret=secret,
         api_key=api_key,

@@ -47,6 +47,9 @@ from miles.weights.checkpoint import read_manifest
 logger = logging.getLogger("miles.engine")
 
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's version before any update
+# Texts of at least this many characters (a request's together) are tokenized on a worker thread,
+# which the tokenizer releases the interpreter from, so no prompt holds up the event loop.
+ENCODE_OFF_LOOP_CHARS = 4096
 
 
 class _Sink:
@@ -99,6 +102,10 @@ class Engine:
         )
         self.context_length = settings.context_length or int(getattr(self.config, "max_position_embeddings", 2048))
         self.vocab_size = int(self.config.vocab_size)
+        # No token covers more characters than the vocabulary's longest entry, so a text longer
+        # than this cannot fit the context however it tokenizes: refused without tokenizing it.
+        self._token_chars = max((len(token) for token in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.context_length * self._token_chars
         self._eos_ids = _eos_ids(self.model_path, self.config, self.tokenizer, vocab_size=self.vocab_size)
         lock = WeightsLock()
         self._scheduler = Scheduler(
@@ -162,7 +169,7 @@ class Engine:
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse | list[GenerateResponse]:
         """Run a (batch) request to completion; a batch or ``n > 1`` returns a list."""
-        pending = self._submit(request)
+        pending = await self._submit(request)
         try:
             results = [await _final(p.sink) for p in pending]
         except asyncio.CancelledError:
@@ -176,10 +183,10 @@ class Engine:
             return results
         return results[0]
 
-    def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
         """Submit now (so a bad request raises here, before any byte is sent) and return an
         iterator of snapshots (cumulative text and ids) after every token, then the final response."""
-        pending = self._submit(request)
+        pending = await self._submit(request)
         if len(pending) != 1:
             self._abort_pending(pending, "streaming supports a single sequence")
             self._release(pending)
@@ -202,8 +209,8 @@ class Engine:
         finally:
             self._release(pending)
 
-    def _submit(self, request: GenerateRequest) -> list[_Pending]:
-        prompts = self._prompt_ids(request)
+    async def _submit(self, request: GenerateRequest) -> list[_Pending]:
+        prompts = await self._prompt_ids(request)
         params = _per_prompt(request.sampling_params, len(prompts), SamplingParams())
         rids = _per_prompt(request.rid, len(prompts), None)
         loop = asyncio.get_running_loop()
@@ -233,10 +240,27 @@ class Engine:
             self._scheduler.submit(item.sequence)
         return pending
 
-    def _prompt_ids(self, request: GenerateRequest) -> list[list[int]]:
+    async def encode(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """The token ids of each text; InvalidRequestError for a text too long to fit the context
+        whatever it tokenizes to (checked before any tokenizing)."""
+        for text in texts:
+            if len(text) > self.max_prompt_chars:
+                raise InvalidRequestError(
+                    f"the prompt has {len(text)} characters, more than fit the context length "
+                    f"{self.context_length} however they tokenize (no token of this model covers more than "
+                    f"{self._token_chars} characters, so at most {self.max_prompt_chars}); shorten the prompt"
+                )
+
+        def run() -> list[list[int]]:
+            return [list(self.tokenizer.encode(t, add_special_tokens=add_special_tokens)) for t in texts]
+
+        if sum(map(len, texts)) < ENCODE_OFF_LOOP_CHARS:
+            return run()
+        return await asyncio.to_thread(run)
+
+    async def _prompt_ids(self, request: GenerateRequest) -> list[list[int]]:
         if request.text is not None:
-            texts = request.text if isinstance(request.text, list) else [request.text]
-            prompts = [list(self.tokenizer.encode(t)) for t in texts]
+            prompts = await self.encode(request.text if isinstance(request.text, list) else [request.text])
         else:
             raw = request.input_ids or []
             prompts = raw if raw and isinstance(raw[0], list) else [raw]

@@ -55,7 +55,7 @@ from miles.protocol.sglang import (
     WeightsCheckerResponse,
     WeightsChecksumPayload,
 )
-from miles.utils.http import error_response, install_error_handlers, sse, until_disconnected
+from miles.utils.http import MIB, BodyLimit, error_response, install_error_handlers, sse, until_disconnected
 
 logger = logging.getLogger("miles.engine")
 
@@ -76,8 +76,12 @@ def create_app(engine: Engine) -> FastAPI:
         app, logger=logger, not_found="no such endpoint; see docs/ENGINE.md for the engine's endpoints"
     )
     access = EngineAccess(secret=engine.settings.secret, api_key=engine.settings.api_key)
-    # Credentials and fences are checked before a body is read, so a caller without the right
-    # credential learns nothing from validation messages and costs no parsing.
+    # The outermost middleware runs first. Credentials and fences are checked before a body is
+    # read, so a caller without the right credential learns nothing from validation messages and
+    # costs no parsing; then the body's size is bounded.
+    app.add_middleware(
+        BodyLimit, max_bytes=engine.settings.max_request_mib * MIB, setting="the engine's --max-request-mib"
+    )
     app.add_middleware(AccessMiddleware, access=access)
 
     @app.get("/health")
@@ -114,7 +118,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/generate")
     async def generate(request: GenerateRequest, http_request: Request) -> Response:
         if request.stream:
-            return StreamingResponse(_native_stream(engine.stream(request)), media_type="text/event-stream")
+            return StreamingResponse(_native_stream(await engine.stream(request)), media_type="text/event-stream")
         result = await until_disconnected(http_request, engine.generate(request))
         if isinstance(result, Response):
             return result
@@ -296,7 +300,7 @@ def create_app(engine: Engine) -> FastAPI:
         rid = new_id("cmpl")
         if request.stream:
             chunks = openai_stream(
-                engine.stream(generate_request),
+                await engine.stream(generate_request),
                 model=engine.served_model_name,
                 rid=rid,
                 chat=False,
@@ -315,11 +319,11 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, http_request: Request) -> Response:
-        generate_request = chat_to_generate(engine, request)
+        generate_request = await chat_to_generate(engine, request)
         rid = new_id("chatcmpl")
         if request.stream:
             chunks = openai_stream(
-                engine.stream(generate_request),
+                await engine.stream(generate_request),
                 model=engine.served_model_name,
                 rid=rid,
                 chat=True,

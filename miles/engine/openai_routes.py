@@ -3,14 +3,15 @@ requests (the chat template applied), and native snapshots back into OpenAI's st
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import AsyncIterator, Callable
-from typing import Any, cast
+from typing import Any
 
 from pydantic import ValidationError
-from transformers import BatchEncoding, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from miles.engine.engine import Engine
+from miles.engine.engine import ENCODE_OFF_LOOP_CHARS, Engine
 from miles.errors import InvalidRequestError
 from miles.protocol.openai import ChatCompletionRequest, CompletionRequest, finish_reason, usage_of, versions
 from miles.protocol.sglang import GenerateRequest, GenerateResponse
@@ -54,7 +55,7 @@ _TEMPLATE_PARAMETERS = frozenset(
 )
 
 
-def chat_to_generate(engine: Engine, request: ChatCompletionRequest) -> GenerateRequest:
+async def chat_to_generate(engine: Engine, request: ChatCompletionRequest) -> GenerateRequest:
     messages = [m.for_template() for m in request.messages]
     reserved = sorted((request.chat_template_kwargs or {}).keys() & _TEMPLATE_PARAMETERS)
     if reserved:
@@ -62,19 +63,26 @@ def chat_to_generate(engine: Engine, request: ChatCompletionRequest) -> Generate
             f"chat_template_kwargs must not set {reserved}: they are arguments of the template call, which "
             "the engine sets itself; pass only variables the chat template reads"
         )
-    try:
-        rendered = engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **(request.chat_template_kwargs or {})
-        )
-    except Exception as exc:  # the template is user data (from the checkpoint); any failure is theirs
-        raise InvalidRequestError(f"the model's chat template could not render these messages: {exc}") from exc
-    if isinstance(rendered, dict | BatchEncoding):
-        rendered = rendered["input_ids"]
-    # One conversation renders to one list of token ids (GenerateRequest checks that they are).
-    ids = cast("list[int]", rendered)
+
+    def render() -> str:
+        try:
+            text = engine.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **(request.chat_template_kwargs or {})
+            )
+        except Exception as exc:  # the template is user data (from the checkpoint); any failure is theirs
+            raise InvalidRequestError(f"the model's chat template could not render these messages: {exc}") from exc
+        if not isinstance(text, str):
+            raise InvalidRequestError("the model's chat template did not render these messages to one text")
+        return text
+
+    # A long conversation renders on a worker thread, so the event loop keeps serving meanwhile.
+    long = sum(len(str(m.get("content") or "")) for m in messages) >= ENCODE_OFF_LOOP_CHARS
+    rendered = await asyncio.to_thread(render) if long else render()
+    # The template writes the special tokens itself (as apply_chat_template(tokenize=True) does).
+    (ids,) = await engine.encode([rendered], add_special_tokens=False)
     return _translated(
         lambda: GenerateRequest(
-            input_ids=list(ids),
+            input_ids=ids,
             sampling_params=request.sampling_params(),
             return_logprob=request.logprobs,
             top_logprobs_num=request.top_logprobs or 0,

@@ -10,6 +10,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from miles.utils.http import DEFAULT_MAX_REQUEST_MIB
+
 ALLOWED_ROOTS_ENV = "MILES_ALLOWED_CHECKPOINT_ROOTS"
 # Credentials travel in the environment, never on the command line (which `ps` shows anyone).
 SECRET_ENV = "MILES_ENGINE_SECRET"
@@ -62,6 +64,8 @@ class EngineSettings(BaseModel):
     # Checkpoint directories that /update_weights_from_disk may read; empty means any local path.
     allowed_checkpoint_roots: tuple[Path, ...] = ()
     health_generate_timeout_s: Annotated[float, Field(gt=0)] = 20.0
+    # The largest request body the engine reads (413 above it).
+    max_request_mib: Annotated[int, Field(ge=1, le=1 << 16)] = DEFAULT_MAX_REQUEST_MIB
     # Where POST /export_weights writes snapshots of the held weights; None disables the endpoint.
     snapshot_dir: Path | None = None
     log_level: str = "warning"

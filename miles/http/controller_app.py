@@ -46,7 +46,7 @@ from miles.utils.audit_utils.event_logger.models import (
     ChecksumRole,
     InferenceEngineWeightChecksumEvent,
 )
-from miles.utils.http import install_error_handlers, until_disconnected
+from miles.utils.http import MIB, BodyLimit, install_error_handlers, until_disconnected
 from miles.weights.paths import path_text_problem
 
 logger = logging.getLogger("miles.controller")
@@ -149,6 +149,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     install_error_handlers(
         app, logger=logger, not_found="no such endpoint; the controller's API is listed in the README"
     )
+    app.add_middleware(BodyLimit, max_bytes=controller.settings.max_request_mib * MIB, setting="MILES_MAX_REQUEST_MIB")
     credentials = Credentials(admin_token=controller.settings.admin_token, api_key=controller.settings.api_key)
 
     def reader(request: Request) -> None:

@@ -1,5 +1,5 @@
 """What every miles HTTP API shares: its error shape, the one table from errors to status codes,
-and waiting on work that a departed client no longer wants.
+a bound on the size of request bodies, and waiting on work that a departed client no longer wants.
 
 Domain code raises ``MilesError`` subclasses and never picks a status code; an app installs
 ``install_error_handlers`` and answers every failure as ``{"error": {"message", "type", "code"}}``:
@@ -18,7 +18,9 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from miles.errors import (
     AuthenticationError,
@@ -134,6 +136,85 @@ def install_error_handlers(app: FastAPI, *, logger: logging.Logger, not_found: s
         logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         message = f"internal error ({type(exc).__name__}: {str(exc)[:200]}); this is a bug in miles, see its log"
         return error_response(message, code=500, kind="internal_error")
+
+
+# The largest request body an API reads unless its settings say otherwise: room for a batch of
+# long prompts sent as token ids, while parsing what it lets in stays a matter of a second or two.
+DEFAULT_MAX_REQUEST_MIB = 64
+MIB = 1 << 20
+
+
+# An oversized body is read and dropped (up to this much) before the refusal is sent: a server
+# that closes a connection with unread input resets it, and the reset can destroy the refusal
+# before the client reads it.
+DRAIN_MAX_BYTES = 1 << 30
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body is larger than ``max_bytes`` is refused with 413, and
+    none of it past ``max_bytes`` is kept, so no request can make an API buffer and parse
+    gigabytes. ``setting`` names what raises the limit, for the message."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int, setting: str) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.setting = setting
+
+    def _message(self, size: str) -> str:
+        return (
+            f"the request body ({size}) is larger than this server reads ({self.max_bytes / MIB:g} MiB); "
+            f"send less per request (several smaller batches), or raise {self.setting}"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None:
+            # The HTTP layer ends a body at its declared length, so only that needs checking.
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                if int(declared) <= DRAIN_MAX_BYTES:
+                    await _drain(receive, DRAIN_MAX_BYTES)
+                refusal = error_response(
+                    self._message(f"{int(declared)} bytes"),
+                    code=413,
+                    kind="invalid_request_error",
+                    headers={"connection": "close"},
+                )
+                await refusal(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            # A chunked body has no declared length: counted as it arrives, refused once it passes
+            # the limit (the app's error handlers answer the HTTPException).
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    if message.get("more_body", False):
+                        await _drain(receive, DRAIN_MAX_BYTES - received)
+                    raise StarletteHTTPException(
+                        413, self._message(f"more than {self.max_bytes} bytes, chunked"), {"connection": "close"}
+                    )
+            return message
+
+        await self.app(scope, counted, send)
+
+
+async def _drain(receive: Receive, budget: int) -> None:
+    """Read and drop the rest of a request's body, or ``budget`` bytes of it."""
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        budget -= len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 _DISCONNECT_POLL_S = 0.25

@@ -41,7 +41,9 @@ class PauseFaults(SFTRollout):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(checkpoints: dict[str, Path]) -> AsyncIterator[tuple[AsyncInferenceController, httpx.AsyncClient]]:
-    async with running_controller(PauseFaults, checkpoints["v1"], num_servers=1, request_timeout_s=120) as (
+    async with running_controller(
+        PauseFaults, checkpoints["v1"], num_servers=1, request_timeout_s=120, max_request_mib=MAX_REQUEST_MIB
+    ) as (
         controller,
         url,
     ):
@@ -54,6 +56,8 @@ def raw(text: str) -> bytes:
 
 
 BIG = 2**70
+MAX_REQUEST_MIB = 1
+OVERSIZED = b'{"text": "' + b"x" * (MAX_REQUEST_MIB << 20) + b'"}'
 EDGE_CASES: list[tuple[str, str, bytes | None, int]] = [
     # (method, path, body, expected status) -- bodies are bytes so that JSON's edges (NaN,
     # Infinity, bad UTF-8, deep nesting) reach the server exactly as an attacker would send them.
@@ -80,6 +84,12 @@ EDGE_CASES: list[tuple[str, str, bytes | None, int]] = [
     ("POST", "/generate", json.dumps({"input_ids": [[]]}).encode(), 400),
     ("POST", "/generate", json.dumps({"input_ids": [10**9]}).encode(), 400),
     ("POST", "/generate", json.dumps({"text": "x" * 200_000}).encode(), 400),
+    # Bodies larger than the controller reads (MILES_MAX_REQUEST_MIB), on every kind of route.
+    ("POST", "/generate", OVERSIZED, 413),
+    ("POST", "/v1/chat/completions", OVERSIZED, 413),
+    ("POST", "/update_weights", OVERSIZED, 413),
+    ("POST", "/events", OVERSIZED, 413),
+    ("PATCH", "/config", OVERSIZED, 413),
     ("POST", "/generate", json.dumps({"text": "x", "model": 123}).encode(), 404),
     ("POST", "/generate", json.dumps({"text": "x", "min_weight_version": []}).encode(), 400),
     ("POST", "/generate", json.dumps({"text": "x", "min_weight_version": True}).encode(), 400),
@@ -184,6 +194,20 @@ async def test_edge_values_get_a_clear_4xx(fleet, method: str, path: str, body: 
     assert len(text) < 20_000  # an error names the problem; it does not echo a huge input back
     assert controller.settings == before
     assert controller.health().lock.held is False
+
+
+async def test_a_chunked_body_is_refused_once_it_passes_the_limit(fleet) -> None:
+    _, http = fleet
+
+    async def chunks() -> AsyncIterator[bytes]:
+        # No Content-Length: the controller counts what arrives.
+        yield b'{"text": "'
+        for _ in range(4 * MAX_REQUEST_MIB):
+            yield b"x" * (1 << 20)
+
+    response = await http.post("/generate", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413, response.text[:300]
+    assert "MILES_MAX_REQUEST_MIB" in response.json()["error"]["message"]
 
 
 async def test_the_fleet_serves_as_before_after_the_hostile_input(fleet) -> None:

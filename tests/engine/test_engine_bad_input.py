@@ -23,12 +23,15 @@ from miles.engine.http_server import create_app
 from miles.engine.settings import EngineSettings
 from miles.testing import running_engine
 
+MAX_MIB = 8
 REFERENCE = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
 
 
 @pytest.fixture(scope="module")
 def engine_url(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with running_engine(checkpoints["v1"], log_dir=tmp_path_factory.mktemp("logs")) as url:
+    with running_engine(
+        checkpoints["v1"], log_dir=tmp_path_factory.mktemp("logs"), extra_args=("--max-request-mib", str(MAX_MIB))
+    ) as url:
         yield url
 
 
@@ -111,6 +114,7 @@ def test_derived_seeds_of_n_samples_wrap_into_range(http: httpx.Client) -> None:
 
 
 LONG = "a" * 5000
+OVERSIZED = b'{"text": "' + b"a" * (MAX_MIB << 20) + b'"}'
 CASES: list[tuple[str, str, object, int, str]] = [
     # /generate: numbers, NaN/Infinity literals, booleans, types, lists, unicode, lengths.
     ("POST", "/generate", '{"text": "x", "sampling_params": {"temperature": Infinity}}', 400, "temperature"),
@@ -139,6 +143,17 @@ CASES: list[tuple[str, str, object, int, str]] = [
     ("POST", "/generate", {"text": ""}, 400, "empty"),
     ("POST", "/generate", {"text": 5}, 400, "text"),
     ("POST", "/generate", {"text": LONG * 20}, 400, "context length"),
+    # Text that cannot fit the context whatever it tokenizes to is refused before tokenizing (a
+    # 4 MB prompt once held the event loop for seconds, and much larger ones took gigabytes).
+    ("POST", "/generate", {"text": "a" * 4_000_000}, 400, "characters, more than fit the context length"),
+    ("POST", "/generate", {"text": ["x", "a" * 100_000]}, 400, "characters, more than fit"),
+    ("POST", "/v1/completions", {"prompt": "a" * 100_000}, 400, "characters, more than fit"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG * 20}]}, 400, "characters"),
+    # A body larger than the engine reads is refused (413) before it is read, on every route.
+    ("POST", "/generate", OVERSIZED, 413, "--max-request-mib"),
+    ("POST", "/v1/chat/completions", OVERSIZED, 413, "--max-request-mib"),
+    ("POST", "/update_weights_from_disk", OVERSIZED, 413, "--max-request-mib"),
+    ("POST", "/update_weights_from_tensor", OVERSIZED, 413, "--max-request-mib"),
     ("POST", "/generate", '{"text": "\\ud800"}', 400, "surrogate"),
     ("POST", "/generate", '{"text": "x", "rid": "\\udc80"}', 400, "rid"),
     ("POST", "/generate", {"text": "x", "top_logprobs_num": 21}, 400, "top_logprobs_num"),
@@ -265,6 +280,18 @@ def test_bad_input_gets_a_4xx_naming_the_problem(
         response = http.request(method, path, content=raw, headers={"content-type": "application/json"})
     assert response.status_code == status, response.text
     assert needle in response.json()["error"]["message"], response.text
+
+
+def test_a_chunked_body_is_refused_once_it_passes_the_limit(http: httpx.Client) -> None:
+    def chunks() -> Iterator[bytes]:
+        # No Content-Length: the engine counts what arrives.
+        yield b'{"text": "'
+        for _ in range(2 * MAX_MIB):
+            yield b"a" * (1 << 20)
+
+    response = http.post("/generate", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413, response.text[:300]
+    assert "--max-request-mib" in response.json()["error"]["message"]
 
 
 def test_the_engine_still_generates_correctly_after_all_of_it(http: httpx.Client, reference: list[int]) -> None:
