@@ -3,12 +3,20 @@
 Every process started here is registered until it is reaped, and an ``atexit`` hook kills what is
 left, so a crashing parent leaves no engine behind; engines are also started with
 ``--exit-with-parent`` so they end themselves if the parent is killed outright.
+
+Embedded engines (``python -m miles.engine``) are forked from a warm interpreter that has already
+imported torch and transformers (``miles.engine.forkserver``, one per process that launches
+engines, started with the first), which saves each launch most of its start-up. It ends with
+this process and takes its engines with it. ``MILES_ENGINE_FORKSERVER=0`` starts every engine as
+a fresh interpreter instead; so does any failure to start the forkserver.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import json
+import logging
 import os
 import signal
 import socket
@@ -16,16 +24,40 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO, Any, Protocol
 
 import httpx
 
 from miles.errors import MilesError
 
+logger = logging.getLogger("miles.rollout")
+
+FORKSERVER_ENV = "MILES_ENGINE_FORKSERVER"
+_ENGINE_MODULE = "miles.engine"
+# The forkserver imports torch and transformers before it answers: seconds, more on a busy machine.
+_FORKSERVER_READY_S = 300.0
+
 
 class EngineStartError(MilesError):
     """An engine process exited or did not become healthy in time; the message has its log tail."""
+
+
+class _Child(Protocol):
+    """What EngineProcess needs of a process: ``subprocess.Popen``'s calls (or a forked engine's)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 class _Registry:
@@ -33,14 +65,14 @@ class _Registry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._procs: dict[int, _Child] = {}
         atexit.register(self.kill_all)
 
-    def add(self, proc: subprocess.Popen[bytes]) -> None:
+    def add(self, proc: _Child) -> None:
         with self._lock:
             self._procs[proc.pid] = proc
 
-    def discard(self, proc: subprocess.Popen[bytes]) -> None:
+    def discard(self, proc: _Child) -> None:
         with self._lock:
             self._procs.pop(proc.pid, None)
 
@@ -55,6 +87,213 @@ class _Registry:
 
 
 _REGISTRY = _Registry()
+
+
+class _ForkServer:
+    """The warm interpreter that embedded engines are forked from (its protocol is described in
+    ``miles.engine.forkserver``); a reader thread records what it reports."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "miles.engine.forkserver"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._requests: IO[bytes] = self._proc.stdin
+        self._changed = threading.Condition()
+        self._ready: bool | None = None
+        self._failure = ""
+        self._spawned: dict[int, dict[str, Any]] = {}
+        self._running: set[int] = set()
+        self._exits: dict[int, int] = {}
+        self._next_id = 0
+        threading.Thread(
+            target=self._read, args=(self._proc.stdout,), name="miles-forkserver-reader", daemon=True
+        ).start()
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._ready is not None, timeout=_FORKSERVER_READY_S):
+                self._failure = f"not ready after {_FORKSERVER_READY_S:g}s"
+        if not self._ready:
+            self.close()
+            raise EngineStartError(f"the engine forkserver did not start: {self._failure}")
+        atexit.register(self.close)
+        # A process forked from this one (a data-loader worker, say) must not keep the forkserver's
+        # input open: the forkserver ends its engines when this process ends, and only sees that
+        # when every copy of its input is closed.
+        forget = weakref.WeakMethod(self._forget_in_child)
+
+        def in_child() -> None:
+            method = forget()
+            if method is not None:
+                method()
+
+        os.register_at_fork(after_in_child=in_child)
+
+    def _forget_in_child(self) -> None:
+        # The descriptors are pointed at /dev/null rather than closed: their numbers stay this
+        # object's, so closing it later cannot close a file the child has opened since.
+        null = os.open(os.devnull, os.O_RDWR)
+        for stream in (self._requests, self._proc.stdout):
+            if stream is not None:
+                try:
+                    os.dup2(null, stream.fileno())
+                except (OSError, ValueError):
+                    pass
+        os.close(null)
+
+    def _read(self, replies: IO[bytes]) -> None:
+        for line in replies:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            with self._changed:
+                if "ready" in message:
+                    self._ready = bool(message["ready"])
+                    self._failure = str(message.get("error", ""))
+                elif "spawned" in message:
+                    self._spawned[int(message["spawned"])] = message
+                    if "pid" in message:
+                        self._running.add(int(message["pid"]))
+                elif "exited" in message:
+                    pid = int(message["exited"])
+                    self._running.discard(pid)
+                    self._exits[pid] = int(message["code"])
+                self._changed.notify_all()
+        with self._changed:
+            # The forkserver is gone. Engines it did not report as ended were orphaned (they end
+            # themselves within a second, watching their parent): end them now.
+            for pid in self._running:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._exits[pid] = -signal.SIGKILL
+            self._running.clear()
+            if self._ready is None:
+                self._failure = self._failure or "it exited while starting"
+            self._ready = False
+            self._changed.notify_all()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        with self._changed:
+            if not self._ready:
+                raise EngineStartError("the engine forkserver has exited")
+            try:
+                self._requests.write(json.dumps(message).encode() + b"\n")
+                self._requests.flush()
+            except (OSError, ValueError) as exc:
+                raise EngineStartError(f"the engine forkserver has exited ({exc})") from exc
+
+    def spawn(self, args: Sequence[str], *, env: dict[str, str], log_path: Path) -> _ForkedEngine:
+        with self._changed:
+            ident = self._next_id
+            self._next_id += 1
+        self._send({"spawn": ident, "args": list(args), "env": env, "cwd": os.getcwd(), "log": str(log_path)})
+        with self._changed:
+            self._changed.wait_for(lambda: ident in self._spawned or not self._ready, timeout=60.0)
+            reply = self._spawned.pop(ident, None)
+        if reply is None or "pid" not in reply:
+            raise EngineStartError(f"the engine forkserver could not fork: {(reply or {}).get('error', 'no answer')}")
+        return _ForkedEngine(self, int(reply["pid"]))
+
+    def exit_code(self, pid: int) -> int | None:
+        # Without the lock: health checks call this on an event loop, which must never wait for
+        # the reader thread (one dict lookup is atomic).
+        return self._exits.get(pid)
+
+    def wait(self, pid: int, timeout: float | None) -> int:
+        with self._changed:
+            if not self._changed.wait_for(lambda: pid in self._exits, timeout=timeout):
+                raise subprocess.TimeoutExpired(f"engine {pid}", timeout or 0.0)
+            return self._exits[pid]
+
+    @property
+    def usable(self) -> bool:
+        with self._changed:
+            return bool(self._ready) and self._proc.poll() is None
+
+    def close(self) -> None:
+        """End the forkserver and every engine it started (it kills them when its input closes)."""
+        try:
+            self._requests.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+class _ForkedEngine:
+    """An engine forked by the forkserver, with the calls of ``subprocess.Popen`` that
+    EngineProcess makes. Its exit is what the forkserver reports; signals go through a pidfd,
+    which names this process and no other, even once its pid is free again."""
+
+    def __init__(self, server: _ForkServer, pid: int) -> None:
+        self._server = server
+        self._pid = pid
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._pidfd = None  # already ended and reaped; the forkserver reports how
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    def poll(self) -> int | None:
+        code = self._server.exit_code(self._pid)
+        if code is not None:
+            self._release()
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self._pidfd is None or self._server.exit_code(self._pid) is not None:
+            return
+        try:
+            signal.pidfd_send_signal(self._pidfd, sig)
+        except ProcessLookupError:
+            pass  # ended; the forkserver reports it
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._server.wait(self._pid, timeout)
+        self._release()
+        return code
+
+    def _release(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+_FORKSERVER_LOCK = threading.Lock()
+_FORKSERVERS: dict[int, _ForkServer | None] = {}  # by the pid of the process using it
+
+
+def _forkserver() -> _ForkServer | None:
+    """This process's forkserver (started on first use); None when it cannot be used."""
+    if os.environ.get(FORKSERVER_ENV, "1") == "0":
+        return None
+    with _FORKSERVER_LOCK:
+        pid = os.getpid()
+        if pid in _FORKSERVERS:
+            server = _FORKSERVERS[pid]
+            if server is None or server.usable:
+                return server  # None: it could not start in this process, engines start the slow way
+        try:
+            server = _ForkServer()
+        except (EngineStartError, OSError) as exc:
+            logger.warning("engines start without a forkserver (slower): %s", exc)
+            server = None
+        _FORKSERVERS[pid] = server
+        return server
 
 
 def engine_command(
@@ -87,7 +326,7 @@ class EngineProcess:
         self.command = list(command)
         self.log_path = log_path
         self._env = env
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: _Child | None = None
 
     @property
     def pid(self) -> int | None:
@@ -95,13 +334,24 @@ class EngineProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **(self._env or {})}
+        embedded = self.command[:3] == [sys.executable, "-m", _ENGINE_MODULE]
+        server = _forkserver() if embedded else None
+        if server is not None:
+            try:
+                self._proc = server.spawn(self.command[3:], env=env, log_path=self.log_path)
+            except EngineStartError as exc:
+                logger.warning("starting an engine without the forkserver (slower): %s", exc)
+            else:
+                _REGISTRY.add(self._proc)
+                return
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 self.command,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **(self._env or {})},
+                env=env,
             )
         _REGISTRY.add(self._proc)
 

@@ -1,0 +1,177 @@
+"""``python -m miles.engine.forkserver``: starts engine processes by forking a warm interpreter.
+
+Importing torch and transformers takes an engine most of its start-up (about 5 s of the 6 s a tiny
+model takes on two cores). This process imports them once; every engine is then a fork of it that
+only loads its model, so a fleet starts, and a crashed server is back, in about a second.
+
+It speaks JSON lines with the process that started it (``miles.rollout.engine_process``): stdin
+takes ``{"spawn": ID, "args": [...], "env": {...}, "cwd": DIR, "log": PATH}`` (the arguments
+of ``python -m miles.engine``); stdout answers
+``{"ready": true}`` once the imports are done, ``{"spawned": ID, "pid": PID}`` (or
+``{"spawned": ID, "error": ...}``), and ``{"exited": PID, "code": C}`` when an engine ends (C as
+``Popen.returncode``: negative for a signal). The parent signals its engines itself. When its
+stdin closes (its parent exited
+or died) it kills every engine it started and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import sys
+import traceback
+from typing import Any, TextIO
+
+
+def _write(out: TextIO, message: dict[str, Any]) -> None:
+    out.write(json.dumps(message) + "\n")
+    out.flush()
+
+
+def _run_engine(args: list[str], env: dict[str, str], cwd: str, log: str, *, close: list[int]) -> None:
+    """In the forked child: become ``python -m miles.engine ARGS`` writing to ``log``; never returns.
+    ``close``: the server's own descriptors (its pipes and selector), which the engine must not hold."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd in close:
+            os.close(fd)
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(stdin, 0)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(stdin)
+        os.close(output)
+        sys.stdin = open(0, closefd=False)  # the process's own descriptors, now the engine's
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.argv = ["miles.engine", *args]
+        from miles.engine.__main__ import cli
+
+        cli(args=args, prog_name="python -m miles.engine")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 (whatever ends the engine is logged, then the child exits)
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+class _Server:
+    def __init__(self, out: TextIO, *, own_fds: list[int]) -> None:
+        self.out = out
+        self.own_fds = own_fds
+        self.children: set[int] = set()
+
+    def spawn(self, request: dict[str, Any]) -> None:
+        ident = request.get("spawn")
+        try:
+            args = [str(a) for a in request["args"]]
+            env = {str(k): str(v) for k, v in request["env"].items()}
+            cwd = str(request["cwd"])
+            log = str(request["log"])
+        except (KeyError, TypeError, AttributeError) as exc:
+            _write(self.out, {"spawned": ident, "error": f"malformed spawn request: {exc!r}"})
+            return
+        try:
+            pid = os.fork()
+        except OSError as exc:  # out of processes or memory: this launch fails, the others go on
+            _write(self.out, {"spawned": ident, "error": f"fork failed: {exc}"})
+            return
+        if pid == 0:
+            _run_engine(args, env, cwd, log, close=self.own_fds)
+        self.children.add(pid)
+        _write(self.out, {"spawned": ident, "pid": pid})
+
+    def reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.children.discard(pid)
+            _write(self.out, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def kill_all(self) -> None:
+        for pid in list(self.children):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in list(self.children):
+            try:
+                _, status = os.waitpid(pid, 0)
+            except ChildProcessError:
+                continue
+            try:
+                _write(self.out, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+            except OSError:
+                pass  # the parent is gone
+        self.children.clear()
+
+
+def main() -> None:
+    # The parent decides when engines stop: Ctrl-C in a terminal reaches this process too.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The protocol owns stdin and stdout; nothing else may write to them.
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    try:
+        import miles.engine.__main__
+        import miles.engine.engine
+        import miles.engine.http_server  # noqa: F401 (imported for the children to inherit)
+    except BaseException:  # noqa: BLE001 (the parent is told why, and launches engines the slow way)
+        _write(out, {"ready": False, "error": traceback.format_exc()[-2000:]})
+        return
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the selector through the wakeup fd
+    selector = selectors.DefaultSelector()
+    selector.register(0, selectors.EVENT_READ, "requests")
+    selector.register(wake_read, selectors.EVENT_READ, "children")
+    server = _Server(out, own_fds=[out.fileno(), wake_read, wake_write, selector.fileno()])
+    _write(out, {"ready": True})
+    pending = b""
+    try:
+        while True:
+            for key, _ in selector.select():
+                if key.data == "children":
+                    os.read(wake_read, 4096)
+                    continue
+                chunk = os.read(0, 1 << 16)
+                if not chunk:
+                    return
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    try:
+                        request = json.loads(line)
+                    except ValueError:
+                        continue
+                    if not isinstance(request, dict):
+                        continue
+                    if "spawn" in request:
+                        server.spawn(request)
+            server.reap()
+    finally:
+        server.kill_all()
+
+
+if __name__ == "__main__":
+    main()
