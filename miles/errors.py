@@ -159,6 +159,11 @@ class UnavailableError(MilesError):
     """Nothing can serve the request now (no serving server in time, shutting down): HTTP 503."""
 
 
+class QueueFullError(MilesError):
+    """A server's queue holds as many requests as it may take: HTTP 429 with ``Retry-After: 0``
+    (SGLang's answer), which tells a router to send the request to another server now."""
+
+
 # --- reference trainer -------------------------------------------------------------------------
 
 

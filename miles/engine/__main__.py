@@ -13,7 +13,14 @@ from typing import Annotated
 import typer
 import uvicorn
 
-from miles.engine.settings import API_KEY_ENV, SECRET_ENV, EngineSettings, Forward, StagingMode
+from miles.engine.settings import (
+    API_KEY_ENV,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    SECRET_ENV,
+    EngineSettings,
+    Forward,
+    StagingMode,
+)
 from miles.utils.http import DEFAULT_MAX_REQUEST_MIB
 
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -55,6 +62,9 @@ def main(
     node_id: Annotated[str | None, typer.Option(help="the id of the node it runs on, reported in server info")] = None,
     served_model_name: Annotated[str | None, typer.Option()] = None,
     max_running_requests: Annotated[int, typer.Option()] = 32,
+    max_queued_requests: Annotated[
+        int, typer.Option(help="sequences (prompts x n) that may wait for a row; more get 429, as in SGLang")
+    ] = DEFAULT_MAX_QUEUED_REQUESTS,
     num_threads: Annotated[int | None, typer.Option(help="torch intra-op threads")] = None,
     context_length: Annotated[int | None, typer.Option()] = None,
     forward: Annotated[
@@ -97,6 +107,7 @@ def main(
         node_id=node_id,
         served_model_name=served_model_name,
         max_running_requests=max_running_requests,
+        max_queued_requests=max_queued_requests,
         num_threads=num_threads,
         context_length=context_length,
         forward=forward,

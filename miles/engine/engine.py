@@ -39,7 +39,7 @@ from miles.engine.scheduler import GenerationState, Scheduler
 from miles.engine.sequence import Sequence
 from miles.engine.settings import EngineSettings
 from miles.engine.staging import WeightStaging
-from miles.errors import CheckpointError, InvalidRequestError
+from miles.errors import CheckpointError, InvalidRequestError, QueueFullError
 from miles.protocol.compat import SGLANG_VERSION
 from miles.protocol.sglang import GenerateRequest, GenerateResponse, PauseMode, SamplingParams
 from miles.weights.checkpoint import read_manifest
@@ -210,8 +210,9 @@ class Engine:
             self._release(pending)
 
     async def _submit(self, request: GenerateRequest) -> list[_Pending]:
+        params = _per_prompt(request.sampling_params, request.batch_size, SamplingParams())
+        self._check_room(sum(p.n for p in params))
         prompts = await self._prompt_ids(request)
-        params = _per_prompt(request.sampling_params, len(prompts), SamplingParams())
         rids = _per_prompt(request.rid, len(prompts), None)
         loop = asyncio.get_running_loop()
         pending: list[_Pending] = []
@@ -239,6 +240,22 @@ class Engine:
             self._in_flight.add(item.sequence.rid)
             self._scheduler.submit(item.sequence)
         return pending
+
+    def _check_room(self, sequences: int) -> None:
+        """Refuse a request whose ``sequences`` the queue cannot take: 400 when it never could
+        (split it), 429 when it is full now (SGLang's answer: another server may take it)."""
+        limit = self.settings.max_queued_requests
+        if sequences > limit:
+            raise InvalidRequestError(
+                f"the request makes {sequences} sequences (prompts x n), more than this engine queues "
+                f"({limit}, --max-queued-requests); split it into smaller batches"
+            )
+        waiting = self._scheduler.waiting()
+        if waiting + sequences > limit:
+            raise QueueFullError(
+                f"the queue is full ({waiting} sequences waiting, at most {limit}: --max-queued-requests); "
+                "retry, or send the request to another server"
+            )
 
     async def encode(self, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
         """The token ids of each text; InvalidRequestError for a text too long to fit the context

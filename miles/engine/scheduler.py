@@ -198,6 +198,11 @@ class Scheduler:
         with self._cond:
             return self._state
 
+    def waiting(self) -> int:
+        """Sequences waiting for a row now (read without the lock: it is one length, and the event
+        loop that asks must not wait for a step)."""
+        return len(self._waiting)
+
     def stats(self) -> SchedulerStats:
         with self._cond:
             return SchedulerStats(

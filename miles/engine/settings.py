@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from miles.utils.http import DEFAULT_MAX_REQUEST_MIB
 
 ALLOWED_ROOTS_ENV = "MILES_ALLOWED_CHECKPOINT_ROOTS"
+# A waiting sequence costs about 11 KB before its prompt: this many take a few hundred MB at most.
+DEFAULT_MAX_QUEUED_REQUESTS = 16384
 # Credentials travel in the environment, never on the command line (which `ps` shows anyone).
 SECRET_ENV = "MILES_ENGINE_SECRET"
 API_KEY_ENV = "MILES_API_KEY"
@@ -53,6 +55,8 @@ class EngineSettings(BaseModel):
     node_id: str | None = None
     served_model_name: str | None = None
     max_running_requests: Annotated[int, Field(ge=1, le=1024)] = 32
+    # Sequences (prompts x n) that may wait for a row; a request that would pass it gets 429.
+    max_queued_requests: Annotated[int, Field(ge=1, le=1 << 24)] = DEFAULT_MAX_QUEUED_REQUESTS
     # Torch intra-op threads; engines sharing a small machine should split the cores between them.
     num_threads: Annotated[int, Field(ge=1)] | None = None
     context_length: Annotated[int, Field(ge=8)] | None = None

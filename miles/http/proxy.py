@@ -33,8 +33,9 @@ logger = logging.getLogger("miles.router")
 # Retryable: the request provably got no answer from a server that could have acted on it.
 _NOT_DELIVERED = (aiohttp.ClientConnectionError,)
 _JSON = {"content-type": "application/json"}
-# Answers that say the server failed, not the request: worth one try elsewhere.
-_SERVER_FAILED = frozenset({500, 502, 503, 504})
+# Answers that say the server failed or is full (429: its queue), not the request: worth a try
+# elsewhere.
+_TRY_ELSEWHERE = frozenset({429, 500, 502, 503, 504})
 _COUNTS = b'"completion_tokens"'
 
 
@@ -114,6 +115,7 @@ class Proxy:
                     content = await upstream.read()
                     status = upstream.status
                     media_type = upstream.headers.get("content-type", "application/json")
+                    retry_after = upstream.headers.get("retry-after")
             except _NOT_DELIVERED as exc:
                 # Generation has no side effects, so a request whose answer never arrived is safe
                 # to run again, elsewhere or on the restarted server.
@@ -130,7 +132,7 @@ class Proxy:
                 self._router.release(lease)
                 raise
             self._router.release(lease)
-            if status in _SERVER_FAILED and tries.left > 0:
+            if status in _TRY_ELSEWHERE and tries.left > 0:
                 other = self._elsewhere(lease, tries)
                 if other is not None:
                     logger.warning("%s answered %d; retrying on %s", lease.server_id, status, other.server_id)
@@ -143,12 +145,10 @@ class Proxy:
                 started=tries.started,
                 content=content,
             )
-            return Response(
-                content=content,
-                status_code=status,
-                media_type=media_type,
-                headers={"x-miles-server": lease.server_id},
-            )
+            headers = {"x-miles-server": lease.server_id}
+            if retry_after is not None:
+                headers["retry-after"] = retry_after
+            return Response(content=content, status_code=status, media_type=media_type, headers=headers)
 
     async def stream(self, path: str, payload: bytes, options: RouteOptions) -> StreamingResponse:
         """Stream a server's server-sent events through; retried until the first byte arrives.

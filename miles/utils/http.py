@@ -31,6 +31,7 @@ from miles.errors import (
     MilesError,
     NotFoundError,
     PermissionDeniedError,
+    QueueFullError,
     UnavailableError,
 )
 
@@ -43,10 +44,16 @@ ERROR_STATUS: tuple[tuple[type[MilesError], int, str], ...] = (
     (PermissionDeniedError, 403, "permission_error"),
     (NotFoundError, 404, "not_found_error"),
     (ConflictError, 409, "conflict_error"),
+    (QueueFullError, 429, "rate_limit_error"),
     (LockTimeoutError, 503, "timeout"),
     (LockError, 409, "lock"),
     (UnavailableError, 503, "unavailable"),
 )
+
+
+# What a client needs with some refusals: how to authenticate, and when to try again (now,
+# elsewhere: SGLang's answer when its queue is full).
+_HEADERS_OF = {401: {"www-authenticate": "Bearer"}, 429: {"retry-after": "0"}}
 
 
 def status_of(exc: MilesError) -> tuple[int, str] | None:
@@ -114,7 +121,7 @@ def install_error_handlers(app: FastAPI, *, logger: logging.Logger, not_found: s
         if mapped is None:
             return await _unexpected(request, exc)
         code, kind = mapped
-        headers = {"www-authenticate": "Bearer"} if code == 401 else None
+        headers = _HEADERS_OF.get(code)
         return error_response(str(exc), code=code, kind=kind, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)

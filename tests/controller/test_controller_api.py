@@ -233,3 +233,38 @@ async def test_a_server_dying_under_load_costs_no_request(fleet) -> None:
     await asyncio.gather(*users)
     assert answers and set(answers) == {200}
     assert controller.health().ok
+
+
+async def test_a_server_whose_queue_is_full_hands_its_requests_to_another(checkpoints: dict[str, Path]) -> None:
+    spec = {"tiny": {"checkpoint": checkpoints["v1"], "num_servers": 2, "engine_args": ("--max-queued-requests", "1")}}
+    async with (
+        running_controller(spec) as (controller, url),
+        httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http,
+    ):
+        full, other = controller.health().servers
+        assert full.url is not None
+        control = {"authorization": f"Bearer {controller.engine_secret}"}
+        # Fill one server's queue: paused, it queues one sequence and answers 429 to the next.
+        assert (await http.post(f"{full.url}/pause_generation", json={"mode": "in_place"}, headers=control)).is_success
+        held = asyncio.create_task(http.post(f"{full.url}/generate", json=greedy()))
+        try:
+            await asyncio.wait_for(_queued(http, full.url, 1), timeout=60)
+            refused = await http.post(f"{full.url}/generate", json=greedy())
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "0", refused.text
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+            # Routed requests alternate between equal servers: those sent to the full one are
+            # handed to the other instead of coming back refused.
+            answers = [await http.post("/generate", json=greedy()) for _ in range(4)]
+            assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+            assert {a.headers["x-miles-server"] for a in answers} == {other.server_id}
+        finally:
+            await http.post(f"{full.url}/continue_generation", json={}, headers=control)
+            answer = await held
+        assert answer.status_code == 200
+
+
+async def _queued(http: httpx.AsyncClient, url: str, count: int) -> None:
+    """Return once the engine at ``url`` has ``count`` sequences waiting."""
+    # The engine's queue is state it reports, not an event it sends: polled.
+    while (await http.get(f"{url}/get_server_info")).json()["internal_states"][0]["waiting_requests"] != count:  # noqa: ASYNC110
+        await asyncio.sleep(0.02)

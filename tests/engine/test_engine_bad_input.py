@@ -320,3 +320,33 @@ def test_a_bug_in_a_handler_answers_a_json_500_and_logs_its_traceback(
     assert error["type"] == "internal_error" and "planted bug" in error["message"]
     logged = [r for r in caplog.records if r.getMessage().startswith("unhandled error on GET /get_model_info")]
     assert logged and logged[0].exc_info is not None
+
+
+def test_a_full_queue_answers_429_and_a_batch_larger_than_it_400(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    args = ("--max-queued-requests", "2", "--max-running-requests", "1")
+    with (
+        running_engine(checkpoints["v1"], log_dir=tmp_path, extra_args=args) as url,
+        httpx.Client(base_url=url, timeout=60, trust_env=False) as http,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        reference = http.post("/generate", json=REFERENCE).json()["output_ids"]
+        # SGLang's --max-queued-requests counts sequences: a batch that could never fit is the
+        # request's fault (400), a queue that is full now is the server's state (429, retry now).
+        too_big = http.post("/generate", json={"text": ["a", "b", "c"], "sampling_params": {"max_new_tokens": 1}})
+        assert too_big.status_code == 400 and "--max-queued-requests" in too_big.text
+        too_many = http.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 1, "n": 3}})
+        assert too_many.status_code == 400, too_many.text
+        assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        twice = {**REFERENCE, "sampling_params": {**REFERENCE["sampling_params"], "n": 2}}
+        held: Future[httpx.Response] = pool.submit(http.post, "/generate", json=twice)
+        deadline = time.monotonic() + 60
+        while http.get("/get_server_info").json()["internal_states"][0]["waiting_requests"] != 2:
+            assert time.monotonic() < deadline, "the request never queued"
+            time.sleep(0.02)  # the queue is state the engine reports, not an event it sends
+        full = http.post("/generate", json=REFERENCE)
+        assert full.status_code == 429, full.text
+        assert full.headers["retry-after"] == "0"
+        assert full.json()["error"]["type"] == "rate_limit_error" and "queue is full" in full.text
+        assert http.post("/continue_generation", json={}).status_code == 200
+        assert [r["output_ids"] for r in held.result(timeout=60).json()] == [reference, reference]
+        assert http.post("/generate", json=REFERENCE).json()["output_ids"] == reference
