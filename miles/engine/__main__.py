@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import sys
 import threading
 import time
@@ -16,6 +17,7 @@ import uvicorn
 from miles.engine.settings import (
     API_KEY_ENV,
     DEFAULT_MAX_QUEUED_REQUESTS,
+    LAUNCHER_PID_ENV,
     SECRET_ENV,
     EngineSettings,
     Forward,
@@ -29,7 +31,25 @@ cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
 def _exit_with_parent(poll_s: float = 1.0) -> None:
-    """End this process when the process that started it dies, so no engine is ever orphaned."""
+    """End this process when the process that started it dies, so no engine is ever orphaned.
+
+    An engine forked by the forkserver was started by the forkserver's launcher, named in
+    ``MILES_ENGINE_LAUNCHER_PID``: it watches that process (through a pidfd, which becomes
+    readable when it exits), so it outlives a forkserver that dies but never its launcher.
+    """
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher:
+        try:
+            pidfd = os.pidfd_open(int(launcher))
+        except (ProcessLookupError, ValueError):
+            os._exit(0)  # the launcher is already gone (or named wrongly: nothing to answer to)
+
+        def watch_launcher() -> None:
+            select.select([pidfd], [], [])
+            os._exit(0)
+
+        threading.Thread(target=watch_launcher, name="miles-launcher-watch", daemon=True).start()
+        return
     parent = os.getppid()
 
     def watch() -> None:

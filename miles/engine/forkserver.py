@@ -5,13 +5,14 @@ model takes on two cores). This process imports them once; every engine is then 
 only loads its model, so a fleet starts, and a crashed server is back, in about a second.
 
 It speaks JSON lines with the process that started it (``miles.rollout.engine_process``): stdin
-takes ``{"spawn": ID, "args": [...], "env": {...}, "cwd": DIR, "log": PATH}`` (the arguments
-of ``python -m miles.engine``); stdout answers
+takes ``{"spawn": ID, "args": [...], "env": {...}, "cwd": DIR, "log": PATH, "launcher": PID}``
+(the arguments of ``python -m miles.engine``, and the process asking); stdout answers
 ``{"ready": true}`` once the imports are done, ``{"spawned": ID, "pid": PID}`` (or
 ``{"spawned": ID, "error": ...}``), and ``{"exited": PID, "code": C}`` when an engine ends (C as
 ``Popen.returncode``: negative for a signal). The parent signals its engines itself. When its
-stdin closes (its parent exited
-or died) it kills every engine it started and exits.
+stdin closes (its parent exited or died) it kills every engine it started and exits. An engine
+does not depend on it once forked: it watches its launcher (``MILES_ENGINE_LAUNCHER_PID``), so
+killing the forkserver leaves the fleet serving.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import signal
 import sys
 import traceback
 from typing import Any, TextIO
+
+from miles.engine.settings import LAUNCHER_PID_ENV
 
 
 def _write(out: TextIO, message: dict[str, Any]) -> None:
@@ -84,7 +87,8 @@ class _Server:
             env = {str(k): str(v) for k, v in request["env"].items()}
             cwd = str(request["cwd"])
             log = str(request["log"])
-        except (KeyError, TypeError, AttributeError) as exc:
+            env[LAUNCHER_PID_ENV] = str(int(request["launcher"]))
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
             _write(self.out, {"spawned": ident, "error": f"malformed spawn request: {exc!r}"})
             return
         try:

@@ -18,6 +18,9 @@ DEFAULT_MAX_QUEUED_REQUESTS = 16384
 # Credentials travel in the environment, never on the command line (which `ps` shows anyone).
 SECRET_ENV = "MILES_ENGINE_SECRET"
 API_KEY_ENV = "MILES_API_KEY"
+# Set by the forkserver in the engines it forks: the process that launched them (their parent is
+# the forkserver), which --exit-with-parent watches.
+LAUNCHER_PID_ENV = "MILES_ENGINE_LAUNCHER_PID"
 
 
 class Forward(Enum):

@@ -18,6 +18,7 @@ import atexit
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -106,7 +107,6 @@ class _ForkServer:
         self._ready: bool | None = None
         self._failure = ""
         self._spawned: dict[int, dict[str, Any]] = {}
-        self._running: set[int] = set()
         self._exits: dict[int, int] = {}
         self._next_id = 0
         threading.Thread(
@@ -155,23 +155,12 @@ class _ForkServer:
                     self._failure = str(message.get("error", ""))
                 elif "spawned" in message:
                     self._spawned[int(message["spawned"])] = message
-                    if "pid" in message:
-                        self._running.add(int(message["pid"]))
                 elif "exited" in message:
-                    pid = int(message["exited"])
-                    self._running.discard(pid)
-                    self._exits[pid] = int(message["code"])
+                    self._exits[int(message["exited"])] = int(message["code"])
                 self._changed.notify_all()
         with self._changed:
-            # The forkserver is gone. Engines it did not report as ended were orphaned (they end
-            # themselves within a second, watching their parent): end them now.
-            for pid in self._running:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self._exits[pid] = -signal.SIGKILL
-            self._running.clear()
+            # The forkserver is gone. Its engines go on serving (they watch this process, not
+            # it); how they end is now seen through their pidfds.
             if self._ready is None:
                 self._failure = self._failure or "it exited while starting"
             self._ready = False
@@ -191,7 +180,16 @@ class _ForkServer:
         with self._changed:
             ident = self._next_id
             self._next_id += 1
-        self._send({"spawn": ident, "args": list(args), "env": env, "cwd": os.getcwd(), "log": str(log_path)})
+        self._send(
+            {
+                "spawn": ident,
+                "args": list(args),
+                "env": env,
+                "cwd": os.getcwd(),
+                "log": str(log_path),
+                "launcher": os.getpid(),
+            }
+        )
         with self._changed:
             self._changed.wait_for(lambda: ident in self._spawned or not self._ready, timeout=60.0)
             reply = self._spawned.pop(ident, None)
@@ -204,16 +202,15 @@ class _ForkServer:
         # the reader thread (one dict lookup is atomic).
         return self._exits.get(pid)
 
-    def wait(self, pid: int, timeout: float | None) -> int:
+    def wait_for_exit(self, pid: int, timeout: float) -> None:
+        """Return when ``pid``'s exit is reported, the forkserver is gone, or ``timeout`` passed."""
         with self._changed:
-            if not self._changed.wait_for(lambda: pid in self._exits, timeout=timeout):
-                raise subprocess.TimeoutExpired(f"engine {pid}", timeout or 0.0)
-            return self._exits[pid]
+            self._changed.wait_for(lambda: pid in self._exits or not self._ready, timeout=timeout)
 
     @property
     def usable(self) -> bool:
-        with self._changed:
-            return bool(self._ready) and self._proc.poll() is None
+        # Without the lock, like exit_code: health checks ask on an event loop.
+        return bool(self._ready) and self._proc.poll() is None
 
     def close(self) -> None:
         """End the forkserver and every engine it started (it kills them when its input closes)."""
@@ -228,14 +225,20 @@ class _ForkServer:
             self._proc.wait()
 
 
+# The exit status of an engine that ended after its forkserver: whoever reaped it got the status.
+EXIT_UNKNOWN = 255
+
+
 class _ForkedEngine:
     """An engine forked by the forkserver, with the calls of ``subprocess.Popen`` that
-    EngineProcess makes. Its exit is what the forkserver reports; signals go through a pidfd,
+    EngineProcess makes. Its exit is what the forkserver reports or, once the forkserver is gone,
+    what its pidfd shows (with ``EXIT_UNKNOWN`` for a status). Signals go through the pidfd,
     which names this process and no other, even once its pid is free again."""
 
     def __init__(self, server: _ForkServer, pid: int) -> None:
         self._server = server
         self._pid = pid
+        self._code: int | None = None
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
         except ProcessLookupError:
@@ -246,31 +249,47 @@ class _ForkedEngine:
         return self._pid
 
     def poll(self) -> int | None:
-        code = self._server.exit_code(self._pid)
-        if code is not None:
-            self._release()
-        return code
+        if self._code is None:
+            code = self._server.exit_code(self._pid)
+            if code is None and not self._server.usable and (self._pidfd is None or _ended(self._pidfd)):
+                code = EXIT_UNKNOWN
+            if code is not None:
+                self._code = code
+                self._release()
+        return self._code
 
     def send_signal(self, sig: int) -> None:
-        if self._pidfd is None or self._server.exit_code(self._pid) is not None:
+        if self._pidfd is None or self.poll() is not None:
             return
         try:
             signal.pidfd_send_signal(self._pidfd, sig)
         except ProcessLookupError:
-            pass  # ended; the forkserver reports it
+            pass  # ended; poll() says so
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
-        code = self._server.wait(self._pid, timeout)
-        self._release()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            left = 0.5 if deadline is None else min(deadline - time.monotonic(), 0.5)
+            if left <= 0:
+                raise subprocess.TimeoutExpired(f"engine {self._pid}", timeout or 0.0)
+            if self._server.usable:
+                self._server.wait_for_exit(self._pid, left)
+            elif self._pidfd is not None:
+                select.select([self._pidfd], [], [], left)
         return code
 
     def _release(self) -> None:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+
+
+def _ended(pidfd: int) -> bool:
+    """Whether the process behind ``pidfd`` has exited (a pidfd becomes readable then)."""
+    return bool(select.select([pidfd], [], [], 0)[0])
 
 
 _FORKSERVER_LOCK = threading.Lock()
