@@ -136,12 +136,20 @@ def main() -> None:
     # The protocol owns stdin and stdout; nothing else may write to them.
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    # CUDA cannot be used in a process forked after it was initialized: asking whether a GPU is
+    # there must go through NVML here, and the imports must leave CUDA alone.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
+        import torch
+
         import miles.engine.__main__
         import miles.engine.engine
         import miles.engine.http_server  # noqa: F401 (imported for the children to inherit)
     except BaseException:  # noqa: BLE001 (the parent is told why, and launches engines the slow way)
         _write(out, {"ready": False, "error": traceback.format_exc()[-2000:]})
+        return
+    if torch.cuda.is_initialized():
+        _write(out, {"ready": False, "error": "CUDA was initialized while importing; forked engines could not use it"})
         return
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
