@@ -20,10 +20,13 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shlex
 import signal
 import sys
 import traceback
 from typing import Any, TextIO
+
+import setproctitle
 
 from miles.engine.settings import LAUNCHER_PID_ENV
 
@@ -53,6 +56,9 @@ def _run_engine(args: list[str], env: dict[str, str], cwd: str, log: str, *, clo
         sys.stdin = open(0, closefd=False)  # the process's own descriptors, now the engine's
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
+        # What `ps` shows: the engine's command line, as if it had been started on its own (set
+        # before the environment changes: the title may take the original environment's room).
+        setproctitle.setproctitle(shlex.join([sys.executable, "-m", "miles.engine", *args]))
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
