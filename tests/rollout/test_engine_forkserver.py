@@ -70,6 +70,9 @@ def test_a_forked_engine_serves_with_its_own_environment_and_reports_a_kill(
     pid = process.pid
     assert pid is not None
     assert parent_of(pid) != os.getpid()  # forked by the forkserver, not this process
+    # ps shows the engine's command line, not the forkserver's.
+    title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    assert b"-m miles.engine --model-path" in title and b"forkserver" not in title, title
     # The launch's environment reached the engine: it asks for the API key it was given.
     assert httpx.post(f"{url}/generate", json=GREEDY, trust_env=False, timeout=60).status_code == 401
     answer = httpx.post(
