@@ -64,12 +64,16 @@ def _children(pid: int) -> list[int]:
 
 
 def _keep_pinned(stop: threading.Event) -> None:
-    """This process on the trainer's core, every process it starts (the engines) on the fleet's."""
+    """This process on the trainer's core, every process it starts (the engines, and the forkserver
+    they are forked from) on the fleet's."""
     me = os.getpid()
     while not stop.is_set():
         _pin(me, TRAINER_CPU)
-        for child in _children(me):
+        below = _children(me)
+        while below:
+            child = below.pop()
             _pin(child, FLEET_CPU)
+            below += _children(child)
         stop.wait(0.5)
 
 
