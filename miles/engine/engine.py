@@ -211,8 +211,12 @@ class Engine:
 
     async def _submit(self, request: GenerateRequest) -> list[_Pending]:
         params = _per_prompt(request.sampling_params, request.batch_size, SamplingParams())
-        self._check_room(sum(p.n for p in params))
+        sequences = sum(p.n for p in params)
+        self._check_room(sequences)  # before tokenizing: a request that cannot be queued costs nothing
         prompts = await self._prompt_ids(request)
+        # Again: other requests may have queued while this one was tokenized on a worker thread;
+        # from here to the scheduler nothing awaits, so the queue cannot pass its bound.
+        self._check_room(sequences)
         rids = _per_prompt(request.rid, len(prompts), None)
         loop = asyncio.get_running_loop()
         pending: list[_Pending] = []
