@@ -64,6 +64,14 @@ async def wait_until(
         await asyncio.sleep(interval)
 
 
+def weights_held(http: httpx.Client) -> dict[str, Any]:
+    """An engine's ``/get_weight_version`` without ``instance_id`` (which names the process, not
+    its weights): the version and checksum it says it holds."""
+    body = dict(http.get("/get_weight_version").json())
+    body.pop("instance_id", None)
+    return body
+
+
 def copy_checkpoint(source: Path, target: Path) -> Path:
     """A writable copy of a checkpoint directory (to corrupt in tests)."""
     shutil.copytree(source, target)

@@ -24,6 +24,7 @@ import asyncio
 import copy
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -116,6 +117,8 @@ class LiveWeights:
         self._tokenizer = tokenizer
         self._served_model_name = served_model_name
         self._held = HeldWeights(version=version, checksum=None, status=WeightsStatus.VERIFIED)
+        # This process's identity in every report of the weights: a restart makes a new one.
+        self._instance_id = uuid.uuid4().hex
         self._start_manifest_checksum = manifest_checksum
         self._loaded_from = loaded_from
         # One update at a time (the next waits); one export at a time (two writing the same
@@ -143,7 +146,7 @@ class LiveWeights:
     def identity(self) -> WeightVersionResponse:
         """What the weights held now are (version and checksum), from one consistent record."""
         held = self._held
-        return WeightVersionResponse(weight_version=held.version, checksum=held.checksum)
+        return WeightVersionResponse(weight_version=held.version, checksum=held.checksum, instance_id=self._instance_id)
 
     @property
     def staging(self) -> StagingReport:

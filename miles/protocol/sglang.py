@@ -532,6 +532,9 @@ class WeightVersionResponse(BaseModel):
     # The model checksum of the weights held now (miles extension; None only before the model
     # has loaded).
     checksum: str | None = None
+    # Which process answers (miles extension): a new value after every start of the engine, so a
+    # server restarted by someone else is told apart from one whose weights changed.
+    instance_id: str | None = None
 
 
 class ExportWeightsRequest(RequestModel):

@@ -62,10 +62,12 @@ class WeightsChecksum:
 @dataclass(frozen=True)
 class WeightsIdentity:
     """What an engine says it holds, without hashing anything: its version label and the
-    checksum it computed when its weights last changed (None when it keeps none)."""
+    checksum it computed when its weights last changed (None when it keeps none), and which
+    process answered (None from an engine that does not say: SGLang)."""
 
     weight_version: str
     checksum: str | None
+    instance_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,9 @@ class EngineClient:
             response = await self._call("GET", "/get_weight_version", timeout=timeout)
             if response.status_code != 404:
                 body = await self._answer("GET", "/get_weight_version", response, WeightVersionResponse)
-                return WeightsIdentity(weight_version=body.weight_version, checksum=body.checksum)
+                return WeightsIdentity(
+                    weight_version=body.weight_version, checksum=body.checksum, instance_id=body.instance_id
+                )
             self._model_info_versions = True
         info = await self.model_info(timeout=timeout)
         return WeightsIdentity(weight_version=str(info.get("weight_version")), checksum=None)

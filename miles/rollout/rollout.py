@@ -426,6 +426,7 @@ class Rollout(ABC):
         cell.incarnation += 1
         cell.consecutive_failures = 0
         cell.last_probe = None
+        cell.engine_instance = None
         # A server someone else runs (attached) never sees the controller's secret: it does not
         # check it, and it would let that server change the weights of the engines launched here.
         attached = cell.placement is not None and cell.placement.attached
@@ -435,6 +436,9 @@ class Rollout(ABC):
         expected = cell.verified or await self._initial_weights(checkpoint)
         client = self._clients[cell.server_id]
         try:
+            # Which process answers at the URL: a probe that meets another one knows the engine
+            # was restarted behind the controller's back (SGLang does not say; then None).
+            cell.engine_instance = (await client.weight_identity(timeout=self.spec.health.timeout_s)).instance_id
             # Confirm first, rename after: a label is only moved onto weights proven to be the
             # verified ones, so an engine that came up on other weights reports its own version.
             confirmed = await self.confirm(cell.server_id, fence=fence)

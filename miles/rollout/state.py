@@ -122,6 +122,9 @@ class ServerCell:
     restarts: int = 0
     incarnation: int = 0
     placement: Placement | None = None
+    # The engine process's own identity, as it reported it when brought up (None when the engine
+    # does not report one): a probe answered by another instance means a restart from outside.
+    engine_instance: str | None = None
 
     def transition(self, to: ServerState, *, reason: str) -> StateChange:
         """Move to ``to`` if the table allows it; returns the change (for events), else raises."""

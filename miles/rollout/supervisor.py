@@ -2,7 +2,8 @@
 
 Every ``health_interval_s`` (sooner when woken: a changed interval, a request that could not reach
 a server) it probes each server. A dead process, or ``failure_threshold`` failed probes in a row,
-is restarted on its last verified weights. A serving engine that reports weights other than the
+is restarted on its last verified weights, and so is one whose process was replaced from outside
+(another engine instance answers at its address). A serving engine that reports weights other than the
 ones verified on it (changed behind the controller's back) is quarantined, reported and rolled
 back. A server quarantined outside an update recovers as soon as its verified weights can be found
 again. Restarts, rollbacks and recoveries run inside the rollout's exclusive section (the
@@ -83,8 +84,31 @@ class Supervisor:
             self._rollout.observer.probed(cell.server_id)
         if cell.consecutive_failures >= self._rollout.spec.health.failure_threshold:
             await self._restart_guarded(cell, f"{cell.consecutive_failures} failed health checks in a row")
+        elif reported is not None and cell.state is ServerState.SERVING and replaced(cell, reported):
+            await self._replaced_guarded(cell, incarnation)
         elif reported is not None and cell.state is ServerState.SERVING and drifted(verified, reported):
             await self._drift_guarded(cell, incarnation)
+
+    async def _replaced_guarded(self, cell: ServerCell, incarnation: int) -> None:
+        """Bring back, as a restart, a server whose engine process was replaced from outside (its
+        owner restarted it between two probes): it holds whatever it started on and has seen no
+        fence, so it is verified again like any restarted engine before it serves."""
+        async with self._rollout.exclusive(f"restart {cell.server_id}") as fence:
+            reported = await self._still_serving(cell, incarnation)
+            if reported is None or not replaced(cell, reported):
+                return
+            logger.warning(
+                "%s was restarted outside the controller (instance %s, was %s); verifying it again",
+                cell.server_id,
+                reported.instance_id,
+                cell.engine_instance,
+            )
+            try:
+                await self._rollout.restart(
+                    cell.server_id, reason="engine process restarted outside the controller", fence=fence
+                )
+            except MilesError as exc:
+                logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)  # noqa: TRY400
 
     async def _drift_guarded(self, cell: ServerCell, incarnation: int) -> None:
         """Quarantine, report and roll back a server whose engine holds other weights than verified."""
@@ -92,13 +116,8 @@ class Supervisor:
             # Re-check under the section: an update may have changed the weights on purpose
             # while we waited, or replaced the process; only a drift that is still there counts.
             verified = cell.verified
-            if cell.state is not ServerState.SERVING or cell.incarnation != incarnation or verified is None:
-                return
-            try:
-                reported = await self._rollout.identity(cell.server_id)
-            except EngineCallError:
-                return  # the failure counter and the next probe deal with an engine that stopped answering
-            if not drifted(verified, reported):
+            reported = await self._still_serving(cell, incarnation)
+            if reported is None or verified is None or not drifted(verified, reported):
                 return
             logger.error(
                 "%s holds %s (%s) but was verified on %s (%s): its weights changed outside the controller",
@@ -124,6 +143,17 @@ class Supervisor:
             except MilesError as exc:
                 # A MilesError's message carries its context; a traceback per probe tick would be noise.
                 logger.error("could not restore %s after its weights drifted: %s", cell.server_id, exc)  # noqa: TRY400
+
+    async def _still_serving(self, cell: ServerCell, incarnation: int) -> WeightsIdentity | None:
+        """What the engine reports now, asked again inside the exclusive section; None when the
+        server no longer serves as the same process (an update or a restart took it over while
+        we waited) or does not answer (the failure counter and the next probe deal with that)."""
+        if cell.state is not ServerState.SERVING or cell.incarnation != incarnation:
+            return None
+        try:
+            return await self._rollout.identity(cell.server_id)
+        except EngineCallError:
+            return None
 
     async def _recover_guarded(self, cell: ServerCell) -> None:
         """Bring a quarantined server back once its verified weights can be found again.
@@ -175,3 +205,9 @@ def drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool
     if reported.weight_version != verified.weight_version:
         return True
     return reported.checksum is not None and reported.checksum != verified.checksum
+
+
+def replaced(cell: ServerCell, reported: WeightsIdentity) -> bool:
+    """Whether another engine process than the one brought up answers for ``cell`` (only known
+    when the engine reports its instance: the embedded engine does, SGLang does not)."""
+    return None not in (cell.engine_instance, reported.instance_id) and reported.instance_id != cell.engine_instance

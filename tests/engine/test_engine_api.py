@@ -7,13 +7,14 @@ model's Transformers forward (what every other architecture gets), so both serve
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from miles.testing import running_engine
+from miles.testing import running_engine, weights_held
 from miles.weights.checkpoint import read_manifest
 
 
@@ -46,7 +47,11 @@ def test_health_and_info(http: httpx.Client, checkpoints: dict[str, Path]) -> No
     assert info["served_model_name"] == "tiny"
     # The identity a drift probe compares: computed at start-up, so never null once healthy.
     v1_checksum = read_manifest(checkpoints["v1"]).checksum
-    assert http.get("/get_weight_version").json() == {"weight_version": "1", "checksum": v1_checksum}
+    assert weights_held(http) == {"weight_version": "1", "checksum": v1_checksum}
+    # The process's own identity: the same on every probe of this process (a restart makes another).
+    instance = http.get("/get_weight_version").json()["instance_id"]
+    assert re.fullmatch("[0-9a-f]{32}", instance)
+    assert http.get("/get_weight_version").json()["instance_id"] == instance
     server = http.get("/get_server_info").json()
     assert server["internal_states"][0]["generation_state"] == "serving"
     assert server["checksum"] == v1_checksum

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles.testing import running_engine
+from miles.testing import running_engine, weights_held
 from miles.weights.checkpoint import read_manifest, verify_checkpoint
 
 GREEDY = {"input_ids": [3, 30, 60], "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
@@ -76,13 +76,13 @@ def test_export_writes_the_held_weights_and_another_engine_loads_them(
     load(http, checkpoints["v1"])
     loaded = load(http, path)
     assert loaded["checksum"] == v2.checksum
-    assert http.get("/get_weight_version").json() == {"weight_version": "2", "checksum": v2.checksum}
+    assert weights_held(http) == {"weight_version": "2", "checksum": v2.checksum}
     assert http.post("/generate", json=GREEDY).json()["output_ids"] == v2_output
 
     # A restarted peer starts from it directly.
     with running_engine(path, log_dir=tmp_path) as peer:
-        identity = httpx.get(f"{peer}/get_weight_version", trust_env=False).json()
-        assert identity == {"weight_version": "2", "checksum": v2.checksum}
+        with httpx.Client(base_url=peer, trust_env=False) as peer_http:
+            assert weights_held(peer_http) == {"weight_version": "2", "checksum": v2.checksum}
         output = httpx.post(f"{peer}/generate", json=GREEDY, trust_env=False, timeout=60).json()["output_ids"]
         assert output == v2_output
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from miles.models.presets import init_checkpoint
-from miles.testing import copy_checkpoint, running_engine
+from miles.testing import copy_checkpoint, running_engine, weights_held
 from miles.weights.checkpoint import read_manifest
 
 STAGED_PHASES = {
@@ -48,7 +48,7 @@ def staging_info(http: httpx.Client) -> dict[str, object]:
 
 
 def identity(http: httpx.Client) -> dict[str, object]:
-    return http.get("/get_weight_version").json()
+    return weights_held(http)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles.testing import copy_checkpoint, running_engine
+from miles.testing import copy_checkpoint, running_engine, weights_held
 from miles.weights.checkpoint import read_manifest
 
 
@@ -108,7 +108,7 @@ def test_update_loads_verified_weights_and_back(http: httpx.Client, checkpoints:
     assert checker["checksum"] == read_manifest(checkpoints["v2"]).checksum
     # The identity a drift probe reads follows a direct load at once.
     identity = {"weight_version": "2", "checksum": read_manifest(checkpoints["v2"]).checksum}
-    assert http.get("/get_weight_version").json() == identity
+    assert weights_held(http) == identity
     assert http.get("/get_server_info").json()["checksum"] == identity["checksum"]
     after = outputs(http)
     assert after != before
@@ -141,7 +141,7 @@ def test_bad_checkpoints_are_refused_and_old_weights_keep_serving(
     assert body["success"] is False
     assert needle in body["message"].lower(), body["message"]
     # A refused load leaves the identity as it was.
-    assert http.get("/get_weight_version").json() == {
+    assert weights_held(http) == {
         "weight_version": "1",
         "checksum": read_manifest(checkpoints["v1"]).checksum,
     }
@@ -344,7 +344,7 @@ def test_version_only_change_never_aborts(http: httpx.Client, engine_url: str, c
     assert meta["finish_reason"]["type"] == "length"
     assert meta["completion_tokens"] == 300
     # A rename changes the name, not the weights: the checksum stays.
-    assert http.get("/get_weight_version").json() == {
+    assert weights_held(http) == {
         "weight_version": "1b",
         "checksum": read_manifest(checkpoints["v1"]).checksum,
     }
@@ -431,7 +431,7 @@ def test_a_plain_hf_checkpoint_loads_when_its_checksum_is_expected(
     assert body["checkpoint_checksum"] == checksum
     assert body["checksum"] == checksum
     assert body["weight_version"] == "hf-1"
-    assert http.get("/get_weight_version").json() == {"weight_version": "hf-1", "checksum": checksum}
+    assert weights_held(http) == {"weight_version": "hf-1", "checksum": checksum}
     assert http.post("/weights_checker", json={}).json()["payload"]["checksum"] == checksum
     assert outputs(http) != before
     assert http.post("/generate", json=greedy("a")).json()["meta_info"]["weight_version"] == "hf-1"
@@ -467,7 +467,7 @@ def test_a_plain_hf_checkpoint_with_another_checksum_is_refused_naming_both(
     assert wrong in body["message"] and checksum in body["message"]
     assert body["checkpoint_checksum"] == checksum
     assert body["checksum"] is None  # nothing was copied
-    assert http.get("/get_weight_version").json() == {
+    assert weights_held(http) == {
         "weight_version": "1",
         "checksum": read_manifest(checkpoints["v1"]).checksum,
     }

@@ -11,13 +11,14 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
-from rollout_contract import RolloutContract
+from rollout_contract import RolloutContract, update_all, wait_for
 
+from miles.rollout.engine_client import WeightsIdentity
 from miles.rollout.engine_process import EngineProcess, engine_command, free_port
 from miles.rollout.rollout import Rollout
 from miles.rollout.sglang_rollout import SGLangRollout
 from miles.rollout.spec import HealthSettings, RolloutSpec
-from miles.rollout.state import ServerState
+from miles.rollout.state import ServerState, StateChange, VerifiedWeights
 from miles.weights.checkpoint import read_manifest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -144,6 +145,68 @@ async def test_an_attached_server_on_other_weights_is_given_the_verified_ones(
         finally:
             await rollout.stop()
     finally:
+        engine.stop()
+
+
+class _Changes:
+    """Records the state changes and drifts a rollout reports."""
+
+    def __init__(self) -> None:
+        self.changes: list[StateChange] = []
+        self.drifts: list[str] = []
+
+    def state_changed(self, change: StateChange) -> None:
+        self.changes.append(change)
+
+    def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
+        pass
+
+    def probed(self, server_id: str) -> None:
+        pass
+
+    def drifted(self, server_id: str, model_name: str, *, expected: VerifiedWeights, actual: WeightsIdentity) -> None:
+        self.drifts.append(server_id)
+
+
+async def test_an_attached_server_restarted_between_probes_is_verified_again_as_a_restart(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Its owner restarts it faster than a probe can fail: the new process answers on its own
+    start checkpoint. The controller tells it from a drift by the engine's instance, and brings
+    it back as a restart, on the verified weights."""
+    engine = ExternalEngine(checkpoints["v1"], tmp_path)
+    engine.start()
+    observer = _Changes()
+    # Probes only when woken: the restart below happens between two of them.
+    spec = attach_spec(checkpoints["v1"], [engine.url], tmp_path).model_copy(
+        update={"health": HealthSettings(interval_s=3600, timeout_s=2.0, failure_threshold=2)}
+    )
+    rollout = SGLangRollout(spec, observer=observer)
+    try:
+        await rollout.start()
+        await update_all(rollout, checkpoints["v2"])
+        (sid,) = rollout.server_ids
+        before = rollout.cell(sid).restarts
+        engine.crash_and_restart()
+        await wait_for(engine.answers, timeout=120, what="the owner's restart to answer")
+        rounds = rollout.probe_rounds
+        rollout.suspect(sid)
+        await wait_for(
+            lambda: rollout.probe_rounds > rounds and rollout.cell(sid).state is ServerState.SERVING,
+            timeout=120,
+            what="the supervisor to look again and the server to serve",
+        )
+        cell = rollout.cell(sid)
+        v2 = read_manifest(checkpoints["v2"])
+        assert cell.restarts == before + 1
+        assert (await rollout.confirm(sid)).checksum == v2.checksum
+        assert observer.drifts == [], "a restart from outside is not a change of weights"
+        assert any(
+            c.to_state is ServerState.RESTARTING and "restarted outside the controller" in c.reason
+            for c in observer.changes
+        )
+    finally:
+        await rollout.stop()
         engine.stop()
 
 
