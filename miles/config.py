@@ -110,6 +110,8 @@ RUNTIME_CHANGEABLE = frozenset(
         "lock_timeout_s",
         "lease_ttl_s",
         "request_timeout_s",
+        "max_waiting_requests",
+        "max_held_request_mib",
         "require_published_checksum",
         "write_out_interval_s",
     }
@@ -167,6 +169,11 @@ class ControllerSettings(BaseSettings):
     # The largest request body the controller reads (413 above it). Engines have their own limit
     # (the engine's --max-request-mib, in a model's engine_args), with the same default.
     max_request_mib: Annotated[int, Field(ge=1, le=1 << 16)] = DEFAULT_MAX_REQUEST_MIB
+    # Requests that may wait at once for a server (during a barrier update, for a version, for a
+    # restart), and the bytes of request bodies held while being routed: one more gets 429 with
+    # Retry-After rather than memory without bound.
+    max_waiting_requests: Annotated[int, Field(ge=1, le=1 << 24)] = 16384
+    max_held_request_mib: Annotated[int, Field(ge=1, le=1 << 20)] = 2048
     routing_policy: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING
     rolling_batch_size: Annotated[int, Field(ge=1, le=1024)] = 1
     default_strategy: UpdateStrategy = UpdateStrategy.BARRIER

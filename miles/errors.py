@@ -163,6 +163,16 @@ class QueueFullError(MilesError):
     """A server's queue holds as many requests as it may take: HTTP 429 with ``Retry-After: 0``
     (SGLang's answer), which tells a router to send the request to another server now."""
 
+    # Seconds a client should wait before trying again (the ``Retry-After`` header).
+    retry_after_s = 0
+
+
+class ControllerBusyError(QueueFullError):
+    """The controller holds as many requests as it may (waiting for a server, or their bodies'
+    bytes): HTTP 429, ``Retry-After: 1``; no other server would take it sooner."""
+
+    retry_after_s = 1
+
 
 # --- reference trainer -------------------------------------------------------------------------
 

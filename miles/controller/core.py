@@ -138,7 +138,11 @@ class AsyncInferenceController:
     @with_lock
     async def start(self) -> None:
         """Launch every server and wait until each serves verified weights."""
-        self.router = Router(servers=self.fleet.snapshots, policy=lambda: self._settings.routing_policy)
+        self.router = Router(
+            servers=self.fleet.snapshots,
+            policy=lambda: self._settings.routing_policy,
+            max_waiting=lambda: self._settings.max_waiting_requests,
+        )
         await self.fleet.start()
 
     @lock_exempt

@@ -10,7 +10,9 @@ A request that could not reach a server excludes that server's *incarnation* (on
 process), not the server: the same server, restarted, is a new incarnation and takes the retry,
 and the excluded incarnation itself becomes eligible again once a health probe newer than the
 exclusion found it answering (the failure was a dropped connection, not a dead process). Every
-state change and probe result wakes waiting requests; ``close`` ends them all.
+state change and probe result wakes waiting requests; ``close`` ends them all. At most
+``max_waiting`` requests wait at once (each holds its body and a connection): one more is refused
+with 429 rather than queued without bound.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from miles.config import RoutingPolicy
-from miles.errors import UnavailableError
+from miles.errors import ControllerBusyError, UnavailableError
 from miles.rollout.state import ServerSnapshot, ServerState
 from miles.utils.weight_version import at_least
 
@@ -75,9 +77,11 @@ class Router:
         *,
         servers: Callable[[str], list[ServerSnapshot]],
         policy: Callable[[], RoutingPolicy],
+        max_waiting: Callable[[], int] = lambda: 1 << 62,
     ) -> None:
         self._servers = servers
         self._policy = policy
+        self._max_waiting = max_waiting
         self._outstanding: dict[str, int] = {}
         self._sessions: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._gates: dict[str, asyncio.Event] = {}
@@ -149,7 +153,8 @@ class Router:
     ) -> RouteLease:
         """Wait (up to ``timeout_s``) for a serving server that may take the request, and claim it.
 
-        Raises NoServerAvailableError when none became available in time, or the router closed.
+        Raises NoServerAvailableError when none became available in time, or the router closed,
+        and ControllerBusyError when the request would have to wait and ``max_waiting`` already do.
         """
         deadline = time.monotonic() + timeout_s
         waiting = False
@@ -171,6 +176,15 @@ class Router:
                         min_weight_version=min_weight_version,
                     )
                 if not waiting:
+                    limit = self._max_waiting()
+                    if self._waiting >= limit:
+                        raise ControllerBusyError(
+                            f"{self._waiting} requests are already waiting for a server; try again "
+                            "shortly, or raise the controller's max_waiting_requests "
+                            "(MILES_MAX_WAITING_REQUESTS)",
+                            model=model_name,
+                            max_waiting_requests=limit,
+                        )
                     waiting = True
                     self._waiting += 1
                 await self._wait_for_change(gate, remaining)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,7 +39,7 @@ from miles.controller.core import AsyncInferenceController
 from miles.errors import EventLogError, InvalidRequestError, NotFoundError
 from miles.http.auth import Access, Credentials
 from miles.http.metrics import CONTENT_TYPE, NO_REQUEST_METRICS, ControllerMetrics
-from miles.http.proxy import Proxy, RouteOptions, new_session
+from miles.http.proxy import HeldBodies, Proxy, RouteOptions, new_session
 from miles.http.status import add_status_page
 from miles.utils.audit_utils.event_logger.models import (
     EVENT_ADAPTER,
@@ -164,6 +165,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     as_admin = [Depends(admin)]
 
     proxies: list[Proxy] = []
+    bodies = HeldBodies(lambda: controller.settings.max_held_request_mib * MIB)
 
     def proxy() -> Proxy:
         if not proxies:
@@ -198,31 +200,30 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         credentials.check(request, Access.READ)
-        raw, body = await _json_object(request)
-        ext = {k: body.pop(k) for k in _EXTENSIONS if k in body}
-        route = options(_text(ext.get("model")), _text(body.get("session_id")), _text(ext.get("min_weight_version")))
-        payload = raw if not ext else json.dumps(body).encode()
-        if body.get("stream") is True:
-            return await until_disconnected(request, proxy().stream("/generate", payload, route))
-        return await until_disconnected(request, proxy().forward("/generate", payload, route))
+        return await _route("/generate", request, _generate_request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _openai("/v1/completions", request)
+        credentials.check(request, Access.READ)
+        return await _route("/v1/completions", request, _openai_request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _openai("/v1/chat/completions", request)
-
-    async def _openai(path: str, request: Request) -> Response:
         credentials.check(request, Access.READ)
-        _, body = await _json_object(request)
-        model = _text(body.pop("model", None))  # the engine serves one model and answers under its name
-        route = options(model, _text(body.pop("session_id", None)), _text(body.pop("min_weight_version", None)))
-        payload = json.dumps(body).encode()
-        if body.get("stream") is True:
-            return await until_disconnected(request, proxy().stream(path, payload, route))
-        return await until_disconnected(request, proxy().forward(path, payload, route))
+        return await _route("/v1/chat/completions", request, _openai_request)
+
+    async def _route(path: str, request: Request, prepare: Callable[[bytes], _Routed]) -> Response:
+        # The body is held (request.body() keeps it) until the answer: its bytes count against
+        # the budget from before it is parsed; the parsed JSON is dropped once the payload is built.
+        raw = await request.body()
+        with bodies.hold(len(raw)):
+            routed = prepare(raw)
+            route = options(routed.model, routed.session_id, routed.min_weight_version)
+            payload = routed.payload
+            with bodies.hold(0 if payload is raw else len(payload)):
+                if routed.stream:
+                    return await until_disconnected(request, proxy().stream(path, payload, route))
+                return await until_disconnected(request, proxy().forward(path, payload, route))
 
     @app.get("/v1/models", dependencies=as_reader)
     async def models() -> dict[str, Any]:
@@ -343,8 +344,48 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     return app
 
 
-async def _json_object(request: Request) -> tuple[bytes, dict[str, Any]]:
-    raw = await request.body()
+@dataclass(frozen=True)
+class _Routed:
+    """What routing an inference request needs of its body: the payload sent on, and how to route it."""
+
+    payload: bytes
+    model: str | None
+    session_id: str | None
+    min_weight_version: str | None
+    stream: bool
+
+
+def _generate_request(raw: bytes) -> _Routed:
+    """``/generate``: sent on as it came, unless it names the controller's extension fields
+    (removed: the engine does not take them)."""
+    body = _json_object(raw)
+    ext = {k: body.pop(k) for k in _EXTENSIONS if k in body}
+    return _Routed(
+        payload=raw if not ext else json.dumps(body).encode(),
+        model=_text(ext.get("model")),
+        session_id=_text(body.get("session_id")),
+        min_weight_version=_text(ext.get("min_weight_version")),
+        stream=body.get("stream") is True,
+    )
+
+
+def _openai_request(raw: bytes) -> _Routed:
+    """``/v1/*``: ``model`` picks the fleet's model (the engine serves one and answers under its
+    name); ``session_id`` and ``min_weight_version`` are the controller's."""
+    body = _json_object(raw)
+    model = _text(body.pop("model", None))
+    session_id = _text(body.pop("session_id", None))
+    min_weight_version = _text(body.pop("min_weight_version", None))
+    return _Routed(
+        payload=json.dumps(body).encode(),
+        model=model,
+        session_id=session_id,
+        min_weight_version=min_weight_version,
+        stream=body.get("stream") is True,
+    )
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except ValueError as exc:
@@ -353,7 +394,7 @@ async def _json_object(request: Request) -> tuple[bytes, dict[str, Any]]:
         raise InvalidRequestError("the request body nests JSON too deeply to parse") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
-    return raw, body
+    return body
 
 
 def _text(value: object) -> str | None:

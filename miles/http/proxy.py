@@ -9,6 +9,10 @@ cleared, without waiting. A server error (5xx) is retried once on another server
 the request right away, else passed through. Anything else the server answered is passed through
 as it is. A stream is retried the same way until its first byte reaches the client.
 
+The bodies of the requests being routed are held in memory until they are answered (a retry sends
+them again): ``HeldBodies`` keeps their bytes within a budget, and refuses one more with 429
+rather than letting a burst of large requests exhaust the controller.
+
 The data path uses aiohttp's client rather than httpx (which the control path uses): it sends a
 request's headers and body in one write and costs ~0.35 ms less per routed request on this
 machine, which is most of the routing budget (docs/PERFORMANCE.md, "Routing").
@@ -19,14 +23,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
 from miles.controller.router import Exclusion, NoServerAvailableError, RouteLease, Router
+from miles.errors import ControllerBusyError
 from miles.http.metrics import RequestMetrics, outcome_of
+from miles.utils.http import MIB
 
 logger = logging.getLogger("miles.router")
 
@@ -55,6 +62,32 @@ def new_session() -> aiohttp.ClientSession:
     """
     connector = aiohttp.TCPConnector(limit=512, limit_per_host=256, keepalive_timeout=30)
     return aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False)
+
+
+class HeldBodies:
+    """The bytes of request bodies held while their requests are routed, within ``limit()``."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self._limit = limit
+        self.held = 0
+
+    @contextmanager
+    def hold(self, size: int) -> Iterator[None]:
+        """Count ``size`` bytes as held until the block ends; ControllerBusyError if they would
+        pass the budget (one request alone always fits: each body is bounded on its own)."""
+        limit = self._limit()
+        if self.held and self.held + size > limit:
+            raise ControllerBusyError(
+                f"the controller holds {self.held / MIB:.1f} MiB of request bodies being routed and "
+                f"this one adds {size / MIB:.1f} MiB; try again shortly, or raise max_held_request_mib "
+                "(MILES_MAX_HELD_REQUEST_MIB)",
+                max_held_request_mib=limit // MIB,
+            )
+        self.held += size
+        try:
+            yield
+        finally:
+            self.held -= size
 
 
 class _Attempts:
@@ -254,6 +287,9 @@ class Proxy:
             )
         except NoServerAvailableError:
             self._metrics.request_done(options.model_name, server="", outcome="unavailable", started=tries.started)
+            raise
+        except ControllerBusyError:
+            self._metrics.request_done(options.model_name, server="", outcome="busy", started=tries.started)
             raise
 
 

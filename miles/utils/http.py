@@ -51,9 +51,9 @@ ERROR_STATUS: tuple[tuple[type[MilesError], int, str], ...] = (
 )
 
 
-# What a client needs with some refusals: how to authenticate, and when to try again (now,
-# elsewhere: SGLang's answer when its queue is full).
-_HEADERS_OF = {401: {"www-authenticate": "Bearer"}, 429: {"retry-after": "0"}}
+# What a client needs with some refusals: how to authenticate. A full queue says when to try
+# again (``QueueFullError.retry_after_s``; 0 from an engine: now, elsewhere, as SGLang answers).
+_HEADERS_OF = {401: {"www-authenticate": "Bearer"}}
 
 
 def status_of(exc: MilesError) -> tuple[int, str] | None:
@@ -122,6 +122,8 @@ def install_error_handlers(app: FastAPI, *, logger: logging.Logger, not_found: s
             return await _unexpected(request, exc)
         code, kind = mapped
         headers = _HEADERS_OF.get(code)
+        if isinstance(exc, QueueFullError):
+            headers = {"retry-after": str(exc.retry_after_s)}
         return error_response(str(exc), code=code, kind=kind, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)

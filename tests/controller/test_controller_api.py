@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -261,6 +262,49 @@ async def test_a_server_whose_queue_is_full_hands_its_requests_to_another(checkp
             await http.post(f"{full.url}/continue_generation", json={}, headers=control)
             answer = await held
         assert answer.status_code == 200
+
+
+async def test_the_controller_bounds_the_requests_and_bytes_it_holds(checkpoints: dict[str, Path]) -> None:
+    """Requests that must wait (here: for a version not served yet) wait up to a count, and the
+    bodies held while routing up to a byte budget; one more is refused with 429, nothing held is
+    lost, and requests that need not wait still pass."""
+    async with (
+        running_controller(model_checkpoint=checkpoints["v1"], num_servers=1) as (controller, url),
+        httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as http,
+    ):
+        router = controller.router
+        assert router is not None
+        target = str(int(controller.health().models["tiny"].weight_version) + 1)
+        changed = await http.patch("/config", json={"max_waiting_requests": 2, "max_held_request_mib": 1})
+        assert changed.status_code == 200, changed.text
+        # JSON allows whitespace after the object: bodies of 0.6 MiB whose prompt is two letters.
+        padded = (json.dumps(greedy(min_weight_version=target)) + " " * 600_000).encode()
+        first = asyncio.create_task(http.post("/generate", content=padded))
+        await wait_until(lambda: router.waiting() == 1, what="the first request to wait")
+        over_budget = await http.post("/generate", content=padded)
+        assert over_budget.status_code == 429, over_budget.text
+        assert over_budget.headers["retry-after"] == "1"
+        assert over_budget.json()["error"]["type"] == "rate_limit_error"
+        assert "MILES_MAX_HELD_REQUEST_MIB" in over_budget.text
+        second = asyncio.create_task(http.post("/generate", json=greedy(min_weight_version=target)))
+        await wait_until(lambda: router.waiting() == 2, what="the second request to wait")
+        too_many = await http.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 2, "min_weight_version": target}
+        )
+        assert too_many.status_code == 429, too_many.text
+        assert "MILES_MAX_WAITING_REQUESTS" in too_many.text
+        # A request that needs no waiting, and fits the budget, is served meanwhile.
+        assert (await http.post("/generate", json=greedy())).status_code == 200
+        update = await http.post(
+            "/update_weights", json={"checkpoint": str(checkpoints["v2"]), "weight_version": target}
+        )
+        assert update.status_code == 200, update.text
+        for held in (await first, await second):
+            assert held.status_code == 200, held.text
+            assert held.json()["meta_info"]["weight_version"] == target
+        assert router.waiting() == 0
+        busy = (await http.get("/metrics")).text
+        assert re.search(r'miles_requests_total\{model="tiny",outcome="busy",server=""\} 1\.0', busy), busy
 
 
 async def _queued(http: httpx.AsyncClient, url: str, count: int) -> None:
