@@ -3,6 +3,11 @@
 Filled from ``InferenceEngineWeightChecksumEvent``s with the ``published`` role, whether they were
 logged in this process or posted over HTTP by a trainer elsewhere. Safe to call from any thread
 (the seed's ``controller.event_logger.log(...)`` runs on the caller's thread).
+
+Bounded, since anyone allowed to post events could otherwise grow it without end: the latest
+``MAX_STEPS_PER_MODEL`` steps of each model are kept (a newly published step past that forgets the
+oldest), for at most ``MAX_MODELS`` models (the one published to least recently is forgotten). An
+update of a step forgotten this way finds no published checksum, as if none had been published.
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ import threading
 from dataclasses import dataclass
 
 from miles.utils.audit_utils.event_logger.models import ChecksumRole, Event, InferenceEngineWeightChecksumEvent
+
+MAX_STEPS_PER_MODEL = 4096
+MAX_MODELS = 1024
 
 
 @dataclass(frozen=True)
@@ -23,9 +31,12 @@ class PublishedChecksum:
 
 
 class PublishedChecksums:
-    def __init__(self) -> None:
+    def __init__(self, *, max_steps_per_model: int = MAX_STEPS_PER_MODEL, max_models: int = MAX_MODELS) -> None:
         self._guard = threading.Lock()
-        self._by_key: dict[tuple[str, int], PublishedChecksum] = {}
+        # model name -> step -> record; models in the order they were last published to.
+        self._by_model: dict[str, dict[int, PublishedChecksum]] = {}
+        self._max_steps = max_steps_per_model
+        self._max_models = max_models
 
     def observe(self, event: Event) -> None:
         """Event-logger listener: remember every checksum training published (the latest wins)."""
@@ -38,19 +49,25 @@ class PublishedChecksums:
                 event_id=event.event_id,
             )
             with self._guard:
-                self._by_key[(event.model_name, event.step)] = record
+                steps = self._by_model.pop(event.model_name, {})
+                self._by_model[event.model_name] = steps
+                steps[event.step] = record
+                if len(steps) > self._max_steps:
+                    del steps[min(steps)]
+                if len(self._by_model) > self._max_models:
+                    del self._by_model[next(iter(self._by_model))]
 
     def expected(self, model_name: str, step: int) -> PublishedChecksum | None:
         with self._guard:
-            return self._by_key.get((model_name, step))
+            return self._by_model.get(model_name, {}).get(step)
 
     def matching(self, model_name: str, checksum: str) -> PublishedChecksum | None:
-        """The latest step training published ``checksum`` for, if it ever did."""
+        """The latest step training published ``checksum`` for, if it ever did (and it is kept)."""
         with self._guard:
-            hits = [r for (m, _), r in self._by_key.items() if m == model_name and r.checksum == checksum]
+            hits = [r for r in self._by_model.get(model_name, {}).values() if r.checksum == checksum]
         return max(hits, key=lambda r: r.step, default=None)
 
     def latest(self, model_name: str) -> PublishedChecksum | None:
         with self._guard:
-            steps = [r for (m, _), r in self._by_key.items() if m == model_name]
-        return max(steps, key=lambda r: r.step, default=None)
+            steps = self._by_model.get(model_name, {})
+            return steps[max(steps)] if steps else None
