@@ -188,8 +188,14 @@ def test_mixed_fleet_from_the_command_line(
 def test_serve_refuses_a_fleet_file_that_is_not_a_mapping(tmp_path: Path) -> None:
     spec = tmp_path / "fleet.json"
     spec.write_text("[1, 2]")
+    # Wide enough that the error's box does not wrap the message, whatever the temp path's length.
+    wide = {**os.environ, "COLUMNS": "400"}
     done = subprocess.run(
-        [sys.executable, "-m", "miles.cli", "serve", "--fleet", str(spec)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "miles.cli", "serve", "--fleet", str(spec)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=wide,
     )
     assert done.returncode != 0
     assert "must hold a JSON object of names to server specs" in done.stderr
