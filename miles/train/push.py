@@ -31,7 +31,6 @@ import inspect
 import ipaddress
 import json
 import logging
-import math
 import mmap
 import os
 import socket
@@ -49,8 +48,8 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from miles.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, TransferPath
-from miles.errors import PublishError
+from miles.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, TransferPath, check_seconds
+from miles.errors import InvalidRequestError, PublishError
 from miles.protocol.sglang import CUDA_IPC_LOAD_FORMAT, PUSH_TIMEOUT_MAX_S, CudaIpcHandle
 from miles.train.publisher import PublishResult
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
@@ -198,10 +197,11 @@ class PushStats:
 
 
 def _check_seconds(name: str, value: float, low: float, high: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a number of seconds, not {value!r}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be between {low:g} and {high:g} seconds, not {value:g}")
+    """The controller's check of a number of seconds, as a ValueError (a bad argument here)."""
+    try:
+        check_seconds(value, name=name, low=low, high=high)
+    except InvalidRequestError as exc:
+        raise ValueError(exc.message) from None
 
 
 class PushPublisher:

@@ -13,13 +13,13 @@ from miles.train.push import PushPublisher
 @pytest.mark.parametrize(
     ("settings", "says"),
     [
-        ({"timeout_s": 0}, "timeout_s must be between"),
-        ({"timeout_s": -1.0}, "timeout_s must be between"),
-        ({"timeout_s": 7200}, "timeout_s must be between 0.1 and 3600"),
+        ({"timeout_s": 0}, "timeout_s must be a number of seconds between 0.1"),
+        ({"timeout_s": -1.0}, "timeout_s must be a number of seconds between 0.1"),
+        ({"timeout_s": 7200}, "timeout_s must be a number of seconds between 0.1 and 3600"),
         ({"timeout_s": math.nan}, "timeout_s must be a number of seconds"),
         ({"timeout_s": "60"}, "timeout_s must be a number of seconds"),
         ({"ttl_s": math.inf}, "ttl_s must be a number of seconds"),
-        ({"ttl_s": 0.0}, "ttl_s must be between"),
+        ({"ttl_s": 0.0}, "ttl_s must be a number of seconds between"),
         ({"bucket_bytes": 0}, "bucket_bytes must be a positive number of bytes"),
         ({"bucket_bytes": 1.5}, "bucket_bytes must be a positive number of bytes"),
         ({"bucket_bytes": True}, "bucket_bytes must be a positive number of bytes"),
