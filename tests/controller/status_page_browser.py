@@ -1,6 +1,6 @@
 """Drives the controller's status page in headless Chromium for tests/controller/test_status_page.py.
 
-    python status_page_browser.py URL SCREENSHOT
+    python status_page_browser.py URL SCREENSHOT PROFILE_DIR
 
 Opens URL once and never reloads it. Prints one JSON line when the page shows every server serving
 (``{"ready": {server_id: version}}``), then reads an expected weight version from stdin, waits until
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 
 from playwright.sync_api import sync_playwright
 
@@ -31,9 +30,10 @@ ARGS = [
 TIMEOUT_MS = 60_000
 
 
-def main(url: str, screenshot: str) -> None:
+def main(url: str, screenshot: str, profile: str) -> None:
     errors: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="miles-chromium-") as profile, sync_playwright() as playwright:
+    # The profile directory is the caller's to remove: a driver killed mid-way leaves nothing behind.
+    with sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
             profile, executable_path=CHROMIUM, args=ARGS, viewport={"width": 1200, "height": 1000}
         )
@@ -95,4 +95,4 @@ def versions(page: object) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -63,11 +63,13 @@ async def test_the_page_shows_the_fleet_and_changes_when_an_update_commits(
             str(DRIVER),
             f"{url}/",
             str(screenshot),
+            str(tmp_path / "chromium-profile"),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=env,
         )
+        finished = False
         try:
             assert browser.stdin is not None and browser.stdout is not None
             ready = await _line(browser)
@@ -77,10 +79,16 @@ async def test_the_page_shows_the_fleet_and_changes_when_an_update_commits(
             browser.stdin.write(f"{after}\n".encode())
             await browser.stdin.drain()
             seen = await _line(browser)
+            finished = True
         finally:
-            if browser.returncode is None:
+            if not finished and browser.returncode is None:
+                browser.kill()  # it would wait for a version that never comes
+            try:
+                # Done, it closes the browser itself; the wait is bounded all the same.
+                _, stderr = await asyncio.wait_for(browser.communicate(), timeout=60)
+            except TimeoutError:
                 browser.kill()
-            _, stderr = await browser.communicate()
+                raise
     assert seen["changed"] == {"tiny-0": after, "tiny-1": after}
     assert seen["navigations"] == 1  # it refreshed itself; nothing reloaded it
     assert any(p.startswith("load ") for p in seen["phases"]) and any(p.startswith("pause ") for p in seen["phases"])

@@ -5,6 +5,7 @@ suite's stand-in for ``sglang.launch_server``, which, like SGLang, does not watc
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -56,10 +57,13 @@ def test_no_server_outlives_a_controller_killed_outright(checkpoints: dict[str, 
     spec = tmp_path / "fleet.json"
     spec.write_text(json.dumps(fleet))
     port = free_port()
+    # Killed outright, the controller cannot remove its working files: they go under tmp_path.
+    env = {**os.environ, "MILES_STATE_DIR": str(tmp_path / "state")}
     serve = subprocess.Popen(
         [sys.executable, "-m", "miles.cli", "serve", "--fleet", str(spec), "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env=env,
     )
 
     def healthy() -> bool:
