@@ -14,30 +14,35 @@ at ``/`` (and its JSON at ``/status``),
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
 import aiohttp
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from miles.config import (
     LEASE_TTL_MAX_S,
     LEASE_TTL_MIN_S,
+    RUNTIME_CHANGEABLE,
     UPDATE_TIMEOUT_MAX_S,
     UPDATE_TIMEOUT_MIN_S,
+    ControllerSettings,
     UpdatePauseMode,
     UpdateStrategy,
 )
 from miles.controller.core import AsyncInferenceController
-from miles.errors import EventLogError, InvalidRequestError, NotFoundError
-from miles.http.auth import Access, Credentials
+from miles.errors import ConflictError, EventLogError, InvalidRequestError, NotFoundError
+from miles.http.auth import Access, Credentials, CredentialsFirst
 from miles.http.metrics import CONTENT_TYPE, NO_REQUEST_METRICS, ControllerMetrics
 from miles.http.proxy import HeldBodies, Proxy, RouteOptions, new_session
 from miles.http.status import add_status_page
@@ -53,6 +58,8 @@ from miles.weights.paths import path_text_problem
 logger = logging.getLogger("miles.controller")
 
 _EXTENSIONS = ("model", "min_weight_version")
+# Request bodies from this size on are parsed and re-encoded on a worker thread.
+_PREPARE_OFF_LOOP_BYTES = 1 << 20
 
 
 class _Strict(BaseModel):
@@ -73,6 +80,9 @@ Label = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1
 # Steps are 64-bit wherever they are stored or compared.
 Step = Annotated[int, Field(ge=0, lt=2**63, strict=True)]
 _LABEL: TypeAdapter[str] = TypeAdapter(Label)
+_EVENT_ID: TypeAdapter[str] = TypeAdapter(Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")])
+# How far from the controller's clock the timestamp of a posted event may be.
+MAX_POSTED_CLOCK_SKEW_S = 86_400
 _STEP: TypeAdapter[int] = TypeAdapter(Step)
 
 
@@ -104,7 +114,8 @@ class EndWindowRequest(_Strict):
 
 class AbortWindowRequest(_Strict):
     token: Annotated[int, Field(strict=True)]
-    reason: Annotated[str, Field(max_length=4096)] = "aborted by training"
+    # Logged as one line: a newline would forge the next one.
+    reason: Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]+$")] = "aborted by training"
 
 
 def _posted_checksum_problems(event: InferenceEngineWeightChecksumEvent) -> list[str]:
@@ -117,7 +128,22 @@ def _posted_checksum_problems(event: InferenceEngineWeightChecksumEvent) -> list
     ]
     if event.weight_version is not None:
         fields.append(("weight_version", event.weight_version, _LABEL))
+    fields += [
+        ("event_id", event.event_id, _EVENT_ID),
+        ("source.component", event.source.component, _LABEL),
+        ("source.id", event.source.id, _LABEL),
+    ]
     problems = []
+    if event.server_id is not None:
+        problems.append("server_id: a published checksum is training's, not a server's; leave it out")
+    # The audit timeline is ordered by timestamps: one far from the controller's clock would
+    # move the event anywhere in it.
+    skew = abs((event.timestamp - datetime.now(UTC)).total_seconds())
+    if skew > MAX_POSTED_CLOCK_SKEW_S:
+        problems.append(
+            f"timestamp: {event.timestamp.isoformat()} is {skew:.0f}s away from the controller's clock "
+            f"(at most {MAX_POSTED_CLOCK_SKEW_S}s); leave it out to have the controller stamp the event"
+        )
     for name, value, adapter in fields:
         try:
             adapter.validate_python(value)
@@ -217,10 +243,11 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         # the budget from before it is parsed; the parsed JSON is dropped once the payload is built.
         raw = await request.body()
         with bodies.hold(len(raw)):
-            routed = prepare(raw)
+            # Parsing and encoding a body of megabytes takes a while: not on the serving loop.
+            routed = prepare(raw) if len(raw) < _PREPARE_OFF_LOOP_BYTES else await asyncio.to_thread(prepare, raw)
             route = options(routed.model, routed.session_id, routed.min_weight_version)
             payload = routed.payload
-            with bodies.hold(0 if payload is raw else len(payload)):
+            with bodies.hold(0 if payload is raw else len(payload), refusable=False):
                 if routed.stream:
                     return await until_disconnected(request, proxy().stream(path, payload, route))
                 return await until_disconnected(request, proxy().forward(path, payload, route))
@@ -296,7 +323,8 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     async def post_event(body: Annotated[dict[str, Any], Body()]) -> dict[str, str]:
         """Record an event from another process (a trainer publishing its checksum)."""
         try:
-            event = EVENT_ADAPTER.validate_python(body)
+            # Strict, as JSON: true is no step 1, nor "114" step 114.
+            event = EVENT_ADAPTER.validate_json(json.dumps(body), strict=True)
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
             raise InvalidRequestError(f"not a valid event ({problems}); known types: {', '.join(EVENT_TYPES)}") from exc
@@ -316,6 +344,13 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         out_of_bounds = _posted_checksum_problems(event)
         if out_of_bounds:
             raise InvalidRequestError(f"not a valid event ({'; '.join(out_of_bounds)})")
+        if event.model_name not in controller.fleet.model_names:
+            raise NotFoundError(
+                f"no model {event.model_name!r} is served here (served: {', '.join(controller.fleet.model_names)}); "
+                "publish the checksum under the name of the model it is for"
+            )
+        if any(e.event_id == event.event_id for e in controller.event_logger.events):
+            raise ConflictError(f"an event with id {event.event_id!r} is already logged; give each event its own id")
         try:
             logged = controller.event_logger.log(type(event), event, print_log=False)
         except EventLogError as exc:
@@ -338,10 +373,39 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     @app.patch("/config", dependencies=as_admin)
     async def patch_config(patch: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+        _check_json_types(patch)
         await controller.reconfigure(patch)
         return controller.settings.runtime_view()
 
+    # Each route's credential, as its dependencies declare it, checked before its body is read.
+    levels = {reader: Access.READ, admin: Access.ADMIN}
+    guarded = {
+        (method, route.path): levels[dependency.dependency]
+        for route in app.routes
+        if isinstance(route, APIRoute)
+        for dependency in route.dependencies
+        if dependency.dependency in levels
+        for method in route.methods or ()
+    }
+    app.add_middleware(CredentialsFirst, guarded=guarded, credentials=credentials)
     return app
+
+
+def _check_json_types(patch: dict[str, Any]) -> None:
+    """Refuse a setting sent as another JSON type than its own: ``true`` is no 1, ``"5"`` no 5,
+    and ``"yes"`` does not switch a safety setting on. (Names and values are checked after.)"""
+    problems = []
+    for name, value in patch.items():
+        info = ControllerSettings.model_fields.get(name)
+        if info is None or name not in RUNTIME_CHANGEABLE:
+            continue  # refused by name after
+        kind: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+        try:
+            TypeAdapter(kind).validate_json(json.dumps(value), strict=True)
+        except ValidationError as exc:
+            problems.append(f"{name}: {exc.errors()[0]['msg']}")
+    if problems:
+        raise InvalidRequestError(f"invalid settings: {'; '.join(problems)}")
 
 
 @dataclass(frozen=True)
@@ -361,11 +425,11 @@ def _generate_request(raw: bytes) -> _Routed:
     body = _json_object(raw)
     ext = {k: body.pop(k) for k in _EXTENSIONS if k in body}
     return _Routed(
-        payload=raw if not ext else json.dumps(body).encode(),
+        payload=raw if not ext else _encoded(body),
         model=_text(ext.get("model")),
         session_id=_text(body.get("session_id")),
-        min_weight_version=_text(ext.get("min_weight_version")),
-        stream=body.get("stream") is True,
+        min_weight_version=_version(ext.get("min_weight_version")),
+        stream=_streams(body.get("stream")),
     )
 
 
@@ -375,13 +439,13 @@ def _openai_request(raw: bytes) -> _Routed:
     body = _json_object(raw)
     model = _text(body.pop("model", None))
     session_id = _text(body.pop("session_id", None))
-    min_weight_version = _text(body.pop("min_weight_version", None))
+    min_weight_version = _version(body.pop("min_weight_version", None))
     return _Routed(
-        payload=json.dumps(body).encode(),
+        payload=_encoded(body),
         model=model,
         session_id=session_id,
         min_weight_version=min_weight_version,
-        stream=body.get("stream") is True,
+        stream=_streams(body.get("stream")),
     )
 
 
@@ -395,6 +459,39 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     return body
+
+
+def _encoded(body: dict[str, Any]) -> bytes:
+    """``body`` as JSON for the engine: compact and UTF-8, so never larger than what was sent
+    (Python's default separators and ASCII escapes could push a body past the engine's limit).
+    Text with a lone surrogate cannot be UTF-8: it goes escaped, for the engine to refuse by name."""
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
+_STREAM: TypeAdapter[bool] = TypeAdapter(bool)
+
+
+def _streams(value: object) -> bool:
+    """Whether the engine will stream its answer: ``stream`` read as the engine reads it (true,
+    1, "yes" ...), so the controller relays a stream as one; a value the engine refuses is not."""
+    try:
+        return value is not None and _STREAM.validate_python(value)
+    except ValidationError:
+        return False
+
+
+def _version(value: object) -> str | None:
+    """``min_weight_version``: a version label (1-256 characters, no control characters)."""
+    text = _text(value)
+    if text is None:
+        return None
+    try:
+        return _LABEL.validate_python(text)
+    except ValidationError as exc:
+        raise InvalidRequestError(f"min_weight_version: {exc.errors()[0]['msg']}") from None
 
 
 def _text(value: object) -> str | None:

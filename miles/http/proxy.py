@@ -72,11 +72,13 @@ class HeldBodies:
         self.held = 0
 
     @contextmanager
-    def hold(self, size: int) -> Iterator[None]:
+    def hold(self, size: int, *, refusable: bool = True) -> Iterator[None]:
         """Count ``size`` bytes as held until the block ends; ControllerBusyError if they would
-        pass the budget (one request alone always fits: each body is bounded on its own)."""
+        pass the budget (one request alone always fits: each body is bounded on its own).
+        ``refusable=False`` counts more bytes of a request already let in (its payload, built
+        from its body), which are never refused: retrying would not make them fit."""
         limit = self._limit()
-        if self.held and self.held + size > limit:
+        if refusable and self.held and self.held + size > limit:
             raise ControllerBusyError(
                 f"the controller holds {self.held / MIB:.1f} MiB of request bodies being routed and "
                 f"this one adds {size / MIB:.1f} MiB; try again shortly, or raise max_held_request_mib "

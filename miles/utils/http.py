@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from miles.errors import (
@@ -105,6 +106,19 @@ def validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
+def refusal(exc: MilesError) -> JSONResponse | None:
+    """The answer the table gives ``exc``, with the headers its status needs; None when the
+    table has no entry for it (a bug: ``internal_error``)."""
+    mapped = status_of(exc)
+    if mapped is None:
+        return None
+    code, kind = mapped
+    headers = _HEADERS_OF.get(code)
+    if isinstance(exc, QueueFullError):
+        headers = {"retry-after": str(exc.retry_after_s)}
+    return error_response(str(exc), code=code, kind=kind, headers=headers)
+
+
 def install_error_handlers(app: FastAPI, *, logger: logging.Logger, not_found: str) -> None:
     """Answer every failure of ``app`` in the error shape (see the module docstring).
 
@@ -117,14 +131,7 @@ def install_error_handlers(app: FastAPI, *, logger: logging.Logger, not_found: s
 
     @app.exception_handler(MilesError)
     async def _refused(request: Request, exc: MilesError) -> JSONResponse:
-        mapped = status_of(exc)
-        if mapped is None:
-            return await _unexpected(request, exc)
-        code, kind = mapped
-        headers = _HEADERS_OF.get(code)
-        if isinstance(exc, QueueFullError):
-            headers = {"retry-after": str(exc.retry_after_s)}
-        return error_response(str(exc), code=code, kind=kind, headers=headers)
+        return refusal(exc) or internal_error(request.method, request.url.path, exc, logger=logger)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -138,13 +145,47 @@ def install_error_handlers(app: FastAPI, *, logger: logging.Logger, not_found: s
             message = "this endpoint does not accept this HTTP method"
         return error_response(message, code=exc.status_code, kind="invalid_request_error", headers=exc.headers)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # Last resort: nothing a client sends should get here, but a bug must still answer in the
-        # API's error shape (not a bare 500 or a dropped connection) and leave its traceback.
-        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        message = f"internal error ({type(exc).__name__}: {str(exc)[:200]}); this is a bug in miles, see its log"
-        return error_response(message, code=500, kind="internal_error")
+    app.add_middleware(CatchAll, logger=logger)
+
+
+def internal_error(method: str, path: str, exc: BaseException, *, logger: logging.Logger) -> JSONResponse:
+    """Last resort: nothing a client sends should get here, but a bug must still answer in the
+    API's error shape and leave its traceback in the log."""
+    logger.error("unhandled error on %s %s", method, path, exc_info=exc)
+    message = f"internal error ({type(exc).__name__}: {str(exc)[:200]}); this is a bug in miles, see its log"
+    return error_response(message, code=500, kind="internal_error")
+
+
+class CatchAll:
+    """ASGI middleware: an exception no handler took becomes the 500 of ``internal_error``, and
+    the connection stays open. (Starlette's own last-resort handler re-raises after answering,
+    and the server then drops the connection: a client's next request on it fails.)"""
+
+    def __init__(self, app: ASGIApp, *, logger: logging.Logger) -> None:
+        self.app = app
+        self.logger = logger
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except ClientDisconnect:
+            # The client went away before its request was read: no one to answer, nothing wrong here.
+            self.logger.debug("client left %s %s before sending its whole body", scope["method"], scope["path"])
+        except Exception as exc:
+            if started:
+                raise  # part of an answer is out: nothing can be said in its place
+            response = internal_error(scope["method"], scope["path"], exc, logger=self.logger)
+            await response(scope, receive, send)
 
 
 # The largest request body an API reads unless its settings say otherwise: room for a batch of
@@ -179,12 +220,15 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = Headers(scope=scope).get("content-length")
+        headers = Headers(scope=scope)
+        declared = headers.get("content-length")
         if declared is not None:
             # The HTTP layer ends a body at its declared length, so only that needs checking.
             if declared.isdigit() and int(declared) > self.max_bytes:
-                if int(declared) <= DRAIN_MAX_BYTES:
-                    await _drain(receive, DRAIN_MAX_BYTES)
+                # A client that asked to be told first (Expect: 100-continue) has sent nothing
+                # yet, and reading would tell it to send everything.
+                if int(declared) <= DRAIN_MAX_BYTES and headers.get("expect", "").lower() != "100-continue":
+                    await drain(receive, DRAIN_MAX_BYTES)
                 refusal = error_response(
                     self._message(f"{int(declared)} bytes"),
                     code=413,
@@ -206,7 +250,7 @@ class BodyLimit:
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     if message.get("more_body", False):
-                        await _drain(receive, DRAIN_MAX_BYTES - received)
+                        await drain(receive, DRAIN_MAX_BYTES - received)
                     raise StarletteHTTPException(
                         413, self._message(f"more than {self.max_bytes} bytes, chunked"), {"connection": "close"}
                     )
@@ -215,7 +259,7 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
-async def _drain(receive: Receive, budget: int) -> None:
+async def drain(receive: Receive, budget: int) -> None:
     """Read and drop the rest of a request's body, or ``budget`` bytes of it."""
     while budget > 0:
         message = await receive()

@@ -58,6 +58,7 @@ def raw(text: str) -> bytes:
 BIG = 2**70
 MAX_REQUEST_MIB = 1
 OVERSIZED = b'{"text": "' + b"x" * (MAX_REQUEST_MIB << 20) + b'"}'
+PUBLISHED_EVENT = {"type": "inference_engine_weight_checksum", "model_name": "tiny", "checksum": "c" * 32, "step": 7}
 EDGE_CASES: list[tuple[str, str, bytes | None, int]] = [
     # (method, path, body, expected status) -- bodies are bytes so that JSON's edges (NaN,
     # Infinity, bad UTF-8, deep nesting) reach the server exactly as an attacker would send them.
@@ -177,6 +178,34 @@ EDGE_CASES: list[tuple[str, str, bytes | None, int]] = [
     ("PATCH", "/config", json.dumps({"no_such_setting": 1}).encode(), 400),
     ("PATCH", "/config", json.dumps({"port": 1}).encode(), 409),
     ("PATCH", "/config", b"[]", 400),
+    # A setting sent as another JSON type than its own is not coerced into it.
+    ("PATCH", "/config", json.dumps({"max_waiting_requests": True}).encode(), 400),
+    ("PATCH", "/config", json.dumps({"max_waiting_requests": "5"}).encode(), 400),
+    ("PATCH", "/config", json.dumps({"require_published_checksum": "yes"}).encode(), 400),
+    ("PATCH", "/config", json.dumps({"health_interval_s": "1"}).encode(), 400),
+    # A version to wait for is a version label: refused at once, not waited on until the timeout.
+    ("POST", "/generate", json.dumps({"text": "x", "min_weight_version": ""}).encode(), 400),
+    ("POST", "/generate", json.dumps({"text": "x", "min_weight_version": "10\nFAKE"}).encode(), 400),
+    ("POST", "/generate", json.dumps({"text": "x", "min_weight_version": "9" * 300}).encode(), 400),
+    ("POST", "/v1/completions", json.dumps({"prompt": "x", "min_weight_version": "v" * 200_000}).encode(), 400),
+    # A reason is logged as one line.
+    ("POST", "/update_weights/abort", json.dumps({"token": 1, "reason": "a\nFAKE LOG LINE"}).encode(), 400),
+    # A posted checksum is training's, for a served model, in JSON's own types, stamped near now.
+    *(
+        ("POST", "/events", json.dumps(event).encode(), status)
+        for event, status in (
+            ({**PUBLISHED_EVENT, "step": True}, 400),
+            ({**PUBLISHED_EVENT, "step": "114"}, 400),
+            ({**PUBLISHED_EVENT, "step": 115.0}, 400),
+            ({**PUBLISHED_EVENT, "model_name": "ghost"}, 404),
+            ({**PUBLISHED_EVENT, "server_id": "tiny-0"}, 400),
+            ({**PUBLISHED_EVENT, "event_id": "a\nb"}, 400),
+            ({**PUBLISHED_EVENT, "event_id": "e" * 200}, 400),
+            ({**PUBLISHED_EVENT, "timestamp": "0001-01-01T00:00:00Z"}, 400),
+            ({**PUBLISHED_EVENT, "timestamp": "9999-12-31T00:00:00Z"}, 400),
+            ({**PUBLISHED_EVENT, "source": {"component": "controller\nFAKE", "id": "vm:1"}}, 400),
+        )
+    ),
 ]
 
 
@@ -194,6 +223,42 @@ async def test_edge_values_get_a_clear_4xx(fleet, method: str, path: str, body: 
     assert len(text) < 20_000  # an error names the problem; it does not echo a huge input back
     assert controller.settings == before
     assert controller.health().lock.held is False
+
+
+async def test_an_event_id_is_logged_once(fleet) -> None:
+    controller, http = fleet
+    event = {**PUBLISHED_EVENT, "event_id": "trainer-step-7", "step": 7}
+    assert (await http.post("/events", json=event)).status_code == 200
+    again = await http.post("/events", json={**event, "checksum": "d" * 32})
+    assert again.status_code == 409 and "already logged" in again.text
+    assert [e.checksum for e in controller.event_logger.events if e.event_id == "trainer-step-7"] == ["c" * 32]
+
+
+async def test_a_stream_asked_for_as_the_engine_reads_it_is_relayed_as_a_stream(fleet) -> None:
+    _, http = fleet
+    for value in ("true", 1):
+        body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "stream": value, "model": "tiny"}
+        async with http.stream("POST", "/generate", json=body) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+
+
+async def test_an_oversized_body_announced_with_expect_100_continue_is_refused_unread(fleet) -> None:
+    """The client waits to be told to send: it is told 413, never 100 Continue."""
+    _, http = fleet
+    reader, writer = await asyncio.open_connection(http.base_url.host, http.base_url.port)
+    try:
+        writer.write(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000000\r\nExpect: 100-continue\r\n\r\n"
+        )
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), timeout=10)
+    finally:
+        writer.close()
+    assert status_line.split()[1] == b"413", status_line
 
 
 async def test_a_chunked_body_is_refused_once_it_passes_the_limit(fleet) -> None:

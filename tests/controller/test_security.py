@@ -4,6 +4,7 @@ unguarded. Every refusal is a 401/403 with a message and changes nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -100,6 +101,21 @@ async def test_changing_endpoints_need_the_admin_token(guarded, method: str, pat
         await http.post("/update_weights/abort", json={"token": allowed.json()["token"]}, headers=bearer(ADMIN))
     if path == "/config":
         await http.patch("/config", json={"require_published_checksum": False}, headers=bearer(ADMIN))
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ADMIN_CALLS)
+async def test_a_caller_without_the_token_is_refused_before_its_body_is_read(
+    guarded, method: str, path: str, body: dict
+) -> None:
+    """Not JSON, or 8 MiB of it: the answer is about the credential, not about the body."""
+    _, http = guarded
+    for content in (b"{", json.dumps({"padding": "x" * (8 << 20)}).encode()):
+        for headers, status in ((None, 401), (bearer("wrong-" + "w" * 30), 403)):
+            refused = await http.request(
+                method, path, content=content, headers={"content-type": "application/json", **(headers or {})}
+            )
+            assert refused.status_code == status, refused.text[:300]
+            assert "admin token" in refused.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("method", "path", "body"), READ_CALLS)
