@@ -122,8 +122,8 @@ def _fleet_spec(
             raise typer.BadParameter("--fleet describes every server; give no --checkpoint, --attach or --server-cls")
         try:
             mapping = json.loads(fleet.read_text())
-        except (OSError, ValueError) as exc:
-            raise typer.BadParameter(f"--fleet {fleet}: {exc}") from exc
+        except (OSError, ValueError, RecursionError) as exc:
+            raise typer.BadParameter(f"--fleet {fleet}: {exc}") from None
         if not isinstance(mapping, dict) or not mapping or not all(isinstance(v, dict) for v in mapping.values()):
             raise typer.BadParameter(f"--fleet {fleet} must hold a JSON object of names to server specs")
         return mapping

@@ -181,7 +181,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: InitWeightsUpdateGroupRequest, http_request: Request) -> GroupResponse:
         admit(access, http_request)
-        return GroupResponse(success=True, message=await asyncio.to_thread(groups.join, request))
+        return GroupResponse(success=True, message=await groups.join_within(request))
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(

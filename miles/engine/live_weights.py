@@ -25,7 +25,7 @@ import copy
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -319,8 +319,9 @@ class LiveWeights:
     def check_table(self, table: BucketTable) -> None:
         """Raise InvalidRequestError unless every tensor of ``table`` is one the model holds, with
         its dtype and shape (checked before anything is received or allocated)."""
-        shapes = {e.name: torch.empty(e.shape, dtype=e.torch_dtype(), device="meta") for e in table.entries}
-        _check_pushed(shapes, saved_state_dict(self._model()))
+        # Compared as numbers: a shape no tensor could have (2**40 x 2**40) is refused by the
+        # comparison, never allocated, even on the meta device.
+        _check_pushed(((e.name, e.torch_dtype(), e.shape) for e in table.entries), saved_state_dict(self._model()))
 
     async def apply_pushed(
         self,
@@ -351,7 +352,9 @@ class LiveWeights:
                 "the last push of an update (with expected_checksum) must name its weight_version"
             )
         async with self._update_lock:
-            _check_pushed(bucket.tensors, saved_state_dict(self._model()))
+            _check_pushed(
+                ((name, t.dtype, tuple(t.shape)) for name, t in bucket.tensors.items()), saved_state_dict(self._model())
+            )
             if self._push_stage is None:
                 self._drop_staged_push()
                 self._push_stage = await asyncio.to_thread(self._staging.open_stage)
@@ -800,14 +803,15 @@ def _stage_all(stage: WeightStage, bucket: Received) -> None:
         bucket.check(name, stage.write(name, tensor))
 
 
-def _check_pushed(tensors: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]) -> None:
-    """Raise InvalidRequestError unless every pushed tensor names a live one of its dtype and shape."""
-    for name, tensor in tensors.items():
+def _check_pushed(pushed: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], live: Mapping[str, torch.Tensor]) -> None:
+    """Raise InvalidRequestError unless every pushed (name, dtype, shape) names a live tensor of
+    that dtype and shape."""
+    for name, dtype, shape in pushed:
         target = live.get(name)
         if target is None:
             raise InvalidRequestError(f"the model has no tensor {name!r}; push the names its checkpoint has")
-        if target.dtype != tensor.dtype or tuple(target.shape) != tuple(tensor.shape):
+        if target.dtype != dtype or tuple(target.shape) != tuple(shape):
             raise InvalidRequestError(
-                f"tensor {name!r} is pushed as {tensor.dtype}{list(tensor.shape)}, but the model holds "
+                f"tensor {name!r} is pushed as {dtype}{list(shape)}, but the model holds "
                 f"{target.dtype}{list(target.shape)}"
             )

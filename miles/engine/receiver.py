@@ -98,7 +98,7 @@ class TensorBucket:
             source = document[key]
             table = BucketTable.model_validate(document["table"])
             handle = CudaIpcHandle.model_validate(source) if key == "cuda_ipc" else None
-        except (binascii.Error, ValueError, KeyError, TypeError, ValidationError) as exc:
+        except (binascii.Error, ValueError, KeyError, TypeError, ValidationError, RecursionError) as exc:
             raise InvalidRequestError(
                 f'serialized_named_tensors[0] must be base64 of {{"{key}": ..., "table": {{...}}}}: {exc}'
             ) from None
@@ -228,6 +228,20 @@ class _Group:
         return self.buffer[:nbytes]
 
 
+# Joins that may still run at once (each on a thread of its own), and how long past its
+# ``timeout_s`` a join is waited for before its caller is answered.
+MAX_PENDING_JOINS = 4
+JOIN_GRACE_S = 2.0
+
+
+@dataclass
+class _JoinState:
+    """Where one join is (for the message when it is given up), and whether it was."""
+
+    phase: str = "starting"
+    abandoned: threading.Event = field(default_factory=threading.Event)
+
+
 class WeightGroups:
     """The torch.distributed groups this engine joined to receive weights, by name."""
 
@@ -241,10 +255,72 @@ class WeightGroups:
         # The receive buffer of the last group left, by device, for the next group that joins:
         # a pusher forms a group per update, and a fresh buffer faults every page in again.
         self._spare: dict[torch.device, torch.Tensor] = {}
+        # Joins whose thread still runs, given up on or not.
+        self._pending = 0
 
-    def join(self, request: InitWeightsUpdateGroupRequest) -> str:
+    @property
+    def pending_joins(self) -> int:
+        """Joins whose thread still runs (given up on or not)."""
+        with self._lock:
+            return self._pending
+
+    async def join_within(self, request: InitWeightsUpdateGroupRequest) -> str:
+        """``join`` on a thread of its own, answered within ``timeout_s`` (and a grace) whatever
+        rank 0 does. torch's store handshake has no time limit of its own: a rank 0 that accepts
+        the connection and never answers would hold the call (and a thread of the shared pool,
+        which pauses, loads and checksums need) for as long as it liked. A join given up on
+        leaves no group behind should it form later, and at most ``MAX_PENDING_JOINS`` may still
+        run (ConflictError past that)."""
+        state = _JoinState()
+        with self._lock:
+            if self._pending >= MAX_PENDING_JOINS:
+                raise ConflictError(
+                    f"{self._pending} joins of weight-update groups are still waiting on their rank 0; "
+                    "try again once they end (each ends within its timeout_s, or when its rank 0 goes away)"
+                )
+            self._pending += 1
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[str] = loop.create_future()
+
+        def settle(result: str | None, error: BaseException | None) -> None:
+            if answer.done() or state.abandoned.is_set():
+                return
+            if error is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(result or "")
+
+        def run() -> None:
+            result: str | None = None
+            error: BaseException | None = None
+            try:
+                result = self.join(request, state=state)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting call, whatever it is
+                error = exc
+            finally:
+                with self._lock:
+                    self._pending -= 1
+            with contextlib.suppress(RuntimeError):  # the engine's loop closed meanwhile
+                loop.call_soon_threadsafe(settle, result, error)
+
+        threading.Thread(target=run, name=f"join-{request.group_name}", daemon=True).start()
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), timeout=request.timeout_s + JOIN_GRACE_S)
+        except TimeoutError:
+            state.abandoned.set()
+            raise ConflictError(
+                f"group {request.group_name!r} did not form within {request.timeout_s:g}s: still {state.phase} "
+                f"(rank 0 at {request.master_address}:{request.master_port}); check that the sender is "
+                "running and that every rank joins"
+            ) from None
+        except asyncio.CancelledError:
+            state.abandoned.set()
+            raise
+
+    def join(self, request: InitWeightsUpdateGroupRequest, *, state: _JoinState | None = None) -> str:
         """Join the group (blocking: call off the loop); returns a message. Raises ConflictError
-        naming the ranks that did not join within ``timeout_s``."""
+        naming the ranks that did not join within ``timeout_s``. ``state`` reports the phase the
+        join is in, and says whether its caller gave up (the group is then not kept)."""
         backend = request.backend.lower()
         if backend == "nccl" and self._device.type != "cuda":
             raise InvalidRequestError(
@@ -269,13 +345,16 @@ class WeightGroups:
                 )
             self._joining.add(joining)
         try:
-            return self._join(request, backend, rank, world)
+            return self._join(request, backend, rank, world, state or _JoinState())
         finally:
             with self._lock:
                 self._joining.discard(joining)
 
-    def _join(self, request: InitWeightsUpdateGroupRequest, backend: str, rank: int, world: int) -> str:
+    def _join(
+        self, request: InitWeightsUpdateGroupRequest, backend: str, rank: int, world: int, state: _JoinState
+    ) -> str:
         timeout = timedelta(seconds=request.timeout_s)
+        state.phase = "connecting to the store of rank 0"
         try:
             store = dist.TCPStore(request.master_address, request.master_port, world, False, timeout=timeout)
         except (RuntimeError, dist.DistError) as exc:
@@ -284,7 +363,9 @@ class WeightGroups:
                 f"{request.master_port} could not be reached within {request.timeout_s:g}s ({exc})"
             ) from None
         prefixed = dist.PrefixStore(request.group_name, store)
+        state.phase = "announcing this rank in the store of rank 0"
         prefixed.set(joined_key(rank), "1")
+        state.phase = "waiting for the other ranks to join"
         try:
             group: Any
             if backend == "gloo":
@@ -298,6 +379,8 @@ class WeightGroups:
                 + (f"ranks {missing} never joined" if missing else f"every rank joined but the group failed: {exc}")
             ) from None
         with self._lock:
+            if state.abandoned.is_set():  # its caller was answered already: the group goes with it
+                raise ConflictError(f"group {request.group_name!r} formed after its join was given up")
             if request.group_name in self._groups:  # another join of the name formed first
                 raise ConflictError(
                     f"group {request.group_name!r} was joined meanwhile (at another rank 0); destroy it and join again"

@@ -188,7 +188,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         raise ManifestInvalidError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes", path=str(path))
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ManifestInvalidError(f"manifest is not JSON: {exc}", path=str(path)) from None
     try:
         return Manifest.model_validate(data)

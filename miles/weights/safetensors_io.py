@@ -164,7 +164,7 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     data_start = 8 + header_len
     try:
         parsed = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointFileInvalidError(f"safetensors header is not JSON: {exc}", path=str(path)) from None
     if not isinstance(parsed, dict):
         raise CheckpointFileInvalidError("safetensors header is not a JSON object", path=str(path))
@@ -310,7 +310,7 @@ def index_files(directory: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CheckpointFileInvalidError(f"safetensors index is not valid: {exc!r}", path=str(index)) from None
         # The index is data from the checkpoint: a shard named "../../x" or "/x" would be read
         # from outside the directory (and outside any allowed root).

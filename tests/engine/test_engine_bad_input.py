@@ -9,18 +9,23 @@ message names the problem; afterwards the engine still generates exactly what it
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from miles.engine.engine import Engine
 from miles.engine.http_server import create_app
 from miles.engine.settings import EngineSettings
+from miles.rollout.engine_process import free_port
 from miles.testing import running_engine
 
 MAX_MIB = 8
@@ -294,6 +299,28 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(http: httpx.Client) 
     assert "--max-request-mib" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("rid", [1] * 2_000_000),
+        ("input_ids", [[1, 2, "x"]] * 500_000),
+        ("sampling_params", {"max_new_tokens": 1, "logit_bias": {str(i): "x" for i in range(500_000)}}),
+    ],
+    ids=["rid", "input_ids", "logit_bias"],
+)
+def test_millions_of_bad_values_get_one_error_not_millions(http: httpx.Client, field: str, value: object) -> None:
+    """A body of a few MiB whose list holds millions of wrong values: validating and reporting each
+    held the event loop for a minute (the engine failed its health checks and was restarted, and the
+    controller sent the same request to the next server). Each list stops at its first bad item."""
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}, field: value}
+    if field == "input_ids":
+        del body["text"]
+    response = http.post("/generate", content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text[:500]
+    assert len(response.content) < 4096, "one error per field, not one per item"
+    assert field in response.json()["error"]["message"]
+
+
 def test_the_engine_still_generates_correctly_after_all_of_it(http: httpx.Client, reference: list[int]) -> None:
     # Runs after the table (pytest keeps file order): nothing above changed what the engine serves.
     assert http.get("/health_generate").status_code == 200
@@ -320,6 +347,42 @@ def test_a_bug_in_a_handler_answers_a_json_500_and_logs_its_traceback(
     assert error["type"] == "internal_error" and "planted bug" in error["message"]
     logged = [r for r in caplog.records if r.getMessage().startswith("unhandled error on GET /get_model_info")]
     assert logged and logged[0].exc_info is not None
+
+
+def test_after_a_bug_answers_500_the_connection_stays_open(checkpoints: dict[str, Path]) -> None:
+    """Over real HTTP: a client that reuses its keep-alive connection after a 500 is answered on
+    it (the server re-raising the bug would close it, failing the client's next request)."""
+    engine = _BrokenInfoEngine(EngineSettings(model_path=checkpoints["v1"]))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the engine did not start"
+            time.sleep(0.05)  # another thread's server: nothing to wait on
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            reader = sock.makefile("rb")
+            for path, status in (("/get_model_info", 500), ("/get_weight_version", 200), ("/get_model_info", 500)):
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: engine\r\n\r\n".encode())
+                assert _status_and_body(reader) == status, path
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def _status_and_body(reader: BinaryIO) -> int:
+    """Read one HTTP/1.1 response with a Content-Length off ``reader``; return its status."""
+    status_line = reader.readline()
+    assert status_line, "the server closed the connection"
+    length = 0
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        if name.lower() == "content-length":
+            length = int(value)
+    reader.read(length)
+    return int(status_line.split()[1])
 
 
 def test_a_full_queue_answers_429_and_a_batch_larger_than_it_400(checkpoints: dict[str, Path], tmp_path: Path) -> None:

@@ -224,6 +224,17 @@ def test_a_corrupted_bucket_is_refused_before_the_weights_change(
             trust_env=False,
         )
         assert shaped.status_code == 400
+        # Shapes no tensor could have are compared as numbers, never allocated (not even on the
+        # meta device, where torch overflows computing their size).
+        for huge in ([2**40, 2**40], [2**63], [10**30]):
+            bad["entries"][0]["shape"] = huge
+            refused = httpx.post(
+                f"{url}/update_weights_from_tensor",
+                json={"serialized_named_tensors": [shm_document(name, bad)], "load_format": "miles_shm"},
+                headers=auth,
+                trust_env=False,
+            )
+            assert refused.status_code == 400 and "but the model holds" in refused.text, refused.text
         foreign = httpx.post(
             f"{url}/update_weights_from_tensor",
             json={"serialized_named_tensors": [shm_document("../etc/passwd", bad)], "load_format": "miles_shm"},

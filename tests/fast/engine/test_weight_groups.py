@@ -8,8 +8,10 @@ meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -17,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from miles.engine.receiver import WeightGroups, broadcast_options
-from miles.errors import ConflictError, InvalidRequestError
+from miles.engine.receiver import JOIN_GRACE_S, MAX_PENDING_JOINS, WeightGroups, broadcast_options
+from miles.errors import ConflictError, InvalidRequestError, NotFoundError
 from miles.protocol.sglang import InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest
 from miles.weights.buckets import BucketTable
 
@@ -233,3 +235,66 @@ def test_a_new_group_of_a_name_forms_while_a_join_of_it_still_waits_for_a_rank_0
 
     assert asyncio.run(take()) == 5.0
     groups.destroy("again")
+
+
+class SilentRank0:
+    """A "rank 0" that accepts every connection to its port and never says a word: torch's store
+    handshake has no time limit of its own against it."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # closed
+            while True:
+                self._accepted.append(self._listener.accept()[0])
+
+    def close(self) -> None:
+        self._listener.close()
+        for conn in self._accepted:
+            conn.close()
+        self._thread.join(timeout=10)
+
+
+def test_a_join_whose_rank_0_never_answers_is_refused_in_bounded_time_and_leaves_nothing(
+    groups: WeightGroups,
+) -> None:
+    silent = SilentRank0()
+
+    async def scenario() -> None:
+        started = time.monotonic()
+        with pytest.raises(ConflictError, match=r"'mute' did not form within 1s: still connecting") as refused:
+            await groups.join_within(join_request(silent.port, "mute", timeout_s=1))
+        assert time.monotonic() - started < 1 + JOIN_GRACE_S + 2, refused.value
+        # Every thread a join may hold is taken by joins still waiting on such a rank 0 (the one
+        # given up on included): one more is refused at once, rather than queued behind them.
+        waiting = [
+            asyncio.create_task(groups.join_within(join_request(silent.port, f"mute-{i}", timeout_s=2)))
+            for i in range(MAX_PENDING_JOINS - 1)
+        ]
+        while groups.pending_joins < MAX_PENDING_JOINS:  # noqa: ASYNC110 - threads of their own: nothing to await
+            await asyncio.sleep(0.02)
+        with pytest.raises(ConflictError, match="joins of weight-update groups are still waiting"):
+            await asyncio.wait_for(groups.join_within(join_request(silent.port, "one-more", timeout_s=2)), 1)
+        for task in waiting:
+            with pytest.raises(ConflictError, match="did not form within 2s"):
+                await task
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        silent.close()  # rank 0 goes away: the joins given up on end
+    deadline = time.monotonic() + 60
+    while groups.pending_joins:
+        assert time.monotonic() < deadline, "the joins given up on never ended"
+        time.sleep(0.05)  # threads of their own: nothing to wait on
+    # None of them left a group behind, and a real group forms again.
+    sender = Sender(groups, "after")
+    groups.destroy(sender.name)
+    for name in ("mute", *(f"mute-{i}" for i in range(MAX_PENDING_JOINS - 1))):
+        with pytest.raises(NotFoundError):
+            groups.destroy(name)

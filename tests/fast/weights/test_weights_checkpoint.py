@@ -98,6 +98,27 @@ def test_manifest_not_json(make_checkpoint: MakeCheckpoint) -> None:
         read_manifest(directory)
 
 
+def test_a_manifest_nested_too_deeply_to_parse_is_invalid(make_checkpoint: MakeCheckpoint) -> None:
+    directory, _ = make_checkpoint()
+    (directory / MANIFEST_NAME).write_text("[" * 200_000 + "]" * 200_000)
+    assert _kinds(directory) == [ProblemKind.INVALID_MANIFEST]
+    with pytest.raises(ManifestInvalidError, match="not JSON"):
+        read_manifest(directory)
+
+
+def test_a_header_nested_too_deeply_to_parse_is_an_invalid_file(make_checkpoint: MakeCheckpoint) -> None:
+    directory, _ = make_checkpoint()
+    path = directory / "model.safetensors"
+    size = path.stat().st_size
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    nested = b"[" * (header_len // 2) + b"]" * (header_len // 2)
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(nested.ljust(header_len, b" "))
+    assert path.stat().st_size == size
+    assert _kinds(directory) == [ProblemKind.INVALID_FILE]
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
