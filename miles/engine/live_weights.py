@@ -125,8 +125,9 @@ class LiveWeights:
         # snapshot would race for its directory).
         self._update_lock = asyncio.Lock()
         self._export_lock = asyncio.Lock()
-        # Whether a push of tensors paused generation (it resumes once the last push is verified).
-        self._push_paused = False
+        # Whether an update paused generation and left it paused: a push until its last bucket is
+        # verified, a load whose copy did not match; the next good load or push resumes it.
+        self._update_paused = False
         # The stage buckets of a push are written into, and pushed weights staged and verified,
         # waiting for /activate_weights (the live weights are untouched until then).
         self._push_stage: WeightStage | None = None
@@ -244,7 +245,7 @@ class LiveWeights:
         started = time.perf_counter()
         try:
             await asyncio.to_thread(stage.write_all, prepared.reader.tensor)
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:
             # The files became unreadable after they were verified; the live weights never changed.
             return self._refused(prepared, f"checkpoint {prepared.reader.directory} could not be staged: {exc}")
         written = time.perf_counter()
@@ -290,6 +291,8 @@ class LiveWeights:
     ) -> UpdateWeightsResponse:
         """Resume (unless asked not to) and answer, once the weights changed to ``checksum``."""
         if checksum.checksum != prepared.manifest_checksum:
+            # Paused here on weights no checkpoint has: the next good load or push resumes.
+            self._update_paused = self._update_paused or paused.by_update
             return UpdateWeightsResponse(
                 success=False,
                 message=(
@@ -303,9 +306,9 @@ class LiveWeights:
                 timings=prepared.timings,
             )
         # A push that paused generation and never completed is superseded by this load.
-        if (paused.by_update or self._push_paused) and not request.keep_pause:
+        if (paused.by_update or self._update_paused) and not request.keep_pause:
             self._scheduler.resume()
-            self._push_paused = False
+            self._update_paused = False
         return UpdateWeightsResponse(
             success=True,
             message=f"Succeeded to update model weights from {prepared.reader.directory}.",
@@ -523,9 +526,9 @@ class LiveWeights:
             ok = False
         else:
             message, ok = f"Succeeded to update model weights from {source}.", True
-        if (by_push or self._push_paused) and ok:
+        if (by_push or self._update_paused) and ok:
             self._scheduler.resume()
-            self._push_paused = False
+            self._update_paused = False
         elif by_push:
             self._scheduler.resume()
         return UpdateWeightsResponse(
@@ -554,7 +557,7 @@ class LiveWeights:
         if self._scheduler.state is GenerationState.SERVING:
             mode = _pause_mode(abort_all_requests=abort_all_requests)
             paused = await asyncio.to_thread(self._scheduler.pause, mode, message=f"aborted by {source}")
-            self._push_paused = True
+            self._update_paused = True
         elif abort_all_requests:
             self._scheduler.abort(None, message=f"aborted by {source}")
         timings["pause"] = time.perf_counter() - started
@@ -605,9 +608,9 @@ class LiveWeights:
                 checksum=checksum.checksum,
                 timings=timings,
             )
-        if self._push_paused:
+        if self._update_paused:
             self._scheduler.resume()
-            self._push_paused = False
+            self._update_paused = False
         return UpdateWeightsResponse(
             success=True,
             message=f"Succeeded to update model weights from {source}.",

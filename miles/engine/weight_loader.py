@@ -1,16 +1,17 @@
 """Loading a checkpoint into the live model in place, only after all of it was read and validated.
 
-The order is what makes an update safe: (1) the whole checkpoint is memory-mapped and every
-tensor's digest checked against its manifest, (2) every name, shape and dtype is matched against
+The order is what makes an update safe: (1) every tensor of the checkpoint is read and its digest
+checked against its manifest, (2) every name, shape and dtype is matched against
 the live model, and only then (3) the caller either stages it (``weight_stage.py``: written beside
 the live weights while serving, then swapped in) or takes the write side of the weights lock and
 ``apply_update`` copies each tensor into the existing parameter storage. Steps 1-2 run while
-generation continues on the old weights; a refused checkpoint never touches them. The in-place
-copy makes no second copy of the model: the source tensors are views of the file's page-cache
-pages.
+generation continues on the old weights; a refused checkpoint never touches them. Files are read,
+never memory-mapped (a mapped file cut short while in use kills the process with SIGBUS): one
+that changes between the verification and the copy makes a copy whose checksum cannot match,
+which is refused (staged) or left unverified (in place), never a crash.
 
 A plain Hugging Face directory (no miles manifest) loads the same way when the caller names the
-checksum it expects: the verification pass computes every tensor's digest from the maps and the
+checksum it expects: the verification pass computes every tensor's digest from the files and the
 model checksum from those digests (``miles.weights.checksum``), and the load goes on only if that
 equals the expected one. The digests become an in-memory manifest, so the rest of the load (and
 the confirmation of the live weights) does not care where the manifest came from.
@@ -18,6 +19,7 @@ the confirmation of the live weights) does not care where the manifest came from
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -37,12 +39,15 @@ from miles.weights.checkpoint import (
 from miles.weights.checksum import (
     ModelChecksum,
     checksum_from_digests,
+    checksum_module,
     collect_slots,
     copy_and_checksum,
-    digest_mapped,
+    digest_files,
     saved_state_dict,
 )
-from miles.weights.safetensors_io import MappedSafetensors, dtype_name, index_files
+from miles.weights.safetensors_io import SafetensorsFile, dtype_name, index_files
+
+logger = logging.getLogger("miles.engine")
 
 
 class IncompatibleCheckpointError(CheckpointError):
@@ -175,9 +180,9 @@ def _open_plain(
         raise CheckpointFileMissingError("the checkpoint directory holds no safetensors files", path=str(checkpoint))
     with ExitStack() as stack:
         try:
-            files = {p.relative_to(checkpoint).as_posix(): stack.enter_context(MappedSafetensors(p)) for p in paths}
+            files = {p.relative_to(checkpoint).as_posix(): stack.enter_context(SafetensorsFile(p)) for p in paths}
             slots = collect_slots(files.values())
-            digests = digest_mapped(slots)
+            digests = digest_files(slots)
         except OSError as exc:
             raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
         computed = checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots))
@@ -202,7 +207,7 @@ def _open_plain(
             files={name: mapped.path.stat().st_size for name, mapped in files.items()},
         )
         reader = CheckpointReader(directory=checkpoint, manifest=manifest, files=files)
-        # The reader owns the maps now.
+        # The reader owns the open files now.
         stack.pop_all()
     return reader, computed.checksum
 
@@ -263,6 +268,12 @@ def apply_update(update: PreparedUpdate, model: torch.nn.Module) -> ModelChecksu
     # it describes what the model holds now, at the cost of a cache read, not a second pass.
     # One thread: the caller is the engine's torch thread (see scheduler.py); copy_ still uses
     # its intra-op threads.
-    checksum = copy_and_checksum(saved_state_dict(model), update.reader.tensor, threads=1)
+    try:
+        checksum = copy_and_checksum(saved_state_dict(model), update.reader.tensor, threads=1)
+    except (OSError, CheckpointError) as exc:
+        # The files became unreadable (cut, rewritten) after they were verified, part of the way
+        # through the copy: what the model holds now is hashed, and cannot match the manifest.
+        logger.error("copying %s into the model failed part of the way: %s", update.reader.directory, exc)  # noqa: TRY400
+        checksum = checksum_module(model)
     update.timings["copy_and_checksum"] = time.perf_counter() - started
     return checksum

@@ -17,8 +17,9 @@ line, changing an element, a dtype, a shape (even with the same bytes) or which 
 bytes changes the checksum. Names holding a tab or newline are refused (TensorNameError): they
 would make the listing ambiguous.
 
-Tensors are hashed zero-copy (a memoryview of the tensor's memory or of the file's memory map);
-xxhash releases the GIL, so large models hash on several threads.
+Tensors in memory are hashed zero-copy (a memoryview of the tensor's memory); files are read a
+slice at a time and each slice hashed while in cache. xxhash releases the GIL, so large models
+hash on several threads.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from miles.errors import (
     TensorNameError,
     UnsupportedTensorError,
 )
-from miles.weights.safetensors_io import MappedSafetensors, TensorSlot, dtype_name, index_files
+from miles.weights.safetensors_io import SafetensorsFile, TensorSlot, dtype_name, index_files
 
 ALGORITHM: Final = "xxh3_128"
 
@@ -84,7 +85,7 @@ def default_threads() -> int:
 
 
 def digest_buffer(buffer: object) -> str:
-    """xxh3-128 hex digest of any object exposing the buffer protocol (bytes, memoryview, mmap)."""
+    """xxh3-128 hex digest of any object exposing the buffer protocol (bytes, memoryview)."""
     return xxhash.xxh3_128(buffer).hexdigest()  # type: ignore[arg-type]
 
 
@@ -260,19 +261,18 @@ def _aliases_to_drop(names: list[str], patterns: list[str]) -> list[str]:
     return drop + rest[1:]
 
 
-def digest_mapped(
-    slots: Sequence[tuple[MappedSafetensors, TensorSlot]], *, threads: int | None = None
+def digest_files(
+    slots: Sequence[tuple[SafetensorsFile, TensorSlot]], *, threads: int | None = None
 ) -> list[TensorDigest]:
-    """The digests of tensors in mapped safetensors files, hashed straight from the maps.
+    """The digests of tensors in safetensors files, read and hashed a slice at a time.
 
     Raises:
         ValueError: ``threads`` < 1.
     """
     n_threads = _resolve_threads(threads)
 
-    def job(mapped: MappedSafetensors, slot: TensorSlot) -> str:
-        with mapped.region(slot) as view:
-            return digest_buffer(view)
+    def job(mapped: SafetensorsFile, slot: TensorSlot) -> str:
+        return mapped.digest(slot)
 
     hexes = _run_digests([(slot.nbytes, partial(job, m, slot)) for m, slot in slots], n_threads)
     return [
@@ -297,8 +297,8 @@ def checksum_safetensors(
     """
     paths = _expand_paths(paths_or_dir)
     with ExitStack() as stack:
-        slots = collect_slots([stack.enter_context(MappedSafetensors(p)) for p in paths])
-        digests = digest_mapped(slots, threads=threads)
+        slots = collect_slots([stack.enter_context(SafetensorsFile(p)) for p in paths])
+        digests = digest_files(slots, threads=threads)
     return checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots))
 
 
@@ -317,13 +317,13 @@ def model_checksum(source: torch.nn.Module | str | os.PathLike[str], *, threads:
     return checksum_safetensors(source, threads=threads).checksum
 
 
-def collect_slots(files: Iterable[MappedSafetensors]) -> list[tuple[MappedSafetensors, TensorSlot]]:
+def collect_slots(files: Iterable[SafetensorsFile]) -> list[tuple[SafetensorsFile, TensorSlot]]:
     """Every tensor of ``files`` with the file holding it.
 
     Raises:
         CheckpointFileInvalidError: one tensor name appears in two files.
     """
-    slots: list[tuple[MappedSafetensors, TensorSlot]] = []
+    slots: list[tuple[SafetensorsFile, TensorSlot]] = []
     owner: dict[str, Path] = {}
     for mapped in files:
         for name, slot in mapped.tensors.items():

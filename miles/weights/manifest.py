@@ -28,9 +28,9 @@ from miles.weights.checksum import (
     checksum_from_digests,
     collect_slots,
     combine_digests,
-    digest_mapped,
+    digest_files,
 )
-from miles.weights.safetensors_io import MappedSafetensors, index_files, open_regular
+from miles.weights.safetensors_io import SafetensorsFile, index_files, open_regular
 
 MANIFEST_NAME = "miles_manifest.json"
 FORMAT_VERSION = 1
@@ -138,8 +138,8 @@ def manifest_from_files(
     if not paths:
         raise CheckpointFileMissingError("directory holds no safetensors files", path=str(directory))
     with ExitStack() as stack:
-        slots = collect_slots([stack.enter_context(MappedSafetensors(p)) for p in paths])
-        digests = digest_mapped(slots, threads=threads)
+        slots = collect_slots([stack.enter_context(SafetensorsFile(p)) for p in paths])
+        digests = digest_files(slots, threads=threads)
         owners = {slot.name: mapped.path.relative_to(directory).as_posix() for mapped, slot in slots}
     checksum = checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots))
     return Manifest(

@@ -1,9 +1,9 @@
-"""CheckpointReader: how an inference server loads an update, zero-copy from memory-mapped files.
+"""CheckpointReader: how an inference server loads an update from a checkpoint's files.
 
 The intended path: ``open_checkpoint`` -> ``verify()`` (refuse on any problem) -> compare names,
 shapes and dtypes with the live model -> ``param.copy_(reader.tensor(name))`` for each ->
-``checksum_module(model)`` to confirm. ``tensor()`` is a view over the map, so the only copy
-of the bytes is the one into the parameter.
+``checksum_module(model)`` to confirm. ``tensor()`` reads one tensor from its file (never a memory
+map: a file cut short while mapped kills the process); a file that changed meanwhile is an error.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from miles.errors import CheckpointError, CheckpointFileInvalidError
 from miles.weights.manifest import Manifest, read_manifest
-from miles.weights.safetensors_io import MappedSafetensors, TensorSlot
+from miles.weights.safetensors_io import SafetensorsFile, TensorSlot
 from miles.weights.verification import VerificationReport, compare_with_manifest
 
 
@@ -33,9 +33,9 @@ class TensorInfo:
 
 
 class CheckpointReader:
-    """An open checkpoint: its manifest and its memory-mapped weight files. Use ``open_checkpoint``."""
+    """An open checkpoint: its manifest and its open weight files. Use ``open_checkpoint``."""
 
-    def __init__(self, *, directory: Path, manifest: Manifest, files: dict[str, MappedSafetensors]) -> None:
+    def __init__(self, *, directory: Path, manifest: Manifest, files: dict[str, SafetensorsFile]) -> None:
         self.directory = directory
         self.manifest = manifest
         self._files = files
@@ -62,29 +62,24 @@ class CheckpointReader:
         return TensorInfo(name=name, dtype=slot.dtype, shape=slot.shape, file=file_name, nbytes=slot.nbytes)
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` as a zero-copy CPU view over the mapped file (writable copy-on-write).
-
-        The tensor stays valid after ``close()``: it keeps its mapping alive itself.
+        """Tensor ``name``, read from its file into a new CPU tensor (valid after ``close()``).
 
         Raises:
-            CheckpointError: no tensor of that name, or the reader is closed.
+            CheckpointError: no tensor of that name, the reader is closed, or the file ended
+                before the tensor's bytes (it was cut or rewritten after it was opened).
         """
         file_name, slot = self._lookup(name)
         return self._files[file_name].tensor(slot)
 
     def verify(self, *, threads: int | None = None) -> VerificationReport:
-        """Hash every tensor in the maps and compare with the manifest; never raises for a mismatch.
-
-        It checks the bytes this reader hands out, so a write made through one of its tensors
-        shows as a digest mismatch (the file itself never changes).
-        """
+        """Hash every tensor in the files and compare with the manifest; never raises for a mismatch."""
         if not self._files and self.manifest.files:
             raise CheckpointError("checkpoint reader is closed", path=str(self.directory))
         problems, checksum = compare_with_manifest(self.manifest, self._files, threads=threads)
         return VerificationReport(self.directory, self.manifest, tuple(problems), checksum)
 
     def close(self) -> None:
-        """Release the maps (those still viewed by live tensors go when the tensors do)."""
+        """Close the files (tensors already read stay valid)."""
         files, self._files = self._files, {}
         for mapped in files.values():
             mapped.close()
@@ -107,7 +102,7 @@ class CheckpointReader:
 
 
 def open_checkpoint(directory: str | os.PathLike[str]) -> CheckpointReader:
-    """Open the checkpoint in ``directory``: read its manifest and headers, map its weight files.
+    """Open the checkpoint in ``directory``: read its manifest and headers, open its weight files.
 
     Nothing is hashed here; call ``verify()`` before trusting the bytes.
 
@@ -119,8 +114,8 @@ def open_checkpoint(directory: str | os.PathLike[str]) -> CheckpointReader:
     directory = Path(directory)
     manifest = read_manifest(directory)
     with ExitStack() as stack:
-        files = {name: stack.enter_context(MappedSafetensors(directory / name)) for name in sorted(manifest.files)}
+        files = {name: stack.enter_context(SafetensorsFile(directory / name)) for name in sorted(manifest.files)}
         reader = CheckpointReader(directory=directory, manifest=manifest, files=files)
-        # Success: the reader owns the maps now, so the stack must not close them.
+        # Success: the reader owns the open files now, so the stack must not close them.
         stack.pop_all()
     return reader

@@ -1,10 +1,11 @@
-"""Read safetensors files ourselves: parse the header, memory-map the data, hand out byte ranges.
+"""Read safetensors files ourselves: parse the header, read each tensor's byte range.
 
 We parse the header instead of using ``safetensors.safe_open`` because the checksum and the
-verifier need each tensor's *byte offsets* in the file: they hash the mapped bytes directly,
-without materialising a tensor (no allocation, no copy), and a reader hands out tensors that are
-views over the map. ``safe_open`` only gives tensors or slices, never offsets, and it cannot tell
-a truncated file from a malformed one, which the verifier must name apart.
+verifier need each tensor's *byte offsets* in the file: they hash its bytes a slice at a time,
+without materialising a tensor, and a reader hands out each tensor read on its own.
+``safe_open`` only gives tensors or slices, never offsets, and it cannot tell a truncated file
+from a malformed one, which the verifier must name apart. Files are read, never memory-mapped: a
+mapped file cut short while in use kills the process (SIGBUS).
 
 The format: 8 bytes little-endian unsigned header length ``N``, then ``N`` bytes of UTF-8 JSON
 (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``), then
@@ -17,18 +18,18 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import stat
 import sys
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import BinaryIO
 
 import torch
+import xxhash
 
 from miles.errors import (
     CheckpointFileInvalidError,
@@ -219,25 +220,23 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int) -> Tenso
     )
 
 
-class MappedSafetensors:
-    """One safetensors file, header parsed and data memory-mapped copy-on-write.
+class SafetensorsFile:
+    """One safetensors file: its header parsed, its tensors' bytes read with ``pread``.
 
-    The map is ``ACCESS_COPY``: tensors handed out are writable (torch warns on read-only
-    buffers) but writes stay private to this process and never reach the file.
+    Never memory-mapped: a file cut short while it is read (a trainer saving a checkpoint again
+    in place while a server verifies the last one) would kill a process touching a mapped page
+    past the new end with SIGBUS. Read, it gives an error naming what happened instead.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        """Parse the header and map the file.
+        """Parse the header and keep the file open.
 
         Raises:
             CheckpointFileMissingError, CheckpointFileTruncatedError, CheckpointFileInvalidError:
                 as ``read_header``.
         """
         self.header = read_header(path)
-        self._map: mmap.mmap | None = None
-        if self.header.size > 0:
-            with open_regular(self.header.path) as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._file: BinaryIO | None = open_regular(self.header.path) if self.header.size > 0 else None
 
     @property
     def path(self) -> Path:
@@ -247,52 +246,66 @@ class MappedSafetensors:
     def tensors(self) -> Mapping[str, TensorSlot]:
         return self.header.tensors
 
-    @contextmanager
-    def region(self, slot: TensorSlot) -> Iterator[memoryview]:
-        """A zero-copy view of ``slot``'s bytes, released on exit (so the map can be closed)."""
-        if self._map is None:
-            raise CheckpointFileInvalidError("safetensors file is closed", path=str(self.path))
-        base = memoryview(self._map)
-        try:
-            view = base[slot.begin : slot.end]
-            try:
-                yield view
-            finally:
-                view.release()
-        finally:
-            base.release()
+    def digest(self, slot: TensorSlot) -> str:
+        """The xxh3-128 digest of ``slot``'s bytes, read a slice at a time (hashed while in cache)."""
+        hasher = xxhash.xxh3_128()
+        buffer = _read_buffer()
+        offset = slot.begin
+        while offset < slot.end:
+            view = buffer[: min(len(buffer), slot.end - offset)]
+            self._read_into(view, offset)
+            hasher.update(view)
+            offset += len(view)
+        return hasher.hexdigest()
 
     def tensor(self, slot: TensorSlot) -> torch.Tensor:
-        """A CPU tensor over the mapped bytes of ``slot``: no copy, writable copy-on-write.
+        """A new CPU tensor holding ``slot``'s bytes (the process's own memory, writable)."""
+        out = torch.empty(slot.shape, dtype=slot.dtype)
+        if out.numel():
+            raw = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+            for start in range(0, len(raw), READ_SLICE_BYTES):
+                view = raw[start : start + READ_SLICE_BYTES]
+                self._read_into(view, slot.begin + start)
+        return out
 
-        The tensor keeps the mapping alive on its own, so it stays valid after ``close()``.
-        """
-        if self._map is None:
+    def _read_into(self, view: memoryview, offset: int) -> None:
+        if self._file is None:
             raise CheckpointFileInvalidError("safetensors file is closed", path=str(self.path))
-        numel = math.prod(slot.shape)
-        if numel == 0:
-            # torch.frombuffer refuses zero-length buffers; there are no bytes to share anyway.
-            return torch.empty(slot.shape, dtype=slot.dtype)
-        if slot.begin % slot.dtype.itemsize:
-            # The map is page aligned, so this offset would give a misaligned tensor; copy it
-            # into an aligned one (safetensors writers align, so this is the rare case).
-            with self.region(slot) as view:
-                return torch.frombuffer(bytearray(view), dtype=slot.dtype).reshape(slot.shape)
-        return torch.frombuffer(self._map, dtype=slot.dtype, count=numel, offset=slot.begin).view(slot.shape)
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._file.fileno(), [view[done:]], offset + done)
+            if got == 0:
+                raise CheckpointFileTruncatedError(
+                    f"safetensors file ended at byte {offset + done} while it was being read: it was cut "
+                    "or rewritten meanwhile; load it again once it is complete",
+                    path=str(self.path),
+                )
+            done += got
 
     def close(self) -> None:
-        """Drop our mapping. Tensors from ``tensor()`` that are still alive keep it mapped."""
-        # Never mmap.close(): torch.frombuffer keeps a reference to the mmap object but no buffer
-        # export, so close() would succeed and unmap memory that live tensors still point into
-        # (a segfault on the next read). Dropping our reference unmaps it as soon as the last
-        # tensor over it dies, or right now when there is none.
-        self._map = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
-    def __enter__(self) -> MappedSafetensors:
+    def __enter__(self) -> SafetensorsFile:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# How much of a file is read per ``pread``: small enough that the bytes are still in cache when
+# they are hashed or copied on.
+READ_SLICE_BYTES = 1 << 20
+_buffers = threading.local()
+
+
+def _read_buffer() -> memoryview:
+    """This thread's reusable buffer of ``READ_SLICE_BYTES``."""
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _buffers.buffer = memoryview(bytearray(READ_SLICE_BYTES))
+    return buffer
 
 
 def index_files(directory: Path) -> list[Path]:

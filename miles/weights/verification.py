@@ -18,9 +18,9 @@ from miles.errors import (
     ManifestInvalidError,
     ManifestMissingError,
 )
-from miles.weights.checksum import TensorDigest, checksum_from_digests, digest_mapped
+from miles.weights.checksum import TensorDigest, checksum_from_digests, digest_files
 from miles.weights.manifest import MANIFEST_NAME, Manifest, TensorEntry, read_manifest
-from miles.weights.safetensors_io import MappedSafetensors, TensorSlot, dtype_name, index_files, read_header
+from miles.weights.safetensors_io import SafetensorsFile, TensorSlot, dtype_name, index_files, read_header
 
 _RESEAL = "re-export the checkpoint, or re-seal it (`miles checkpoint seal`) if the files are what you want"
 
@@ -101,11 +101,11 @@ def verify_checkpoint(
         )
         return VerificationReport(directory, None, (problem,), None)
     with ExitStack() as stack:
-        opened: dict[str, MappedSafetensors] = {}
+        opened: dict[str, SafetensorsFile] = {}
         problems: list[CheckpointProblem] = []
         for file_name in sorted(manifest.files):
             try:
-                opened[file_name] = stack.enter_context(MappedSafetensors(directory / file_name))
+                opened[file_name] = stack.enter_context(SafetensorsFile(directory / file_name))
             except CheckpointFileError as exc:
                 problems.append(file_problem(file_name, exc))
         found, checksum = compare_with_manifest(manifest, opened, threads=threads, digests=digests)
@@ -158,9 +158,9 @@ def file_problem(file_name: str, exc: CheckpointFileError) -> CheckpointProblem:
 
 
 def compare_with_manifest(
-    manifest: Manifest, opened: Mapping[str, MappedSafetensors], *, threads: int | None = None, digests: bool = True
+    manifest: Manifest, opened: Mapping[str, SafetensorsFile], *, threads: int | None = None, digests: bool = True
 ) -> tuple[list[CheckpointProblem], str | None]:
-    """Compare the tensors of the readable files with the manifest, hashing each from its map.
+    """Compare the tensors of the readable files with the manifest, hashing each from its file.
 
     ``opened`` maps the manifest's file names to the files that could be opened; tensors of the
     others are not reported again (their file's problem already covers them). Returns the
@@ -179,7 +179,7 @@ def compare_with_manifest(
                 "to: the manifest was edited or written by a broken tool; re-seal the checkpoint.",
             )
         )
-    found: dict[str, tuple[str, MappedSafetensors, TensorSlot]] = {}
+    found: dict[str, tuple[str, SafetensorsFile, TensorSlot]] = {}
     duplicated = False
     for file_name in sorted(opened):
         for name, slot in opened[file_name].tensors.items():
@@ -217,7 +217,7 @@ def compare_with_manifest(
         )
     names = sorted(found)
     if digests:
-        computed = digest_mapped([(found[n][1], found[n][2]) for n in names], threads=threads)
+        computed = digest_files([(found[n][1], found[n][2]) for n in names], threads=threads)
     else:
         # Structure only: the dtype and shape come from the file's header, the digest is taken on
         # trust from the manifest (no byte is read).

@@ -116,6 +116,68 @@ def test_update_loads_verified_weights_and_back(http: httpx.Client, checkpoints:
     assert outputs(http) == before
 
 
+def _loads_while_rewritten(http: httpx.Client, source: Path, racing: Path) -> list[httpx.Response]:
+    """Load ``racing`` (a copy of ``source``) a dozen times while its weights file is cut and
+    written again, over and over: a trainer saving a checkpoint again in place."""
+    copy_checkpoint(source, racing)
+    path = racing / "model.safetensors"
+    data = path.read_bytes()
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        with open(path, "r+b") as f:
+            while not stop.is_set():
+                f.truncate(0)
+                f.seek(0)
+                f.write(data)
+                f.flush()
+                time.sleep(0.001)  # whole for a moment, so that loads open it and meet the next cut
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        return [load(http, racing) for _ in range(12)]
+    finally:
+        stop.set()
+        writer.join()
+
+
+def test_a_checkpoint_rewritten_while_it_is_staged_never_takes_the_engine_down(
+    http: httpx.Client, checkpoints: dict[str, Path], allowed_root: Path
+) -> None:
+    """Read through a memory map, the engine died (SIGBUS) on the first such load. Each load now
+    either loads what the manifest says or is refused, and the engine serves weights it vouches for."""
+    before = outputs(http)
+    answers = _loads_while_rewritten(http, checkpoints["v2"], allowed_root / "racing-staged")
+    assert {a.status_code for a in answers} <= {200, 400}, [a.text for a in answers]
+    v1, v2 = read_manifest(checkpoints["v1"]), read_manifest(checkpoints["v2"])
+    assert weights_held(http) in (
+        {"weight_version": "2", "checksum": v2.checksum},
+        {"weight_version": "1", "checksum": v1.checksum},
+    )
+    assert load(http, checkpoints["v1"]).json()["success"] is True
+    assert outputs(http) == before
+
+
+def test_a_checkpoint_rewritten_while_it_is_copied_in_place_never_takes_the_engine_down(
+    checkpoints: dict[str, Path], allowed_root: Path, tmp_path: Path
+) -> None:
+    """Copied in place, a file cut part of the way through leaves weights that are no checkpoint's:
+    the load fails and they are unverified until a load succeeds, which it then does."""
+    roots = f"{checkpoints['v1'].parent},{allowed_root}"
+    env = {"MILES_ALLOWED_CHECKPOINT_ROOTS": roots}
+    with (
+        running_engine(checkpoints["v1"], log_dir=tmp_path, extra_args=("--weight-staging", "off"), env=env) as url,
+        httpx.Client(base_url=url, timeout=120, trust_env=False) as http,
+    ):
+        before = outputs(http)
+        answers = _loads_while_rewritten(http, checkpoints["v2"], allowed_root / "racing-in-place")
+        assert {a.status_code for a in answers} <= {200, 400}, [a.text for a in answers]
+        assert load(http, checkpoints["v1"]).json()["success"] is True
+        assert weights_held(http) == {"weight_version": "1", "checksum": read_manifest(checkpoints["v1"]).checksum}
+        assert outputs(http) == before
+
+
 def test_custom_weight_version_is_kept(http: httpx.Client, checkpoints: dict[str, Path]) -> None:
     assert load(http, checkpoints["v2"], weight_version="step-2-rc").json()["weight_version"] == "step-2-rc"
     response = http.post("/generate", json=greedy("a")).json()

@@ -1,0 +1,25 @@
+"""The engine's disk load when a checkpoint's weights file is cut short after it was verified (a
+trainer saving again in place): read, never memory-mapped, the copy fails with an error rather
+than the process dying of SIGBUS, and what the model then holds is hashed for what it is."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from miles.engine.weight_loader import apply_update, prepare_update
+from miles.models import build_model, build_tokenizer
+from miles.weights.checkpoint import save_checkpoint
+from miles.weights.checksum import checksum_module
+
+
+def test_a_file_cut_after_verification_makes_an_in_place_copy_that_cannot_match(tmp_path: Path) -> None:
+    manifest = save_checkpoint(
+        tmp_path / "v2", model=build_model("tiny", seed=2), tokenizer=build_tokenizer(), model_name="t", step=2
+    )
+    model = build_model("tiny", seed=1)
+    update = prepare_update(model, tmp_path / "v2")
+    os.truncate(tmp_path / "v2" / "model.safetensors", 1024)
+    checksum = apply_update(update, model)
+    assert checksum.checksum != manifest.checksum
+    assert checksum.checksum == checksum_module(model).checksum  # what the model holds now
