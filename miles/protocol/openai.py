@@ -199,16 +199,33 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
-class ChatMessage(RequestModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    # A string, or OpenAI's list of content parts of which only text parts are served.
-    content: str | list[dict[str, Any]]
+class ChatMessage(SGLangFields):
+    """One message, with the fields of SGLang's ``ChatCompletionMessageGenericParam``."""
+
+    unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {
+        "tool_calls": Unsupported("tool calling is not supported", unset=([],)),
+        "tools": Unsupported("tool calling is not supported", unset=([],)),
+        "phase": Unsupported("message phases (commentary, final_answer) are not rendered"),
+        "prefix": Unsupported("prefix completion of a final assistant message is not supported", unset=(False,)),
+    }
+
+    # SGLang's roles, matched regardless of case as SGLang does; the chat template renders them.
+    role: Literal["system", "user", "assistant", "tool", "function", "developer", "latest_reminder", "root"]
+    # A string, or OpenAI's list of content parts of which only text parts are served; None (an
+    # assistant turn that only called tools, say) renders as empty text.
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("content")
     @classmethod
-    def _text_parts(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    def _text_parts(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
         for part in value if isinstance(value, list) else ():
             kind = part.get("type")
             if kind != "text":
@@ -228,6 +245,8 @@ class ChatMessage(RequestModel):
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part["text"] for part in self.content)
+        elif self.content is None:
+            message["content"] = ""
         return message
 
 

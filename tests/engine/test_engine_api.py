@@ -341,3 +341,34 @@ def test_openai_fields_clients_send(http: httpx.Client) -> None:
         lines = [line for line in response.iter_lines() if line.startswith("data: {")]
     last = json.loads(lines[-1].removeprefix("data: "))
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "developer", "content": "be brief"}, {"role": "User", "content": "hi"}],
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "reasoning_content": "thinking"},
+            {"role": "user", "content": "and?"},
+        ],
+        [{"role": "function", "name": "f", "content": "42"}, {"role": "user", "content": "so?"}],
+    ],
+    ids=["developer-and-any-case", "null-content-and-reasoning", "function"],
+)
+def test_chat_takes_the_messages_sglang_takes(http: httpx.Client, messages: list[dict[str, object]]) -> None:
+    answer = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tool_calls", [{"function": {"name": "f", "arguments": "{}"}}]), ("phase", "final_answer"), ("prefix", True)],
+)
+def test_chat_message_fields_it_cannot_honour_are_refused_by_name(
+    http: httpx.Client, field: str, value: object
+) -> None:
+    message = {"role": "assistant", "content": "x", field: value}
+    answer = http.post("/v1/chat/completions", json={"messages": [message], "max_tokens": 2})
+    assert answer.status_code == 400 and f"field {field!r} is not supported" in answer.text, answer.text

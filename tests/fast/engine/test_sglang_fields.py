@@ -19,7 +19,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from miles.protocol.compat import SGLANG_VERSION, SGLangFields
-from miles.protocol.openai import ChatCompletionRequest, CompletionRequest
+from miles.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from miles.protocol.sglang import (
     DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
@@ -64,6 +64,12 @@ MODELS: list[tuple[type[SGLangFields], str, str, dict[str, Any]]] = [
         {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2]]},
     ),
     (DestroyWeightsUpdateGroupRequest, IO_STRUCT, "DestroyWeightsUpdateGroupReqInput", {}),
+    (
+        ChatMessage,
+        "sglang/srt/entrypoints/openai/protocol.py",
+        "ChatCompletionMessageGenericParam",
+        {"role": "assistant", "content": "hi"},
+    ),
 ]
 
 
