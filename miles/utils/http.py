@@ -200,15 +200,25 @@ MIB = 1 << 20
 DRAIN_MAX_BYTES = 1 << 30
 
 
+# How long a request's body may stop arriving before the request is refused (408): a client
+# that sends headers and then a byte a minute would otherwise hold its connection, and what it
+# sent, for as long as it liked.
+BODY_IDLE_TIMEOUT_S = 30.0
+
+
 class BodyLimit:
     """ASGI middleware: a request whose body is larger than ``max_bytes`` is refused with 413, and
     none of it past ``max_bytes`` is kept, so no request can make an API buffer and parse
-    gigabytes. ``setting`` names what raises the limit, for the message."""
+    gigabytes; a body that stops arriving for ``idle_timeout_s`` is refused with 408. ``setting``
+    names what raises the limit, for the message."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int, setting: str) -> None:
+    def __init__(
+        self, app: ASGIApp, *, max_bytes: int, setting: str, idle_timeout_s: float = BODY_IDLE_TIMEOUT_S
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.setting = setting
+        self.idle_timeout_s = idle_timeout_s
 
     def _message(self, size: str) -> str:
         return (
@@ -222,41 +232,52 @@ class BodyLimit:
             return
         headers = Headers(scope=scope)
         declared = headers.get("content-length")
-        if declared is not None:
-            # The HTTP layer ends a body at its declared length, so only that needs checking.
-            if declared.isdigit() and int(declared) > self.max_bytes:
-                # A client that asked to be told first (Expect: 100-continue) has sent nothing
-                # yet, and reading would tell it to send everything.
-                if int(declared) <= DRAIN_MAX_BYTES and headers.get("expect", "").lower() != "100-continue":
-                    await drain(receive, DRAIN_MAX_BYTES)
-                refusal = error_response(
-                    self._message(f"{int(declared)} bytes"),
-                    code=413,
-                    kind="invalid_request_error",
-                    headers={"connection": "close"},
-                )
-                await refusal(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
+        # The HTTP layer ends a body at its declared length, so only that needs checking; a
+        # chunked body has none, and is counted as it arrives.
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            # A client that asked to be told first (Expect: 100-continue) has sent nothing
+            # yet, and reading would tell it to send everything.
+            if int(declared) <= DRAIN_MAX_BYTES and headers.get("expect", "").lower() != "100-continue":
+                await drain(receive, DRAIN_MAX_BYTES)
+            refusal = error_response(
+                self._message(f"{int(declared)} bytes"),
+                code=413,
+                kind="invalid_request_error",
+                headers={"connection": "close"},
+            )
+            await refusal(scope, receive, send)
             return
         received = 0
+        complete = False
 
-        async def counted() -> Message:
-            # A chunked body has no declared length: counted as it arrives, refused once it passes
-            # the limit (the app's error handlers answer the HTTPException).
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    if message.get("more_body", False):
-                        await drain(receive, DRAIN_MAX_BYTES - received)
-                    raise StarletteHTTPException(
-                        413, self._message(f"more than {self.max_bytes} bytes, chunked"), {"connection": "close"}
-                    )
+        async def watched() -> Message:
+            # Refusals raised here are answered by the app's error handlers (HTTPException).
+            nonlocal received, complete
+            if complete:
+                return await receive()  # the body is in: what comes is the client leaving
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_timeout_s)
+            except TimeoutError:
+                raise StarletteHTTPException(
+                    408,
+                    f"the request body stopped arriving: nothing came for {self.idle_timeout_s:g}s; send the "
+                    "whole body without pausing",
+                    {"connection": "close"},
+                ) from None
+            if message["type"] != "http.request":
+                complete = True
+                return message
+            received += len(message.get("body", b""))
+            complete = not message.get("more_body", False)
+            if declared is None and received > self.max_bytes:
+                if not complete:
+                    await drain(receive, DRAIN_MAX_BYTES - received)
+                raise StarletteHTTPException(
+                    413, self._message(f"more than {self.max_bytes} bytes, chunked"), {"connection": "close"}
+                )
             return message
 
-        await self.app(scope, counted, send)
+        await self.app(scope, watched, send)
 
 
 async def drain(receive: Receive, budget: int) -> None:

@@ -1,0 +1,68 @@
+"""BodyLimit over real HTTP (uvicorn on loopback, one small app): a body that stops arriving is
+refused with 408 once it has been idle for the limit, and a whole body passes."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+
+from miles.utils.http import BodyLimit, install_error_handlers
+
+IDLE_S = 0.5
+
+
+@pytest.fixture
+def port() -> Iterator[int]:
+    app = FastAPI()
+    install_error_handlers(app, logger=logging.getLogger("test"), not_found="no such endpoint")
+    app.add_middleware(BodyLimit, max_bytes=1 << 20, setting="TEST_LIMIT", idle_timeout_s=IDLE_S)
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        return {"bytes": len(await request.body())}
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        chosen = int(probe.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=chosen, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)  # another thread's server: nothing to wait on
+    try:
+        yield chosen
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def answer(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10 * IDLE_S + 10) as sock:
+        sock.sendall(request)
+        return sock.makefile("rb").readline()
+
+
+def test_a_body_that_stops_arriving_is_refused_with_408(port: int) -> None:
+    started = time.monotonic()
+    status = answer(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    assert status.split()[1] == b"408", status
+    assert time.monotonic() - started < 10 * IDLE_S
+
+
+def test_a_chunked_body_that_stops_arriving_is_refused_with_408(port: int) -> None:
+    status = answer(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")
+    assert status.split()[1] == b"408", status
+
+
+def test_a_whole_body_passes(port: int) -> None:
+    status = answer(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    assert status.split()[1] == b"200", status
