@@ -68,8 +68,12 @@ MAX_LOGIT_BIAS = 100.0
 
 def _logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
     for key in value or {}:
-        if not (key.isascii() and key.isdigit() and len(key) <= 12):
-            raise ValueError(f'logit_bias keys are token ids written as decimal strings ("42"); got {key[:20]!r}')
+        # Canonical only: "05" would be token 5 a second time, and which of two values won a guess.
+        if not (key.isascii() and key.isdigit() and len(key) <= 12) or (key != "0" and key.startswith("0")):
+            raise ValueError(
+                f'logit_bias keys are token ids written as decimal strings without leading zeros ("42"); '
+                f"got {key[:20]!r}"
+            )
     return value
 
 
@@ -540,7 +544,8 @@ class WeightVersionResponse(BaseModel):
 class ExportWeightsRequest(RequestModel):
     """``POST /export_weights`` (miles extension): the step recorded in the written manifest."""
 
-    step: Count
+    # Steps are 64-bit wherever they are stored or compared.
+    step: Annotated[StrictInt, Field(ge=0, lt=2**63)]
 
 
 class ExportWeightsResponse(BaseModel):
