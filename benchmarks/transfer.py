@@ -2,7 +2,9 @@
 
 On one preset (default the ~500M bfloat16 one), with 1 and then 2 engines behind a controller:
 - shared memory (``PushPublisher(path="shm")``) vs the memory-copy floor: the bytes times the
-  engines divided by this machine's memcpy bandwidth (measured in this run);
+  engines divided by this machine's memcpy bandwidth (measured in this run); from tensors of the
+  trainer's own (copied into the push's segment) and from a model whose weights the publisher moved
+  into shared memory (``share_memory``: the engines read them where they lie);
 - torch.distributed, gloo (``path="distributed"``) vs a bare gloo broadcast of the same bytes
   from this process to as many helper processes as engines (measured in this run);
 - the calls each update made per engine (constant in the number of tensors);
@@ -11,7 +13,9 @@ On one preset (default the ~500M bfloat16 one), with 1 and then 2 engines behind
 - a delta push with 10% of the tensors changed vs a full push: bytes moved and time;
 - where each path's transfer went: the sender's packing, group forming, broadcasts and waits
   for the engines' answers, and what the engines reported spending on each phase.
-Every push is a whole verified update: window, transfer, per-tensor digests, the engines'
+Each path's transfer is measured alone (no requests, the engines' background write-out of the
+push before done), as its floor is, and then with requests in flight. Every push is a whole
+verified update: window, transfer, per-tensor digests, the engines'
 checksum of their live weights, the controller's commit.
 
     .venv/bin/python benchmarks/transfer.py [--preset 500m] [--engines 1 2] [--repeats 3] [--json]
@@ -40,8 +44,11 @@ from transformers import AutoModelForCausalLM
 from miles.models.presets import init_checkpoint
 from miles.rollout.engine_process import free_port
 from miles.testing import running_controller
-from miles.train.push import PushPublisher
+from miles.train.push import PushPublisher, PushStats
 from miles.weights.checksum import saved_state_dict
+
+# Seconds between two pushes measured alone (see ``one_fleet``).
+QUIET_GAP_S = 4.0
 
 
 def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> float:
@@ -152,8 +159,38 @@ async def one_fleet(
     ) as (controller, url):
         assert url is not None
         step = 1000
-        for path in ("shm", "distributed"):
+        # A model whose weights the publisher moved into shared memory: what the engines read
+        # where it lies; each push first writes the step's weights into it, as training would.
+        model = AutoModelForCausalLM.from_pretrained(checkpoint)
+        for variant in ("shm", "shm_shared", "distributed"):
+            path = "distributed" if variant == "distributed" else "shm"
             publisher = PushPublisher(controller, path=path, delta=False, timeout_s=600, ttl_s=1800)
+            shared = variant == "shm_shared"
+            if shared:
+                publisher.share_memory(model)
+
+            async def one_push(
+                step: int, publisher: PushPublisher = publisher, shared: bool = shared
+            ) -> tuple[float, PushStats]:
+                weights = perturbed(named, 1.0, seed=step)
+                if shared:
+                    with torch.no_grad():
+                        for name, tensor in saved_state_dict(model).items():
+                            tensor.copy_(weights[name])
+                    weights = saved_state_dict(model)
+                started = time.perf_counter()
+                await publisher.push(weights, step=step)
+                assert publisher.last is not None
+                return time.perf_counter() - started, publisher.last
+
+            # Alone, as the floors run: no requests, and each push once the engines' background
+            # write-out of the one before (about 2 s for this preset here) is done.
+            quiet: list[float] = []
+            for _ in range(args.repeats + 1):
+                step += 1
+                await asyncio.sleep(QUIET_GAP_S)
+                quiet.append((await one_push(step))[1].timings["push"])
+            quiet = quiet[1:]  # the first push allocates what the next ones reuse
             times, transfers, blocked, calls = [], [], [], []
             phases: list[dict[str, float]] = []
             stop = asyncio.Event()
@@ -161,23 +198,21 @@ async def one_fleet(
             try:
                 for _ in range(args.repeats):
                     step += 1
-                    weights = perturbed(named, 1.0, seed=step)
-                    started = time.perf_counter()
-                    await publisher.push(weights, step=step)
-                    times.append(time.perf_counter() - started)
-                    assert publisher.last is not None
-                    transfers.append(publisher.last.timings["push"])
+                    took, last = await one_push(step)
+                    times.append(took)
+                    transfers.append(last.timings["push"])
                     result = controller.last_update
                     assert result is not None
                     activations = [o.load_timings for o in result.servers]
-                    blocked += blocked_s(publisher.last.engine_timings, activations, engines)
-                    calls.append(publisher.last.calls // engines)
-                    phases.append(push_phases(publisher.last.timings, publisher.last.engine_timings, engines))
+                    blocked += blocked_s(last.engine_timings, activations, engines)
+                    calls.append(last.calls // engines)
+                    phases.append(push_phases(last.timings, last.engine_timings, engines))
             finally:
                 stop.set()
                 served = await users
                 await publisher.close()
-            figures[path] = {
+            figures[variant] = {
+                "quiet_transfer_s": statistics.median(quiet),
                 "update_s": statistics.median(times),
                 "transfer_s": statistics.median(transfers),
                 "calls_per_engine": calls[-1],
@@ -227,26 +262,30 @@ def report(results: list[dict[str, Any]]) -> None:
     for r in results:
         gib = r["bytes"] / 2**30
         print(f"\n{r['engines']} engine(s), {r['tensors']} tensors, {gib:.2f} GiB per push")
-        shm, gloo = r["shm"], r["distributed"]
-        print(
-            f"  shared memory   {shm['update_s']:7.3f} s (transfer {shm['transfer_s']:.3f} s)  "
-            f"floor (memcpy) {r['memcpy_floor_s']:7.3f} s  "
-            f"transfer/floor {shm['transfer_s'] / r['memcpy_floor_s']:5.2f}x  calls/engine {shm['calls_per_engine']}"
-        )
-        print(
-            f"  gloo            {gloo['update_s']:7.3f} s (transfer {gloo['transfer_s']:.3f} s)  "
-            f"floor (bare broadcast) {r['gloo_floor_s']:7.3f} s  "
-            f"floor/transfer {r['gloo_floor_s'] / gloo['transfer_s']:5.2f}x  calls/engine {gloo['calls_per_engine']}"
-        )
-        for name, figures in (("shm", shm), ("gloo", gloo)):
+        memcpy, gloo_floor = r["memcpy_floor_s"], r["gloo_floor_s"]
+        print(f"  floors: memcpy {memcpy:.3f} s, bare gloo broadcast {gloo_floor:.3f} s")
+        for name, label in (
+            ("shm", "shared memory"),
+            ("shm_shared", "shared memory, shared weights"),
+            ("distributed", "gloo"),
+        ):
+            f = r[name]
+            if name == "distributed":
+                alone, loaded = gloo_floor / f["quiet_transfer_s"], gloo_floor / f["transfer_s"]
+                ratio = f"floor/transfer {alone:.2f}x alone, {loaded:.2f}x loaded"
+            else:
+                alone, loaded = f["quiet_transfer_s"] / memcpy, f["transfer_s"] / memcpy
+                ratio = f"transfer/floor {alone:.2f}x alone, {loaded:.2f}x loaded"
             print(
-                f"  blocked per update ({name}): p50 {figures['blocked_p50_ms']:.2f} ms, "
-                f"max {figures['blocked_p99_ms']:.2f} ms; "
-                f"requests served meanwhile {figures['requests_served_meanwhile']}"
+                f"  {label:30s} transfer {f['quiet_transfer_s']:.3f} s alone, {f['transfer_s']:.3f} s with requests "
+                f"(whole update {f['update_s']:.3f} s)  {ratio}  calls/engine {f['calls_per_engine']}"
             )
             print(
-                f"  where the transfer went ({name}, s): "
-                + ", ".join(f"{k} {v:.3f}" for k, v in figures["phases_s"].items())
+                f"    blocked per update: p50 {f['blocked_p50_ms']:.2f} ms, max {f['blocked_p99_ms']:.2f} ms; "
+                f"requests served meanwhile {f['requests_served_meanwhile']}"
+            )
+            print(
+                "    where the loaded transfer went (s): " + ", ".join(f"{k} {v:.3f}" for k, v in f["phases_s"].items())
             )
         d = r["delta"]
         print(

@@ -23,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -121,6 +123,9 @@ class LiveWeights:
         self._instance_id = uuid.uuid4().hex
         self._start_manifest_checksum = manifest_checksum
         self._loaded_from = loaded_from
+        # The served model's tensors by checkpoint name, as (dtype, shape): what every update must
+        # match, computed once per model (updates never change either).
+        self._signature_of: tuple[PreTrainedModel, dict[str, tuple[torch.dtype, tuple[int, ...]]]] | None = None
         # One update at a time (the next waits); one export at a time (two writing the same
         # snapshot would race for its directory).
         self._update_lock = asyncio.Lock()
@@ -319,12 +324,19 @@ class LiveWeights:
             timings=prepared.timings,
         )
 
+    def _signature(self) -> Mapping[str, tuple[torch.dtype, tuple[int, ...]]]:
+        model = self._model()
+        if self._signature_of is None or self._signature_of[0] is not model:
+            tensors = saved_state_dict(model)
+            self._signature_of = (model, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()})
+        return self._signature_of[1]
+
     def check_table(self, table: BucketTable) -> None:
         """Raise InvalidRequestError unless every tensor of ``table`` is one the model holds, with
         its dtype and shape (checked before anything is received or allocated)."""
         # Compared as numbers: a shape no tensor could have (2**40 x 2**40) is refused by the
         # comparison, never allocated, even on the meta device.
-        _check_pushed(((e.name, e.torch_dtype(), e.shape) for e in table.entries), saved_state_dict(self._model()))
+        _check_pushed(((e.name, e.torch_dtype(), e.shape) for e in table.entries), self._signature())
 
     async def apply_pushed(
         self,
@@ -355,9 +367,7 @@ class LiveWeights:
                 "the last push of an update (with expected_checksum) must name its weight_version"
             )
         async with self._update_lock:
-            _check_pushed(
-                ((name, t.dtype, tuple(t.shape)) for name, t in bucket.tensors.items()), saved_state_dict(self._model())
-            )
+            _check_pushed(((name, t.dtype, tuple(t.shape)) for name, t in bucket.tensors.items()), self._signature())
             if self._push_stage is None:
                 self._drop_staged_push()
                 self._push_stage = await asyncio.to_thread(self._staging.open_stage)
@@ -801,20 +811,56 @@ class _StagedPush:
     checksum: str
 
 
+# Below this many bytes a bucket is staged on one thread: more cost more than they save.
+_PARALLEL_STAGE_BYTES = 16 * 1024 * 1024
+
+
 def _stage_all(stage: WeightStage, bucket: Received) -> None:
-    for name, tensor in bucket.tensors.items():
-        bucket.check(name, stage.write(name, tensor))
+    """Stage every tensor of ``bucket``, each checked against its digest over the bytes staged.
+
+    A large bucket is staged on as many threads as torch may use in this process (the cores the
+    engine was given; the copy and the hash release the GIL), the largest tensors first; the
+    first tensor that fails stops the others from taking more.
+    """
+    items = sorted(bucket.tensors.items(), key=lambda item: item[1].nbytes, reverse=True)
+    threads = min(torch.get_num_threads(), len(items))
+    if threads < 2 or sum(t.nbytes for _, t in items) < _PARALLEL_STAGE_BYTES:
+        for name, tensor in items:
+            bucket.check(name, stage.write(name, tensor))
+        return
+    queue = iter(items)
+    taking = threading.Lock()
+    failed = threading.Event()
+
+    def work() -> None:
+        while not failed.is_set():
+            with taking:
+                item = next(queue, None)
+            if item is None:
+                return
+            try:
+                bucket.check(item[0], stage.write(*item))
+            except BaseException:
+                failed.set()
+                raise
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="miles-stage") as pool:
+        workers = [pool.submit(work) for _ in range(threads)]
+    for worker in workers:
+        worker.result()
 
 
-def _check_pushed(pushed: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], live: Mapping[str, torch.Tensor]) -> None:
+def _check_pushed(
+    pushed: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+    live: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+) -> None:
     """Raise InvalidRequestError unless every pushed (name, dtype, shape) names a live tensor of
-    that dtype and shape."""
+    that dtype and shape (``live``: the model's (dtype, shape) by name)."""
     for name, dtype, shape in pushed:
         target = live.get(name)
         if target is None:
             raise InvalidRequestError(f"the model has no tensor {name!r}; push the names its checkpoint has")
-        if target.dtype != dtype or tuple(target.shape) != tuple(shape):
+        if target[0] != dtype or target[1] != tuple(shape):
             raise InvalidRequestError(
-                f"tensor {name!r} is pushed as {dtype}{list(shape)}, but the model holds "
-                f"{target.dtype}{list(target.shape)}"
+                f"tensor {name!r} is pushed as {dtype}{list(shape)}, but the model holds {target[0]}{list(target[1])}"
             )

@@ -29,6 +29,7 @@ import os
 import re
 import stat
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -156,8 +157,9 @@ def _open_cuda_ipc(handle: CudaIpcHandle, needed: int) -> torch.Tensor:
 
 
 class SegmentMaps:
-    """The shared-memory segment last read, kept mapped: a pusher reuses its segment from one
-    bucket and update to the next, and mapping it again would fault every page in again.
+    """The shared-memory segments last read, kept mapped: a pusher reuses its segments from one
+    bucket and update to the next (its bucket segment, and the segment its model's weights live in
+    when it shares them), and mapping one again would fault every page in again.
 
     Mapped, not read (checkpoint files are read): reading every bucket into the engine's own
     memory first doubled a push's transfer time here (0.51 s to 0.91-1.00 s for 1 GB, the read
@@ -166,9 +168,11 @@ class SegmentMaps:
     anyway, so only one under another user gains that power. What would remove it at no cost:
     reading each tensor straight into its staged place."""
 
+    # Segments kept mapped at once; the least recently read one is unmapped first.
+    KEPT = 4
+
     def __init__(self) -> None:
-        self._key: tuple[str, int, int, int] | None = None
-        self._map: mmap.mmap | None = None
+        self._maps: OrderedDict[tuple[str, int, int, int], mmap.mmap] = OrderedDict()
         self._lock = threading.Lock()
 
     def open(self, name: str, needed: int) -> torch.Tensor:
@@ -196,23 +200,25 @@ class SegmentMaps:
                 )
             key = (name, status.st_dev, status.st_ino, status.st_size)
             with self._lock:
-                if key != self._key or self._map is None:
-                    self._release()
-                    self._map = mmap.mmap(
+                mapped = self._maps.get(key)
+                if mapped is None:
+                    # A segment of the same name that changed (a new file, another size) goes. Its
+                    # map is never closed here: a bucket being staged on another thread may still
+                    # read it (the tensors viewing it hold it; it is unmapped after the last).
+                    for stale in [k for k in self._maps if k[0] == name]:
+                        del self._maps[stale]
+                    while len(self._maps) >= self.KEPT:
+                        self._maps.popitem(last=False)
+                    mapped = mmap.mmap(
                         fd, status.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
                     )
-                    self._key = key
-                return torch.frombuffer(self._map, dtype=torch.uint8)
+                    self._maps[key] = mapped
+                self._maps.move_to_end(key)
+                return torch.frombuffer(mapped, dtype=torch.uint8)
         finally:
             os.close(fd)
 
-    def _release(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # a view is still referenced somewhere; the map goes with it
-        self._map, self._key = None, None
+
 
 
 @dataclass

@@ -214,7 +214,8 @@ class WeightStage:
     Any source of tensors writes into it the same way, by name (``write``; ``write_all`` for a
     whole checkpoint); a name not written keeps its live value. ``checksum`` hashes what is
     staged; ``activate`` (under the write side of the weights lock) swaps it in, ``discard``
-    drops it. Writes and the checksum may run on any one thread while the engine serves.
+    drops it. Writes may run on any threads while the engine serves (writes of different names at
+    once), the checksum once they are done.
     """
 
     def __init__(self, buffers: StagingBuffers) -> None:

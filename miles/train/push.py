@@ -29,6 +29,7 @@ import atexit
 import base64
 import inspect
 import ipaddress
+import itertools
 import json
 import logging
 import mmap
@@ -37,7 +38,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -50,7 +51,7 @@ import torch.distributed as dist
 
 from miles.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, TransferPath, check_seconds
 from miles.errors import InvalidRequestError, PublishError
-from miles.protocol.sglang import CUDA_IPC_LOAD_FORMAT, PUSH_TIMEOUT_MAX_S, CudaIpcHandle
+from miles.protocol.sglang import CUDA_IPC_LOAD_FORMAT, PUSH_TIMEOUT_MAX_S, SHM_LOAD_FORMAT, CudaIpcHandle
 from miles.train.publisher import PublishResult
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable, layout, pack, plan
@@ -186,6 +187,9 @@ class PushStats:
     # What each engine reported each update call cost it (seconds per phase), in call order.
     engine_timings: list[dict[str, float]] = field(default_factory=list)
     bytes: int = 0
+    # Of ``bytes``, those the engines read where they lie in the trainer's shared memory (no copy
+    # on this side: ``PushPublisher.share_memory``).
+    in_place: int = 0
     # Seconds: "open", "push" and "commit" of the window; within the push, the sender's own
     # phases, summed over buckets: "pack" (copy and digest), "join" (forming the group),
     # "broadcast", and "engines" (waiting for the engines' answers once their bytes are sent).
@@ -219,6 +223,7 @@ class PushPublisher:
         timeout_s: float = 60.0,
         delta: bool = True,
         staged: bool = True,
+        share_weights: bool = True,
     ) -> None:
         if TransferPath(path) is TransferPath.DISK:
             raise ValueError("PushPublisher pushes from memory; publish through disk with DiskPublisher")
@@ -237,6 +242,10 @@ class PushPublisher:
         self.delta = delta
         # Push into the engines' staging buffers while they serve (a staged window).
         self.staged = staged
+        # Move a published model's weights into shared memory (``share_memory``) on its first
+        # publish that may go over shared memory.
+        self.share_weights = share_weights
+        self._shared: _Segment | None = None
         # The digest of every tensor the servers were last committed on (delta pushes).
         self._held: dict[str, str] | None = None
         self.last: PushStats | None = None
@@ -268,6 +277,35 @@ class PushPublisher:
             self._broadcast_buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)]
         return self._broadcast_buffers[:count]
 
+    @property
+    def shared_segment(self) -> _Segment | None:
+        """The segment ``share_memory`` moved a model's weights into, while it is there."""
+        return self._shared
+
+    def share_memory(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Move ``module``'s weights (its CPU parameters and buffers) into a shared-memory segment
+        of this publisher's, as ``torch.nn.Module.share_memory`` does into its own: the tensors stay
+        the same objects with the same values, their memory moves. Engines on this machine then read
+        each tensor where it lies, so a push over shared memory copies nothing on this side (it only
+        hashes). The module trains on as before; pushing while it changes fails the push (a digest
+        no longer matches), as it would with any copy. Returns ``module``.
+
+        Called again (the module's tensors were replaced since), it moves them into a new segment.
+        Raises PublishError when /dev/shm cannot hold them.
+        """
+        segment = _share(module)
+        if segment is not None:
+            previous, self._shared = self._shared, segment
+            if previous is not None:
+                previous.close()  # its file; the memory goes with the last tensor viewing it
+        return module
+
+    def _shares(self, module: torch.nn.Module) -> bool:
+        """Whether every CPU tensor of ``module`` lives in the shared segment already."""
+        shared = self._shared
+        tensors = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.device.type == "cpu"]
+        return shared is not None and all(shared.offset_of(t) is not None for t in tensors if t.numel())
+
     async def drop_segment(self) -> None:
         if self._segment is not None:
             segment, self._segment = self._segment, None
@@ -277,6 +315,9 @@ class PushPublisher:
         """Remove the shared-memory segment, free the broadcast buffers and close the connections;
         the publisher can be used again."""
         await self.drop_segment()
+        if self._shared is not None:
+            shared, self._shared = self._shared, None
+            await asyncio.to_thread(shared.close)  # its file; the model keeps its memory
         self._broadcast_buffers = []
         if self._http is not None:
             await self._http.aclose()
@@ -287,7 +328,18 @@ class PushPublisher:
 
         Raises PublishError when the push or the commit failed; the servers then serve their
         previous verified weights.
+
+        With ``share_weights`` (the default) and a path that may be shared memory, the model's
+        weights are first moved into shared memory (``share_memory``; once, unless its tensors are
+        replaced), so pushes read them where they lie. When /dev/shm cannot hold them, they stay
+        where they are and every push copies them.
         """
+        if self.share_weights and self.path is not TransferPath.DISTRIBUTED and not self._shares(model):
+            try:
+                await asyncio.to_thread(self.share_memory, model)
+            except PublishError as exc:
+                logger.warning("pushing copies of the weights: %s", exc)
+                self.share_weights = False
         return await self.push(saved_state_dict(model), step=step)
 
     async def push(self, named: Mapping[str, torch.Tensor], *, step: int) -> PublishResult:
@@ -330,7 +382,10 @@ class PushPublisher:
                 pushing = _TensorPush(self, window, device=gpu)
             else:
                 pushing = _DistributedPush(self, window)
-            checksum = await pushing.run(sending, version=version, stats=stats, unchanged=unchanged)
+            if isinstance(pushing, _TensorPush):
+                checksum = await pushing.run(sending, version=version, stats=stats, unchanged=unchanged, known=digests)
+            else:
+                checksum = await pushing.run(sending, version=version, stats=stats, unchanged=unchanged)
             pushed = time.perf_counter()
             await self.client.publish(
                 InferenceEngineWeightChecksumEvent(
@@ -464,16 +519,33 @@ def _remove_live_segments() -> None:
 
 
 class _Segment:
-    """A shared-memory segment of this process's (``/dev/shm/miles-...``), removed by ``close``."""
+    """A shared-memory segment of this process's (``/dev/shm/miles-...``), removed by ``close``
+    (its memory stays mapped while a tensor views it).
+
+    Its pages are reserved when it is made: a /dev/shm too small for it is a PublishError here,
+    not a SIGBUS at the first write past what it can hold."""
 
     def __init__(self, size: int) -> None:
         _sweep_dead_segments()
         self.size = size
         self.name = f"miles-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.path = SHM_DIR / self.name
+        room = _room(SHM_DIR)
+        if room is not None and size > room:
+            raise PublishError(
+                f"{SHM_DIR} has room for {room} bytes, not the {size} a push needs there: give it more "
+                "room (a container's --shm-size), lower bucket_bytes, or push with path='distributed'"
+            )
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, max(size, 1))
+            try:
+                # Pages taken now: one that cannot be had later would be a SIGBUS at its first write.
+                os.posix_fallocate(fd, 0, max(size, 1))
+            except OSError as exc:
+                raise PublishError(
+                    f"{SHM_DIR} cannot hold {size} bytes for pushing weights ({exc.strerror}): give it more "
+                    "room (a container's --shm-size), lower bucket_bytes, or push with path='distributed'"
+                ) from None
             self._map = mmap.mmap(fd, max(size, 1))
         except BaseException:
             self.path.unlink(missing_ok=True)
@@ -481,17 +553,65 @@ class _Segment:
         finally:
             os.close(fd)
         self.flat = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.base = self.flat.data_ptr()
         # Removed when closed, or when this process exits without closing it.
         _LIVE_SEGMENTS.add(self.path)
 
+    def offset_of(self, tensor: torch.Tensor) -> int | None:
+        """Where ``tensor``'s bytes start in this segment, when they lie in it back to back."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.layout != torch.strided:
+            return None
+        start = tensor.data_ptr()
+        if self.base <= start and start + tensor.numel() * tensor.element_size() <= self.base + self.size:
+            return start - self.base
+        return None
+
     def close(self) -> None:
-        del self.flat
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a view is still referenced; the mapping goes with it
+        """Remove the file. The memory is unmapped once no tensor views it: tensors hold the map,
+        and closing it under them would leave them pointing at nothing."""
         self.path.unlink(missing_ok=True)
         _LIVE_SEGMENTS.discard(self.path)
+
+
+def _room(directory: Path) -> int | None:
+    """Bytes that can still be written under ``directory`` (None when unknown)."""
+    try:
+        status = os.statvfs(directory)
+    except OSError:
+        return None
+    return status.f_bavail * status.f_frsize
+
+
+def _share(module: torch.nn.Module) -> _Segment | None:
+    """Move every CPU parameter and buffer of ``module`` into a new segment (each storage copied
+    once, every tensor viewing it re-pointed, values unchanged); None when there is none."""
+    storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
+            continue
+        storage = tensor.untyped_storage()
+        if storage.nbytes() % tensor.element_size():
+            continue
+        storages.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
+    if not storages:
+        return None
+    offsets, size = [], 0
+    for storage, _ in storages.values():
+        offsets.append(size)
+        size += -(-storage.nbytes() // _SHARED_ALIGN) * _SHARED_ALIGN
+    segment = _Segment(size)
+    with torch.no_grad():
+        for (storage, tensors), at in zip(storages.values(), offsets, strict=True):
+            place = segment.flat[at : at + storage.nbytes()]
+            place.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+            for tensor in tensors:
+                start = at // tensor.element_size() + tensor.storage_offset()
+                tensor.data = place.view(tensor.dtype).as_strided(tensor.size(), tensor.stride(), start)
+    return segment
+
+
+# Where shared storages start: a cache line, which every dtype's alignment divides.
+_SHARED_ALIGN = 64
 
 
 def _sweep_dead_segments() -> None:
@@ -509,25 +629,25 @@ def _sweep_dead_segments() -> None:
 
 
 async def _stream(
-    named: Mapping[str, torch.Tensor],
     tables: Sequence[BucketTable],
-    buffers: Sequence[torch.Tensor],
+    pack_one: Callable[[int, BucketTable], Awaitable[BucketTable]],
     send: Callable[[int, BucketTable, str | None], Coroutine[Any, Any, None]],
     *,
     stats: PushStats,
     unchanged: list[TensorDigest],
 ) -> str:
-    """Pack each bucket into ``buffers[index % len(buffers)]`` (digesting it), then ``send`` it
-    (its index, its table with the digests, and the model checksum with the last one); returns the
-    checksum. With two buffers the next bucket is packed while the engines take the one before;
-    a bucket is sent only once the one before it is in."""
+    """``pack_one`` each bucket (its index and table; it returns the table with the digests), then
+    ``send`` it (its index, that table, and the model checksum with the last one); returns the
+    checksum. The next bucket is packed while the engines take the one before; a bucket is sent
+    only once the one before it is in, so a packer writing into two buffers in turn never writes
+    into one the engines still read."""
     digests: list[TensorDigest] = list(unchanged)
     sending: asyncio.Task[None] | None = None
     checksum: str | None = None
     try:
         for index, table in enumerate(tables):
             packing = time.perf_counter()
-            packed = await _pack(named, table, buffers[index % len(buffers)])
+            packed = await pack_one(index, table)
             stats.spent("pack", packing)
             digests += [e.tensor_digest() for e in packed.entries]
             stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
@@ -569,27 +689,56 @@ class _TensorPush:
         version: str,
         stats: PushStats,
         unchanged: list[TensorDigest],
+        known: Mapping[str, str] | None = None,
     ) -> str:
-        buckets = plan(named, bucket_bytes=self.publisher.bucket_bytes)
-        region = max(max(layout(named, names).total_bytes for names in buckets), 1)
+        """Push ``named``; ``known`` holds digests computed since the tensors last changed."""
         http = _Authorized(self.publisher.http, self.publisher.headers(self.window))
+        in_place: list[BucketTable] = []
+        if self.device is None and (shared := self.publisher.shared_segment) is not None:
+            # Tensors that live in the publisher's shared segment are read where they are.
+            offsets = {name: at for name, t in named.items() if (at := shared.offset_of(t)) is not None}
+            for names in plan({n: named[n] for n in offsets}, bucket_bytes=self.publisher.bucket_bytes):
+                entries = layout(named, names).entries
+                in_place.append(
+                    BucketTable(entries=tuple(e.model_copy(update={"offset": offsets[e.name]}) for e in entries))
+                )
+            named_rest = {n: t for n, t in named.items() if n not in offsets}
+        else:
+            named_rest = dict(named)
+        buckets = plan(named_rest, bucket_bytes=self.publisher.bucket_bytes) if named_rest else []
+        region = max((layout(named, names).total_bytes for names in buckets), default=0) or 1
+        packed_tables = [layout(named, names, start=(i % 2) * region) for i, names in enumerate(buckets)]
+        tables = in_place + packed_tables
         if self.device is None:
             # One segment, kept from push to push, with the two regions one after the other.
-            tables = [layout(named, names, start=(i % 2) * region) for i, names in enumerate(buckets)]
-            segment = await self.publisher.segment(region * _regions(tables))
-            buffers = [segment.flat]
-            load_format = "miles_shm"
+            segment = await self.publisher.segment(region * _regions(packed_tables)) if packed_tables else None
 
             def where(index: int) -> dict[str, Any]:
+                if index < len(in_place):
+                    assert self.publisher.shared_segment is not None
+                    return {"shm": self.publisher.shared_segment.name}
+                assert segment is not None
                 return {"shm": segment.name}
+
+            async def pack_one(index: int, table: BucketTable) -> BucketTable:
+                if index < len(in_place):
+                    stats.in_place += table.nbytes
+                    return await _digest_in_place(named, table, known or {})
+                assert segment is not None
+                return await _pack(named, table, segment.flat)
+
+            load_format = SHM_LOAD_FORMAT
         else:
-            tables = [layout(named, names) for names in buckets]
             buffers = [torch.empty(region, dtype=torch.uint8, device=self.device) for _ in range(_regions(tables))]
-            load_format = CUDA_IPC_LOAD_FORMAT
 
             def where(index: int) -> dict[str, Any]:
                 # A handle of its own per engine: each engine's release counts against its own.
                 return {"cuda_ipc": cuda_ipc_handle(buffers[index % len(buffers)]).model_dump()}
+
+            async def pack_one(index: int, table: BucketTable) -> BucketTable:
+                return await _pack(named, table, buffers[index % len(buffers)])
+
+            load_format = CUDA_IPC_LOAD_FORMAT
 
         async def send(index: int, packed: BucketTable, checksum: str | None) -> None:
             def body(_: int) -> dict[str, Any]:
@@ -607,11 +756,29 @@ class _TensorPush:
             stats.spent("engines", waiting)
 
         try:
-            return await _stream(named, tables, buffers, send, stats=stats, unchanged=unchanged)
+            return await _stream(tables, pack_one, send, stats=stats, unchanged=unchanged)
         except BaseException:
             if self.device is None:
                 await self.publisher.drop_segment()
             raise
+
+
+async def _digest_in_place(
+    named: Mapping[str, torch.Tensor], table: BucketTable, known: Mapping[str, str]
+) -> BucketTable:
+    """``table`` with each tensor's digest, for tensors the engines read where they lie."""
+
+    def digested() -> BucketTable:
+        return BucketTable(
+            entries=tuple(
+                e.model_copy(update={"digest": known.get(e.name) or digest_tensor(named[e.name])})
+                for e in table.entries
+            )
+        )
+
+    if table.nbytes <= _INLINE_PACK_BYTES:
+        return digested()
+    return await asyncio.to_thread(digested)
 
 
 def cuda_ipc_handle(buffer: torch.Tensor) -> CudaIpcHandle:
@@ -731,7 +898,13 @@ class _DistributedPush:
                 stats.spent("engines", waiting)
 
         try:
-            return await _stream(named, tables, buffers, send, stats=stats, unchanged=unchanged)
+            return await _stream(
+                tables,
+                lambda index, table: _pack(named, table, buffers[index % len(buffers)]),
+                send,
+                stats=stats,
+                unchanged=unchanged,
+            )
         finally:
             await asyncio.gather(
                 _post_all(http, window, "/destroy_weights_update_group", lambda _: {"group_name": GROUP_NAME}, stats),

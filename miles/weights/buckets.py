@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated
 
+import numpy as np
 import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
@@ -101,26 +103,41 @@ def layout(named: Mapping[str, torch.Tensor], names: Iterable[str], *, start: in
     return BucketTable(entries=tuple(entries))
 
 
+# Below this many bytes a bucket is packed on one thread: more cost more than they save.
+_PARALLEL_PACK_BYTES = 16 * 1024 * 1024
+
+
 @torch.no_grad()
 def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tensor) -> BucketTable:
     """Copy each tensor of ``table`` into the flat uint8 tensor ``into`` at its offset, digesting
-    the bytes as they are written; returns the table with the digests."""
+    the bytes as they are written; returns the table with the digests. A large bucket is packed on
+    as many threads as torch may use (the copy and the hash release the GIL), largest tensors first.
+    """
     flat = into.reshape(-1).view(torch.uint8)
     if flat.device.type != "cpu":
         return _pack_on_device(named, table, flat)
-    view = memoryview(flat.numpy())  # type: ignore[arg-type]  # an ndarray has the buffer protocol
-    done = []
-    for entry in table.entries:
+    target = flat.numpy()
+    view = memoryview(target)  # type: ignore[arg-type]  # an ndarray has the buffer protocol
+
+    def one(entry: BucketEntry) -> BucketEntry:
         source = named[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
         if source.device.type != "cpu":
             source = source.cpu()
+        raw = source.numpy()
         hasher = xxhash.xxh3_128()
         for start in range(0, entry.nbytes, COPY_SLICE_BYTES):
             end = min(start + COPY_SLICE_BYTES, entry.nbytes)
-            flat[entry.offset + start : entry.offset + end].copy_(source[start:end])
+            np.copyto(target[entry.offset + start : entry.offset + end], raw[start:end])
             hasher.update(view[entry.offset + start : entry.offset + end])
-        done.append(entry.model_copy(update={"digest": hasher.hexdigest()}))
-    return BucketTable(entries=tuple(done))
+        return entry.model_copy(update={"digest": hasher.hexdigest()})
+
+    threads = min(torch.get_num_threads(), len(table.entries))
+    if threads < 2 or table.nbytes < _PARALLEL_PACK_BYTES:
+        return BucketTable(entries=tuple(one(e) for e in table.entries))
+    largest_first = sorted(table.entries, key=lambda e: e.nbytes, reverse=True)
+    with ThreadPoolExecutor(threads, thread_name_prefix="miles-pack") as pool:
+        done = dict(zip((e.name for e in largest_first), pool.map(one, largest_first), strict=True))
+    return BucketTable(entries=tuple(done[e.name] for e in table.entries))
 
 
 @dataclass(frozen=True)

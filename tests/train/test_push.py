@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import miles.train.push as push_module
 from miles.errors import PublishError
 from miles.rollout.engine_process import free_port
 from miles.rollout.state import ServerState
@@ -26,7 +27,7 @@ from miles.testing import running_controller, running_engine, wait_until
 from miles.train.push import PushPublisher, TransferPath, Window
 from miles.weights.buckets import layout, pack
 from miles.weights.checkpoint import read_manifest
-from miles.weights.checksum import checksum_state_dict, saved_state_dict
+from miles.weights.checksum import checksum_module, checksum_state_dict, saved_state_dict
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -345,12 +346,70 @@ async def test_a_delta_push_sends_only_what_changed_and_falls_back_when_servers_
         assert all(s.checksum == again.checksum and s.weight_version == "10" for s in ctl.health().servers)
 
 
+async def test_a_published_model_is_read_from_shared_memory_where_it_lies(
+    checkpoints: dict[str, Path], greedy_of: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["v2"])
+    v2 = read_manifest(checkpoints["v2"])
+    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2) as (ctl, url):
+        publisher = PushPublisher(ctl, path="shm", bucket_bytes=64 * 1024, timeout_s=30)
+        result = await publisher.publish(model, None, step=7)
+        assert result.checksum == v2.checksum
+        # The model's weights moved into the publisher's segment, and the engines read them there:
+        # nothing was copied on the trainer's side.
+        shared = publisher.shared_segment
+        assert shared is not None
+        assert all(shared.offset_of(t) is not None for t in saved_state_dict(model).values())
+        stats = publisher.last
+        assert stats is not None and stats.buckets > 1 and stats.in_place == stats.bytes > 0
+        async with httpx.AsyncClient(trust_env=False) as http:
+            answers = {(await http.post(f"{url}/generate", json=GREEDY)).json()["text"] for _ in range(3)}
+        assert answers == {greedy_of["v2"]}
+
+        # Training changes some weights in place; the next publish sends those, from where they lie.
+        changed = [p for p in model.parameters() if p.dim() == 2][:3]
+        with torch.no_grad():
+            for parameter in changed:
+                parameter.add_(0.25)
+        trained = checksum_module(model).checksum
+        result = await publisher.publish(model, None, step=8)
+        stats = publisher.last
+        assert result.checksum == trained and stats is not None and stats.tensors == len(changed)
+        assert stats.in_place == stats.bytes
+        assert all((s.checksum, s.weight_version) == (trained, "8") for s in ctl.health().servers)
+
+        # The trainer writes its weights while a push reads them: the engines find bytes that do not
+        # match their digests, the push is refused and the servers stay on the verified step 8.
+        post_all = push_module._post_all
+
+        async def training_meanwhile(*args: object, **kwargs: object) -> None:
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.mul_(1.5)
+            await post_all(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(push_module, "_post_all", training_meanwhile)
+        with pytest.raises(PublishError, match="digest"):
+            await publisher.publish(model, None, step=9)
+        monkeypatch.setattr(push_module, "_post_all", post_all)
+        servers = ctl.health().servers
+        assert all(s.state is ServerState.SERVING and (s.checksum, s.weight_version) == (trained, "8") for s in servers)
+        # Once the model holds still, it publishes.
+        result = await publisher.publish(model, None, step=10)
+        assert result.checksum == checksum_module(model).checksum
+        assert all(s.checksum == result.checksum for s in ctl.health().servers)
+        await publisher.close()
+    assert not await asyncio.to_thread(shared.path.exists)
+    # The model keeps its memory once the segment's file is gone.
+    assert checksum_module(model).checksum == result.checksum
+
+
 TRAINER = """
 import asyncio, os, sys
 import torch
 from transformers import AutoModelForCausalLM
 import miles.train.push as push
-from miles.weights.checksum import checksum_state_dict, saved_state_dict
+from miles.weights.checksum import checksum_module, checksum_state_dict, saved_state_dict
 
 url, checkpoint, die = sys.argv[1], sys.argv[2], sys.argv[3] == "die"
 named = saved_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint))

@@ -1,0 +1,91 @@
+"""``PushPublisher.share_memory``: a module's weights moved into a shared-memory segment keep their
+values, their tensor objects and their ties, train on as before, and leave no file behind once the
+publisher is closed (pushes from them are tested in tests/train/test_push.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from miles.errors import PublishError
+from miles.train.push import SHM_DIR, PushPublisher, _Segment
+from miles.weights.checksum import checksum_module
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(32, 8)
+        self.proj = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        self.head = torch.nn.Linear(8, 32, bias=False)
+        self.head.weight = self.embed.weight  # tied: one storage, two names
+        self.register_buffer("scale", torch.arange(5, dtype=torch.int64)[1:])  # a view at an offset
+
+
+def ours() -> set[str]:
+    return {p.name for p in SHM_DIR.glob(f"miles-{os.getpid()}-*")}
+
+
+def test_shared_weights_keep_their_values_objects_and_ties_and_train_on() -> None:
+    model = Tied()
+    before = checksum_module(model).checksum
+    objects = [id(t) for t in (*model.parameters(), *model.buffers())]
+    publisher = PushPublisher("http://127.0.0.1:1")
+    assert publisher.share_memory(model) is model
+    segment = publisher.shared_segment
+    assert segment is not None and segment.path.exists()
+    assert checksum_module(model).checksum == before
+    assert [id(t) for t in (*model.parameters(), *model.buffers())] == objects
+    for tensor in (*model.parameters(), *model.buffers()):
+        assert segment.offset_of(tensor) is not None, tensor.shape
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
+    assert model.scale.tolist() == [1, 2, 3, 4]
+
+    # An optimizer step writes into the segment, the tie holds, and the segment sees it.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = model.head(model.embed(torch.tensor([1, 2]))).sum() + model.proj(torch.ones(8, dtype=torch.bfloat16)).sum()
+    loss.backward()
+    optimizer.step()
+    assert checksum_module(model).checksum != before
+    at = segment.offset_of(model.embed.weight)
+    assert at is not None
+    stored = segment.flat[at : at + model.embed.weight.nbytes].view(torch.float32).reshape(32, 8)
+    assert torch.equal(stored, model.embed.weight.detach())
+
+    # Closing removes the file; the model keeps its memory and its values.
+    trained = checksum_module(model).checksum
+    asyncio.run(publisher.close())
+    assert publisher.shared_segment is None and not ours()
+    assert checksum_module(model).checksum == trained
+
+
+def test_sharing_again_moves_replaced_tensors_and_drops_the_old_file() -> None:
+    model = Tied()
+    publisher = PushPublisher("http://127.0.0.1:1")
+    publisher.share_memory(model)
+    first = publisher.shared_segment
+    assert first is not None
+    model.proj.weight = torch.nn.Parameter(torch.ones(8, 8, dtype=torch.bfloat16))  # replaced: not shared
+    assert first.offset_of(model.proj.weight) is None
+    publisher.share_memory(model)
+    second = publisher.shared_segment
+    assert second is not None and second.name != first.name
+    assert not first.path.exists() and second.path.exists()
+    assert all(second.offset_of(t) is not None for t in model.parameters())
+    assert torch.equal(model.proj.weight, torch.ones(8, 8, dtype=torch.bfloat16))
+    asyncio.run(publisher.close())
+    assert not ours()
+
+
+def test_a_segment_dev_shm_cannot_hold_is_refused_before_anything_is_written() -> None:
+    status = os.statvfs(SHM_DIR)
+    too_big = status.f_blocks * status.f_frsize + 1
+    with pytest.raises(PublishError, match="has room for .* give it more room"):
+        _Segment(too_big)
+    assert not ours()
