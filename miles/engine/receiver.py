@@ -219,8 +219,6 @@ class SegmentMaps:
             os.close(fd)
 
 
-
-
 @dataclass
 class _Group:
     name: str
@@ -413,12 +411,15 @@ class WeightGroups:
         is neither overwritten by the next broadcast nor handed to another group while the
         tensors viewing it are copied out.
 
+        As SGLang receives it: with ``load_format="flattened_bucket"`` one broadcast of every
+        tensor back to back; without one, a broadcast per tensor, in the order named.
+
         Raises NotFoundError for an unknown group, ConflictError when the broadcast does not finish
         within ``timeout_s`` (the sender died or never sent)."""
         if request.load_format not in (None, FLAT_LOAD_FORMAT):
             raise InvalidRequestError(
                 f"load_format {request.load_format!r} is not supported; send {FLAT_LOAD_FORMAT!r} "
-                "(every tensor of the bucket in one broadcast)"
+                "(every tensor of the bucket in one broadcast) or none (a broadcast per tensor)"
             )
         with self._lock:
             member = self._groups.get(request.group_name)
@@ -434,9 +435,21 @@ class WeightGroups:
     @staticmethod
     def _receive(member: _Group, request: UpdateWeightsFromDistributedRequest, table: BucketTable) -> Received:
         flat = member.flat(table.total_bytes)
-        work = member.group.broadcast([flat], broadcast_options(request.timeout_s))
+        options = broadcast_options(request.timeout_s)
+        if request.load_format == FLAT_LOAD_FORMAT:
+            works = [member.group.broadcast([flat], options)]
+        else:
+            # Each tensor into its (aligned) place in the buffer, all queued before the first wait.
+            works = [
+                member.group.broadcast(
+                    [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).reshape(e.shape)], options
+                )
+                for e in table.entries
+            ]
         try:
-            work.wait(timedelta(seconds=request.timeout_s))
+            # The first broadcast still waiting bounds the whole bucket: a sender that stops stops them all.
+            for work in works:
+                work.wait(timedelta(seconds=request.timeout_s))
         except (RuntimeError, dist.DistError) as exc:
             raise ConflictError(
                 f"the broadcast of group {request.group_name!r} did not complete within {request.timeout_s:g}s "
@@ -457,9 +470,16 @@ class WeightGroups:
         return f"left group {name!r}"
 
 
+# Where each tensor broadcast on its own is received in a group's buffer: a multiple of this, so
+# every dtype views its place.
+_TENSOR_ALIGN = 64
+
+
 def table_of(request: UpdateWeightsFromDistributedRequest) -> BucketTable:
     """The bucket a broadcast will carry, refused (InvalidRequestError) before any byte arrives when
-    it names a tensor twice or a dtype torch does not know."""
+    it names a tensor twice or a dtype torch does not know: back to back for a flattened bucket,
+    each tensor at an aligned offset when each has its own broadcast."""
+    align = 1 if request.load_format == FLAT_LOAD_FORMAT else _TENSOR_ALIGN
     entries, offset, seen = [], 0, set()
     for i, (name, raw_dtype, shape) in enumerate(zip(request.names, request.dtypes, request.shapes, strict=True)):
         if name in seen:
@@ -475,6 +495,7 @@ def table_of(request: UpdateWeightsFromDistributedRequest) -> BucketTable:
         for n in shape:
             nbytes *= n
         digest = request.digests[i] if request.digests else None
+        offset = -(-offset // align) * align
         entries.append(
             BucketEntry(name=name, dtype=dtype, shape=tuple(shape), offset=offset, nbytes=nbytes, digest=digest)
         )

@@ -644,8 +644,9 @@ class InitWeightsUpdateGroupRequest(SGLangFields):
 class UpdateWeightsFromDistributedRequest(_PushFields):
     """``POST /update_weights_from_distributed``: receive one bucket by broadcast from rank 0.
 
-    ``load_format="flattened_bucket"``: the tensors arrive as one flat broadcast, back to back in
-    the order given; ``digests`` (miles extension) lets the engine check each before use."""
+    As SGLang: without a ``load_format``, one broadcast per tensor in the order given;
+    ``load_format="flattened_bucket"``, one flat broadcast of the tensors back to back in that order.
+    ``digests`` (miles extension) lets the engine check each before use."""
 
     extension_fields: ClassVar[frozenset[str]] = frozenset({"expected_checksum", "activate", "timeout_s", "digests"})
 

@@ -14,7 +14,8 @@ Paths (``TransferPath``):
   that every engine reads (``/update_weights_from_tensor``); weights on a GPU are packed in GPU
   memory and handed over as CUDA IPC handles instead (``load_format="miles_cuda_ipc"``);
 - ``distributed``: engines anywhere: a torch.distributed group with this process as rank 0 (gloo
-  on CPU), one flat broadcast per bucket (``/update_weights_from_distributed``);
+  on CPU), one flat broadcast per bucket (``/update_weights_from_distributed`` with SGLang's
+  ``load_format="flattened_bucket"``);
 - ``auto``: ``shm`` when every engine's address is this machine's, else ``distributed``.
 
 The controller is given as an ``AsyncInferenceController`` (or anything with its window methods
@@ -382,10 +383,7 @@ class PushPublisher:
                 pushing = _TensorPush(self, window, device=gpu)
             else:
                 pushing = _DistributedPush(self, window)
-            if isinstance(pushing, _TensorPush):
-                checksum = await pushing.run(sending, version=version, stats=stats, unchanged=unchanged, known=digests)
-            else:
-                checksum = await pushing.run(sending, version=version, stats=stats, unchanged=unchanged)
+            checksum = await pushing.run(sending, version=version, stats=stats, unchanged=unchanged, known=digests)
             pushed = time.perf_counter()
             await self.client.publish(
                 InferenceEngineWeightChecksumEvent(
@@ -766,7 +764,7 @@ class _TensorPush:
 async def _digest_in_place(
     named: Mapping[str, torch.Tensor], table: BucketTable, known: Mapping[str, str]
 ) -> BucketTable:
-    """``table`` with each tensor's digest, for tensors the engines read where they lie."""
+    """``table`` with each tensor's digest, computed where the tensor lies (nothing is copied)."""
 
     def digested() -> BucketTable:
         return BucketTable(
@@ -815,7 +813,9 @@ class _DistributedPush:
         version: str,
         stats: PushStats,
         unchanged: list[TensorDigest],
+        known: Mapping[str, str] | None = None,
     ) -> str:
+        """Push ``named`` (``known``: unused here, every byte is hashed as it is packed)."""
         publisher, window = self.publisher, self.window
         world = len(window.servers) + 1
         port = _free_port(publisher.master_address)

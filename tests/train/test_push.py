@@ -12,11 +12,14 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import miles.train.push as push_module
@@ -24,7 +27,7 @@ from miles.errors import PublishError
 from miles.rollout.engine_process import free_port
 from miles.rollout.state import ServerState
 from miles.testing import running_controller, running_engine, wait_until
-from miles.train.push import PushPublisher, TransferPath, Window
+from miles.train.push import GROUP_NAME, PushPublisher, TransferPath, Window
 from miles.weights.buckets import layout, pack
 from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import checksum_module, checksum_state_dict, saved_state_dict
@@ -323,6 +326,81 @@ def test_a_group_whose_sender_never_comes_fails_in_bounded_time(engine_url: tupl
     assert unknown.status_code == 404 and "join it first" in unknown.text
 
 
+def test_sglang_broadcasts_one_tensor_at_a_time_by_default(
+    engine_url: tuple[str, dict[str, str]],
+    v2_weights: dict[str, torch.Tensor],
+    checkpoints: dict[str, Path],
+    greedy_of: dict[str, str],
+) -> None:
+    """SGLang's own sender (no load_format) broadcasts each tensor on its own, in the order named;
+    the engine receives them so. A sender that stops before the last tensor fails the call within
+    its timeout, and the live weights never change."""
+    url, auth = engine_url
+    names = sorted(v2_weights)
+    v2 = read_manifest(checkpoints["v2"])
+    port = free_port()
+    timeout = timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timeout, wait_for_workers=False)
+    prefixed = dist.PrefixStore(GROUP_NAME, store)
+    prefixed.set("joined/0", "1")
+    join = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": GROUP_NAME,
+        "backend": "gloo",
+        "timeout_s": 30,
+    }
+    bucket = {
+        "names": names,
+        "dtypes": [str(v2_weights[n].dtype).removeprefix("torch.") for n in names],
+        "shapes": [list(v2_weights[n].shape) for n in names],
+        "group_name": GROUP_NAME,
+    }
+
+    def post(path: str, body: dict[str, object]) -> httpx.Response:
+        return httpx.post(f"{url}{path}", json=body, headers=auth, trust_env=False, timeout=120)
+
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(post, "/init_weights_update_group", join)
+        group = dist.ProcessGroupGloo(prefixed, 0, 2, timeout)
+        assert joining.result().status_code == 200, joining.result().text
+        try:
+            # Stopping one tensor short: refused once its timeout runs out, nothing changed.
+            started = time.monotonic()
+            short = pool.submit(post, "/update_weights_from_distributed", {**bucket, "timeout_s": 2})
+            for name in names[:-1]:
+                group.broadcast(v2_weights[name].contiguous(), 0).wait()
+            assert short.result().status_code == 409 and "did not complete" in short.result().text
+            assert time.monotonic() - started < 30
+            assert post("/generate", GREEDY).json()["text"] == greedy_of["v1"]
+        finally:
+            assert post("/destroy_weights_update_group", {"group_name": GROUP_NAME}).status_code == 200
+
+        # In a group of its own, every tensor sent: the engine serves exactly them.
+        port = free_port()
+        store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timeout, wait_for_workers=False)
+        prefixed = dist.PrefixStore(GROUP_NAME, store)
+        prefixed.set("joined/0", "1")
+        joining = pool.submit(post, "/init_weights_update_group", {**join, "master_port": port})
+        group = dist.ProcessGroupGloo(prefixed, 0, 2, timeout)
+        assert joining.result().status_code == 200, joining.result().text
+        try:
+            body = {**bucket, "weight_version": "7", "expected_checksum": v2.checksum}
+            answer = pool.submit(post, "/update_weights_from_distributed", body)
+            for name in names:
+                group.broadcast(v2_weights[name].contiguous(), 0).wait()
+            assert answer.result().status_code == 200, answer.result().text
+            assert answer.result().json()["weight_version"] == "7"
+            assert post("/generate", GREEDY).json()["text"] == greedy_of["v2"]
+        finally:
+            assert post("/destroy_weights_update_group", {"group_name": GROUP_NAME}).status_code == 200
+    # Back to what the other tests of this engine start from.
+    back = post("/update_weights_from_disk", {"model_path": str(checkpoints["v1"])})
+    assert back.status_code == 200 and back.json()["success"], back.text
+
+
 async def test_a_delta_push_sends_only_what_changed_and_falls_back_when_servers_differ(
     checkpoints: dict[str, Path], v2_weights: dict[str, torch.Tensor]
 ) -> None:
@@ -407,6 +485,7 @@ async def test_a_published_model_is_read_from_shared_memory_where_it_lies(
 TRAINER = """
 import asyncio, os, sys
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 import miles.train.push as push
 from miles.weights.checksum import checksum_module, checksum_state_dict, saved_state_dict
