@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from miles.engine.access import ENDPOINTS, AccessMiddleware, EngineAccess, admit
 from miles.engine.engine import Engine
 from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream
-from miles.engine.receiver import SegmentMaps, TensorBucket, WeightGroups
+from miles.engine.receiver import TensorBucket, WeightGroups
 from miles.errors import InvalidRequestError
 from miles.protocol.auth import FenceRequest
 from miles.protocol.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -135,7 +135,6 @@ def create_app(engine: Engine) -> FastAPI:
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.success else 400)
 
     groups = WeightGroups(device=engine.device)
-    segments = SegmentMaps()
 
     async def pushed(
         result: UpdateWeightsResponse, *, source: str, started: float, received: float | None = None
@@ -153,9 +152,7 @@ def create_app(engine: Engine) -> FastAPI:
     ) -> JSONResponse:
         admit(access, http_request, activates=request.activate)
         started = time.perf_counter()
-        bucket = await asyncio.to_thread(
-            TensorBucket, request, engine.weights.check_table, segments, device=engine.device
-        )
+        bucket = await asyncio.to_thread(TensorBucket, request, engine.weights.check_table, device=engine.device)
         received = time.perf_counter() - started
         try:
             result = await engine.weights.apply_pushed(

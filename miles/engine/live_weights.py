@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import threading
 import time
@@ -60,7 +61,7 @@ from miles.protocol.sglang import (
     UpdateWeightVersionRequest,
     WeightVersionResponse,
 )
-from miles.weights.buckets import BucketTable, Received
+from miles.weights.buckets import BucketEntry, BucketTable, Received
 from miles.weights.checksum import ModelChecksum, checksum_module, saved_state_dict
 from miles.weights.paths import checked_path, files_outside_roots
 
@@ -367,7 +368,7 @@ class LiveWeights:
                 "the last push of an update (with expected_checksum) must name its weight_version"
             )
         async with self._update_lock:
-            _check_pushed(((name, t.dtype, tuple(t.shape)) for name, t in bucket.tensors.items()), self._signature())
+            _check_pushed(((e.name, e.torch_dtype(), e.shape) for e in bucket.entries.values()), self._signature())
             if self._push_stage is None:
                 self._drop_staged_push()
                 self._push_stage = await asyncio.to_thread(self._staging.open_stage)
@@ -468,7 +469,7 @@ class LiveWeights:
         if staged is None:
             return UpdateWeightsResponse(
                 success=True,
-                message=f"staged {len(bucket.tensors)} tensors; the engine serves {held.version} meanwhile",
+                message=f"staged {len(bucket.entries)} tensors; the engine serves {held.version} meanwhile",
                 weight_version=held.version,
                 timings=timings,
             )
@@ -822,11 +823,16 @@ def _stage_all(stage: WeightStage, bucket: Received) -> None:
     engine was given; the copy and the hash release the GIL), the largest tensors first; the
     first tensor that fails stops the others from taking more.
     """
-    items = sorted(bucket.tensors.items(), key=lambda item: item[1].nbytes, reverse=True)
+    items = sorted(bucket.entries.values(), key=lambda entry: entry.nbytes, reverse=True)
+
+    def one(entry: BucketEntry) -> None:
+        copy = functools.partial(bucket.copy_into, entry.name)
+        bucket.check(entry.name, stage.write_with(entry.name, entry.torch_dtype(), entry.shape, copy))
+
     threads = min(torch.get_num_threads(), len(items))
-    if threads < 2 or sum(t.nbytes for _, t in items) < _PARALLEL_STAGE_BYTES:
-        for name, tensor in items:
-            bucket.check(name, stage.write(name, tensor))
+    if threads < 2 or sum(e.nbytes for e in items) < _PARALLEL_STAGE_BYTES:
+        for entry in items:
+            one(entry)
         return
     queue = iter(items)
     taking = threading.Lock()
@@ -839,7 +845,7 @@ def _stage_all(stage: WeightStage, bucket: Received) -> None:
             if item is None:
                 return
             try:
-                bucket.check(item[0], stage.write(*item))
+                one(item)
             except BaseException:
                 failed.set()
                 raise

@@ -5,8 +5,9 @@ Both produce one bucket of named tensors with the digests they were sent with (`
 nothing here touches the live weights.
 
 - Shared memory (``/update_weights_from_tensor``, ``load_format="miles_shm"``): the trainer writes
-  a bucket into ``/dev/shm/miles-...`` and sends its table; the engine maps the segment
-  (copy-on-write, so it can never change the trainer's bytes) and reads the tensors from it.
+  a bucket into ``/dev/shm/miles-...`` (or points at its weights in a segment they live in) and
+  sends its table; the engine opens the segment read-only and reads each tensor from it as it
+  copies it (``pread``: a segment cut short is an error, never a SIGBUS).
 - CUDA IPC (``load_format="miles_cuda_ipc"``, GPU engines): the trainer packs a bucket in its GPU
   memory and sends the buffer's IPC handles as JSON; the engine opens it and copies from it.
 - torch.distributed (``/init_weights_update_group``, ``/update_weights_from_distributed``,
@@ -24,12 +25,10 @@ import binascii
 import contextlib
 import json
 import logging
-import mmap
 import os
 import re
 import stat
 import threading
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,7 +49,7 @@ from miles.protocol.sglang import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, Received, unpack
+from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, Received, from_file, unpack
 
 logger = logging.getLogger("miles.engine")
 
@@ -73,7 +72,11 @@ def joined_key(rank: int) -> str:
 
 class TensorBucket:
     """One bucket's tensors handed over in memory: read from a shared-memory segment, or from a
-    CUDA IPC handle of the sender's GPU memory (``close`` once they are copied)."""
+    CUDA IPC handle of the sender's GPU memory (``close`` once they are copied).
+
+    A segment is read (``pread``), never mapped: a sender that cuts it short during the push makes
+    the push fail with 400, where a mapped segment would kill the engine (SIGBUS). The tensors are
+    read straight into their staged place, so reading costs no more copies than mapping did."""
 
     received: Received
 
@@ -81,7 +84,6 @@ class TensorBucket:
         self,
         request: UpdateWeightsFromTensorRequest,
         check: Callable[[BucketTable], None],
-        segments: SegmentMaps,
         *,
         device: torch.device,
     ) -> None:
@@ -103,6 +105,7 @@ class TensorBucket:
             raise InvalidRequestError(
                 f'serialized_named_tensors[0] must be base64 of {{"{key}": ..., "table": {{...}}}}: {exc}'
             ) from None
+        self._fd: int | None = None
         if handle is not None:
             if device.type != "cuda":
                 raise InvalidRequestError(
@@ -110,18 +113,55 @@ class TensorBucket:
                     f"push over shared memory ({SHM_LOAD_FORMAT!r}) from CPU tensors"
                 )
             check(table)
-            flat = _open_cuda_ipc(handle, table.total_bytes)
-        else:
-            if not isinstance(source, str) or not _SHM_NAME.match(source):
-                raise InvalidRequestError(
-                    f"shared-memory segment names start with 'miles-' (letters, digits, ._-): {source!r}"
-                )
-            flat = segments.open(source, table.total_bytes)
+            self.received = unpack(table, _open_cuda_ipc(handle, table.total_bytes))
+            return
+        if not isinstance(source, str) or not _SHM_NAME.match(source):
+            raise InvalidRequestError(
+                f"shared-memory segment names start with 'miles-' (letters, digits, ._-): {source!r}"
+            )
+        self._fd, size = open_segment(source, table.total_bytes)
+        try:
             check(table)
-        self.received = unpack(table, flat)
+            self.received = from_file(table, self._fd, size)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
-        self.received = Received(tensors={}, digests={})
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+        received = getattr(self, "received", None)
+        if received is not None:
+            received.close()
+
+
+def open_segment(name: str, needed: int) -> tuple[int, int]:
+    """An open descriptor of segment ``name`` and its size, refused unless it is a regular file
+    under /dev/shm holding at least ``needed`` bytes."""
+    path = SHM_DIR / name
+    try:
+        # Non-blocking: opening a FIFO for reading would wait for a writer that may never come.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise NotFoundError(
+            f"no shared-memory segment {name!r} on this node: the sender must run on the engine's node"
+        ) from None
+    except OSError as exc:
+        raise InvalidRequestError(f"shared-memory segment {name!r} cannot be opened: {exc.strerror}") from None
+    status = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(status.st_mode):
+        problem = (
+            f"{name!r} in {SHM_DIR} is not a shared-memory segment (not a regular file); "
+            "push from miles.train.push.PushPublisher, which creates one"
+        )
+    elif status.st_size < needed or status.st_size == 0:
+        problem = f"segment {name!r} holds {status.st_size} bytes, fewer than the {needed} its table describes"
+    if problem is not None:
+        os.close(fd)
+        raise InvalidRequestError(problem)
+    return fd, status.st_size
 
 
 def _open_cuda_ipc(handle: CudaIpcHandle, needed: int) -> torch.Tensor:
@@ -154,69 +194,6 @@ def _open_cuda_ipc(handle: CudaIpcHandle, needed: int) -> torch.Tensor:
             f"the CUDA IPC handle cannot be opened ({exc}): the sender must run on this engine's node, "
             "with its buffer alive until the push is answered"
         ) from None
-
-
-class SegmentMaps:
-    """The shared-memory segments last read, kept mapped: a pusher reuses its segments from one
-    bucket and update to the next (its bucket segment, and the segment its model's weights live in
-    when it shares them), and mapping one again would fault every page in again.
-
-    Mapped, not read (checkpoint files are read): reading every bucket into the engine's own
-    memory first doubled a push's transfer time here (0.51 s to 0.91-1.00 s for 1 GB, the read
-    competing with generation). The price is that a sender cutting its own segment short in the
-    middle of a push kills the engine (SIGBUS); a sender under the engine's user could kill it
-    anyway, so only one under another user gains that power. What would remove it at no cost:
-    reading each tensor straight into its staged place."""
-
-    # Segments kept mapped at once; the least recently read one is unmapped first.
-    KEPT = 4
-
-    def __init__(self) -> None:
-        self._maps: OrderedDict[tuple[str, int, int, int], mmap.mmap] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def open(self, name: str, needed: int) -> torch.Tensor:
-        """The segment's bytes (a copy-on-write mapping: the engine can never change the sender's)."""
-        path = SHM_DIR / name
-        try:
-            # Non-blocking: opening a FIFO for reading would wait for a writer that may never come.
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise NotFoundError(
-                f"no shared-memory segment {name!r} on this node: the sender must run on the engine's node"
-            ) from None
-        except OSError as exc:
-            raise InvalidRequestError(f"shared-memory segment {name!r} cannot be opened: {exc.strerror}") from None
-        try:
-            status = os.fstat(fd)
-            if not stat.S_ISREG(status.st_mode):
-                raise InvalidRequestError(
-                    f"{name!r} in {SHM_DIR} is not a shared-memory segment (not a regular file); "
-                    "push from miles.train.push.PushPublisher, which creates one"
-                )
-            if status.st_size < needed or status.st_size == 0:
-                raise InvalidRequestError(
-                    f"segment {name!r} holds {status.st_size} bytes, fewer than the {needed} its table describes"
-                )
-            key = (name, status.st_dev, status.st_ino, status.st_size)
-            with self._lock:
-                mapped = self._maps.get(key)
-                if mapped is None:
-                    # A segment of the same name that changed (a new file, another size) goes. Its
-                    # map is never closed here: a bucket being staged on another thread may still
-                    # read it (the tensors viewing it hold it; it is unmapped after the last).
-                    for stale in [k for k in self._maps if k[0] == name]:
-                        del self._maps[stale]
-                    while len(self._maps) >= self.KEPT:
-                        self._maps.popitem(last=False)
-                    mapped = mmap.mmap(
-                        fd, status.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                    )
-                    self._maps[key] = mapped
-                self._maps.move_to_end(key)
-                return torch.frombuffer(mapped, dtype=torch.uint8)
-        finally:
-            os.close(fd)
 
 
 @dataclass

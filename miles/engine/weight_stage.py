@@ -29,18 +29,15 @@ import gc
 from collections.abc import Callable, Iterable
 from enum import Enum
 
-import numpy as np
 import torch
-import xxhash
 
 from miles.engine.weight_memory import Placement, Slot, WeightMemory
 from miles.errors import MilesError, UnsupportedTensorError
+from miles.weights.buckets import copy_and_digest
 from miles.weights.checksum import (
-    COPY_SLICE_BYTES,
     ModelChecksum,
     TensorDigest,
     checksum_from_digests,
-    digest_tensor,
 )
 from miles.weights.safetensors_io import dtype_name
 
@@ -241,19 +238,27 @@ class WeightStage:
         Raises KeyError for a name the served model does not hold, UnsupportedTensorError for a
         dtype or shape other than the live tensor's, RuntimeError once the stage is closed.
         """
+        return self.write_with(name, tensor.dtype, tuple(tensor.shape), lambda target: copy_and_digest(target, tensor))
+
+    def write_with(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], copy: Callable[[torch.Tensor], str]
+    ) -> str:
+        """``write`` for a source that copies itself: ``copy(target)`` fills the staged tensor of
+        ``name`` (``dtype`` and ``shape``, checked first as ``write`` checks them) and returns the
+        digest of what it wrote, which this returns."""
         self._require_open()
         slot = self._slots.get(name)
         if slot is None:
             raise KeyError(f"{name!r} is not a tensor of the served model; stage the names WeightStage.names lists")
-        if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.placement.size:
+        if dtype != slot.dtype or tuple(shape) != slot.placement.size:
             raise UnsupportedTensorError(
                 "a staged tensor must have the dtype and shape of the live one",
                 tensor=name,
                 live=f"{dtype_name(slot.dtype)}{list(slot.placement.size)}",
-                staged=f"{dtype_name(tensor.dtype)}{list(tensor.shape)}",
+                staged=f"{dtype_name(dtype)}{list(shape)}",
             )
         self._checksum = None
-        digest = self._digests[name] = _copy_and_digest(self._buffers._view(slot, twin=True), tensor)
+        digest = self._digests[name] = copy(self._buffers._view(slot, twin=True))
         return digest
 
     def write_all(self, source: Callable[[str], torch.Tensor]) -> None:
@@ -270,9 +275,9 @@ class WeightStage:
             for name, slot in self._slots.items():
                 if name not in self._digests:
                     live = buffers._view(slot, twin=False)
-                    self._digests[name] = _copy_and_digest(buffers._view(slot, twin=True), live)
+                    self._digests[name] = copy_and_digest(buffers._view(slot, twin=True), live)
             for index, tensor in buffers.memory.fills:
-                _copy_and_digest(buffers._view_of(index, tensor), tensor)
+                copy_and_digest(buffers._view_of(index, tensor), tensor)
             digests = [
                 TensorDigest(name, dtype_name(slot.dtype), slot.placement.size, self._digests[name])
                 for name, slot in self._slots.items()
@@ -324,23 +329,3 @@ class WeightStage:
     def _close(self, state: _StageState) -> None:
         self._state = state
         self._buffers._closed(self)
-
-
-def _copy_and_digest(target: torch.Tensor, source: torch.Tensor) -> str:
-    """Copy ``source`` into ``target`` and return the digest of what ``target`` now holds."""
-    source = source.detach()
-    cpu = target.device.type == "cpu" and source.device.type == "cpu"
-    if not (cpu and target.is_contiguous() and source.is_contiguous()) or target.numel() == 0:
-        with torch.no_grad():
-            target.copy_(source)
-        return digest_tensor(target)
-    # numpy views of the raw bytes: np.copyto releases the GIL and runs no OpenMP team.
-    dst = target.reshape(-1).view(torch.uint8).numpy()
-    src = source.reshape(-1).view(torch.uint8).numpy()
-    view = memoryview(dst)  # type: ignore[arg-type]  # an ndarray has the buffer protocol
-    hasher = xxhash.xxh3_128()  # slice by slice, as miles.weights.checksum.copy_and_checksum does
-    for start in range(0, dst.size, COPY_SLICE_BYTES):
-        end = min(start + COPY_SLICE_BYTES, dst.size)
-        np.copyto(dst[start:end], src[start:end])
-        hasher.update(view[start:end])
-    return hasher.hexdigest()

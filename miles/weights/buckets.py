@@ -13,9 +13,9 @@ with a shared-memory segment (``/update_weights_from_tensor``) and, as SGLang's 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Annotated
 
 import numpy as np
@@ -140,14 +140,77 @@ def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tens
     return BucketTable(entries=tuple(done[e.name] for e in table.entries))
 
 
-@dataclass(frozen=True)
 class Received:
-    """One bucket's tensors as they arrived (views of the bucket's bytes), with the digests they
-    were sent with. Nothing has checked them yet: whoever copies them out checks each digest over
-    the bytes it copied (one pass: ``check``), or calls ``verify`` before it copies."""
+    """One bucket's tensors as they arrived, with the digests they were sent with. Nothing has
+    checked them yet: whoever copies them out checks each digest over the bytes it copied (one
+    pass: ``copy_into`` then ``check``), or calls ``verify`` before it copies.
 
-    tensors: Mapping[str, torch.Tensor]
-    digests: Mapping[str, str]
+    The bytes are in memory (``unpack``: views of a receive buffer) or in a file read as they are
+    copied (``from_file``: a shared-memory segment read with ``pread``, never mapped, so a sender
+    that cuts its segment short causes an error naming the tensor, not a SIGBUS).
+    """
+
+    def __init__(
+        self,
+        entries: Iterable[BucketEntry],
+        *,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        fd: int | None = None,
+    ) -> None:
+        self.entries: Mapping[str, BucketEntry] = {e.name: e for e in entries}
+        self.digests: Mapping[str, str] = {n: e.digest for n, e in self.entries.items() if e.digest is not None}
+        self._tensors = tensors
+        self._fd = fd
+
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """Every tensor in memory; a bucket in a file is read into memory of its own once."""
+        if self._tensors is None:
+            end = max((e.offset + e.nbytes for e in self.entries.values()), default=0)
+            start = min((e.offset for e in self.entries.values()), default=0)
+            flat = torch.empty(end - start, dtype=torch.uint8)
+            self._read(start, flat.numpy(), what=f"{len(self.entries)} tensors")
+            moved = [e.model_copy(update={"offset": e.offset - start}) for e in self.entries.values()]
+            self._tensors = _views(moved, flat)
+        return self._tensors
+
+    def copy_into(self, name: str, target: torch.Tensor) -> str:
+        """Copy tensor ``name`` into ``target`` (a tensor of its dtype and shape) and return the
+        digest of the bytes ``target`` now holds. Raises InvalidRequestError when the bucket's
+        file ends before the tensor does."""
+        entry = self.entries[name]
+        contiguous_host = target.device.type == "cpu" and target.is_contiguous()
+        if self._tensors is not None or self._fd is None or not contiguous_host or entry.nbytes == 0:
+            if self._tensors is None and self._fd is not None:
+                source = torch.empty(entry.nbytes, dtype=torch.uint8)
+                self._read(entry.offset, source.numpy(), what=f"tensor {name!r}")
+                return copy_and_digest(target, source.view(entry.torch_dtype()).reshape(entry.shape))
+            return copy_and_digest(target, self.tensors[name])
+        dst = target.reshape(-1).view(torch.uint8).numpy()
+        view = memoryview(dst)  # type: ignore[arg-type]  # an ndarray has the buffer protocol
+        hasher = xxhash.xxh3_128()
+        for start in range(0, entry.nbytes, COPY_SLICE_BYTES):
+            end = min(start + COPY_SLICE_BYTES, entry.nbytes)
+            self._read(entry.offset + start, dst[start:end], what=f"tensor {name!r}")
+            hasher.update(view[start:end])
+        return hasher.hexdigest()
+
+    def _read(self, offset: int, into: np.ndarray, *, what: str) -> None:
+        assert self._fd is not None
+        done = 0
+        while done < into.size:
+            try:
+                got = os.preadv(self._fd, [memoryview(into[done:])], offset + done)  # type: ignore[arg-type]
+            except OSError as exc:
+                raise InvalidRequestError(
+                    f"the bucket's segment could not be read for {what}: {exc.strerror}"
+                ) from None
+            if got == 0:
+                raise InvalidRequestError(
+                    f"the bucket's segment ends at byte {offset + done}, before {what} does: the sender cut "
+                    "it short during the push; push the update again"
+                )
+            done += got
 
     def check(self, name: str, actual: str) -> None:
         """Raise InvalidRequestError when ``actual`` is not the digest ``name`` was sent with."""
@@ -163,6 +226,30 @@ class Received:
         for name, tensor in self.tensors.items():
             if name in self.digests:
                 self.check(name, digest_tensor(tensor))
+
+    def close(self) -> None:
+        """Let go of the bytes (the file stays open for its owner to close)."""
+        self._tensors, self._fd = {}, None
+
+
+def copy_and_digest(target: torch.Tensor, source: torch.Tensor) -> str:
+    """Copy ``source`` into ``target`` and return the digest of what ``target`` now holds."""
+    source = source.detach()
+    cpu = target.device.type == "cpu" and source.device.type == "cpu"
+    if not (cpu and target.is_contiguous() and source.is_contiguous()) or target.numel() == 0:
+        with torch.no_grad():
+            target.copy_(source)
+        return digest_tensor(target)
+    # numpy views of the raw bytes: np.copyto releases the GIL and runs no OpenMP team.
+    dst = target.reshape(-1).view(torch.uint8).numpy()
+    src = source.reshape(-1).view(torch.uint8).numpy()
+    view = memoryview(dst)  # type: ignore[arg-type]  # an ndarray has the buffer protocol
+    hasher = xxhash.xxh3_128()  # slice by slice, each hashed while in cache
+    for start in range(0, dst.size, COPY_SLICE_BYTES):
+        end = min(start + COPY_SLICE_BYTES, dst.size)
+        np.copyto(dst[start:end], src[start:end])
+        hasher.update(view[start:end])
+    return hasher.hexdigest()
 
 
 def _pack_on_device(named: Mapping[str, torch.Tensor], table: BucketTable, flat: torch.Tensor) -> BucketTable:
@@ -185,7 +272,18 @@ def unpack(table: BucketTable, flat: torch.Tensor) -> Received:
     does not match its dtype and shape, or that appears twice.
     """
     flat = flat.reshape(-1).view(torch.uint8)
-    out: dict[str, torch.Tensor] = {}
+    entries = _checked(table, flat.numel())
+    return Received(entries, tensors=_views(entries, flat))
+
+
+def from_file(table: BucketTable, fd: int, size: int) -> Received:
+    """The tensors of ``table`` in the file open as ``fd`` (``size`` bytes now), read as they are
+    copied out. Raises InvalidRequestError as ``unpack``."""
+    return Received(_checked(table, size), fd=fd)
+
+
+def _checked(table: BucketTable, size: int) -> list[BucketEntry]:
+    seen: set[str] = set()
     for entry in table.entries:
         dtype = entry.torch_dtype()
         expected = math.prod(entry.shape) * torch.empty((), dtype=dtype).element_size()
@@ -194,13 +292,20 @@ def unpack(table: BucketTable, flat: torch.Tensor) -> Received:
                 f"tensor {entry.name!r} says {entry.nbytes} bytes, but "
                 f"{entry.dtype}{list(entry.shape)} takes {expected}"
             )
-        if entry.offset + entry.nbytes > flat.numel():
+        if entry.offset + entry.nbytes > size:
             raise InvalidRequestError(
-                f"tensor {entry.name!r} ends at byte {entry.offset + entry.nbytes}, past the bucket's "
-                f"{flat.numel()} bytes"
+                f"tensor {entry.name!r} ends at byte {entry.offset + entry.nbytes}, past the bucket's {size} bytes"
             )
-        if entry.name in out:
+        if entry.name in seen:
             raise InvalidRequestError(f"tensor {entry.name!r} appears twice in one bucket")
+        seen.add(entry.name)
+    return list(table.entries)
+
+
+def _views(entries: Iterable[BucketEntry], flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for entry in entries:
+        dtype = entry.torch_dtype()
         raw = flat[entry.offset : entry.offset + entry.nbytes]
         if (flat.storage_offset() + entry.offset) % dtype.itemsize:
             # Packed back to back after a tensor of a smaller dtype: torch views only aligned bytes.
@@ -208,4 +313,4 @@ def unpack(table: BucketTable, flat: torch.Tensor) -> Received:
         out[entry.name] = (
             raw.view(dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=dtype)
         )
-    return Received(tensors=out, digests={e.name: e.digest for e in table.entries if e.digest is not None})
+    return out

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -297,6 +298,63 @@ def test_a_corrupted_bucket_drops_the_whole_push(
         assert done.json()["weight_version"] == "7"
     finally:
         segment.unlink()
+
+
+def test_a_segment_cut_while_the_engine_reads_it_fails_the_push_not_the_engine(
+    engine_url: tuple[str, dict[str, str]], v2_weights: dict[str, torch.Tensor], checkpoints: dict[str, Path]
+) -> None:
+    """A sender that cuts its segment short and writes it again while the engine reads it: each
+    push is staged or refused with 400 saying what happened, and the engine lives on, on its weights."""
+    url, auth = engine_url
+    before = httpx.post(f"{url}/generate", json=GREEDY, headers=auth, trust_env=False).json()["text"]
+    name = f"miles-test-{uuid.uuid4().hex[:8]}"
+    segment = Path("/dev/shm") / name
+    names = list(v2_weights)
+    table = layout(v2_weights, names)
+    flat = torch.zeros(table.total_bytes, dtype=torch.uint8)
+    table = pack(v2_weights, table, flat)
+    whole = flat.numpy().tobytes()
+    segment.write_bytes(whole)
+    body = {
+        "serialized_named_tensors": [shm_document(name, table.model_dump(mode="json"))],
+        "load_format": "miles_shm",
+    }
+    stop = threading.Event()
+
+    def cut_and_write_again() -> None:
+        with open(segment, "r+b") as f:
+            while not stop.is_set():
+                f.truncate(table.total_bytes // 3)
+                f.seek(0)
+                f.write(whole)
+                f.flush()
+
+    cutter = threading.Thread(target=cut_and_write_again, daemon=True)
+    cutter.start()
+    statuses: dict[int, int] = {}
+    try:
+        for _ in range(30):
+            answer = httpx.post(
+                f"{url}/update_weights_from_tensor", json=body, headers=auth, trust_env=False, timeout=60
+            )
+            statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
+            assert answer.status_code in (200, 400), answer.text
+            if answer.status_code == 400:
+                assert any(why in answer.text for why in ("cut it short", "fewer than", "digest")), answer.text
+    finally:
+        stop.set()
+        cutter.join(timeout=10)
+        segment.unlink(missing_ok=True)
+    # Alive, and serving the weights it had: the staged pushes never carried a checksum to activate.
+    assert httpx.post(f"{url}/generate", json=GREEDY, headers=auth, trust_env=False).json()["text"] == before
+    back = httpx.post(
+        f"{url}/update_weights_from_disk",
+        json={"model_path": str(checkpoints["v1"])},
+        headers=auth,
+        trust_env=False,
+        timeout=60,
+    )
+    assert back.status_code == 200 and back.json()["success"], back.text
 
 
 def test_a_group_whose_sender_never_comes_fails_in_bounded_time(engine_url: tuple[str, dict[str, str]]) -> None:
