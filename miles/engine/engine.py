@@ -174,6 +174,7 @@ class Engine:
             results = [await _final(p.sink) for p in pending]
         except asyncio.CancelledError:
             self._abort_pending(pending, "the client went away")
+            self.metrics.clients_left(len(pending))
             raise
         finally:
             self._release(pending)
@@ -205,6 +206,7 @@ class Engine:
                     return
         except (asyncio.CancelledError, GeneratorExit):
             self._abort_pending(pending, "the client went away")
+            self.metrics.clients_left(len(pending))
             raise
         finally:
             self._release(pending)

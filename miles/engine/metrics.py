@@ -97,6 +97,11 @@ class EngineMetrics:
         if sequence.first_token_at is not None:
             self._ttft.labels(self.model_name, streaming).observe(sequence.first_token_at - sequence.arrived)
 
+    def clients_left(self, count: int) -> None:
+        """``count`` requests aborted because their client went away before the answer (no final
+        response reaches ``request_done`` for them)."""
+        self._aborted.inc(count)
+
     def weight_load(self, source: str, *, started: float, success: bool) -> None:
         """A load call (``source``: disk, tensor, distributed or activate) ended."""
         self._load_seconds.labels(self.model_name, source).set(time.perf_counter() - started)

@@ -216,6 +216,11 @@ def test_a_client_that_goes_away_stops_its_generation(http: httpx.Client, engine
         except httpx.ReadTimeout:
             gave_up.set()
 
+    def aborted() -> float:
+        lines = http.get("/metrics").text.splitlines()
+        return sum(float(line.split()[-1]) for line in lines if line.startswith("sglang:num_aborted_requests_total{"))
+
+    aborted_before = aborted()
     client = threading.Thread(target=impatient_client)
     client.start()
 
@@ -235,6 +240,8 @@ def test_a_client_that_goes_away_stops_its_generation(http: httpx.Client, engine
         while running():
             assert time.monotonic() < deadline, "the request kept running after its client left"
             time.sleep(0.05)
+        # Counted as aborted, as SGLang counts a request whose client left.
+        assert aborted() == aborted_before + 1
     finally:
         http.post("/continue_generation", json={})
 
