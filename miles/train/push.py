@@ -39,7 +39,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -302,10 +302,9 @@ class PushPublisher:
         return module
 
     def _shares(self, module: torch.nn.Module) -> bool:
-        """Whether every CPU tensor of ``module`` lives in the shared segment already."""
+        """Whether every tensor of ``module`` that ``share_memory`` moves lives in the shared segment."""
         shared = self._shared
-        tensors = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.device.type == "cpu"]
-        return shared is not None and all(shared.offset_of(t) is not None for t in tensors if t.numel())
+        return shared is not None and all(shared.holds(t) for t in _shareable(module))
 
     async def drop_segment(self) -> None:
         if self._segment is not None:
@@ -530,20 +529,15 @@ class _Segment:
         self.path = SHM_DIR / self.name
         room = _room(SHM_DIR)
         if room is not None and size > room:
-            raise PublishError(
-                f"{SHM_DIR} has room for {room} bytes, not the {size} a push needs there: give it more "
-                "room (a container's --shm-size), lower bucket_bytes, or push with path='distributed'"
-            )
+            raise PublishError(f"{SHM_DIR} has room for {room} bytes, not the {size} a push needs there: {_MORE_ROOM}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
                 # Pages taken now: one that cannot be had later would be a SIGBUS at its first write.
                 os.posix_fallocate(fd, 0, max(size, 1))
             except OSError as exc:
-                raise PublishError(
-                    f"{SHM_DIR} cannot hold {size} bytes for pushing weights ({exc.strerror}): give it more "
-                    "room (a container's --shm-size), lower bucket_bytes, or push with path='distributed'"
-                ) from None
+                why = f"{SHM_DIR} cannot hold the {size} bytes of a push ({exc.strerror})"
+                raise PublishError(f"{why}: {_MORE_ROOM}") from None
             self._map = mmap.mmap(fd, max(size, 1))
         except BaseException:
             self.path.unlink(missing_ok=True)
@@ -564,11 +558,20 @@ class _Segment:
             return start - self.base
         return None
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage lies in this segment (the tensor may be any view of it)."""
+        start = tensor.untyped_storage().data_ptr()
+        return tensor.device.type == "cpu" and self.base <= start < self.base + self.size
+
     def close(self) -> None:
         """Remove the file. The memory is unmapped once no tensor views it: tensors hold the map,
         and closing it under them would leave them pointing at nothing."""
         self.path.unlink(missing_ok=True)
         _LIVE_SEGMENTS.discard(self.path)
+
+
+# What to do when /dev/shm is too small for a segment.
+_MORE_ROOM = "give it more room (a container's --shm-size), lower bucket_bytes, or push with path='distributed'"
 
 
 def _room(directory: Path) -> int | None:
@@ -580,16 +583,23 @@ def _room(directory: Path) -> int | None:
     return status.f_bavail * status.f_frsize
 
 
+def _shareable(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The parameters and buffers of ``module`` that ``share_memory`` moves: dense CPU tensors
+    holding any bytes."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
+            continue
+        nbytes = tensor.untyped_storage().nbytes()
+        if nbytes and not nbytes % tensor.element_size():
+            yield tensor
+
+
 def _share(module: torch.nn.Module) -> _Segment | None:
     """Move every CPU parameter and buffer of ``module`` into a new segment (each storage copied
     once, every tensor viewing it re-pointed, values unchanged); None when there is none."""
     storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
-            continue
+    for tensor in _shareable(module):
         storage = tensor.untyped_storage()
-        if storage.nbytes() % tensor.element_size():
-            continue
         storages.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
     if not storages:
         return None

@@ -179,13 +179,13 @@ class Received:
         digest of the bytes ``target`` now holds. Raises InvalidRequestError when the bucket's
         file ends before the tensor does."""
         entry = self.entries[name]
-        contiguous_host = target.device.type == "cpu" and target.is_contiguous()
-        if self._tensors is not None or self._fd is None or not contiguous_host or entry.nbytes == 0:
-            if self._tensors is None and self._fd is not None:
-                source = torch.empty(entry.nbytes, dtype=torch.uint8)
-                self._read(entry.offset, source.numpy(), what=f"tensor {name!r}")
-                return copy_and_digest(target, source.view(entry.torch_dtype()).reshape(entry.shape))
+        if self._fd is None or self._tensors is not None:  # in memory
             return copy_and_digest(target, self.tensors[name])
+        if target.device.type != "cpu" or not target.is_contiguous():
+            # A GPU tensor or a strided view (of a fused weight): read into the host, then copy.
+            source = torch.empty(entry.nbytes, dtype=torch.uint8)
+            self._read(entry.offset, source.numpy(), what=f"tensor {name!r}")
+            return copy_and_digest(target, source.view(entry.torch_dtype()).reshape(entry.shape))
         dst = target.reshape(-1).view(torch.uint8).numpy()
         view = memoryview(dst)  # type: ignore[arg-type]  # an ndarray has the buffer protocol
         hasher = xxhash.xxh3_128()

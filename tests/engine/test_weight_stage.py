@@ -7,6 +7,7 @@ what a model loaded fresh from the new checkpoint computes. Nothing else may kee
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,14 +15,16 @@ import pytest
 import torch
 import transformers
 
+from miles.engine import live_weights
 from miles.engine.fused_decoder import FusedDecoderRunner
 from miles.engine.model_runner import ModelRunner, TransformersRunner, load_model
 from miles.engine.settings import StagingMode
 from miles.engine.staging import WeightStaging
 from miles.engine.weight_memory import StagingUnsupportedError, references
 from miles.engine.weight_stage import StagingBuffers, StagingRefusedError
-from miles.errors import UnsupportedTensorError
+from miles.errors import InvalidRequestError, UnsupportedTensorError
 from miles.models.presets import build_model
+from miles.weights.buckets import BucketTable, Received, from_file, layout, pack, unpack
 from miles.weights.checkpoint import open_checkpoint, read_manifest, save_checkpoint
 from miles.weights.checksum import checksum_module, saved_state_dict
 
@@ -301,3 +304,42 @@ def test_the_policy_stages_when_asked_and_says_why_not(versions: Callable[[str],
     report = on.report()
     assert report.staging_bytes == report.weight_bytes > 0
     assert (report.last_update_staged, report.reason) == (True, None)
+
+
+@pytest.mark.parametrize("where", ["memory", "file"])
+def test_a_pushed_bucket_is_staged_on_two_threads_and_a_bad_digest_stops_it(
+    versions: Callable[[str], dict[str, Path]], where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pushed buckets are staged on the engine's threads (forced here for a small model), from a
+    receive buffer or read from a segment's file, fused views included; a tensor whose bytes do not
+    match its digest fails the whole bucket."""
+    paths = versions("qwen2, biased qkv (preset small)")
+    model, runner = _served(paths["v1"], "fused")
+    buffers = _buffers(model, runner)
+    new = saved_state_dict(load_model(paths["v2"], device=DEVICE))
+    table = layout(new, list(new))
+    flat = torch.empty(table.total_bytes, dtype=torch.uint8)
+    table = pack(new, table, flat)
+    segment = tmp_path / "segment"
+    segment.write_bytes(flat.numpy().tobytes())
+    fd = os.open(segment, os.O_RDONLY)
+    monkeypatch.setattr(live_weights, "_PARALLEL_STAGE_BYTES", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+
+        def received(bucket: BucketTable) -> Received:
+            return unpack(bucket, flat) if where == "memory" else from_file(bucket, fd, table.total_bytes)
+
+        stage = buffers.open()
+        live_weights._stage_all(stage, received(table))
+        assert stage.checksum().checksum == read_manifest(paths["v2"]).checksum
+        stage.discard()
+
+        wrong = table.entries[-1].model_copy(update={"digest": "0" * 32})
+        with pytest.raises(InvalidRequestError, match=f"{wrong.name!r} arrived with digest"):
+            live_weights._stage_all(buffers.open(), received(BucketTable(entries=(*table.entries[:-1], wrong))))
+    finally:
+        torch.set_num_threads(threads)
+        os.close(fd)
+    assert checksum_module(model).checksum == read_manifest(paths["v1"]).checksum

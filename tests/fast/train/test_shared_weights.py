@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
+import httpx
 import pytest
 import torch
 
@@ -89,3 +91,29 @@ def test_a_segment_dev_shm_cannot_hold_is_refused_before_anything_is_written() -
     with pytest.raises(PublishError, match="has room for .* give it more room"):
         _Segment(too_big)
     assert not ours()
+
+
+def test_a_model_shared_once_is_not_copied_again_at_the_next_publish() -> None:
+    """Whatever its tensors' layout (a transposed view, an empty buffer), a model already in the
+    publisher's segment stays there from one publish to the next: sharing is one copy, not one per
+    push. (No controller answers here: each publish fails once it has shared, at the window.)"""
+    model = Tied()
+    model.proj.weight = torch.nn.Parameter(torch.randn(8, 8).to(torch.bfloat16).t())  # not contiguous
+    model.register_buffer("nothing", torch.empty(0))
+    publisher = PushPublisher(f"http://127.0.0.1:{_closed_port()}", path="shm")
+    names = []
+    for step in (1, 2):
+        with pytest.raises(httpx.HTTPError):
+            asyncio.run(publisher.publish(model, None, step=step))  # type: ignore[arg-type]
+        assert publisher.shared_segment is not None
+        names.append(publisher.shared_segment.name)
+    assert names[0] == names[1]
+    assert not model.proj.weight.is_contiguous() and publisher.shared_segment.holds(model.proj.weight)
+    asyncio.run(publisher.close())
+    assert not ours()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

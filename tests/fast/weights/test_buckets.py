@@ -1,13 +1,18 @@
 """The bucket format pushes share: tensors packed back to back with their digests, read back by
-an engine from the flat bytes, whatever the mix of dtypes and whatever offsets a sender claims."""
+an engine from the flat bytes or from a file, whatever the mix of dtypes and whatever offsets a
+sender claims."""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from miles.errors import InvalidRequestError
-from miles.weights.buckets import BucketEntry, BucketTable, layout, pack, unpack
+from miles.weights.buckets import BucketEntry, BucketTable, from_file, layout, pack, unpack
 from miles.weights.checksum import digest_tensor
 
 
@@ -43,3 +48,57 @@ def test_a_tensor_the_bytes_do_not_hold_is_refused_by_name() -> None:
         unpack(table(offset=0, nbytes=12), flat)
     with pytest.raises(InvalidRequestError, match="'w' has dtype 'complex32'"):
         unpack(table(offset=0, nbytes=16, dtype="complex32"), flat)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_large_bucket_packed_on_two_threads_holds_every_tensor_with_its_digest() -> None:
+    generator = torch.Generator().manual_seed(0)
+    named = {f"w{i}": torch.randn(1_500_000 + i, generator=generator) for i in range(4)}  # 24 MB
+    named["small"] = torch.arange(3, dtype=torch.bfloat16)
+    table = layout(named, list(named))
+    flat = torch.empty(table.total_bytes, dtype=torch.uint8)
+    packed = pack(named, table, flat)
+    assert [e.name for e in packed.entries] == list(named)  # in table order, whatever the threads
+    received = unpack(packed, flat)
+    for name, tensor in named.items():
+        assert torch.equal(received.tensors[name], tensor), name
+        assert received.digests[name] == digest_tensor(tensor)
+
+
+def test_a_bucket_in_a_file_is_read_like_one_in_memory(tmp_path: Path) -> None:
+    named = {
+        "a": torch.randn(3, dtype=torch.bfloat16),
+        "b": torch.randn(5, 7),  # unaligned in the file, after 6 bytes of bfloat16
+        "c": torch.arange(9, dtype=torch.int8),
+        "empty": torch.empty(0, 4),
+    }
+    table = layout(named, list(named))
+    flat = torch.empty(table.total_bytes, dtype=torch.uint8)
+    packed = pack(named, table, flat)
+    path = tmp_path / "bucket"
+    path.write_bytes(flat.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        received = from_file(packed, fd, table.total_bytes)
+        for name, tensor in named.items():
+            target = torch.empty_like(tensor)
+            received.check(name, received.copy_into(name, target))
+            assert torch.equal(target, tensor), name
+        # Into a strided view (a part of a fused weight), through the host.
+        fused = torch.zeros(7, 5)
+        received.check("b", received.copy_into("b", fused.t()))
+        assert torch.equal(fused.t(), named["b"])
+        for name, tensor in from_file(packed, fd, table.total_bytes).tensors.items():
+            assert torch.equal(tensor, named[name]), name
+        with pytest.raises(InvalidRequestError, match="'b' ends at byte 146, past the bucket's 100 bytes"):
+            from_file(packed, fd, 100)
+    finally:
+        os.close(fd)
