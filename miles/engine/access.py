@@ -12,26 +12,27 @@ out of inference (the controller's HTTP API does the same).
 Fencing: a control call may carry ``X-Miles-Fence: <int>``. The engine remembers the highest
 token it has seen; a call with a lower one is refused (409) and a higher one raises it. A window
 credential fences its call at its window's token. The check runs before the body is read
-(``AccessMiddleware``); the fence moves only once the handler runs (``admit``), so a call refused
-for its body changes nothing either. Everything here runs on the event loop, one coroutine at a
-time, and no check awaits between reading and writing the fence.
+(``check_first``, run by ``miles.utils.http.CheckFirst``); the fence moves only once the handler
+runs (``admit``), so a call refused for its body changes nothing either. Everything here runs on
+the event loop, one coroutine at a time, and no check awaits between reading and writing the
+fence.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
 from pydantic import SecretStr
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Scope
 
-from miles.errors import AuthenticationError, ConflictError, InvalidRequestError, MilesError, PermissionDeniedError
+from miles.errors import ConflictError, InvalidRequestError, PermissionDeniedError
 from miles.protocol.auth import FENCE_HEADER, MAX_FENCE, FenceRequest, FenceState, is_window_credential, window_token
-from miles.utils.http import error_response, status_of
+from miles.utils.http import bearer, presents_one_of
 
 logger = logging.getLogger("miles.engine")
 
@@ -177,8 +178,8 @@ class EngineAccess:
         if self._api_key is None:
             return
         accepted = [c for c in (self._api_key, self._secret) if c is not None]
-        presented = _bearer(authorization, path=path, needs="the API key (MILES_API_KEY)")
-        if not _matches(presented, accepted):
+        presented = bearer(authorization, path=path, needs="the API key (MILES_API_KEY)")
+        if not presents_one_of(presented, accepted):
             raise PermissionDeniedError(
                 f"the credential presented for {path} is wrong: it needs the API key (MILES_API_KEY) "
                 "or the engine secret",
@@ -190,8 +191,8 @@ class EngineAccess:
         if self._secret is None:
             if self._api_key is not None:
                 # No secret: the API key is the engine's only credential, and it guards control too.
-                presented = _bearer(authorization, path=path, needs="the API key (MILES_API_KEY)")
-                if not _matches(presented, [self._api_key]):
+                presented = bearer(authorization, path=path, needs="the API key (MILES_API_KEY)")
+                if not presents_one_of(presented, [self._api_key]):
                     raise PermissionDeniedError(
                         f"the credential presented for {path} is wrong: this engine has no secret, so its "
                         "control endpoints need the API key (MILES_API_KEY)",
@@ -206,8 +207,8 @@ class EngineAccess:
                 "the engine secret (MILES_ENGINE_SECRET); only the controller that launched the engine "
                 "may move its fence"
             )
-        presented = _bearer(authorization, path=path, needs=needs)
-        if _matches(presented, [self._secret]):
+        presented = bearer(authorization, path=path, needs=needs)
+        if presents_one_of(presented, [self._secret]):
             return None
         if is_window_credential(presented):
             window = window_token(self._secret.get_secret_value(), presented)
@@ -295,54 +296,20 @@ def _parse_fence(raw: str | None) -> int | None:
     return int(text)
 
 
-def _bearer(authorization: str | None, *, path: str, needs: str) -> str:
-    if authorization is None or not authorization.strip():
-        raise AuthenticationError(f"{path} needs {needs}: send `Authorization: Bearer <credential>`")
-    scheme, _, presented = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer" or not presented.strip():
-        raise AuthenticationError(f"{path} needs {needs}: the Authorization header must be `Bearer <credential>`")
-    return presented.strip()
-
-
-def _matches(presented: str, accepted: list[SecretStr]) -> bool:
-    # Headers arrive decoded as latin-1: encoding back gives the bytes that were sent. Every
-    # accepted credential is compared (no early exit), in constant time, so the time a refusal
-    # takes tells nothing about which one was close.
-    offered = presented.encode("latin-1", "replace")
-    results = [hmac.compare_digest(offered, c.get_secret_value().encode()) for c in accepted]
-    return any(results)
-
-
 GRANT_STATE_KEY = "miles_control_grant"
 
 
-class AccessMiddleware:
-    """Checks every HTTP request's credential and fence before the app reads its body; a refusal
-    is answered here, in the API's error shape, and reaches no handler."""
+def check_first(access: EngineAccess) -> Callable[[Scope], ControlGrant | None]:
+    """The check ``CheckFirst`` runs on every request before its body is read: its credential and
+    its fence (``EngineAccess.authorize``); what it grants is kept under ``GRANT_STATE_KEY``."""
 
-    def __init__(self, app: ASGIApp, *, access: EngineAccess) -> None:
-        self.app = app
-        self.access = access
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    def check(scope: Scope) -> ControlGrant | None:
         headers = Headers(scope=scope)
-        try:
-            grant = self.access.authorize(
-                scope["path"], authorization=headers.get("authorization"), fence=headers.get(FENCE_HEADER)
-            )
-        except MilesError as exc:
-            mapped = status_of(exc)
-            if mapped is None:
-                raise
-            code, kind = mapped
-            extra = {"WWW-Authenticate": "Bearer"} if code == 401 else None
-            await error_response(str(exc), code=code, kind=kind, headers=extra)(scope, receive, send)
-            return
-        scope.setdefault("state", {})[GRANT_STATE_KEY] = grant
-        await self.app(scope, receive, send)
+        return access.authorize(
+            scope["path"], authorization=headers.get("authorization"), fence=headers.get(FENCE_HEADER)
+        )
+
+    return check
 
 
 def admit(access: EngineAccess, request: Request, *, activates: bool = False) -> None:

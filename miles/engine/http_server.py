@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from miles.engine.access import ENDPOINTS, AccessMiddleware, EngineAccess, admit
+from miles.engine.access import ENDPOINTS, GRANT_STATE_KEY, EngineAccess, admit, check_first
 from miles.engine.engine import Engine
 from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream
 from miles.engine.receiver import TensorBucket, WeightGroups
@@ -55,7 +55,15 @@ from miles.protocol.sglang import (
     WeightsCheckerResponse,
     WeightsChecksumPayload,
 )
-from miles.utils.http import MIB, BodyLimit, error_response, install_error_handlers, sse, until_disconnected
+from miles.utils.http import (
+    MIB,
+    BodyLimit,
+    CheckFirst,
+    error_response,
+    install_error_handlers,
+    sse,
+    until_disconnected,
+)
 
 logger = logging.getLogger("miles.engine")
 
@@ -82,7 +90,7 @@ def create_app(engine: Engine) -> FastAPI:
     app.add_middleware(
         BodyLimit, max_bytes=engine.settings.max_request_mib * MIB, setting="the engine's --max-request-mib"
     )
-    app.add_middleware(AccessMiddleware, access=access)
+    app.add_middleware(CheckFirst, check=check_first(access), key=GRANT_STATE_KEY)
 
     @app.get("/health")
     async def health() -> Response:

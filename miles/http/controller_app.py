@@ -29,6 +29,8 @@ from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from starlette.datastructures import Headers
+from starlette.types import Scope
 
 from miles.config import (
     LEASE_TTL_MAX_S,
@@ -42,7 +44,7 @@ from miles.config import (
 )
 from miles.controller.core import AsyncInferenceController
 from miles.errors import ConflictError, EventLogError, InvalidRequestError, NotFoundError
-from miles.http.auth import Access, Credentials, CredentialsFirst
+from miles.http.auth import Access, Credentials
 from miles.http.metrics import CONTENT_TYPE, NO_REQUEST_METRICS, ControllerMetrics
 from miles.http.proxy import HeldBodies, Proxy, RouteOptions, new_session
 from miles.http.status import add_status_page
@@ -52,7 +54,7 @@ from miles.utils.audit_utils.event_logger.models import (
     ChecksumRole,
     InferenceEngineWeightChecksumEvent,
 )
-from miles.utils.http import MIB, BodyLimit, install_error_handlers, until_disconnected
+from miles.utils.http import MIB, BodyLimit, CheckFirst, install_error_handlers, until_disconnected
 from miles.weights.paths import path_text_problem
 
 logger = logging.getLogger("miles.controller")
@@ -387,7 +389,13 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         if dependency.dependency in levels
         for method in route.methods or ()
     }
-    app.add_middleware(CredentialsFirst, guarded=guarded, credentials=credentials)
+
+    def check_first(scope: Scope) -> None:
+        access = guarded.get((scope.get("method", ""), scope.get("path", "")))
+        if access is not None:
+            credentials.check_header(scope["path"], Headers(scope=scope).get("authorization"), access)
+
+    app.add_middleware(CheckFirst, check=check_first, key="miles_access")
     return app
 
 

@@ -1,5 +1,6 @@
 """What every miles HTTP API shares: its error shape, the one table from errors to status codes,
-a bound on the size of request bodies, and waiting on work that a departed client no longer wants.
+a bound on the size of request bodies, bearer credentials checked before a body is read, and
+waiting on work that a departed client no longer wants.
 
 Domain code raises ``MilesError`` subclasses and never picks a status code; an app installs
 ``install_error_handlers`` and answers every failure as ``{"error": {"message", "type", "code"}}``:
@@ -10,14 +11,16 @@ body it cannot decode) with theirs, and anything else as a logged JSON 500.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import SecretStr
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -278,6 +281,63 @@ class BodyLimit:
             return message
 
         await self.app(scope, watched, send)
+
+
+def bearer(authorization: str | None, *, path: str, needs: str) -> str:
+    """The credential an ``Authorization: Bearer <credential>`` header presents.
+
+    Raises AuthenticationError (401) without one, naming what ``path`` ``needs``.
+    """
+    if authorization is None or not authorization.strip():
+        raise AuthenticationError(f"{path} needs {needs}: send `Authorization: Bearer <credential>`")
+    scheme, _, presented = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        raise AuthenticationError(f"{path} needs {needs}: the Authorization header must be `Bearer <credential>`")
+    return presented.strip()
+
+
+def presents_one_of(presented: str, accepted: Iterable[SecretStr]) -> bool:
+    """Whether ``presented`` is one of the ``accepted`` secrets. Every one is compared (no early
+    exit), in constant time, so the time a refusal takes tells nothing about which one was close.
+    Headers arrive decoded as latin-1: encoding back gives the bytes that were sent."""
+    offered = presented.encode("latin-1", "replace")
+    results = [hmac.compare_digest(offered, secret.get_secret_value().encode()) for secret in accepted]
+    return any(results)
+
+
+class CheckFirst:
+    """ASGI middleware: ``check(scope)`` runs on every HTTP request before anything reads its
+    body, and what it returns is kept in the request's state under ``key``. FastAPI parses a
+    route's body before the route's dependencies run, so a credential checked there would first
+    parse (and answer about) whatever an unauthenticated caller sent, 64 MiB of it if it liked.
+
+    A ``MilesError`` that ``check`` raises is answered here, in the API's error shape; the unread
+    body is read and dropped first (never parsed), since a connection closed with unread input is
+    reset, which can destroy the answer before the client reads it.
+    """
+
+    def __init__(self, app: ASGIApp, *, check: Callable[[Scope], object], key: str) -> None:
+        self.app = app
+        self.check = check
+        self.key = key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            granted = self.check(scope)
+        except MilesError as exc:
+            answer = refusal(exc)
+            if answer is None:
+                raise
+            # A client that asked to be told first (Expect: 100-continue) has sent nothing yet.
+            if Headers(scope=scope).get("expect", "").lower() != "100-continue":
+                await drain(receive, DRAIN_MAX_BYTES)
+            await answer(scope, receive, send)
+            return
+        scope.setdefault("state", {})[self.key] = granted
+        await self.app(scope, receive, send)
 
 
 async def drain(receive: Receive, budget: int) -> None:

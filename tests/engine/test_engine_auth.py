@@ -101,6 +101,18 @@ def test_control_endpoints_need_the_secret_and_refusals_change_nothing(
     assert http.post("/generate", json=GREEDY, headers=bearer(KEY)).status_code == 200
 
 
+def test_a_large_body_without_the_credential_gets_its_refusal_not_a_reset(http: httpx.Client) -> None:
+    """The refusal comes before the body is read; the body is then read and dropped, so the client
+    gets its answer instead of a connection reset, and the same connection serves the next call."""
+    padding = b'{"model_path": "' + b"x" * (48 << 20) + b'"}'
+    for _ in range(3):
+        for path, headers in (("/update_weights_from_disk", {}), ("/generate", bearer("wrong"))):
+            refused = http.post(path, content=padding, headers={"content-type": "application/json", **headers})
+            assert refused.status_code in (401, 403), refused.text[:300]
+            assert "MILES_" in refused.json()["error"]["message"]
+        assert http.post("/generate", json=GREEDY, headers=bearer(KEY)).status_code == 200
+
+
 def test_fencing_tokens_and_windows(http: httpx.Client, checkpoints: dict[str, Path]) -> None:
     start = int(fence_state(http)["fence"])  # type: ignore[arg-type]
     t = start + 5
