@@ -8,8 +8,8 @@ On one preset (default the ~500M bfloat16 one), with 1 and then 2 engines behind
 - torch.distributed, gloo (``path="distributed"``) vs a bare gloo broadcast of the same bytes
   from this process to as many helper processes as engines (measured in this run);
 - the calls each update made per engine (constant in the number of tensors);
-- the time generation was blocked per update (what each engine held its weights' write lock for,
-  reported by the engine), with requests in flight;
+- the time generation was blocked per update (what each engine waited for and held its weights'
+  write lock for, reported by the engine), with requests in flight;
 - a delta push with 10% of the tensors changed vs a full push: bytes moved and time;
 - where each path's transfer went: the sender's packing, group forming, broadcasts and waits
   for the engines' answers, and what the engines reported spending on each phase.
@@ -140,12 +140,14 @@ def push_phases(sender: dict[str, float], engine: list[dict[str, float]], engine
 
 
 def blocked_s(bucket_timings: list[dict[str, float]], activations: list[dict[str, float]], engines: int) -> list[float]:
-    """What one update held each engine's weights write lock for (the time its generation could
-    not run): the swap of a staged update, else every bucket's copy and checksum in place."""
-    swaps = [t["activate"] for t in activations if "activate" in t]
+    """The time one update kept each engine's generation from running: its scheduler thread waits
+    between two steps for the write side of the weights lock (while an export or a checksum
+    reads the weights) and then holds it for the swap of a staged update, else for every bucket's
+    copy and checksum in place."""
+    swaps = [t.get("write_lock_wait", 0.0) + t["activate"] for t in activations if "activate" in t]
     if swaps:
         return swaps
-    in_place = sum(t.get("copy", 0.0) + t.get("checksum", 0.0) for t in bucket_timings)
+    in_place = sum(t.get("write_lock_wait", 0.0) + t.get("copy", 0.0) + t.get("checksum", 0.0) for t in bucket_timings)
     return [in_place / engines] * engines
 
 

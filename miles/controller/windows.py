@@ -250,8 +250,9 @@ _WRITE_OUT_RETRY_S = 0.25
 
 async def _write_out(rollout: Rollout, *, checksum: str, step: int, warn: bool) -> bool:
     """Have one server holding ``checksum`` write it out and record the copy; whether it did."""
-    # The engine holds its weights still while it writes (an update waits for the copy), and the
-    # copy is only recorded for servers still verified on the same checksum.
+    # An update that commits while the engine copies its weights ends the export (409, and the
+    # next holder is asked), and the copy is only recorded for servers still verified on the same
+    # checksum.
     holders = [
         s.server_id
         for s in rollout.snapshot()

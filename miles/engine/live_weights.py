@@ -762,15 +762,14 @@ class LiveWeights:
             )
 
         def export() -> ExportWeightsResponse:
-            # A copy of the weights and their record, taken under the read side of the lock (steps
-            # go on; no update changes them meanwhile), then written without it: an update waits
-            # for a memory copy, not for gigabytes to reach the disk. A worker thread, not the
-            # scheduler's: steps must not wait for the write.
+            # A copy of the weights and their record, then written to disk without any lock (see
+            # ``copy_weights``). A worker thread, not the scheduler's.
             with self._lock.read():
                 self.require_verified("exporting")
                 held = self._held
                 assert held.checksum is not None, "the checksum is recorded before the engine serves"
-                model = copy.deepcopy(self._model())
+                writes = self._lock.writes
+            model = copy_weights(self._model(), self._lock, writes=writes, what=f"weights {held.version}")
             try:
                 path = export_snapshot(
                     model,
@@ -789,6 +788,60 @@ class LiveWeights:
 
         async with self._export_lock:
             return await asyncio.to_thread(export)
+
+
+# What one read section of an export copies: what an update's swap may wait for.
+_EXPORT_SLICE_BYTES = 16 * 1024 * 1024
+
+
+def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what: str) -> PreTrainedModel:
+    """A copy of ``model``, taken a slice at a time, each under the read side of ``lock``: an
+    update that commits meanwhile waits for one slice, not for the whole copy (its swap runs
+    between two generation steps, which would wait with it), and ends the copy, whose weights are
+    no longer the ones served.
+
+    ``writes``: ``lock.writes`` when the caller read the record of the weights (``what``).
+
+    Raises ConflictError: the weights changed since (and the copy is dropped).
+    """
+    copied, pairs = _empty_copy(model)
+    for source, target in pairs:
+        for part in _slices(source, target):
+            with lock.read():
+                if lock.writes != writes:
+                    raise ConflictError(
+                        f"the weights changed while they were copied ({what} then); ask again to copy the ones "
+                        "held now",
+                    )
+                part()
+    return copied
+
+
+def _empty_copy(model: PreTrainedModel) -> tuple[PreTrainedModel, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A copy of ``model`` whose parameters and buffers are new, unfilled tensors (tied ones stay
+    tied), and the (live, copy) pairs to fill them from."""
+    memo: dict[int, Any] = {}
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in memo:
+            continue
+        empty = torch.empty_like(tensor)
+        is_parameter = isinstance(tensor, torch.nn.Parameter)
+        memo[id(tensor)] = torch.nn.Parameter(empty, requires_grad=tensor.requires_grad) if is_parameter else empty
+        pairs.append((tensor.detach(), empty))
+    return copy.deepcopy(model, memo), pairs
+
+
+def _slices(source: torch.Tensor, target: torch.Tensor) -> Iterable[Callable[[], object]]:
+    """Copies that together fill ``target`` from ``source``, each of at most
+    ``_EXPORT_SLICE_BYTES`` (a tensor that is not contiguous is copied whole)."""
+    if not (source.is_contiguous() and target.is_contiguous()):
+        yield functools.partial(target.copy_, source)
+        return
+    flat_source, flat_target = source.reshape(-1), target.reshape(-1)
+    step = max(_EXPORT_SLICE_BYTES // max(source.element_size(), 1), 1)
+    for start in range(0, flat_source.numel(), step):
+        yield functools.partial(flat_target[start : start + step].copy_, flat_source[start : start + step])
 
 
 def _pause_mode(*, abort_all_requests: bool) -> PauseMode:

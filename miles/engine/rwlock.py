@@ -18,6 +18,7 @@ class WeightsLock:
         self._readers = 0
         self._writing = False
         self._writers_waiting = 0
+        self._writes = 0
 
     @contextmanager
     def read(self) -> Iterator[None]:
@@ -43,6 +44,7 @@ class WeightsLock:
             finally:
                 self._writers_waiting -= 1
             self._writing = True
+            self._writes += 1
         try:
             yield
         finally:
@@ -51,11 +53,8 @@ class WeightsLock:
                 self._cond.notify_all()
 
     @property
-    def readers(self) -> int:
+    def writes(self) -> int:
+        """How many write sections have begun: a reader that sees the same count in two read
+        sections knows nothing was written between them."""
         with self._cond:
-            return self._readers
-
-    @property
-    def writing(self) -> bool:
-        with self._cond:
-            return self._writing
+            return self._writes

@@ -1,8 +1,9 @@
 """Exporting the weights an engine holds as a sealed miles checkpoint (``POST /export_weights``).
 
 A restarted peer can then load exactly these weights, verified by their manifest, instead of
-waiting for training to publish again. The caller holds the read side of the weights lock for the
-whole write, so no update changes the weights mid-write while generation goes on.
+waiting for training to publish again. The caller hands over a copy of the weights it holds, so
+updates and generation go on while it is written; the written checkpoint must still hash to the
+checksum the engine recorded for them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,70 @@
+"""Copying an engine's weights for export, a slice at a time under the read side of its lock."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import miles.engine.live_weights as live_weights
+from miles.engine.live_weights import copy_weights
+from miles.engine.rwlock import WeightsLock
+from miles.errors import ConflictError
+from miles.models.presets import build_model
+from miles.weights.checksum import checksum_module
+
+
+def test_the_copy_holds_the_same_weights_in_memory_of_its_own_and_keeps_ties() -> None:
+    model = build_model("tiny-tied", seed=3)
+    lock = WeightsLock()
+    copied = copy_weights(model, lock, writes=lock.writes, what="weights 1")
+    assert checksum_module(copied).checksum == checksum_module(model).checksum
+    assert copied.get_output_embeddings().weight is copied.get_input_embeddings().weight
+    live = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    assert not live & {t.data_ptr() for t in [*copied.parameters(), *copied.buffers()]}
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert checksum_module(copied).checksum != checksum_module(model).checksum
+
+
+def test_a_write_meanwhile_waits_for_one_slice_and_ends_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer gets the lock between two slices, long before the copy would have ended; the
+    copy then refuses to go on with weights that are no longer the ones it started from."""
+    monkeypatch.setattr(live_weights, "_EXPORT_SLICE_BYTES", 64)  # thousands of read sections
+    model = build_model("tiny", seed=3)
+    lock = WeightsLock()
+    writes = lock.writes
+    outcome: dict[str, object] = {}
+    wrote = threading.Event()
+
+    def copy() -> None:
+        try:
+            copy_weights(model, lock, writes=writes, what="weights 1")
+            outcome["copied"] = True
+        except ConflictError as exc:
+            outcome["refused"] = str(exc)
+            outcome["writer_was_done"] = wrote.is_set()
+
+    copier = threading.Thread(target=copy)
+    copier.start()
+    with lock.write():
+        pass
+    wrote.set()
+    copier.join(timeout=60)
+    assert not copier.is_alive()
+    if "copied" in outcome:
+        pytest.fail("the copy ended before the writer could take the lock once: make the model larger")
+    assert "weights changed while they were copied (weights 1 then)" in str(outcome["refused"])
+    # The copy noticed the write after it: the writer did not wait for the copy to end.
+    assert outcome["writer_was_done"] is True
+
+
+def test_a_write_before_the_copy_starts_is_noticed_at_its_first_slice() -> None:
+    model = build_model("tiny", seed=3)
+    lock = WeightsLock()
+    writes = lock.writes
+    with lock.write():
+        pass
+    with pytest.raises(ConflictError, match="ask again"):
+        copy_weights(model, lock, writes=writes, what="weights 1")
