@@ -23,7 +23,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import json
 import logging
 import os
 import re
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles.errors import ConflictError, InvalidRequestError, NotFoundError
 from miles.protocol.sglang import (
@@ -54,7 +53,25 @@ from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, Receiv
 logger = logging.getLogger("miles.engine")
 
 SHM_DIR = Path("/dev/shm")
-_SHM_NAME = re.compile(r"^miles-[A-Za-z0-9_.-]{1,200}$")
+_SHM_NAME = re.compile(r"miles-[A-Za-z0-9_.-]{1,200}")
+
+
+class _ShmDocument(BaseModel):
+    """What ``serialized_named_tensors[0]`` holds for ``load_format="miles_shm"``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    shm: str
+    table: BucketTable
+
+
+class _CudaIpcDocument(BaseModel):
+    """What ``serialized_named_tensors[0]`` holds for ``load_format="miles_cuda_ipc"``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cuda_ipc: CudaIpcHandle
+    table: BucketTable
 
 
 def broadcast_options(timeout_s: float) -> dist.BroadcastOptions:
@@ -96,16 +113,27 @@ class TensorBucket:
         if len(request.serialized_named_tensors) != 1:
             raise InvalidRequestError("serialized_named_tensors must hold one document (the engine has one rank)")
         key = "shm" if request.load_format == SHM_LOAD_FORMAT else "cuda_ipc"
+        model = _ShmDocument if key == "shm" else _CudaIpcDocument
         try:
-            document = json.loads(base64.b64decode(request.serialized_named_tensors[0], validate=True))
-            source = document[key]
-            table = BucketTable.model_validate(document["table"])
-            handle = CudaIpcHandle.model_validate(source) if key == "cuda_ipc" else None
-        except (binascii.Error, ValueError, KeyError, TypeError, ValidationError, RecursionError) as exc:
+            raw = base64.b64decode(request.serialized_named_tensors[0], validate=True)
+            # Strict: a number sent as text, a float or a boolean is no offset, size or dimension.
+            document = model.model_validate_json(raw, strict=True)
+        except (binascii.Error, ValueError, ValidationError, RecursionError) as exc:
             raise InvalidRequestError(
                 f'serialized_named_tensors[0] must be base64 of {{"{key}": ..., "table": {{...}}}}: {exc}'
             ) from None
+        table = document.table
+        if not table.entries:
+            raise InvalidRequestError("the bucket's table holds no tensors; push at least one")
+        unsigned = next((e.name for e in table.entries if e.digest is None), None)
+        if unsigned is not None:
+            raise InvalidRequestError(
+                f"tensor {unsigned!r} has no digest: every tensor pushed as {request.load_format!r} carries the "
+                "xxh3-128 digest of its bytes, checked as it is copied (PushPublisher sends them)"
+            )
         self._fd: int | None = None
+        source = document.shm if isinstance(document, _ShmDocument) else None
+        handle = document.cuda_ipc if isinstance(document, _CudaIpcDocument) else None
         if handle is not None:
             if device.type != "cuda":
                 raise InvalidRequestError(
@@ -115,7 +143,7 @@ class TensorBucket:
             check(table)
             self.received = unpack(table, _open_cuda_ipc(handle, table.total_bytes))
             return
-        if not isinstance(source, str) or not _SHM_NAME.match(source):
+        if source is None or not _SHM_NAME.fullmatch(source):
             raise InvalidRequestError(
                 f"shared-memory segment names start with 'miles-' (letters, digits, ._-): {source!r}"
             )

@@ -8,11 +8,13 @@ silently ignored, because a typo in a sampling parameter would otherwise change 
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from miles.protocol.base import (
     Count,
@@ -578,8 +580,8 @@ class _PushFields(SGLangFields):
     }
     extension_fields: ClassVar[frozenset[str]] = frozenset({"expected_checksum", "activate"})
 
-    flush_cache: bool = True
-    abort_all_requests: bool = False
+    flush_cache: StrictBool = True
+    abort_all_requests: StrictBool = False
     weight_version: WeightVersion | None = None
     # The last push of an update carries the model checksum the engine must hold after it (and a
     # weight_version): the engine confirms it over its live weights before it serves them.
@@ -587,7 +589,7 @@ class _PushFields(SGLangFields):
     expected_checksum: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     # False: stage the pushed weights beside the live ones and keep serving; after the last
     # push, wait for /activate_weights (refused by an engine that cannot stage now).
-    activate: bool = True
+    activate: StrictBool = True
 
 
 class UpdateWeightsFromTensorRequest(_PushFields):
@@ -625,16 +627,29 @@ class CudaIpcHandle(BaseModel):
 PUSH_TIMEOUT_MAX_S = 3600.0
 
 
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _host(value: str) -> str:
+    """An IP address or a host name (letters, digits and hyphens between dots), nothing else."""
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not all(_HOST_LABEL.fullmatch(label) for label in value.removesuffix(".").split(".")):
+            raise ValueError("must be an IP address or a host name (letters, digits and '-' between dots)") from None
+    return value
+
+
 class InitWeightsUpdateGroupRequest(SGLangFields):
     """``POST /init_weights_update_group``: join a torch.distributed group whose rank 0 sends."""
 
     ignored_fields: ClassVar[frozenset[str]] = _BASE_REQUEST_FIELDS
     extension_fields: ClassVar[frozenset[str]] = frozenset({"timeout_s"})
 
-    master_address: Annotated[str, Field(min_length=1, max_length=255)]
-    master_port: Annotated[int, Field(ge=1, le=65535)]
-    rank_offset: Annotated[int, Field(ge=1, le=4096)]
-    world_size: Annotated[int, Field(ge=2, le=4097)]
+    master_address: Annotated[str, Field(min_length=1, max_length=253), AfterValidator(_host)]
+    master_port: Annotated[StrictInt, Field(ge=1, le=65535)]
+    rank_offset: Annotated[StrictInt, Field(ge=1, le=4096)]
+    world_size: Annotated[StrictInt, Field(ge=2, le=4097)]
     group_name: Annotated[str, Field(min_length=1, max_length=128)] = "weight_update_group"
     backend: str = "nccl"
     # How long every member may take to join; past it both sides fail, naming who is missing.
@@ -660,7 +675,8 @@ class UpdateWeightsFromDistributedRequest(_PushFields):
 
     @model_validator(mode="after")
     def _same_lengths(self) -> UpdateWeightsFromDistributedRequest:
-        lengths = {len(self.names), len(self.dtypes), len(self.shapes), len(self.digests or self.names)}
+        digests = self.names if self.digests is None else self.digests
+        lengths = {len(self.names), len(self.dtypes), len(self.shapes), len(digests)}
         if len(lengths) != 1:
             raise ValueError("names, dtypes, shapes (and digests) must have one entry per tensor")
         return self

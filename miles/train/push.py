@@ -830,8 +830,13 @@ class _DistributedPush:
         world = len(window.servers) + 1
         port = _free_port(publisher.master_address)
         timeout = timedelta(seconds=publisher.timeout_s)
-        store = dist.TCPStore(publisher.master_address, port, world, True, timeout=timeout, wait_for_workers=False)
-        prefixed = dist.PrefixStore(GROUP_NAME, store)
+        server = dist.TCPStore(publisher.master_address, port, world, True, timeout=timeout, wait_for_workers=False)
+        # The group forms through a client of its own: dropping the server ends at once the wait of
+        # a group that cannot form (which would otherwise run out its timeout on a thread, and a
+        # process exiting meanwhile aborts in c10d).
+        prefixed = dist.PrefixStore(
+            GROUP_NAME, dist.TCPStore(publisher.master_address, port, world, False, timeout=timeout)
+        )
         prefixed.set("joined/0", "1")
         http = _Authorized(publisher.http, publisher.headers(window))
         # NCCL between GPUs when the trainer's weights are on one (the engines receive on theirs),
@@ -863,8 +868,9 @@ class _DistributedPush:
             refused = joining.exception() if joining.done() else None
             if refused is not None and not forming.done():
                 # An engine refused to join or did not answer: the group cannot form, so say so now
-                # rather than when its timeout runs out (the thread forming it ends then, unwatched).
+                # rather than when its timeout runs out, and end the thread forming it.
                 forming.add_done_callback(lambda f: f.cancelled() or f.exception())
+                del server
                 raise refused
             group = await forming
         except (RuntimeError, dist.DistError):

@@ -164,14 +164,15 @@ class Received:
 
     @property
     def tensors(self) -> Mapping[str, torch.Tensor]:
-        """Every tensor in memory; a bucket in a file is read into memory of its own once."""
+        """Every tensor in memory; a bucket in a file is read into memory of its own once, each
+        tensor on its own (what lies between the tensors in the file is never read)."""
         if self._tensors is None:
-            end = max((e.offset + e.nbytes for e in self.entries.values()), default=0)
-            start = min((e.offset for e in self.entries.values()), default=0)
-            flat = torch.empty(end - start, dtype=torch.uint8)
-            self._read(start, flat.numpy(), what=f"{len(self.entries)} tensors")
-            moved = [e.model_copy(update={"offset": e.offset - start}) for e in self.entries.values()]
-            self._tensors = _views(moved, flat)
+            tensors = {}
+            for name, entry in self.entries.items():
+                tensor = torch.empty(entry.shape, dtype=entry.torch_dtype())
+                self._read(entry.offset, tensor.reshape(-1).view(torch.uint8).numpy(), what=f"tensor {name!r}")
+                tensors[name] = tensor
+            self._tensors = tensors
         return self._tensors
 
     def copy_into(self, name: str, target: torch.Tensor) -> str:

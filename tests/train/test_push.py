@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 import os
 import signal
@@ -127,8 +128,15 @@ async def test_a_push_missing_a_tensor_or_an_engine_is_rolled_back_and_serving_s
             started = time.monotonic()
             with pytest.raises(PublishError, match=r"tiny-\d at http://127\.0\.0\.1:\d+ did not answer"):
                 await KillsAnEngine(ctl, path=path, timeout_s=30).push(v2_weights, step=step)
-            # A group that cannot form fails when its engine is found gone, not after timeout_s.
+            # A group that cannot form fails when its engine is found gone, not after timeout_s,
+            # and the thread that was forming it ends too (a process exiting while it waited on
+            # would abort in c10d).
             assert time.monotonic() - started < 15, path
+            await wait_until(
+                lambda: not any(t.name == "miles-push-group" for t in threading.enumerate()),
+                what="the group-forming thread ended",
+                timeout=10,
+            )
             await wait_until(
                 lambda: all(
                     s.state is ServerState.SERVING and s.pid not in (None, KillsAnEngine.killed)
@@ -253,6 +261,61 @@ def test_a_corrupted_bucket_is_refused_before_the_weights_change(
     assert after == before
     # Still generating on its verified weights.
     assert httpx.post(f"{url}/generate", json=GREEDY, headers=auth, trust_env=False).status_code == 200
+
+
+def test_a_bucket_document_takes_its_own_types_and_every_digest(
+    engine_url: tuple[str, dict[str, str]], v2_weights: dict[str, torch.Tensor]
+) -> None:
+    """What hostile pushes sent and got 200 for: numbers as text, floats or booleans, an unknown
+    key, tensors without digests, an empty table, a segment name with a newline."""
+    url, auth = engine_url
+    before = httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json()
+    names = list(v2_weights)[:2]
+    table = layout(v2_weights, names)
+    name = f"miles-test-{uuid.uuid4().hex[:8]}"
+    segment = Path("/dev/shm") / name
+    with open(segment, "w+b") as f:
+        f.truncate(table.total_bytes)
+    try:
+        flat = torch.from_file(str(segment), shared=True, size=table.total_bytes, dtype=torch.uint8)
+        good = pack(v2_weights, table, flat).model_dump(mode="json")
+        first = good["entries"][0]
+
+        def with_first(**changes: object) -> dict:
+            return {"entries": [{**first, **changes}, *good["entries"][1:]]}
+
+        shape = first["shape"]
+        cases = [
+            (with_first(shape=[str(n) for n in shape]), "shape"),
+            (with_first(shape=[float(n) for n in shape]), "shape"),
+            (with_first(shape=[True, *shape[1:]]), "shape"),
+            (with_first(offset="0"), "offset"),
+            (with_first(offset=False), "offset"),
+            (with_first(offset=0.0), "offset"),
+            (with_first(digest=None), "has no digest"),
+            ({"entries": []}, "holds no tensors"),
+        ]
+        for bad, says in cases:
+            refused = httpx.post(
+                f"{url}/update_weights_from_tensor",
+                json={"serialized_named_tensors": [shm_document(name, bad)], "load_format": "miles_shm"},
+                headers=auth,
+                trust_env=False,
+            )
+            assert refused.status_code == 400 and says in refused.text, (bad, refused.text)
+        extra = base64.b64encode(json.dumps({"shm": name, "table": good, "x": 1}).encode()).decode()
+        newline = shm_document(name + "\n", good)
+        for document, says in ((extra, "x"), (newline, "miles-")):
+            refused = httpx.post(
+                f"{url}/update_weights_from_tensor",
+                json={"serialized_named_tensors": [document], "load_format": "miles_shm"},
+                headers=auth,
+                trust_env=False,
+            )
+            assert refused.status_code == 400 and says in refused.text, refused.text
+    finally:
+        segment.unlink()
+    assert httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json() == before
 
 
 def test_a_corrupted_bucket_drops_the_whole_push(
@@ -436,6 +499,9 @@ def test_sglang_broadcasts_one_tensor_at_a_time_by_default(
             assert post("/generate", GREEDY).json()["text"] == before
         finally:
             assert post("/destroy_weights_update_group", {"group_name": GROUP_NAME}).status_code == 200
+            # This side of the group goes now, not at the interpreter's exit.
+            del group, prefixed, store
+            gc.collect()
 
         # In a group of its own, every tensor sent: the engine serves exactly them.
         port = free_port()
@@ -455,6 +521,8 @@ def test_sglang_broadcasts_one_tensor_at_a_time_by_default(
             assert post("/generate", GREEDY).json()["text"] == greedy_of["v2"]
         finally:
             assert post("/destroy_weights_update_group", {"group_name": GROUP_NAME}).status_code == 200
+            del group, prefixed, store
+            gc.collect()
     # Back to what the other tests of this engine start from.
     back = post("/update_weights_from_disk", {"model_path": str(checkpoints["v1"])})
     assert back.status_code == 200 and back.json()["success"], back.text

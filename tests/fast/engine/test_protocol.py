@@ -8,7 +8,13 @@ from pydantic import ValidationError
 
 from miles.protocol.base import MAX_SEED, MIN_SEED, sample_seed
 from miles.protocol.openai import ChatCompletionRequest, CompletionRequest
-from miles.protocol.sglang import GenerateRequest, SamplingParams
+from miles.protocol.sglang import (
+    GenerateRequest,
+    InitWeightsUpdateGroupRequest,
+    SamplingParams,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+)
 
 
 @pytest.mark.parametrize(
@@ -72,3 +78,36 @@ def test_text_with_a_lone_surrogate_is_refused_but_a_pair_is_text() -> None:
     with pytest.raises(ValidationError, match="surrogate"):
         GenerateRequest(text=["ok", "bad \udc80"])
     assert GenerateRequest(text="emoji \U0001f600").text == "emoji \U0001f600"
+
+
+JOIN = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+PUSH = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2]], "load_format": "flattened_bucket"}
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "field"),
+    [
+        (InitWeightsUpdateGroupRequest, {**JOIN, "master_address": "127.0.0.1\u0000x"}, "master_address"),
+        (InitWeightsUpdateGroupRequest, {**JOIN, "master_address": "::::"}, "master_address"),
+        (InitWeightsUpdateGroupRequest, {**JOIN, "master_address": "a host"}, "master_address"),
+        (InitWeightsUpdateGroupRequest, {**JOIN, "master_address": "-a.b"}, "master_address"),
+        (InitWeightsUpdateGroupRequest, {**JOIN, "rank_offset": "1"}, "rank_offset"),
+        (InitWeightsUpdateGroupRequest, {**JOIN, "world_size": True}, "world_size"),
+        (InitWeightsUpdateGroupRequest, {**JOIN, "master_port": 29500.0}, "master_port"),
+        (UpdateWeightsFromDistributedRequest, {**PUSH, "digests": []}, None),
+        (UpdateWeightsFromDistributedRequest, {**PUSH, "flush_cache": "yes"}, "flush_cache"),
+        (UpdateWeightsFromDistributedRequest, {**PUSH, "abort_all_requests": 1}, "abort_all_requests"),
+        (UpdateWeightsFromTensorRequest, {"serialized_named_tensors": ["x"], "activate": "false"}, "activate"),
+    ],
+)
+def test_weight_push_requests_take_their_own_types_only(model: type, body: dict, field: str | None) -> None:
+    """A text, a float or a boolean is no port, rank or flag; an empty digest list is not 'no digests'."""
+    with pytest.raises(ValidationError) as caught:
+        model.model_validate(body)
+    if field is not None:
+        assert field in {str(e["loc"][0]) for e in caught.value.errors()}
+
+
+def test_a_join_names_its_rank_0_by_address_or_host_name() -> None:
+    for address in ("127.0.0.1", "::1", "localhost", "trainer-0.cluster.local", "10.0.0.7"):
+        assert InitWeightsUpdateGroupRequest.model_validate({**JOIN, "master_address": address})

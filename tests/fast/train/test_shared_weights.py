@@ -30,8 +30,23 @@ class Tied(torch.nn.Module):
         self.register_buffer("scale", torch.arange(5, dtype=torch.int64)[1:])  # a view at an offset
 
 
-def ours() -> set[str]:
+_BEFORE: set[str] = set()
+
+
+def _segments() -> set[str]:
     return {p.name for p in SHM_DIR.glob(f"miles-{os.getpid()}-*")}
+
+
+@pytest.fixture(autouse=True)
+def _segments_before() -> None:
+    """Segments of this process's that other tests left open are not this test's."""
+    _BEFORE.clear()
+    _BEFORE.update(_segments())
+
+
+def ours() -> set[str]:
+    """This process's segments made since the test began and still there."""
+    return _segments() - _BEFORE
 
 
 def test_shared_weights_keep_their_values_objects_and_ties_and_train_on() -> None:

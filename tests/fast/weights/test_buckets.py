@@ -102,3 +102,27 @@ def test_a_bucket_in_a_file_is_read_like_one_in_memory(tmp_path: Path) -> None:
             from_file(packed, fd, 100)
     finally:
         os.close(fd)
+
+
+def test_tensors_far_apart_in_a_file_are_read_without_what_lies_between(tmp_path: Path) -> None:
+    """Only each tensor's bytes are read into memory: a table whose tensors lie a terabyte apart
+    in a sparse file costs their bytes, not a terabyte."""
+    named = {"a": torch.randn(4, 8), "b": torch.randn(16)}
+    gap = 1 << 40
+    table = BucketTable(
+        entries=(
+            *layout(named, ["a"]).entries,
+            *layout(named, ["b"], start=gap).entries,
+        )
+    )
+    path = tmp_path / "sparse"
+    with open(path, "wb") as f:
+        for entry in table.entries:
+            f.seek(entry.offset)
+            f.write(named[entry.name].numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        tensors = from_file(table, fd, os.fstat(fd).st_size).tensors
+        assert {n: torch.equal(t, named[n]) for n, t in tensors.items()} == {"a": True, "b": True}
+    finally:
+        os.close(fd)
