@@ -341,9 +341,14 @@ class CheckFirst:
 
 
 async def drain(receive: Receive, budget: int) -> None:
-    """Read and drop the rest of a request's body, or ``budget`` bytes of it."""
+    """Read and drop the rest of a request's body, or ``budget`` bytes of it, or what arrives until
+    the body stops arriving for ``BODY_IDLE_TIMEOUT_S`` (a refused client cannot hold the
+    connection by sending a byte a minute)."""
     while budget > 0:
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), BODY_IDLE_TIMEOUT_S)
+        except TimeoutError:
+            return
         if message["type"] != "http.request":
             return
         budget -= len(message.get("body", b""))
