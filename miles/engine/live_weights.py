@@ -790,36 +790,44 @@ class LiveWeights:
             return await asyncio.to_thread(export)
 
 
-# What one read section of an export copies: what an update's swap may wait for.
-_EXPORT_SLICE_BYTES = 16 * 1024 * 1024
-
-
 def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what: str) -> PreTrainedModel:
     """A copy of ``model``, taken a slice at a time, each under the read side of ``lock``: an
     update that commits meanwhile waits for one slice, not for the whole copy (its swap runs
     between two generation steps, which would wait with it), and ends the copy, whose weights are
-    no longer the ones served.
+    no longer the ones served. Between two slices nothing here views the live weights (a staged
+    swap refuses to leave a tensor it does not know on the old ones).
 
     ``writes``: ``lock.writes`` when the caller read the record of the weights (``what``).
 
     Raises ConflictError: the weights changed since (and the copy is dropped).
     """
     copied, pairs = _empty_copy(model)
-    for source, target in pairs:
-        for part in _slices(source, target):
+    for live, target in pairs:
+        whole = not (live.is_contiguous() and target.is_contiguous())
+        step = live.numel() if whole else max(_EXPORT_SLICE_BYTES // max(live.element_size(), 1), 1)
+        for start in range(0, max(live.numel(), 1), max(step, 1)):
             with lock.read():
                 if lock.writes != writes:
                     raise ConflictError(
                         f"the weights changed while they were copied ({what} then); ask again to copy the ones "
                         "held now",
                     )
-                part()
+                with torch.no_grad():
+                    if whole:
+                        target.copy_(live)
+                    else:
+                        target.view(-1)[start : start + step].copy_(live.view(-1)[start : start + step])
     return copied
+
+
+# What one read section of an export copies: what an update's swap may wait for.
+_EXPORT_SLICE_BYTES = 16 * 1024 * 1024
 
 
 def _empty_copy(model: PreTrainedModel) -> tuple[PreTrainedModel, list[tuple[torch.Tensor, torch.Tensor]]]:
     """A copy of ``model`` whose parameters and buffers are new, unfilled tensors (tied ones stay
-    tied), and the (live, copy) pairs to fill them from."""
+    tied), and the (live, copy) pairs to fill them from: the model's own tensor objects, so that
+    holding them adds no view of the live memory."""
     memo: dict[int, Any] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for tensor in [*model.parameters(), *model.buffers()]:
@@ -828,20 +836,8 @@ def _empty_copy(model: PreTrainedModel) -> tuple[PreTrainedModel, list[tuple[tor
         empty = torch.empty_like(tensor)
         is_parameter = isinstance(tensor, torch.nn.Parameter)
         memo[id(tensor)] = torch.nn.Parameter(empty, requires_grad=tensor.requires_grad) if is_parameter else empty
-        pairs.append((tensor.detach(), empty))
+        pairs.append((tensor, empty))
     return copy.deepcopy(model, memo), pairs
-
-
-def _slices(source: torch.Tensor, target: torch.Tensor) -> Iterable[Callable[[], object]]:
-    """Copies that together fill ``target`` from ``source``, each of at most
-    ``_EXPORT_SLICE_BYTES`` (a tensor that is not contiguous is copied whole)."""
-    if not (source.is_contiguous() and target.is_contiguous()):
-        yield functools.partial(target.copy_, source)
-        return
-    flat_source, flat_target = source.reshape(-1), target.reshape(-1)
-    step = max(_EXPORT_SLICE_BYTES // max(source.element_size(), 1), 1)
-    for start in range(0, flat_source.numel(), step):
-        yield functools.partial(flat_target[start : start + step].copy_, flat_source[start : start + step])
 
 
 def _pause_mode(*, abort_all_requests: bool) -> PauseMode:

@@ -7,8 +7,10 @@ what a model loaded fresh from the new checkpoint computes. Nothing else may kee
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,12 +19,14 @@ import transformers
 
 from miles.engine import live_weights
 from miles.engine.fused_decoder import FusedDecoderRunner
+from miles.engine.live_weights import copy_weights
 from miles.engine.model_runner import ModelRunner, TransformersRunner, load_model
+from miles.engine.rwlock import WeightsLock
 from miles.engine.settings import StagingMode
 from miles.engine.staging import WeightStaging
 from miles.engine.weight_memory import StagingUnsupportedError, references
 from miles.engine.weight_stage import StagingBuffers, StagingRefusedError
-from miles.errors import InvalidRequestError, UnsupportedTensorError
+from miles.errors import ConflictError, InvalidRequestError, UnsupportedTensorError
 from miles.models.presets import build_model
 from miles.weights.buckets import BucketTable, Received, from_file, layout, pack, unpack
 from miles.weights.checkpoint import open_checkpoint, read_manifest, save_checkpoint
@@ -343,3 +347,54 @@ def test_a_pushed_bucket_is_staged_on_two_threads_and_a_bad_digest_stops_it(
         torch.set_num_threads(threads)
         os.close(fd)
     assert checksum_module(model).checksum == read_manifest(paths["v1"]).checksum
+
+
+class ReadWatched(WeightsLock):
+    """The engine's lock, telling when a reader first got in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading = threading.Event()
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[None]:
+        with super().read():
+            self.reading.set()
+            yield
+
+
+@pytest.mark.parametrize("runner_name", list(RUNNERS))
+def test_a_swap_during_an_export_copy_goes_through_and_ends_the_copy(
+    versions: Callable[[str], dict[str, Path]], runner_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy an export takes holds no view of the live weights between its slices, so a staged
+    swap that comes between two of them is not refused (it would leave such a view on the old
+    weights); the copy then stops, since the weights it copied are no longer the served ones."""
+    monkeypatch.setattr(live_weights, "_EXPORT_SLICE_BYTES", 64)  # thousands of read sections
+    paths = versions("qwen2, biased qkv (preset small)")
+    model, runner = _served(paths["v1"], runner_name)
+    buffers = _buffers(model, runner)
+    stage = buffers.open()
+    with open_checkpoint(paths["v2"]) as reader:
+        stage.write_all(reader.tensor)
+    staged = stage.checksum()
+    lock = ReadWatched()
+    outcome: dict[str, object] = {}
+
+    def export_copy() -> None:
+        try:
+            copy_weights(model, lock, writes=lock.writes, what="weights 1")
+            outcome["copied"] = True
+        except ConflictError as exc:
+            outcome["refused"] = str(exc)
+
+    copier = threading.Thread(target=export_copy)
+    copier.start()
+    assert lock.reading.wait(timeout=60), "the copy never began"
+    with lock.write():
+        assert stage.activate() == staged
+    copier.join(timeout=120)
+    assert not copier.is_alive()
+    assert "copied" not in outcome, "the copy ended before the swap: make the model larger"
+    assert "weights changed while they were copied" in str(outcome["refused"])
+    assert checksum_module(model).checksum == staged.checksum
