@@ -840,6 +840,12 @@ def _empty_copy(model: PreTrainedModel) -> tuple[PreTrainedModel, list[tuple[tor
     return copy.deepcopy(model, memo), pairs
 
 
+def _shape_text(shape: Iterable[int]) -> str:
+    """A shape as a list, cut short past 8 dimensions (a hostile one may have thousands)."""
+    dims = list(shape)
+    return str(dims) if len(dims) <= 8 else f"[{', '.join(map(str, dims[:8]))}, ... ({len(dims)} dimensions)]"
+
+
 def _pause_mode(*, abort_all_requests: bool) -> PauseMode:
     """How a push that activates at once treats running requests (SGLang's ``abort_all_requests``)."""
     return PauseMode.ABORT if abort_all_requests else PauseMode.DRAIN
@@ -917,5 +923,6 @@ def _check_pushed(
             raise InvalidRequestError(f"the model has no tensor {name!r}; push the names its checkpoint has")
         if target[0] != dtype or target[1] != tuple(shape):
             raise InvalidRequestError(
-                f"tensor {name!r} is pushed as {dtype}{list(shape)}, but the model holds {target[0]}{list(target[1])}"
+                f"tensor {name!r} is pushed as {dtype}{_shape_text(shape)}, but the model holds "
+                f"{target[0]}{list(target[1])}"
             )

@@ -303,6 +303,17 @@ def test_a_bucket_document_takes_its_own_types_and_every_digest(
                 trust_env=False,
             )
             assert refused.status_code == 400 and says in refused.text, (bad, refused.text)
+        # A shape of a hundred thousand dimensions is named, not echoed.
+        refused = httpx.post(
+            f"{url}/update_weights_from_tensor",
+            json={
+                "serialized_named_tensors": [shm_document(name, with_first(shape=[1] * 100_000))],
+                "load_format": "miles_shm",
+            },
+            headers=auth,
+            trust_env=False,
+        )
+        assert refused.status_code == 400 and len(refused.content) < 4096, refused.text[:300]
         extra = base64.b64encode(json.dumps({"shm": name, "table": good, "x": 1}).encode()).decode()
         newline = shm_document(name + "\n", good)
         for document, says in ((extra, "x"), (newline, "miles-")):
