@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from miles.errors import MilesError
 from miles.protocol.auth import FENCE_HEADER, FenceRequest, FenceState
 from miles.protocol.sglang import (
+    AbortRequest,
     ActivateWeightsRequest,
     ExportWeightsRequest,
     ExportWeightsResponse,
@@ -296,6 +297,17 @@ class EngineClient:
         if not isinstance(body, dict):
             raise EngineCallError(f"GET {path} answered something other than an object", server_id=self.server_id)
         return body
+
+    async def abort_request(
+        self, rid: str = "", *, abort_all: bool = False, abort_message: str | None = None, fence: int | None = None
+    ) -> None:
+        """``/abort_request``: end the request ``rid``, or every request with ``abort_all``."""
+        request = AbortRequest(rid=rid, abort_all=abort_all, abort_message=abort_message)
+        await self._call_ok("POST", "/abort_request", json=request.model_dump(mode="json"), fence=fence)
+
+    async def flush_cache(self, *, fence: int | None = None) -> None:
+        """``/flush_cache``: drop the server's prefix cache (SGLang refuses while requests run)."""
+        await self._call_ok("POST", "/flush_cache", fence=fence)
 
     async def _call_ok(self, method: str, path: str, *, json: Any = None, fence: int | None = None) -> None:
         """A call whose answer carries nothing the caller uses: only its success matters."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gc
 import json
 import os
@@ -30,7 +31,7 @@ from miles.rollout.engine_process import free_port
 from miles.rollout.state import ServerState
 from miles.testing import running_controller, running_engine, wait_until
 from miles.train.push import GROUP_NAME, PushPublisher, TransferPath, Window
-from miles.weights.buckets import layout, pack
+from miles.weights.buckets import BucketTable, layout, pack
 from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import checksum_module, checksum_state_dict, saved_state_dict
 
@@ -170,20 +171,30 @@ def shm_document(name: str, table: object) -> str:
     return base64.b64encode(json.dumps({"shm": name, "table": table}).encode()).decode()
 
 
-def test_a_corrupted_bucket_is_refused_before_the_weights_change(
-    engine_url: tuple[str, dict[str, str]], v2_weights: dict[str, torch.Tensor]
-) -> None:
-    url, auth = engine_url
-    before = httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json()
-    names = list(v2_weights)[:3]
-    table = layout(v2_weights, names)
+@contextlib.contextmanager
+def packed_segment(named: dict[str, torch.Tensor], names: list[str]) -> Iterator[tuple[str, torch.Tensor, BucketTable]]:
+    """A segment of our own holding ``names`` packed (its name, its bytes, the packed table);
+    removed at the end."""
+    table = layout(named, names)
     name = f"miles-test-{uuid.uuid4().hex[:8]}"
     segment = Path("/dev/shm") / name
     with open(segment, "w+b") as f:
         f.truncate(table.total_bytes)
     try:
         flat = torch.from_file(str(segment), shared=True, size=table.total_bytes, dtype=torch.uint8)
-        packed = pack(v2_weights, table, flat)
+        yield name, flat, pack(named, table, flat)
+    finally:
+        segment.unlink()
+
+
+def test_a_corrupted_bucket_is_refused_before_the_weights_change(
+    engine_url: tuple[str, dict[str, str]], v2_weights: dict[str, torch.Tensor]
+) -> None:
+    url, auth = engine_url
+    before = httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json()
+    names = list(v2_weights)[:3]
+    with packed_segment(v2_weights, names) as (name, flat, packed):
+        table = packed
         flat[packed.entries[1].offset] ^= 0xFF  # one byte flipped on the way
         body = {
             "serialized_named_tensors": [shm_document(name, packed.model_dump(mode="json"))],
@@ -255,8 +266,6 @@ def test_a_corrupted_bucket_is_refused_before_the_weights_change(
             trust_env=False,
         )
         assert foreign.status_code == 400 and "miles-" in foreign.text
-    finally:
-        segment.unlink()
     after = httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json()
     assert after == before
     # Still generating on its verified weights.
@@ -270,15 +279,8 @@ def test_a_bucket_document_takes_its_own_types_and_every_digest(
     key, tensors without digests, an empty table, a segment name with a newline."""
     url, auth = engine_url
     before = httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json()
-    names = list(v2_weights)[:2]
-    table = layout(v2_weights, names)
-    name = f"miles-test-{uuid.uuid4().hex[:8]}"
-    segment = Path("/dev/shm") / name
-    with open(segment, "w+b") as f:
-        f.truncate(table.total_bytes)
-    try:
-        flat = torch.from_file(str(segment), shared=True, size=table.total_bytes, dtype=torch.uint8)
-        good = pack(v2_weights, table, flat).model_dump(mode="json")
+    with packed_segment(v2_weights, list(v2_weights)[:2]) as (name, _, packed):
+        good = packed.model_dump(mode="json")
         first = good["entries"][0]
 
         def with_first(**changes: object) -> dict:
@@ -324,8 +326,6 @@ def test_a_bucket_document_takes_its_own_types_and_every_digest(
                 trust_env=False,
             )
             assert refused.status_code == 400 and says in refused.text, refused.text
-    finally:
-        segment.unlink()
     assert httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json() == before
 
 
