@@ -53,6 +53,7 @@ from miles.rollout.rollout import Rollout
 from miles.rollout.state import ServerState
 from miles.utils.audit_utils.event_logger.logger import EventLogger
 from miles.utils.context_lock import ContextLock, enforce_lock_discipline, lock_exempt, requires_lock, with_lock
+from miles.utils.weight_version import version_number
 
 logger = logging.getLogger("miles.controller")
 
@@ -249,7 +250,7 @@ class AsyncInferenceController:
                 settings=self._settings,
                 published=self.published,
                 weight_version=weight_version,
-                serving_version=update.previous_version,
+                serving_version=update.version_to_beat,
                 start_checkpoint=rollout.spec.checkpoint,
             )
         except CheckpointRejected as rejected:
@@ -333,10 +334,30 @@ class AsyncInferenceController:
         # The window's task sets ``opened`` once the window is open (or failed to open); a task
         # that ends without setting it never got the lock (LockTimeoutError) or was cancelled.
         racers: set[asyncio.Future[Any]] = {opened, task}
-        await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            self._abandon_window(task, opened)
+            raise
         if not opened.done():
             task.result()  # the task ended first: this raises what ended it
         return opened.result()
+
+    @lock_exempt
+    def _abandon_window(self, task: asyncio.Task[None], opened: asyncio.Future[UpdateWindow]) -> None:
+        """The caller of ``start_update_weights`` went away before it got its window: nobody will
+        push to it or end it, so it must not hold the fleet for its lease. Still waiting for the
+        lock (or opening), its task is cancelled (an opening puts the servers back); already open,
+        it is aborted."""
+        if not opened.done():
+            task.cancel()
+            return
+        if opened.cancelled() or opened.exception() is not None:
+            return
+        window = opened.result()
+        logger.warning("window %d was opened for a caller that went away; aborting it", window.token)
+        aborting = asyncio.ensure_future(self.abort_update_weights(window, reason="its caller went away"))
+        aborting.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     @with_lock
     async def _hold_window(
@@ -585,6 +606,10 @@ class AsyncInferenceController:
     @lock_exempt
     def _finish(self, result: UpdateResult) -> UpdateResult:
         """Log the update's end, keep it as the last update, tell listeners; return it."""
+        number = version_number(result.weight_version) if result.status is UpdateStatus.COMMITTED else None
+        if number is not None:
+            rollout = self.fleet.rollout(result.model_name)
+            rollout.committed_high = max(number, rollout.committed_high or number)
         self._events.finished(result)
         return self._remember(result)
 

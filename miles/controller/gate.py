@@ -231,7 +231,7 @@ def _unpublished_message(path: Path, *, model_name: str, checksum: str, step: in
 def _check_newer(version: str, serving_version: str | None) -> None:
     if is_newer(version, serving_version) is False:
         raise CheckpointRejected(
-            f"weight version {version} is not newer than the version the fleet already serves "
+            f"weight version {version} is not newer than the newest version the fleet has served "
             f"({serving_version}); serving versions never go back. Pass a newer weight_version to "
             "republish older weights on purpose"
         )

@@ -41,7 +41,7 @@ from miles.protocol.sglang import PauseMode
 from miles.rollout.engine_client import WeightsChecksum
 from miles.rollout.rollout import Rollout
 from miles.rollout.state import ServerState, VerifiedWeights
-from miles.utils.weight_version import newest
+from miles.utils.weight_version import newest, version_number
 
 logger = logging.getLogger("miles.controller")
 
@@ -114,6 +114,9 @@ class WeightUpdate:
         # Read now, under the lock: what an update queued ahead of this one committed is already
         # here, so "newer than what serves" can never be decided on a stale value.
         self.previous_version = _verified_version(rollout)
+        # What a new version must be newer than: the version served, or the highest integer one
+        # committed before it when that is higher (or when what serves is no integer).
+        self.version_to_beat = _to_beat(self.previous_version, rollout.committed_high)
         self.target: Target | None = None
         self.progress: dict[str, ServerProgress] = {sid: ServerProgress() for sid in rollout.server_ids}
         # Seconds spent in each step (pause, load, confirm, commit, rollback), summed over batches.
@@ -460,6 +463,11 @@ _DEFAULT_MESSAGES = {
     UpdateStatus.ABORTED: "aborted; every server is back on its verified weights",
     UpdateStatus.TIMED_OUT: "the lock was not granted in time; nothing changed",
 }
+
+
+def _to_beat(serving: str | None, committed_high: int | None) -> str | None:
+    numbers = [n for n in (version_number(serving), committed_high) if n is not None]
+    return str(max(numbers)) if numbers else serving
 
 
 def _verified_version(rollout: Rollout) -> str | None:

@@ -113,10 +113,10 @@ def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | N
     ``published_checksum`` is what training published for that step, if it did.
     """
     version = ending.weight_version or str(ending.step)
-    if is_newer(version, update.previous_version) is False:
+    if is_newer(version, update.version_to_beat) is False:
         reason = (
-            f"weight version {version} is not newer than the version the fleet already serves "
-            f"({update.previous_version}); serving versions never go back"
+            f"weight version {version} is not newer than the newest version the fleet has served "
+            f"({update.version_to_beat}); serving versions never go back"
         )
         return Refused(reason=reason, message=reason)
     if published_checksum is not None and published_checksum != ending.checksum:

@@ -28,7 +28,7 @@ import aiohttp
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, TypeAdapter, ValidationError
 from starlette.datastructures import Headers
 from starlette.types import Scope
 
@@ -99,11 +99,11 @@ class UpdateRequest(_Strict):
 
 class StartWindowRequest(_Strict):
     model_name: Label | None = None
-    ttl_s: Annotated[float, Field(ge=LEASE_TTL_MIN_S, le=LEASE_TTL_MAX_S)] | None = None
+    ttl_s: Annotated[float, Field(strict=True, ge=LEASE_TTL_MIN_S, le=LEASE_TTL_MAX_S)] | None = None
     pause_mode: UpdatePauseMode | None = None
     # Servers keep serving while training pushes into their engines' stages (see
     # AsyncInferenceController.start_update_weights).
-    staged: bool = False
+    staged: StrictBool = False
 
 
 class EndWindowRequest(_Strict):
@@ -299,11 +299,16 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.ok else 409)
 
     @app.post("/update_weights/start", dependencies=as_admin)
-    async def start_window(request: StartWindowRequest) -> dict[str, Any]:
-        window = await controller.start_update_weights(
-            request.model_name, ttl_s=request.ttl_s, pause_mode=request.pause_mode, staged=request.staged
+    async def start_window(request: StartWindowRequest, http_request: Request) -> Any:
+        # A caller that goes away while it waits for the lock gets no window: nobody would hold
+        # its token, and the fleet would wait out the window's lease.
+        window = await until_disconnected(
+            http_request,
+            controller.start_update_weights(
+                request.model_name, ttl_s=request.ttl_s, pause_mode=request.pause_mode, staged=request.staged
+            ),
         )
-        return window.model_dump(mode="json")
+        return window if isinstance(window, Response) else window.model_dump(mode="json")
 
     @app.post("/update_weights/end", dependencies=as_admin)
     async def end_window(request: EndWindowRequest) -> JSONResponse:

@@ -121,6 +121,9 @@ class Rollout(ABC):
         ]
         self._clients: dict[str, EngineClient] = {}
         self._http: httpx.AsyncClient | None = None
+        # The highest integer version an update committed here: no later update may commit one
+        # at or below it, even while a version that is no integer ("abc") serves in between.
+        self.committed_high: int | None = None
         self._supervisor = Supervisor(self)
         self._supervising: asyncio.Task[None] | None = None
         # Where the engines run (local processes or Ray actors); an engine that ends wakes the

@@ -183,6 +183,26 @@ async def test_a_training_window_over_http(fleet, checkpoints: dict[str, Path]) 
     assert again.status_code == 409
 
 
+async def test_a_window_whose_caller_left_while_it_waited_never_opens(fleet) -> None:
+    """A caller that gives up on /update_weights/start while another window holds the lock gets no
+    window: one opened for it would hold the fleet out of serving for its whole lease."""
+    controller, http = fleet
+    first = (await http.post("/update_weights/start", json={"ttl_s": 30})).json()
+    with pytest.raises(httpx.ReadTimeout):
+        await http.post("/update_weights/start", json={"ttl_s": 600}, timeout=1.0)
+    await wait_until(lambda: controller.health().lock.waiters == 0, what="the abandoned start left the queue")
+    ended = await http.post("/update_weights/abort", json={"token": first["token"]})
+    assert ended.status_code == 200, ended.text
+    await wait_until(lambda: not controller.health().lock.held, what="the lock free")
+    health = (await http.get("/health")).json()
+    assert all(s["state"] == "serving" for s in health["servers"]), health
+    assert (await http.post("/generate", json=greedy())).status_code == 200
+    # The next caller gets a window at once, with a newer token.
+    second = (await http.post("/update_weights/start", json={"ttl_s": 30})).json()
+    assert second["token"] > first["token"]
+    assert (await http.post("/update_weights/abort", json={"token": second["token"]})).status_code == 200
+
+
 async def test_config_changes_what_may_change_and_refuses_the_rest(fleet) -> None:
     controller, http = fleet
     view = (await http.get("/config")).json()

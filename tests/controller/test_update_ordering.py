@@ -107,3 +107,23 @@ async def test_a_window_cannot_commit_an_older_version(fleet, checkpoints: dict[
     assert "not newer" in ended.json()["message"]
     assert serving_versions(controller) == {str(current)}
     assert controller.health().ok and controller.health().models["tiny"].accepting_requests
+
+
+async def test_a_version_that_is_no_integer_is_no_way_back(fleet, checkpoints: dict[str, Path]) -> None:
+    """Serving "abc" between two numbered versions does not let an older number commit after it:
+    what a new version must beat is the newest number the fleet was updated to."""
+    controller, http = fleet
+    current = int(next(iter(serving_versions(controller))) or 0)
+    labelled = await http.post("/update_weights", json={"checkpoint": str(checkpoints["v2"]), "weight_version": "abc"})
+    assert labelled.status_code == 200 and labelled.json()["status"] == "committed", labelled.text
+    for older in (str(current - 1), str(current)):
+        refused = await http.post(
+            "/update_weights", json={"checkpoint": str(checkpoints["v3"]), "weight_version": older}
+        )
+        assert refused.status_code == 409 and "not newer" in refused.json()["message"], refused.text
+        assert serving_versions(controller) == {"abc"}
+    newer = await http.post(
+        "/update_weights", json={"checkpoint": str(checkpoints["v3"]), "weight_version": str(current + 1)}
+    )
+    assert newer.status_code == 200 and newer.json()["status"] == "committed", newer.text
+    assert serving_versions(controller) == {str(current + 1)}
