@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 from miles.controller.core import AsyncInferenceController
 from miles.http.runner import HttpServer
 from miles.rollout.engine_process import EngineProcess, engine_command, free_port
+from miles.weights.buckets import BucketTable, layout, pack
 
 
 @contextmanager
@@ -116,3 +118,16 @@ def process_alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def bucket_file(
+    named: dict[str, torch.Tensor], path: Path, names: list[str] | None = None
+) -> tuple[BucketTable, torch.Tensor]:
+    """``names`` (default: all) of ``named`` packed back to back into the file ``path`` (made or
+    cut to size): the packed table, with digests, and the file's bytes, shared (a byte changed in
+    them is changed in the file)."""
+    table = layout(named, names if names is not None else list(named))
+    with open(path, "w+b") as f:
+        f.truncate(table.total_bytes)
+    flat = torch.from_file(str(path), shared=True, size=table.total_bytes, dtype=torch.uint8)
+    return pack(named, table, flat), flat

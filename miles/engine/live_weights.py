@@ -803,8 +803,8 @@ def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what
     """
     copied, pairs = _empty_copy(model)
     for live, target in pairs:
-        whole = not (live.is_contiguous() and target.is_contiguous())
-        step = live.numel() if whole else max(_EXPORT_SLICE_BYTES // max(live.element_size(), 1), 1)
+        # A tensor that is not contiguous is copied whole, in one section.
+        step = _EXPORT_SLICE_BYTES // live.element_size() if live.is_contiguous() else live.numel()
         for start in range(0, max(live.numel(), 1), max(step, 1)):
             with lock.read():
                 if lock.writes != writes:
@@ -813,7 +813,7 @@ def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what
                         "held now",
                     )
                 with torch.no_grad():
-                    if whole:
+                    if step >= live.numel():
                         target.copy_(live)
                     else:
                         target.view(-1)[start : start + step].copy_(live.view(-1)[start : start + step])

@@ -132,22 +132,20 @@ class TensorBucket:
                 "xxh3-128 digest of its bytes, checked as it is copied (PushPublisher sends them)"
             )
         self._fd: int | None = None
-        source = document.shm if isinstance(document, _ShmDocument) else None
-        handle = document.cuda_ipc if isinstance(document, _CudaIpcDocument) else None
-        if handle is not None:
+        if isinstance(document, _CudaIpcDocument):
             if device.type != "cuda":
                 raise InvalidRequestError(
                     f"load_format {CUDA_IPC_LOAD_FORMAT!r} needs an engine on a GPU; this one runs on {device}: "
                     f"push over shared memory ({SHM_LOAD_FORMAT!r}) from CPU tensors"
                 )
             check(table)
-            self.received = unpack(table, _open_cuda_ipc(handle, table.total_bytes))
+            self.received = unpack(table, _open_cuda_ipc(document.cuda_ipc, table.total_bytes))
             return
-        if source is None or not _SHM_NAME.fullmatch(source):
+        if not _SHM_NAME.fullmatch(document.shm):
             raise InvalidRequestError(
-                f"shared-memory segment names start with 'miles-' (letters, digits, ._-): {source!r}"
+                f"shared-memory segment names start with 'miles-' (letters, digits, ._-): {document.shm!r}"
             )
-        self._fd, size = open_segment(source, table.total_bytes)
+        self._fd, size = open_segment(document.shm, table.total_bytes)
         try:
             check(table)
             self.received = from_file(table, self._fd, size)

@@ -238,17 +238,13 @@ class BodyLimit:
         # The HTTP layer ends a body at its declared length, so only that needs checking; a
         # chunked body has none, and is counted as it arrives.
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            # A client that asked to be told first (Expect: 100-continue) has sent nothing
-            # yet, and reading would tell it to send everything.
-            if int(declared) <= DRAIN_MAX_BYTES and headers.get("expect", "").lower() != "100-continue":
-                await drain(receive, DRAIN_MAX_BYTES)
             refusal = error_response(
                 self._message(f"{int(declared)} bytes"),
                 code=413,
                 kind="invalid_request_error",
                 headers={"connection": "close"},
             )
-            await refusal(scope, receive, send)
+            await answer_unread(refusal, scope, receive, send)
             return
         received = 0
         complete = False
@@ -311,9 +307,8 @@ class CheckFirst:
     route's body before the route's dependencies run, so a credential checked there would first
     parse (and answer about) whatever an unauthenticated caller sent, 64 MiB of it if it liked.
 
-    A ``MilesError`` that ``check`` raises is answered here, in the API's error shape; the unread
-    body is read and dropped first (never parsed), since a connection closed with unread input is
-    reset, which can destroy the answer before the client reads it.
+    A ``MilesError`` that ``check`` raises is answered here, in the API's error shape, the body
+    unread (``answer_unread``).
     """
 
     def __init__(self, app: ASGIApp, *, check: Callable[[Scope], object], key: str) -> None:
@@ -331,13 +326,24 @@ class CheckFirst:
             answer = refusal(exc)
             if answer is None:
                 raise
-            # A client that asked to be told first (Expect: 100-continue) has sent nothing yet.
-            if Headers(scope=scope).get("expect", "").lower() != "100-continue":
-                await drain(receive, DRAIN_MAX_BYTES)
-            await answer(scope, receive, send)
+            await answer_unread(answer, scope, receive, send)
             return
         scope.setdefault("state", {})[self.key] = granted
         await self.app(scope, receive, send)
+
+
+async def answer_unread(answer: Response, scope: Scope, receive: Receive, send: Send) -> None:
+    """Send ``answer`` to a request whose body nothing read. The body is read and dropped first
+    (never parsed, up to ``DRAIN_MAX_BYTES``): a server that closes a connection with unread input
+    resets it, and the reset can destroy the answer before the client reads it. Not when the client
+    asked to be told first (``Expect: 100-continue``): it has sent nothing yet, and reading would
+    tell it to send everything."""
+    headers = Headers(scope=scope)
+    declared = headers.get("content-length")
+    too_large = declared is not None and declared.isdigit() and int(declared) > DRAIN_MAX_BYTES
+    if not too_large and headers.get("expect", "").lower() != "100-continue":
+        await drain(receive, DRAIN_MAX_BYTES)
+    await answer(scope, receive, send)
 
 
 async def drain(receive: Receive, budget: int) -> None:

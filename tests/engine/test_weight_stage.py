@@ -28,7 +28,8 @@ from miles.engine.weight_memory import StagingUnsupportedError, references
 from miles.engine.weight_stage import StagingBuffers, StagingRefusedError
 from miles.errors import ConflictError, InvalidRequestError, UnsupportedTensorError
 from miles.models.presets import build_model
-from miles.weights.buckets import BucketTable, Received, from_file, layout, pack, unpack
+from miles.testing import bucket_file
+from miles.weights.buckets import BucketTable, Received, from_file, unpack
 from miles.weights.checkpoint import open_checkpoint, read_manifest, save_checkpoint
 from miles.weights.checksum import checksum_module, saved_state_dict
 
@@ -321,11 +322,8 @@ def test_a_pushed_bucket_is_staged_on_two_threads_and_a_bad_digest_stops_it(
     model, runner = _served(paths["v1"], "fused")
     buffers = _buffers(model, runner)
     new = saved_state_dict(load_model(paths["v2"], device=DEVICE))
-    table = layout(new, list(new))
-    flat = torch.empty(table.total_bytes, dtype=torch.uint8)
-    table = pack(new, table, flat)
     segment = tmp_path / "segment"
-    segment.write_bytes(flat.numpy().tobytes())
+    table, flat = bucket_file(new, segment)
     fd = os.open(segment, os.O_RDONLY)
     monkeypatch.setattr(live_weights, "_PARALLEL_STAGE_BYTES", 0)
     threads = torch.get_num_threads()

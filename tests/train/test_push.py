@@ -29,7 +29,7 @@ import miles.train.push as push_module
 from miles.errors import PublishError
 from miles.rollout.engine_process import free_port
 from miles.rollout.state import ServerState
-from miles.testing import running_controller, running_engine, wait_until
+from miles.testing import bucket_file, running_controller, running_engine, wait_until
 from miles.train.push import GROUP_NAME, PushPublisher, TransferPath, Window
 from miles.weights.buckets import BucketTable, layout, pack
 from miles.weights.checkpoint import read_manifest
@@ -175,16 +175,13 @@ def shm_document(name: str, table: object) -> str:
 def packed_segment(named: dict[str, torch.Tensor], names: list[str]) -> Iterator[tuple[str, torch.Tensor, BucketTable]]:
     """A segment of our own holding ``names`` packed (its name, its bytes, the packed table);
     removed at the end."""
-    table = layout(named, names)
     name = f"miles-test-{uuid.uuid4().hex[:8]}"
     segment = Path("/dev/shm") / name
-    with open(segment, "w+b") as f:
-        f.truncate(table.total_bytes)
     try:
-        flat = torch.from_file(str(segment), shared=True, size=table.total_bytes, dtype=torch.uint8)
-        yield name, flat, pack(named, table, flat)
+        packed, flat = bucket_file(named, segment, names)
+        yield name, flat, packed
     finally:
-        segment.unlink()
+        segment.unlink(missing_ok=True)
 
 
 def test_a_corrupted_bucket_is_refused_before_the_weights_change(
@@ -194,7 +191,6 @@ def test_a_corrupted_bucket_is_refused_before_the_weights_change(
     before = httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json()
     names = list(v2_weights)[:3]
     with packed_segment(v2_weights, names) as (name, flat, packed):
-        table = packed
         flat[packed.entries[1].offset] ^= 0xFF  # one byte flipped on the way
         body = {
             "serialized_named_tensors": [shm_document(name, packed.model_dump(mode="json"))],
@@ -220,10 +216,10 @@ def test_a_corrupted_bucket_is_refused_before_the_weights_change(
                             {
                                 "cuda_ipc": {
                                     "device": 0,
-                                    "numel": table.total_bytes,
+                                    "numel": packed.total_bytes,
                                     "storage_offset": 0,
                                     "storage_handle": "AAAA",
-                                    "storage_size_bytes": table.total_bytes,
+                                    "storage_size_bytes": packed.total_bytes,
                                     "storage_offset_bytes": 0,
                                     "ref_counter_handle": "AAAA",
                                     "ref_counter_offset": 0,

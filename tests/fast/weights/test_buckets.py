@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from miles.errors import InvalidRequestError
+from miles.testing import bucket_file
 from miles.weights.buckets import BucketEntry, BucketTable, from_file, layout, pack, unpack
 from miles.weights.checksum import digest_tensor
 
@@ -80,14 +81,11 @@ def test_a_bucket_in_a_file_is_read_like_one_in_memory(tmp_path: Path) -> None:
         "c": torch.arange(9, dtype=torch.int8),
         "empty": torch.empty(0, 4),
     }
-    table = layout(named, list(named))
-    flat = torch.empty(table.total_bytes, dtype=torch.uint8)
-    packed = pack(named, table, flat)
     path = tmp_path / "bucket"
-    path.write_bytes(flat.numpy().tobytes())
+    packed, _ = bucket_file(named, path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        received = from_file(packed, fd, table.total_bytes)
+        received = from_file(packed, fd, packed.total_bytes)
         for name, tensor in named.items():
             target = torch.empty_like(tensor)
             received.check(name, received.copy_into(name, target))
@@ -96,7 +94,7 @@ def test_a_bucket_in_a_file_is_read_like_one_in_memory(tmp_path: Path) -> None:
         fused = torch.zeros(7, 5)
         received.check("b", received.copy_into("b", fused.t()))
         assert torch.equal(fused.t(), named["b"])
-        for name, tensor in from_file(packed, fd, table.total_bytes).tensors.items():
+        for name, tensor in from_file(packed, fd, packed.total_bytes).tensors.items():
             assert torch.equal(tensor, named[name]), name
         with pytest.raises(InvalidRequestError, match="'b' ends at byte 146, past the bucket's 100 bytes"):
             from_file(packed, fd, 100)
