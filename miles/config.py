@@ -164,7 +164,9 @@ class ControllerSettings(BaseSettings):
     startup_timeout_s: Annotated[float, Field(ge=1.0, le=DAY)] = 180.0
     update_timeout_s: Annotated[float, Field(ge=UPDATE_TIMEOUT_MIN_S, le=UPDATE_TIMEOUT_MAX_S)] = 600.0
     lock_timeout_s: Annotated[float, Field(ge=0.01, le=DAY)] = 600.0
-    lease_ttl_s: Annotated[float, Field(ge=LEASE_TTL_MIN_S, le=LEASE_TTL_MAX_S)] = 120.0
+    # A training window's lease: renewed by its holder while it works (PushPublisher renews every
+    # third of it), so a trainer that dies holds the fleet for one lease, not for a long push.
+    lease_ttl_s: Annotated[float, Field(ge=LEASE_TTL_MIN_S, le=LEASE_TTL_MAX_S)] = 10.0
     request_timeout_s: Annotated[float, Field(ge=0.5, le=DAY)] = 600.0
     # The largest request body the controller reads (413 above it). Engines have their own limit
     # (the engine's --max-request-mib, in a model's engine_args), with the same default.

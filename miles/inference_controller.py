@@ -101,6 +101,9 @@ class InferenceController:
     def end_update_weights(self, window: UpdateWindow | int, **kwargs: Any) -> UpdateResult:
         return self._runner.call(self.core.end_update_weights(window, **kwargs))
 
+    def renew_update_weights(self, window: UpdateWindow | int, **kwargs: Any) -> UpdateWindow:
+        return self._runner.call(self.core.renew_update_weights(window, **kwargs))
+
     def abort_update_weights(self, window: UpdateWindow | int, **kwargs: Any) -> UpdateResult:
         return self._runner.call(self.core.abort_update_weights(window, **kwargs))
 

@@ -46,7 +46,18 @@ from miles.controller.results import (
 )
 from miles.controller.router import Router
 from miles.controller.transaction import Target, WeightUpdate
-from miles.controller.windows import Abort, Commit, OpenWindow, Refused, WriteOuts, aim, commit, refusal, set_window
+from miles.controller.windows import (
+    Abort,
+    Commit,
+    OpenWindow,
+    Refused,
+    WriteOuts,
+    aim,
+    check_window_checkpoint,
+    commit,
+    refusal,
+    set_window,
+)
 from miles.errors import ConflictError, InvalidRequestError, LockTimeoutError, MilesError
 from miles.protocol.auth import window_credential
 from miles.rollout.rollout import Rollout
@@ -398,7 +409,7 @@ class AsyncInferenceController:
         self._window = window
         opened.set_result(window.public)
         with update.timed("transfer"):  # training pushing its weights, until it ends the window
-            ending, answer = await window.wait(ttl_s)
+            ending, answer = await window.wait()
         try:
             result = await self._end_window(update, ending, staged=staged)
         except BaseException as exc:
@@ -427,7 +438,7 @@ class AsyncInferenceController:
         if refused is not None:
             await self._close_window(update, reason=refused.reason)
             return update.result(UpdateStatus.ROLLED_BACK, message=refused.message)
-        await aim(update, ending)
+        await aim(update, ending, roots=self._settings.allowed_checkpoint_roots)
         assert self.router is not None
         if staged:
             # The servers served throughout; only now do they leave routing, and each engine
@@ -479,7 +490,24 @@ class AsyncInferenceController:
         ending = await asyncio.to_thread(
             Commit, checksum=checksum, step=step, checkpoint=checkpoint, weight_version=weight_version
         )
+        await asyncio.to_thread(check_window_checkpoint, ending.checkpoint, self._settings.allowed_checkpoint_roots)
         return await asyncio.shield(self._open_window(window).end(ending))
+
+    @lock_exempt
+    async def renew_update_weights(self, window: UpdateWindow | int, *, ttl_s: float | None = None) -> UpdateWindow:
+        """Extend the window's lease to ``ttl_s`` (default: the window's own) from now, and return
+        the window with its new ``expires_at``. Training renews while it pushes (``PushPublisher``
+        does, every third of the lease), so the lease can be short: a trainer that dies holds the
+        fleet for one lease, not for the longest push it might make.
+
+        Raises InvalidRequestError for a bad ``ttl_s`` and ConflictError for a token that names no
+        open window (ended, expired, or never opened).
+        """
+        open_window = self._open_window(window)
+        ttl = open_window.public.ttl_s
+        if ttl_s is not None:
+            ttl = check_seconds(ttl_s, name="ttl_s", low=LEASE_TTL_MIN_S, high=LEASE_TTL_MAX_S)
+        return open_window.renew(ttl)
 
     @lock_exempt
     async def abort_update_weights(

@@ -75,20 +75,11 @@ def admit_checkpoint(
             path = checked_path(str(checkpoint), field="checkpoint")
         except InvalidRequestError as exc:
             raise CheckpointRejected(exc.message) from exc
-        roots = settings.allowed_checkpoint_roots
-        if not inside_roots(path, roots):
-            raise CheckpointRejected(
-                f"checkpoint {path} is outside the allowed checkpoint roots ({', '.join(map(str, roots))}); "
-                "move it under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS"
-            )
+        problem = roots_problem(path, settings.allowed_checkpoint_roots)
+        if problem is not None:
+            raise CheckpointRejected(problem)
         if not path.is_dir():
             raise CheckpointRejected(f"checkpoint {path} is not a directory")
-        escaping = files_outside_roots(path, roots)
-        if escaping:
-            raise CheckpointRejected(
-                f"checkpoint {path} has files that resolve outside the allowed checkpoint roots "
-                f"({', '.join(escaping[:5])}); copy the files in instead of linking to them"
-            )
         problem = restart_point_problem(path, start_checkpoint)
         if problem is not None:
             raise CheckpointRejected(problem)
@@ -261,6 +252,26 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024
 # checkpoint it starts on. The other tokenizer files (tokenizer_config.json, special_tokens_map.json,
 # a chat template) come and go between library versions, so their absence is no reason to refuse.
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def roots_problem(path: Path, roots: tuple[Path, ...]) -> str | None:
+    """Why checkpoint ``path`` (resolved) may not be read under the allowed checkpoint ``roots``:
+    it, or a file in it, resolves outside every root; None when it may (or there are no roots).
+
+    Every path that can become a server's restart point passes this check (a disk update's
+    checkpoint, a window's), so a restart never reads outside the roots either."""
+    if not inside_roots(path, roots):
+        return (
+            f"checkpoint {path} is outside the allowed checkpoint roots ({', '.join(map(str, roots))}); "
+            "move it under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS"
+        )
+    escaping = files_outside_roots(path, roots) if path.is_dir() else []
+    if escaping:
+        return (
+            f"checkpoint {path} has files that resolve outside the allowed checkpoint roots "
+            f"({', '.join(escaping[:5])}); copy the files in instead of linking to them"
+        )
+    return None
 
 
 def restart_point_problem(checkpoint: Path, start_checkpoint: Path | None) -> str | None:

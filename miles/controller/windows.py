@@ -20,9 +20,10 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from miles.controller.gate import restart_point_problem
+from miles.controller.gate import restart_point_problem, roots_problem
 from miles.controller.results import ChecksumSource, UpdateResult, UpdateStatus, UpdateWindow
 from miles.controller.transaction import Target, WeightUpdate
 from miles.errors import CheckpointError, ConflictError, InvalidRequestError, MilesError
@@ -75,12 +76,18 @@ class Refused:
 
 @dataclass(eq=False)
 class OpenWindow:
-    """A window held open: what training was told, and the way training ends it."""
+    """A window held open: what training was told, and the way training ends it.
+
+    Its lease runs ``public.ttl_s`` from when it opened and from each ``renew``: training renews it
+    while it works, so a trainer that dies costs one short lease, not the longest push it could
+    ever make."""
 
     update: WeightUpdate
     public: UpdateWindow
     _endings: asyncio.Queue[tuple[Commit | Abort, asyncio.Future[UpdateResult]]] = field(default_factory=asyncio.Queue)
     _closing: str | None = None  # why it no longer takes an ending
+    # When the lease runs out (time.monotonic()); set when the window opens.
+    _deadline: float = math.inf
 
     def end(self, ending: Commit | Abort) -> asyncio.Future[UpdateResult]:
         """Hand ``ending`` to the task holding the window; its result comes in the future.
@@ -96,15 +103,35 @@ class OpenWindow:
         self._endings.put_nowait((ending, result))
         return result
 
-    async def wait(self, ttl_s: float) -> tuple[Commit | Abort, asyncio.Future[UpdateResult] | None]:
-        """The ending training sends; after ``ttl_s`` without one, an Abort of its own."""
-        try:
-            return await asyncio.wait_for(self._endings.get(), timeout=ttl_s)
-        except TimeoutError:
-            if not self._endings.empty():  # it arrived as the timer fired: honour it
-                return self._endings.get_nowait()
-            self._closing = "expired"
-            return Abort(reason="the window's lease expired before training ended it"), None
+    def renew(self, ttl_s: float) -> UpdateWindow:
+        """Extend the lease to ``ttl_s`` from now; the window as training now sees it.
+
+        Raises ConflictError when the window is already ending or expired.
+        """
+        if self._closing is not None:
+            raise ConflictError(
+                f"window {self.public.window_id} is {self._closing}; start a new window", token=self.public.token
+            )
+        self._deadline = time.monotonic() + ttl_s
+        self.public = self.public.model_copy(
+            update={"ttl_s": ttl_s, "expires_at": datetime.now(UTC) + timedelta(seconds=ttl_s)}
+        )
+        return self.public
+
+    async def wait(self) -> tuple[Commit | Abort, asyncio.Future[UpdateResult] | None]:
+        """The ending training sends; once the lease runs out without one (renewals extend it),
+        an Abort of its own."""
+        self._deadline = time.monotonic() + self.public.ttl_s
+        while True:
+            try:
+                return await asyncio.wait_for(self._endings.get(), timeout=max(0.0, self._deadline - time.monotonic()))
+            except TimeoutError:
+                if not self._endings.empty():  # it arrived as the timer fired: honour it
+                    return self._endings.get_nowait()
+                if time.monotonic() < self._deadline:  # renewed meanwhile
+                    continue
+                self._closing = "expired"
+                return Abort(reason="the window's lease expired before training ended or renewed it"), None
 
 
 def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | None) -> Refused | None:
@@ -128,11 +155,11 @@ def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | N
     return None
 
 
-async def aim(update: WeightUpdate, ending: Commit) -> None:
+async def aim(update: WeightUpdate, ending: Commit, *, roots: tuple[Path, ...]) -> None:
     """Fix the window's target: the weights training says its servers now hold (or stage)."""
     # Reads the checkpoint's manifest: off the loop.
     holding = await asyncio.to_thread(
-        _checkpoint_holding, ending.checkpoint, ending.checksum, update.rollout.spec.checkpoint
+        _checkpoint_holding, ending.checkpoint, ending.checksum, update.rollout.spec.checkpoint, roots
     )
     update.aim(
         Target(
@@ -274,17 +301,35 @@ async def _write_out(rollout: Rollout, *, checksum: str, step: int, warn: bool) 
     return False
 
 
-def _checkpoint_holding(checkpoint: str | Path | None, checksum: str, start_checkpoint: Path) -> Path | None:
+def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ...]) -> None:
+    """Refuse a window's ``checkpoint`` outside the allowed checkpoint roots (InvalidRequestError),
+    as a disk update's is refused: it would become its servers' restart point."""
+    if checkpoint is None:
+        return
+    problem = roots_problem(checked_path(str(checkpoint), field="checkpoint"), roots)
+    if problem is not None:
+        raise InvalidRequestError(
+            f"{problem}; or end the window without a checkpoint (an engine then writes the weights out)"
+        )
+
+
+def _checkpoint_holding(
+    checkpoint: str | Path | None, checksum: str, start_checkpoint: Path, roots: tuple[Path, ...]
+) -> Path | None:
     """``checkpoint`` when its manifest says it holds weights with ``checksum`` and servers could
     restart from it as they run now; else None (an engine then writes the weights out).
 
     A window's checkpoint is where restarts reload its weights from, so a directory that holds
-    other weights (a stale path, a later save over it), or that an engine could not start from,
-    must not be recorded as theirs.
+    other weights (a stale path, a later save over it), that an engine could not start from, or
+    that lies (or links) outside the allowed roots, must not be recorded as theirs.
     """
     if checkpoint is None:
         return None
     path = checked_path(str(checkpoint), field="checkpoint")
+    outside = roots_problem(path, roots)  # checked when the window was ended; again, as it is read
+    if outside is not None:
+        logger.warning("window checkpoint %s cannot serve restarts: %s", path, outside)
+        return None
     try:
         manifest = read_manifest(path)
         problem = restart_point_problem(path, start_checkpoint)

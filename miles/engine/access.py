@@ -312,6 +312,12 @@ def check_first(access: EngineAccess) -> Callable[[Scope], ControlGrant | None]:
     return check
 
 
+def grant_of(request: Request) -> ControlGrant | None:
+    """What ``check_first`` granted ``request`` (None: not a control call, or unchecked)."""
+    grant = getattr(request.state, GRANT_STATE_KEY, None)
+    return grant if isinstance(grant, ControlGrant) else None
+
+
 def admit(access: EngineAccess, request: Request, *, activates: bool = False) -> None:
     """Admit the control call ``request`` (see ``EngineAccess.admit``); handlers call it first."""
-    access.admit(getattr(request.state, GRANT_STATE_KEY, None), activates=activates)
+    access.admit(grant_of(request), activates=activates)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from miles.engine.access import ENDPOINTS, GRANT_STATE_KEY, EngineAccess, admit, check_first
+from miles.engine.access import ENDPOINTS, GRANT_STATE_KEY, EngineAccess, admit, check_first, grant_of
 from miles.engine.engine import Engine
 from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream
 from miles.engine.receiver import TensorBucket, WeightGroups
@@ -64,6 +64,7 @@ from miles.utils.http import (
     sse,
     until_disconnected,
 )
+from miles.weights.segments import sweep as sweep_segments
 
 logger = logging.getLogger("miles.engine")
 
@@ -180,13 +181,20 @@ def create_app(engine: Engine) -> FastAPI:
         admit(access, http_request)
         # Nothing may change the weights between their swap and the controller's commit.
         access.close_window()
+        await asyncio.to_thread(groups.follow, access.state)
         started = time.perf_counter()
         return await pushed(await engine.weights.activate_staged(request), source="activate", started=started)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: InitWeightsUpdateGroupRequest, http_request: Request) -> GroupResponse:
         admit(access, http_request)
-        return GroupResponse(success=True, message=await groups.join_within(request))
+        # Groups of windows that ended while this engine could not be told go first: their name
+        # is free again for this window's pusher.
+        await asyncio.to_thread(groups.follow, access.state)
+        owner = grant_of(http_request)
+        return GroupResponse(
+            success=True, message=await groups.join_within(request, owner=owner.fence if owner else None)
+        )
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(
@@ -276,11 +284,15 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/fence")
     async def fence(request: FenceRequest, http_request: Request) -> dict[str, Any]:
         admit(access, http_request)
-        state = access.move_fence(request).model_dump()
+        state = access.move_fence(request)
+        # A window that ends (this call closes it, or opens a newer one) takes its groups with
+        # it, whoever ended it: its pusher may be dead. So do the segments of pushers that died.
+        await asyncio.to_thread(groups.follow, state)
+        await asyncio.to_thread(sweep_segments)
         if not request.window_open:
             # A window ended: what it pushed but did not activate is dropped.
             await engine.weights.discard_push()
-        return state
+        return state.model_dump()
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

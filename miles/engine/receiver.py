@@ -25,13 +25,10 @@ import binascii
 import contextlib
 import logging
 import os
-import re
-import stat
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +36,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles.errors import ConflictError, InvalidRequestError, NotFoundError
+from miles.protocol.auth import FenceState
 from miles.protocol.sglang import (
     CUDA_IPC_LOAD_FORMAT,
     FLAT_LOAD_FORMAT,
@@ -49,11 +47,9 @@ from miles.protocol.sglang import (
     UpdateWeightsFromTensorRequest,
 )
 from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, Received, from_file, unpack
+from miles.weights.segments import open_segment
 
 logger = logging.getLogger("miles.engine")
-
-SHM_DIR = Path("/dev/shm")
-_SHM_NAME = re.compile(r"miles-[A-Za-z0-9_.-]{1,200}")
 
 
 class _ShmDocument(BaseModel):
@@ -141,10 +137,6 @@ class TensorBucket:
             check(table)
             self.received = unpack(table, _open_cuda_ipc(document.cuda_ipc, table.total_bytes))
             return
-        if not _SHM_NAME.fullmatch(document.shm):
-            raise InvalidRequestError(
-                f"shared-memory segment names start with 'miles-' (letters, digits, ._-): {document.shm!r}"
-            )
         self._fd, size = open_segment(document.shm, table.total_bytes)
         try:
             check(table)
@@ -160,34 +152,6 @@ class TensorBucket:
         received = getattr(self, "received", None)
         if received is not None:
             received.close()
-
-
-def open_segment(name: str, needed: int) -> tuple[int, int]:
-    """An open descriptor of segment ``name`` and its size, refused unless it is a regular file
-    under /dev/shm holding at least ``needed`` bytes."""
-    path = SHM_DIR / name
-    try:
-        # Non-blocking: opening a FIFO for reading would wait for a writer that may never come.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise NotFoundError(
-            f"no shared-memory segment {name!r} on this node: the sender must run on the engine's node"
-        ) from None
-    except OSError as exc:
-        raise InvalidRequestError(f"shared-memory segment {name!r} cannot be opened: {exc.strerror}") from None
-    status = os.fstat(fd)
-    problem = None
-    if not stat.S_ISREG(status.st_mode):
-        problem = (
-            f"{name!r} in {SHM_DIR} is not a shared-memory segment (not a regular file); "
-            "push from miles.train.push.PushPublisher, which creates one"
-        )
-    elif status.st_size < needed or status.st_size == 0:
-        problem = f"segment {name!r} holds {status.st_size} bytes, fewer than the {needed} its table describes"
-    if problem is not None:
-        os.close(fd)
-        raise InvalidRequestError(problem)
-    return fd, status.st_size
 
 
 def _open_cuda_ipc(handle: CudaIpcHandle, needed: int) -> torch.Tensor:
@@ -229,6 +193,9 @@ class _Group:
     world_size: int
     store: dist.Store
     group: Any  # ProcessGroupGloo or ProcessGroupNCCL
+    # The fencing token of the call that joined it (None: an unfenced call); the group lasts as
+    # long as that token's window (``WeightGroups.follow``).
+    owner: int | None
     # Where broadcasts land: the engine's GPU with NCCL, the CPU with gloo.
     device: torch.device
     # Kept from one bucket to the next (its pages faulted in once), grown when a bucket is bigger.
@@ -254,14 +221,23 @@ class _JoinState:
 
     phase: str = "starting"
     abandoned: threading.Event = field(default_factory=threading.Event)
+    # The fencing token of the call that asked for it (see ``_Group.owner``).
+    owner: int | None = None
 
 
 class WeightGroups:
-    """The torch.distributed groups this engine joined to receive weights, by name."""
+    """The torch.distributed groups this engine joined to receive weights, by name.
+
+    A group joined by a fenced call (a training window's pusher) belongs to that call's window
+    and is left when the window closes, however it closes (``follow``): a pusher that died
+    mid-push never destroys its group, and the next window's pusher forms one of the same name."""
 
     def __init__(self, *, device: torch.device) -> None:
         self._device = device
         self._groups: dict[str, _Group] = {}
+        # The engine's fence as ``follow`` last saw it: a join whose window closed meanwhile
+        # keeps no group when it forms.
+        self._fence = FenceState(fence=0, window_open=False)
         # Groups being joined, by name and rank 0's address: the same join twice is refused, while a
         # new group of a name whose last join is still waiting on a rank 0 that gave up may form.
         self._joining: set[tuple[str, str, int]] = set()
@@ -278,14 +254,40 @@ class WeightGroups:
         with self._lock:
             return self._pending
 
-    async def join_within(self, request: InitWeightsUpdateGroupRequest) -> str:
+    def follow(self, fence: FenceState) -> list[str]:
+        """The engine's fence moved to ``fence``: leave every group whose window is over (joined
+        under a lower token, or under this one once its window closed). Returns their names."""
+        with self._lock:
+            # Fences only move forward, and a window that closed never opens again: a call that
+            # reports an older fence (its thread ran late) changes nothing.
+            seen = self._fence
+            if (fence.fence, not fence.window_open) > (seen.fence, not seen.window_open):
+                self._fence = fence
+            over = [name for name, g in self._groups.items() if self._is_over(g.owner)]
+        left = []
+        for name in over:
+            with contextlib.suppress(NotFoundError):  # destroyed meanwhile by its pusher
+                self.destroy(name)
+                left.append(name)
+        if left:
+            logger.info("left weight-update groups %s: their window is over", ", ".join(left))
+        return left
+
+    def _is_over(self, owner: int | None) -> bool:
+        """Whether the window of fencing token ``owner`` is over (call with ``_lock`` held)."""
+        if owner is None:
+            return False
+        return owner < self._fence.fence or (owner == self._fence.fence and not self._fence.window_open)
+
+    async def join_within(self, request: InitWeightsUpdateGroupRequest, *, owner: int | None = None) -> str:
         """``join`` on a thread of its own, answered within ``timeout_s`` (and a grace) whatever
         rank 0 does. torch's store handshake has no time limit of its own: a rank 0 that accepts
         the connection and never answers would hold the call (and a thread of the shared pool,
         which pauses, loads and checksums need) for as long as it liked. A join given up on
         leaves no group behind should it form later, and at most ``MAX_PENDING_JOINS`` may still
-        run (ConflictError past that)."""
-        state = _JoinState()
+        run (ConflictError past that). ``owner``: the fencing token of the call, whose window the
+        group lasts for."""
+        state = _JoinState(owner=owner)
         with self._lock:
             if self._pending >= MAX_PENDING_JOINS:
                 raise ConflictError(
@@ -395,13 +397,20 @@ class WeightGroups:
         with self._lock:
             if state.abandoned.is_set():  # its caller was answered already: the group goes with it
                 raise ConflictError(f"group {request.group_name!r} formed after its join was given up")
+            if self._is_over(state.owner):
+                raise ConflictError(
+                    f"group {request.group_name!r} formed after its training window closed; ask the controller "
+                    "for a new window"
+                )
             if request.group_name in self._groups:  # another join of the name formed first
                 raise ConflictError(
                     f"group {request.group_name!r} was joined meanwhile (at another rank 0); destroy it and join again"
                 )
             device = self._device if backend == "nccl" else torch.device("cpu")
             spare = self._spare.pop(device, None)
-            self._groups[request.group_name] = _Group(request.group_name, rank, world, store, group, device, spare)
+            self._groups[request.group_name] = _Group(
+                request.group_name, rank, world, store, group, state.owner, device, spare
+            )
         logger.info("joined weight-update group %s as rank %d of %d", request.group_name, rank, world)
         return f"joined group {request.group_name!r} as rank {rank} of {world}"
 

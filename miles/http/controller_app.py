@@ -8,7 +8,7 @@ are removed before forwarding: ``model`` on ``/generate`` (which model, when sev
 
 Operations: ``GET /health`` (200 while the fleet can serve, else 503), ``/metrics``, the status page
 at ``/`` (and its JSON at ``/status``),
-``POST /update_weights`` (+ ``/start``, ``/end``, ``/abort`` for training-driven windows),
+``POST /update_weights`` (+ ``/start``, ``/renew``, ``/end``, ``/abort`` for training-driven windows),
 ``POST/GET /events``, ``GET/PATCH /config``.
 """
 
@@ -112,6 +112,11 @@ class EndWindowRequest(_Strict):
     step: Step
     checkpoint: PathText | None = None
     weight_version: Label | None = None
+
+
+class RenewWindowRequest(_Strict):
+    token: Annotated[int, Field(strict=True)]
+    ttl_s: Annotated[float, Field(strict=True, ge=LEASE_TTL_MIN_S, le=LEASE_TTL_MAX_S)] | None = None
 
 
 class AbortWindowRequest(_Strict):
@@ -320,6 +325,11 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
             weight_version=request.weight_version,
         )
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.ok else 409)
+
+    @app.post("/update_weights/renew", dependencies=as_admin)
+    async def renew_window(request: RenewWindowRequest) -> dict[str, Any]:
+        window = await controller.renew_update_weights(request.token, ttl_s=request.ttl_s)
+        return window.model_dump(mode="json")
 
     @app.post("/update_weights/abort", dependencies=as_admin)
     async def abort_window(request: AbortWindowRequest) -> dict[str, Any]:

@@ -83,6 +83,9 @@ class InferenceControllerActor:
     async def end_update_weights(self, window: UpdateWindow | int, **kwargs: Any) -> UpdateResult:
         return await self.controller.end_update_weights(window, **kwargs)
 
+    async def renew_update_weights(self, window: UpdateWindow | int, **kwargs: Any) -> UpdateWindow:
+        return await self.controller.renew_update_weights(window, **kwargs)
+
     async def abort_update_weights(self, window: UpdateWindow | int, **kwargs: Any) -> UpdateResult:
         return await self.controller.abort_update_weights(window, **kwargs)
 

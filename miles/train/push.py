@@ -26,23 +26,20 @@ or the URL of its HTTP API (with ``MILES_ADMIN_TOKEN`` from the environment when
 from __future__ import annotations
 
 import asyncio
-import atexit
 import base64
+import contextlib
 import inspect
 import ipaddress
 import itertools
 import json
 import logging
-import mmap
 import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -58,13 +55,13 @@ from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEv
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable, layout, pack, plan
 from miles.weights.checksum import TensorDigest, checksum_from_digests, digest_tensor, saved_state_dict
 from miles.weights.safetensors_io import dtype_name
+from miles.weights.segments import SHM_DIR, Segment
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger("miles.train")
 
-SHM_DIR = Path("/dev/shm")
 GROUP_NAME = "miles_weight_push"
 # How an engine that cannot stage refuses a staged push (miles.engine.live_weights).
 _CANNOT_STAGE = "cannot stage pushed weights"
@@ -78,6 +75,8 @@ class Window:
     model_name: str
     credential: str | None
     servers: tuple[tuple[str, str], ...]  # (server id, engine URL)
+    # The lease, renewed while the push runs (``WindowClient.renew``).
+    ttl_s: float
     # The servers serve while the push stages; the commit swaps the weights in.
     staged: bool = False
 
@@ -125,8 +124,27 @@ class WindowClient:
             model_name=raw["model_name"],
             credential=raw.get("credential"),
             servers=tuple((s["server_id"], s["url"]) for s in raw["servers"]),
+            ttl_s=float(raw["ttl_s"]),
             staged=bool(raw.get("staged", False)),
         )
+
+    async def renew(self, window: Window) -> None:
+        """Extend the window's lease by its ``ttl_s`` from now."""
+        if isinstance(self._controller, str):
+            await self._http("/update_weights/renew", {"token": window.token})
+        else:
+            await self._call("renew_update_weights", window.token)
+
+    async def keep_alive(self, window: Window) -> None:
+        """Renew the window's lease every third of it until cancelled: the lease stays short (a
+        trainer that dies holds the fleet for one lease) however long the push takes. A renewal
+        that fails is logged and retried; the push itself fails if the window is gone."""
+        while True:
+            await asyncio.sleep(window.ttl_s / 3)
+            try:
+                await self.renew(window)
+            except Exception as exc:  # noqa: BLE001  # a heartbeat must not die of one failed beat
+                logger.warning("could not renew window %d: %s", window.token, exc)
 
     async def publish(self, event: InferenceEngineWeightChecksumEvent) -> None:
         if isinstance(self._controller, str):
@@ -220,7 +238,7 @@ class PushPublisher:
         path: TransferPath = TransferPath.AUTO,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         master_address: str = "127.0.0.1",
-        ttl_s: float = 120.0,
+        ttl_s: float = 10.0,
         timeout_s: float = 60.0,
         delta: bool = True,
         staged: bool = True,
@@ -246,12 +264,12 @@ class PushPublisher:
         # Move a published model's weights into shared memory (``share_memory``) on its first
         # publish that may go over shared memory.
         self.share_weights = share_weights
-        self._shared: _Segment | None = None
+        self._shared: Segment | None = None
         # The digest of every tensor the servers were last committed on (delta pushes).
         self._held: dict[str, str] | None = None
         self.last: PushStats | None = None
         self._http: httpx.AsyncClient | None = None
-        self._segment: _Segment | None = None
+        self._segment: Segment | None = None
         # The broadcast buffers, kept from one push to the next like the segment.
         self._broadcast_buffers: list[torch.Tensor] = []
 
@@ -262,13 +280,13 @@ class PushPublisher:
             self._http = httpx.AsyncClient(trust_env=False, timeout=self.timeout_s * 2 + 30)
         return self._http
 
-    async def segment(self, size: int) -> _Segment:
+    async def segment(self, size: int) -> Segment:
         """The shared-memory segment buckets are written into, kept from one push to the next
         (its pages are faulted in once, not per push); a bigger one replaces it when needed."""
         if self._segment is not None and self._segment.size < size:
             await self.drop_segment()
         if self._segment is None:
-            self._segment = await asyncio.to_thread(_Segment, size)
+            self._segment = await asyncio.to_thread(Segment, size)
         return self._segment
 
     def broadcast_buffers(self, count: int, size: int) -> list[torch.Tensor]:
@@ -279,7 +297,7 @@ class PushPublisher:
         return self._broadcast_buffers[:count]
 
     @property
-    def shared_segment(self) -> _Segment | None:
+    def shared_segment(self) -> Segment | None:
         """The segment ``share_memory`` moved a model's weights into, while it is there."""
         return self._shared
 
@@ -371,6 +389,7 @@ class PushPublisher:
         sending, unchanged, digests = await self._delta(named, held)
         window = await self.client.open(model_name=self.model_name, ttl_s=self.ttl_s, staged=staged)
         opened = time.perf_counter()
+        renewing = asyncio.create_task(self.client.keep_alive(window), name=f"renew-window-{window.token}")
         try:
             # Looks at /dev/shm and resolves this machine's addresses: off the loop.
             path = await asyncio.to_thread(self._choose, window)
@@ -395,6 +414,9 @@ class PushPublisher:
             if isinstance(exc, PublishError | asyncio.CancelledError):
                 raise
             raise PublishError(f"pushing step {step} failed: {exc}") from exc
+        finally:
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
         if ended.status != "committed":
             raise PublishError(f"the controller did not commit step {step}: {ended.status}: {ended.message}")
         stats.timings |= {"open": opened - started, "push": pushed - opened, "commit": time.perf_counter() - pushed}
@@ -456,6 +478,8 @@ class _Authorized:
 
 # Buckets smaller than this are packed on the event loop: a thread hop costs more.
 _INLINE_PACK_BYTES = 4 * 1024 * 1024
+# How long a group-forming thread whose store was dropped is waited for (it ends at once).
+_THREAD_END_S = 5.0
 
 
 async def _pack(named: Mapping[str, torch.Tensor], table: BucketTable, flat: torch.Tensor) -> BucketTable:
@@ -504,85 +528,6 @@ async def _post_all(
         raise PublishError(f"{path} failed: " + "; ".join(failures))
 
 
-# Segments of this process's, removed at exit if nobody closed them (a process killed outright
-# leaves them to the next pusher's sweep).
-_LIVE_SEGMENTS: set[Path] = set()
-
-
-@atexit.register
-def _remove_live_segments() -> None:
-    for path in list(_LIVE_SEGMENTS):
-        path.unlink(missing_ok=True)
-
-
-class _Segment:
-    """A shared-memory segment of this process's (``/dev/shm/miles-...``), removed by ``close``
-    (its memory stays mapped while a tensor views it).
-
-    Its pages are reserved when it is made: a /dev/shm too small for it is a PublishError here,
-    not a SIGBUS at the first write past what it can hold."""
-
-    def __init__(self, size: int) -> None:
-        _sweep_dead_segments()
-        self.size = size
-        self.name = f"miles-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.path = SHM_DIR / self.name
-        room = _room(SHM_DIR)
-        if room is not None and size > room:
-            raise PublishError(f"{SHM_DIR} has room for {room} bytes, not the {size} a push needs there: {_MORE_ROOM}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            try:
-                # Pages taken now: one that cannot be had later would be a SIGBUS at its first write.
-                os.posix_fallocate(fd, 0, max(size, 1))
-            except OSError as exc:
-                why = f"{SHM_DIR} cannot hold the {size} bytes of a push ({exc.strerror})"
-                raise PublishError(f"{why}: {_MORE_ROOM}") from None
-            self._map = mmap.mmap(fd, max(size, 1))
-        except BaseException:
-            self.path.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
-        self.flat = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.base = self.flat.data_ptr()
-        # Removed when closed, or when this process exits without closing it.
-        _LIVE_SEGMENTS.add(self.path)
-
-    def offset_of(self, tensor: torch.Tensor) -> int | None:
-        """Where ``tensor``'s bytes start in this segment, when they lie in it back to back."""
-        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.layout != torch.strided:
-            return None
-        start = tensor.data_ptr()
-        if self.base <= start and start + tensor.numel() * tensor.element_size() <= self.base + self.size:
-            return start - self.base
-        return None
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s storage lies in this segment (the tensor may be any view of it)."""
-        start = tensor.untyped_storage().data_ptr()
-        return tensor.device.type == "cpu" and self.base <= start < self.base + self.size
-
-    def close(self) -> None:
-        """Remove the file. The memory is unmapped once no tensor views it: tensors hold the map,
-        and closing it under them would leave them pointing at nothing."""
-        self.path.unlink(missing_ok=True)
-        _LIVE_SEGMENTS.discard(self.path)
-
-
-# What to do when /dev/shm is too small for a segment.
-_MORE_ROOM = "give it more room (a container's --shm-size), lower bucket_bytes, or push with path='distributed'"
-
-
-def _room(directory: Path) -> int | None:
-    """Bytes that can still be written under ``directory`` (None when unknown)."""
-    try:
-        status = os.statvfs(directory)
-    except OSError:
-        return None
-    return status.f_bavail * status.f_frsize
-
-
 def _shareable(module: torch.nn.Module) -> Iterator[torch.Tensor]:
     """The parameters and buffers of ``module`` that ``share_memory`` moves: dense CPU tensors
     holding any bytes."""
@@ -594,7 +539,7 @@ def _shareable(module: torch.nn.Module) -> Iterator[torch.Tensor]:
             yield tensor
 
 
-def _share(module: torch.nn.Module) -> _Segment | None:
+def _share(module: torch.nn.Module) -> Segment | None:
     """Move every CPU parameter and buffer of ``module`` into a new segment (each storage copied
     once, every tensor viewing it re-pointed, values unchanged); None when there is none."""
     storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
@@ -607,7 +552,7 @@ def _share(module: torch.nn.Module) -> _Segment | None:
     for storage, _ in storages.values():
         offsets.append(size)
         size += -(-storage.nbytes() // _SHARED_ALIGN) * _SHARED_ALIGN
-    segment = _Segment(size)
+    segment = Segment(size)
     with torch.no_grad():
         for (storage, tensors), at in zip(storages.values(), offsets, strict=True):
             place = segment.flat[at : at + storage.nbytes()]
@@ -620,20 +565,6 @@ def _share(module: torch.nn.Module) -> _Segment | None:
 
 # Where shared storages start: a cache line, which every dtype's alignment divides.
 _SHARED_ALIGN = 64
-
-
-def _sweep_dead_segments() -> None:
-    """Remove segments left by pushers that died mid-push (named after their process, which is gone)."""
-    for leftover in SHM_DIR.glob("miles-*-*"):
-        pid = leftover.name.split("-")[1]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            leftover.unlink(missing_ok=True)
-        except PermissionError:
-            continue  # another user's live process
 
 
 async def _stream(
@@ -871,6 +802,10 @@ class _DistributedPush:
                 # rather than when its timeout runs out, and end the thread forming it.
                 forming.add_done_callback(lambda f: f.cancelled() or f.exception())
                 del server
+                # Its thread ends at once now; a process that exits before it has ended aborts
+                # in c10d ("terminate called without an active exception").
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.gather(forming, return_exceptions=True), timeout=_THREAD_END_S)
                 raise refused
             group = await forming
         except (RuntimeError, dist.DistError):

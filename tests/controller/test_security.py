@@ -43,7 +43,12 @@ def roots(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     linked = shutil.copytree(checkpoints["v4"], allowed / "linked")
     (linked / "model.safetensors").unlink()
     os.symlink(outside / "v4" / "model.safetensors", linked / "model.safetensors")
-    return {"allowed": allowed, "outside": outside, "linked": linked}
+    # v2's weights outside the roots, and inside them through a link.
+    outside_v2 = shutil.copytree(checkpoints["v2"], outside / "v2")
+    linked_v2 = shutil.copytree(checkpoints["v2"], allowed / "linked-v2")
+    (linked_v2 / "model.safetensors").unlink()
+    os.symlink(outside_v2 / "model.safetensors", linked_v2 / "model.safetensors")
+    return {"allowed": allowed, "outside": outside, "linked": linked, "outside_v2": outside_v2, "linked_v2": linked_v2}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -63,6 +68,7 @@ ADMIN_CALLS = [
     ("POST", "/update_weights", {"checkpoint": "/nonexistent"}),
     ("POST", "/update_weights/start", {}),
     ("POST", "/update_weights/end", {"token": 1, "checksum": "c", "step": 1}),
+    ("POST", "/update_weights/renew", {"token": 1}),
     ("POST", "/update_weights/abort", {"token": 1}),
     (
         "POST",
@@ -260,6 +266,35 @@ async def test_a_staged_window_credential_cannot_change_what_its_servers_serve(
     assert cell.state.value == "serving"
     after = (await http.post("/generate", json=GREEDY, headers=headers)).json()
     assert after["text"] == before["text"]
+
+
+async def test_a_windows_checkpoint_outside_the_roots_is_refused_and_never_a_restart_point(
+    guarded, roots: dict[str, Path]
+) -> None:
+    """A window's ``checkpoint`` becomes its servers' restart point: it is held to the roots as a
+    disk update's checkpoint is (links resolved), refused with a 400 that leaves the window open."""
+    controller, http = guarded
+    v2 = read_manifest(roots["allowed"] / "v2")
+    window = (await http.post("/update_weights/start", json={"ttl_s": 30}, headers=bearer(ADMIN))).json()
+    url = window["servers"][0]["url"]
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as engine:
+        load = {"model_path": str(roots["allowed"] / "v2"), "weight_version": "300"}
+        pushed = await engine.post(f"{url}/update_weights_from_disk", json=load, headers=bearer(window["credential"]))
+        assert pushed.status_code == 200 and pushed.json()["success"], pushed.text
+    end = {"token": window["token"], "checksum": v2.checksum, "step": 300}
+    for escaping in (roots["outside_v2"], roots["linked_v2"]):
+        refused = await http.post(
+            "/update_weights/end", json={**end, "checkpoint": str(escaping)}, headers=bearer(ADMIN)
+        )
+        assert refused.status_code == 400, refused.text
+        assert "outside the allowed checkpoint roots" in refused.json()["error"]["message"]
+        assert controller.health().lock.held  # the window is still open
+    ended = await http.post("/update_weights/end", json=end, headers=bearer(ADMIN))
+    assert ended.status_code == 200 and ended.json()["status"] == "committed", ended.text
+    verified = controller.fleet.rollout(None).cell("tiny-0").verified
+    assert verified is not None and verified.checksum == v2.checksum
+    # Its restart point is none of them (the weights are written out by an engine instead).
+    assert verified.checkpoint not in (roots["outside_v2"], roots["linked_v2"])
 
 
 async def test_changing_a_safety_setting_is_logged(guarded) -> None:

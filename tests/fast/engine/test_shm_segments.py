@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from miles.engine.receiver import SHM_DIR, open_segment
 from miles.errors import InvalidRequestError, NotFoundError
 from miles.weights.buckets import from_file, layout, pack
+from miles.weights.segments import SHM_DIR, open_segment
 
 
 @pytest.fixture

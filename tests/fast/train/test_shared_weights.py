@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from miles.errors import PublishError
-from miles.train.push import SHM_DIR, PushPublisher, _Segment
+from miles.train.push import PushPublisher
 from miles.weights.checksum import checksum_module
+from miles.weights.segments import SHM_DIR, Segment
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
 
@@ -104,7 +105,7 @@ def test_a_segment_dev_shm_cannot_hold_is_refused_before_anything_is_written() -
     status = os.statvfs(SHM_DIR)
     too_big = status.f_blocks * status.f_frsize + 1
     with pytest.raises(PublishError, match="has room for .* give it more room"):
-        _Segment(too_big)
+        Segment(too_big)
     assert not ours()
 
 
