@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from miles.utils.progress_bars import disable_library_progress_bars
+
 TRAINER_CPU, FLEET_CPU = 0, 1
 
 
@@ -312,4 +314,5 @@ def _summary(rows: list[dict[str, Any]]) -> None:
 
 
 if __name__ == "__main__":
+    disable_library_progress_bars()  # the benchmark prints its own figures, not transformers' bars
     main()

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 import miles.weights.checksum as checksum_module
+from miles.utils.progress_bars import disable_library_progress_bars
 from miles.weights.checksum import checksum_safetensors, checksum_state_dict, copy_and_checksum, default_threads
 
 _HIDDEN = 1024
@@ -167,4 +168,5 @@ def copy_and_hash(
 
 
 if __name__ == "__main__":
+    disable_library_progress_bars()  # the benchmark prints its own figures, not transformers' bars
     main()

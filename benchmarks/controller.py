@@ -30,6 +30,7 @@ import httpx
 
 from miles.models.presets import init_checkpoint
 from miles.testing import running_controller
+from miles.utils.progress_bars import disable_library_progress_bars
 
 TOKEN = "bench-admin-" + "a" * 32
 KEY = "bench-key-" + "k" * 32
@@ -243,6 +244,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    disable_library_progress_bars()  # the benchmark prints its own figures, not transformers' bars
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)

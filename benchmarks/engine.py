@@ -46,6 +46,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from miles.models.presets import init_checkpoint
 from miles.models.tokenizer import PAD_TOKEN_ID
+from miles.utils.progress_bars import disable_library_progress_bars
 
 
 class Sampling(Enum):
@@ -323,4 +324,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    disable_library_progress_bars()  # the benchmark prints its own figures, not transformers' bars
     main()

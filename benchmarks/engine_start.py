@@ -29,6 +29,7 @@ from miles.models.presets import init_checkpoint
 from miles.rollout.engine_process import FORKSERVER_ENV, EngineProcess, engine_command, free_port
 from miles.rollout.state import ServerState
 from miles.testing import running_controller, wait_until
+from miles.utils.progress_bars import disable_library_progress_bars
 
 WAYS = {"forked": "1", "fresh interpreter": "0"}
 
@@ -96,6 +97,7 @@ def report(results: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
+    disable_library_progress_bars()  # the benchmark prints its own figures, not transformers' bars
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")

@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 from miles.inference_controller import InferenceController
 from miles.models.presets import init_checkpoint
 from miles.rollout.engine_process import free_port
+from miles.utils.progress_bars import disable_library_progress_bars
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -264,4 +265,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    disable_library_progress_bars()  # the benchmark prints its own figures, not transformers' bars
     sys.exit(main())

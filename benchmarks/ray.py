@@ -38,6 +38,7 @@ from miles.models.presets import init_checkpoint  # noqa: E402
 from miles.ray.cluster import LocalCluster, NodeSpec, connect  # noqa: E402
 from miles.rollout.state import ServerState  # noqa: E402
 from miles.testing import running_controller, wait_until  # noqa: E402
+from miles.utils.progress_bars import disable_library_progress_bars  # noqa: E402
 
 # The same request client as benchmarks/controller.py.
 _spec = importlib.util.spec_from_file_location("bench_controller", _HERE / "controller.py")
@@ -142,6 +143,7 @@ def report(results: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
+    disable_library_progress_bars()  # the benchmark prints its own figures, not transformers' bars
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--updates", type=int, default=20)

@@ -42,6 +42,7 @@ import torch
 from _common import BenchmarkError, Samples, check_response, engine_process, load_line, machine_line
 
 from miles.models.presets import get_preset, init_checkpoint
+from miles.utils.progress_bars import disable_library_progress_bars
 from miles.weights.checkpoint import open_checkpoint, read_manifest
 from miles.weights.checksum import checksum_state_dict
 
@@ -233,4 +234,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    disable_library_progress_bars()  # the benchmark prints its own figures, not transformers' bars
     main()

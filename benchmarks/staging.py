@@ -32,6 +32,7 @@ import torch
 from _common import BenchmarkError, check_response, engine_process, load_line, machine_line
 
 from miles.models.presets import get_preset, init_checkpoint
+from miles.utils.progress_bars import disable_library_progress_bars
 from miles.weights.checkpoint import read_manifest
 
 
@@ -102,4 +103,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    disable_library_progress_bars()  # the benchmark prints its own figures, not transformers' bars
     main()

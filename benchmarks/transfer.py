@@ -45,6 +45,7 @@ from miles.models.presets import init_checkpoint
 from miles.rollout.engine_process import free_port
 from miles.testing import running_controller
 from miles.train.push import PushPublisher, PushStats
+from miles.utils.progress_bars import disable_library_progress_bars
 from miles.weights.checksum import saved_state_dict
 
 # Seconds between two pushes measured alone (see ``one_fleet``).
@@ -76,6 +77,9 @@ RECEIVER = textwrap.dedent(
     flat = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(repeats):
         group.broadcast(flat, 0).wait()
+    # Torn down before the interpreter exits: a group whose threads are still running when the
+    # process ends aborts it ("terminate called without an active exception").
+    del group, store
     """
 )
 
@@ -316,4 +320,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    disable_library_progress_bars()  # the benchmark prints its own figures, not transformers' bars
     main()

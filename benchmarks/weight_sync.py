@@ -28,6 +28,7 @@ import transformers
 from miles.models.presets import get_preset, init_checkpoint
 from miles.rollout.engine_process import EngineProcess, engine_command, free_port
 from miles.testing import running_controller
+from miles.utils.progress_bars import disable_library_progress_bars
 from miles.weights.checkpoint import read_manifest
 
 
@@ -163,6 +164,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    disable_library_progress_bars()  # the benchmark prints its own figures, not transformers' bars
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="500m")
     parser.add_argument("--repeats", type=int, default=3)

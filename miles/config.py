@@ -8,14 +8,16 @@ changing it is refused with the reason.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from miles.errors import ConflictError, InvalidRequestError
+from miles.errors import ConflictError, InvalidRequestError, MilesError
 from miles.utils.http import DEFAULT_MAX_REQUEST_MIB
 
 
@@ -87,6 +89,9 @@ UPDATE_TIMEOUT_MAX_S = DAY
 
 # Shorter tokens can be guessed over a network in reasonable time.
 MIN_TOKEN_CHARS = 16
+# What an engine asks of a Ray cluster when nothing says otherwise: an engine's scheduler is one
+# busy thread, so one CPU; less where the cluster has fewer to share (miles.ray.placement).
+DEFAULT_CPUS_PER_ENGINE = 1.0
 
 
 def check_seconds(value: float, *, name: str, low: float, high: float) -> float:
@@ -138,6 +143,8 @@ FIXED_REASONS = {
     "num_cpus_per_engine": "engines were placed with it; restart to change it",
     "placement_strategy": "engines were placed with it; restart to change it",
     "max_request_mib": "the HTTP server was built with it; restart the controller to change it",
+    "http_head_timeout_s": "the HTTP server was built with it; restart the controller to change it",
+    "max_connections": "the HTTP server was built with it; restart the controller to change it",
 }
 
 
@@ -171,6 +178,14 @@ class ControllerSettings(BaseSettings):
     # The largest request body the controller reads (413 above it). Engines have their own limit
     # (the engine's --max-request-mib, in a model's engine_args), with the same default.
     max_request_mib: Annotated[int, Field(ge=1, le=1 << 16)] = DEFAULT_MAX_REQUEST_MIB
+    # How long a request's head (request line and headers) may take, from the connection or, between
+    # keep-alive requests, from its first byte: a slower one is answered 408 and closed. The
+    # connections the HTTP server holds at once (at most half the file-descriptor limit): one more
+    # closes the oldest that runs no request (a stalled head first), or gets 503 when all of them
+    # run one (miles.utils.connections, docs/SECURITY.md). Engines have their own (the engine's
+    # --http-head-timeout-s and --max-connections).
+    http_head_timeout_s: Annotated[float, Field(ge=0.1, le=10 * MINUTE)] = 10.0
+    max_connections: Annotated[int, Field(ge=8, le=1 << 20)] = 8192
     # Requests that may wait at once for a server (during a barrier update, for a version, for a
     # restart), and the bytes of request bodies held while being routed: one more gets 429 with
     # Retry-After rather than memory without bound.
@@ -204,7 +219,9 @@ class ControllerSettings(BaseSettings):
     # What each engine asks of the cluster (every model's default; a server spec may override):
     # fractions of a GPU share it (a trainer and an engine colocated).
     num_gpus_per_engine: Annotated[float, Field(ge=0, le=64)] = 0.0
-    num_cpus_per_engine: Annotated[float, Field(gt=0, le=1024)] = 1.0
+    # None: DEFAULT_CPUS_PER_ENGINE (one), except on a cluster `serve_controller` (`miles serve
+    # --ray`) starts itself, whose CPUs are split between the engines so that they all fit.
+    num_cpus_per_engine: Annotated[float, Field(gt=0, le=1024)] | None = None
     placement_strategy: PlacementStrategy = PlacementStrategy.PACK
     # How engines on other nodes read checkpoints named by path: in place when they see the same
     # files (auto), always in place (shared), or always shipped through the object store (ship).
@@ -270,3 +287,45 @@ class ControllerSettings(BaseSettings):
                 name: FIXED_REASONS.get(name, "fixed at start") for name in values if name not in RUNTIME_CHANGEABLE
             },
         }
+
+
+ENV_PREFIX = "MILES_"
+# Settings whose values an error never shows (it lands in terminals and logs).
+_CREDENTIAL_WORDS = ("token", "key", "secret", "password")
+
+
+class SettingsError(MilesError):
+    """A setting has a value miles cannot use; the message is one line that names where the value
+    came from (a flag, a ``MILES_*`` variable), what is wrong with it and so how to fix it."""
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError, *, flags: Mapping[str, str] | None = None) -> SettingsError:
+        """Every problem ``exc`` lists, each named as the user gave the value: ``flags[field]`` (the
+        flag a command turned into that field), else the field's ``MILES_*`` variable when it is
+        set (ControllerSettings), else the field's name (or the model's, for a whole-model check)."""
+        from_env = exc.title == ControllerSettings.__name__
+        problems = [_problem(error, title=exc.title, flags=flags or {}, from_env=from_env) for error in exc.errors()]
+        return cls("; ".join(problems))
+
+
+def _problem(error: ErrorDetails, *, title: str, flags: Mapping[str, str], from_env: bool) -> str:
+    loc = [str(part) for part in error["loc"]]
+    name = loc[0] if loc else ""
+    variable = f"{ENV_PREFIX}{name.upper()}"
+    if name in flags:
+        source = flags[name]
+    elif from_env and name and variable in os.environ:
+        source = variable
+    else:
+        source = ".".join(loc) or title
+    if error["type"] == "extra_forbidden":
+        message = "there is no such setting"
+    else:
+        message = error["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        message = message[:1].lower() + message[1:]
+    shown = ""
+    if loc and error["type"] != "missing" and not any(word in name.lower() for word in _CREDENTIAL_WORDS):
+        value = repr(error.get("input"))
+        shown = f"={value if len(value) <= 80 else value[:77] + '...'}"
+    # One line whatever the validator wrote.
+    return f"{source}{shown}: {' '.join(message.split())}"

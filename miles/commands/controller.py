@@ -12,13 +12,14 @@ from typing import Annotated, Any
 
 import httpx
 import typer
+from pydantic import ValidationError
 from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from miles.commands.health_view import health_view
-from miles.config import PlacementStrategy, UpdatePauseMode, UpdateStrategy
+from miles.config import ControllerSettings, PlacementStrategy, SettingsError, UpdatePauseMode, UpdateStrategy
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_SERVER_CLS = "miles.rollout.sft_rollout.SFTRollout"
@@ -26,6 +27,17 @@ UrlOption = Annotated[str, typer.Option(help="The controller's base URL.", envva
 
 
 SGLANG_SERVER_CLS = "miles.rollout.sglang_rollout.SGLangRollout"
+# The settings ``serve``'s flags set, by flag: a bad value is named as the user gave it.
+SERVE_FLAGS = {
+    "host": "--host",
+    "port": "--port",
+    "events_dir": "--events-dir",
+    "allowed_checkpoint_roots": "--allowed-checkpoint-root",
+    "ray_address": "--address",
+    "num_gpus_per_engine": "--gpus-per-engine",
+    "num_cpus_per_engine": "--cpus-per-engine",
+    "placement_strategy": "--placement-strategy",
+}
 
 
 def serve(
@@ -70,7 +82,13 @@ def serve(
     gpus_per_engine: Annotated[
         float | None, typer.Option(help="With --ray: GPUs per engine (a fraction shares one).")
     ] = None,
-    cpus_per_engine: Annotated[float | None, typer.Option(help="With --ray: CPUs per engine.")] = None,
+    cpus_per_engine: Annotated[
+        float | None,
+        typer.Option(
+            help="With --ray: CPUs per engine (fractions allowed; default 1, or an equal share of the CPUs of "
+            "the cluster miles starts itself when there are fewer)."
+        ),
+    ] = None,
     placement_strategy: Annotated[
         PlacementStrategy | None, typer.Option(help="With --ray: PACK or SPREAD the engines over nodes.")
     ] = None,
@@ -96,6 +114,16 @@ def serve(
     if not ray and any(v is not None for v in ray_options.values()):
         raise typer.BadParameter("--address and the placement options need --ray")
     overrides |= {k: v for k, v in ray_options.items() if v is not None}
+    if ray:
+        overrides["runtime"] = "ray"
+    # Every setting checked before anything starts (flags and MILES_* variables alike), and a
+    # bad one named as it was given.
+    try:
+        settings = ControllerSettings(**overrides)
+    except ValidationError as exc:
+        raise SettingsError.from_validation(
+            exc, flags={k: SERVE_FLAGS[k] for k in overrides if k in SERVE_FLAGS}
+        ) from None
     fleet_spec = _fleet_spec(checkpoint, servers=servers, server_cls=server_cls, attach=attach or [], fleet=fleet)
     console.print(f"starting {', '.join(fleet_spec)} ...")
     stopped = threading.Event()
@@ -106,7 +134,7 @@ def serve(
         return
     from miles.inference_controller import InferenceController
 
-    with InferenceController(fleet_spec, **overrides) as controller:
+    with InferenceController(fleet_spec, settings=settings) as controller:
         report = controller.health()
         console.print(f"[green]serving[/] {', '.join(report.models)} at {controller.url} (Ctrl-C to stop)")
         stopped.wait()

@@ -34,7 +34,7 @@ from miles.config import (
 from miles.controller.events import ControllerEvents
 from miles.controller.fleet import DEFAULT_SERVER_CLS, Fleet, health_from, normalize_specs
 from miles.controller.gate import CheckpointRejected, admit_checkpoint, refused_plain_message
-from miles.controller.health import FleetHealth, lock_health, model_health, overall, server_health
+from miles.controller.health import FleetHealth, ResumedFrom, lock_health, model_health, overall, server_health
 from miles.controller.published import PublishedChecksums
 from miles.controller.results import (
     ServerOutcome,
@@ -44,6 +44,7 @@ from miles.controller.results import (
     UpdateWindow,
     WindowServer,
 )
+from miles.controller.resume import history, resume_point
 from miles.controller.router import Router
 from miles.controller.transaction import Target, WeightUpdate
 from miles.controller.windows import (
@@ -58,11 +59,11 @@ from miles.controller.windows import (
     refusal,
     set_window,
 )
-from miles.errors import ConflictError, InvalidRequestError, LockTimeoutError, MilesError
+from miles.errors import ConflictError, EventLogError, InvalidRequestError, LockTimeoutError, MilesError
 from miles.protocol.auth import window_credential
 from miles.rollout.rollout import Rollout
 from miles.rollout.state import ServerState
-from miles.utils.audit_utils.event_logger.logger import EventLogger
+from miles.utils.audit_utils.event_logger.logger import EventLogger, read_events
 from miles.utils.context_lock import ContextLock, enforce_lock_discipline, lock_exempt, requires_lock, with_lock
 from miles.utils.weight_version import version_number
 
@@ -112,6 +113,8 @@ class AsyncInferenceController:
         self._update_listeners: list[Callable[[UpdateResult], None]] = []
         self._started_at = time.time()
         self._closed = False
+        # Per model, where it resumed from its event log (``_resume``), for /health.
+        self._resumed: dict[str, ResumedFrom] = {}
 
     # --- settings ------------------------------------------------------------------------------
 
@@ -155,7 +158,53 @@ class AsyncInferenceController:
             policy=lambda: self._settings.routing_policy,
             max_waiting=lambda: self._settings.max_waiting_requests,
         )
+        await self._resume()
         await self.fleet.start()
+
+    @requires_lock
+    async def _resume(self) -> None:
+        """Started again on an event log: know what training published, start each model's
+        servers on the newest weights it committed that a copy on disk still holds, and never
+        commit a version at or below one it committed (miles.controller.resume)."""
+        directory = self._settings.events_dir
+        if directory is None:
+            return
+        # Reads (and for the copies, hashes) files: off the loop.
+        try:
+            past = history(await asyncio.to_thread(read_events, directory))
+        except EventLogError as exc:
+            # Not knowing what was committed, starting anyway could serve older weights than the
+            # log's, or commit a version it already committed.
+            raise MilesError(
+                f"the event log in {directory} cannot be read ({exc}); repair or move the file aside to "
+                "start without resuming from it"
+            ) from exc
+        for event in past.published:
+            self.published.observe(event)
+        roots = self._settings.allowed_checkpoint_roots
+        # Under roots, a copy an engine wrote out lies in the state directory (kept across
+        # restarts when MILES_STATE_DIR names one), which engines may read too.
+        state_dir = self.fleet.state_dir
+        readable = (*roots, *((state_dir,) if state_dir else ())) if roots else ()
+        for rollout in self.fleet.all():
+            model = past.models.get(rollout.model_name)
+            if model is None:
+                continue
+            point = await asyncio.to_thread(
+                resume_point, model, start_checkpoint=rollout.spec.checkpoint, readable_roots=readable
+            )
+            if point is None:
+                continue
+            rollout.committed_high = model.committed_high
+            rollout.resume_from = point.verified
+            self._resumed[rollout.model_name] = point.reported
+            logger.info(
+                "%s resumes from its event log: version %s at %s%s",
+                rollout.model_name,
+                point.reported.weight_version or "(start checkpoint)",
+                point.reported.checkpoint or rollout.spec.checkpoint,
+                f" ({point.reported.note})" if point.reported.note else "",
+            )
 
     @lock_exempt
     async def close(self) -> None:
@@ -540,9 +589,12 @@ class AsyncInferenceController:
             expires_at=datetime.now(UTC) + timedelta(seconds=ttl_s),
             ttl_s=ttl_s,
             pause_mode=pause_mode,
+            # Servers whose engines died while the window opened are not pushed to: they restart
+            # on what the window commits.
             servers=tuple(
                 WindowServer(server_id=s.server_id, url=s.url or "", weight_version=s.weight_version)
                 for s in update.rollout.snapshot()
+                if s.server_id in update.live(update.server_ids)
             ),
             credential=window_credential(self._engine_secret, update.token),
             staged=staged,
@@ -592,7 +644,7 @@ class AsyncInferenceController:
         for name in self.fleet.model_names:
             snapshots = self.fleet.snapshots(name)
             accepting = self.router.gate_open(name) if self.router else True
-            models[name] = model_health(name, snapshots, accepting=accepting)
+            models[name] = model_health(name, snapshots, accepting=accepting, resumed_from=self._resumed.get(name))
             for snap in snapshots:
                 outstanding = self.router.outstanding(snap.server_id) if self.router else 0
                 servers.append(server_health(snap, in_flight=outstanding, now=now))

@@ -7,6 +7,7 @@ every event the controller emits is written in one place.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from miles.config import SAFETY_SETTINGS, ControllerSettings
 from miles.controller.results import UpdateResult
@@ -22,6 +23,7 @@ from miles.utils.audit_utils.event_logger.models import (
     LockReleasedEvent,
     ServerStateChangedEvent,
     SettingsChangedEvent,
+    WeightsWrittenOutEvent,
     WeightUpdateAbortedEvent,
     WeightUpdateCommittedEvent,
     WeightUpdateStartedEvent,
@@ -51,6 +53,13 @@ class ControllerEvents:
             print_log=False,
         )
         self._fleet_changed()
+
+    def weights_written_out(self, model_name: str, checksum: str, checkpoint: Path) -> None:
+        self.logger.log(
+            WeightsWrittenOutEvent,
+            {"model_name": model_name, "checksum": checksum, "checkpoint": str(checkpoint)},
+            print_log=False,
+        )
 
     def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
         self._checksum(
@@ -139,6 +148,7 @@ class ControllerEvents:
                     "duration_s": result.duration_s,
                     "timings": result.timings,
                     "serving_blocked_s": result.serving_blocked_s,
+                    "checkpoint": result.checkpoint,
                 },
                 print_log=False,
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import re
 import shutil
 import tempfile
@@ -18,12 +19,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from miles.config import ControllerSettings, PlacementStrategy, RuntimeKind
+from miles.config import DEFAULT_CPUS_PER_ENGINE, ControllerSettings, PlacementStrategy, RuntimeKind
 from miles.errors import CheckpointError, InvalidRequestError, MilesError, NotFoundError
 from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutObserver
 from miles.rollout.spec import EngineUrls, HealthSettings, RolloutSpec, SGLangServerArgs
 from miles.rollout.state import ServerSnapshot
 from miles.weights.checkpoint import read_manifest
+
+logger = logging.getLogger("miles.controller")
 
 DEFAULT_SERVER_CLS = "miles.rollout.sft_rollout.SFTRollout"
 
@@ -180,7 +183,9 @@ class Fleet:
             # Attached servers run wherever their owner started them.
             runtime=RuntimeKind.LOCAL if spec.urls else settings.runtime,
             num_gpus_per_engine=_given(spec.num_gpus_per_engine, settings.num_gpus_per_engine),
-            num_cpus_per_engine=_given(spec.num_cpus_per_engine, settings.num_cpus_per_engine),
+            num_cpus_per_engine=_given(
+                spec.num_cpus_per_engine, _given(settings.num_cpus_per_engine, DEFAULT_CPUS_PER_ENGINE)
+            ),
             placement_strategy=spec.placement_strategy or settings.placement_strategy,
             checkpoint_transfer=settings.checkpoint_transfer,
             ray_address=settings.ray_address,
@@ -233,8 +238,15 @@ class Fleet:
         await asyncio.to_thread(self._remove_state_dir)
 
     def _remove_state_dir(self) -> None:
-        if self._owned_state_dir is not None:
+        if self._owned_state_dir is None:
+            return
+        # Every engine is stopped by now. A second pass removes what a process that was still
+        # ending wrote meanwhile (rmtree ignores a directory that filled up behind it).
+        for _ in range(2):
             shutil.rmtree(self._owned_state_dir, ignore_errors=True)
+            if not self._owned_state_dir.exists():
+                return
+        logger.warning("could not remove the controller's state directory %s", self._owned_state_dir)
 
     def set_health(self, health: HealthSettings) -> None:
         for server in self._servers.values():

@@ -52,6 +52,26 @@ class ServerHealth(BaseModel):
     pid: int | None
 
 
+class ResumedFrom(BaseModel):
+    """Where a model's servers started when the controller resumed from its event log: the
+    newest committed weights a copy on disk still holds (miles.controller.resume)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    # The weights resumed (None when no committed weights had a copy: the start checkpoint).
+    weight_version: str | None = None
+    step: int | None = None
+    checksum: str | None = None
+    checkpoint: str | None = None
+    update_id: str | None = None
+    committed_at: datetime | None = None
+    # The version the log committed last, and the highest integer one (updates must beat it).
+    last_committed_version: str
+    committed_high: int | None = None
+    # Why what was resumed is not the version committed last, when it is not.
+    note: str | None = None
+
+
 class ModelHealth(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -62,6 +82,8 @@ class ModelHealth(BaseModel):
     serving: int
     total: int
     accepting_requests: bool  # False while a barrier update holds requests at the router
+    # Set when the controller started again on an event log that had committed updates.
+    resumed_from: ResumedFrom | None = None
 
 
 class LockHealth(BaseModel):
@@ -125,7 +147,9 @@ def server_health(snapshot: ServerSnapshot, *, in_flight: int, now: float) -> Se
     )
 
 
-def model_health(model_name: str, snapshots: list[ServerSnapshot], *, accepting: bool) -> ModelHealth:
+def model_health(
+    model_name: str, snapshots: list[ServerSnapshot], *, accepting: bool, resumed_from: ResumedFrom | None = None
+) -> ModelHealth:
     serving = [s for s in snapshots if s.state is ServerState.SERVING]
     versions: dict[str, int] = {}
     for snap in serving:
@@ -138,6 +162,7 @@ def model_health(model_name: str, snapshots: list[ServerSnapshot], *, accepting:
         serving=len(serving),
         total=len(snapshots),
         accepting_requests=accepting,
+        resumed_from=resumed_from,
     )
 
 

@@ -44,7 +44,10 @@ class ServerStep(StrEnum):
     REFUSED = "refused"  # refused the new weights before touching its own (nothing changed)
     CONFIRMED = "confirmed"  # reported exactly the expected checksum
     MISMATCHED = "mismatched"  # reported another checksum: quarantined
-    FAILED = "failed"  # a call to it failed (it died, timed out or answered an error)
+    FAILED = "failed"  # a call to it failed (it timed out or answered an error)
+    # Its engine died during the update: a crash like any other, restarted on the weights the
+    # update ended with (the new ones once the others committed them), never a reason to fail them.
+    CRASHED = "crashed"
     ADMITTED = "admitted"  # serving the new version
     RESTORED = "restored"  # back on its last verified weights
 

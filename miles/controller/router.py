@@ -2,7 +2,8 @@
 
 The router only ever hands out ``SERVING`` servers. While a barrier update holds a model's gate
 closed, requests for it wait instead of failing; a request with ``min_weight_version`` waits for a
-server at that version or later. It counts outstanding requests per server (for the
+server at that version or later (refused at once when no server could reach it: a label that is no
+integer only matches itself). It counts outstanding requests per server (for the
 least-outstanding policy and for health) and keeps sessions on the server they started on while
 that server serves.
 
@@ -25,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from miles.config import RoutingPolicy
-from miles.errors import ControllerBusyError, UnavailableError
+from miles.errors import ControllerBusyError, InvalidRequestError, UnavailableError
 from miles.rollout.state import ServerSnapshot, ServerState
-from miles.utils.weight_version import at_least
+from miles.utils.weight_version import at_least, comparable
 
 _MAX_SESSIONS = 10_000
 
@@ -162,6 +163,8 @@ class Router:
             while True:
                 if self._closed is not None:
                     raise NoServerAvailableError(self._closed, model=model_name)
+                if min_weight_version is not None:
+                    self._check_reachable(model_name, min_weight_version)
                 gate = self._gate(model_name)
                 if gate.is_set():
                     lease = self._pick(model_name, session_id, min_weight_version, exclude)
@@ -272,6 +275,20 @@ class Router:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(timeout_s, 1.0))
             except TimeoutError:
                 pass  # re-check anyway: a bounded wait guards against a missed notification
+
+    def _check_reachable(self, model_name: str, min_version: str) -> None:
+        """Refuse (InvalidRequestError) a minimum version that no server of the model could meet
+        by waiting: none holds it, nor an integer version when it is one. Waiting for "0" while
+        every server serves "abc" would wait out the whole request timeout."""
+        held = sorted({s.weight_version for s in self._servers(model_name) if s.weight_version is not None})
+        if held and not any(comparable(v, min_version) for v in held):
+            raise InvalidRequestError(
+                f"min_weight_version {min_version!r} cannot be compared with the weight versions of model "
+                f"{model_name!r} ({', '.join(map(repr, held))}): integer versions are ordered, any other label "
+                "only matches itself; ask for a version the servers hold, or an integer one once they serve one",
+                model=model_name,
+                min_weight_version=min_version,
+            )
 
     def _why_none(self, model_name: str, min_version: str | None, gate_open: bool) -> str:
         if not gate_open:

@@ -38,7 +38,7 @@ from miles.controller.results import (
 from miles.controller.router import Router
 from miles.errors import MilesError
 from miles.protocol.sglang import PauseMode
-from miles.rollout.engine_client import WeightsChecksum
+from miles.rollout.engine_client import EngineCallError, WeightsChecksum
 from miles.rollout.rollout import Rollout
 from miles.rollout.state import ServerState, VerifiedWeights
 from miles.utils.weight_version import newest, version_number
@@ -63,6 +63,10 @@ class ServerProgress:
 
     def fail(self, error: str) -> None:
         self.step = ServerStep.FAILED
+        self.error = self.error or error
+
+    def crash(self, error: str) -> None:
+        self.step = ServerStep.CRASHED
         self.error = self.error or error
 
 
@@ -167,6 +171,7 @@ class WeightUpdate:
     async def take_out(self, server_ids: list[str], *, pause: bool = True) -> None:
         """Stop routing to the servers, then pause them (in-flight work per the pause mode), unless
         ``pause`` is False (their engines pause themselves for a staged swap: ``activate``)."""
+        server_ids = self.live(server_ids)  # those whose engines died are restarting already
         for server_id in server_ids:
             self.rollout.begin_update(server_id, reason=f"update {self.update_id} to {self.weight_version}")
             self.progress[server_id].step = ServerStep.TAKEN_OUT
@@ -288,6 +293,34 @@ class WeightUpdate:
             await self._each(paused, "resume", lambda sid: self.rollout.resume(sid, fence=self.token))
         self.router.fleet_changed()
 
+    async def restart_crashed(self, server_ids: list[str]) -> None:
+        """Bring servers whose engines died during the update back on the weights it committed
+        (their peers were confirmed on them); a restart that fails is recorded on its server,
+        which stays out of serving until the supervisor brings it up on those weights."""
+        target = self._target()
+        verified = VerifiedWeights(
+            checkpoint=target.checkpoint,
+            weight_version=target.weight_version,
+            checksum=target.checksum,
+            step=target.step,
+        )
+
+        async def one(server_id: str) -> None:
+            note = self.progress[server_id]
+            try:
+                await self.rollout.restart_on(
+                    server_id, verified, reason=f"its engine died during update {self.update_id}", fence=self.token
+                )
+            except MilesError as exc:
+                note.error = f"{note.error}; restarting it on {target.weight_version} failed: {exc.message}"
+                return
+            note.step = ServerStep.ADMITTED
+            note.error = f"{note.error}; restarted on {target.weight_version}, checksum confirmed"
+
+        with self.timed("restart"):
+            await asyncio.gather(*(one(sid) for sid in server_ids))
+        self.router.fleet_changed()
+
     async def roll_back(self, server_ids: list[str], *, reason: str) -> None:
         """Put servers back on their last verified weights (they serve those again)."""
 
@@ -309,15 +342,30 @@ class WeightUpdate:
     # --- what happened -------------------------------------------------------------------------
 
     def refused_by_all(self, server_ids: list[str]) -> bool:
-        """Whether every server refused the weights before touching its own (nothing changed)."""
-        return all(self.progress[sid].step is ServerStep.REFUSED for sid in server_ids)
+        """Whether every server that did not crash refused the weights before touching its own
+        (nothing changed)."""
+        live = self.live(server_ids)
+        return bool(live) and all(self.progress[sid].step is ServerStep.REFUSED for sid in live)
 
     def confirmed(self, server_ids: list[str]) -> list[str]:
         return [sid for sid in server_ids if self.progress[sid].step is ServerStep.CONFIRMED]
 
+    def crashed(self, server_ids: list[str]) -> list[str]:
+        """The servers whose engines died during the update."""
+        return [sid for sid in server_ids if self.progress[sid].step is ServerStep.CRASHED]
+
+    def live(self, server_ids: list[str]) -> list[str]:
+        """The servers whose engines did not die during the update."""
+        return [sid for sid in server_ids if self.progress[sid].step is not ServerStep.CRASHED]
+
     def failed(self, server_ids: list[str]) -> list[str]:
-        """The servers that did not confirm the new weights (refused, mismatched, failed)."""
-        return [sid for sid in server_ids if self.progress[sid].step not in (ServerStep.CONFIRMED, ServerStep.ADMITTED)]
+        """The servers that did not confirm the new weights (refused, mismatched, failed), not
+        counting those that crashed: a crash fails no update, the server restarts on its outcome."""
+        return [
+            sid
+            for sid in self.live(server_ids)
+            if self.progress[sid].step not in (ServerStep.CONFIRMED, ServerStep.ADMITTED)
+        ]
 
     def checkpoint_checksums(self) -> set[str]:
         """What refusing servers computed the checkpoint's weights to hash to."""
@@ -371,14 +419,18 @@ class WeightUpdate:
                 await self.roll_back(ids, reason=f"update {self.update_id} refused by every server")
                 return UpdateStatus.REJECTED
             await self.confirm(ids)
-            if self.failed(ids):
+            if self.failed(ids) or not self.confirmed(ids):
                 # All-or-nothing: a barrier update never leaves the fleet on two versions.
-                await self.roll_back(ids, reason=f"update {self.update_id} failed on {', '.join(self.failed(ids))}")
+                why = ", ".join(self.failed(ids)) or "every server's engine died"
+                await self.roll_back(ids, reason=f"update {self.update_id} failed on {why}")
                 return UpdateStatus.ROLLED_BACK
-            await self.admit(ids)
-            return UpdateStatus.COMMITTED
+            await self.admit(self.confirmed(ids))
         finally:
             self.router.open_gate(self.model_name)
+        # Servers whose engines died meanwhile come back on the committed weights, serving while
+        # the others already do.
+        await self.restart_crashed(self.crashed(ids))
+        return UpdateStatus.COMMITTED
 
     async def run_rolling(self, checkpoint: Path, *, batch_size: int) -> UpdateStatus:
         """At most ``batch_size`` servers leave the router at a time; the first failure halts."""
@@ -397,9 +449,13 @@ class WeightUpdate:
                 await self.admit(good)
                 committed.extend(good)
             bad = self.failed(batch)
-            if bad:
-                await self.roll_back(bad, reason=f"update {self.update_id} failed on {', '.join(bad)}")
+            if bad or not committed:
+                # Servers whose engines died go back with the failed ones, on their verified weights.
+                back = bad + self.crashed(batch)
+                why = ", ".join(bad) or "every server's engine died"
+                await self.roll_back(back, reason=f"update {self.update_id} failed on {why}")
                 return UpdateStatus.PARTIAL if committed else UpdateStatus.ROLLED_BACK
+            await self.restart_crashed(self.crashed(batch))
         return UpdateStatus.COMMITTED
 
     # --- internals -----------------------------------------------------------------------------
@@ -423,10 +479,25 @@ class WeightUpdate:
             try:
                 await call(server_id)
             except MilesError as exc:
-                logger.warning("update %s: %s failed on %s: %s", self.update_id, action, server_id, exc)
-                self.progress[server_id].fail(f"{action} failed: {exc.message}")
+                await self.record_failure(server_id, action, exc)
 
         await asyncio.gather(*(guarded(sid) for sid in server_ids))
+
+    async def record_failure(self, server_id: str, action: str, exc: MilesError) -> bool:
+        """Record that ``action`` failed on the server: a crash when nobody answered and its
+        engine's process has ended (True), else a failure (False)."""
+        note = self.progress[server_id]
+        if isinstance(exc, EngineCallError) and exc.status_code is None and await self.rollout.died(server_id):
+            logger.warning("update %s: the engine of %s died (%s failed: %s)", self.update_id, server_id, action, exc)
+            note.crash(f"its engine died ({action} failed: {exc.message})")
+            # Out of routing at once (a staged window's servers serve meanwhile); restarted by
+            # ``restart_crashed`` on a commit, else by the supervisor once the lock is free.
+            self.rollout.lost(server_id, reason=f"its engine died during update {self.update_id}")
+            self.router.fleet_changed()
+            return True
+        logger.warning("update %s: %s failed on %s: %s", self.update_id, action, server_id, exc)
+        note.fail(f"{action} failed: {exc.message}")
+        return False
 
     def _outcomes(self) -> tuple[ServerOutcome, ...]:
         outcomes = []

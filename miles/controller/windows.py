@@ -26,7 +26,7 @@ from pathlib import Path
 from miles.controller.gate import restart_point_problem, roots_problem
 from miles.controller.results import ChecksumSource, UpdateResult, UpdateStatus, UpdateWindow
 from miles.controller.transaction import Target, WeightUpdate
-from miles.errors import CheckpointError, ConflictError, InvalidRequestError, MilesError
+from miles.errors import CheckpointError, ConflictError, InvalidRequestError, MilesError, UnavailableError
 from miles.rollout.engine_client import EngineCallError
 from miles.rollout.rollout import Rollout
 from miles.rollout.state import ServerState
@@ -179,9 +179,13 @@ async def commit(update: WeightUpdate) -> UpdateStatus | Refused:
     """
     ids = update.server_ids
     await update.confirm(ids)
-    if update.failed(ids):
-        return Refused(reason=f"checksum not confirmed on {', '.join(update.failed(ids))}", message="")
-    await update.admit(ids)
+    if update.failed(ids) or not update.confirmed(ids):
+        why = ", ".join(update.failed(ids)) or "any server: every server's engine died"
+        return Refused(reason=f"checksum not confirmed on {why}", message="")
+    await update.admit(update.confirmed(ids))
+    # Servers whose engines died during the window come back on the committed weights (copied
+    # from a peer that holds them when they are on no disk).
+    await update.restart_crashed(update.crashed(ids))
     return UpdateStatus.COMMITTED
 
 
@@ -190,18 +194,25 @@ async def set_window(update: WeightUpdate, *, open_: bool, staged: bool = False)
     a ``staged`` window's credential may only stage (its servers serve meanwhile).
 
     Closing cannot fail the caller: an engine that cannot be told (it died) is restarted before it
-    serves again, and a new process knows no window.
+    serves again, and a new process knows no window. Opening skips servers whose engines died
+    during the update (and records those that die now): the window is their peers'.
     """
 
     async def one(server_id: str) -> None:
         try:
             await update.rollout.fence(server_id, update.token, window_open=open_, staged=staged)
         except MilesError as exc:
-            if open_:
+            if not open_:
+                logger.warning("could not close window %d on %s: %s", update.token, server_id, exc)
+            elif not await update.record_failure(server_id, "opening the window", exc):
                 raise
-            logger.warning("could not close window %d on %s: %s", update.token, server_id, exc)
 
-    await asyncio.gather(*(one(sid) for sid in update.server_ids))
+    await asyncio.gather(*(one(sid) for sid in update.live(update.server_ids)))
+    if open_ and not update.live(update.server_ids):
+        raise UnavailableError(
+            f"every server of model {update.model_name!r} died while the window opened; open one once they are back",
+            model=update.model_name,
+        )
 
 
 class WriteOuts:

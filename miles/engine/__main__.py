@@ -16,6 +16,8 @@ import uvicorn
 
 from miles.engine.settings import (
     API_KEY_ENV,
+    DEFAULT_HTTP_HEAD_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_QUEUED_REQUESTS,
     LAUNCHER_PID_ENV,
     SECRET_ENV,
@@ -23,7 +25,9 @@ from miles.engine.settings import (
     Forward,
     StagingMode,
 )
+from miles.utils.connections import ConnectionLimits, guarded_http
 from miles.utils.http import DEFAULT_MAX_REQUEST_MIB
+from miles.utils.progress_bars import disable_library_progress_bars
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 
@@ -103,6 +107,16 @@ def main(
     max_request_mib: Annotated[
         int, typer.Option(help="the largest request body the engine reads, in MiB (413 above it)")
     ] = DEFAULT_MAX_REQUEST_MIB,
+    http_head_timeout_s: Annotated[
+        float, typer.Option(help="seconds a request's head may take to arrive (408 and closed after)")
+    ] = DEFAULT_HTTP_HEAD_TIMEOUT_S,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            help="connections held at once: one more closes the oldest stalled head, or gets 503 when every "
+            "one runs a request"
+        ),
+    ] = DEFAULT_MAX_CONNECTIONS,
     snapshot_dir: Annotated[
         Path | None, typer.Option(help="enable POST /export_weights, writing checkpoints under this directory")
     ] = None,
@@ -112,6 +126,8 @@ def main(
     """Serve MODEL_PATH over SGLang's native HTTP API (subset) and OpenAI-compatible endpoints."""
     if exit_with_parent:
         _exit_with_parent()
+    # The log holds what the engine says, not a bar redrawn for every model it loads.
+    disable_library_progress_bars()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         secret = EngineSettings.credential_from_env(SECRET_ENV)
@@ -136,6 +152,8 @@ def main(
         allowed_checkpoint_roots=EngineSettings.roots_from_env(),
         snapshot_dir=snapshot_dir.expanduser().resolve() if snapshot_dir is not None else None,
         max_request_mib=max_request_mib,
+        http_head_timeout_s=http_head_timeout_s,
+        max_connections=max_connections,
         log_level=log_level,
         secret=secret,
         api_key=api_key,
@@ -161,6 +179,11 @@ def main(
         # that connection, which then fails with "server disconnected"; the server must outlast
         # the client's pool.
         timeout_keep_alive=75,
+        # uvicorn bounds neither a head's time nor the connections (miles.utils.connections).
+        http=guarded_http(
+            ConnectionLimits(head_timeout_s=settings.http_head_timeout_s, max_connections=settings.max_connections),
+            server="the engine (--max-connections)",
+        ),
     )
 
 

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 import setproctitle
 
 from miles.engine.settings import LAUNCHER_PID_ENV
+from miles.utils.progress_bars import disable_library_progress_bars
 
 
 def _write(out: TextIO, message: dict[str, Any]) -> None:
@@ -145,6 +146,8 @@ def main() -> None:
     # CUDA cannot be used in a process forked after it was initialized: asking whether a GPU is
     # there must go through NVML here, and the imports must leave CUDA alone.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    # Before the imports (the libraries read it then): every engine forked from here inherits it.
+    disable_library_progress_bars()
     try:
         import torch
 

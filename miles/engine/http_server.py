@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -24,7 +24,7 @@ from miles.engine.engine import Engine
 from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream
 from miles.engine.receiver import TensorBucket, WeightGroups
 from miles.errors import InvalidRequestError
-from miles.protocol.auth import FenceRequest
+from miles.protocol.auth import FenceRequest, FenceState
 from miles.protocol.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from miles.protocol.openai import (
     ChatCompletionRequest,
@@ -144,6 +144,20 @@ def create_app(engine: Engine) -> FastAPI:
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.success else 400)
 
     groups = WeightGroups(device=engine.device)
+    sweeps: set[asyncio.Task[list[str]]] = set()
+
+    async def window_moved(state: FenceState, *, swept: bool = False) -> None:
+        """A window that ended (closed, or overtaken by a newer one) takes its groups with it,
+        whoever ended it: its pusher may be dead. With ``swept``, the segments of pushers that
+        died go too, in the background: the answer (and the commit waiting on it) does not wait
+        for a look through /dev/shm."""
+        over = groups.follow(state)
+        if over:
+            await asyncio.to_thread(groups.leave, over)
+        if swept:
+            sweep = asyncio.create_task(asyncio.to_thread(sweep_segments), name="sweep-segments")
+            sweeps.add(sweep)
+            sweep.add_done_callback(_ended_sweep(sweeps))
 
     async def pushed(
         result: UpdateWeightsResponse, *, source: str, started: float, received: float | None = None
@@ -181,7 +195,7 @@ def create_app(engine: Engine) -> FastAPI:
         admit(access, http_request)
         # Nothing may change the weights between their swap and the controller's commit.
         access.close_window()
-        await asyncio.to_thread(groups.follow, access.state)
+        await window_moved(access.state)
         started = time.perf_counter()
         return await pushed(await engine.weights.activate_staged(request), source="activate", started=started)
 
@@ -190,7 +204,7 @@ def create_app(engine: Engine) -> FastAPI:
         admit(access, http_request)
         # Groups of windows that ended while this engine could not be told go first: their name
         # is free again for this window's pusher.
-        await asyncio.to_thread(groups.follow, access.state)
+        await window_moved(access.state)
         owner = grant_of(http_request)
         return GroupResponse(
             success=True, message=await groups.join_within(request, owner=owner.fence if owner else None)
@@ -285,10 +299,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def fence(request: FenceRequest, http_request: Request) -> dict[str, Any]:
         admit(access, http_request)
         state = access.move_fence(request)
-        # A window that ends (this call closes it, or opens a newer one) takes its groups with
-        # it, whoever ended it: its pusher may be dead. So do the segments of pushers that died.
-        await asyncio.to_thread(groups.follow, state)
-        await asyncio.to_thread(sweep_segments)
+        await window_moved(state, swept=not request.window_open)
         if not request.window_open:
             # A window ended: what it pushed but did not activate is dropped.
             await engine.weights.discard_push()
@@ -359,6 +370,15 @@ def create_app(engine: Engine) -> FastAPI:
     if unclassified:
         raise RuntimeError(f"routes {unclassified} are missing from miles.engine.access.ENDPOINTS; classify them")
     return app
+
+
+def _ended_sweep(sweeps: set[asyncio.Task[list[str]]]) -> Callable[[asyncio.Task[list[str]]], None]:
+    def ended(task: asyncio.Task[list[str]]) -> None:
+        sweeps.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("sweeping shared-memory segments failed: %s", task.exception())
+
+    return ended
 
 
 async def _native_stream(snapshots: AsyncIterator[GenerateResponse]) -> AsyncIterator[bytes]:

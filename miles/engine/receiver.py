@@ -229,7 +229,7 @@ class WeightGroups:
     """The torch.distributed groups this engine joined to receive weights, by name.
 
     A group joined by a fenced call (a training window's pusher) belongs to that call's window
-    and is left when the window closes, however it closes (``follow``): a pusher that died
+    and is left when the window closes, however it closes (``follow``, then ``leave``): a pusher that died
     mid-push never destroys its group, and the next window's pusher forms one of the same name."""
 
     def __init__(self, *, device: torch.device) -> None:
@@ -255,23 +255,26 @@ class WeightGroups:
             return self._pending
 
     def follow(self, fence: FenceState) -> list[str]:
-        """The engine's fence moved to ``fence``: leave every group whose window is over (joined
-        under a lower token, or under this one once its window closed). Returns their names."""
+        """The engine's fence moved to ``fence``: the names of the groups whose window is over
+        (joined under a lower token, or under this one once its window closed), for ``leave``.
+        Never blocks: it runs on the event loop at every fence move."""
         with self._lock:
             # Fences only move forward, and a window that closed never opens again: a call that
-            # reports an older fence (its thread ran late) changes nothing.
+            # reports an older fence changes nothing.
             seen = self._fence
             if (fence.fence, not fence.window_open) > (seen.fence, not seen.window_open):
                 self._fence = fence
-            over = [name for name, g in self._groups.items() if self._is_over(g.owner)]
+            return [name for name, g in self._groups.items() if self._is_over(g.owner)]
+
+    def leave(self, names: list[str]) -> None:
+        """Leave the groups ``names`` (blocking: a group's teardown joins its threads)."""
         left = []
-        for name in over:
+        for name in names:
             with contextlib.suppress(NotFoundError):  # destroyed meanwhile by its pusher
                 self.destroy(name)
                 left.append(name)
         if left:
             logger.info("left weight-update groups %s: their window is over", ", ".join(left))
-        return left
 
     def _is_over(self, owner: int | None) -> bool:
         """Whether the window of fencing token ``owner`` is over (call with ``_lock`` held)."""

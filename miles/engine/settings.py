@@ -15,6 +15,10 @@ from miles.utils.http import DEFAULT_MAX_REQUEST_MIB
 ALLOWED_ROOTS_ENV = "MILES_ALLOWED_CHECKPOINT_ROOTS"
 # A waiting sequence costs about 11 KB before its prompt: this many take a few hundred MB at most.
 DEFAULT_MAX_QUEUED_REQUESTS = 16384
+# A request head that takes longer is answered 408 and closed; the connections held at once (the
+# controller's pool opens at most 256 to one engine). miles.utils.connections.
+DEFAULT_HTTP_HEAD_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 2048
 # Credentials travel in the environment, never on the command line (which `ps` shows anyone).
 SECRET_ENV = "MILES_ENGINE_SECRET"
 API_KEY_ENV = "MILES_API_KEY"
@@ -73,6 +77,11 @@ class EngineSettings(BaseModel):
     health_generate_timeout_s: Annotated[float, Field(gt=0)] = 20.0
     # The largest request body the engine reads (413 above it).
     max_request_mib: Annotated[int, Field(ge=1, le=1 << 16)] = DEFAULT_MAX_REQUEST_MIB
+    # How long a request's head may take to arrive (408 and closed after), and how many
+    # connections the HTTP server holds at once (one more closes the oldest stalled head, or gets
+    # 503 when every one runs a request); at most half the file-descriptor limit.
+    http_head_timeout_s: Annotated[float, Field(ge=0.1, le=600)] = DEFAULT_HTTP_HEAD_TIMEOUT_S
+    max_connections: Annotated[int, Field(ge=8, le=1 << 20)] = DEFAULT_MAX_CONNECTIONS
     # Where POST /export_weights writes snapshots of the held weights; None disables the endpoint.
     snapshot_dir: Path | None = None
     log_level: str = "warning"

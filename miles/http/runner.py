@@ -11,6 +11,7 @@ import uvicorn
 from miles.controller.core import AsyncInferenceController
 from miles.errors import MilesError
 from miles.http.controller_app import create_app
+from miles.utils.connections import ConnectionLimits, guarded_http
 
 _GRACE_S = 10  # seconds (uvicorn takes whole seconds)
 
@@ -55,8 +56,12 @@ class HttpServer:
         self.host, self.port = self._socket.getsockname()[:2]
         # A bounded drain: requests still generating after this are cut at shutdown (waiting ones
         # were already ended by stop_routing), so stopping never hangs on a long generation.
+        # Heads get http_head_timeout_s and connections are capped at max_connections
+        # (miles.utils.connections: uvicorn bounds neither).
+        limits = ConnectionLimits(head_timeout_s=settings.http_head_timeout_s, max_connections=settings.max_connections)
         config = uvicorn.Config(
             create_app(controller),
+            http=guarded_http(limits, server="the controller (MILES_MAX_CONNECTIONS)"),
             log_level="warning",
             access_log=False,
             lifespan="on",

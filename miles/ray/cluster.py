@@ -30,14 +30,15 @@ logger = logging.getLogger("miles.ray")
 _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def connect(address: str | None = None, *, namespace: str = NAMESPACE) -> None:
-    """Join a Ray cluster unless this process already is connected to one.
+def connect(address: str | None = None, *, namespace: str = NAMESPACE) -> bool:
+    """Join a Ray cluster unless this process already is connected to one; True when it started a
+    new one (whose resources are then this process's alone to share out).
 
     ``address``: "auto" (the cluster started on this machine with ``ray start``), "HOST:PORT" (a
     head node's GCS address) or None (a new one-node cluster on loopback, stopped with the process).
     """
     if ray.is_initialized():
-        return
+        return False
     options: dict[str, Any] = {"namespace": namespace, "log_to_driver": False}
     if address is None:
         # A new cluster of this process alone: on loopback (see LocalCluster.start for why both).
@@ -51,6 +52,7 @@ def connect(address: str | None = None, *, namespace: str = NAMESPACE) -> None:
             options["_node_ip_address"] = "127.0.0.1"
     ray.init(**options)
     logger.info("connected to the Ray cluster at %s", ray.get_runtime_context().gcs_address)
+    return address is None
 
 
 def _on_loopback(address: str) -> bool:

@@ -14,21 +14,27 @@ the Ray runtime by default), and serves the HTTP API on its node as well.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import RayTaskError
 
 from miles.config import ControllerSettings, RuntimeKind
 from miles.controller.core import AsyncInferenceController
+from miles.controller.fleet import normalize_specs
 from miles.controller.health import FleetHealth
 from miles.controller.results import UpdateResult, UpdateWindow
+from miles.errors import MilesError
 from miles.http.runner import HttpServer
 from miles.ray.cluster import NAMESPACE, connect
+from miles.ray.placement import engine_cpu_share
 from miles.utils.audit_utils.event_logger.models import EVENT_ADAPTER
 
 CONTROLLER_NAME = "miles_inference_controller"
+logger = logging.getLogger("miles.ray")
 
 
 @ray.remote
@@ -127,11 +133,19 @@ def serve_controller(
     otherwise) and wait until it serves; returns its handle.
 
     ``detached``: the actor outlives this driver (stop it with ``close`` and ``ray.kill``).
-    Settings are validated here, so a bad one fails in the caller, not inside the actor.
+    Settings are validated here, so a bad one fails in the caller, not inside the actor. On a
+    cluster this call starts itself (no ``ray_address``, not connected yet), engines without a
+    ``num_cpus_per_engine`` of their own share its CPUs, less the actor's ``num_cpus``, at most
+    one each: a fleet the machine can hold is placed. A refusal from the actor (a placement the
+    cluster cannot give) is raised as the MilesError it is, without Ray's wrapping.
     """
     settings.setdefault("runtime", RuntimeKind.RAY)
-    ControllerSettings(**settings)  # raises ValidationError naming the bad setting
-    connect(settings.get("ray_address"), namespace=namespace)
+    validated = ControllerSettings(**settings)  # raises ValidationError naming the bad setting
+    started = connect(settings.get("ray_address"), namespace=namespace)
+    if started and validated.runtime is RuntimeKind.RAY and validated.num_cpus_per_engine is None:
+        settings["num_cpus_per_engine"] = _cpu_share(
+            rollout_server_cls, model_checkpoint, num_servers=num_servers, reserved=num_cpus
+        )
     actor = InferenceControllerActor.options(  # type: ignore[attr-defined]
         name=name,
         namespace=namespace,
@@ -149,10 +163,35 @@ def serve_controller(
     )
     try:
         ray.get(actor.start.remote())
-    except BaseException:
+    except BaseException as exc:
         ray.kill(actor)
+        if isinstance(exc, RayTaskError) and isinstance(exc.cause, MilesError):
+            raise exc.cause from None  # its message says what to change; the remote traceback does not
         raise
     return actor
+
+
+def _cpu_share(
+    rollout_server_cls: str | Mapping[str, Any],
+    model_checkpoint: str | Path | None,
+    *,
+    num_servers: int,
+    reserved: float,
+) -> float:
+    """CPUs per engine that let every engine of the fleet fit on the cluster just started."""
+    engines = 0
+    for spec in normalize_specs(rollout_server_cls, model_checkpoint, num_servers).values():
+        if spec.urls:
+            continue  # attached servers run elsewhere and ask the cluster for nothing
+        count = spec.num_servers or 1
+        if spec.num_cpus_per_engine is None:
+            engines += count
+        else:
+            reserved += count * spec.num_cpus_per_engine
+    cpus = float(ray.cluster_resources().get("CPU", 0.0))
+    share = engine_cpu_share(cpus=cpus, engines=engines, reserved=reserved)
+    logger.info("%d engine(s) share this cluster's %g CPUs: %g CPUs each", engines, cpus, share)
+    return share
 
 
 def get_controller(name: str = CONTROLLER_NAME, *, namespace: str = NAMESPACE, address: str | None = "auto") -> Any:

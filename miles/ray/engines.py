@@ -41,6 +41,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from miles.config import CheckpointTransfer, RuntimeKind
 from miles.errors import CheckpointError, MilesError
 from miles.ray.cluster import connect
+from miles.ray.placement import Fit, cluster_view, judge
 from miles.rollout.engine_process import EngineProcess, EngineStartError, free_port
 from miles.rollout.runtime import (
     EngineCommand,
@@ -272,6 +273,19 @@ class RayRuntime(EngineRuntime):
         await asyncio.to_thread(connect, spec.ray_address, namespace=spec.ray_namespace)
         self._bundles = {server_id: i for i, server_id in enumerate(server_ids)}
         bundle = self._bundle()
+        # A placement group no node could hold stays pending for ever: refuse it now, with the
+        # numbers. One that fits in all but not in what is free now (held by someone who may
+        # release it) gets the bounded wait.
+        verdict = judge(bundle, count=len(server_ids), view=await asyncio.to_thread(cluster_view, tuple(bundle)))
+        if verdict.fit is Fit.IMPOSSIBLE:
+            raise PlacementError(f"the cluster cannot place rollout {spec.name}: {verdict.message}")
+        if verdict.fit is Fit.SHORT_NOW:
+            logger.warning(
+                "waiting up to %gs for the cluster to free what rollout %s needs: %s",
+                spec.startup_timeout_s,
+                spec.name,
+                verdict.message,
+            )
         group = placement_group(
             [dict(bundle) for _ in server_ids],
             strategy=spec.placement_strategy.value,
@@ -281,11 +295,10 @@ class RayRuntime(EngineRuntime):
             await asyncio.wait_for(group.ready(), timeout=spec.startup_timeout_s)
         except TimeoutError:
             remove_placement_group(group)
-            shortfall = _shortfall(bundle, len(server_ids))
+            shortfall = await asyncio.to_thread(_shortfall, bundle, len(server_ids))
             raise PlacementError(
-                f"the cluster cannot place {len(server_ids)} engines of {bundle} each "
-                f"({spec.placement_strategy.value}) within {spec.startup_timeout_s:g}s: {shortfall}",
-                rollout=spec.name,
+                f"the cluster did not place rollout {spec.name} ({len(server_ids)} engines of {bundle}, "
+                f"{spec.placement_strategy.value}) within {spec.startup_timeout_s:g}s: {shortfall}",
             ) from None
         self._group = group
 
@@ -315,7 +328,7 @@ class RayRuntime(EngineRuntime):
             except TimeoutError:
                 raise PlacementError(
                     f"no node could take {server_id}'s engine ({self._bundle()}) within "
-                    f"{spec.startup_timeout_s:g}s: {_shortfall(self._bundle(), 1)}",
+                    f"{spec.startup_timeout_s:g}s: {await asyncio.to_thread(_shortfall, self._bundle(), 1)}",
                     server_id=server_id,
                 ) from None
             placed = True
@@ -453,19 +466,12 @@ def _local_view(checkpoint: Path) -> tuple[Fingerprint | None, str]:
 
 
 def _shortfall(bundle: dict[str, float], count: int) -> str:
-    """What the cluster lacks for ``count`` bundles of ``bundle``, in words."""
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    available = ray.available_resources()
-    problems = []
-    for resource, amount in bundle.items():
-        largest = max((float(n.get("Resources", {}).get(resource, 0.0)) for n in nodes), default=0.0)
-        if largest < amount:
-            problems.append(f"no node has {resource} {amount:g} (the largest has {largest:g})")
-        elif available.get(resource, 0.0) < amount * count:
-            problems.append(
-                f"{resource} {amount * count:g} needed in all, {available.get(resource, 0.0):g} free in the cluster"
-            )
-    return "; ".join(problems) or f"the cluster has {len(nodes)} nodes, {dict(available)} free"
+    """What the cluster lacks now for ``count`` bundles of ``bundle``, in words (blocking)."""
+    verdict = judge(bundle, count=count, view=cluster_view(tuple(bundle)))
+    if verdict.fit is Fit.SHORT_NOW:
+        return f"{verdict.message}: stop what holds them, lower what each engine asks for, or add nodes"
+    # IMPOSSIBLE names the setting to lower itself; FITS: what was missing is free again now.
+    return verdict.message or "what it needs is free now (something else held it while it waited)"
 
 
 def _reported_gpu_ids(info: dict[str, Any]) -> list[int] | None:

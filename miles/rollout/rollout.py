@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -66,6 +67,9 @@ ExclusiveSection = Callable[[str], AbstractAsyncContextManager[int | None]]
 
 # The version a start checkpoint without a manifest serves as: older than any published step.
 PLAIN_START_VERSION = "0"
+# How long the runtime may take to learn that an engine exited once a call found its socket
+# closed (a forked engine's exit reaches its launcher through the forkserver).
+DEATH_NOTICE_S = 2.0
 
 
 class RolloutObserver(Protocol):
@@ -76,6 +80,9 @@ class RolloutObserver(Protocol):
     def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
         """A server was confirmed (by checksum) to hold ``verified`` again after a start,
         restart or rollback."""
+
+    def weights_written_out(self, model_name: str, checksum: str, checkpoint: Path) -> None:
+        """Weights on no disk (pushed) now have a copy at ``checkpoint``, written by an engine."""
 
     def probed(self, server_id: str) -> None:
         """A health probe of the server finished (requests waiting for it may now route)."""
@@ -124,6 +131,9 @@ class Rollout(ABC):
         # The highest integer version an update committed here: no later update may commit one
         # at or below it, even while a version that is no integer ("abc") serves in between.
         self.committed_high: int | None = None
+        # The weights to start every server on instead of the spec's checkpoint: what a controller
+        # started again on its event log resumes (miles.controller.resume). Set before ``start``.
+        self.resume_from: VerifiedWeights | None = None
         self._supervisor = Supervisor(self)
         self._supervising: asyncio.Task[None] | None = None
         # Where the engines run (local processes or Ray actors); an engine that ends wakes the
@@ -168,9 +178,14 @@ class Rollout(ABC):
         Raises RolloutError (with the engine log tail) if an engine fails to start or holds
         weights other than its checkpoint's manifest says; everything started is stopped again.
         """
+        checkpoint = self.spec.checkpoint
+        if self.resume_from is not None and self.resume_from.checkpoint is not None:
+            checkpoint = self.resume_from.checkpoint
+            for cell in self._cells:
+                cell.verified = self.resume_from  # what each must confirm before it serves
         try:
             await self.runtime.start(self.server_ids)
-            await asyncio.gather(*(self._bring_up(cell, self.spec.checkpoint, restart=False) for cell in self._cells))
+            await asyncio.gather(*(self._bring_up(cell, checkpoint, restart=False) for cell in self._cells))
         except BaseException:
             await self.stop()
             raise
@@ -208,6 +223,35 @@ class Rollout(ABC):
 
     def alive(self, cell: ServerCell) -> bool:
         return self._alive(cell)
+
+    async def died(self, server_id: str, *, within_s: float = DEATH_NOTICE_S) -> bool:
+        """Whether the server's engine process has ended, after a call to it found nobody there:
+        the runtime may learn of the exit a moment after the socket closed, so it is given
+        ``within_s`` to. False at once for servers whose processes the runtime cannot see
+        (attached ones: their probes tell)."""
+        cell = self.cell(server_id)
+        if not self.runtime.sees_processes:
+            return False
+        deadline = time.monotonic() + within_s
+        while self._alive(cell):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    def lost(self, server_id: str, *, reason: str) -> None:
+        """The server's engine died: out of routing until it is restarted and verified again."""
+        cell = self.cell(server_id)
+        if cell.state is not ServerState.RESTARTING:
+            self.transition(cell, ServerState.RESTARTING, reason)
+
+    async def restart_on(self, server_id: str, verified: VerifiedWeights, *, reason: str, fence: int | None) -> None:
+        """Restart a server whose engine died on ``verified``: the weights its peers were just
+        confirmed on, which it never held (it died first). Raises RolloutError when it cannot be
+        brought up on them; it then stays out of serving until the supervisor succeeds."""
+        cell = self.cell(server_id)
+        cell.verified = verified
+        await self.restart(server_id, reason=reason, fence=fence)
 
     def snapshot(self) -> list[ServerSnapshot]:
         return [cell.snapshot() for cell in self._cells]
@@ -323,6 +367,8 @@ class Rollout(ABC):
             if verified is not None and verified.checkpoint is None and verified.checksum == checksum:
                 cell.verified = dataclasses.replace(verified, checkpoint=checkpoint)
                 changed.append(cell.server_id)
+        if self.observer is not None:
+            self.observer.weights_written_out(self.model_name, checksum, checkpoint)
         return changed
 
     def admit(self, server_id: str, verified: VerifiedWeights, *, reason: str) -> None:

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
@@ -88,6 +88,9 @@ class EngineRuntime(ABC):
     """Places and runs the engines of one rollout (one per server id)."""
 
     kind: RuntimeKind
+    # Whether ``alive`` watches the engine's process (it then turns False once the process ended);
+    # attached servers' processes are someone else's.
+    sees_processes: ClassVar[bool] = True
 
     def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
         self.spec = spec
@@ -177,9 +180,9 @@ class LocalRuntime(EngineRuntime):
                 log_path=self._log_root / f"{server_id}.log",
                 env=command.environment(slot),
             )
-            # mkdir, open and fork/exec: off the loop, which keeps serving the other servers.
-            await asyncio.to_thread(process.start)
+            # Known before it starts, so that ``close`` stops it whatever happens next.
             self._processes[server_id] = process
+            await _started(process)
             url = f"http://{slot.host}:{slot.port}"
             try:
                 await process.wait_healthy(url, timeout_s=self.spec.startup_timeout_s, http=http)
@@ -209,12 +212,28 @@ class LocalRuntime(EngineRuntime):
             self._own_dir = None
 
 
+async def _started(process: EngineProcess) -> None:
+    """``process.start()`` (mkdir, open and fork/exec) off the loop, which keeps serving the other
+    servers. A cancellation (the controller stopping while a restart launches) cannot stop the
+    thread: it is waited for, and what it started is stopped, before the cancellation goes on.
+    Otherwise the engine would run on untracked, and recreate its log directory after the
+    controller removed its state directory."""
+    starting = asyncio.ensure_future(asyncio.to_thread(process.start))
+    try:
+        await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        await asyncio.gather(starting, return_exceptions=True)
+        await process.stop(grace_s=2.0)
+        raise
+
+
 class AttachedRuntime(EngineRuntime):
     """Servers someone else runs, at the URLs the spec lists (attach mode): never started or
     stopped here. "Launching" one waits until it answers ``/health``, so a restart is "wait for it
     to come back, then verify it again"; a server that stopped answering is found by the probes."""
 
     kind = RuntimeKind.LOCAL
+    sees_processes: ClassVar[bool] = False
 
     def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
         super().__init__(spec, on_exit=on_exit)

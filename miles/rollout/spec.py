@@ -9,7 +9,7 @@ from typing import Annotated
 import httpx
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, StrictFloat, StrictInt, model_validator
 
-from miles.config import CheckpointTransfer, PlacementStrategy, RuntimeKind
+from miles.config import DEFAULT_CPUS_PER_ENGINE, CheckpointTransfer, PlacementStrategy, RuntimeKind
 
 
 class HealthSettings(BaseModel):
@@ -107,7 +107,7 @@ class RolloutSpec(BaseModel):
     # fractions share a device (a trainer and an engine colocated on one GPU).
     runtime: RuntimeKind = RuntimeKind.LOCAL
     num_gpus_per_engine: Annotated[float, Field(ge=0, le=64)] = 0.0
-    num_cpus_per_engine: Annotated[float, Field(gt=0, le=1024)] = 1.0
+    num_cpus_per_engine: Annotated[float, Field(gt=0, le=1024)] = DEFAULT_CPUS_PER_ENGINE
     placement_strategy: PlacementStrategy = PlacementStrategy.PACK
     checkpoint_transfer: CheckpointTransfer = CheckpointTransfer.AUTO
     # The Ray cluster to join ("auto", or HOST:PORT); None: the one this process is connected

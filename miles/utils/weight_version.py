@@ -40,6 +40,14 @@ def at_least(version: str | None, minimum: str) -> bool:
     return a >= b
 
 
+def comparable(version: str | None, minimum: str) -> bool:
+    """Whether ``at_least(version, minimum)`` can ever hold for a server at ``version`` once it
+    moves on: the two are the same label, or both integers (a later version may reach it)."""
+    if version is None:
+        return False
+    return version == minimum or (version_number(version) is not None and version_number(minimum) is not None)
+
+
 def newest(versions: Iterable[str | None]) -> str | None:
     """The highest integer label among ``versions``; None when none is an integer."""
     numbered = [(n, v) for v in versions if v is not None and (n := version_number(v)) is not None]

@@ -148,6 +148,11 @@ EDGE_CASES: list[tuple[str, str, bytes | None, int]] = [
     ("POST", "/update_weights/end", json.dumps({"token": 10**6, "checksum": "c", "step": 1}).encode(), 409),
     ("POST", "/update_weights/abort", json.dumps({"token": BIG}).encode(), 409),
     ("POST", "/update_weights/abort", json.dumps({"token": None}).encode(), 400),
+    ("POST", "/update_weights/renew", json.dumps({"token": BIG}).encode(), 409),
+    ("POST", "/update_weights/renew", json.dumps({"token": "1"}).encode(), 400),
+    ("POST", "/update_weights/renew", json.dumps({"token": 1, "ttl_s": -1}).encode(), 400),
+    ("POST", "/update_weights/renew", json.dumps({"token": 1, "ttl_s": "5"}).encode(), 400),
+    ("POST", "/update_weights/renew", json.dumps({"token": 1, "ttl_s": 1e300}).encode(), 400),
     ("POST", "/events", b"{}", 400),
     (
         "POST",
@@ -192,6 +197,10 @@ EDGE_CASES: list[tuple[str, str, bytes | None, int]] = [
     ("POST", "/generate", json.dumps({"text": "x", "min_weight_version": "10\nFAKE"}).encode(), 400),
     ("POST", "/generate", json.dumps({"text": "x", "min_weight_version": "9" * 300}).encode(), 400),
     ("POST", "/v1/completions", json.dumps({"prompt": "x", "min_weight_version": "v" * 200_000}).encode(), 400),
+    # ... and one no server could ever reach is refused at once too: a label that is no integer,
+    # while the fleet serves integer versions, only matches itself.
+    ("POST", "/generate", json.dumps({"text": "x", "min_weight_version": "abc"}).encode(), 400),
+    ("POST", "/v1/completions", json.dumps({"prompt": "x", "min_weight_version": "rc-2"}).encode(), 400),
     # A reason is logged as one line.
     ("POST", "/update_weights/abort", json.dumps({"token": 1, "reason": "a\nFAKE LOG LINE"}).encode(), 400),
     # A posted checksum is training's, for a served model, in JSON's own types, stamped near now.

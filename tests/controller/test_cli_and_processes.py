@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from miles.rollout.engine_process import free_port
 from miles.testing import process_alive
@@ -56,6 +57,7 @@ def test_serve_update_health_commands(checkpoints: dict[str, Path], tmp_path: Pa
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "MILES_LOG_DIR": str(tmp_path / "logs")},
     )
     try:
         _wait_healthy(url, serve)
@@ -89,6 +91,12 @@ def test_serve_update_health_commands(checkpoints: dict[str, Path], tmp_path: Pa
         serve.wait(timeout=60)
     assert serve.returncode == 0
     assert not any(process_alive(pid) for pid in pids)
+    # The engines' logs hold what the engines say, not transformers' "Loading weights" bar.
+    logs = sorted((tmp_path / "logs").glob("*.log"))
+    assert [log.name for log in logs] == ["tiny-0.log", "tiny-1.log"]
+    for log in logs:
+        text = log.read_text()
+        assert "Loading weights" not in text and "it/s]" not in text, text[-2000:]
     audit = _miles("events", str(tmp_path / "events"), "--check")
     assert audit.returncode == 0, audit.stdout
     timeline = _miles("events", str(tmp_path / "events"), "--timeline")
@@ -174,3 +182,41 @@ def test_serve_ends_waiting_requests_on_sigterm_and_leaves_no_files(
             serve.wait()
     assert serve.returncode == 0
     assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "expected"),
+    [
+        (
+            {"MILES_ADMIN_TOKEN": "short"},
+            [],
+            "MILES_ADMIN_TOKEN: a token must have at least 16 characters; generate one with `openssl rand -hex 32`",
+        ),
+        ({"MILES_PORT": "abc"}, [], "MILES_PORT='abc': input should be a valid integer"),
+        ({}, ["--port", "70000"], "--port=70000: input should be less than or equal to 65535"),
+        (
+            {"MILES_STARTUP_TIMEOUT_S": "-5"},
+            [],
+            "MILES_STARTUP_TIMEOUT_S='-5': input should be greater than or equal to 1",
+        ),
+        ({"MILES_DEFAULT_STRATEGY": "sideways"}, [], "input should be 'barrier' or 'rolling'"),
+        ({}, ["--ray", "--cpus-per-engine", "-1"], "--cpus-per-engine=-1.0: input should be greater than 0"),
+    ],
+    ids=["short-token", "port-not-a-number", "port-flag-too-large", "negative-duration", "unknown-enum", "cpus-flag"],
+)
+def test_a_bad_setting_is_one_line_naming_it_and_nothing_starts(
+    checkpoints: dict[str, Path], env: dict[str, str], flags: list[str], expected: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "serve", "--checkpoint", str(checkpoints["v1"]), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("miles: ") and expected in lines[0], result.stderr[-3000:]
+    if "MILES_ADMIN_TOKEN" in env:
+        assert "short" not in lines[0]  # a credential is never shown, even a bad one

@@ -203,6 +203,30 @@ async def test_a_window_whose_caller_left_while_it_waited_never_opens(fleet) -> 
     assert (await http.post("/update_weights/abort", json={"token": second["token"]})).status_code == 200
 
 
+async def test_a_window_lives_while_training_renews_its_lease_and_not_longer(fleet) -> None:
+    controller, http = fleet
+    window = (await http.post("/update_weights/start", json={"ttl_s": 1.0})).json()
+    assert window["ttl_s"] == 1.0
+    # Renewed every 0.3 s for three leases' worth: the window stays open, its expiry moves on.
+    expiries = []
+    for _ in range(10):
+        renewed = await http.post("/update_weights/renew", json={"token": window["token"]})
+        assert renewed.status_code == 200, renewed.text
+        expiries.append(renewed.json()["expires_at"])
+        await asyncio.sleep(0.3)
+    assert controller.health().lock.held
+    assert expiries == sorted(expiries) and len(set(expiries)) == len(expiries)
+    # A renewal may set another lease; a bad one changes nothing.
+    assert (await http.post("/update_weights/renew", json={"token": window["token"], "ttl_s": 0})).status_code == 400
+    assert (await http.post("/update_weights/renew", json={"token": window["token"], "ttl_s": 0.5})).status_code == 200
+    # Once training stops renewing, the window expires within its lease, and cannot be renewed.
+    await wait_until(lambda: not controller.health().lock.held, what="the unrenewed window to expire", timeout=5)
+    late = await http.post("/update_weights/renew", json={"token": window["token"]})
+    assert late.status_code == 409, late.text
+    health = (await http.get("/health")).json()
+    assert all(s["state"] == "serving" for s in health["servers"]), health
+
+
 async def test_config_changes_what_may_change_and_refuses_the_rest(fleet) -> None:
     controller, http = fleet
     view = (await http.get("/config")).json()

@@ -1,15 +1,20 @@
 """``miles serve --ray``: a controller as the named actor on a Ray cluster of its own, its engines
-as actors; stopped cleanly by Ctrl-C, nothing left behind."""
+as actors; on a two-core machine with no flags but the checkpoint; nothing listening beyond
+loopback; stopped cleanly by Ctrl-C, nothing left behind; a placement the cluster cannot hold
+refused within seconds, naming the flag to lower."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,26 +26,109 @@ from miles.testing import process_alive
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_serve_on_ray_answers_and_stops_with_everything_it_started(
-    checkpoints: dict[str, Path], tmp_path: Path
-) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    # A cluster of its own: Ray's files in a directory of this test's (short: Ray's socket paths
-    # must fit in 107 bytes), no token authentication.
-    ray_dir = Path(tempfile.mkdtemp(prefix="miles-ray-", dir="/tmp"))
-    env = {**os.environ, "RAY_TMPDIR": str(ray_dir), "RAY_AUTH_MODE": "disabled"}
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "miles.cli", "serve", "--ray", "--checkpoint", str(checkpoints["v1"])]
-        + ["--servers", "2", "--port", str(port), "--cpus-per-engine", "0.1"],
+@pytest.fixture
+def ray_dir() -> Iterator[Path]:
+    """Ray's files for a cluster the command starts itself (short: Ray's socket paths must fit in
+    107 bytes); every process still running from it killed afterwards, even when the test failed."""
+    directory = Path(tempfile.mkdtemp(prefix="miles-ray-", dir="/tmp"))
+    try:
+        yield directory
+    finally:
+        for pid in _processes_under(directory):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _processes_under(directory: Path) -> list[int]:
+    """The processes whose command line names ``directory`` (a Ray cluster's raylet, GCS, workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if str(directory).encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _serve(*args: str, ray_dir: Path, port: int) -> subprocess.Popen[str]:
+    # A cluster of its own, no token authentication, bound to loopback.
+    env = {**os.environ, "RAY_TMPDIR": str(ray_dir), "RAY_AUTH_MODE": "disabled", "MILES_PORT": str(port)}
+    env.pop("MILES_NUM_CPUS_PER_ENGINE", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "miles.cli", "serve", "--ray", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
     )
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, set[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, set()).add(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo.extend(children.get(pid, set()) - found)
+    return found
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int]]:
+    """The TCP addresses the processes listen on (from /proc: the sockets each holds, in LISTEN)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+        except OSError:
+            continue  # the process ended, or is not ours to look into
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            raw_host, raw_port = local.split(":")
+            # The kernel writes each 32-bit word of the address in host (little-endian) order.
+            packed = b"".join(bytes.fromhex(raw_host[i : i + 8])[::-1] for i in range(0, len(raw_host), 8))
+            addresses.append((str(ipaddress.ip_address(packed)), int(raw_port, 16)))
+    return addresses
+
+
+def _on_loopback(host: str) -> bool:
+    address = ipaddress.ip_address(host)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def test_serve_on_ray_with_no_flags_fits_two_cores_answers_on_loopback_and_stops_with_everything(
+    checkpoints: dict[str, Path], ray_dir: Path
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # Two engines and no --cpus-per-engine: one CPU each would not fit two cores beside the
+    # controller's actor, and used to wait out the 180 s start-up timeout.
+    serve = _serve("--checkpoint", str(checkpoints["v1"]), "--servers", "2", ray_dir=ray_dir, port=port)
+    report = None
     try:
-        deadline = time.monotonic() + 180
-        report = None
+        deadline = time.monotonic() + 150
         while time.monotonic() < deadline and serve.poll() is None:
             try:
                 answer = httpx.get(f"{url}/health", trust_env=False, timeout=2)
@@ -56,11 +144,18 @@ def test_serve_on_ray_answers_and_stops_with_everything_it_started(
         assert all(s["node_id"] and s["node_address"] == "127.0.0.1" for s in servers)
         pids = [s["pid"] for s in servers]
         assert all(process_alive(pid) for pid in pids)
+        # The machine's CPUs, split: at most one each, together within what the node has.
+        share = httpx.get(f"{url}/config", trust_env=False, timeout=10).json()["settings"]["num_cpus_per_engine"]
+        assert 0 < share <= 1
+        # Nothing the command started (the controller, Ray's processes, the engines) listens
+        # anywhere but loopback.
+        listening = _listening(_descendants(serve.pid) | set(pids))
+        assert ("127.0.0.1", port) in listening
+        assert [a for a in listening if not _on_loopback(a[0])] == []
     finally:
         if serve.poll() is None:
             serve.send_signal(signal.SIGINT)
         out, err = serve.communicate(timeout=90)
-        shutil.rmtree(ray_dir, ignore_errors=True)
         if report is None:
             print(f"`miles serve --ray` exited {serve.returncode}; its stderr:\n{err[-5000:]}")
     assert serve.returncode == 0, err[-3000:]
@@ -69,3 +164,34 @@ def test_serve_on_ray_answers_and_stops_with_everything_it_started(
     while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(process_alive(pid) for pid in pids)
+
+
+def test_a_placement_the_machine_cannot_hold_fails_within_seconds_naming_the_flag(
+    checkpoints: dict[str, Path], ray_dir: Path
+) -> None:
+    started = time.monotonic()
+    serve = _serve(
+        "--checkpoint", str(checkpoints["v1"]), "--servers", "2", "--cpus-per-engine", "8", ray_dir=ray_dir, port=0
+    )
+    try:
+        # Ray's own start takes most of it; waiting on the placement group took 180 s more.
+        out, err = serve.communicate(timeout=90)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.communicate()
+    assert time.monotonic() - started < 90
+    assert serve.returncode == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"miles: the cluster cannot place rollout tiny: 2 engines need 8 CPUs each \(16 in all\), the cluster has "
+        r"[\d.]+ CPUs? free \([\d.]+ in all, 0\.1 held by this controller\): lower --cpus-per-engine "
+        r"\(num_cpus_per_engine; [\d.]+ would fit\) or add nodes",
+        last,
+    ), last
+    # The cluster it started is gone with it.
+    deadline = time.monotonic() + 30
+    while _processes_under(ray_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_under(ray_dir) == []

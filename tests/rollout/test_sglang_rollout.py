@@ -161,6 +161,9 @@ class _Changes:
     def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
         pass
 
+    def weights_written_out(self, model_name: str, checksum: str, checkpoint: Path) -> None:
+        pass
+
     def probed(self, server_id: str) -> None:
         pass
 

@@ -25,6 +25,7 @@ from miles.utils.audit_utils.event_logger.models import (
     LockReleasedEvent,
     ServerStateChangedEvent,
     SettingsChangedEvent,
+    WeightsWrittenOutEvent,
     WeightUpdateAbortedEvent,
     WeightUpdateCommittedEvent,
     WeightUpdateStartedEvent,
@@ -67,6 +68,7 @@ SAMPLES: tuple[BaseEvent, ...] = (
         checksum="abc123def456",
         server_ids=("rollout-0", "rollout-1"),
         duration_s=1.25,
+        checkpoint="/ckpt/step-42",
     ),
     WeightUpdateAbortedEvent(
         update_id="u-2",
@@ -98,6 +100,7 @@ SAMPLES: tuple[BaseEvent, ...] = (
     SettingsChangedEvent(
         before={"require_published_checksum": True}, after={"require_published_checksum": False}, safety=True
     ),
+    WeightsWrittenOutEvent(model_name="gpt-xyz", checksum="abc123def456", checkpoint="/state/snapshots/step-42"),
 )
 SAMPLE_IDS = [f"{index}-{sample.type}" for index, sample in enumerate(SAMPLES)]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from miles.config import RoutingPolicy
 from miles.controller.health import model_health, overall
 from miles.controller.router import Exclusion, NoServerAvailableError, Router
+from miles.errors import InvalidRequestError
 from miles.rollout.state import ProbeResult, ServerSnapshot, ServerState
 from miles.testing import wait_until
 from miles.utils.weight_version import at_least as version_at_least
@@ -18,7 +20,7 @@ from miles.utils.weight_version import at_least as version_at_least
 def snap(
     server_id: str,
     state: ServerState = ServerState.SERVING,
-    version: str = "1",
+    version: str | None = "1",
     *,
     incarnation: int = 1,
     probe: ProbeResult | None = None,
@@ -89,6 +91,31 @@ async def test_no_server_in_time_says_why() -> None:
     router2 = Router(servers=lambda _: [snap("a", version="3")], policy=lambda: RoutingPolicy.ROUND_ROBIN)
     with pytest.raises(NoServerAvailableError, match=">= 4"):
         await router2.acquire("m", timeout_s=0.1, min_weight_version="4")
+
+
+@pytest.mark.parametrize(
+    ("held", "minimum", "refused"),
+    [
+        (["abc"], "0", True),  # an integer against a label: never ordered
+        (["abc", "abc"], "rc-2", True),  # two labels: only equal or not
+        (["3"], "abc", True),
+        (["abc", "3"], "5", False),  # one server's integer version may reach it
+        (["3"], "5", False),
+        (["abc"], "abc", False),
+        ([None], "5", False),  # nothing known yet: wait
+    ],
+)
+async def test_a_minimum_version_no_server_could_reach_is_refused_at_once(
+    held: list[str | None], minimum: str, refused: bool
+) -> None:
+    servers = [snap(f"s{i}", version=v) for i, v in enumerate(held)]
+    router = Router(servers=lambda _: servers, policy=lambda: RoutingPolicy.ROUND_ROBIN)
+    if refused:
+        with pytest.raises(InvalidRequestError, match=f"min_weight_version '{minimum}' cannot be compared"):
+            await router.acquire("m", timeout_s=30, min_weight_version=minimum)
+    else:  # served at once, or waited for until the timeout
+        with contextlib.suppress(NoServerAvailableError):
+            await router.acquire("m", timeout_s=0.05, min_weight_version=minimum)
 
 
 async def test_an_exclusion_names_one_incarnation_until_a_newer_probe_clears_it() -> None:

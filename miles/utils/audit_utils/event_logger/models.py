@@ -152,12 +152,30 @@ class WeightUpdateCommittedEvent(BaseEvent):
     # the router; absent from logs written before they were recorded.
     timings: dict[str, NonNegativeFloat] = {}
     serving_blocked_s: NonNegativeFloat | None = None
+    # Where these weights can be read from (the checkpoint loaded, or a window's); None for weights
+    # pushed from memory until a ``WeightsWrittenOutEvent`` names their copy. A controller started
+    # again on the same log resumes from here (miles.controller.resume).
+    checkpoint: str | None = None
 
     def involved_servers(self) -> tuple[str, ...]:
         return self.server_ids
 
     def summary(self) -> str:
         return f"update {self.update_id} {short_checksum(self.checksum)} in {self.duration_s:.3f}s"
+
+
+class WeightsWrittenOutEvent(BaseEvent):
+    """Weights that existed on no disk (pushed from a trainer's memory) were written to
+    ``checkpoint`` by an engine holding them: where restarts, and a controller started again on
+    this log, read them from."""
+
+    type: Literal["weights_written_out"] = "weights_written_out"
+    model_name: str
+    checksum: str = Field(min_length=1)
+    checkpoint: str = Field(min_length=1)
+
+    def summary(self) -> str:
+        return f"weights {short_checksum(self.checksum)} of {self.model_name} written to {self.checkpoint}"
 
 
 class WeightUpdateAbortedEvent(BaseEvent):
@@ -274,6 +292,7 @@ Event = Annotated[
         | WeightUpdateStartedEvent
         | WeightUpdateCommittedEvent
         | WeightUpdateAbortedEvent
+        | WeightsWrittenOutEvent
         | ChecksumMismatchEvent
         | ServerStateChangedEvent
         | LockAcquiredEvent
@@ -291,6 +310,7 @@ EVENT_CLASSES: tuple[type[BaseEvent], ...] = (
     WeightUpdateStartedEvent,
     WeightUpdateCommittedEvent,
     WeightUpdateAbortedEvent,
+    WeightsWrittenOutEvent,
     ChecksumMismatchEvent,
     ServerStateChangedEvent,
     LockAcquiredEvent,

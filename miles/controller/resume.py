@@ -1,0 +1,195 @@
+"""Where a controller resumes: the weights its event log says were last committed and verified.
+
+A controller killed (or stopped) and started again on the same events directory must not go back:
+its servers start on the weights its last committed update left them on, the checksums training
+published are known again, and no update may commit a version at or below one the log already
+committed (the audit's version-order rule would flag it). ``history`` reads that from the log's
+events (pure); ``resume_point`` finds which copy of those weights is still on disk and holds
+them, newest committed first: the checkpoint the update loaded (or a window named), or the copy an
+engine wrote out of pushed weights. ``/health`` says where each model resumed from.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from miles.controller.gate import restart_point_problem, roots_problem
+from miles.controller.health import ResumedFrom
+from miles.errors import CheckpointError
+from miles.rollout.state import VerifiedWeights
+from miles.utils.audit_utils.event_logger.models import (
+    ChecksumRole,
+    Event,
+    InferenceEngineWeightChecksumEvent,
+    WeightsWrittenOutEvent,
+    WeightUpdateCommittedEvent,
+    WeightUpdateStartedEvent,
+)
+from miles.utils.weight_version import version_number
+from miles.weights.checkpoint import MANIFEST_NAME, read_manifest
+from miles.weights.checksum import model_checksum
+
+logger = logging.getLogger("miles.controller")
+
+
+@dataclass(frozen=True)
+class Committed:
+    """One committed update of a model, as the log recorded it."""
+
+    update_id: str
+    weight_version: str
+    step: int | None
+    checksum: str
+    at: datetime
+
+
+@dataclass
+class ModelHistory:
+    """What a model's log says: its commits in order, where copies of weights lie, the highest
+    integer version committed."""
+
+    model_name: str
+    commits: list[Committed] = field(default_factory=list)
+    # Checksum -> directories said to hold those weights, the latest recorded first.
+    copies: dict[str, list[Path]] = field(default_factory=dict)
+    committed_high: int | None = None
+
+    def copy_at(self, checksum: str, path: str) -> None:
+        paths = self.copies.setdefault(checksum, [])
+        place = Path(path)
+        if place in paths:
+            paths.remove(place)
+        paths.insert(0, place)
+
+
+@dataclass(frozen=True)
+class History:
+    """The log, read for resuming: per model, and every checksum training published."""
+
+    models: dict[str, ModelHistory]
+    published: tuple[InferenceEngineWeightChecksumEvent, ...]
+
+
+def history(events: Iterable[Event]) -> History:
+    """What ``events`` (in log order, as ``read_events`` gives them) say for resuming."""
+    models: dict[str, ModelHistory] = {}
+    started_at: dict[str, str] = {}  # update id -> the checkpoint its started event named
+    published = []
+    for event in events:
+        if isinstance(event, WeightUpdateStartedEvent) and event.checkpoint:
+            started_at[event.update_id] = event.checkpoint
+        elif isinstance(event, WeightUpdateCommittedEvent):
+            model = models.setdefault(event.model_name, ModelHistory(event.model_name))
+            model.commits.append(
+                Committed(
+                    update_id=event.update_id,
+                    weight_version=event.weight_version,
+                    step=event.step,
+                    checksum=event.checksum,
+                    at=event.timestamp,
+                )
+            )
+            # Logs written before commits named their checkpoint: the started event's.
+            checkpoint = event.checkpoint or started_at.get(event.update_id)
+            if checkpoint:
+                model.copy_at(event.checksum, checkpoint)
+            number = version_number(event.weight_version)
+            if number is not None:
+                high = model.committed_high
+                model.committed_high = number if high is None else max(number, high)
+        elif isinstance(event, WeightsWrittenOutEvent):
+            written = models.setdefault(event.model_name, ModelHistory(event.model_name))
+            written.copy_at(event.checksum, event.checkpoint)
+        elif isinstance(event, InferenceEngineWeightChecksumEvent) and event.role is ChecksumRole.PUBLISHED:
+            published.append(event)
+    return History(models=models, published=tuple(published))
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The weights a model's servers start on (None: the start checkpoint, no committed weights
+    having a copy), and what ``/health`` says of it."""
+
+    verified: VerifiedWeights | None
+    reported: ResumedFrom
+
+
+def resume_point(
+    model: ModelHistory, *, start_checkpoint: Path, readable_roots: tuple[Path, ...]
+) -> ResumePoint | None:
+    """The newest committed weights of ``model`` that a copy on disk still holds (hashed to
+    check), which servers started from ``start_checkpoint`` could restart from and may read under
+    ``readable_roots``. Without any such copy the servers start on ``start_checkpoint`` (updates
+    still have to beat ``committed_high``), and the point says so. None when the log committed
+    nothing for the model. Blocking: hashes checkpoints."""
+    if not model.commits:
+        return None
+    last = model.commits[-1]
+    for commit in reversed(model.commits):
+        for path in model.copies.get(commit.checksum, []):
+            problem = _copy_problem(path, commit.checksum, start_checkpoint, readable_roots)
+            if problem is not None:
+                name, version = model.model_name, commit.weight_version
+                logger.warning("cannot resume %s from %s (version %s): %s", name, path, version, problem)
+                continue
+            note = None
+            if commit is not last:
+                note = (
+                    f"version {last.weight_version}, committed last, has no copy on disk that holds its checksum "
+                    f"{last.checksum}; resumed from the newest committed version that has one"
+                )
+            return ResumePoint(
+                verified=VerifiedWeights(
+                    checkpoint=path, weight_version=commit.weight_version, checksum=commit.checksum, step=commit.step
+                ),
+                reported=ResumedFrom(
+                    weight_version=commit.weight_version,
+                    step=commit.step,
+                    checksum=commit.checksum,
+                    checkpoint=str(path),
+                    update_id=commit.update_id,
+                    committed_at=commit.at,
+                    last_committed_version=last.weight_version,
+                    committed_high=model.committed_high,
+                    note=note,
+                ),
+            )
+    return ResumePoint(
+        verified=None,
+        reported=ResumedFrom(
+            last_committed_version=last.weight_version,
+            committed_high=model.committed_high,
+            note=(
+                f"no committed weights have a copy on disk that holds them; started from {start_checkpoint}, and "
+                f"updates must still be newer than version {last.weight_version}"
+            ),
+        ),
+    )
+
+
+def _copy_problem(path: Path, checksum: str, start_checkpoint: Path, roots: tuple[Path, ...]) -> str | None:
+    """Why ``path`` cannot be resumed from as weights hashing to ``checksum``, or None."""
+    if not path.is_dir():
+        return "it is gone"
+    if roots:
+        outside = roots_problem(path.resolve(), roots)
+        if outside is not None:
+            return outside
+    problem = restart_point_problem(path, start_checkpoint)
+    if problem is not None:
+        return problem
+    try:
+        # The manifest first: a copy it says holds other weights is not read at all.
+        manifest = read_manifest(path) if (path / MANIFEST_NAME).exists() else None
+        if manifest is not None and manifest.checksum != checksum:
+            return f"its manifest says it holds {manifest.checksum}"
+        actual = model_checksum(path)
+    except (CheckpointError, OSError) as exc:
+        return f"it cannot be read: {exc}"
+    if actual != checksum:
+        return f"its files hash to {actual}, not {checksum} (changed since)"
+    return None
