@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -64,6 +65,27 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def wait_serving(
+    url: str, process: subprocess.Popen[Any], *, timeout: float = 120.0, output: Callable[[], str] | None = None
+) -> None:
+    """Return once ``url/health`` answers 200 (a `miles serve` starting in ``process``);
+    AssertionError when ``process`` exits first (with ``output()``, by default its stderr) or
+    after ``timeout`` seconds. Polls: a separate process starting signals nothing but its answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            said = output() if output else (process.stderr.read() if process.stderr else "")
+            raise AssertionError(f"{url} exited with {process.returncode} before it answered /health: {said}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} did not answer /health within {timeout}s")
+        time.sleep(0.1)
 
 
 def weights_held(http: httpx.Client) -> dict[str, Any]:

@@ -190,20 +190,20 @@ class AsyncInferenceController:
             model = past.models.get(rollout.model_name)
             if model is None:
                 continue
-            point = await asyncio.to_thread(
+            resumed = await asyncio.to_thread(
                 resume_point, model, start_checkpoint=rollout.spec.checkpoint, readable_roots=readable
             )
-            if point is None:
+            if resumed is None:
                 continue
             rollout.committed_high = model.committed_high
-            rollout.resume_from = point.verified
-            self._resumed[rollout.model_name] = point.reported
+            rollout.resume_from = resumed.weights()
+            self._resumed[rollout.model_name] = resumed
             logger.info(
                 "%s resumes from its event log: version %s at %s%s",
                 rollout.model_name,
-                point.reported.weight_version or "(start checkpoint)",
-                point.reported.checkpoint or rollout.spec.checkpoint,
-                f" ({point.reported.note})" if point.reported.note else "",
+                resumed.weight_version or "(start checkpoint)",
+                resumed.checkpoint or rollout.spec.checkpoint,
+                f" ({resumed.note})" if resumed.note else "",
             )
 
     @lock_exempt

@@ -240,13 +240,11 @@ class Fleet:
     def _remove_state_dir(self) -> None:
         if self._owned_state_dir is None:
             return
-        # Every engine is stopped by now. A second pass removes what a process that was still
-        # ending wrote meanwhile (rmtree ignores a directory that filled up behind it).
-        for _ in range(2):
-            shutil.rmtree(self._owned_state_dir, ignore_errors=True)
-            if not self._owned_state_dir.exists():
-                return
-        logger.warning("could not remove the controller's state directory %s", self._owned_state_dir)
+        shutil.rmtree(self._owned_state_dir, ignore_errors=True)
+        if self._owned_state_dir.exists():
+            # Every engine is stopped by now: something else writes there (rmtree skips a
+            # directory that fills up behind it). Said, rather than left silently.
+            logger.warning("could not remove the controller's state directory %s", self._owned_state_dir)
 
     def set_health(self, health: HealthSettings) -> None:
         for server in self._servers.values():

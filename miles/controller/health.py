@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
 from miles.controller.results import UpdateResult
-from miles.rollout.state import ServerSnapshot, ServerState
+from miles.rollout.state import ServerSnapshot, ServerState, VerifiedWeights
 from miles.utils.context_lock import LockStatistics
 
 
@@ -70,6 +71,14 @@ class ResumedFrom(BaseModel):
     committed_high: int | None = None
     # Why what was resumed is not the version committed last, when it is not.
     note: str | None = None
+
+    def weights(self) -> VerifiedWeights | None:
+        """The weights resumed, as the servers must confirm them; None: the start checkpoint."""
+        if self.weight_version is None or self.checksum is None or self.checkpoint is None:
+            return None
+        return VerifiedWeights(
+            checkpoint=Path(self.checkpoint), weight_version=self.weight_version, checksum=self.checksum, step=self.step
+        )
 
 
 class ModelHealth(BaseModel):

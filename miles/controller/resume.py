@@ -14,13 +14,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from miles.controller.gate import restart_point_problem, roots_problem
 from miles.controller.health import ResumedFrom
 from miles.errors import CheckpointError
-from miles.rollout.state import VerifiedWeights
 from miles.utils.audit_utils.event_logger.models import (
     ChecksumRole,
     Event,
@@ -36,24 +34,13 @@ from miles.weights.checksum import model_checksum
 logger = logging.getLogger("miles.controller")
 
 
-@dataclass(frozen=True)
-class Committed:
-    """One committed update of a model, as the log recorded it."""
-
-    update_id: str
-    weight_version: str
-    step: int | None
-    checksum: str
-    at: datetime
-
-
 @dataclass
 class ModelHistory:
     """What a model's log says: its commits in order, where copies of weights lie, the highest
     integer version committed."""
 
     model_name: str
-    commits: list[Committed] = field(default_factory=list)
+    commits: list[WeightUpdateCommittedEvent] = field(default_factory=list)
     # Checksum -> directories said to hold those weights, the latest recorded first.
     copies: dict[str, list[Path]] = field(default_factory=dict)
     committed_high: int | None = None
@@ -84,15 +71,7 @@ def history(events: Iterable[Event]) -> History:
             started_at[event.update_id] = event.checkpoint
         elif isinstance(event, WeightUpdateCommittedEvent):
             model = models.setdefault(event.model_name, ModelHistory(event.model_name))
-            model.commits.append(
-                Committed(
-                    update_id=event.update_id,
-                    weight_version=event.weight_version,
-                    step=event.step,
-                    checksum=event.checksum,
-                    at=event.timestamp,
-                )
-            )
+            model.commits.append(event)
             # Logs written before commits named their checkpoint: the started event's.
             checkpoint = event.checkpoint or started_at.get(event.update_id)
             if checkpoint:
@@ -109,23 +88,14 @@ def history(events: Iterable[Event]) -> History:
     return History(models=models, published=tuple(published))
 
 
-@dataclass(frozen=True)
-class ResumePoint:
-    """The weights a model's servers start on (None: the start checkpoint, no committed weights
-    having a copy), and what ``/health`` says of it."""
-
-    verified: VerifiedWeights | None
-    reported: ResumedFrom
-
-
 def resume_point(
     model: ModelHistory, *, start_checkpoint: Path, readable_roots: tuple[Path, ...]
-) -> ResumePoint | None:
+) -> ResumedFrom | None:
     """The newest committed weights of ``model`` that a copy on disk still holds (hashed to
     check), which servers started from ``start_checkpoint`` could restart from and may read under
     ``readable_roots``. Without any such copy the servers start on ``start_checkpoint`` (updates
-    still have to beat ``committed_high``), and the point says so. None when the log committed
-    nothing for the model. Blocking: hashes checkpoints."""
+    still have to beat ``committed_high``), and the answer says so (``weights()`` is None). None
+    when the log committed nothing for the model. Blocking: hashes checkpoints."""
     if not model.commits:
         return None
     last = model.commits[-1]
@@ -142,31 +112,24 @@ def resume_point(
                     f"version {last.weight_version}, committed last, has no copy on disk that holds its checksum "
                     f"{last.checksum}; resumed from the newest committed version that has one"
                 )
-            return ResumePoint(
-                verified=VerifiedWeights(
-                    checkpoint=path, weight_version=commit.weight_version, checksum=commit.checksum, step=commit.step
-                ),
-                reported=ResumedFrom(
-                    weight_version=commit.weight_version,
-                    step=commit.step,
-                    checksum=commit.checksum,
-                    checkpoint=str(path),
-                    update_id=commit.update_id,
-                    committed_at=commit.at,
-                    last_committed_version=last.weight_version,
-                    committed_high=model.committed_high,
-                    note=note,
-                ),
+            return ResumedFrom(
+                weight_version=commit.weight_version,
+                step=commit.step,
+                checksum=commit.checksum,
+                checkpoint=str(path),
+                update_id=commit.update_id,
+                committed_at=commit.timestamp,
+                last_committed_version=last.weight_version,
+                committed_high=model.committed_high,
+                note=note,
             )
-    return ResumePoint(
-        verified=None,
-        reported=ResumedFrom(
-            last_committed_version=last.weight_version,
-            committed_high=model.committed_high,
-            note=(
-                f"no committed weights have a copy on disk that holds them; started from {start_checkpoint}, and "
-                f"updates must still be newer than version {last.weight_version}"
-            ),
+    bar = model.committed_high if model.committed_high is not None else last.weight_version
+    return ResumedFrom(
+        last_committed_version=last.weight_version,
+        committed_high=model.committed_high,
+        note=(
+            f"no committed weights have a copy on disk that holds them; started from {start_checkpoint}, and "
+            f"updates must still be newer than version {bar}"
         ),
     )
 

@@ -83,6 +83,12 @@ class Target:
     # The weights' size as the checkpoint's manifest records it; None when no manifest says.
     num_bytes: int | None = None
 
+    def verified(self) -> VerifiedWeights:
+        """These weights as a server confirmed on them holds them."""
+        return VerifiedWeights(
+            checkpoint=self.checkpoint, weight_version=self.weight_version, checksum=self.checksum, step=self.step
+        )
+
 
 class UpdateEvents(Protocol):
     """Where an update reports what it saw (the controller logs them as typed events)."""
@@ -279,12 +285,7 @@ class WeightUpdate:
     async def admit(self, server_ids: list[str]) -> None:
         """Readmit confirmed servers at the new version and let them generate again."""
         target = self._target()
-        verified = VerifiedWeights(
-            checkpoint=target.checkpoint,
-            weight_version=target.weight_version,
-            checksum=target.checksum,
-            step=target.step,
-        )
+        verified = target.verified()
         with self.timed("commit"):
             for server_id in server_ids:
                 self.rollout.admit(server_id, verified, reason=f"checksum confirmed for {target.weight_version}")
@@ -298,12 +299,7 @@ class WeightUpdate:
         (their peers were confirmed on them); a restart that fails is recorded on its server,
         which stays out of serving until the supervisor brings it up on those weights."""
         target = self._target()
-        verified = VerifiedWeights(
-            checkpoint=target.checkpoint,
-            weight_version=target.weight_version,
-            checksum=target.checksum,
-            step=target.step,
-        )
+        verified = target.verified()
 
         async def one(server_id: str) -> None:
             note = self.progress[server_id]

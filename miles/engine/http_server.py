@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -156,8 +156,8 @@ def create_app(engine: Engine) -> FastAPI:
             await asyncio.to_thread(groups.leave, over)
         if swept:
             sweep = asyncio.create_task(asyncio.to_thread(sweep_segments), name="sweep-segments")
-            sweeps.add(sweep)
-            sweep.add_done_callback(_ended_sweep(sweeps))
+            sweeps.add(sweep)  # held until it ends: the loop keeps only weak references to tasks
+            sweep.add_done_callback(sweeps.discard)
 
     async def pushed(
         result: UpdateWeightsResponse, *, source: str, started: float, received: float | None = None
@@ -370,15 +370,6 @@ def create_app(engine: Engine) -> FastAPI:
     if unclassified:
         raise RuntimeError(f"routes {unclassified} are missing from miles.engine.access.ENDPOINTS; classify them")
     return app
-
-
-def _ended_sweep(sweeps: set[asyncio.Task[list[str]]]) -> Callable[[asyncio.Task[list[str]]], None]:
-    def ended(task: asyncio.Task[list[str]]) -> None:
-        sweeps.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.warning("sweeping shared-memory segments failed: %s", task.exception())
-
-    return ended
 
 
 async def _native_stream(snapshots: AsyncIterator[GenerateResponse]) -> AsyncIterator[bytes]:

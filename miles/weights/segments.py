@@ -179,11 +179,10 @@ def sweep() -> list[str]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # its maker lives
-            # Unlocked: nobody holds it. Removed only if the name still names this file (a maker
-            # that renamed a new, locked segment to it meanwhile keeps it).
-            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
-                path.unlink(missing_ok=True)
-                removed.append(path.name)
+            # Unlocked: nobody holds it (a maker locks its segment before giving it this name,
+            # which no other segment ever has).
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
         except OSError:
             continue
         finally:

@@ -16,24 +16,11 @@ import httpx
 import pytest
 
 from miles.rollout.engine_process import free_port
-from miles.testing import process_alive
+from miles.testing import process_alive, wait_serving
 
 
 def _miles(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "miles.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[str], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stderr.read() if process.stderr else "serve exited"
-        try:
-            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("miles serve never became healthy")
 
 
 def test_serve_update_health_commands(checkpoints: dict[str, Path], tmp_path: Path) -> None:
@@ -60,7 +47,7 @@ def test_serve_update_health_commands(checkpoints: dict[str, Path], tmp_path: Pa
         env={**os.environ, "MILES_LOG_DIR": str(tmp_path / "logs")},
     )
     try:
-        _wait_healthy(url, serve)
+        wait_serving(url, serve)
         health = _miles("health", "--url", url, "--json")
         assert health.returncode == 0, health.stderr
         report = json.loads(health.stdout)
@@ -159,7 +146,7 @@ def test_serve_ends_waiting_requests_on_sigterm_and_leaves_no_files(
         env={**os.environ, "TMPDIR": str(scratch)},
     )
     try:
-        _wait_healthy(url, serve)
+        wait_serving(url, serve)
         assert any(scratch.iterdir()), "the controller keeps its working files in the temp dir"
         body = {"text": "x", "stream": True, "min_weight_version": "999999", "sampling_params": {"max_new_tokens": 2}}
         answers: list[int] = []

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from miles.rollout.engine_process import free_port
-from miles.testing import running_engine
+from miles.testing import running_engine, wait_serving
 
 HEAD_TIMEOUT_S = 3.0
 CAP = 32
@@ -68,11 +68,7 @@ def _controller(checkpoint: Path, log_dir: Path) -> Iterator[Target]:
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while not _healthy(url):
-            assert serve.poll() is None, (log_dir / "serve.log").read_text()
-            assert time.monotonic() < deadline, "miles serve never became healthy"
-            time.sleep(0.2)
+        wait_serving(url, serve, timeout=180, output=(log_dir / "serve.log").read_text)
         yield Target(url, busy_path="/generate")
     finally:
         serve.send_signal(signal.SIGTERM)

@@ -21,7 +21,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from miles.rollout.engine_process import free_port
-from miles.testing import copy_checkpoint, process_alive
+from miles.testing import copy_checkpoint, process_alive, wait_serving
 from miles.train.push import PushPublisher
 from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import saved_state_dict
@@ -47,16 +47,7 @@ def serving(checkpoint: Path, events: Path) -> Iterator[tuple[str, int]]:
         env={**os.environ, "MILES_WRITE_OUT_INTERVAL_S": "0", "MILES_STATE_DIR": str(state)},
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert serve.poll() is None, serve.stderr.read() if serve.stderr else "serve exited"
-            try:
-                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "miles serve never became healthy"
-            time.sleep(0.1)
+        wait_serving(url, serve)
         yield url, serve.pid
     finally:
         if serve.poll() is None:

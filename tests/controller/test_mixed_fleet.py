@@ -18,6 +18,7 @@ import pytest
 from miles.inference_controller import InferenceController
 from miles.models.presets import init_checkpoint
 from miles.rollout.engine_process import EngineProcess, engine_command, free_port
+from miles.testing import wait_serving
 from miles.weights.checkpoint import read_manifest
 
 SFT = "miles.rollout.sft_rollout.SFTRollout"
@@ -153,16 +154,7 @@ def test_mixed_fleet_from_the_command_line(
         text=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert serve.poll() is None, serve.stderr.read() if serve.stderr else "serve exited"
-            try:
-                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "miles serve --fleet never became healthy"
-            time.sleep(0.2)  # a separate process starting; nothing to wait on but its answer
+        wait_serving(url, serve)
         miles = [sys.executable, "-m", "miles.cli"]
         update = subprocess.run(
             [*miles, "update", "--url", url, "--model", "tiny-b", "--checkpoint", str(judge_checkpoints["b2"])],

@@ -62,9 +62,8 @@ def test_the_newest_commit_with_a_copy_is_resumed_and_the_highest_version_kept(
     assert model.committed_high == 12
 
     def point() -> tuple[str | None, str | None, str | None]:
-        found = resume_point(model, start_checkpoint=checkpoints["v1"], readable_roots=())
-        assert found is not None
-        reported = found.reported
+        reported = resume_point(model, start_checkpoint=checkpoints["v1"], readable_roots=())
+        assert reported is not None
         assert reported.last_committed_version == "12" and reported.committed_high == 12
         return reported.weight_version, reported.checkpoint, reported.note
 
@@ -82,16 +81,17 @@ def test_the_newest_commit_with_a_copy_is_resumed_and_the_highest_version_kept(
     (lying / "model.safetensors").write_bytes((checkpoints["v3"] / "model.safetensors").read_bytes())
     model.copies[v2.checksum] = [lying]
     found = resume_point(model, start_checkpoint=checkpoints["v1"], readable_roots=())
-    assert found is not None and found.verified is None
-    assert found.reported.note is not None and "updates must still be newer than version 12" in found.reported.note
+    assert found is not None and found.weights() is None
+    assert found.note is not None and "updates must still be newer than version 12" in found.note
 
 
 def test_a_copy_outside_the_checkpoint_roots_is_not_resumed(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     v2 = read_manifest(checkpoints["v2"])
     model = history([committed("u5", "5", v2.checksum, checkpoints["v2"])]).models["tiny"]
     outside = resume_point(model, start_checkpoint=checkpoints["v1"], readable_roots=(tmp_path,))
-    assert outside is not None and outside.verified is None
+    assert outside is not None and outside.weights() is None
     inside = resume_point(model, start_checkpoint=checkpoints["v1"], readable_roots=(checkpoints["v2"].parent,))
-    assert inside is not None and inside.verified is not None and inside.verified.weight_version == "5"
+    weights = inside.weights() if inside is not None else None
+    assert weights is not None and (weights.weight_version, weights.checkpoint) == ("5", checkpoints["v2"])
     # Nothing committed: nothing to resume.
     assert history([]).models == {}
