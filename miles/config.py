@@ -101,6 +101,15 @@ def check_seconds(value: float, *, name: str, low: float, high: float) -> float:
     return float(value)
 
 
+def choice(enum_type: type[Any], value: Any, name: str) -> Any:
+    """``value`` as a member of ``enum_type``; InvalidRequestError naming the choices otherwise."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        choices = ", ".join(member.value for member in enum_type)
+        raise InvalidRequestError(f"{name} must be one of {choices}, got {value!r}") from None
+
+
 # Settings PATCH /config may change, and why each of the others may not.
 RUNTIME_CHANGEABLE = frozenset(
     {

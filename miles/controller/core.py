@@ -15,9 +15,7 @@ import contextlib
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,40 +28,35 @@ from miles.config import (
     UpdatePauseMode,
     UpdateStrategy,
     check_seconds,
+    choice,
 )
 from miles.controller.events import ControllerEvents
 from miles.controller.fleet import DEFAULT_SERVER_CLS, Fleet, health_from, normalize_specs
-from miles.controller.gate import CheckpointRejected, admit_checkpoint, refused_plain_message
-from miles.controller.health import FleetHealth, ResumedFrom, lock_health, model_health, overall, server_health
+from miles.controller.gate import CheckpointRejected, refused_plain_message, vet_checkpoint
+from miles.controller.health import FleetHealth, ResumedFrom, fleet_health, lock_health
+from miles.controller.plans import Barrier, FromCheckpoint, FromWindow, Plan, Rolling
 from miles.controller.published import PublishedChecksums
-from miles.controller.results import (
-    ServerOutcome,
-    UpdateMode,
-    UpdateResult,
-    UpdateStatus,
-    UpdateWindow,
-    WindowServer,
-)
-from miles.controller.resume import history, resume_point
+from miles.controller.results import UpdateMode, UpdateResult, UpdateStatus, UpdateWindow, unlocked_result
+from miles.controller.resume import resume_fleet
 from miles.controller.router import Router
 from miles.controller.transaction import Target, WeightUpdate
 from miles.controller.windows import (
     Abort,
     Commit,
     OpenWindow,
-    Refused,
-    WriteOuts,
-    aim,
+    WindowSlot,
     check_window_checkpoint,
-    commit,
+    close_window,
+    describe,
     refusal,
     set_window,
+    window_target,
 )
-from miles.errors import ConflictError, EventLogError, InvalidRequestError, LockTimeoutError, MilesError
+from miles.controller.write_outs import WriteOuts
+from miles.errors import LockTimeoutError, MilesError
 from miles.protocol.auth import window_credential
 from miles.rollout.rollout import Rollout
-from miles.rollout.state import ServerState
-from miles.utils.audit_utils.event_logger.logger import EventLogger, read_events
+from miles.utils.audit_utils.event_logger.logger import EventLogger
 from miles.utils.context_lock import ContextLock, enforce_lock_discipline, lock_exempt, requires_lock, with_lock
 from miles.utils.weight_version import version_number
 
@@ -106,8 +99,7 @@ class AsyncInferenceController:
             observer=self._events,
             engine_secret=self._engine_secret,
         )
-        self._window: OpenWindow | None = None
-        self._window_task: asyncio.Task[None] | None = None
+        self._windows = WindowSlot()
         self._write_outs = WriteOuts(lambda: self._settings.write_out_interval_s)
         self._last_update: UpdateResult | None = None
         self._update_listeners: list[Callable[[UpdateResult], None]] = []
@@ -169,38 +161,23 @@ class AsyncInferenceController:
         directory = self._settings.events_dir
         if directory is None:
             return
-        # Reads (and for the copies, hashes) files: off the loop.
-        try:
-            past = history(await asyncio.to_thread(read_events, directory))
-        except EventLogError as exc:
-            # Not knowing what was committed, starting anyway could serve older weights than the
-            # log's, or commit a version it already committed.
-            raise MilesError(
-                f"the event log in {directory} cannot be read ({exc}); repair or move the file aside to "
-                "start without resuming from it"
-            ) from exc
-        for event in past.published:
-            self.published.observe(event)
         roots = self._settings.allowed_checkpoint_roots
         # Under roots, a copy an engine wrote out lies in the state directory (kept across
         # restarts when MILES_STATE_DIR names one), which engines may read too.
         state_dir = self.fleet.state_dir
         readable = (*roots, *((state_dir,) if state_dir else ())) if roots else ()
-        for rollout in self.fleet.all():
-            model = past.models.get(rollout.model_name)
-            if model is None:
-                continue
-            resumed = await asyncio.to_thread(
-                resume_point, model, start_checkpoint=rollout.spec.checkpoint, readable_roots=readable
-            )
-            if resumed is None:
-                continue
-            rollout.committed_high = model.committed_high
+        # Reads (and for the copies, hashes) files: off the loop.
+        resumption = await asyncio.to_thread(resume_fleet, directory, self.fleet.all(), readable_roots=readable)
+        for event in resumption.published:
+            self.published.observe(event)
+        for name, (resumed, committed_high) in resumption.models.items():
+            rollout = self.fleet.rollout(name)
+            rollout.committed_high = committed_high
             rollout.resume_from = resumed.weights()
-            self._resumed[rollout.model_name] = resumed
+            self._resumed[name] = resumed
             logger.info(
                 "%s resumes from its event log: version %s at %s%s",
-                rollout.model_name,
+                name,
                 resumed.weight_version or "(start checkpoint)",
                 resumed.checkpoint or rollout.spec.checkpoint,
                 f" ({resumed.note})" if resumed.note else "",
@@ -213,14 +190,7 @@ class AsyncInferenceController:
             return
         self.stop_routing()
         await self._write_outs.cancel()
-        window, task = self._window, self._window_task
-        if window is not None:
-            with contextlib.suppress(ConflictError):  # already ending: the task finishes it
-                window.end(Abort(reason="the controller is shutting down"))
-        elif task is not None:
-            task.cancel()  # still waiting for the lock, or opening: it puts everything back
-        if task is not None:
-            await asyncio.gather(task, return_exceptions=True)
+        await self._windows.shut(reason="the controller is shutting down")
         await self._shutdown()
         self._subscription.close()
         self.event_logger.close()
@@ -266,9 +236,9 @@ class AsyncInferenceController:
         rollout = self.fleet.rollout(model_name)
         if timeout is not None:
             timeout = check_seconds(timeout, name="timeout", low=UPDATE_TIMEOUT_MIN_S, high=UPDATE_TIMEOUT_MAX_S)
-        chosen = _choice(UpdateStrategy, strategy or self._settings.default_strategy, "strategy")
+        chosen = choice(UpdateStrategy, strategy or self._settings.default_strategy, "strategy")
         mode = UpdateMode(chosen.value)
-        pause = _choice(UpdatePauseMode, pause_mode or self._settings.default_pause_mode, "pause_mode")
+        pause = choice(UpdatePauseMode, pause_mode or self._settings.default_pause_mode, "pause_mode")
         try:
             return await self._update_from_disk(
                 rollout,
@@ -281,8 +251,16 @@ class AsyncInferenceController:
             )
         except LockTimeoutError as exc:
             message = f"the lock was not granted within {self.lock_timeout_s}s: {exc}"
+            snapshots = rollout.snapshot()
             return self._remember(
-                _unlocked_result(rollout, mode=mode, pause_mode=pause, started=started, message=message)
+                unlocked_result(
+                    snapshots,
+                    model_name=rollout.model_name,
+                    mode=mode,
+                    pause_mode=pause,
+                    started=started,
+                    message=message,
+                )
             )
 
     @with_lock
@@ -299,12 +277,12 @@ class AsyncInferenceController:
     ) -> UpdateResult:
         update = self._new_update(rollout, mode=mode, pause_mode=pause_mode, started=started)
         timings = {"lock_wait": time.monotonic() - started}
-        await self._heal(update)
+        await update.heal()
         # Loading changes the live weights in place: the ones served now must be on disk first.
         await self._write_outs.flush(update.model_name)
         try:
-            admitted = await asyncio.to_thread(
-                admit_checkpoint,
+            vetted = await asyncio.to_thread(
+                vet_checkpoint,
                 checkpoint,
                 model_name=update.model_name,
                 settings=self._settings,
@@ -317,14 +295,14 @@ class AsyncInferenceController:
             timings["validate"] = time.monotonic() - started - timings["lock_wait"]
             return self._finish(update.result(UpdateStatus.REJECTED, message=rejected.message, timings=timings))
         timings["validate"] = time.monotonic() - started - timings["lock_wait"]
-        update.aim(
+        update.set_target(
             Target(
-                weight_version=admitted.weight_version,
-                step=admitted.step,
-                checksum=admitted.expected_checksum,
-                source=admitted.checksum_source,
-                checkpoint=admitted.path,
-                num_bytes=admitted.manifest.num_bytes if admitted.manifest else None,
+                weight_version=vetted.weight_version,
+                step=vetted.step,
+                checksum=vetted.expected_checksum,
+                source=vetted.checksum_source,
+                checkpoint=vetted.path,
+                num_bytes=vetted.manifest.num_bytes if vetted.manifest else None,
             )
         )
         self._events.started(update)
@@ -332,26 +310,24 @@ class AsyncInferenceController:
         message = ""
         try:
             async with asyncio.timeout(timeout):
-                if mode is UpdateMode.ROLLING:
-                    status = await update.run_rolling(admitted.path, batch_size=self._settings.rolling_batch_size)
-                else:
-                    status = await update.run_barrier(admitted.path)
+                schedule = Rolling(self._settings.rolling_batch_size) if mode is UpdateMode.ROLLING else Barrier()
+                status = await update.run(Plan(source=FromCheckpoint(vetted.path), schedule=schedule))
         except TimeoutError:
             status = UpdateStatus.ROLLED_BACK
             message = f"the update did not finish within {timeout}s; servers were put back on verified weights"
-            await self._heal(update)
+            await update.heal()
         except BaseException:
             # A failure nobody planned for (a bug in a server type, a cancelled caller): put every
             # server back on verified weights before the lock is released, then report it.
-            await self._heal(update)
+            await update.heal()
             raise
         timings["transaction"] = time.monotonic() - phase
         actual = update.checkpoint_checksums()
-        if status is UpdateStatus.REJECTED and admitted.manifest is None and len(actual) == 1:
+        if status is UpdateStatus.REJECTED and vetted.manifest is None and len(actual) == 1:
             # A plain directory's weights were hashed by the servers; say which published step,
             # if any, they belong to.
             message = refused_plain_message(
-                admitted, model_name=update.model_name, published=self.published, actual=actual.pop()
+                vetted, model_name=update.model_name, published=self.published, actual=actual.pop()
             )
         return self._finish(update.result(status, message=message, timings=timings))
 
@@ -385,39 +361,10 @@ class AsyncInferenceController:
             low=LEASE_TTL_MIN_S,
             high=LEASE_TTL_MAX_S,
         )
-        pause = _choice(UpdatePauseMode, pause_mode or self._settings.default_pause_mode, "pause_mode")
-        opened: asyncio.Future[UpdateWindow] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(
-            self._hold_window(rollout, ttl_s=ttl, pause_mode=pause, staged=bool(staged), opened=opened)
+        pause = choice(UpdatePauseMode, pause_mode or self._settings.default_pause_mode, "pause_mode")
+        return await self._windows.open(
+            lambda opened: self._hold_window(rollout, ttl_s=ttl, pause_mode=pause, staged=bool(staged), opened=opened)
         )
-        self._window_task = task
-        # The window's task sets ``opened`` once the window is open (or failed to open); a task
-        # that ends without setting it never got the lock (LockTimeoutError) or was cancelled.
-        racers: set[asyncio.Future[Any]] = {opened, task}
-        try:
-            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            self._abandon_window(task, opened)
-            raise
-        if not opened.done():
-            task.result()  # the task ended first: this raises what ended it
-        return opened.result()
-
-    @lock_exempt
-    def _abandon_window(self, task: asyncio.Task[None], opened: asyncio.Future[UpdateWindow]) -> None:
-        """The caller of ``start_update_weights`` went away before it got its window: nobody will
-        push to it or end it, so it must not hold the fleet for its lease. Still waiting for the
-        lock (or opening), its task is cancelled (an opening puts the servers back); already open,
-        it is aborted."""
-        if not opened.done():
-            task.cancel()
-            return
-        if opened.cancelled() or opened.exception() is not None:
-            return
-        window = opened.result()
-        logger.warning("window %d was opened for a caller that went away; aborting it", window.token)
-        aborting = asyncio.ensure_future(self.abort_update_weights(window, reason="its caller went away"))
-        aborting.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     @with_lock
     async def _hold_window(
@@ -433,7 +380,7 @@ class AsyncInferenceController:
         update = self._new_update(rollout, mode=UpdateMode.WINDOW, pause_mode=pause_mode)
         assert self.router is not None
         try:
-            await self._heal(update)
+            await update.heal()
             self._events.started(update)
             if not staged:
                 # Training will change the live weights in place: the ones served now must be on
@@ -447,28 +394,34 @@ class AsyncInferenceController:
         except BaseException as exc:  # noqa: BLE001  # handed to start_update_weights through ``opened``
             # Whatever failed once the fleet was touched, put it back as it was: servers on their
             # verified weights and serving, the gate open.
-            await self._close_window(update, reason="the window could not open")
+            await close_window(update, reason="the window could not open")
             self._finish(update.result(UpdateStatus.ROLLED_BACK, message=f"the window could not open: {exc}"))
             opened.set_exception(exc)
             return
         window = OpenWindow(
             update=update,
-            public=self._describe_window(update, ttl_s=ttl_s, pause_mode=pause_mode, staged=staged),
+            public=describe(
+                update,
+                ttl_s=ttl_s,
+                pause_mode=pause_mode,
+                staged=staged,
+                credential=window_credential(self._engine_secret, update.token),
+            ),
         )
-        self._window = window
+        self._windows.current = window
         opened.set_result(window.public)
         with update.timed("transfer"):  # training pushing its weights, until it ends the window
             ending, answer = await window.wait()
         try:
             result = await self._end_window(update, ending, staged=staged)
         except BaseException as exc:
-            self._window = None
-            await self._close_window(update, reason=f"ending the window failed: {exc}")
+            self._windows.current = None
+            await close_window(update, reason=f"ending the window failed: {exc}")
             self._finish(update.result(UpdateStatus.ROLLED_BACK, message=f"ending the window failed: {exc}"))
             if answer is not None and not answer.done():
                 answer.set_exception(exc)
             raise
-        self._window = None
+        self._windows.current = None
         self._finish(result)
         if answer is not None and not answer.done():
             answer.set_result(result)
@@ -476,7 +429,7 @@ class AsyncInferenceController:
     @requires_lock
     async def _end_window(self, update: WeightUpdate, ending: Commit | Abort, *, staged: bool) -> UpdateResult:
         if isinstance(ending, Abort):
-            await self._close_window(update, reason=ending.reason)
+            await close_window(update, reason=ending.reason)
             return update.result(UpdateStatus.ABORTED, message=ending.reason)
         # Nothing may push once the weights are being confirmed: close the window on the engines
         # (a staged window's engines close it as they activate, in the same call).
@@ -485,37 +438,21 @@ class AsyncInferenceController:
         published = self.published.expected(update.model_name, ending.step)
         refused = refusal(update, ending, published_checksum=published.checksum if published else None)
         if refused is not None:
-            await self._close_window(update, reason=refused.reason)
+            await close_window(update, reason=refused.reason)
             return update.result(UpdateStatus.ROLLED_BACK, message=refused.message)
-        await aim(update, ending, roots=self._settings.allowed_checkpoint_roots)
-        assert self.router is not None
-        if staged:
-            # The servers served throughout; only now do they leave routing, and each engine
-            # pauses (per the pause mode), swaps in the weights it staged and verified, and
-            # resumes, in one call.
-            self.router.close_gate(update.model_name)
-            await update.take_out(update.server_ids, pause=False)
-            await update.activate(update.server_ids)
-        outcome = await commit(update)
-        if isinstance(outcome, Refused):
-            await self._close_window(update, reason=outcome.reason)
-            return update.result(UpdateStatus.ROLLED_BACK, message=outcome.message)
+        update.set_target(await window_target(update, ending, roots=self._settings.allowed_checkpoint_roots))
+
+        async def close(server_ids: list[str]) -> None:
+            await set_window(update, open_=False, server_ids=server_ids)
+
+        status = await update.run(Plan(source=FromWindow(staged=staged, close=close), schedule=Barrier()))
+        if status is not UpdateStatus.COMMITTED:
+            return update.result(status)
         if published is None:
             self._events.published(update.model_name, ending.checksum, ending.step, update.weight_version)
-        self.router.open_gate(update.model_name)
         if update.checkpoint is None:
             self._write_outs.start(update.rollout, checksum=ending.checksum, step=ending.step)
         return update.result(UpdateStatus.COMMITTED)
-
-    @requires_lock
-    async def _close_window(self, update: WeightUpdate, *, reason: str) -> None:
-        """Refuse the window's credential on its engines, restore its servers, open the gate."""
-        assert self.router is not None
-        try:
-            await set_window(update, open_=False)
-            await update.roll_back(update.server_ids, reason=reason)
-        finally:
-            self.router.open_gate(update.model_name)
 
     @lock_exempt
     async def end_update_weights(
@@ -540,7 +477,7 @@ class AsyncInferenceController:
             Commit, checksum=checksum, step=step, checkpoint=checkpoint, weight_version=weight_version
         )
         await asyncio.to_thread(check_window_checkpoint, ending.checkpoint, self._settings.allowed_checkpoint_roots)
-        return await asyncio.shield(self._open_window(window).end(ending))
+        return await asyncio.shield(self._windows.find(window).end(ending))
 
     @lock_exempt
     async def renew_update_weights(self, window: UpdateWindow | int, *, ttl_s: float | None = None) -> UpdateWindow:
@@ -552,7 +489,7 @@ class AsyncInferenceController:
         Raises InvalidRequestError for a bad ``ttl_s`` and ConflictError for a token that names no
         open window (ended, expired, or never opened).
         """
-        open_window = self._open_window(window)
+        open_window = self._windows.find(window)
         ttl = open_window.public.ttl_s
         if ttl_s is not None:
             ttl = check_seconds(ttl_s, name="ttl_s", low=LEASE_TTL_MIN_S, high=LEASE_TTL_MAX_S)
@@ -563,42 +500,7 @@ class AsyncInferenceController:
         self, window: UpdateWindow | int, *, reason: str = "aborted by training"
     ) -> UpdateResult:
         """Put every server of the window back on its last verified weights and resume serving."""
-        return await asyncio.shield(self._open_window(window).end(Abort(reason=reason)))
-
-    @lock_exempt
-    def _open_window(self, window: UpdateWindow | int) -> OpenWindow:
-        token = window.token if isinstance(window, UpdateWindow) else window
-        if isinstance(token, bool) or not isinstance(token, int):
-            raise InvalidRequestError(f"a window is named by its integer token, got {token!r}")
-        open_window = self._window
-        if open_window is None or open_window.public.token != token:
-            raise ConflictError(
-                "no open window has this token: it ended, its lease expired, or it was never opened", token=token
-            )
-        return open_window
-
-    @lock_exempt
-    def _describe_window(
-        self, update: WeightUpdate, *, ttl_s: float, pause_mode: UpdatePauseMode, staged: bool
-    ) -> UpdateWindow:
-        return UpdateWindow(
-            window_id=uuid.uuid4().hex[:12],
-            update_id=update.update_id,
-            model_name=update.model_name,
-            token=update.token,
-            expires_at=datetime.now(UTC) + timedelta(seconds=ttl_s),
-            ttl_s=ttl_s,
-            pause_mode=pause_mode,
-            # Servers whose engines died while the window opened are not pushed to: they restart
-            # on what the window commits.
-            servers=tuple(
-                WindowServer(server_id=s.server_id, url=s.url or "", weight_version=s.weight_version)
-                for s in update.rollout.snapshot()
-                if s.server_id in update.live(update.server_ids)
-            ),
-            credential=window_credential(self._engine_secret, update.token),
-            staged=staged,
-        )
+        return await asyncio.shield(self._windows.find(window).end(Abort(reason=reason)))
 
     # --- updates and recovery ------------------------------------------------------------------
 
@@ -618,46 +520,20 @@ class AsyncInferenceController:
             started=started,
         )
 
-    @requires_lock
-    async def _heal(self, update: WeightUpdate) -> None:
-        """Put back on verified weights any server a failed operation left updating or quarantined."""
-        rollout = update.rollout
-        stuck = [s.server_id for s in rollout.snapshot() if s.state in (ServerState.UPDATING, ServerState.QUARANTINED)]
-        if stuck:
-            logger.warning("restoring %s left mid-update", ", ".join(stuck))
-            await asyncio.gather(
-                *(rollout.rollback(sid, reason="recovered mid-update", fence=update.token) for sid in stuck),
-                return_exceptions=True,
-            )
-        assert self.router is not None
-        if not self.router.gate_open(update.model_name):
-            self.router.open_gate(update.model_name)
-
     # --- health and observation ----------------------------------------------------------------
 
     @lock_exempt
     def health(self) -> FleetHealth:
         """The aggregated health report; never waits on the lock."""
-        now = time.time()
-        models = {}
-        servers = []
-        for name in self.fleet.model_names:
-            snapshots = self.fleet.snapshots(name)
-            accepting = self.router.gate_open(name) if self.router else True
-            models[name] = model_health(name, snapshots, accepting=accepting, resumed_from=self._resumed.get(name))
-            for snap in snapshots:
-                outstanding = self.router.outstanding(snap.server_id) if self.router else 0
-                servers.append(server_health(snap, in_flight=outstanding, now=now))
-        status, ok = overall(models)
-        window = self._window
-        return FleetHealth(
-            status=status,
-            ok=ok,
-            models=models,
-            servers=servers,
+        router, window = self.router, self._windows.current
+        return fleet_health(
+            {name: self.fleet.snapshots(name) for name in self.fleet.model_names},
+            accepting=router.gate_open if router else lambda _: True,
+            in_flight=router.outstanding if router else lambda _: 0,
+            resumed=self._resumed,
             lock=lock_health(self._lock.statistics(), window_expires_at=window.public.expires_at if window else None),
             last_update=self._last_update,
-            uptime_s=round(now - self._started_at, 3),
+            uptime_s=round(time.time() - self._started_at, 3),
         )
 
     @property
@@ -712,37 +588,3 @@ def _fenced_section(lock: ContextLock) -> Callable[[str], contextlib.AbstractAsy
             yield grant.token
 
     return section
-
-
-def _choice(enum_type: type[Any], value: Any, name: str) -> Any:
-    """``value`` as a member of ``enum_type``; InvalidRequestError naming the choices otherwise."""
-    try:
-        return enum_type(value)
-    except ValueError:
-        choices = ", ".join(member.value for member in enum_type)
-        raise InvalidRequestError(f"{name} must be one of {choices}, got {value!r}") from None
-
-
-def _unlocked_result(
-    rollout: Rollout, *, mode: UpdateMode, pause_mode: UpdatePauseMode, started: float, message: str
-) -> UpdateResult:
-    """The result of an update that never got the lock: nothing was touched."""
-    return UpdateResult(
-        update_id=uuid.uuid4().hex[:12],
-        status=UpdateStatus.TIMED_OUT,
-        model_name=rollout.model_name,
-        weight_version=None,
-        previous_version=None,
-        step=None,
-        checkpoint=None,
-        expected_checksum=None,
-        checksum_source=None,
-        strategy=mode,
-        pause_mode=pause_mode,
-        servers=tuple(
-            ServerOutcome(server_id=s.server_id, state=s.state, weight_version=s.weight_version, checksum=s.checksum)
-            for s in rollout.snapshot()
-        ),
-        message=message,
-        duration_s=time.monotonic() - started,
-    )

@@ -43,7 +43,7 @@ class CheckpointRejected(Exception):
 
 
 @dataclass(frozen=True)
-class AdmittedCheckpoint:
+class VettedCheckpoint:
     path: Path
     # None for a plain Hugging Face directory: servers verify it against ``expected_checksum``.
     manifest: Manifest | None
@@ -53,7 +53,7 @@ class AdmittedCheckpoint:
     step: int
 
 
-def admit_checkpoint(
+def vet_checkpoint(
     checkpoint: Path,
     *,
     model_name: str,
@@ -62,7 +62,7 @@ def admit_checkpoint(
     weight_version: str | None,
     serving_version: str | None,
     start_checkpoint: Path | None = None,
-) -> AdmittedCheckpoint:
+) -> VettedCheckpoint:
     """Check ``checkpoint`` for an update of ``model_name``; raises CheckpointRejected if it fails.
 
     ``serving_version`` must be read under the controller's lock, by the update that is about
@@ -85,7 +85,7 @@ def admit_checkpoint(
             raise CheckpointRejected(problem)
         # lexists: a manifest that is there but cannot be opened (a symlink loop) is refused as such.
         if not os.path.lexists(path / MANIFEST_NAME):
-            return _admit_plain(
+            return _vet_plain(
                 path,
                 model_name=model_name,
                 published=published,
@@ -133,7 +133,7 @@ def admit_checkpoint(
             expected, source, step = manifest.checksum, ChecksumSource.MANIFEST, manifest.step
             version = weight_version or manifest.weight_version
         _check_newer(version, serving_version)
-        return AdmittedCheckpoint(
+        return VettedCheckpoint(
             path=path,
             manifest=manifest,
             expected_checksum=expected,
@@ -152,15 +152,15 @@ def _refused_when_unreadable(checkpoint: Path) -> Iterator[None]:
         raise CheckpointRejected(f"checkpoint {checkpoint} cannot be read: {exc.strerror or exc}") from None
 
 
-def _admit_plain(
+def _vet_plain(
     path: Path,
     *,
     model_name: str,
     published: PublishedChecksums,
     weight_version: str | None,
     serving_version: str | None,
-) -> AdmittedCheckpoint:
-    """A directory as ``save_pretrained`` writes it: admitted as the latest published step.
+) -> VettedCheckpoint:
+    """A directory as ``save_pretrained`` writes it: accepted as the latest published step.
 
     Its weights are identified by the checksum training published last for the model; each
     server computes the checkpoint's checksum in the pass that verifies it before loading and
@@ -180,7 +180,7 @@ def _admit_plain(
         raise CheckpointRejected(f"checkpoint {path} failed verification: {'; '.join(problems[:5])}")
     version = weight_version or latest.weight_version or str(latest.step)
     _check_newer(version, serving_version)
-    return AdmittedCheckpoint(
+    return VettedCheckpoint(
         path=path,
         manifest=None,
         expected_checksum=latest.checksum,
@@ -191,17 +191,17 @@ def _admit_plain(
 
 
 def refused_plain_message(
-    admitted: AdmittedCheckpoint, *, model_name: str, published: PublishedChecksums, actual: str
+    vetted: VettedCheckpoint, *, model_name: str, published: PublishedChecksums, actual: str
 ) -> str:
     """Why servers refused a plain checkpoint whose weights hash to ``actual``."""
     older = published.matching(model_name, actual)
     if older is not None:
         return (
-            f"checkpoint {admitted.path} holds the weights training published for step {older.step} "
-            f"({actual}), not the latest published step {admitted.step} ({admitted.expected_checksum})"
+            f"checkpoint {vetted.path} holds the weights training published for step {older.step} "
+            f"({actual}), not the latest published step {vetted.step} ({vetted.expected_checksum})"
         )
     return _unpublished_message(
-        admitted.path, model_name=model_name, checksum=actual, step=admitted.step, latest=admitted.expected_checksum
+        vetted.path, model_name=model_name, checksum=actual, step=vetted.step, latest=vetted.expected_checksum
     )
 
 

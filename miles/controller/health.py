@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -189,6 +191,32 @@ def lock_health(stats: LockStatistics, *, window_expires_at: datetime | None) ->
         waiters=stats.waiters,
         detached=window_expires_at is not None,
         lease_expires_at=window_expires_at,
+    )
+
+
+def fleet_health(
+    snapshots: dict[str, list[ServerSnapshot]],
+    *,
+    accepting: Callable[[str], bool],
+    in_flight: Callable[[str], int],
+    resumed: dict[str, ResumedFrom],
+    lock: LockHealth,
+    last_update: UpdateResult | None,
+    uptime_s: float,
+) -> FleetHealth:
+    """The report for every model's servers (``snapshots``, by model): ``accepting`` says whether
+    a model's requests pass the router, ``in_flight`` how many requests a server has."""
+    now = time.time()
+    models = {
+        name: model_health(name, snaps, accepting=accepting(name), resumed_from=resumed.get(name))
+        for name, snaps in snapshots.items()
+    }
+    servers = [
+        server_health(s, in_flight=in_flight(s.server_id), now=now) for snaps in snapshots.values() for s in snaps
+    ]
+    status, ok = overall(models)
+    return FleetHealth(
+        status=status, ok=ok, models=models, servers=servers, lock=lock, last_update=last_update, uptime_s=uptime_s
     )
 
 

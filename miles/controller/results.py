@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+import uuid
 from datetime import datetime
 from enum import StrEnum
 
@@ -9,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from miles.config import UpdatePauseMode
 from miles.errors import MilesError
-from miles.rollout.state import ServerState
+from miles.rollout.state import ServerSnapshot, ServerState
 
 
 class UpdateStatus(StrEnum):
@@ -160,3 +162,34 @@ class UpdateWindow(BaseModel):
     # The servers keep serving while training pushes: pushes stage (``activate=false``) and the
     # commit swaps the weights in.
     staged: bool = False
+
+
+def unlocked_result(
+    snapshots: list[ServerSnapshot],
+    *,
+    model_name: str,
+    mode: UpdateMode,
+    pause_mode: UpdatePauseMode,
+    started: float,
+    message: str,
+) -> UpdateResult:
+    """The result of an update that never got the lock: nothing was touched."""
+    return UpdateResult(
+        update_id=uuid.uuid4().hex[:12],
+        status=UpdateStatus.TIMED_OUT,
+        model_name=model_name,
+        weight_version=None,
+        previous_version=None,
+        step=None,
+        checkpoint=None,
+        expected_checksum=None,
+        checksum_source=None,
+        strategy=mode,
+        pause_mode=pause_mode,
+        servers=tuple(
+            ServerOutcome(server_id=s.server_id, state=s.state, weight_version=s.weight_version, checksum=s.checksum)
+            for s in snapshots
+        ),
+        message=message,
+        duration_s=time.monotonic() - started,
+    )

@@ -18,7 +18,9 @@ from pathlib import Path
 
 from miles.controller.gate import restart_point_problem, roots_problem
 from miles.controller.health import ResumedFrom
-from miles.errors import CheckpointError
+from miles.errors import CheckpointError, EventLogError, MilesError
+from miles.rollout.rollout import Rollout
+from miles.utils.audit_utils.event_logger.logger import read_events
 from miles.utils.audit_utils.event_logger.models import (
     ChecksumRole,
     Event,
@@ -86,6 +88,38 @@ def history(events: Iterable[Event]) -> History:
         elif isinstance(event, InferenceEngineWeightChecksumEvent) and event.role is ChecksumRole.PUBLISHED:
             published.append(event)
     return History(models=models, published=tuple(published))
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """What a controller starting again on its event log takes from it: what training published,
+    and per model where it resumes (with the highest integer version it committed)."""
+
+    published: tuple[InferenceEngineWeightChecksumEvent, ...]
+    models: dict[str, tuple[ResumedFrom, int | None]]
+
+
+def resume_fleet(directory: Path, rollouts: Iterable[Rollout], *, readable_roots: tuple[Path, ...]) -> Resumption:
+    """Read the event log in ``directory`` and find where each rollout's model resumes. Blocking:
+    reads the log and hashes checkpoints. Raises MilesError when the log cannot be read: not
+    knowing what was committed, starting anyway could serve older weights than the log's, or
+    commit a version it already committed."""
+    try:
+        past = history(read_events(directory))
+    except EventLogError as exc:
+        raise MilesError(
+            f"the event log in {directory} cannot be read ({exc}); repair or move the file aside to "
+            "start without resuming from it"
+        ) from exc
+    models = {}
+    for rollout in rollouts:
+        model = past.models.get(rollout.model_name)
+        if model is None:
+            continue
+        resumed = resume_point(model, start_checkpoint=rollout.spec.checkpoint, readable_roots=readable_roots)
+        if resumed is not None:
+            models[rollout.model_name] = (resumed, model.committed_high)
+    return Resumption(published=past.published, models=models)
 
 
 def resume_point(

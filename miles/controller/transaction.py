@@ -1,17 +1,18 @@
-"""WeightUpdate: one update of one model's servers, the protocol's steps 4-7 as methods.
+"""WeightUpdate: one update of one model's servers, the protocol's steps 4-7 written once.
 
 A WeightUpdate exists only while the controller's lock is held: the controller creates it once the
-lock is granted (``AsyncInferenceController._begin``) and it ends with the lock. Holding one is
-holding the lock, and its ``token`` (the lock grant's fencing token) goes with every call it makes
-to an engine, so an engine refuses whatever an older update still tries. It reads, when created,
-the version the fleet was verified on, which its weights must be newer than.
+lock is granted (``AsyncInferenceController._new_update``) and it ends with the lock. Holding one
+is holding the lock, and its ``token`` (the lock grant's fencing token) goes with every call it
+makes to an engine, so an engine refuses whatever an older update still tries. It reads, when
+created, the version the fleet was verified on, which its weights must be newer than.
 
-Its steps: ``take_out`` (stop routing to servers and pause them), ``load`` (from disk), ``confirm``
-(the checksum each server computes over what it holds), ``admit`` (serve the new version) and
-``roll_back`` (put servers back on their last verified weights); ``run_barrier`` and
-``run_rolling`` order them for the two strategies. Each server's progress is a ``ServerStep``; a
-server that fails (refuses, dies, times out) is recorded as such rather than raised, so one bad
-server cannot leave the others paused.
+``run(plan)`` executes every update, from a checkpoint or a training window, barrier or rolling
+(``miles.controller.plans``): per batch of the plan's schedule, ``take_out`` (stop routing to the
+servers and pause them), the source's load (``load`` from disk, ``activate`` what a window
+staged), ``confirm`` (the checksum each server computes over what it holds), then ``admit`` (serve
+the new version) or ``roll_back`` (put servers back on their last verified weights). Each server's
+progress is a ``ServerStep``; a server that fails (refuses, dies, times out) is recorded as such
+rather than raised, so one bad server cannot leave the others paused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 from miles.config import UpdatePauseMode
+from miles.controller.plans import Plan
 from miles.controller.results import (
     ChecksumSource,
     ServerOutcome,
@@ -37,7 +39,7 @@ from miles.controller.results import (
 )
 from miles.controller.router import Router
 from miles.errors import MilesError
-from miles.protocol.sglang import PauseMode
+from miles.protocol.sglang import PauseMode, UpdateWeightsResponse
 from miles.rollout.engine_client import EngineCallError, WeightsChecksum
 from miles.rollout.rollout import Rollout
 from miles.rollout.state import ServerState, VerifiedWeights
@@ -137,7 +139,7 @@ class WeightUpdate:
 
     # --- what the update installs ----------------------------------------------------------------
 
-    def aim(self, target: Target) -> None:
+    def set_target(self, target: Target) -> None:
         """Fix the weights this update installs (once: the gate's or training's decision)."""
         if self.target is not None:
             raise MilesError("an update's target weights are decided once", update_id=self.update_id)
@@ -176,8 +178,9 @@ class WeightUpdate:
 
     async def take_out(self, server_ids: list[str], *, pause: bool = True) -> None:
         """Stop routing to the servers, then pause them (in-flight work per the pause mode), unless
-        ``pause`` is False (their engines pause themselves for a staged swap: ``activate``)."""
-        server_ids = self.live(server_ids)  # those whose engines died are restarting already
+        ``pause`` is False (their engines pause themselves for a staged swap: ``activate``).
+        Servers already out (a window's, taken out when it opened) or whose engines died are left."""
+        server_ids = [sid for sid in server_ids if self.progress[sid].step is ServerStep.PENDING]
         for server_id in server_ids:
             self.rollout.begin_update(server_id, reason=f"update {self.update_id} to {self.weight_version}")
             self.progress[server_id].step = ServerStep.TAKEN_OUT
@@ -195,24 +198,14 @@ class WeightUpdate:
         target = self._target()
 
         async def one(server_id: str) -> None:
-            response = await self.rollout.load(
+            answer = await self.rollout.load(
                 server_id,
                 checkpoint,
                 weight_version=target.weight_version,
                 expected_checksum=target.checksum,
                 fence=self.token,
             )
-            note = self.progress[server_id]
-            note.load_timings = dict(response.timings)
-            if not response.success:
-                note.step, note.error = ServerStep.REFUSED, f"load refused: {response.message}"
-                note.checkpoint_checksum = response.checkpoint_checksum
-                return
-            note.step = ServerStep.LOADED
-            if response.checksum is not None and response.weight_version is not None:
-                note.reported = WeightsChecksum(
-                    checksum=response.checksum, algorithm="xxh3_128", weight_version=response.weight_version
-                )
+            self._loaded(server_id, answer, refused="load refused")
 
         with self.timed("load"):
             await self._each(self._healthy(server_ids), "load", one)
@@ -228,26 +221,32 @@ class WeightUpdate:
 
         async def one(server_id: str) -> None:
             generating = not self.progress[server_id].paused
-            response = await self.rollout.activate(
+            answer = await self.rollout.activate(
                 server_id,
                 weight_version=target.weight_version,
                 expected_checksum=target.checksum,
                 pause_mode=PauseMode(self.pause_mode.value) if generating else None,
                 fence=self.token,
             )
-            note = self.progress[server_id]
-            note.load_timings = dict(response.timings)
-            if not response.success:
-                note.step, note.error = ServerStep.REFUSED, f"activation refused: {response.message}"
-                return
-            note.step = ServerStep.LOADED
-            if response.checksum is not None and response.weight_version is not None:
-                note.reported = WeightsChecksum(
-                    checksum=response.checksum, algorithm="xxh3_128", weight_version=response.weight_version
-                )
+            self._loaded(server_id, answer, refused="activation refused")
 
         with self.timed("load"):
             await self._each(self._healthy(server_ids), "activate", one)
+
+    def _loaded(self, server_id: str, answer: UpdateWeightsResponse, *, refused: str) -> None:
+        """Record a server's answer to a load or an activation: refused (nothing changed), or
+        loaded, with the checksum it computed over its live weights when it said."""
+        note = self.progress[server_id]
+        note.load_timings = dict(answer.timings)
+        if not answer.success:
+            note.step, note.error = ServerStep.REFUSED, f"{refused}: {answer.message}"
+            note.checkpoint_checksum = answer.checkpoint_checksum
+            return
+        note.step = ServerStep.LOADED
+        if answer.checksum is not None and answer.weight_version is not None:
+            note.reported = WeightsChecksum(
+                checksum=answer.checksum, algorithm="xxh3_128", weight_version=answer.weight_version
+            )
 
     async def confirm(self, server_ids: list[str]) -> None:
         """Get each server's checksum of what it holds; only an exact match is confirmed.
@@ -335,6 +334,22 @@ class WeightUpdate:
                 note.error = f"{note.error or ''}; restore failed: {outcome}".strip("; ")
         self.router.fleet_changed()
 
+    async def heal(self) -> None:
+        """Put back on verified weights any server a failed operation left updating or
+        quarantined, and let requests through again (before an update starts, and after one
+        that ended in an error nobody planned for)."""
+        stuck = [
+            s.server_id for s in self.rollout.snapshot() if s.state in (ServerState.UPDATING, ServerState.QUARANTINED)
+        ]
+        if stuck:
+            logger.warning("restoring %s left mid-update", ", ".join(stuck))
+            await asyncio.gather(
+                *(self.rollout.rollback(sid, reason="recovered mid-update", fence=self.token) for sid in stuck),
+                return_exceptions=True,
+            )
+        if not self.router.gate_open(self.model_name):
+            self.router.open_gate(self.model_name)
+
     # --- what happened -------------------------------------------------------------------------
 
     def refused_by_all(self, server_ids: list[str]) -> bool:
@@ -342,6 +357,10 @@ class WeightUpdate:
         (nothing changed)."""
         live = self.live(server_ids)
         return bool(live) and all(self.progress[sid].step is ServerStep.REFUSED for sid in live)
+
+    def loaded(self, server_id: str) -> bool:
+        """Whether the server loaded (or activated) the new weights, not yet confirmed."""
+        return self.progress[server_id].step is ServerStep.LOADED
 
     def confirmed(self, server_ids: list[str]) -> list[str]:
         return [sid for sid in server_ids if self.progress[sid].step is ServerStep.CONFIRMED]
@@ -400,59 +419,50 @@ class WeightUpdate:
             fencing_token=self.token,
         )
 
-    # --- the two strategies --------------------------------------------------------------------
+    # --- the one pipeline ---------------------------------------------------------------------
 
-    async def run_barrier(self, checkpoint: Path) -> UpdateStatus:
-        """All servers switch together while requests wait at the router; any failure rolls all back."""
-        ids = self.server_ids
-        self.router.close_gate(self.model_name)
-        try:
-            await self.take_out(ids)
-            await self.load(ids, checkpoint)
-            if self.refused_by_all(ids):
-                # Every server refused the checkpoint before touching its weights (its bytes do not
-                # match what was expected): nothing changed, so the update is rejected.
-                await self.roll_back(ids, reason=f"update {self.update_id} refused by every server")
-                return UpdateStatus.REJECTED
-            await self.confirm(ids)
-            if self.failed(ids) or not self.confirmed(ids):
-                # All-or-nothing: a barrier update never leaves the fleet on two versions.
-                why = ", ".join(self.failed(ids)) or "every server's engine died"
-                await self.roll_back(ids, reason=f"update {self.update_id} failed on {why}")
-                return UpdateStatus.ROLLED_BACK
-            await self.admit(self.confirmed(ids))
-        finally:
-            self.router.open_gate(self.model_name)
-        # Servers whose engines died meanwhile come back on the committed weights, serving while
-        # the others already do.
-        await self.restart_crashed(self.crashed(ids))
-        return UpdateStatus.COMMITTED
+    async def run(self, plan: Plan) -> UpdateStatus:
+        """Execute ``plan``: per batch of its schedule, take the servers out, load the new weights
+        from its source, confirm each server's checksum, then admit those confirmed or roll back.
 
-    async def run_rolling(self, checkpoint: Path, *, batch_size: int) -> UpdateStatus:
-        """At most ``batch_size`` servers leave the router at a time; the first failure halts."""
-        ids = self.server_ids
+        A source every server refused before touching its weights changed nothing: REJECTED. An
+        all-or-nothing schedule rolls every server back on any failure (ROLLED_BACK); otherwise
+        the first failure halts, servers already moved keep the new version (PARTIAL). Servers
+        whose engines died come back on the committed weights once their peers serve them.
+        """
+        schedule, source = plan.schedule, plan.source
+        if schedule.holds_requests:
+            self.router.close_gate(self.model_name)
         committed: list[str] = []
-        for start in range(0, len(ids), batch_size):
-            batch = ids[start : start + batch_size]
-            await self.take_out(batch)
-            await self.load(batch, checkpoint)
-            if not committed and self.refused_by_all(batch):
-                await self.roll_back(batch, reason=f"update {self.update_id} refused by every server")
-                return UpdateStatus.REJECTED
-            await self.confirm(batch)
-            good = self.confirmed(batch)
-            if good:
-                await self.admit(good)
-                committed.extend(good)
-            bad = self.failed(batch)
-            if bad or not committed:
-                # Servers whose engines died go back with the failed ones, on their verified weights.
-                back = bad + self.crashed(batch)
+        try:
+            for batch in schedule.batches(self.server_ids):
+                await self.take_out(batch, pause=source.pauses)
+                await source.load(self, batch)
+                if not committed and source.refusable and self.refused_by_all(batch):
+                    await self.roll_back(batch, reason=f"update {self.update_id} refused by every server")
+                    return UpdateStatus.REJECTED
+                await self.confirm(batch)
+                good, bad = self.confirmed(batch), self.failed(batch)
                 why = ", ".join(bad) or "every server's engine died"
-                await self.roll_back(back, reason=f"update {self.update_id} failed on {why}")
-                return UpdateStatus.PARTIAL if committed else UpdateStatus.ROLLED_BACK
-            await self.restart_crashed(self.crashed(batch))
-        return UpdateStatus.COMMITTED
+                if schedule.all_or_nothing and (bad or not good):
+                    # A barrier never leaves the fleet on two versions.
+                    await self.roll_back(batch, reason=f"update {self.update_id} failed on {why}")
+                    return UpdateStatus.ROLLED_BACK
+                if good:
+                    await self.admit(good)
+                    committed.extend(good)
+                if schedule.holds_requests:
+                    # Requests flow again as soon as the new version serves, before any restart.
+                    self.router.open_gate(self.model_name)
+                if bad or not committed:
+                    # Servers whose engines died go back with the failed ones, on their verified weights.
+                    await self.roll_back(bad + self.crashed(batch), reason=f"update {self.update_id} failed on {why}")
+                    return UpdateStatus.PARTIAL if committed else UpdateStatus.ROLLED_BACK
+                await self.restart_crashed(self.crashed(batch))
+            return UpdateStatus.COMMITTED
+        finally:
+            if schedule.holds_requests and not self.router.gate_open(self.model_name):
+                self.router.open_gate(self.model_name)
 
     # --- internals -----------------------------------------------------------------------------
 

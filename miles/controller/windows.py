@@ -3,12 +3,10 @@
 A window is a ``WeightUpdate`` whose lock a task of the controller holds (the lock itself knows
 nothing of windows). Training reaches the window's servers with the window's credential and ends
 it with ``end_update_weights`` (verify and commit) or ``abort_update_weights``; those calls hand
-an ``Ending`` to the task holding the window, which carries it out under the lock and answers.
-If no ending arrives within the window's TTL, the task rolls the window back itself.
-
-Weights a window pushed exist on no disk: after such a commit one engine writes them out in the
-background (``WriteOuts``, at most one write-out per ``write_out_interval_s``), so that any
-server, even the only one, can be restarted on them.
+an ``Ending`` to the task holding the window, which carries it out under the lock and answers: a
+commit runs the update's plan from the window (``plans.FromWindow``), as any update runs. If no
+ending arrives within the window's lease (renewed while training works), the task rolls the
+window back itself.
 """
 
 from __future__ import annotations
@@ -18,18 +16,18 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
+from miles.config import UpdatePauseMode
 from miles.controller.gate import restart_point_problem, roots_problem
-from miles.controller.results import ChecksumSource, UpdateResult, UpdateStatus, UpdateWindow
+from miles.controller.results import ChecksumSource, UpdateResult, UpdateWindow, WindowServer
 from miles.controller.transaction import Target, WeightUpdate
 from miles.errors import CheckpointError, ConflictError, InvalidRequestError, MilesError, UnavailableError
-from miles.rollout.engine_client import EngineCallError
-from miles.rollout.rollout import Rollout
-from miles.rollout.state import ServerState
 from miles.utils.weight_version import is_newer
 from miles.weights.checkpoint import read_manifest
 from miles.weights.paths import checked_path
@@ -134,6 +132,96 @@ class OpenWindow:
                 return Abort(reason="the window's lease expired before training ended or renewed it"), None
 
 
+class WindowSlot:
+    """Where the controller keeps its one training window: the task holding its lock (from the
+    start call until the window ends) and, once it opened, the window itself."""
+
+    def __init__(self) -> None:
+        self.current: OpenWindow | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def open(self, hold: Callable[[asyncio.Future[UpdateWindow]], Coroutine[Any, Any, None]]) -> UpdateWindow:
+        """Start ``hold`` (the task that takes the lock, opens the window and sets the future it
+        is given) and return the window once open. Raises what ended the task first (it never
+        got the lock, or the window could not open). A caller that goes away meanwhile leaves no
+        window behind (``_abandon``)."""
+        opened: asyncio.Future[UpdateWindow] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(hold(opened))
+        self._task = task
+        racers: set[asyncio.Future[Any]] = {opened, task}
+        try:
+            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            self._abandon(task, opened)
+            raise
+        if not opened.done():
+            task.result()  # the task ended first: this raises what ended it
+        return opened.result()
+
+    def _abandon(self, task: asyncio.Task[None], opened: asyncio.Future[UpdateWindow]) -> None:
+        """The caller of ``open`` went away before it got its window: nobody will push to it or
+        end it, so it must not hold the fleet for its lease. Still waiting for the lock (or
+        opening), its task is cancelled (an opening puts the servers back); already open, it is
+        aborted."""
+        if not opened.done():
+            task.cancel()
+            return
+        if opened.cancelled() or opened.exception() is not None:
+            return
+        logger.warning("window %d was opened for a caller that went away; aborting it", opened.result().token)
+        with contextlib.suppress(ConflictError):  # already ending, or ended
+            aborted = self.find(opened.result()).end(Abort(reason="its caller went away"))
+            aborted.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def find(self, window: UpdateWindow | int) -> OpenWindow:
+        """The open window ``window`` (or its token) names; ConflictError when none does."""
+        token = window.token if isinstance(window, UpdateWindow) else window
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise InvalidRequestError(f"a window is named by its integer token, got {token!r}")
+        current = self.current
+        if current is None or current.public.token != token:
+            raise ConflictError(
+                "no open window has this token: it ended, its lease expired, or it was never opened", token=token
+            )
+        return current
+
+    async def shut(self, *, reason: str) -> None:
+        """Abort the open window (or cancel the task still opening one) and wait for it to end."""
+        window, task = self.current, self._task
+        if window is not None:
+            with contextlib.suppress(ConflictError):  # already ending: the task finishes it
+                window.end(Abort(reason=reason))
+        elif task is not None:
+            task.cancel()  # still waiting for the lock, or opening: it puts everything back
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def describe(
+    update: WeightUpdate, *, ttl_s: float, pause_mode: UpdatePauseMode, staged: bool, credential: str
+) -> UpdateWindow:
+    """The window as training sees it: where to push, with which credential, until when."""
+    live = update.live(update.server_ids)
+    return UpdateWindow(
+        window_id=uuid.uuid4().hex[:12],
+        update_id=update.update_id,
+        model_name=update.model_name,
+        token=update.token,
+        expires_at=datetime.now(UTC) + timedelta(seconds=ttl_s),
+        ttl_s=ttl_s,
+        pause_mode=pause_mode,
+        # Servers whose engines died while the window opened are not pushed to: they restart
+        # on what the window commits.
+        servers=tuple(
+            WindowServer(server_id=s.server_id, url=s.url or "", weight_version=s.weight_version)
+            for s in update.rollout.snapshot()
+            if s.server_id in live
+        ),
+        credential=credential,
+        staged=staged,
+    )
+
+
 def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | None) -> Refused | None:
     """Why ``ending`` may not commit at all (checked before any server is touched), or None.
 
@@ -155,43 +243,26 @@ def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | N
     return None
 
 
-async def aim(update: WeightUpdate, ending: Commit, *, roots: tuple[Path, ...]) -> None:
-    """Fix the window's target: the weights training says its servers now hold (or stage)."""
+async def window_target(update: WeightUpdate, ending: Commit, *, roots: tuple[Path, ...]) -> Target:
+    """The window's target: the weights training says its servers now hold (or stage)."""
     # Reads the checkpoint's manifest: off the loop.
     holding = await asyncio.to_thread(
         _checkpoint_holding, ending.checkpoint, ending.checksum, update.rollout.spec.checkpoint, roots
     )
-    update.aim(
-        Target(
-            weight_version=ending.weight_version or str(ending.step),
-            step=ending.step,
-            checksum=ending.checksum,
-            source=ChecksumSource.TRAINING,
-            checkpoint=holding,
-        )
+    return Target(
+        weight_version=ending.weight_version or str(ending.step),
+        step=ending.step,
+        checksum=ending.checksum,
+        source=ChecksumSource.TRAINING,
+        checkpoint=holding,
     )
 
 
-async def commit(update: WeightUpdate) -> UpdateStatus | Refused:
-    """Verify what every server of ``update`` holds against the target's checksum, and admit.
-
-    Returns COMMITTED, or why nothing was admitted (the caller rolls the window back).
-    """
-    ids = update.server_ids
-    await update.confirm(ids)
-    if update.failed(ids) or not update.confirmed(ids):
-        why = ", ".join(update.failed(ids)) or "any server: every server's engine died"
-        return Refused(reason=f"checksum not confirmed on {why}", message="")
-    await update.admit(update.confirmed(ids))
-    # Servers whose engines died during the window come back on the committed weights (copied
-    # from a peer that holds them when they are on no disk).
-    await update.restart_crashed(update.crashed(ids))
-    return UpdateStatus.COMMITTED
-
-
-async def set_window(update: WeightUpdate, *, open_: bool, staged: bool = False) -> None:
-    """Tell every engine of ``update`` whether its window's credential may push (``/fence``);
-    a ``staged`` window's credential may only stage (its servers serve meanwhile).
+async def set_window(
+    update: WeightUpdate, *, open_: bool, staged: bool = False, server_ids: list[str] | None = None
+) -> None:
+    """Tell every engine of ``update`` (or of ``server_ids``) whether its window's credential may
+    push (``/fence``); a ``staged`` window's credential may only stage (its servers serve meanwhile).
 
     Closing cannot fail the caller: an engine that cannot be told (it died) is restarted before it
     serves again, and a new process knows no window. Opening skips servers whose engines died
@@ -207,7 +278,7 @@ async def set_window(update: WeightUpdate, *, open_: bool, staged: bool = False)
             elif not await update.record_failure(server_id, "opening the window", exc):
                 raise
 
-    await asyncio.gather(*(one(sid) for sid in update.live(update.server_ids)))
+    await asyncio.gather(*(one(sid) for sid in update.live(server_ids or update.server_ids)))
     if open_ and not update.live(update.server_ids):
         raise UnavailableError(
             f"every server of model {update.model_name!r} died while the window opened; open one once they are back",
@@ -215,101 +286,13 @@ async def set_window(update: WeightUpdate, *, open_: bool, staged: bool = False)
         )
 
 
-class WriteOuts:
-    """Background copies, to disk, of weights windows pushed (see the module docstring).
-
-    Per model, one write-out runs at a time and they start at least ``interval_s()`` apart; each
-    writes the newest weights committed by then. Training that pushes every step would otherwise
-    have an engine write every step's weights to disk while it serves: a restart between two
-    write-outs copies the newer weights from a peer that holds them. An update about to change
-    live weights in place (a disk update, an unstaged window) first ``flush``es: if it fails, every
-    server must be able to go back to the weights they serve now, even if it changed them all.
-    """
-
-    def __init__(self, interval_s: Callable[[], float]) -> None:
-        self._interval_s = interval_s
-        # Per model: the newest weights to write (and the attempt it would be), and when the next
-        # write-out may start.
-        self._newest: dict[str, tuple[Rollout, str, int, int]] = {}
-        self._not_before: dict[str, float] = {}
-        self._writers: dict[str, asyncio.Task[None]] = {}
-        self._hurry: dict[str, asyncio.Event] = {}
-
-    def start(self, rollout: Rollout, *, checksum: str, step: int) -> None:
-        """Write these weights out, or newer ones committed before the next write-out starts."""
-        model = rollout.model_name
-        self._newest[model] = (rollout, checksum, step, 1)
-        writer = self._writers.get(model)
-        if writer is None or writer.done():
-            self._writers[model] = asyncio.get_running_loop().create_task(self._write(model), name=f"write-out-{model}")
-
-    async def _write(self, model: str) -> None:
-        while model in self._newest:
-            wait = self._not_before.get(model, -math.inf) - time.monotonic()
-            if wait > 0:
-                hurry = self._hurry.setdefault(model, asyncio.Event())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(hurry.wait(), timeout=wait)
-                hurry.clear()
-            rollout, checksum, step, attempt = self._newest.pop(model)
-            self._not_before[model] = time.monotonic() + self._interval_s()
-            last = attempt >= _WRITE_OUT_ATTEMPTS
-            if await _write_out(rollout, checksum=checksum, step=step, warn=last) or last:
-                continue
-            if model not in self._newest:
-                # Its servers were in the next update's commit, or an engine could not write:
-                # again shortly, unless newer weights come first.
-                self._newest[model] = (rollout, checksum, step, attempt + 1)
-                self._not_before[model] = time.monotonic() + _WRITE_OUT_RETRY_S
-
-    async def flush(self, model: str) -> None:
-        """Write out now the newest weights still waiting for their turn, and return once no
-        write-out of ``model`` is pending or running."""
-        writer = self._writers.get(model)
-        if writer is None or writer.done():
-            return
-        self._not_before[model] = -math.inf
-        self._hurry.setdefault(model, asyncio.Event()).set()
-        try:
-            await asyncio.shield(writer)
-        except Exception as exc:  # noqa: BLE001  # the update goes on; its rollback may find no copy
-            logger.warning("writing out %s's weights before an in-place update failed: %s", model, exc)
-
-    async def cancel(self) -> None:
-        writers = list(self._writers.values())
-        for task in writers:
-            task.cancel()
-        await asyncio.gather(*writers, return_exceptions=True)
-
-
-_WRITE_OUT_ATTEMPTS = 5
-_WRITE_OUT_RETRY_S = 0.25
-
-
-async def _write_out(rollout: Rollout, *, checksum: str, step: int, warn: bool) -> bool:
-    """Have one server holding ``checksum`` write it out and record the copy; whether it did."""
-    # An update that commits while the engine copies its weights ends the export (409, and the
-    # next holder is asked), and the copy is only recorded for servers still verified on the same
-    # checksum.
-    holders = [
-        s.server_id
-        for s in rollout.snapshot()
-        if s.state is ServerState.SERVING and s.verified is not None and s.verified.checksum == checksum
-    ]
-    for server_id in holders:
-        try:
-            exported = await rollout.export(server_id, step=step)
-        except EngineCallError as exc:
-            level = logging.WARNING if warn else logging.INFO
-            logger.log(level, "%s could not write out %s: %s", server_id, checksum, exc)
-            continue
-        if exported.checksum == checksum:
-            recorded = rollout.remember_checkpoint(checksum, exported.path)
-            logger.info("pushed weights %s written to %s for %s", checksum, exported.path, ", ".join(recorded))
-            return True
-    if warn:
-        logger.warning("no server could write out the pushed weights %s; restarts will copy them from a peer", checksum)
-    return False
+async def close_window(update: WeightUpdate, *, reason: str) -> None:
+    """Refuse the window's credential on its engines, restore its servers, let requests through."""
+    try:
+        await set_window(update, open_=False)
+        await update.roll_back(update.server_ids, reason=reason)
+    finally:
+        update.router.open_gate(update.model_name)
 
 
 def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ...]) -> None:

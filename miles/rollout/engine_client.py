@@ -128,13 +128,17 @@ class EngineClient:
         response = await self._call(method, path, json=json, timeout=timeout, fence=fence)
         return await self._answer(method, path, response, answer)
 
+    def _refused(self, what: str, response: httpx.Response) -> EngineCallError:
+        """The error for an answer that is not a success (``what``: the call, as the message names it)."""
+        return EngineCallError(
+            f"{what} answered {response.status_code}: {_error_text(response)}",
+            status_code=response.status_code,
+            server_id=self.server_id,
+        )
+
     async def _answer(self, method: str, path: str, response: httpx.Response, answer: type[ModelT]) -> ModelT:
         if response.status_code >= 400:
-            raise EngineCallError(
-                f"{method} {path} answered {response.status_code}: {_error_text(response)}",
-                status_code=response.status_code,
-                server_id=self.server_id,
-            )
+            raise self._refused(f"{method} {path}", response)
         try:
             return answer.model_validate_json(response.content)
         except ValidationError as exc:
@@ -211,11 +215,7 @@ class EngineClient:
                 return UpdateWeightsResponse.model_validate_json(response.content)
             except ValidationError:
                 pass  # a plain 400 (invalid request) rather than a refusal: reported below
-        raise EngineCallError(
-            f"{path.lstrip('/')} answered {response.status_code}: {_error_text(response)}",
-            status_code=response.status_code,
-            server_id=self.server_id,
-        )
+        raise self._refused(path.lstrip("/"), response)
 
     async def update_weight_version(self, new_version: str, *, fence: int | None = None) -> None:
         request = UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=False)
@@ -288,11 +288,7 @@ class EngineClient:
         if response.status_code == 404:
             response = await self._call("GET", old_path, timeout=timeout)
         if response.status_code >= 400:
-            raise EngineCallError(
-                f"GET {old_path} answered {response.status_code}: {_error_text(response)}",
-                status_code=response.status_code,
-                server_id=self.server_id,
-            )
+            raise self._refused(f"GET {old_path}", response)
         body = response.json()
         if not isinstance(body, dict):
             raise EngineCallError(f"GET {path} answered something other than an object", server_id=self.server_id)
@@ -313,11 +309,7 @@ class EngineClient:
         """A call whose answer carries nothing the caller uses: only its success matters."""
         response = await self._call(method, path, json=json, fence=fence)
         if response.status_code >= 400:
-            raise EngineCallError(
-                f"{method} {path} answered {response.status_code}: {_error_text(response)}",
-                status_code=response.status_code,
-                server_id=self.server_id,
-            )
+            raise self._refused(f"{method} {path}", response)
 
 
 def _error_text(response: httpx.Response) -> str:

@@ -27,11 +27,11 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import httpx
 
-from miles.errors import CheckpointError, MilesError
+from miles.errors import MilesError
 from miles.protocol.sglang import (
     ActivateWeightsRequest,
     PauseMode,
@@ -48,16 +48,17 @@ from miles.rollout.engine_client import (
 from miles.rollout.runtime import EngineCommand, runtime_for
 from miles.rollout.spec import HealthSettings, RolloutSpec
 from miles.rollout.state import (
+    ProbeResult,
+    RolloutError,
+    RolloutObserver,
     ServerCell,
     ServerSnapshot,
     ServerState,
-    StateChange,
     VerifiedWeights,
+    manifest_or_none,
+    start_weights,
 )
 from miles.rollout.supervisor import Supervisor
-from miles.weights.checkpoint import read_manifest
-from miles.weights.checksum import model_checksum
-from miles.weights.manifest import Manifest
 
 logger = logging.getLogger("miles.rollout")
 
@@ -65,34 +66,9 @@ logger = logging.getLogger("miles.rollout")
 # holder; it yields the fencing token the engine calls made inside it carry (None: unfenced).
 ExclusiveSection = Callable[[str], AbstractAsyncContextManager[int | None]]
 
-# The version a start checkpoint without a manifest serves as: older than any published step.
-PLAIN_START_VERSION = "0"
 # How long the runtime may take to learn that an engine exited once a call found its socket
 # closed (a forked engine's exit reaches its launcher through the forkserver).
 DEATH_NOTICE_S = 2.0
-
-
-class RolloutObserver(Protocol):
-    """What a rollout reports as it goes (the controller turns these into events)."""
-
-    def state_changed(self, change: StateChange) -> None: ...
-
-    def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
-        """A server was confirmed (by checksum) to hold ``verified`` again after a start,
-        restart or rollback."""
-
-    def weights_written_out(self, model_name: str, checksum: str, checkpoint: Path) -> None:
-        """Weights on no disk (pushed) now have a copy at ``checkpoint``, written by an engine."""
-
-    def probed(self, server_id: str) -> None:
-        """A health probe of the server finished (requests waiting for it may now route)."""
-
-    def drifted(self, server_id: str, model_name: str, *, expected: VerifiedWeights, actual: WeightsIdentity) -> None:
-        """A serving engine reported weights other than the ones verified on it."""
-
-
-class RolloutError(MilesError):
-    """A rollout could not do what was asked of one of its servers (start, load, confirm, restart)."""
 
 
 @asynccontextmanager
@@ -120,7 +96,7 @@ class Rollout(ABC):
         # its lock) so a restart never interleaves with an update or a training window.
         self.exclusive = exclusive or _no_guard
         self.observer = observer
-        manifest = _manifest_or_none(spec.checkpoint)
+        manifest = manifest_or_none(spec.checkpoint)
         self.model_name = spec.model_name or (manifest.model_name if manifest else spec.checkpoint.name)
         self._cells = [
             ServerCell(server_id=f"{spec.name}-{i}", model_name=self.model_name, device=device)
@@ -159,9 +135,6 @@ class Rollout(ABC):
         """Stop ``cell``'s engine (and reap it); does not raise if it already died."""
         await self.runtime.terminate(cell.server_id)
         cell.pid = None
-
-    def _alive(self, cell: ServerCell) -> bool:
-        return self.runtime.alive(cell.server_id)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -222,7 +195,32 @@ class Rollout(ABC):
         return self._supervisor.rounds
 
     def alive(self, cell: ServerCell) -> bool:
-        return self._alive(cell)
+        return self.runtime.alive(cell.server_id)
+
+    @property
+    def health(self) -> HealthSettings:
+        """How the supervisor probes the servers."""
+        return self.spec.health
+
+    def probed(self, cell: ServerCell, result: ProbeResult) -> None:
+        """Record a health probe's result on the server (and count failures in a row)."""
+        cell.last_probe = result
+        cell.consecutive_failures = 0 if result.ok else cell.consecutive_failures + 1
+        if self.observer is not None:
+            self.observer.probed(cell.server_id)
+
+    def drifted(self, cell: ServerCell, *, verified: VerifiedWeights, reported: WeightsIdentity) -> None:
+        """The serving engine reports other weights than ``verified``: record what it holds, report
+        it, and quarantine it (the supervisor rolls it back)."""
+        cell.weight_version, cell.checksum = reported.weight_version, reported.checksum or cell.checksum
+        if self.observer is not None:
+            self.observer.drifted(cell.server_id, cell.model_name, expected=verified, actual=reported)
+        self.transition(
+            cell,
+            ServerState.QUARANTINED,
+            f"weights changed outside the controller: the engine reports {reported.weight_version} "
+            f"({reported.checksum}), verified was {verified.weight_version} ({verified.checksum})",
+        )
 
     async def died(self, server_id: str, *, within_s: float = DEATH_NOTICE_S) -> bool:
         """Whether the server's engine process has ended, after a call to it found nobody there:
@@ -233,7 +231,7 @@ class Rollout(ABC):
         if not self.runtime.sees_processes:
             return False
         deadline = time.monotonic() + within_s
-        while self._alive(cell):
+        while self.alive(cell):
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.02)
@@ -382,7 +380,7 @@ class Rollout(ABC):
     def quarantine(self, server_id: str, *, reason: str) -> None:
         self.transition(self.cell(server_id), ServerState.QUARANTINED, reason)
 
-    async def rollback(self, server_id: str, *, reason: str, fence: int | None = None) -> WeightsChecksum:
+    async def rollback(self, server_id: str, *, reason: str, fence: int | None = None) -> None:
         """Reload the server's last verified weights and confirm them; it serves them again.
 
         If the reload or its confirmation fails, the process is replaced (restart on the last
@@ -430,12 +428,9 @@ class Rollout(ABC):
             await self._resume_quietly(cell, fence=fence)
             self.admit(server_id, verified, reason=f"rolled back to {verified.weight_version}: {reason}")
             self._restored(cell, verified)
-            return confirmed
+            return
         logger.warning("rollback of %s did not confirm; replacing the process", server_id)
         await self.restart(server_id, reason=f"rollback failed: {reason}", fence=fence)
-        return WeightsChecksum(
-            checksum=self.cell(server_id).checksum or "", algorithm="xxh3_128", weight_version=verified.weight_version
-        )
 
     async def restart(self, server_id: str, *, reason: str, fence: int | None = None) -> None:
         """Replace the server's process and bring it back on its last verified weights.
@@ -482,7 +477,7 @@ class Rollout(ABC):
         secret = self.spec.engine_secret.get_secret_value() if self.spec.engine_secret and not attached else None
         self._clients[cell.server_id] = EngineClient(url, http=self.http, server_id=cell.server_id, secret=secret)
         self.transition(cell, ServerState.PENDING_WEIGHTS, "engine healthy")
-        expected = cell.verified or await self._initial_weights(checkpoint)
+        expected = cell.verified if cell.verified is not None else await asyncio.to_thread(start_weights, checkpoint)
         client = self._clients[cell.server_id]
         try:
             # Which process answers at the URL: a probe that meets another one knows the engine
@@ -528,30 +523,6 @@ class Rollout(ABC):
     def _restored(self, cell: ServerCell, verified: VerifiedWeights) -> None:
         if self.observer is not None:
             self.observer.weights_restored(cell.server_id, cell.model_name, verified)
-
-    async def _initial_weights(self, checkpoint: Path) -> VerifiedWeights:
-        """What the start checkpoint holds: its manifest's version and checksum when sealed.
-
-        A plain Hugging Face directory (a base model as downloaded, ``save_pretrained`` output) is
-        what the operator chose to start from: its checksum is computed from its files, once, and
-        it serves as version "0", so that every published step is newer.
-        """
-        manifest = await asyncio.to_thread(_manifest_or_none, checkpoint)
-        if manifest is not None:
-            return VerifiedWeights(
-                checkpoint=checkpoint,
-                weight_version=manifest.weight_version,
-                checksum=manifest.checksum,
-                step=manifest.step,
-            )
-        try:
-            checksum = await asyncio.to_thread(model_checksum, checkpoint)
-        except CheckpointError as exc:
-            raise RolloutError(
-                f"the start checkpoint has no miles manifest and its weights cannot be hashed: {exc.message}",
-                checkpoint=str(checkpoint),
-            ) from exc
-        return VerifiedWeights(checkpoint=checkpoint, weight_version=PLAIN_START_VERSION, checksum=checksum, step=0)
 
     async def _resume_quietly(self, cell: ServerCell, *, fence: int | None) -> None:
         try:
@@ -614,10 +585,3 @@ class Rollout(ABC):
             return None
         self.remember_checkpoint(verified.checksum, exported.path)
         return exported.path
-
-
-def _manifest_or_none(checkpoint: Path) -> Manifest | None:
-    try:
-        return read_manifest(checkpoint)
-    except CheckpointError:
-        return None

@@ -8,12 +8,17 @@ Only ``SERVING`` cells receive traffic.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
+from typing import Protocol
 
-from miles.errors import MilesError
+from miles.errors import CheckpointError, MilesError
+from miles.rollout.engine_client import WeightsIdentity
 from miles.rollout.runtime import Placement
+from miles.weights.checkpoint import read_manifest
+from miles.weights.checksum import model_checksum
+from miles.weights.manifest import Manifest
 
 
 class ServerState(StrEnum):
@@ -147,20 +152,64 @@ class ServerCell:
         return change
 
     def snapshot(self) -> ServerSnapshot:
-        return ServerSnapshot(
-            server_id=self.server_id,
-            model_name=self.model_name,
-            url=self.url,
-            device=self.device,
-            state=self.state,
-            state_since=self.state_since,
-            weight_version=self.weight_version,
-            checksum=self.checksum,
-            verified=self.verified,
-            last_probe=self.last_probe,
-            consecutive_failures=self.consecutive_failures,
-            restarts=self.restarts,
-            pid=self.pid,
-            placement=self.placement,
-            incarnation=self.incarnation,
+        return ServerSnapshot(**{f.name: getattr(self, f.name) for f in fields(ServerSnapshot)})
+
+
+class RolloutObserver(Protocol):
+    """What a rollout reports as it goes (the controller turns these into events)."""
+
+    def state_changed(self, change: StateChange) -> None: ...
+
+    def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
+        """A server was confirmed (by checksum) to hold ``verified`` again after a start,
+        restart or rollback."""
+
+    def weights_written_out(self, model_name: str, checksum: str, checkpoint: Path) -> None:
+        """Weights on no disk (pushed) now have a copy at ``checkpoint``, written by an engine."""
+
+    def probed(self, server_id: str) -> None:
+        """A health probe of the server finished (requests waiting for it may now route)."""
+
+    def drifted(self, server_id: str, model_name: str, *, expected: VerifiedWeights, actual: WeightsIdentity) -> None:
+        """A serving engine reported weights other than the ones verified on it."""
+
+
+class RolloutError(MilesError):
+    """A rollout could not do what was asked of one of its servers (start, load, confirm, restart)."""
+
+
+# The version a start checkpoint without a manifest serves as: older than any published step.
+PLAIN_START_VERSION = "0"
+
+
+def start_weights(checkpoint: Path) -> VerifiedWeights:
+    """What a start checkpoint holds: its manifest's version and checksum when sealed.
+
+    A plain Hugging Face directory (a base model as downloaded, ``save_pretrained`` output) is
+    what the operator chose to start from: its checksum is computed from its files, once, and
+    it serves as version "0", so that every published step is newer. Blocking: may hash files.
+    Raises RolloutError when it has no manifest and its weights cannot be hashed.
+    """
+    manifest = manifest_or_none(checkpoint)
+    if manifest is not None:
+        return VerifiedWeights(
+            checkpoint=checkpoint,
+            weight_version=manifest.weight_version,
+            checksum=manifest.checksum,
+            step=manifest.step,
         )
+    try:
+        checksum = model_checksum(checkpoint)
+    except CheckpointError as exc:
+        raise RolloutError(
+            f"the start checkpoint has no miles manifest and its weights cannot be hashed: {exc.message}",
+            checkpoint=str(checkpoint),
+        ) from exc
+    return VerifiedWeights(checkpoint=checkpoint, weight_version=PLAIN_START_VERSION, checksum=checksum, step=0)
+
+
+def manifest_or_none(checkpoint: Path) -> Manifest | None:
+    try:
+        return read_manifest(checkpoint)
+    except CheckpointError:
+        return None

@@ -15,22 +15,51 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
 
 from miles.errors import MilesError
 from miles.rollout.engine_client import EngineCallError, WeightsIdentity
+from miles.rollout.spec import HealthSettings
 from miles.rollout.state import ProbeResult, ServerCell, ServerState, VerifiedWeights
 
-if TYPE_CHECKING:
-    from miles.rollout.rollout import Rollout
-
 logger = logging.getLogger("miles.rollout")
+
+
+class Supervised(Protocol):
+    """What the supervisor needs of its rollout: the servers, a way to probe them, the section
+    restarts run in, the repairs, and where it reports what it saw (the rollout changes its
+    cells; the supervisor only reads them)."""
+
+    @property
+    def cells(self) -> list[ServerCell]: ...
+
+    @property
+    def health(self) -> HealthSettings: ...
+
+    def alive(self, cell: ServerCell) -> bool: ...
+
+    async def identity(self, server_id: str) -> WeightsIdentity: ...
+
+    def exclusive(self, holder: str) -> AbstractAsyncContextManager[int | None]: ...
+
+    async def restart(self, server_id: str, *, reason: str, fence: int | None = None) -> None: ...
+
+    async def rollback(self, server_id: str, *, reason: str, fence: int | None = None) -> None: ...
+
+    def peer_holding(self, cell: ServerCell) -> ServerCell | None: ...
+
+    def probed(self, cell: ServerCell, result: ProbeResult) -> None:
+        """Record a probe's result on the server."""
+
+    def drifted(self, cell: ServerCell, *, verified: VerifiedWeights, reported: WeightsIdentity) -> None:
+        """A serving engine reports other weights than verified: record it and quarantine it."""
 
 
 class Supervisor:
     """Probes, restarts and recovers the servers of one rollout; see the module docstring."""
 
-    def __init__(self, rollout: Rollout) -> None:
+    def __init__(self, rollout: Supervised) -> None:
         self._rollout = rollout
         # Set to run the next round now: a changed interval, a suspected server.
         self._wake = asyncio.Event()
@@ -46,7 +75,7 @@ class Supervisor:
         while True:
             try:
                 # A changed interval or a suspected server ends the wait early (``wake``).
-                await asyncio.wait_for(self._wake.wait(), timeout=self._rollout.spec.health.interval_s)
+                await asyncio.wait_for(self._wake.wait(), timeout=self._rollout.health.interval_s)
             except TimeoutError:
                 pass
             self._wake.clear()
@@ -77,12 +106,9 @@ class Supervisor:
             error = exc.message
         if cell.incarnation != incarnation:
             return  # replaced while the probe was out; its answer describes an older process
-        ok = reported is not None
-        cell.last_probe = ProbeResult(at=time.time(), ok=ok, latency_s=time.monotonic() - started, error=error)
-        cell.consecutive_failures = 0 if ok else cell.consecutive_failures + 1
-        if self._rollout.observer is not None:
-            self._rollout.observer.probed(cell.server_id)
-        if cell.consecutive_failures >= self._rollout.spec.health.failure_threshold:
+        probe = ProbeResult(at=time.time(), ok=reported is not None, latency_s=time.monotonic() - started, error=error)
+        self._rollout.probed(cell, probe)
+        if cell.consecutive_failures >= self._rollout.health.failure_threshold:
             await self._restart_guarded(cell, f"{cell.consecutive_failures} failed health checks in a row")
         elif reported is not None and cell.state is ServerState.SERVING and replaced(cell, reported):
             await self._replaced_guarded(cell, incarnation)
@@ -127,15 +153,7 @@ class Supervisor:
                 verified.weight_version,
                 verified.checksum,
             )
-            cell.weight_version, cell.checksum = reported.weight_version, reported.checksum or cell.checksum
-            if self._rollout.observer is not None:
-                self._rollout.observer.drifted(cell.server_id, cell.model_name, expected=verified, actual=reported)
-            self._rollout.transition(
-                cell,
-                ServerState.QUARANTINED,
-                f"weights changed outside the controller: the engine reports {reported.weight_version} "
-                f"({reported.checksum}), verified was {verified.weight_version} ({verified.checksum})",
-            )
+            self._rollout.drifted(cell, verified=verified, reported=reported)
             try:
                 await self._rollout.rollback(
                     cell.server_id, reason="weights changed outside the controller", fence=fence
@@ -184,9 +202,7 @@ class Supervisor:
     async def _restart_guarded(self, cell: ServerCell, reason: str) -> None:
         async with self._rollout.exclusive(f"restart {cell.server_id}") as fence:
             # Re-check under the section: an update may have replaced or stopped it meanwhile.
-            healthy = (
-                self._rollout.alive(cell) and cell.consecutive_failures < self._rollout.spec.health.failure_threshold
-            )
+            healthy = self._rollout.alive(cell) and cell.consecutive_failures < self._rollout.health.failure_threshold
             if cell.state is ServerState.STOPPED or (cell.state is ServerState.SERVING and healthy):
                 return
             if cell.state not in (ServerState.SERVING, ServerState.PENDING_WEIGHTS, ServerState.RESTARTING):

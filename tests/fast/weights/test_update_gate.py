@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from miles.config import ControllerSettings
-from miles.controller.gate import AdmittedCheckpoint, CheckpointRejected, admit_checkpoint
+from miles.controller.gate import CheckpointRejected, VettedCheckpoint, vet_checkpoint
 from miles.controller.published import PublishedChecksums
 from miles.weights.checkpoint import MANIFEST_NAME
 
 MakeCheckpoint = Callable[..., tuple[Path, object]]
 
 
-def admit(checkpoint: Path, start: Path | None) -> AdmittedCheckpoint:
-    return admit_checkpoint(
+def admit(checkpoint: Path, start: Path | None) -> VettedCheckpoint:
+    return vet_checkpoint(
         checkpoint,
         model_name="tiny-test",
         settings=ControllerSettings(),

@@ -1,0 +1,120 @@
+"""What an update does, as data: where its weights come from (a source) and who moves when (a schedule).
+
+``WeightUpdate.run(plan)`` executes every update with the protocol's steps written once (take out,
+load, confirm, then admit or roll back); a plan only says what differs:
+
+- the **source**: ``FromCheckpoint`` (each server loads a checkpoint on disk and verifies it first)
+  or ``FromWindow`` (training pushed the weights into the servers' engines during a window: into
+  the live weights, already out of routing, or into a stage that each engine swaps in);
+- the **schedule**: ``Barrier`` (every server at once while requests wait at the router, all or
+  nothing) or ``Rolling`` (a batch at a time while the others serve; the first failure halts).
+
+A training window is a barrier plan from a window source, run when training ends the window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+class Steps(Protocol):
+    """The steps of an update a source calls (``WeightUpdate`` has them)."""
+
+    def load(self, server_ids: list[str], checkpoint: Path) -> Awaitable[None]: ...
+
+    def activate(self, server_ids: list[str]) -> Awaitable[None]: ...
+
+    def live(self, server_ids: list[str]) -> list[str]: ...
+
+    def loaded(self, server_id: str) -> bool: ...
+
+
+class Source(Protocol):
+    """Where an update's weights come from."""
+
+    @property
+    def pauses(self) -> bool:
+        """Whether taking a server out pauses its generation (else its engine pauses itself,
+        only for the swap, as it loads)."""
+        ...
+
+    @property
+    def refusable(self) -> bool:
+        """Whether every server refusing the weights, before touching its own, rejects the update."""
+        ...
+
+    def load(self, update: Steps, server_ids: list[str]) -> Awaitable[None]:
+        """Put the new weights in the servers (each records how it went on its progress)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FromCheckpoint:
+    """Each server loads ``checkpoint`` (verifying its bytes before touching its weights)."""
+
+    checkpoint: Path
+    pauses: bool = True
+    refusable: bool = True
+
+    async def load(self, update: Steps, server_ids: list[str]) -> None:
+        await update.load(server_ids, self.checkpoint)
+
+
+@dataclass(frozen=True)
+class FromWindow:
+    """Training pushed the weights during a window. Unstaged, into the live weights of servers
+    already out of routing and paused: nothing is left to load. Staged, into each engine's stage
+    while it served: each engine now pauses, swaps them in and ends the window, in one call; the
+    window is ended on the others (``close``) before anything is rolled back."""
+
+    staged: bool
+    close: Callable[[list[str]], Awaitable[None]]
+    refusable: bool = False
+
+    @property
+    def pauses(self) -> bool:
+        return not self.staged
+
+    async def load(self, update: Steps, server_ids: list[str]) -> None:
+        if not self.staged:
+            return
+        await update.activate(server_ids)
+        unfinished = [sid for sid in update.live(server_ids) if not update.loaded(sid)]
+        if unfinished:
+            await self.close(unfinished)
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """Every server at once while requests wait at the router; any failure rolls every server back."""
+
+    holds_requests: bool = True
+    all_or_nothing: bool = True
+
+    def batches(self, server_ids: list[str]) -> list[list[str]]:
+        return [server_ids]
+
+
+@dataclass(frozen=True)
+class Rolling:
+    """At most ``batch_size`` servers out of routing at a time; the first failure halts the update
+    (servers already moved keep the new version)."""
+
+    batch_size: int
+    holds_requests: bool = False
+    all_or_nothing: bool = False
+
+    def batches(self, server_ids: list[str]) -> list[list[str]]:
+        size = max(self.batch_size, 1)
+        return [server_ids[start : start + size] for start in range(0, len(server_ids), size)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One update: its source and its schedule."""
+
+    source: FromCheckpoint | FromWindow
+    schedule: Barrier | Rolling

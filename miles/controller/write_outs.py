@@ -1,0 +1,118 @@
+"""Write-outs: background copies, to disk, of the weights training windows pushed.
+
+Weights a window pushed exist on no disk: after such a commit one engine writes them out in the
+background (``WriteOuts``, at most one write-out per ``write_out_interval_s``), so that any
+server, even the only one, can be restarted on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from miles.rollout.engine_client import EngineCallError
+from miles.rollout.rollout import Rollout
+from miles.rollout.state import ServerState
+
+logger = logging.getLogger("miles.controller")
+
+
+class WriteOuts:
+    """Background copies, to disk, of weights windows pushed (see the module docstring).
+
+    Per model, one write-out runs at a time and they start at least ``interval_s()`` apart; each
+    writes the newest weights committed by then. Training that pushes every step would otherwise
+    have an engine write every step's weights to disk while it serves: a restart between two
+    write-outs copies the newer weights from a peer that holds them. An update about to change
+    live weights in place (a disk update, an unstaged window) first ``flush``es: if it fails, every
+    server must be able to go back to the weights they serve now, even if it changed them all.
+    """
+
+    def __init__(self, interval_s: Callable[[], float]) -> None:
+        self._interval_s = interval_s
+        # Per model: the newest weights to write (and the attempt it would be), and when the next
+        # write-out may start.
+        self._newest: dict[str, tuple[Rollout, str, int, int]] = {}
+        self._not_before: dict[str, float] = {}
+        self._writers: dict[str, asyncio.Task[None]] = {}
+        self._hurry: dict[str, asyncio.Event] = {}
+
+    def start(self, rollout: Rollout, *, checksum: str, step: int) -> None:
+        """Write these weights out, or newer ones committed before the next write-out starts."""
+        model = rollout.model_name
+        self._newest[model] = (rollout, checksum, step, 1)
+        writer = self._writers.get(model)
+        if writer is None or writer.done():
+            self._writers[model] = asyncio.get_running_loop().create_task(self._write(model), name=f"write-out-{model}")
+
+    async def _write(self, model: str) -> None:
+        while model in self._newest:
+            wait = self._not_before.get(model, -math.inf) - time.monotonic()
+            if wait > 0:
+                hurry = self._hurry.setdefault(model, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(hurry.wait(), timeout=wait)
+                hurry.clear()
+            rollout, checksum, step, attempt = self._newest.pop(model)
+            self._not_before[model] = time.monotonic() + self._interval_s()
+            last = attempt >= _WRITE_OUT_ATTEMPTS
+            if await _write_out(rollout, checksum=checksum, step=step, warn=last) or last:
+                continue
+            if model not in self._newest:
+                # Its servers were in the next update's commit, or an engine could not write:
+                # again shortly, unless newer weights come first.
+                self._newest[model] = (rollout, checksum, step, attempt + 1)
+                self._not_before[model] = time.monotonic() + _WRITE_OUT_RETRY_S
+
+    async def flush(self, model: str) -> None:
+        """Write out now the newest weights still waiting for their turn, and return once no
+        write-out of ``model`` is pending or running."""
+        writer = self._writers.get(model)
+        if writer is None or writer.done():
+            return
+        self._not_before[model] = -math.inf
+        self._hurry.setdefault(model, asyncio.Event()).set()
+        try:
+            await asyncio.shield(writer)
+        except Exception as exc:  # noqa: BLE001  # the update goes on; its rollback may find no copy
+            logger.warning("writing out %s's weights before an in-place update failed: %s", model, exc)
+
+    async def cancel(self) -> None:
+        writers = list(self._writers.values())
+        for task in writers:
+            task.cancel()
+        await asyncio.gather(*writers, return_exceptions=True)
+
+
+_WRITE_OUT_ATTEMPTS = 5
+_WRITE_OUT_RETRY_S = 0.25
+
+
+async def _write_out(rollout: Rollout, *, checksum: str, step: int, warn: bool) -> bool:
+    """Have one server holding ``checksum`` write it out and record the copy; whether it did."""
+    # An update that commits while the engine copies its weights ends the export (409, and the
+    # next holder is asked), and the copy is only recorded for servers still verified on the same
+    # checksum.
+    holders = [
+        s.server_id
+        for s in rollout.snapshot()
+        if s.state is ServerState.SERVING and s.verified is not None and s.verified.checksum == checksum
+    ]
+    for server_id in holders:
+        try:
+            exported = await rollout.export(server_id, step=step)
+        except EngineCallError as exc:
+            level = logging.WARNING if warn else logging.INFO
+            logger.log(level, "%s could not write out %s: %s", server_id, checksum, exc)
+            continue
+        if exported.checksum == checksum:
+            recorded = rollout.remember_checkpoint(checksum, exported.path)
+            logger.info("pushed weights %s written to %s for %s", checksum, exported.path, ", ".join(recorded))
+            return True
+    if warn:
+        logger.warning("no server could write out the pushed weights %s; restarts will copy them from a peer", checksum)
+    return False
