@@ -1,11 +1,13 @@
 """Both ends of a push's transport in one process: what the trainer encodes the engine decodes (and
-nothing else), and a group the trainer forms as rank 0 is joined by a member that receives its
-broadcast; a member that never comes is named. (Pushes between processes: tests/train/test_push.py.)"""
+nothing else), a group the trainer forms as rank 0 is joined by a member that receives its
+broadcast, a member that never comes is named, and a segment's removal never deadlocks its loop.
+(Pushes between processes: tests/train/test_push.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from miles.weights.transport.documents import (
     ShmDocument,
     decode,
 )
+from miles.weights.transport.segments import Segment
 
 TABLE = BucketTable(
     entries=(BucketEntry(name="w", dtype="float32", shape=(2, 3), offset=64, nbytes=24, digest="0" * 32),)
@@ -110,5 +113,26 @@ def test_a_member_that_never_joins_is_named_on_both_sides() -> None:
             assert rank0.missing() == [2]
         finally:
             rank0.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_segment_collected_inside_the_loops_executor_removes_its_file_later_not_never() -> None:
+    """A collection can run a segment's finalizer anywhere on the loop, even inside the default
+    executor's ``submit`` while it holds its lock: the removal must not wait on that lock."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        executor = ThreadPoolExecutor(1)
+        loop.set_default_executor(executor)
+        segment = Segment(64)
+        # Held as ``submit`` holds it when a collection interrupts it.
+        with executor._shutdown_lock:
+            segment.close()
+        for _ in range(500):
+            if not await asyncio.to_thread(segment.path.exists):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{segment.path} was never removed")
 
     asyncio.run(scenario())
