@@ -39,7 +39,7 @@ class HttpWindows:
         self.url = url.rstrip("/")
         self._headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
 
-    async def _post(self, path: str, body: BaseModel, answer: type[M]) -> M:
+    async def _post(self, path: str, body: BaseModel, *, answer: type[M]) -> M:
         """POST ``body`` to ``path`` and read the answer as ``answer``. Raises PublishError with
         the controller's message when it refused, naming the controller when the answer is
         neither."""
@@ -60,18 +60,19 @@ class HttpWindows:
 
     async def open(self, *, model_name: str | None, ttl_s: float, staged: bool) -> UpdateWindow:
         request = StartWindowRequest(model_name=model_name, ttl_s=ttl_s, staged=staged)
-        return await self._post("/update_weights/start", request, UpdateWindow)
+        return await self._post("/update_weights/start", request, answer=UpdateWindow)
 
     async def renew(self, window: UpdateWindow) -> None:
-        await self._post("/update_weights/renew", RenewWindowRequest(token=window.token), UpdateWindow)
+        await self._post("/update_weights/renew", RenewWindowRequest(token=window.token), answer=UpdateWindow)
 
     async def publish(self, event: InferenceEngineWeightChecksumEvent) -> None:
-        await self._post("/events", event, _Logged)
+        await self._post("/events", event, answer=_Logged)
 
     async def end(self, window: UpdateWindow, *, checksum: str, step: int, weight_version: str) -> UpdateResult:
         request = EndWindowRequest(token=window.token, checksum=checksum, step=step, weight_version=weight_version)
         # An update that did not commit is an answer too (409 with its result), not a refusal.
-        return await self._post("/update_weights/end", request, UpdateResult)
+        return await self._post("/update_weights/end", request, answer=UpdateResult)
 
     async def abort(self, window: UpdateWindow, *, reason: str) -> None:
-        await self._post("/update_weights/abort", AbortWindowRequest(token=window.token, reason=reason), UpdateResult)
+        abort = AbortWindowRequest(token=window.token, reason=reason)
+        await self._post("/update_weights/abort", abort, answer=UpdateResult)

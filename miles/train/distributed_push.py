@@ -60,10 +60,10 @@ class DistributedPush:
     @contextlib.asynccontextmanager
     async def push(
         self,
-        http: httpx.AsyncClient,
         window: UpdateWindow,
         named: Mapping[str, torch.Tensor],
         *,
+        http: httpx.AsyncClient,
         version: str,
         stats: PushStats,
     ) -> AsyncIterator[_Broadcasts]:
@@ -78,7 +78,8 @@ class DistributedPush:
             # theirs), gloo between CPUs otherwise.
             device = next((t.device for t in named.values() if t.device.type == "cuda"), None)
             joined = time.perf_counter()
-            group = await self._form(rank0, http, window, backend="nccl" if device is not None else "gloo", stats=stats)
+            backend = "nccl" if device is not None else "gloo"
+            group = await self._form(rank0, window, http=http, backend=backend, stats=stats)
             stats.spent("join", joined)
             tables = [layout(named, names) for names in plan(named, bucket_bytes=self.bucket_bytes)]
             buffers = self._host_buffers(regions(len(tables)), max(max(t.total_bytes for t in tables), 1))
@@ -97,14 +98,16 @@ class DistributedPush:
             finally:
                 leave = DestroyWeightsUpdateGroupRequest(group_name=GROUP_NAME)
                 await asyncio.gather(
-                    engine_calls.post_all(http, window, "/destroy_weights_update_group", lambda _: leave, stats),
+                    engine_calls.post_all(
+                        http, window, path="/destroy_weights_update_group", body=lambda _: leave, stats=stats
+                    ),
                     return_exceptions=True,
                 )
         finally:
             rank0.close()
 
     async def _form(
-        self, rank0: groups.Rank0, http: httpx.AsyncClient, window: UpdateWindow, *, backend: str, stats: PushStats
+        self, rank0: groups.Rank0, window: UpdateWindow, *, http: httpx.AsyncClient, backend: str, stats: PushStats
     ) -> Any:
         """The group, formed while every engine joins it."""
 
@@ -120,7 +123,9 @@ class DistributedPush:
             )
 
         joining = asyncio.create_task(
-            engine_calls.post_all(http, window, "/init_weights_update_group", join, stats, fail_fast=True)
+            engine_calls.post_all(
+                http, window, path="/init_weights_update_group", body=join, stats=stats, fail_fast=True
+            )
         )
         forming = rank0.form(backend)
         try:
@@ -166,7 +171,7 @@ class _Broadcasts:
     def into(self, index: int) -> torch.Tensor:
         return self.buffers[index % len(self.buffers)]
 
-    async def send(self, index: int, packed: BucketTable, checksum: str | None) -> None:
+    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> None:
         request = UpdateWeightsFromDistributedRequest(
             names=[e.name for e in packed.entries],
             dtypes=[e.dtype for e in packed.entries],
@@ -181,7 +186,11 @@ class _Broadcasts:
         )
         receiving = asyncio.create_task(
             engine_calls.post_all(
-                self.http, self.window, "/update_weights_from_distributed", lambda _: request, self.stats
+                self.http,
+                self.window,
+                path="/update_weights_from_distributed",
+                body=lambda _: request,
+                stats=self.stats,
             )
         )
         try:

@@ -37,10 +37,10 @@ class _Failure:
 async def post_all(
     http: httpx.AsyncClient,
     window: UpdateWindow,
+    *,
     path: str,
     body: Callable[[int], BaseModel],
     stats: PushStats,
-    *,
     fail_fast: bool = False,
 ) -> None:
     """POST ``body(i)`` to the ``i``-th engine of the window, all at once, with the window's

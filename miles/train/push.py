@@ -82,7 +82,7 @@ class BucketSender(Protocol):
         engines read its tensors where they lie (they are only hashed)."""
         ...
 
-    async def send(self, index: int, packed: BucketTable, checksum: str | None) -> None:
+    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> None:
         """Hand bucket ``index`` (its table with the digests) to every engine and wait for their
         answers; ``checksum``, with the last bucket, is the model checksum they must hold after it."""
         ...
@@ -308,8 +308,8 @@ class PushPublisher:
     ) -> AbstractAsyncContextManager[BucketSender]:
         """The transport of ``path`` for one push of ``named`` into ``window``."""
         if path is TransferPath.SHM:
-            return self._tensors.push(self.http, window, named, version=version, stats=stats, shared=self._shared)
-        return self._broadcasts.push(self.http, window, named, version=version, stats=stats)
+            return self._tensors.push(window, named, http=self.http, version=version, stats=stats, shared=self._shared)
+        return self._broadcasts.push(window, named, http=self.http, version=version, stats=stats)
 
     async def _delta(
         self, named: Mapping[str, torch.Tensor], held: dict[str, str] | None
@@ -361,7 +361,7 @@ async def _stream(
             into = sender.into(index)
             if into is None:
                 stats.in_place += table.nbytes
-                packed = await _off_loop_if_large(table, _digested, named, table, known)
+                packed = await _off_loop_if_large(table, _digested, named, table, known=known)
             else:
                 packed = await _off_loop_if_large(table, pack, named, table, into)
             stats.spent("pack", packing)
@@ -371,7 +371,7 @@ async def _stream(
                 checksum = checksum_from_digests(digests, num_bytes=0).checksum
             if sending is not None:
                 await sending
-            sending = asyncio.create_task(sender.send(index, packed, checksum))
+            sending = asyncio.create_task(sender.send(index, packed, checksum=checksum))
             stats.buckets += 1
             stats.bytes += packed.nbytes
         if sending is not None:
@@ -392,7 +392,7 @@ async def _off_loop_if_large(table: BucketTable, fn: Callable[P, T], *args: P.ar
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
-def _digested(named: Mapping[str, torch.Tensor], table: BucketTable, known: Mapping[str, str]) -> BucketTable:
+def _digested(named: Mapping[str, torch.Tensor], table: BucketTable, *, known: Mapping[str, str]) -> BucketTable:
     """``table`` with each tensor's digest, computed where the tensor lies (nothing is copied)."""
     return BucketTable(
         entries=tuple(

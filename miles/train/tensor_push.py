@@ -53,10 +53,10 @@ class TensorPush:
     @contextlib.asynccontextmanager
     async def push(
         self,
-        http: httpx.AsyncClient,
         window: UpdateWindow,
         named: Mapping[str, torch.Tensor],
         *,
+        http: httpx.AsyncClient,
         version: str,
         stats: PushStats,
         shared: Segment | None,
@@ -137,7 +137,7 @@ class _Buckets:
         # A handle of its own per engine: each engine's release counts against its own.
         return CudaIpcDocument(cuda_ipc=share(self.buffers[(index - self.in_place) % len(self.buffers)]), table=packed)
 
-    async def send(self, index: int, packed: BucketTable, checksum: str | None) -> None:
+    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> None:
         def request(_: int) -> UpdateWeightsFromTensorRequest:
             document = self._document(index, packed)
             return UpdateWeightsFromTensorRequest(
@@ -149,5 +149,7 @@ class _Buckets:
             )
 
         waiting = time.perf_counter()
-        await engine_calls.post_all(self.http, self.window, "/update_weights_from_tensor", request, self.stats)
+        await engine_calls.post_all(
+            self.http, self.window, path="/update_weights_from_tensor", body=request, stats=self.stats
+        )
         self.stats.spent("engines", waiting)

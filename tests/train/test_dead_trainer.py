@@ -45,9 +45,9 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 post_all = engine_calls.post_all
-async def post_then_maybe_die(http, window, endpoint, *args, **kwargs):
-    answer = await post_all(http, window, endpoint, *args, **kwargs)
-    if (point, endpoint) in {
+async def post_then_maybe_die(*args, **kwargs):
+    answer = await post_all(*args, **kwargs)
+    if (point, kwargs["path"]) in {
         ("joined", "/init_weights_update_group"),
         ("bucket", "/update_weights_from_tensor"),
         ("bucket", "/update_weights_from_distributed"),

@@ -94,7 +94,7 @@ def post_tensor(url: str, *engines: str) -> PushStats:
     async def call() -> None:
         async with httpx.AsyncClient(trust_env=False) as http:
             await engine_calls.post_all(
-                http, window(url, *engines), "/update_weights_from_tensor", lambda _: GROUP, stats
+                http, window(url, *engines), path="/update_weights_from_tensor", body=lambda _: GROUP, stats=stats
             )
 
     asyncio.run(call())
