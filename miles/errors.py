@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
+
+
+class Refusal(StrEnum):
+    """A refusal a caller acts on by name rather than by reading its message: an HTTP API answers
+    it in the error body (``{"error": {..., "refusal": ...}}``, ``miles.utils.http``)."""
+
+    # A staged push (``activate=false``) on an engine that cannot stage now (staging off, or no
+    # memory for a second copy): the pusher redoes it in a window whose servers leave routing.
+    CANNOT_STAGE = "cannot_stage"
 
 
 class MilesError(Exception):
@@ -13,6 +23,9 @@ class MilesError(Exception):
     actual checksum, path ...); they are appended to the message so a log line alone is enough to
     act on.
     """
+
+    # The refusal this error names, for a caller that acts on it; None for most errors.
+    refusal: Refusal | None = None
 
     def __init__(self, message: str, **context: Any) -> None:
         self.message = message
@@ -152,7 +165,11 @@ class NotFoundError(MilesError):
 
 class ConflictError(MilesError):
     """A request conflicts with the current state (a stale fencing token, no open window, a
-    setting fixed at start, unverified weights): HTTP 409."""
+    setting fixed at start, unverified weights): HTTP 409. ``refusal``: see ``Refusal``."""
+
+    def __init__(self, message: str, *, refusal: Refusal | None = None, **context: Any) -> None:
+        self.refusal = refusal
+        super().__init__(message, **context)
 
 
 class UnavailableError(MilesError):
@@ -186,7 +203,12 @@ class RolloutRequestError(TrainerError):
 
 
 class PublishError(TrainerError):
-    """A trained checkpoint could not be published: written, announced, or applied to the servers."""
+    """A trained checkpoint could not be published: written, announced, or applied to the servers.
+    ``refusal``: the one a server named, when the publisher may act on it (``Refusal``)."""
+
+    def __init__(self, message: str, *, refusal: Refusal | None = None, **context: Any) -> None:
+        self.refusal = refusal
+        super().__init__(message, **context)
 
 
 class PublishNotReadyError(PublishError, TimeoutError):

@@ -34,7 +34,6 @@ from miles.protocol.openai import (
     new_id,
 )
 from miles.protocol.sglang import (
-    CUDA_IPC_LOAD_FORMAT,
     AbortRequest,
     ActivateWeightsRequest,
     ContinueGenerationRequest,
@@ -64,7 +63,8 @@ from miles.utils.http import (
     sse,
     until_disconnected,
 )
-from miles.weights.segments import sweep as sweep_segments
+from miles.weights.transport.documents import CUDA_IPC_LOAD_FORMAT
+from miles.weights.transport.segments import sweep as sweep_segments
 
 logger = logging.getLogger("miles.engine")
 

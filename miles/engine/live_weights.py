@@ -50,6 +50,7 @@ from miles.errors import (
     InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
+    Refusal,
 )
 from miles.protocol.sglang import (
     ActivateWeightsRequest,
@@ -385,7 +386,8 @@ class LiveWeights:
                 why = self._staging.report().reason or "staging is off"
                 raise ConflictError(
                     f"this engine cannot stage pushed weights now ({why}); push in a window whose servers "
-                    "leave routing for the push, or raise --weight-staging-budget"
+                    "leave routing for the push, or raise --weight-staging-budget",
+                    refusal=Refusal.CANNOT_STAGE,
                 )
             await asyncio.to_thread(bucket.verify)
             return await self._push_in_place(

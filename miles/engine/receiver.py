@@ -1,18 +1,18 @@
-"""Weights pushed from a trainer's memory: shared-memory buckets and torch.distributed broadcasts.
+"""Weights pushed from a trainer's memory, received: buckets handed over in memory and buckets
+broadcast to the torch.distributed groups this engine joined.
 
 Both produce one bucket of named tensors with the digests they were sent with (``Received``), which
 ``LiveWeights.apply_pushed`` copies into the model, checking each digest over the bytes it copied;
-nothing here touches the live weights.
+nothing here touches the live weights. How the bytes travel (segments, CUDA IPC handles, the
+documents that name them, the groups) is ``miles.weights.transport``, shared with the trainer.
 
-- Shared memory (``/update_weights_from_tensor``, ``load_format="miles_shm"``): the trainer writes
-  a bucket into ``/dev/shm/miles-...`` (or points at its weights in a segment they live in) and
-  sends its table; the engine opens the segment read-only and reads each tensor from it as it
-  copies it (``pread``: a segment cut short is an error, never a SIGBUS).
-- CUDA IPC (``load_format="miles_cuda_ipc"``, GPU engines): the trainer packs a bucket in its GPU
-  memory and sends the buffer's IPC handles as JSON; the engine opens it and copies from it.
+- Shared memory (``/update_weights_from_tensor``, ``load_format="miles_shm"``): the engine opens the
+  segment read-only and reads each tensor from it as it copies it (``pread``: a segment cut short
+  is an error, never a SIGBUS).
+- CUDA IPC (``load_format="miles_cuda_ipc"``, GPU engines): the engine opens the sender's GPU
+  buffer and copies from it.
 - torch.distributed (``/init_weights_update_group``, ``/update_weights_from_distributed``,
-  ``/destroy_weights_update_group``): the engine joins a group of its own (a ``TCPStore`` at the
-  trainer's address and a process group made from it, never the process's default group) as rank
+  ``/destroy_weights_update_group``): the engine joins a group of its own as rank
   ``rank_offset``; each update is one flat broadcast per bucket from rank 0. Joining is bounded by
   ``timeout_s``, and a group that does not form names the ranks that never joined.
 """
@@ -20,67 +20,31 @@ nothing here touches the live weights.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles.errors import ConflictError, InvalidRequestError, NotFoundError
 from miles.protocol.auth import FenceState
 from miles.protocol.sglang import (
-    CUDA_IPC_LOAD_FORMAT,
     FLAT_LOAD_FORMAT,
-    SHM_LOAD_FORMAT,
-    CudaIpcHandle,
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
 from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, Received, from_file, unpack
-from miles.weights.segments import open_segment
+from miles.weights.transport import groups
+from miles.weights.transport.cuda_ipc import open_shared
+from miles.weights.transport.documents import CUDA_IPC_LOAD_FORMAT, SHM_LOAD_FORMAT, CudaIpcDocument, decode
+from miles.weights.transport.segments import open_segment
 
 logger = logging.getLogger("miles.engine")
-
-
-class _ShmDocument(BaseModel):
-    """What ``serialized_named_tensors[0]`` holds for ``load_format="miles_shm"``."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    shm: str
-    table: BucketTable
-
-
-class _CudaIpcDocument(BaseModel):
-    """What ``serialized_named_tensors[0]`` holds for ``load_format="miles_cuda_ipc"``."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    cuda_ipc: CudaIpcHandle
-    table: BucketTable
-
-
-def broadcast_options(timeout_s: float) -> dist.BroadcastOptions:
-    """A broadcast from rank 0 that gives up after ``timeout_s``."""
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    options.timeout = timedelta(seconds=timeout_s)
-    return options
-
-
-def joined_key(rank: int) -> str:
-    """The key each member of a weight-update group sets in its store once it is there."""
-    return f"joined/{rank}"
 
 
 class TensorBucket:
@@ -100,42 +64,17 @@ class TensorBucket:
         *,
         device: torch.device,
     ) -> None:
-        if request.load_format not in (SHM_LOAD_FORMAT, CUDA_IPC_LOAD_FORMAT):
-            raise InvalidRequestError(
-                f"load_format {request.load_format!r} is not accepted: SGLang's pickled tensors would run "
-                f"whatever code the request names when unpickled; send load_format={SHM_LOAD_FORMAT!r} "
-                f"(or {CUDA_IPC_LOAD_FORMAT!r} from a GPU; miles.train.push.PushPublisher pushes that way)"
-            )
-        if len(request.serialized_named_tensors) != 1:
-            raise InvalidRequestError("serialized_named_tensors must hold one document (the engine has one rank)")
-        key = "shm" if request.load_format == SHM_LOAD_FORMAT else "cuda_ipc"
-        model = _ShmDocument if key == "shm" else _CudaIpcDocument
-        try:
-            raw = base64.b64decode(request.serialized_named_tensors[0], validate=True)
-            # Strict: a number sent as text, a float or a boolean is no offset, size or dimension.
-            document = model.model_validate_json(raw, strict=True)
-        except (binascii.Error, ValueError, ValidationError, RecursionError) as exc:
-            raise InvalidRequestError(
-                f'serialized_named_tensors[0] must be base64 of {{"{key}": ..., "table": {{...}}}}: {exc}'
-            ) from None
+        document = decode(request.load_format, request.serialized_named_tensors)
         table = document.table
-        if not table.entries:
-            raise InvalidRequestError("the bucket's table holds no tensors; push at least one")
-        unsigned = next((e.name for e in table.entries if e.digest is None), None)
-        if unsigned is not None:
-            raise InvalidRequestError(
-                f"tensor {unsigned!r} has no digest: every tensor pushed as {request.load_format!r} carries the "
-                "xxh3-128 digest of its bytes, checked as it is copied (PushPublisher sends them)"
-            )
         self._fd: int | None = None
-        if isinstance(document, _CudaIpcDocument):
+        if isinstance(document, CudaIpcDocument):
             if device.type != "cuda":
                 raise InvalidRequestError(
                     f"load_format {CUDA_IPC_LOAD_FORMAT!r} needs an engine on a GPU; this one runs on {device}: "
                     f"push over shared memory ({SHM_LOAD_FORMAT!r}) from CPU tensors"
                 )
             check(table)
-            self.received = unpack(table, _open_cuda_ipc(document.cuda_ipc, table.total_bytes))
+            self.received = unpack(table, open_shared(document.cuda_ipc, table.total_bytes))
             return
         self._fd, size = open_segment(document.shm, table.total_bytes)
         try:
@@ -154,45 +93,12 @@ class TensorBucket:
             received.close()
 
 
-def _open_cuda_ipc(handle: CudaIpcHandle, needed: int) -> torch.Tensor:
-    """The sender's flat uint8 CUDA tensor, opened from its IPC handles (as torch.multiprocessing
-    rebuilds a shared CUDA tensor, without unpickling anything)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    if handle.numel < needed:
-        raise InvalidRequestError(f"the CUDA buffer holds {handle.numel} bytes, fewer than the {needed} of its table")
-    try:
-        return rebuild_cuda_tensor(
-            torch.Tensor,
-            torch.Size([handle.numel]),
-            (1,),
-            handle.storage_offset,
-            torch.storage.TypedStorage,
-            torch.uint8,
-            handle.device,
-            base64.b64decode(handle.storage_handle, validate=True),
-            handle.storage_size_bytes,
-            handle.storage_offset_bytes,
-            False,
-            base64.b64decode(handle.ref_counter_handle, validate=True),
-            handle.ref_counter_offset,
-            base64.b64decode(handle.event_handle, validate=True) if handle.event_handle else None,
-            handle.event_sync_required,
-        )
-    except (binascii.Error, RuntimeError) as exc:
-        raise InvalidRequestError(
-            f"the CUDA IPC handle cannot be opened ({exc}): the sender must run on this engine's node, "
-            "with its buffer alive until the push is answered"
-        ) from None
-
-
 @dataclass
 class _Group:
     name: str
     rank: int
     world_size: int
-    store: dist.Store
-    group: Any  # ProcessGroupGloo or ProcessGroupNCCL
+    joined: groups.Joined
     # The fencing token of the call that joined it (None: an unfenced call); the group lasts as
     # long as that token's window (``WeightGroups.follow``).
     owner: int | None
@@ -223,6 +129,9 @@ class _JoinState:
     abandoned: threading.Event = field(default_factory=threading.Event)
     # The fencing token of the call that asked for it (see ``_Group.owner``).
     owner: int | None = None
+
+    def at(self, phase: str) -> None:
+        self.phase = phase
 
 
 class WeightGroups:
@@ -298,33 +207,18 @@ class WeightGroups:
                     "try again once they end (each ends within its timeout_s, or when its rank 0 goes away)"
                 )
             self._pending += 1
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future[str] = loop.create_future()
 
-        def settle(result: str | None, error: BaseException | None) -> None:
-            if answer.done() or state.abandoned.is_set():
-                return
-            if error is not None:
-                answer.set_exception(error)
-            else:
-                answer.set_result(result or "")
-
-        def run() -> None:
-            result: str | None = None
-            error: BaseException | None = None
+        def counted() -> str:
             try:
-                result = self.join(request, state=state)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting call, whatever it is
-                error = exc
+                return self.join(request, state=state)
             finally:
                 with self._lock:
                     self._pending -= 1
-            with contextlib.suppress(RuntimeError):  # the engine's loop closed meanwhile
-                loop.call_soon_threadsafe(settle, result, error)
 
-        threading.Thread(target=run, name=f"join-{request.group_name}", daemon=True).start()
+        answer = groups.in_daemon_thread(counted, name=f"join-{request.group_name}")
         try:
-            return await asyncio.wait_for(asyncio.shield(answer), timeout=request.timeout_s + JOIN_GRACE_S)
+            # Timing out (or being cancelled) cancels ``answer``: the join's outcome is dropped.
+            return await asyncio.wait_for(answer, timeout=request.timeout_s + JOIN_GRACE_S)
         except TimeoutError:
             state.abandoned.set()
             raise ConflictError(
@@ -372,31 +266,16 @@ class WeightGroups:
     def _join(
         self, request: InitWeightsUpdateGroupRequest, backend: str, rank: int, world: int, state: _JoinState
     ) -> str:
-        timeout = timedelta(seconds=request.timeout_s)
-        state.phase = "connecting to the store of rank 0"
-        try:
-            store = dist.TCPStore(request.master_address, request.master_port, world, False, timeout=timeout)
-        except (RuntimeError, dist.DistError) as exc:
-            raise ConflictError(
-                f"group {request.group_name!r} did not form: its rank 0 at {request.master_address}:"
-                f"{request.master_port} could not be reached within {request.timeout_s:g}s ({exc})"
-            ) from None
-        prefixed = dist.PrefixStore(request.group_name, store)
-        state.phase = "announcing this rank in the store of rank 0"
-        prefixed.set(joined_key(rank), "1")
-        state.phase = "waiting for the other ranks to join"
-        try:
-            group: Any
-            if backend == "gloo":
-                group = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
-            else:  # CUDA machines only
-                group = dist.ProcessGroupNCCL(prefixed, rank, world, dist.ProcessGroupNCCL.Options())
-        except (RuntimeError, dist.DistError) as exc:
-            missing = [r for r in range(world) if not prefixed.check([joined_key(r)])]
-            raise ConflictError(
-                f"group {request.group_name!r} did not form within {request.timeout_s:g}s: "
-                + (f"ranks {missing} never joined" if missing else f"every rank joined but the group failed: {exc}")
-            ) from None
+        joined = groups.join(
+            address=request.master_address,
+            port=request.master_port,
+            group_name=request.group_name,
+            rank=rank,
+            world=world,
+            backend=backend,
+            timeout_s=request.timeout_s,
+            phase=state.at,
+        )
         with self._lock:
             if state.abandoned.is_set():  # its caller was answered already: the group goes with it
                 raise ConflictError(f"group {request.group_name!r} formed after its join was given up")
@@ -412,7 +291,7 @@ class WeightGroups:
             device = self._device if backend == "nccl" else torch.device("cpu")
             spare = self._spare.pop(device, None)
             self._groups[request.group_name] = _Group(
-                request.group_name, rank, world, store, group, state.owner, device, spare
+                request.group_name, rank, world, joined, state.owner, device, spare
             )
         logger.info("joined weight-update group %s as rank %d of %d", request.group_name, rank, world)
         return f"joined group {request.group_name!r} as rank {rank} of {world}"
@@ -450,21 +329,15 @@ class WeightGroups:
     @staticmethod
     def _receive(member: _Group, request: UpdateWeightsFromDistributedRequest, table: BucketTable) -> Received:
         flat = member.flat(table.total_bytes)
-        options = broadcast_options(request.timeout_s)
         if request.load_format == FLAT_LOAD_FORMAT:
-            works = [member.group.broadcast([flat], options)]
+            tensors = [flat]
         else:
-            # Each tensor into its (aligned) place in the buffer, all queued before the first wait.
-            works = [
-                member.group.broadcast(
-                    [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).reshape(e.shape)], options
-                )
-                for e in table.entries
+            # Each tensor into its (aligned) place in the buffer.
+            tensors = [
+                flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).reshape(e.shape) for e in table.entries
             ]
         try:
-            # The first broadcast still waiting bounds the whole bucket: a sender that stops stops them all.
-            for work in works:
-                work.wait(timedelta(seconds=request.timeout_s))
+            groups.broadcast(member.joined.group, tensors, timeout_s=request.timeout_s)
         except (RuntimeError, dist.DistError) as exc:
             raise ConflictError(
                 f"the broadcast of group {request.group_name!r} did not complete within {request.timeout_s:g}s "

@@ -1,4 +1,5 @@
-"""What every request on the wire shares: a strict base model and the value types both APIs use.
+"""What every request on the wire shares: a strict base model and the value types both APIs use,
+and the shape both answer a failure in (``ErrorAnswer``).
 
 A request is refused at validation, with a message naming the field, for anything the engine
 could not honour later: an unknown field, a bool where a number is expected (pydantic would read
@@ -24,6 +25,8 @@ from pydantic import (
     field_validator,
 )
 from pydantic_core import CoreSchema
+
+from miles.errors import Refusal
 
 # torch.Generator.manual_seed accepts exactly this range (negative seeds are mapped onto it).
 MIN_SEED = -(2**63)
@@ -121,3 +124,22 @@ def sample_seed(seed: int, sample: int) -> int:
     back into the range ``torch.Generator.manual_seed`` accepts when it would leave it."""
     derived = seed + sample
     return derived - 2**64 if derived > MAX_SEED else derived
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    message: str
+    type: str
+    code: int
+    # Set for a refusal the caller may act on by name; absent for every other error.
+    refusal: Refusal | None = None
+
+
+class ErrorAnswer(BaseModel):
+    """How both miles APIs answer a failure (``miles.utils.http``): ``{"error": {"message",
+    "type", "code"}}``, with ``"refusal"`` when the error names one."""
+
+    model_config = ConfigDict(frozen=True)
+
+    error: ErrorDetail

@@ -561,11 +561,6 @@ class ExportWeightsResponse(BaseModel):
 
 # --- weights pushed from the trainer's memory (no disk) ----------------------------------------
 
-# The miles engine reads tensors from a shared-memory segment whose table travels as JSON; it
-# refuses SGLang's pickled tensors, because unpickling a request runs whatever code it names.
-SHM_LOAD_FORMAT = "miles_shm"
-# A bucket in the trainer's GPU memory, handed over as a CUDA IPC handle (JSON, never pickled).
-CUDA_IPC_LOAD_FORMAT = "miles_cuda_ipc"
 # The flat buckets of a torch.distributed push: one broadcast per bucket.
 FLAT_LOAD_FORMAT = "flattened_bucket"
 _BASE_REQUEST_FIELDS = frozenset({"rid", "http_worker_ipc"})  # SGLang's IPC bookkeeping
@@ -595,32 +590,14 @@ class _PushFields(SGLangFields):
 class UpdateWeightsFromTensorRequest(_PushFields):
     """``POST /update_weights_from_tensor``: tensors of the trainer's, handed over in memory.
 
-    ``load_format="miles_shm"``: ``serialized_named_tensors`` holds one base64 document, the JSON
-    ``{"shm": NAME, "table": BucketTable}`` of a segment ``/dev/shm/NAME`` (``NAME`` starts with
-    ``miles-``) on the engine's node. ``load_format="miles_cuda_ipc"``: the JSON
-    ``{"cuda_ipc": CudaIpcHandle, "table": BucketTable}`` of a flat bucket in GPU memory of a
-    process on the engine's node. Every tensor is checked against its digest."""
+    ``serialized_named_tensors`` holds one base64 document whose shape ``load_format`` names
+    (``miles.weights.transport.documents``): ``"miles_shm"``, a bucket in a segment
+    ``/dev/shm/miles-...`` on the engine's node; ``"miles_cuda_ipc"``, a flat bucket in GPU memory
+    of a process on the engine's node. SGLang's pickled tensors are refused. Every tensor is
+    checked against its digest."""
 
     serialized_named_tensors: Annotated[list[str], Field(min_length=1, max_length=64)]
     load_format: str | None = None
-
-
-class CudaIpcHandle(BaseModel):
-    """A flat uint8 CUDA tensor of another process's, as ``torch.multiprocessing`` shares it
-    (``reduce_tensor``): the bytes of its IPC handles in base64, and where the tensor lies."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    device: Annotated[int, Field(ge=0, le=1023)]
-    numel: Annotated[int, Field(ge=0)]
-    storage_offset: Annotated[int, Field(ge=0)]
-    storage_handle: Annotated[str, Field(min_length=1, max_length=4096)]
-    storage_size_bytes: Annotated[int, Field(ge=0)]
-    storage_offset_bytes: Annotated[int, Field(ge=0)]
-    ref_counter_handle: Annotated[str, Field(min_length=1, max_length=4096)]
-    ref_counter_offset: Annotated[int, Field(ge=0)]
-    event_handle: Annotated[str, Field(max_length=4096)] | None = None
-    event_sync_required: bool = False
 
 
 # The longest a weight-update group may take to form, or one broadcast to run (``timeout_s``).

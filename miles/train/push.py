@@ -9,172 +9,83 @@ every engine's checksum against the published one and admits, quarantines or rol
 as for a checkpoint on disk. Anything that fails aborts the window: the servers go back to their
 verified weights.
 
-Paths (``TransferPath``):
-- ``shm``: every engine on this node: each bucket is written once into a shared-memory segment
-  that every engine reads (``/update_weights_from_tensor``); weights on a GPU are packed in GPU
-  memory and handed over as CUDA IPC handles instead (``load_format="miles_cuda_ipc"``);
-- ``distributed``: engines anywhere: a torch.distributed group with this process as rank 0 (gloo
-  on CPU), one flat broadcast per bucket (``/update_weights_from_distributed`` with SGLang's
-  ``load_format="flattened_bucket"``);
+One bucket loop (``_stream``) whatever the path; the path's transport (a ``BucketSender``) says
+where each bucket is packed and how it reaches the engines (``TransferPath``):
+- ``shm``: every engine on this node (``miles.train.tensor_push``): each bucket is written once
+  into a shared-memory segment that every engine reads (``/update_weights_from_tensor``); weights
+  on a GPU are packed in GPU memory and handed over as CUDA IPC handles instead
+  (``load_format="miles_cuda_ipc"``);
+- ``distributed``: engines anywhere (``miles.train.distributed_push``): a torch.distributed group
+  with this process as rank 0 (gloo on CPU), one flat broadcast per bucket
+  (``/update_weights_from_distributed`` with SGLang's ``load_format="flattened_bucket"``);
 - ``auto``: ``shm`` when every engine's address is this machine's, else ``distributed``.
 
-The controller is given as an ``AsyncInferenceController`` (or anything with its window methods
-as coroutines), the blocking ``InferenceController``, a Ray actor handle of the named controller,
-or the URL of its HTTP API (with ``MILES_ADMIN_TOKEN`` from the environment when set).
+The controller is given as an ``AsyncInferenceController``, the blocking ``InferenceController``,
+a Ray actor handle of the named controller, the URL of its HTTP API (with ``MILES_ADMIN_TOKEN``
+from the environment when set), or a ``WindowClient`` (``miles.train.windows``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
-import inspect
 import ipaddress
-import itertools
-import json
 import logging
-import os
 import socket
-import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
 import torch
-import torch.distributed as dist
 
 from miles.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, TransferPath, check_seconds
-from miles.errors import InvalidRequestError, PublishError
-from miles.protocol.sglang import CUDA_IPC_LOAD_FORMAT, PUSH_TIMEOUT_MAX_S, SHM_LOAD_FORMAT, CudaIpcHandle
+from miles.controller.results import UpdateStatus, UpdateWindow
+from miles.errors import InvalidRequestError, PublishError, Refusal
+from miles.protocol.sglang import PUSH_TIMEOUT_MAX_S
+from miles.train.distributed_push import DistributedPush
 from miles.train.publisher import PublishResult
+from miles.train.push_stats import PushStats
+from miles.train.shared_weights import share, shareable
+from miles.train.tensor_push import TensorPush
+from miles.train.windows import abort_quietly, keep_alive, window_client
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
-from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable, layout, pack, plan
+from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable, pack
 from miles.weights.checksum import TensorDigest, checksum_from_digests, digest_tensor, saved_state_dict
 from miles.weights.safetensors_io import dtype_name
-from miles.weights.segments import SHM_DIR, Segment
+from miles.weights.transport.segments import SHM_DIR, Segment
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger("miles.train")
 
-GROUP_NAME = "miles_weight_push"
-# How an engine that cannot stage refuses a staged push (miles.engine.live_weights).
-_CANNOT_STAGE = "cannot stage pushed weights"
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# Buckets smaller than this are packed on the event loop: a thread hop costs more.
+_INLINE_PACK_BYTES = 4 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class Window:
-    """An open update window, whatever the controller was reached through."""
+class BucketSender(Protocol):
+    """One push's transport, the trainer's end: the buckets it carries, where each is packed, and
+    how it reaches the engines."""
 
-    token: int
-    model_name: str
-    credential: str | None
-    servers: tuple[tuple[str, str], ...]  # (server id, engine URL)
-    # The lease, renewed while the push runs (``WindowClient.renew``).
-    ttl_s: float
-    # The servers serve while the push stages; the commit swaps the weights in.
-    staged: bool = False
+    @property
+    def tables(self) -> Sequence[BucketTable]:
+        """Each bucket's table, in the order they are sent (digests not yet known)."""
+        ...
 
+    def into(self, index: int) -> torch.Tensor | None:
+        """The flat buffer bucket ``index`` is packed into, at its table's offsets; None when the
+        engines read its tensors where they lie (they are only hashed)."""
+        ...
 
-@dataclass(frozen=True)
-class Ended:
-    status: str
-    message: str
-
-
-class WindowClient:
-    """The controller's window API, reached in-process, through a Ray handle or over HTTP."""
-
-    def __init__(self, controller: Any) -> None:
-        self._controller = controller
-
-    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        bound = getattr(self._controller, method)
-        remote = getattr(bound, "remote", None)
-        if remote is not None:  # a Ray actor handle: its ObjectRef is awaitable
-            return await remote(*args, **kwargs)
-        if inspect.iscoroutinefunction(bound):
-            return await bound(*args, **kwargs)
-        return await asyncio.to_thread(bound, *args, **kwargs)
-
-    async def _http(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        token = os.environ.get("MILES_ADMIN_TOKEN", "").strip()
-        headers = {"authorization": f"Bearer {token}"} if token else {}
-        async with httpx.AsyncClient(trust_env=False, timeout=None, headers=headers) as http:
-            answer = await http.post(f"{str(self._controller).rstrip('/')}{path}", json=body)
-        payload: dict[str, Any] = answer.json()
-        if answer.status_code >= 400 and "status" not in payload:
-            raise PublishError(f"the controller refused {path}: {payload.get('detail', payload)}")
-        return payload
-
-    async def open(self, *, model_name: str | None, ttl_s: float, staged: bool) -> Window:
-        if isinstance(self._controller, str):
-            body = {"model_name": model_name, "ttl_s": ttl_s, "staged": staged}
-            raw = await self._http("/update_weights/start", body)
-        else:
-            window = await self._call("start_update_weights", model_name, ttl_s=ttl_s, staged=staged)
-            raw = window.model_dump(mode="json")
-        return Window(
-            token=int(raw["token"]),
-            model_name=raw["model_name"],
-            credential=raw.get("credential"),
-            servers=tuple((s["server_id"], s["url"]) for s in raw["servers"]),
-            ttl_s=float(raw["ttl_s"]),
-            staged=bool(raw.get("staged", False)),
-        )
-
-    async def renew(self, window: Window) -> None:
-        """Extend the window's lease by its ``ttl_s`` from now."""
-        if isinstance(self._controller, str):
-            await self._http("/update_weights/renew", {"token": window.token})
-        else:
-            await self._call("renew_update_weights", window.token)
-
-    async def keep_alive(self, window: Window) -> None:
-        """Renew the window's lease every third of it until cancelled: the lease stays short (a
-        trainer that dies holds the fleet for one lease) however long the push takes. A renewal
-        that fails is logged and retried; the push itself fails if the window is gone."""
-        while True:
-            await asyncio.sleep(window.ttl_s / 3)
-            try:
-                await self.renew(window)
-            except Exception as exc:  # noqa: BLE001  # a heartbeat must not die of one failed beat
-                logger.warning("could not renew window %d: %s", window.token, exc)
-
-    async def publish(self, event: InferenceEngineWeightChecksumEvent) -> None:
-        if isinstance(self._controller, str):
-            await self._http("/events", event.model_dump(mode="json"))
-        elif hasattr(getattr(self._controller, "log_event", None), "remote"):
-            await self._call("log_event", event)
-        else:
-            logger_ = getattr(self._controller, "event_logger", None)
-            if logger_ is None:
-                raise PublishError("the controller given has no event log to publish the checksum to")
-            logger_.log(InferenceEngineWeightChecksumEvent, event, print_log=False)
-
-    async def end(self, window: Window, *, checksum: str, step: int, weight_version: str) -> Ended:
-        if isinstance(self._controller, str):
-            body = {"token": window.token, "checksum": checksum, "step": step, "weight_version": weight_version}
-            raw = await self._http("/update_weights/end", body)
-            return Ended(status=raw["status"], message=raw.get("message", ""))
-        result = await self._call(
-            "end_update_weights", window.token, checksum=checksum, step=step, weight_version=weight_version
-        )
-        return Ended(status=str(result.status), message=result.message)
-
-    async def abort(self, window: Window, *, reason: str) -> None:
-        try:
-            if isinstance(self._controller, str):
-                await self._http("/update_weights/abort", {"token": window.token, "reason": reason})
-            else:
-                await self._call("abort_update_weights", window.token, reason=reason)
-        except Exception as exc:  # noqa: BLE001  # best effort: the window also ends when its lease runs out
-            logger.warning("could not abort window %d: %s", window.token, exc)
+    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> None:
+        """Hand bucket ``index`` (its table with the digests) to every engine and wait for their
+        answers; ``checksum``, with the last bucket, is the model checksum they must hold after it."""
+        ...
 
 
 def on_this_machine(url: str) -> bool:
@@ -194,31 +105,6 @@ def on_this_machine(url: str) -> bool:
     return host in ours
 
 
-@dataclass
-class PushStats:
-    path: str
-    tensors: int = 0  # sent
-    skipped: int = 0  # unchanged since the last committed push (delta)
-    buckets: int = 0
-    calls: int = 0
-    # Each sent tensor's digest, computed while it was packed.
-    digests: dict[str, str] = field(default_factory=dict)
-    # What each engine reported each update call cost it (seconds per phase), in call order.
-    engine_timings: list[dict[str, float]] = field(default_factory=list)
-    bytes: int = 0
-    # Of ``bytes``, those the engines read where they lie in the trainer's shared memory (no copy
-    # on this side: ``PushPublisher.share_memory``).
-    in_place: int = 0
-    # Seconds: "open", "push" and "commit" of the window; within the push, the sender's own
-    # phases, summed over buckets: "pack" (copy and digest), "join" (forming the group),
-    # "broadcast", and "engines" (waiting for the engines' answers once their bytes are sent).
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def spent(self, phase: str, since: float) -> None:
-        """Add the time from ``since`` (a ``time.perf_counter()``) to now to ``phase``."""
-        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - since
-
-
 def _check_seconds(name: str, value: float, low: float, high: float) -> None:
     """The controller's check of a number of seconds, as a ValueError (a bad argument here)."""
     try:
@@ -232,7 +118,7 @@ class PushPublisher:
 
     def __init__(
         self,
-        controller: Any,
+        controller: object,
         *,
         model_name: str | None = None,
         path: TransferPath = TransferPath.AUTO,
@@ -251,7 +137,7 @@ class PushPublisher:
         _check_seconds("timeout_s", timeout_s, 0.1, PUSH_TIMEOUT_MAX_S)
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive number of bytes, not {bucket_bytes!r}")
-        self.client = WindowClient(controller)
+        self.windows = window_client(controller)
         self.model_name = model_name
         self.path = TransferPath(path)
         self.bucket_bytes = bucket_bytes
@@ -269,9 +155,11 @@ class PushPublisher:
         self._held: dict[str, str] | None = None
         self.last: PushStats | None = None
         self._http: httpx.AsyncClient | None = None
-        self._segment: Segment | None = None
-        # The broadcast buffers, kept from one push to the next like the segment.
-        self._broadcast_buffers: list[torch.Tensor] = []
+        # The two transports, each keeping its buffers from one push to the next.
+        self._tensors = TensorPush(bucket_bytes=bucket_bytes)
+        self._broadcasts = DistributedPush(
+            master_address=master_address, timeout_s=timeout_s, bucket_bytes=bucket_bytes
+        )
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -279,22 +167,6 @@ class PushPublisher:
         if self._http is None:
             self._http = httpx.AsyncClient(trust_env=False, timeout=self.timeout_s * 2 + 30)
         return self._http
-
-    async def segment(self, size: int) -> Segment:
-        """The shared-memory segment buckets are written into, kept from one push to the next
-        (its pages are faulted in once, not per push); a bigger one replaces it when needed."""
-        if self._segment is not None and self._segment.size < size:
-            await self.drop_segment()
-        if self._segment is None:
-            self._segment = await asyncio.to_thread(Segment, size)
-        return self._segment
-
-    def broadcast_buffers(self, count: int, size: int) -> list[torch.Tensor]:
-        """``count`` host buffers of at least ``size`` bytes to pack broadcast buckets into, kept
-        from one push to the next (their pages are faulted in once)."""
-        if len(self._broadcast_buffers) < count or any(b.numel() < size for b in self._broadcast_buffers[:count]):
-            self._broadcast_buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)]
-        return self._broadcast_buffers[:count]
 
     @property
     def shared_segment(self) -> Segment | None:
@@ -312,7 +184,7 @@ class PushPublisher:
         Called again (the module's tensors were replaced since), it moves them into a new segment.
         Raises PublishError when /dev/shm cannot hold them.
         """
-        segment = _share(module)
+        segment = share(module)
         if segment is not None:
             previous, self._shared = self._shared, segment
             if previous is not None:
@@ -322,21 +194,16 @@ class PushPublisher:
     def _shares(self, module: torch.nn.Module) -> bool:
         """Whether every tensor of ``module`` that ``share_memory`` moves lives in the shared segment."""
         shared = self._shared
-        return shared is not None and all(shared.holds(t) for t in _shareable(module))
-
-    async def drop_segment(self) -> None:
-        if self._segment is not None:
-            segment, self._segment = self._segment, None
-            await asyncio.to_thread(segment.close)
+        return shared is not None and all(shared.holds(t) for t in shareable(module))
 
     async def close(self) -> None:
-        """Remove the shared-memory segment, free the broadcast buffers and close the connections;
+        """Remove the shared-memory segments, free the broadcast buffers and close the connections;
         the publisher can be used again."""
-        await self.drop_segment()
+        await self._tensors.close()
         if self._shared is not None:
             shared, self._shared = self._shared, None
             await asyncio.to_thread(shared.close)  # its file; the model keeps its memory
-        self._broadcast_buffers = []
+        self._broadcasts.close()
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -372,7 +239,7 @@ class PushPublisher:
             return await self._push(named, step=step, held=held, staged=self.staged)
         except PublishError as exc:
             self._held = None
-            if self.staged and _CANNOT_STAGE in str(exc):
+            if self.staged and exc.refusal is Refusal.CANNOT_STAGE:
                 # Some engine cannot hold a second copy now: its servers leave routing instead.
                 logger.warning("an engine cannot stage step %d; pushing with the servers out of routing", step)
                 return await self._push(named, step=step, held=None, staged=False)
@@ -387,38 +254,32 @@ class PushPublisher:
         started = time.perf_counter()
         version = str(step)
         sending, unchanged, digests = await self._delta(named, held)
-        window = await self.client.open(model_name=self.model_name, ttl_s=self.ttl_s, staged=staged)
+        window = await self.windows.open(model_name=self.model_name, ttl_s=self.ttl_s, staged=staged)
         opened = time.perf_counter()
-        renewing = asyncio.create_task(self.client.keep_alive(window), name=f"renew-window-{window.token}")
+        renewing = asyncio.create_task(keep_alive(self.windows, window), name=f"renew-window-{window.token}")
         try:
             # Looks at /dev/shm and resolves this machine's addresses: off the loop.
             path = await asyncio.to_thread(self._choose, window)
             stats = PushStats(path=path.value, tensors=len(sending), skipped=len(unchanged))
-            pushing: _TensorPush | _DistributedPush
-            if path is TransferPath.SHM:
-                # On this machine: GPU tensors by CUDA IPC handle, host tensors through /dev/shm.
-                gpu = next((t.device for t in sending.values() if t.device.type == "cuda"), None)
-                pushing = _TensorPush(self, window, device=gpu)
-            else:
-                pushing = _DistributedPush(self, window)
-            checksum = await pushing.run(sending, version=version, stats=stats, unchanged=unchanged, known=digests)
+            async with self._sender(path, window, sending, version=version, stats=stats) as sender:
+                checksum = await _stream(sender, sending, stats=stats, unchanged=unchanged, known=digests or {})
             pushed = time.perf_counter()
-            await self.client.publish(
+            await self.windows.publish(
                 InferenceEngineWeightChecksumEvent(
                     model_name=window.model_name, checksum=checksum, step=step, weight_version=version
                 )
             )
-            ended = await self.client.end(window, checksum=checksum, step=step, weight_version=version)
+            ended = await self.windows.end(window, checksum=checksum, step=step, weight_version=version)
         except BaseException as exc:
-            await self.client.abort(window, reason=f"the push failed: {exc}")
+            await abort_quietly(self.windows, window, reason=f"the push failed: {exc}")
             if isinstance(exc, PublishError | asyncio.CancelledError):
                 raise
             raise PublishError(f"pushing step {step} failed: {exc}") from exc
         finally:
             renewing.cancel()
             await asyncio.gather(renewing, return_exceptions=True)
-        if ended.status != "committed":
-            raise PublishError(f"the controller did not commit step {step}: {ended.status}: {ended.message}")
+        if ended.status is not UpdateStatus.COMMITTED:
+            raise PublishError(f"the controller did not commit step {step}: {ended.status.value}: {ended.message}")
         stats.timings |= {"open": opened - started, "push": pushed - opened, "commit": time.perf_counter() - pushed}
         self.last = stats
         if self.delta:
@@ -435,6 +296,20 @@ class PushPublisher:
             latency_s=total,
             path=path.value,
         )
+
+    def _sender(
+        self,
+        path: TransferPath,
+        window: UpdateWindow,
+        named: Mapping[str, torch.Tensor],
+        *,
+        version: str,
+        stats: PushStats,
+    ) -> AbstractAsyncContextManager[BucketSender]:
+        """The transport of ``path`` for one push of ``named`` into ``window``."""
+        if path is TransferPath.SHM:
+            return self._tensors.push(window, named, http=self.http, version=version, stats=stats, shared=self._shared)
+        return self._broadcasts.push(window, named, http=self.http, version=version, stats=stats)
 
     async def _delta(
         self, named: Mapping[str, torch.Tensor], held: dict[str, str] | None
@@ -456,137 +331,39 @@ class PushPublisher:
         ]
         return changed, unchanged, now
 
-    def _choose(self, window: Window) -> TransferPath:
+    def _choose(self, window: UpdateWindow) -> TransferPath:
         if self.path is not TransferPath.AUTO:
             return self.path
-        local = SHM_DIR.is_dir() and all(on_this_machine(url) for _, url in window.servers)
+        local = SHM_DIR.is_dir() and all(on_this_machine(s.url) for s in window.servers)
         return TransferPath.SHM if local else TransferPath.DISTRIBUTED
-
-    def headers(self, window: Window) -> dict[str, str]:
-        return {"authorization": f"Bearer {window.credential}"} if window.credential else {}
-
-
-class _Authorized:
-    """The publisher's client, with one window's credential on every call."""
-
-    def __init__(self, http: httpx.AsyncClient, headers: dict[str, str]) -> None:
-        self._http, self._headers = http, headers
-
-    async def post(self, url: str, *, json: dict[str, Any]) -> httpx.Response:
-        return await self._http.post(url, json=json, headers=self._headers)
-
-
-# Buckets smaller than this are packed on the event loop: a thread hop costs more.
-_INLINE_PACK_BYTES = 4 * 1024 * 1024
-# How long a group-forming thread whose store was dropped is waited for (it ends at once).
-_THREAD_END_S = 5.0
-
-
-async def _pack(named: Mapping[str, torch.Tensor], table: BucketTable, flat: torch.Tensor) -> BucketTable:
-    if table.total_bytes <= _INLINE_PACK_BYTES:
-        return pack(named, table, flat)
-    return await asyncio.to_thread(pack, named, table, flat)
-
-
-async def _post_all(
-    http: _Authorized,
-    window: Window,
-    path: str,
-    body: Callable[[int], dict[str, Any]],
-    stats: PushStats,
-    *,
-    fail_fast: bool = False,
-) -> None:
-    """POST to every engine of the window at once; PublishError naming each that refused or did
-    not answer (with ``fail_fast``, the first one, as soon as it does: the calls still waiting
-    are dropped)."""
-
-    async def one(index: int, server_id: str, url: str) -> str | None:
-        try:
-            answer = await http.post(f"{url}{path}", json=body(index))
-        except httpx.HTTPError as exc:
-            return f"{server_id} at {url} did not answer ({type(exc).__name__}: {exc})"
-        stats.calls += 1
-        payload = answer.json() if answer.headers.get("content-type", "").startswith("application/json") else {}
-        if answer.status_code >= 400 or not payload.get("success", True):
-            return f"{server_id}: {answer.text[:500]}"
-        if isinstance(payload.get("timings"), dict):
-            stats.engine_timings.append(payload["timings"])
-        return None
-
-    calls = [asyncio.ensure_future(one(i, s, u)) for i, (s, u) in enumerate(window.servers)]
-    failures: list[str] = []
-    pending: set[asyncio.Future[str | None]] = set(calls)
-    try:
-        while pending and not (failures and fail_fast):
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            failures += [failure for call in calls if call in done and (failure := call.result())]
-    finally:
-        for call in pending:
-            call.cancel()
-    if failures:
-        raise PublishError(f"{path} failed: " + "; ".join(failures))
-
-
-def _shareable(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    """The parameters and buffers of ``module`` that ``share_memory`` moves: dense CPU tensors
-    holding any bytes."""
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
-            continue
-        nbytes = tensor.untyped_storage().nbytes()
-        if nbytes and not nbytes % tensor.element_size():
-            yield tensor
-
-
-def _share(module: torch.nn.Module) -> Segment | None:
-    """Move every CPU parameter and buffer of ``module`` into a new segment (each storage copied
-    once, every tensor viewing it re-pointed, values unchanged); None when there is none."""
-    storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
-    for tensor in _shareable(module):
-        storage = tensor.untyped_storage()
-        storages.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
-    if not storages:
-        return None
-    offsets, size = [], 0
-    for storage, _ in storages.values():
-        offsets.append(size)
-        size += -(-storage.nbytes() // _SHARED_ALIGN) * _SHARED_ALIGN
-    segment = Segment(size)
-    with torch.no_grad():
-        for (storage, tensors), at in zip(storages.values(), offsets, strict=True):
-            place = segment.flat[at : at + storage.nbytes()]
-            place.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-            for tensor in tensors:
-                start = at // tensor.element_size() + tensor.storage_offset()
-                tensor.data = place.view(tensor.dtype).as_strided(tensor.size(), tensor.stride(), start)
-    return segment
-
-
-# Where shared storages start: a cache line, which every dtype's alignment divides.
-_SHARED_ALIGN = 64
 
 
 async def _stream(
-    tables: Sequence[BucketTable],
-    pack_one: Callable[[int, BucketTable], Awaitable[BucketTable]],
-    send: Callable[[int, BucketTable, str | None], Coroutine[Any, Any, None]],
+    sender: BucketSender,
+    named: Mapping[str, torch.Tensor],
     *,
     stats: PushStats,
     unchanged: list[TensorDigest],
+    known: Mapping[str, str],
 ) -> str:
-    """``pack_one`` each bucket (its index and table; it returns the table with the digests), then
-    ``send`` it (its index, that table, and the model checksum with the last one); returns the
-    checksum. The next bucket is packed while the engines take the one before; a bucket is sent
-    only once the one before it is in, so a packer writing into two buffers in turn never writes
-    into one the engines still read."""
+    """Pack each bucket of ``sender`` (copied into its buffer and digested, or digested where its
+    tensors lie, from ``known`` digests when they have not changed since), then send it, the model
+    checksum with the last one; returns the checksum. The next bucket is packed while the engines
+    take the one before; a bucket is sent only once the one before it is in, so a packer writing
+    into two buffers in turn never writes into one the engines still read."""
+    tables = sender.tables
     digests: list[TensorDigest] = list(unchanged)
     sending: asyncio.Task[None] | None = None
     checksum: str | None = None
     try:
         for index, table in enumerate(tables):
             packing = time.perf_counter()
-            packed = await pack_one(index, table)
+            into = sender.into(index)
+            if into is None:
+                stats.in_place += table.nbytes
+                packed = await _off_loop_if_large(table, _digested, named, table, known=known)
+            else:
+                packed = await _off_loop_if_large(table, pack, named, table, into)
             stats.spent("pack", packing)
             digests += [e.tensor_digest() for e in packed.entries]
             stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
@@ -594,7 +371,7 @@ async def _stream(
                 checksum = checksum_from_digests(digests, num_bytes=0).checksum
             if sending is not None:
                 await sending
-            sending = asyncio.create_task(send(index, packed, checksum))
+            sending = asyncio.create_task(sender.send(index, packed, checksum=checksum))
             stats.buckets += 1
             stats.bytes += packed.nbytes
         if sending is not None:
@@ -607,315 +384,22 @@ async def _stream(
     return checksum
 
 
-def _regions(tables: Sequence[BucketTable]) -> int:
-    """Buffers to pack into: two when there is a next bucket to pack while one is taken."""
-    return min(2, len(tables))
-
-
-class _TensorPush:
-    """Buckets handed to every engine on this machine through ``/update_weights_from_tensor``:
-    host tensors written once into a shared-memory segment every engine maps, GPU tensors packed in
-    the trainer's GPU memory and handed over as CUDA IPC handles (no copy through the host). Two
-    regions either way: the next bucket is packed into one while the engines read the other."""
-
-    def __init__(self, publisher: PushPublisher, window: Window, *, device: torch.device | None) -> None:
-        self.publisher, self.window, self.device = publisher, window, device
-
-    async def run(
-        self,
-        named: Mapping[str, torch.Tensor],
-        *,
-        version: str,
-        stats: PushStats,
-        unchanged: list[TensorDigest],
-        known: Mapping[str, str] | None = None,
-    ) -> str:
-        """Push ``named``; ``known`` holds digests computed since the tensors last changed."""
-        http = _Authorized(self.publisher.http, self.publisher.headers(self.window))
-        in_place: list[BucketTable] = []
-        if self.device is None and (shared := self.publisher.shared_segment) is not None:
-            # Tensors that live in the publisher's shared segment are read where they are.
-            offsets = {name: at for name, t in named.items() if (at := shared.offset_of(t)) is not None}
-            for names in plan({n: named[n] for n in offsets}, bucket_bytes=self.publisher.bucket_bytes):
-                entries = layout(named, names).entries
-                in_place.append(
-                    BucketTable(entries=tuple(e.model_copy(update={"offset": offsets[e.name]}) for e in entries))
-                )
-            named_rest = {n: t for n, t in named.items() if n not in offsets}
-        else:
-            named_rest = dict(named)
-        buckets = plan(named_rest, bucket_bytes=self.publisher.bucket_bytes) if named_rest else []
-        region = max((layout(named, names).total_bytes for names in buckets), default=0) or 1
-        packed_tables = [layout(named, names, start=(i % 2) * region) for i, names in enumerate(buckets)]
-        tables = in_place + packed_tables
-        if self.device is None:
-            # One segment, kept from push to push, with the two regions one after the other.
-            segment = await self.publisher.segment(region * _regions(packed_tables)) if packed_tables else None
-
-            def where(index: int) -> dict[str, Any]:
-                if index < len(in_place):
-                    assert self.publisher.shared_segment is not None
-                    return {"shm": self.publisher.shared_segment.name}
-                assert segment is not None
-                return {"shm": segment.name}
-
-            async def pack_one(index: int, table: BucketTable) -> BucketTable:
-                if index < len(in_place):
-                    stats.in_place += table.nbytes
-                    return await _digest_in_place(named, table, known or {})
-                assert segment is not None
-                return await _pack(named, table, segment.flat)
-
-            load_format = SHM_LOAD_FORMAT
-        else:
-            buffers = [torch.empty(region, dtype=torch.uint8, device=self.device) for _ in range(_regions(tables))]
-
-            def where(index: int) -> dict[str, Any]:
-                # A handle of its own per engine: each engine's release counts against its own.
-                return {"cuda_ipc": cuda_ipc_handle(buffers[index % len(buffers)]).model_dump()}
-
-            async def pack_one(index: int, table: BucketTable) -> BucketTable:
-                return await _pack(named, table, buffers[index % len(buffers)])
-
-            load_format = CUDA_IPC_LOAD_FORMAT
-
-        async def send(index: int, packed: BucketTable, checksum: str | None) -> None:
-            def body(_: int) -> dict[str, Any]:
-                document = {**where(index), "table": packed.model_dump(mode="json")}
-                return {
-                    "serialized_named_tensors": [base64.b64encode(json.dumps(document).encode()).decode()],
-                    "load_format": load_format,
-                    "weight_version": version if checksum is not None else None,
-                    "expected_checksum": checksum,
-                    "activate": not self.window.staged,
-                }
-
-            waiting = time.perf_counter()
-            await _post_all(http, self.window, "/update_weights_from_tensor", body, stats)
-            stats.spent("engines", waiting)
-
-        try:
-            return await _stream(tables, pack_one, send, stats=stats, unchanged=unchanged)
-        except BaseException:
-            if self.device is None:
-                await self.publisher.drop_segment()
-            raise
-
-
-async def _digest_in_place(
-    named: Mapping[str, torch.Tensor], table: BucketTable, known: Mapping[str, str]
-) -> BucketTable:
-    """``table`` with each tensor's digest, computed where the tensor lies (nothing is copied)."""
-
-    def digested() -> BucketTable:
-        return BucketTable(
-            entries=tuple(
-                e.model_copy(update={"digest": known.get(e.name) or digest_tensor(named[e.name])})
-                for e in table.entries
-            )
-        )
-
+async def _off_loop_if_large(table: BucketTable, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn(*args, **kwargs)`` for the bucket ``table``: on the event loop when the bucket is small
+    (a thread hop costs more), on a thread otherwise."""
     if table.nbytes <= _INLINE_PACK_BYTES:
-        return digested()
-    return await asyncio.to_thread(digested)
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
-def cuda_ipc_handle(buffer: torch.Tensor) -> CudaIpcHandle:
-    """How another process on this machine opens the flat uint8 CUDA tensor ``buffer``."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    _, shared = reduce_tensor(buffer)
-    (_, _, _, offset, _, _, device, handle, size, storage_offset, _, ref_handle, ref_offset, event, sync) = shared
-    return CudaIpcHandle(
-        device=device,
-        numel=buffer.numel(),
-        storage_offset=offset,
-        storage_handle=base64.b64encode(handle).decode(),
-        storage_size_bytes=size,
-        storage_offset_bytes=storage_offset,
-        ref_counter_handle=base64.b64encode(ref_handle).decode(),
-        ref_counter_offset=ref_offset,
-        event_handle=base64.b64encode(event).decode() if event else None,
-        event_sync_required=bool(sync),
+def _digested(named: Mapping[str, torch.Tensor], table: BucketTable, *, known: Mapping[str, str]) -> BucketTable:
+    """``table`` with each tensor's digest, computed where the tensor lies (nothing is copied)."""
+    return BucketTable(
+        entries=tuple(
+            e.model_copy(update={"digest": known.get(e.name) or digest_tensor(named[e.name])}) for e in table.entries
+        )
     )
-
-
-class _DistributedPush:
-    """A torch.distributed group with this process as rank 0; one broadcast per bucket, the next
-    bucket packed into a second buffer while one is broadcast."""
-
-    def __init__(self, publisher: PushPublisher, window: Window) -> None:
-        self.publisher, self.window = publisher, window
-
-    async def run(
-        self,
-        named: Mapping[str, torch.Tensor],
-        *,
-        version: str,
-        stats: PushStats,
-        unchanged: list[TensorDigest],
-        known: Mapping[str, str] | None = None,
-    ) -> str:
-        """Push ``named`` (``known``: unused here, every byte is hashed as it is packed)."""
-        publisher, window = self.publisher, self.window
-        world = len(window.servers) + 1
-        port = _free_port(publisher.master_address)
-        timeout = timedelta(seconds=publisher.timeout_s)
-        server = dist.TCPStore(publisher.master_address, port, world, True, timeout=timeout, wait_for_workers=False)
-        # The group forms through a client of its own: dropping the server ends at once the wait of
-        # a group that cannot form (which would otherwise run out its timeout on a thread, and a
-        # process exiting meanwhile aborts in c10d).
-        prefixed = dist.PrefixStore(
-            GROUP_NAME, dist.TCPStore(publisher.master_address, port, world, False, timeout=timeout)
-        )
-        prefixed.set("joined/0", "1")
-        http = _Authorized(publisher.http, publisher.headers(window))
-        # NCCL between GPUs when the trainer's weights are on one (the engines receive on theirs),
-        # gloo between CPUs otherwise.
-        device = next((t.device for t in named.values() if t.device.type == "cuda"), None)
-        backend = "nccl" if device is not None else "gloo"
-        join_body = {
-            "master_address": publisher.master_address,
-            "master_port": port,
-            "world_size": world,
-            "group_name": GROUP_NAME,
-            "backend": backend,
-            "timeout_s": publisher.timeout_s,
-        }
-        joined = time.perf_counter()
-        joining = asyncio.create_task(
-            _post_all(
-                http,
-                window,
-                "/init_weights_update_group",
-                lambda i: {**join_body, "rank_offset": i + 1},
-                stats,
-                fail_fast=True,
-            )
-        )
-        forming = _in_daemon_thread(_process_group, backend, prefixed, world, timeout)
-        try:
-            await asyncio.wait((forming, joining), return_when=asyncio.FIRST_EXCEPTION)
-            refused = joining.exception() if joining.done() else None
-            if refused is not None and not forming.done():
-                # An engine refused to join or did not answer: the group cannot form, so say so now
-                # rather than when its timeout runs out, and end the thread forming it.
-                forming.add_done_callback(lambda f: f.cancelled() or f.exception())
-                del server
-                # Its thread ends at once now; a process that exits before it has ended aborts
-                # in c10d ("terminate called without an active exception").
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.gather(forming, return_exceptions=True), timeout=_THREAD_END_S)
-                raise refused
-            group = await forming
-        except (RuntimeError, dist.DistError):
-            missing = [window.servers[r - 1][0] for r in range(1, world) if not prefixed.check([f"joined/{r}"])]
-            await asyncio.gather(joining, return_exceptions=True)
-            raise PublishError(
-                f"the weight-update group did not form within {publisher.timeout_s:g}s: "
-                f"{', '.join(missing) or 'no engine'} never joined"
-            ) from None
-        await joining
-        stats.spent("join", joined)
-        tables = [layout(named, names) for names in plan(named, bucket_bytes=publisher.bucket_bytes)]
-        size = max(max(t.total_bytes for t in tables), 1)
-        buffers = publisher.broadcast_buffers(_regions(tables), size)
-
-        async def send(index: int, packed: BucketTable, checksum: str | None) -> None:
-            body = {
-                "names": [e.name for e in packed.entries],
-                "dtypes": [e.dtype for e in packed.entries],
-                "shapes": [list(e.shape) for e in packed.entries],
-                "digests": [e.digest for e in packed.entries],
-                "group_name": GROUP_NAME,
-                "load_format": "flattened_bucket",
-                "weight_version": version if checksum is not None else None,
-                "expected_checksum": checksum,
-                "activate": not window.staged,
-                "timeout_s": publisher.timeout_s,
-            }
-            receiving = asyncio.create_task(
-                _post_all(http, window, "/update_weights_from_distributed", _same(body), stats)
-            )
-            try:
-                sent = buffers[index % len(buffers)][: packed.total_bytes]
-                broadcasting = time.perf_counter()
-                await asyncio.to_thread(_broadcast, group, sent if device is None else sent.to(device), timeout)
-                stats.spent("broadcast", broadcasting)
-            finally:
-                # The engines' answers say why, when the broadcast failed.
-                waiting = time.perf_counter()
-                await receiving
-                stats.spent("engines", waiting)
-
-        try:
-            return await _stream(
-                tables,
-                lambda index, table: _pack(named, table, buffers[index % len(buffers)]),
-                send,
-                stats=stats,
-                unchanged=unchanged,
-            )
-        finally:
-            await asyncio.gather(
-                _post_all(http, window, "/destroy_weights_update_group", lambda _: {"group_name": GROUP_NAME}, stats),
-                return_exceptions=True,
-            )
 
 
 def _digests(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return {name: digest_tensor(tensor) for name, tensor in named.items()}
-
-
-def _same(body: dict[str, Any]) -> Callable[[int], dict[str, Any]]:
-    """The same body for every engine."""
-    return lambda _: body
-
-
-def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-    """``fn(*args)`` on a thread of its own, as a future of this loop. A daemon thread, unlike
-    ``asyncio.to_thread``'s executor, does not hold up the loop's shutdown (or the interpreter's
-    exit) while it waits for a group that will not form."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        try:
-            outcome, error = fn(*args), None
-        except BaseException as exc:  # noqa: BLE001  # handed to the awaiting task
-            outcome, error = None, exc
-        try:
-            loop.call_soon_threadsafe(settle, outcome, error)
-        except RuntimeError:
-            pass  # the loop is closed: nobody waits any more
-
-    threading.Thread(target=run, name="miles-push-group", daemon=True).start()
-    return future
-
-
-def _process_group(backend: str, store: dist.Store, world: int, timeout: timedelta) -> Any:
-    """This process as rank 0 of a group of ``world`` (the engines join as the other ranks)."""
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, 0, world, dist.ProcessGroupNCCL.Options())
-    return dist.ProcessGroupGloo(store, 0, world, timeout)
-
-
-def _broadcast(group: Any, flat: torch.Tensor, timeout: timedelta) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    options.timeout = timeout
-    group.broadcast([flat], options).wait(timeout)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])

@@ -3,9 +3,10 @@ a bound on the size of request bodies, bearer credentials checked before a body 
 waiting on work that a departed client no longer wants.
 
 Domain code raises ``MilesError`` subclasses and never picks a status code; an app installs
-``install_error_handlers`` and answers every failure as ``{"error": {"message", "type", "code"}}``:
-validation as 400, the table's errors with their code, FastAPI's own refusals (an unknown path, a
-body it cannot decode) with theirs, and anything else as a logged JSON 500.
+``install_error_handlers`` and answers every failure as ``{"error": {"message", "type", "code"}}``
+(plus ``"refusal"`` for an error that names one, ``miles.errors.Refusal``): validation as 400, the
+table's errors with their code, FastAPI's own refusals (an unknown path, a body it cannot decode)
+with theirs, and anything else as a logged JSON 500.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from miles.errors import (
     NotFoundError,
     PermissionDeniedError,
     QueueFullError,
+    Refusal,
     UnavailableError,
 )
 
@@ -68,12 +70,24 @@ def status_of(exc: MilesError) -> tuple[int, str] | None:
     return None
 
 
-def error_body(message: str, *, code: int, kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": code}}
+def error_body(
+    message: str, *, code: int, kind: str = "invalid_request_error", refusal: Refusal | None = None
+) -> dict[str, Any]:
+    error: dict[str, Any] = {"message": message, "type": kind, "code": code}
+    if refusal is not None:
+        error["refusal"] = refusal.value
+    return {"error": error}
 
 
-def error_response(message: str, *, code: int, kind: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, code=code, kind=kind), status_code=code, headers=headers)
+def error_response(
+    message: str,
+    *,
+    code: int,
+    kind: str,
+    headers: Mapping[str, str] | None = None,
+    refusal: Refusal | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, code=code, kind=kind, refusal=refusal), status_code=code, headers=headers)
 
 
 def _field_path(loc: tuple[object, ...]) -> str:
@@ -119,7 +133,7 @@ def refusal(exc: MilesError) -> JSONResponse | None:
     headers = _HEADERS_OF.get(code)
     if isinstance(exc, QueueFullError):
         headers = {"retry-after": str(exc.retry_after_s)}
-    return error_response(str(exc), code=code, kind=kind, headers=headers)
+    return error_response(str(exc), code=code, kind=kind, headers=headers, refusal=exc.refusal)
 
 
 def install_error_handlers(app: FastAPI, *, logger: logging.Logger, not_found: str) -> None:

@@ -88,6 +88,12 @@ def plan(named: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFAULT_BUCKE
     return [b for b in buckets if b]
 
 
+def regions(buckets: int) -> int:
+    """Buffers a sender of ``buckets`` buckets packs into: two, one packed while the receivers take
+    the other, unless there is no next bucket to pack."""
+    return min(2, buckets)
+
+
 def layout(named: Mapping[str, torch.Tensor], names: Iterable[str], *, start: int = 0) -> BucketTable:
     """The table of ``names`` packed back to back from byte ``start`` (digests not yet known)."""
     entries, offset = [], start

@@ -1,9 +1,10 @@
 """The Ray runtime on a real local cluster: placement, device ids, updates across nodes, shipping
 checkpoints to nodes without a shared filesystem, placement that cannot be satisfied, and the
-named controller reached from another driver."""
+named controller reached from another driver, and pushed to through its handle."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import ray
+from transformers import AutoModelForCausalLM
 
 from miles.controller.results import UpdateStatus
 from miles.errors import MilesError
@@ -20,7 +22,9 @@ from miles.ray.cluster import LocalCluster
 from miles.ray.controller import serve_controller, stop_controller
 from miles.rollout.state import ServerState
 from miles.testing import running_controller
+from miles.train.push import PushPublisher
 from miles.weights.checkpoint import read_manifest
+from miles.weights.checksum import saved_state_dict
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -168,5 +172,27 @@ def test_training_in_another_driver_reaches_the_named_controller(
         # The HTTP API runs on the controller's node too.
         health = httpx.get(f"{url}/health", trust_env=False).json()
         assert health["models"]["tiny"]["weight_version"] == "2"
+    finally:
+        stop_controller(controller)
+
+
+def test_training_pushes_through_the_named_controllers_handle(
+    ray_cluster: LocalCluster, checkpoints: dict[str, Path]
+) -> None:
+    """``PushPublisher`` given the actor handle: the window is opened, renewed, published to and
+    ended through the actor, the weights go straight to the engines."""
+    controller = serve_controller(
+        model_checkpoint=checkpoints["v1"],
+        num_servers=1,
+        port=0,
+        num_cpus_per_engine=ENGINE_CPUS,
+        ray_address=ray_cluster.address,
+    )
+    try:
+        weights = saved_state_dict(AutoModelForCausalLM.from_pretrained(checkpoints["v2"]))
+        result = asyncio.run(PushPublisher(controller, path="shm", timeout_s=60).push(weights, step=7))
+        assert result.checksum == read_manifest(checkpoints["v2"]).checksum
+        health = ray.get(controller.health.remote())
+        assert health.models["tiny"].weight_version == "7"
     finally:
         stop_controller(controller)

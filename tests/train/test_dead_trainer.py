@@ -22,7 +22,7 @@ from miles.testing import running_controller, wait_until
 from miles.train.push import PushPublisher
 from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import saved_state_dict
-from miles.weights.segments import SHM_DIR
+from miles.weights.transport.segments import SHM_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -33,7 +33,9 @@ ADMIN = "a" * 32
 TRAINER = """
 import asyncio, os, signal, sys
 from transformers import AutoModelForCausalLM
+import miles.train.engine_calls as engine_calls
 import miles.train.push as push
+import miles.weights.transport.groups as groups
 
 url, checkpoint, path, point = sys.argv[1:5]
 model = AutoModelForCausalLM.from_pretrained(checkpoint)
@@ -42,24 +44,24 @@ def die():
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
-post_all = push._post_all
-async def post_then_maybe_die(http, window, endpoint, *args, **kwargs):
-    answer = await post_all(http, window, endpoint, *args, **kwargs)
-    if (point, endpoint) in {
+post_all = engine_calls.post_all
+async def post_then_maybe_die(*args, **kwargs):
+    answer = await post_all(*args, **kwargs)
+    if (point, kwargs["path"]) in {
         ("joined", "/init_weights_update_group"),
         ("bucket", "/update_weights_from_tensor"),
         ("bucket", "/update_weights_from_distributed"),
     }:
         die()
     return answer
-push._post_all = post_then_maybe_die
+engine_calls.post_all = post_then_maybe_die
 
-broadcast = push._broadcast
-def broadcast_then_die(group, flat, timeout):
+broadcast = groups.broadcast
+def broadcast_then_die(*args, **kwargs):
     if point == "broadcast":
         die()  # the engines wait in their broadcast for bytes that never come
-    broadcast(group, flat, timeout)
-push._broadcast = broadcast_then_die
+    broadcast(*args, **kwargs)
+groups.broadcast = broadcast_then_die
 
 # A lease shorter than the default (10 s) keeps the test short; the publisher renews it alike.
 publisher = push.PushPublisher(url, path=path, bucket_bytes=64 * 1024, timeout_s=30, ttl_s=3)

@@ -25,12 +25,15 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-import miles.train.push as push_module
+import miles.train.engine_calls as engine_calls
+from miles.config import TransferPath
+from miles.controller.results import UpdateWindow
 from miles.errors import PublishError
 from miles.rollout.engine_process import free_port
 from miles.rollout.state import ServerState
 from miles.testing import bucket_file, running_controller, running_engine, wait_until
-from miles.train.push import GROUP_NAME, PushPublisher, TransferPath, Window
+from miles.train.distributed_push import GROUP_NAME
+from miles.train.push import PushPublisher
 from miles.weights.buckets import BucketTable, layout, pack
 from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import checksum_module, checksum_state_dict, saved_state_dict
@@ -119,8 +122,8 @@ async def test_a_push_missing_a_tensor_or_an_engine_is_rolled_back_and_serving_s
 
             killed: int | None = None
 
-            def _choose(self, window: Window) -> TransferPath:
-                KillsAnEngine.killed = ctl.fleet.rollout(None).cell(window.servers[0][0]).pid
+            def _choose(self, window: UpdateWindow) -> TransferPath:
+                KillsAnEngine.killed = ctl.fleet.rollout(None).cell(window.servers[0].server_id).pid
                 assert KillsAnEngine.killed is not None
                 os.kill(KillsAnEngine.killed, signal.SIGKILL)
                 return super()._choose(window)
@@ -592,7 +595,7 @@ async def test_a_published_model_is_read_from_shared_memory_where_it_lies(
 
         # The trainer writes its weights while a push reads them: the engines find bytes that do not
         # match their digests, the push is refused and the servers stay on the verified step 8.
-        post_all = push_module._post_all
+        post_all = engine_calls.post_all
 
         async def training_meanwhile(*args: object, **kwargs: object) -> None:
             with torch.no_grad():
@@ -600,10 +603,10 @@ async def test_a_published_model_is_read_from_shared_memory_where_it_lies(
                     parameter.mul_(1.5)
             await post_all(*args, **kwargs)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(push_module, "_post_all", training_meanwhile)
+        monkeypatch.setattr(engine_calls, "post_all", training_meanwhile)
         with pytest.raises(PublishError, match="digest"):
             await publisher.publish(model, None, step=9)
-        monkeypatch.setattr(push_module, "_post_all", post_all)
+        monkeypatch.setattr(engine_calls, "post_all", post_all)
         servers = ctl.health().servers
         assert all(s.state is ServerState.SERVING and (s.checksum, s.weight_version) == (trained, "8") for s in servers)
         # Once the model holds still, it publishes.
@@ -621,17 +624,18 @@ import asyncio, os, sys
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
+import miles.train.engine_calls as engine_calls
 import miles.train.push as push
 from miles.weights.checksum import checksum_module, checksum_state_dict, saved_state_dict
 
 url, checkpoint, die = sys.argv[1], sys.argv[2], sys.argv[3] == "die"
 named = saved_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint))
 if die:  # the trainer is killed after its first bucket reached the engines
-    post_all = push._post_all
+    post_all = engine_calls.post_all
     async def dying(*args, **kwargs):
         await post_all(*args, **kwargs)
         os._exit(9)
-    push._post_all = dying
+    engine_calls.post_all = dying
 result = asyncio.run(push.PushPublisher(url, bucket_bytes=64 * 1024, ttl_s=3, timeout_s=30).push(named, step=7))
 print(result.path, result.checksum)
 """
@@ -714,11 +718,9 @@ async def test_no_request_sees_mixed_weights_during_a_push(
 async def test_a_staged_push_keeps_serving_until_the_commit_swaps_the_weights_in(
     checkpoints: dict[str, Path], v2_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import miles.train.push as push
-
     during: list[tuple[int, str]] = []
     async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=2) as (ctl, url):
-        post_all = push._post_all
+        post_all = engine_calls.post_all
 
         async def and_generate(*args: object, **kwargs: object) -> None:
             await post_all(*args, **kwargs)  # type: ignore[arg-type]
@@ -727,7 +729,7 @@ async def test_a_staged_push_keeps_serving_until_the_commit_swaps_the_weights_in
                 answer = await http.post(f"{url}/generate", json=GREEDY)
             during.append((answer.status_code, answer.json()["meta_info"]["weight_version"]))
 
-        monkeypatch.setattr(push, "_post_all", and_generate)
+        monkeypatch.setattr(engine_calls, "post_all", and_generate)
         result = await PushPublisher(ctl, path="shm", bucket_bytes=64 * 1024).push(v2_weights, step=7)
         assert len(during) > 1 and set(during) == {(200, "1")}, during
         assert all(s.checksum == result.checksum and s.weight_version == "7" for s in ctl.health().servers)

@@ -13,7 +13,7 @@ import torch
 
 from miles.errors import InvalidRequestError, NotFoundError
 from miles.weights.buckets import from_file, layout, pack
-from miles.weights.segments import SHM_DIR, open_segment
+from miles.weights.transport.segments import SHM_DIR, open_segment
 
 
 @pytest.fixture

@@ -19,10 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from miles.engine.receiver import JOIN_GRACE_S, MAX_PENDING_JOINS, WeightGroups, broadcast_options
+from miles.engine.receiver import JOIN_GRACE_S, MAX_PENDING_JOINS, WeightGroups
 from miles.errors import ConflictError, InvalidRequestError, NotFoundError
 from miles.protocol.sglang import InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest
 from miles.weights.buckets import BucketTable
+from miles.weights.transport.groups import broadcast
 
 N = 1024  # float32 elements per bucket
 
@@ -69,7 +70,7 @@ class Sender:
         """Broadcast one bucket of ``N`` floats equal to ``value`` (on a thread: it returns once the
         engine has received it)."""
         flat = torch.full((N,), value).view(torch.uint8)
-        thread = threading.Thread(target=lambda: self._group.broadcast([flat], broadcast_options(20)).wait())
+        thread = threading.Thread(target=lambda: broadcast(self._group, [flat], timeout_s=20))
         thread.start()
         return thread
 
@@ -171,7 +172,7 @@ def test_a_second_join_of_a_group_being_joined_is_refused_and_the_first_forms(gr
     first.join()
     assert "joined group 'raced'" in made["answer"]
     flat = torch.full((N,), 3.0).view(torch.uint8)
-    sent = threading.Thread(target=lambda: rank0.broadcast([flat], broadcast_options(20)).wait())
+    sent = threading.Thread(target=lambda: broadcast(rank0, [flat], timeout_s=20))
     sent.start()
 
     async def take() -> float:

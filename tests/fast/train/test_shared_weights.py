@@ -15,7 +15,7 @@ import torch
 from miles.errors import PublishError
 from miles.train.push import PushPublisher
 from miles.weights.checksum import checksum_module
-from miles.weights.segments import SHM_DIR, Segment
+from miles.weights.transport.segments import SHM_DIR, Segment
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
 

@@ -101,17 +101,26 @@ class Segment:
 
 def _remove(path: Path, fd: int) -> None:
     """Remove a segment's file and drop its lock. Run by ``close``, when the segment is collected,
-    or at exit: a collection can happen on a running event loop, where the file system call (and
-    the pages its removal frees) goes to the loop's executor instead."""
+    or at exit. A collection can happen on a running event loop, where the file system call (and
+    the pages its removal frees) goes to the loop's executor instead: handed over by the loop, not
+    from here, because a collection can also happen inside that executor's ``submit``, which
+    holds a lock that submitting from here would wait on forever."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         loop = None
     if loop is not None:
-        with contextlib.suppress(RuntimeError):  # the loop's executor is shut down: remove it here
-            loop.run_in_executor(None, _unlink, path, fd)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: remove it here
+            loop.call_soon_threadsafe(_unlink_off_loop, loop, path, fd)
             return
     _unlink(path, fd)
+
+
+def _unlink_off_loop(loop: asyncio.AbstractEventLoop, path: Path, fd: int) -> None:
+    try:
+        loop.run_in_executor(None, _unlink, path, fd)
+    except RuntimeError:  # the loop's executor is shut down
+        _unlink(path, fd)
 
 
 def _unlink(path: Path, fd: int) -> None:

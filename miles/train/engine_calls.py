@@ -1,0 +1,96 @@
+"""One call to every engine of a window at once: the bodies are the protocol's request models,
+the answers are read as its response models, and a refusal is a PublishError naming each engine
+that refused (and the ``Refusal`` an engine named, for the pusher to act on)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from miles.controller.results import UpdateWindow, WindowServer
+from miles.errors import PublishError, Refusal
+from miles.protocol.base import ErrorAnswer
+from miles.protocol.sglang import GroupResponse, UpdateWeightsResponse
+from miles.train.push_stats import PushStats
+
+# What each endpoint a push calls answers when it did what it was asked.
+_ANSWERS: dict[str, type[UpdateWeightsResponse] | type[GroupResponse]] = {
+    "/update_weights_from_tensor": UpdateWeightsResponse,
+    "/update_weights_from_distributed": UpdateWeightsResponse,
+    "/init_weights_update_group": GroupResponse,
+    "/destroy_weights_update_group": GroupResponse,
+}
+# How much of an engine's message a failure quotes.
+_QUOTED_CHARS = 500
+
+
+@dataclass(frozen=True)
+class _Failure:
+    message: str
+    refusal: Refusal | None = None
+
+
+async def post_all(
+    http: httpx.AsyncClient,
+    window: UpdateWindow,
+    *,
+    path: str,
+    body: Callable[[int], BaseModel],
+    stats: PushStats,
+    fail_fast: bool = False,
+) -> None:
+    """POST ``body(i)`` to the ``i``-th engine of the window, all at once, with the window's
+    credential. Raises PublishError naming each engine that refused or did not answer (with
+    ``fail_fast``, the first one, as soon as it does: the calls still waiting are dropped); its
+    ``refusal`` is the one an engine named, if any."""
+    headers = {"authorization": f"Bearer {window.credential}"} if window.credential else {}
+    expected = _ANSWERS[path]
+
+    async def one(index: int, server: WindowServer) -> _Failure | None:
+        try:
+            answer = await http.post(f"{server.url}{path}", json=body(index).model_dump(mode="json"), headers=headers)
+        except httpx.HTTPError as exc:
+            return _Failure(f"{server.server_id} at {server.url} did not answer ({type(exc).__name__}: {exc})")
+        stats.calls += 1
+        try:
+            answered = expected.model_validate_json(answer.content)
+        except ValidationError:
+            return _refused(server, answer)
+        if not answered.success:
+            return _Failure(f"{server.server_id}: {answered.message[:_QUOTED_CHARS]}")
+        if isinstance(answered, UpdateWeightsResponse):
+            stats.engine_timings.append(answered.timings)
+        return None
+
+    calls = [asyncio.ensure_future(one(i, server)) for i, server in enumerate(window.servers)]
+    failures: list[_Failure] = []
+    pending: set[asyncio.Future[_Failure | None]] = set(calls)
+    try:
+        while pending and not (failures and fail_fast):
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failures += [failure for call in calls if call in done and (failure := call.result())]
+    finally:
+        for call in pending:
+            call.cancel()
+    if failures:
+        raise PublishError(
+            f"{path} failed: " + "; ".join(f.message for f in failures),
+            refusal=next((f.refusal for f in failures if f.refusal is not None), None),
+        )
+
+
+def _refused(server: WindowServer, answer: httpx.Response) -> _Failure:
+    """An answer other than the success the call expects: the engine's error, or (an answer that
+    is no answer of its API) what it said, quoted."""
+    try:
+        error = ErrorAnswer.model_validate_json(answer.content).error
+    except ValidationError:
+        return _Failure(
+            f"{server.server_id} at {server.url} answered {answer.status_code} with a body that is no answer of "
+            f"the engine's API: {answer.text[:_QUOTED_CHARS]!r}"
+        )
+    return _Failure(f"{server.server_id}: {error.message[:_QUOTED_CHARS]}", refusal=error.refusal)

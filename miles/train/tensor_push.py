@@ -1,0 +1,155 @@
+"""The trainer's end of ``/update_weights_from_tensor``: buckets handed in memory to every engine
+on this machine.
+
+Host tensors are written once into a shared-memory segment every engine reads (or read where
+they lie, in the segment ``share_memory`` moved the model into); GPU tensors are packed in the
+trainer's GPU memory and handed over as CUDA IPC handles (no copy through the host). Two regions
+either way: the next bucket is packed into one while the engines read the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from miles.controller.results import UpdateWindow
+from miles.protocol.sglang import UpdateWeightsFromTensorRequest
+from miles.train import engine_calls
+from miles.train.push_stats import PushStats
+from miles.weights.buckets import BucketTable, layout, plan, regions
+from miles.weights.transport.cuda_ipc import share
+from miles.weights.transport.documents import BucketDocument, CudaIpcDocument, ShmDocument
+from miles.weights.transport.segments import Segment
+
+
+class TensorPush:
+    """Pushes through ``/update_weights_from_tensor`` for one publisher: the segment buckets are
+    written into is kept from one push to the next (its pages are faulted in once, not per push)."""
+
+    def __init__(self, *, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self._segment: Segment | None = None
+
+    async def _bucket_segment(self, size: int) -> Segment:
+        """The kept segment, replaced by a bigger one when it is smaller than ``size``."""
+        if self._segment is not None and self._segment.size < size:
+            await self.close()
+        if self._segment is None:
+            self._segment = await asyncio.to_thread(Segment, size)
+        return self._segment
+
+    async def close(self) -> None:
+        """Remove the kept segment (the next push makes a new one)."""
+        if self._segment is not None:
+            segment, self._segment = self._segment, None
+            await asyncio.to_thread(segment.close)
+
+    @contextlib.asynccontextmanager
+    async def push(
+        self,
+        window: UpdateWindow,
+        named: Mapping[str, torch.Tensor],
+        *,
+        http: httpx.AsyncClient,
+        version: str,
+        stats: PushStats,
+        shared: Segment | None,
+    ) -> AsyncIterator[_Buckets]:
+        """The buckets of one push of ``named`` to the window's engines. Tensors that lie in
+        ``shared`` (host tensors only) are read there; the others are packed, in GPU memory when
+        they are on a GPU. A push that fails drops the kept segment: an engine may still read it."""
+        device = next((t.device for t in named.values() if t.device.type == "cuda"), None)
+        in_place: list[BucketTable] = []
+        rest: Mapping[str, torch.Tensor] = named
+        if device is None and shared is not None:
+            offsets = {name: at for name, t in named.items() if (at := shared.offset_of(t)) is not None}
+            for names in plan({n: named[n] for n in offsets}, bucket_bytes=self.bucket_bytes):
+                entries = layout(named, names).entries
+                in_place.append(
+                    BucketTable(entries=tuple(e.model_copy(update={"offset": offsets[e.name]}) for e in entries))
+                )
+            rest = {n: t for n, t in named.items() if n not in offsets}
+        names_of = plan(rest, bucket_bytes=self.bucket_bytes) if rest else []
+        region = max((layout(named, names).total_bytes for names in names_of), default=0) or 1
+        count = regions(len(names_of))
+        segment = None
+        if device is not None:
+            # A buffer per region, each bucket's offsets from the start of its buffer.
+            packed = [layout(named, names) for names in names_of]
+            buffers = [torch.empty(region, dtype=torch.uint8, device=device) for _ in range(count)]
+        else:
+            # One segment, the two regions one after the other; each bucket's offsets are its
+            # region's place in the segment.
+            packed = [layout(named, names, start=(i % 2) * region) for i, names in enumerate(names_of)]
+            segment = await self._bucket_segment(region * count) if packed else None
+            buffers = [segment.flat] if segment is not None else []
+        try:
+            yield _Buckets(
+                http=http,
+                window=window,
+                version=version,
+                stats=stats,
+                tables=in_place + packed,
+                in_place=len(in_place),
+                buffers=buffers,
+                shared=shared,
+                segment=segment,
+            )
+        except BaseException:
+            if device is None:
+                await self.close()
+            raise
+
+
+@dataclass(frozen=True)
+class _Buckets:
+    """One push's buckets: the first ``in_place`` are read where they lie in ``shared``, the
+    others packed in turn into ``buffers``: the whole of ``segment`` (their offsets say which
+    region), or, without a segment, one buffer of GPU memory per region."""
+
+    http: httpx.AsyncClient
+    window: UpdateWindow
+    version: str
+    stats: PushStats
+    tables: list[BucketTable]
+    in_place: int
+    buffers: list[torch.Tensor]
+    shared: Segment | None
+    segment: Segment | None
+
+    def into(self, index: int) -> torch.Tensor | None:
+        if index < self.in_place:
+            return None
+        return self.buffers[(index - self.in_place) % len(self.buffers)]
+
+    def _document(self, index: int, packed: BucketTable) -> BucketDocument:
+        if index < self.in_place:
+            assert self.shared is not None
+            return ShmDocument(shm=self.shared.name, table=packed)
+        if self.segment is not None:
+            return ShmDocument(shm=self.segment.name, table=packed)
+        # A handle of its own per engine: each engine's release counts against its own.
+        return CudaIpcDocument(cuda_ipc=share(self.buffers[(index - self.in_place) % len(self.buffers)]), table=packed)
+
+    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> None:
+        def request(_: int) -> UpdateWeightsFromTensorRequest:
+            document = self._document(index, packed)
+            return UpdateWeightsFromTensorRequest(
+                serialized_named_tensors=[document.encode()],
+                load_format=document.load_format,
+                weight_version=self.version if checksum is not None else None,
+                expected_checksum=checksum,
+                activate=not self.window.staged,
+            )
+
+        waiting = time.perf_counter()
+        await engine_calls.post_all(
+            self.http, self.window, path="/update_weights_from_tensor", body=request, stats=self.stats
+        )
+        self.stats.spent("engines", waiting)

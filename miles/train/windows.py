@@ -1,0 +1,139 @@
+"""The controller's window API as a pusher uses it (``WindowClient``), and the client for each
+way a controller is reached.
+
+A push opens a window, renews its lease while it pushes (``keep_alive``), publishes the model
+checksum, and ends or aborts the window. ``window_client`` picks the client for a controller
+object: ``LocalWindows`` for an ``AsyncInferenceController`` on this event loop,
+``BlockingWindows`` for the blocking ``InferenceController``, ``HttpWindows`` (``miles.http``) for
+the URL of the controller's HTTP API, ``RayWindows`` (``miles.ray``) for the named controller's
+actor handle, or any ``WindowClient`` as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from miles.controller.core import AsyncInferenceController
+from miles.controller.results import UpdateResult, UpdateWindow
+from miles.http.windows import HttpWindows
+from miles.inference_controller import InferenceController
+from miles.ray.windows import RayWindows, is_actor_handle
+from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
+
+logger = logging.getLogger("miles.train")
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class WindowClient(Protocol):
+    """The calls a push makes to the controller, wherever the controller runs."""
+
+    async def open(self, *, model_name: str | None, ttl_s: float, staged: bool) -> UpdateWindow:
+        """Open a window (``start_update_weights``) on the model's servers."""
+        ...
+
+    async def renew(self, window: UpdateWindow) -> None:
+        """Extend the window's lease by its ``ttl_s`` from now."""
+        ...
+
+    async def publish(self, event: InferenceEngineWeightChecksumEvent) -> None:
+        """Record the checksum training published, which the commit is held to."""
+        ...
+
+    async def end(self, window: UpdateWindow, *, checksum: str, step: int, weight_version: str) -> UpdateResult:
+        """Verify every server of the window against ``checksum`` and commit (or say why not)."""
+        ...
+
+    async def abort(self, window: UpdateWindow, *, reason: str) -> None:
+        """Put the window's servers back on their verified weights."""
+        ...
+
+
+class LocalWindows:
+    """The window API of an ``AsyncInferenceController`` running on this event loop."""
+
+    def __init__(self, controller: AsyncInferenceController) -> None:
+        self.controller = controller
+
+    async def _run(self, call: Coroutine[Any, Any, T]) -> T:
+        """Run one of the controller's coroutines on the loop the controller runs on."""
+        return await call
+
+    async def open(self, *, model_name: str | None, ttl_s: float, staged: bool) -> UpdateWindow:
+        return await self._run(self.controller.start_update_weights(model_name, ttl_s=ttl_s, staged=staged))
+
+    async def renew(self, window: UpdateWindow) -> None:
+        await self._run(self.controller.renew_update_weights(window.token))
+
+    async def publish(self, event: InferenceEngineWeightChecksumEvent) -> None:
+        self.controller.event_logger.log(InferenceEngineWeightChecksumEvent, event, print_log=False)
+
+    async def end(self, window: UpdateWindow, *, checksum: str, step: int, weight_version: str) -> UpdateResult:
+        return await self._run(
+            self.controller.end_update_weights(
+                window.token, checksum=checksum, step=step, weight_version=weight_version
+            )
+        )
+
+    async def abort(self, window: UpdateWindow, *, reason: str) -> None:
+        await self._run(self.controller.abort_update_weights(window.token, reason=reason))
+
+
+class BlockingWindows(LocalWindows):
+    """The window API of the blocking ``InferenceController``: its core's coroutines run on the
+    controller's own loop (another thread), waited for on a thread of this loop's."""
+
+    def __init__(self, controller: InferenceController) -> None:
+        super().__init__(controller.core)
+        self._blocking = controller
+
+    async def _run(self, call: Coroutine[Any, Any, T]) -> T:
+        return await asyncio.to_thread(self._blocking.run, call)
+
+
+def window_client(controller: object) -> WindowClient:
+    """The client of ``controller``: an ``AsyncInferenceController``, the blocking
+    ``InferenceController``, the URL of a controller's HTTP API (with ``MILES_ADMIN_TOKEN`` from
+    the environment when it is set), the named controller's Ray actor handle, or a
+    ``WindowClient``. Raises TypeError for anything else."""
+    if isinstance(controller, str):
+        return HttpWindows(controller, admin_token=os.environ.get("MILES_ADMIN_TOKEN", "").strip() or None)
+    if isinstance(controller, AsyncInferenceController):
+        return LocalWindows(controller)
+    if isinstance(controller, InferenceController):
+        return BlockingWindows(controller)
+    if is_actor_handle(controller):
+        return RayWindows(controller)
+    if isinstance(controller, WindowClient):
+        return controller
+    raise TypeError(
+        f"cannot push through a {type(controller).__name__}: give an AsyncInferenceController, an "
+        "InferenceController, the URL of a controller's HTTP API, the named controller's Ray actor "
+        "handle (miles.ray.controller.get_controller()), or a WindowClient"
+    )
+
+
+async def keep_alive(client: WindowClient, window: UpdateWindow) -> None:
+    """Renew the window's lease every third of it until cancelled: the lease stays short (a
+    trainer that dies holds the fleet for one lease) however long the push takes. A renewal
+    that fails is logged and retried; the push itself fails if the window is gone."""
+    while True:
+        await asyncio.sleep(window.ttl_s / 3)
+        try:
+            await client.renew(window)
+        except Exception as exc:  # noqa: BLE001  # a heartbeat must not die of one failed beat
+            logger.warning("could not renew window %d: %s", window.token, exc)
+
+
+async def abort_quietly(client: WindowClient, window: UpdateWindow, *, reason: str) -> None:
+    """Abort the window, logging (not raising) a failure: the window also ends when its lease
+    runs out, and the error that made the push abort is the one to report."""
+    try:
+        await client.abort(window, reason=reason)
+    except Exception as exc:  # noqa: BLE001  # best effort, see above
+        logger.warning("could not abort window %d: %s", window.token, exc)

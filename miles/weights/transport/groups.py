@@ -1,0 +1,181 @@
+"""The torch.distributed group of a push across nodes: formed by the trainer, joined by engines.
+
+A group of its own per push, never the process's default group: the trainer is rank 0 and serves
+the group's ``TCPStore`` (``Rank0``); each engine connects to it and joins as rank N (``join``).
+Every member sets its key in the store once it is there (``joined/<rank>``), so a group that
+does not form names the ranks that never came. Each bucket is then one broadcast from rank 0
+(``broadcast``, the same call on both sides). Forming and joining block in torch for as long as
+the store's timeout, so both run on a daemon thread (``in_daemon_thread``) that never holds up
+a loop's shutdown or the interpreter's exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from miles.errors import ConflictError
+
+T = TypeVar("T")
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now, for a group's store."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def in_daemon_thread(fn: Callable[[], T], *, name: str) -> asyncio.Future[T]:
+    """``fn()`` on a thread of its own, as a future of the running loop. A daemon thread, unlike
+    ``asyncio.to_thread``'s executor, does not hold up the loop's shutdown (or the interpreter's
+    exit) while it waits for a group that will not form. Cancelling the future gives up on it:
+    whatever ``fn`` returns or raises later is dropped."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001  # handed to the awaiting task, whatever it is
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+def _joined_key(rank: int) -> str:
+    """The key each member of a group sets in the group's store once it is there."""
+    return f"joined/{rank}"
+
+
+def _missing(store: dist.Store, ranks: Iterable[int]) -> list[int]:
+    """Those of ``ranks`` that never set their key in ``store``."""
+    return [rank for rank in ranks if not store.check([_joined_key(rank)])]
+
+
+def _process_group(backend: str, store: dist.Store, *, rank: int, world: int, timeout_s: float) -> Any:
+    """This process as ``rank`` of a group of ``world`` formed through ``store`` (blocking until
+    every rank is there, or ``timeout_s``): NCCL between GPUs, gloo between CPUs."""
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, world, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+
+
+def broadcast(group: Any, tensors: Sequence[torch.Tensor], *, timeout_s: float) -> None:
+    """Broadcast each of ``tensors`` from rank 0 (sent by rank 0, received in place by the
+    others), all queued before the first wait. The first broadcast still waiting bounds the whole:
+    a sender that stops stops them all. Raises RuntimeError or ``dist.DistError`` when one does
+    not complete within ``timeout_s``."""
+    timeout = timedelta(seconds=timeout_s)
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.timeout = timeout
+    works = [group.broadcast([tensor], options) for tensor in tensors]
+    for work in works:
+        work.wait(timeout)
+
+
+class Rank0:
+    """This process as rank 0 of a new group of ``world`` members named ``group_name``: it serves
+    the group's store at ``address``:``port`` until ``close``, and forms the group once the other
+    ranks joined (``form``)."""
+
+    def __init__(self, *, address: str, world: int, group_name: str, timeout_s: float) -> None:
+        self.address, self.world, self.timeout_s = address, world, timeout_s
+        self.port = free_port(address)
+        timeout = timedelta(seconds=timeout_s)
+        self._server: dist.TCPStore | None = dist.TCPStore(
+            address, self.port, world, True, timeout=timeout, wait_for_workers=False
+        )
+        # The group forms through a client of its own: dropping the server (``close``) ends at once
+        # the wait of a group that cannot form (which would otherwise run out its timeout on a
+        # thread, and a process exiting meanwhile aborts in c10d).
+        self._store = dist.PrefixStore(group_name, dist.TCPStore(address, self.port, world, False, timeout=timeout))
+        self._store.set(_joined_key(0), "1")
+
+    def form(self, backend: str) -> asyncio.Future[Any]:
+        """The group, formed on a daemon thread (``miles-push-group``) once every other rank has
+        joined; the future fails when they have not within ``timeout_s``, or soon after ``close``."""
+        return in_daemon_thread(
+            lambda: _process_group(backend, self._store, rank=0, world=self.world, timeout_s=self.timeout_s),
+            name="miles-push-group",
+        )
+
+    def missing(self) -> list[int]:
+        """The ranks that have not joined (yet)."""
+        return _missing(self._store, range(1, self.world))
+
+    def close(self) -> None:
+        """Stop serving the store: a group still forming through it fails at once."""
+        self._server = None
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A member's side of a formed group; the store it formed through lives as long as the group."""
+
+    store: dist.Store
+    group: Any  # ProcessGroupGloo or ProcessGroupNCCL
+
+
+def join(
+    *,
+    address: str,
+    port: int,
+    group_name: str,
+    rank: int,
+    world: int,
+    backend: str,
+    timeout_s: float,
+    phase: Callable[[str], None],
+) -> Joined:
+    """Join the group whose rank 0 serves its store at ``address``:``port``, as ``rank`` of
+    ``world`` (blocking: call on a thread, ``in_daemon_thread``). ``phase`` is told where the join
+    is, for the message of a caller that gives up on it. Raises ConflictError when rank 0 cannot
+    be reached, or the group does not form within ``timeout_s`` (naming the ranks that never
+    joined)."""
+    timeout = timedelta(seconds=timeout_s)
+    phase("connecting to the store of rank 0")
+    try:
+        store = dist.TCPStore(address, port, world, False, timeout=timeout)
+    except (RuntimeError, dist.DistError) as exc:
+        raise ConflictError(
+            f"group {group_name!r} did not form: its rank 0 at {address}:{port} could not be reached "
+            f"within {timeout_s:g}s ({exc})"
+        ) from None
+    prefixed = dist.PrefixStore(group_name, store)
+    phase("announcing this rank in the store of rank 0")
+    prefixed.set(_joined_key(rank), "1")
+    phase("waiting for the other ranks to join")
+    try:
+        group = _process_group(backend, prefixed, rank=rank, world=world, timeout_s=timeout_s)
+    except (RuntimeError, dist.DistError) as exc:
+        missing = _missing(prefixed, range(world))
+        raise ConflictError(
+            f"group {group_name!r} did not form within {timeout_s:g}s: "
+            + (f"ranks {missing} never joined" if missing else f"every rank joined but the group failed: {exc}")
+        ) from None
+    return Joined(store=store, group=group)
