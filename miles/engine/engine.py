@@ -4,7 +4,7 @@
 sequences (after checking everything they carry against the model, so nothing a client sends can
 fail inside a step), bridges results back from the scheduler thread, and answers for health and
 info. Everything about the served weights (loads, renames, checksums, exports, their identity)
-lives in ``Engine.weights`` (``miles.engine.live_weights``).
+lives in ``Engine.weights`` (``miles.engine.weights.swap``).
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from transformers import (
 )
 
 from miles import __version__
-from miles.engine.live_weights import LiveWeights, WeightsStatus
+from miles.engine.weights.swap import LiveWeights, WeightsStatus
 from miles.engine.metrics import EngineMetrics
 from miles.engine.model_runner import ModelRunner, build_runner, load_model
-from miles.engine.rwlock import WeightsLock
+from miles.engine.weights.lock import WeightsLock
 from miles.engine.sampling import RowSampler
 from miles.engine.scheduler import GenerationState, Scheduler
 from miles.engine.sequence import Sequence
 from miles.engine.settings import EngineSettings
-from miles.engine.staging import WeightStaging
+from miles.engine.weights.stage import WeightStaging
 from miles.errors import CheckpointError, InvalidRequestError, QueueFullError
 from miles.protocol.compat import SGLANG_VERSION
 from miles.protocol.sglang import GenerateRequest, GenerateResponse, PauseMode, SamplingParams

@@ -38,7 +38,7 @@ from typing import Generic, TypeVar
 import torch
 
 from miles.engine.model_runner import ModelRunner
-from miles.engine.rwlock import WeightsLock
+from miles.engine.weights.lock import WeightsLock
 from miles.engine.sampling import SamplingFailure, sample_rows
 from miles.engine.sequence import Detokenizer, Sequence
 from miles.protocol.sglang import FinishReason, GenerateResponse, PauseMode

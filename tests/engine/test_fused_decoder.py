@@ -17,7 +17,7 @@ import transformers
 from miles.engine.fused_decoder import FusedDecoderRunner, supports
 from miles.engine.model_runner import TransformersRunner, build_runner, load_model
 from miles.engine.settings import Forward
-from miles.engine.weight_loader import apply_update, prepare_update
+from miles.engine.weights.sources import apply_update, prepare_update
 from miles.models.presets import build_model, init_checkpoint
 from miles.weights.checkpoint import read_manifest
 

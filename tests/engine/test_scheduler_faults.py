@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from miles.engine.fused_decoder import FusedDecoderRunner
 from miles.engine.model_runner import TransformersRunner, load_model
-from miles.engine.rwlock import WeightsLock
+from miles.engine.weights.lock import WeightsLock
 from miles.engine.sampling import RowSampler
 from miles.engine.scheduler import Scheduler
 from miles.engine.sequence import Sequence

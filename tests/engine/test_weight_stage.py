@@ -17,15 +17,15 @@ import pytest
 import torch
 import transformers
 
-from miles.engine import live_weights
+from miles.engine.weights import swap as live_weights
 from miles.engine.fused_decoder import FusedDecoderRunner
-from miles.engine.live_weights import copy_weights
+from miles.engine.weights.swap import copy_weights
 from miles.engine.model_runner import ModelRunner, TransformersRunner, load_model
-from miles.engine.rwlock import WeightsLock
+from miles.engine.weights.lock import WeightsLock
 from miles.engine.settings import StagingMode
-from miles.engine.staging import WeightStaging
-from miles.engine.weight_memory import StagingUnsupportedError, references
-from miles.engine.weight_stage import StagingBuffers, StagingRefusedError
+from miles.engine.weights.stage import WeightStaging
+from miles.engine.weights.memory import StagingUnsupportedError, references
+from miles.engine.weights.buffers import StagingBuffers, StagingRefusedError
 from miles.errors import ConflictError, InvalidRequestError, UnsupportedTensorError
 from miles.models.presets import build_model
 from miles.testing import bucket_file

@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-import miles.engine.live_weights as live_weights
-from miles.engine.live_weights import copy_weights
-from miles.engine.rwlock import WeightsLock
+import miles.engine.weights.swap as live_weights
+from miles.engine.weights.swap import copy_weights
+from miles.engine.weights.lock import WeightsLock
 from miles.errors import ConflictError
 from miles.models.presets import build_model
 from miles.weights.checksum import checksum_module

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from miles.engine.weight_loader import apply_update, prepare_update
+from miles.engine.weights.sources import apply_update, prepare_update
 from miles.models import build_model, build_tokenizer
 from miles.weights.checkpoint import save_checkpoint
 from miles.weights.checksum import checksum_module

@@ -37,13 +37,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from miles.engine.rwlock import WeightsLock
+from miles.engine.weights.lock import WeightsLock
 from miles.engine.scheduler import GenerationState, Scheduler
 from miles.engine.settings import EngineSettings
-from miles.engine.snapshot import export_snapshot
-from miles.engine.staging import StagingReport, WeightStaging
-from miles.engine.weight_loader import PreparedUpdate, UnexpectedChecksumError, apply_update, prepare_update
-from miles.engine.weight_stage import StagingRefusedError, WeightStage
+from miles.engine.weights.export import export_snapshot
+from miles.engine.weights.stage import StagingReport, WeightStaging
+from miles.engine.weights.sources import PreparedUpdate, UnexpectedChecksumError, apply_update, prepare_update
+from miles.engine.weights.buffers import StagingRefusedError, WeightStage
 from miles.errors import (
     CheckpointError,
     ConflictError,

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from miles.engine.settings import StagingMode
-from miles.engine.weight_memory import StagingUnsupportedError
-from miles.engine.weight_stage import StagingBuffers, StagingRefusedError, WeightStage
+from miles.engine.weights.memory import StagingUnsupportedError
+from miles.engine.weights.buffers import StagingBuffers, StagingRefusedError, WeightStage
 
 logger = logging.getLogger("miles.engine")
 

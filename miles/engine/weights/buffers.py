@@ -31,7 +31,7 @@ from enum import Enum
 
 import torch
 
-from miles.engine.weight_memory import Placement, Slot, WeightMemory
+from miles.engine.weights.memory import Placement, Slot, WeightMemory
 from miles.errors import MilesError, UnsupportedTensorError
 from miles.weights.buckets import copy_and_digest
 from miles.weights.checksum import (

@@ -1,0 +1,1 @@
+"""The served weights and every change to them."""
