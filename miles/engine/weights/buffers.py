@@ -1,45 +1,48 @@
-"""Staged activation: new weights written beside the live ones while the engine serves, then
-swapped in by re-pointing tensors, so generation waits for a swap instead of a copy.
+"""The buffer stage: new weights written beside the live ones while the engine serves, then
+swapped in by re-pointing tensors, so generation waits for a swap instead of a copy; and the
+policy (``--weight-staging``) that decides whether a change gets one.
 
-It works on storages, not parameters (``weight_memory.py`` maps them: the fused decoder's q/k/v
-and gate/up parameters are views of one fused buffer each, and the runner holds the fused buffers
-too). For every storage that holds checkpoint weights, ``StagingBuffers`` keeps a twin of the
-same size. A ``WeightStage`` writes new bytes into the twins at the same offsets, hashing each
-slice as it is written, and combines the digests into the model checksum
-(``miles.weights.checksum``) of the staged weights: the checksum the live model has once they are
-activated, since activation changes which memory the tensors view, not a byte of it.
-``activate`` runs under the write side of the weights lock and re-points every tensor that views
-a live storage at the same place in its twin (what ``Tensor.set_`` does; a view of the twin built
-beforehand is assigned to ``tensor.data``): O(number of tensors), whatever their size. The old
-storages become the twins of the next update (double buffering: the memory is allocated once).
-
-Nothing may go on viewing an old storage after activation: it would keep serving the old weights,
-and one update later the bytes being staged. The storages' reference counts are checked, under
-the lock, before every swap; a swap that finds a viewer nobody listed changes nothing and raises
-``StagingRefusedError``.
+It works on storages, not parameters (``memory.py`` maps them). For every storage that holds
+checkpoint weights, ``StagingBuffers`` keeps a twin of the same size; a ``BufferStage`` writes
+into the twins at the same offsets. ``activate`` re-points every tensor that views a live storage
+at the same place in its twin (a view of the twin built beforehand is assigned to
+``tensor.data``): O(number of tensors), whatever their size. The old storages become the twins of
+the next update (double buffering: the memory is allocated once). Nothing may go on viewing an
+old storage after a swap: it would keep serving the old weights, and one update later the bytes
+being staged. The storages' reference counts are checked, under the lock, before every swap; a
+swap that finds a viewer nobody listed changes nothing and raises ``StagingRefusedError``.
 
 The copies into the twins go through numpy, which releases the GIL and starts no OpenMP team, so a
 stage is written on a worker thread while the scheduler thread serves: a second thread running
 parallel torch operations would slow every later decode step (see ``scheduler.py``).
+
+The twins cost a second copy of the weights, allocated when the first update needs it and kept
+for every later one. ``on`` always stages; ``auto`` stages when that copy fits in
+``--weight-staging-budget`` of the memory available then (host RAM from ``/proc/meminfo``, or the
+GPU's free memory), and otherwise copies in place and asks again at the next update; ``off``
+always copies in place. A model whose weights cannot be staged, or twins that cannot be
+allocated, fall back to the in-place copy (``LiveStage``) too; ``/get_server_info`` says why.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterable
-from enum import Enum
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 
-from miles.engine.weights.memory import Placement, Slot, WeightMemory
-from miles.errors import MilesError, UnsupportedTensorError
+from miles.engine.settings import StagingMode
+from miles.engine.weights.memory import StagingUnsupportedError, ViewSpec, WeightMemory
+from miles.engine.weights.stage import LiveStage, Stage
+from miles.errors import MilesError
 from miles.weights.buckets import copy_and_digest
-from miles.weights.checksum import (
-    ModelChecksum,
-    TensorDigest,
-    checksum_from_digests,
-)
-from miles.weights.safetensors_io import dtype_name
+from miles.weights.checksum import ModelChecksum
+
+logger = logging.getLogger("miles.engine")
 
 
 class StagingRefusedError(MilesError):
@@ -50,27 +53,23 @@ class StagingBuffers:
     """A twin of every storage of the model's weights (once allocated), and the swap.
 
     Build it with ``build`` once the runner exists (the fused decoder re-points parameters while
-    it is built). One stage at a time: ``open`` hands out the next ``WeightStage``.
+    it is built). One stage at a time: ``open`` hands out the next ``BufferStage``.
     """
 
     def __init__(self, memory: WeightMemory) -> None:
         self.memory = memory
         self._spares: list[torch.UntypedStorage | None] = [None] * len(memory.storages)
-        self._open: WeightStage | None = None
+        self._open: BufferStage | None = None
         # While a stage is open: each viewer with a view of its twin at the same place, and where
         # it lies in the live storage (to put it back should the swap fail half-way).
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._restore: list[tuple[torch.UntypedStorage, Placement]] = []
+        self._restore: list[tuple[torch.UntypedStorage, ViewSpec]] = []
 
     @staticmethod
     def build(model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor] = ()) -> StagingBuffers:
         """The buffers of ``model``'s weights (nothing allocated yet); ``runner_tensors`` as in
         ``WeightMemory.of``, which raises StagingUnsupportedError for weights that cannot be staged."""
         return StagingBuffers(WeightMemory.of(model, runner_tensors=runner_tensors))
-
-    @property
-    def device(self) -> torch.device:
-        return self.memory.device
 
     @property
     def nbytes(self) -> int:
@@ -104,7 +103,7 @@ class StagingBuffers:
         self._spares = [None] * len(self.memory.storages)
         self._pairs, self._restore = [], []
 
-    def open(self) -> WeightStage:
+    def open(self) -> BufferStage:
         """The stage for the next update, writing into the twins.
 
         Raises RuntimeError when the twins are not allocated or another stage is open, and
@@ -122,30 +121,21 @@ class StagingBuffers:
         for storage, spare in zip(self.memory.storages, self._spares, strict=True):
             assert spare is not None
             for tensor in storage.viewers:
-                p = Placement.of(tensor)
-                twin = torch.empty(0, dtype=tensor.dtype, device=spare.device)
-                self._pairs.append((tensor, twin.set_(spare, p.offset, p.size, p.stride)))
-                self._restore.append((storage.live, p))
-        self._open = WeightStage(self)
+                spec = ViewSpec.of(tensor)
+                self._pairs.append((tensor, spec.view(spare, tensor.dtype)))
+                self._restore.append((storage.live, spec))
+        self._open = BufferStage(self)
         return self._open
 
-    # --- used by WeightStage ---------------------------------------------------------------
+    # --- used by BufferStage ---------------------------------------------------------------
 
-    def _view(self, slot: Slot, *, twin: bool) -> torch.Tensor:
-        """A tensor viewing ``slot`` in the twin (``twin``) or in the live storage."""
-        source = self._spares[slot.storage] if twin else self.memory.storages[slot.storage].live
+    def view(self, index: int, spec: ViewSpec, dtype: torch.dtype, *, twin: bool) -> torch.Tensor:
+        """A tensor viewing ``spec`` of storage ``index``, in its twin (``twin``) or live."""
+        source = self._spares[index] if twin else self.memory.storages[index].live
         assert source is not None, "the twins are allocated before a stage opens"
-        p = slot.placement
-        return torch.empty(0, dtype=slot.dtype, device=source.device).set_(source, p.offset, p.size, p.stride)
+        return spec.view(source, dtype)
 
-    def _view_of(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        """A view of ``tensor``'s place in the twin of storage ``index``."""
-        spare = self._spares[index]
-        assert spare is not None, "the twins are allocated before a stage opens"
-        p = Placement.of(tensor)
-        return torch.empty(0, dtype=tensor.dtype, device=spare.device).set_(spare, p.offset, p.size, p.stride)
-
-    def _check_swap(self) -> None:
+    def check_swap(self) -> None:
         """Raise StagingRefusedError when a tensor nobody listed views a live storage."""
         unknown = self.memory.unknown_viewers()
         if unknown:
@@ -160,19 +150,19 @@ class StagingBuffers:
                 storages=unknown[:3],
             )
 
-    def _warm(self) -> None:
+    def warm(self) -> None:
         """Read every viewer and twin view once, so the swap finds them in cache (staging has just
         streamed the whole model through it)."""
         for tensor, twin in self._pairs:
             tensor.data_ptr()
             twin.data_ptr()
 
-    def _swap(self) -> None:
+    def swap(self) -> None:
         """Re-point every viewer at its twin, then swap the roles of live and twin storages.
 
         All or nothing: a viewer that cannot be moved puts back those already moved.
         """
-        self._check_swap()
+        self.check_swap()
         done = 0
         with torch.no_grad():
             try:
@@ -191,7 +181,7 @@ class StagingBuffers:
             assert spare is not None
             storage.live, self._spares[index] = spare, storage.live
 
-    def _closed(self, stage: WeightStage) -> None:
+    def closed(self, stage: BufferStage) -> None:
         if self._open is stage:
             # The twin views reference what is now (after a swap) the live memory; they must go
             # before the next swap counts its references, but freeing ~400 tensors is a tenth of
@@ -199,133 +189,169 @@ class StagingBuffers:
             self._open = None
 
 
-class _StageState(Enum):
-    OPEN = "open"
-    ACTIVATED = "activated"
-    DISCARDED = "discarded"
+class BufferStage(Stage):
+    """One update's new weights, staged in the twins while the live ones keep serving. Writes
+    may run on any threads while the engine serves (writes of different names at once), the
+    checksum once they are done. ``activate`` raises StagingRefusedError when a tensor nobody
+    listed views a live storage (nothing changed, and the stage is discarded)."""
 
-
-class WeightStage:
-    """One update's new weights, staged in the twins while the live ones keep serving.
-
-    Any source of tensors writes into it the same way, by name (``write``; ``write_all`` for a
-    whole checkpoint); a name not written keeps its live value. ``checksum`` hashes what is
-    staged; ``activate`` (under the write side of the weights lock) swaps it in, ``discard``
-    drops it. Writes may run on any threads while the engine serves (writes of different names at
-    once), the checksum once they are done.
-    """
+    in_place = False
+    phases = ("stage_write", "stage_checksum")
 
     def __init__(self, buffers: StagingBuffers) -> None:
         self._buffers = buffers
         self._slots = buffers.memory.slots
-        self._state = _StageState.OPEN
-        self._digests: dict[str, str] = {}
-        self._checksum: ModelChecksum | None = None
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The names the stage takes: the tensors a checkpoint of the served model holds."""
-        return tuple(sorted(self._slots))
+        super().__init__({name: (slot.dtype, slot.spec.size) for name, slot in self._slots.items()})
 
     @property
     def nbytes(self) -> int:
         return self._buffers.nbytes
 
-    def write(self, name: str, tensor: torch.Tensor) -> str:
-        """Stage ``tensor`` as the new value of ``name`` (copied; the source may go after) and
-        return the digest of the bytes staged.
-
-        Raises KeyError for a name the served model does not hold, UnsupportedTensorError for a
-        dtype or shape other than the live tensor's, RuntimeError once the stage is closed.
-        """
-        return self.write_with(name, tensor.dtype, tuple(tensor.shape), lambda target: copy_and_digest(target, tensor))
-
-    def write_with(
-        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], copy: Callable[[torch.Tensor], str]
-    ) -> str:
-        """``write`` for a source that copies itself: ``copy(target)`` fills the staged tensor of
-        ``name`` (``dtype`` and ``shape``, checked first as ``write`` checks them) and returns the
-        digest of what it wrote, which this returns."""
-        self._require_open()
-        slot = self._slots.get(name)
-        if slot is None:
-            raise KeyError(f"{name!r} is not a tensor of the served model; stage the names WeightStage.names lists")
-        if dtype != slot.dtype or tuple(shape) != slot.placement.size:
-            raise UnsupportedTensorError(
-                "a staged tensor must have the dtype and shape of the live one",
-                tensor=name,
-                live=f"{dtype_name(slot.dtype)}{list(slot.placement.size)}",
-                staged=f"{dtype_name(dtype)}{list(shape)}",
-            )
-        self._checksum = None
-        digest = self._digests[name] = copy(self._buffers._view(slot, twin=True))
-        return digest
-
-    def write_all(self, source: Callable[[str], torch.Tensor]) -> None:
-        """Stage ``source(name)`` for every name in ``names`` (a whole checkpoint)."""
-        for name in self.names:
-            self.write(name, source(name))
-
     def checksum(self) -> ModelChecksum:
-        """The model checksum of the staged weights, which the live model has once they are
-        activated. Names not written are copied from the live weights first."""
-        self._require_open()
         if self._checksum is None:
-            buffers = self._buffers
-            for name, slot in self._slots.items():
-                if name not in self._digests:
-                    live = buffers._view(slot, twin=False)
-                    self._digests[name] = copy_and_digest(buffers._view(slot, twin=True), live)
-            for index, tensor in buffers.memory.fills:
-                copy_and_digest(buffers._view_of(index, tensor), tensor)
-            digests = [
-                TensorDigest(name, dtype_name(slot.dtype), slot.placement.size, self._digests[name])
-                for name, slot in self._slots.items()
-            ]
-            num_bytes = sum(slot.dtype.itemsize * slot.placement.numel for slot in self._slots.values())
-            self._checksum = checksum_from_digests(digests, num_bytes=num_bytes)
-        return self._checksum
+            # Model tensors no checkpoint holds (non-persistent buffers) keep their live values.
+            for index, tensor in self._buffers.memory.fills:
+                copy_and_digest(self._buffers.view(index, ViewSpec.of(tensor), tensor.dtype, twin=True), tensor)
+        return super().checksum()
 
     def prepare_activation(self) -> None:
-        """Check, before the write lock is taken, what ``activate`` checks again under it, and
-        bring the tensors it moves into cache: a refusal is known without holding the lock, and
-        the swap after staging 1 GB took 0.2 ms instead of 0.45 (500M parameters, 363 tensors).
+        """Check before the write lock is taken what ``activate`` checks again under it, and bring
+        the tensors it moves into cache: a refusal is known without holding the lock, and the swap
+        after staging 1 GB took 0.2 ms instead of 0.45 (500M parameters, 363 tensors)."""
+        super().prepare_activation()
+        self._buffers.check_swap()
+        self._buffers.warm()
 
-        Raises StagingRefusedError as ``activate`` does (the stage stays open).
-        """
-        self._require_open()
-        self._buffers._check_swap()
-        self._buffers._warm()
+    def _target(self, name: str) -> torch.Tensor:
+        slot = self._slots[name]
+        return self._buffers.view(slot.storage, slot.spec, slot.dtype, twin=True)
 
-    def activate(self) -> ModelChecksum:
-        """Swap the staged weights in and return their checksum; the caller holds the write side
-        of the weights lock. O(number of tensors).
+    def _keep(self, name: str) -> str:
+        slot = self._slots[name]
+        live = self._buffers.view(slot.storage, slot.spec, slot.dtype, twin=False)
+        return copy_and_digest(self._target(name), live)
 
-        Raises RuntimeError when ``checksum`` was not computed after the last write (only weights
-        whose checksum is known are activated), and StagingRefusedError when a tensor nobody
-        listed views a live storage; either way nothing changed, and after the second the stage
-        is discarded.
-        """
-        self._require_open()
-        if self._checksum is None:
-            raise RuntimeError("compute the stage's checksum() before activating it")
+    def _swap(self) -> None:
         try:
-            self._buffers._swap()
+            self._buffers.swap()
         except StagingRefusedError:
             self.discard()
             raise
-        self._close(_StageState.ACTIVATED)
-        return self._checksum
 
-    def discard(self) -> None:
-        """Drop the staged weights (the live ones never changed); idempotent, a no-op once activated."""
-        if self._state is _StageState.OPEN:
-            self._close(_StageState.DISCARDED)
+    def _closed(self) -> None:
+        self._buffers.closed(self)
 
-    def _require_open(self) -> None:
-        if self._state is not _StageState.OPEN:
-            raise RuntimeError(f"the weight stage is {self._state.value}; open a new one")
 
-    def _close(self, state: _StageState) -> None:
-        self._state = state
-        self._buffers._closed(self)
+@dataclass(frozen=True)
+class StagingReport:
+    """What ``/get_server_info`` says about staging (``weight_staging``)."""
+
+    mode: StagingMode
+    budget: float
+    # Bytes of one copy of the weights (what staging costs); 0 when they cannot be staged or
+    # staging is off.
+    weight_bytes: int = 0
+    # Bytes allocated for staging now: 0 until the first staged update, then the same for good.
+    staging_bytes: int = 0
+    # Whether the last update that passed verification was staged (None before any).
+    last_update_staged: bool | None = None
+    # Why updates are copied in place now, when they are.
+    reason: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "mode": self.mode.value}
+
+
+class StagingPolicy:
+    """Which stage each change of one engine writes into. ``attach`` runs once on the scheduler
+    thread, the rest on the updating worker thread (one change at a time); ``report`` from anywhere."""
+
+    def __init__(self, *, mode: StagingMode, budget: float) -> None:
+        self._mode = mode
+        self._budget = budget
+        self._buffers: StagingBuffers | None = None
+        off = mode is StagingMode.OFF
+        self._report = StagingReport(mode=mode, budget=budget, reason="--weight-staging off" if off else None)
+
+    def attach(self, model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor]) -> None:
+        """Find the storages of the loaded model's weights (no memory is allocated yet)."""
+        if self._mode is StagingMode.OFF:
+            return
+        try:
+            buffers = StagingBuffers.build(model, runner_tensors=runner_tensors)
+        except StagingUnsupportedError as exc:
+            logger.warning("weight updates will be copied in place: %s", exc)
+            self._report = replace(self._report, reason=f"the weights cannot be staged: {exc}")
+            return
+        self._buffers = buffers
+        self._report = replace(self._report, weight_bytes=buffers.nbytes)
+
+    def open_stage(self, model: torch.nn.Module) -> Stage:
+        """A stage for the next change: the buffers (allocated on first use) when the policy
+        allows, else ``model``'s live tensors (the report says why)."""
+        stage = self._open()
+        self._report = replace(self._report, last_update_staged=stage is not None)
+        return stage if stage is not None else LiveStage(model)
+
+    def give_up(self, reason: str) -> None:
+        """Stop staging for good and free the twins (a swap was refused: see ``BufferStage``)."""
+        logger.error("weight updates will be copied in place from now on: %s", reason)
+        if self._buffers is not None:
+            self._buffers.release()
+        self._buffers = None
+        self._report = replace(self._report, staging_bytes=0, last_update_staged=False, reason=reason)
+
+    def report(self) -> StagingReport:
+        return self._report
+
+    def _open(self) -> BufferStage | None:
+        buffers = self._buffers
+        if buffers is None:
+            return None
+        if not buffers.allocated:
+            if self._mode is StagingMode.AUTO:
+                available = available_memory(buffers.memory.device)
+                if available is None or buffers.nbytes > self._budget * available:
+                    seen = "unknown" if available is None else f"{available} bytes"
+                    self._report = replace(
+                        self._report,
+                        reason=f"a second copy of the weights ({buffers.nbytes} bytes) does not fit in "
+                        f"{self._budget:g} of the available memory ({seen}); raise --weight-staging-budget "
+                        "or free memory",
+                    )
+                    return None
+            try:
+                buffers.allocate()
+            except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+                buffers.release()
+                logger.warning("could not allocate %d bytes to stage weights: %s", buffers.nbytes, exc)
+                self._report = replace(
+                    self._report, reason=f"the staging copy ({buffers.nbytes} bytes) could not be allocated: {exc}"
+                )
+                return None
+            self._report = replace(self._report, staging_bytes=buffers.allocated_bytes, reason=None)
+        try:
+            return buffers.open()
+        except StagingRefusedError as exc:
+            self.give_up(f"staging was given up: {exc}")
+            return None
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can be allocated on ``device`` now without pushing anything out, or None when
+    unknown: the GPU's free memory, else ``MemAvailable`` (which counts reclaimable page cache),
+    else the free pages ``sysconf`` reports."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass  # not Linux, or an unexpected format: ask sysconf
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None

@@ -1,33 +1,42 @@
-"""Loading a checkpoint into the live model in place, only after all of it was read and validated.
+"""Where a change's bytes come from, checked before any of them is written: a checkpoint
+verified whole and matched against the live model, or pushed buckets whose tensors the model has.
 
-The order is what makes an update safe: (1) every tensor of the checkpoint is read and its digest
-checked against its manifest, (2) every name, shape and dtype is matched against
-the live model, and only then (3) the caller either stages it (``weight_stage.py``: written beside
-the live weights while serving, then swapped in) or takes the write side of the weights lock and
-``apply_update`` copies each tensor into the existing parameter storage. Steps 1-2 run while
-generation continues on the old weights; a refused checkpoint never touches them. Files are read,
-never memory-mapped (a mapped file cut short while in use kills the process with SIGBUS): one
-that changes between the verification and the copy makes a copy whose checksum cannot match,
-which is refused (staged) or left unverified (in place), never a crash.
+A checkpoint's path is checked first (roots, symlinks), then every tensor of it is read and its
+digest checked against its manifest, then every name, shape and dtype is matched against the live
+model; all of it runs while generation goes on, and a refused checkpoint never touches the
+weights. Files are read, never memory-mapped (a mapped file cut short while in use kills the
+process with SIGBUS): one that changes after the verification makes a stage whose checksum
+cannot match, which is refused, never a crash.
 
 A plain Hugging Face directory (no miles manifest) loads the same way when the caller names the
 checksum it expects: the verification pass computes every tensor's digest from the files and the
 model checksum from those digests (``miles.weights.checksum``), and the load goes on only if that
-equals the expected one. The digests become an in-memory manifest, so the rest of the load (and
-the confirmation of the live weights) does not care where the manifest came from.
+equals the expected one. The digests become an in-memory manifest, so the rest of the load does
+not care where the manifest came from.
+
+A pushed bucket's table (names, dtypes, shapes) is checked against the model before anything is
+received or allocated; its bytes are checked against their digests as they are written.
 """
 
 from __future__ import annotations
 
-import logging
 import time
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 import torch
 
-from miles.errors import CheckpointError, CheckpointFileMissingError, ManifestMissingError
+from miles.errors import (
+    CheckpointError,
+    CheckpointFileMissingError,
+    InvalidRequestError,
+    ManifestMissingError,
+    NotFoundError,
+    PermissionDeniedError,
+)
 from miles.weights.checkpoint import (
     CheckpointReader,
     Manifest,
@@ -36,18 +45,12 @@ from miles.weights.checkpoint import (
     open_checkpoint,
     verify_checkpoint,
 )
-from miles.weights.checksum import (
-    ModelChecksum,
-    checksum_from_digests,
-    checksum_module,
-    collect_slots,
-    copy_and_checksum,
-    digest_files,
-    saved_state_dict,
-)
+from miles.weights.checksum import checksum_from_digests, collect_slots, digest_files, saved_state_dict
+from miles.weights.paths import checked_path, files_outside_roots
 from miles.weights.safetensors_io import SafetensorsFile, dtype_name, index_files
 
-logger = logging.getLogger("miles.engine")
+# A model's tensors by checkpoint name, as (dtype, shape): what every change must match.
+Signature = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 class IncompatibleCheckpointError(CheckpointError):
@@ -63,35 +66,73 @@ class UnexpectedChecksumError(CheckpointError):
         super().__init__(message, **context)
 
 
+def signature(model: torch.nn.Module) -> Signature:
+    """The (dtype, shape) of every tensor a checkpoint of ``model`` holds. Not the tensors: a held
+    view of the live weights would keep their memory alive past a staged swap."""
+    return {name: (t.dtype, tuple(t.shape)) for name, t in saved_state_dict(model).items()}
+
+
+def checkpoint_path(raw: str, *, roots: tuple[Path, ...]) -> Path:
+    """The checkpoint directory ``raw`` names, checked before any filesystem call sees it.
+
+    Raises InvalidRequestError for bad text or an unreadable path, PermissionDeniedError for a
+    directory outside ``roots`` (when there are any) or holding entries that resolve outside them,
+    NotFoundError for a path that is not a directory.
+    """
+    path = checked_path(raw, field="model_path")
+    if roots and not any(path.is_relative_to(root) for root in roots):
+        raise PermissionDeniedError(
+            f"model_path {str(path)!r} is outside the allowed checkpoint roots; put the checkpoint "
+            "under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS",
+            allowed=[str(r) for r in roots],
+        )
+    try:
+        is_dir = path.is_dir()
+    except OSError as exc:  # e.g. a resolved path longer than the system allows
+        raise InvalidRequestError(f"model_path {str(path)[:200]!r} cannot be read: {exc.strerror}") from exc
+    if not is_dir:
+        raise NotFoundError(f"model_path {str(path)!r} is not a directory")
+    # The directory is inside a root, but each file in it may be a symlink to anywhere: every
+    # entry must resolve inside a root too, or reading it would leave them.
+    outside = files_outside_roots(path, roots)
+    if outside:
+        raise PermissionDeniedError(
+            f"checkpoint {str(path)!r} holds entries that resolve outside the allowed checkpoint roots: "
+            f"{', '.join(outside[:10])}{' ...' if len(outside) > 10 else ''}; copy the files into the "
+            "checkpoint instead of linking them, or extend MILES_ALLOWED_CHECKPOINT_ROOTS",
+            allowed=[str(r) for r in roots],
+        )
+    return path
+
+
 @dataclass
-class PreparedUpdate:
-    """A verified checkpoint matched against the live model, ready to be copied in."""
+class VerifiedCheckpoint:
+    """A checkpoint verified whole and matched against the live model: what a disk load writes."""
 
     reader: CheckpointReader
     # The model checksum hashed from the checkpoint's files by the verification pass.
-    checkpoint_checksum: str | None = None
-    # Seconds per phase of this load (open, verify, match, copy, checksum), for the response.
-    timings: dict[str, float] = field(default_factory=dict)
+    checkpoint_checksum: str
+    # Seconds of its opening, verification and match, for the answer.
+    timings: dict[str, float]
 
     @property
     def manifest_checksum(self) -> str:
         return self.reader.manifest.checksum
 
-    @property
-    def weight_version(self) -> str:
-        return self.reader.manifest.weight_version
+    def __enter__(self) -> VerifiedCheckpoint:
+        return self
 
-    def close(self) -> None:
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self.reader.close()
 
 
-def prepare_update(
+def open_verified(
     model: torch.nn.Module,
     checkpoint: Path,
     *,
     expected_checksum: str | None = None,
     weight_version: str | None = None,
-) -> PreparedUpdate:
+) -> VerifiedCheckpoint:
     """Open and fully verify ``checkpoint`` and match it against ``model``'s tensors.
 
     With a manifest, the files are verified against it and, when ``expected_checksum`` is given,
@@ -108,50 +149,50 @@ def prepare_update(
     try:
         reader = open_checkpoint(checkpoint)
     except ManifestMissingError:
-        reader = None
+        reader, computed = _open_plain(checkpoint, expected_checksum=expected_checksum, weight_version=weight_version)
+        opened = verified = time.perf_counter()
     except CheckpointError:
         # The files could not even be mapped; a full verification names every problem.
-        _raise_if_bad(_verified(checkpoint), checkpoint)
+        _verified(checkpoint, lambda: verify_checkpoint(checkpoint))
         raise
     except OSError as exc:
         # Unreadable files (a directory where the manifest should be, no permission): the
         # checkpoint is refused like any other bad one, never a failure of the engine.
         raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
-    if reader is None:
-        reader, computed = _open_plain(checkpoint, expected_checksum=expected_checksum, weight_version=weight_version)
-        opened = verified = time.perf_counter()
     else:
-        try:
-            manifest_checksum = reader.manifest.checksum
-            if expected_checksum is not None and expected_checksum != manifest_checksum:
-                # Refused before hashing: whatever the files hold, this is not the checkpoint asked for.
-                raise UnexpectedChecksumError(  # noqa: TRY301  # the except below closes the reader, re-raises
-                    "the checkpoint's manifest names another checksum than expected_checksum; "
-                    "load the checkpoint the caller expects, or fix expected_checksum",
-                    computed=None,
-                    expected=expected_checksum,
-                    manifest=manifest_checksum,
-                    path=str(checkpoint),
-                )
-            opened = time.perf_counter()
-            try:
-                report = reader.verify()
-            except OSError as exc:
-                raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
-            _raise_if_bad(report, checkpoint)
-            assert report.checksum is not None  # a hashed report without problems has its checksum
-            computed = report.checksum
-            verified = time.perf_counter()
-        except BaseException:
-            reader.close()
-            raise
+        opened = time.perf_counter()
+        computed = _verify_manifest(reader, checkpoint, expected_checksum=expected_checksum)
+        verified = time.perf_counter()
     try:
-        _match(_layout(model), reader, checkpoint)
-        timings = {"open": opened - started, "verify": verified - opened, "match": time.perf_counter() - verified}
-        return PreparedUpdate(reader=reader, checkpoint_checksum=computed, timings=timings)
+        _match(signature(model), reader, checkpoint)
     except BaseException:
         reader.close()
         raise
+    timings = {"open": opened - started, "verify": verified - opened, "match": time.perf_counter() - verified}
+    return VerifiedCheckpoint(reader=reader, checkpoint_checksum=computed, timings=timings)
+
+
+def _verify_manifest(reader: CheckpointReader, checkpoint: Path, *, expected_checksum: str | None) -> str:
+    """Verify every file of ``reader`` against its manifest and return the checksum hashed from
+    them (the reader is closed when this raises)."""
+    try:
+        manifest_checksum = reader.manifest.checksum
+        if expected_checksum is not None and expected_checksum != manifest_checksum:
+            # Refused before hashing: whatever the files hold, this is not the checkpoint asked for.
+            raise UnexpectedChecksumError(  # noqa: TRY301  # the except below closes the reader, re-raises
+                "the checkpoint's manifest names another checksum than expected_checksum; "
+                "load the checkpoint the caller expects, or fix expected_checksum",
+                computed=None,
+                expected=expected_checksum,
+                manifest=manifest_checksum,
+                path=str(checkpoint),
+            )
+        report = _verified(checkpoint, reader.verify)
+    except BaseException:
+        reader.close()
+        raise
+    assert report.checksum is not None  # a hashed report without problems has its checksum
+    return report.checksum
 
 
 def _open_plain(
@@ -212,28 +253,20 @@ def _open_plain(
     return reader, computed.checksum
 
 
-def _verified(checkpoint: Path) -> VerificationReport:
+def _verified(checkpoint: Path, verify: Callable[[], VerificationReport]) -> VerificationReport:
+    """``verify()``'s report; raises CheckpointError naming the problems it found (first five)."""
     try:
-        return verify_checkpoint(checkpoint)
+        report = verify()
     except OSError as exc:
         raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
+    if not report.ok:
+        problems = "; ".join(f"{p.kind.value}: {p.message}" for p in report.problems[:5])
+        more = f" (and {len(report.problems) - 5} more)" if len(report.problems) > 5 else ""
+        raise CheckpointError(f"checkpoint failed verification: {problems}{more}", path=str(checkpoint))
+    return report
 
 
-def _raise_if_bad(report: VerificationReport, checkpoint: Path) -> None:
-    if report.ok:
-        return
-    problems = "; ".join(f"{p.kind.value}: {p.message}" for p in report.problems[:5])
-    more = f" (and {len(report.problems) - 5} more)" if len(report.problems) > 5 else ""
-    raise CheckpointError(f"checkpoint failed verification: {problems}{more}", path=str(checkpoint))
-
-
-def _layout(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of every tensor a checkpoint of ``model`` holds. Not the tensors: a held
-    view of the live weights would keep their memory alive past a staged swap."""
-    return {name: (tuple(t.shape), t.dtype) for name, t in saved_state_dict(model).items()}
-
-
-def _match(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], reader: CheckpointReader, checkpoint: Path) -> None:
+def _match(layout: Signature, reader: CheckpointReader, checkpoint: Path) -> None:
     names = set(reader.tensor_names)
     missing = sorted(set(layout) - names)
     extra = sorted(names - set(layout))
@@ -244,7 +277,7 @@ def _match(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], reader: Check
             missing=missing[:5] or None,
             unexpected=extra[:5] or None,
         )
-    for name, (shape, dtype) in layout.items():
+    for name, (dtype, shape) in layout.items():
         info = reader.info(name)
         if tuple(info.shape) != shape or info.dtype != dtype:
             raise IncompatibleCheckpointError(
@@ -256,24 +289,22 @@ def _match(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], reader: Check
             )
 
 
-@torch.no_grad()
-def apply_update(update: PreparedUpdate, model: torch.nn.Module) -> ModelChecksum:
-    """Copy every tensor into the live ``model`` in place and return the checksum of what it now
-    holds.
+def check_pushed(pushed: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], live: Signature) -> None:
+    """Raise InvalidRequestError unless every pushed (name, dtype, shape) names a live tensor of
+    that dtype and shape. Compared as numbers: a shape no tensor could have (2**40 x 2**40) is
+    refused by the comparison, never allocated, even on the meta device."""
+    for name, dtype, shape in pushed:
+        target = live.get(name)
+        if target is None:
+            raise InvalidRequestError(f"the model has no tensor {name!r}; push the names its checkpoint has")
+        if target != (dtype, tuple(shape)):
+            raise InvalidRequestError(
+                f"tensor {name!r} is pushed as {dtype}{_shape_text(shape)}, but the model holds "
+                f"{target[0]}{list(target[1])}"
+            )
 
-    The caller must hold the write side of the weights lock.
-    """
-    started = time.perf_counter()
-    # The checksum is computed from the parameters' memory right after each slice is written:
-    # it describes what the model holds now, at the cost of a cache read, not a second pass.
-    # One thread: the caller is the engine's torch thread (see scheduler.py); copy_ still uses
-    # its intra-op threads.
-    try:
-        checksum = copy_and_checksum(saved_state_dict(model), update.reader.tensor, threads=1)
-    except (OSError, CheckpointError) as exc:
-        # The files became unreadable (cut, rewritten) after they were verified, part of the way
-        # through the copy: what the model holds now is hashed, and cannot match the manifest.
-        logger.error("copying %s into the model failed part of the way: %s", update.reader.directory, exc)  # noqa: TRY400
-        checksum = checksum_module(model)
-    update.timings["copy_and_checksum"] = time.perf_counter() - started
-    return checksum
+
+def _shape_text(shape: Iterable[int]) -> str:
+    """A shape as a list, cut short past 8 dimensions (a hostile one may have thousands)."""
+    dims = list(shape)
+    return str(dims) if len(dims) <= 8 else f"[{', '.join(map(str, dims[:8]))}, ... ({len(dims)} dimensions)]"
