@@ -1,24 +1,20 @@
 """Every change of the live weights, one sequence: stage, verify, swap.
 
-A disk load and a push differ only in where the bytes come from (``sources.py``: a verified
-checkpoint, or buckets with their digests); the staging policy (``buffers.py``) decides what they
-are written into. Then, for both:
+A load and a push differ only in where the bytes come from (``sources.py``); the staging policy
+(``buffers.py``) decides what they are written into. Then, for both: open a stage (buffers beside
+the live weights, or the live tensors themselves); write into it, each tensor checked against its
+digest as it is copied (a push writes one bucket per call into the stage of its change); hash it
+and refuse a mismatch before anything serves; pause generation as the change asks; swap, under
+the write side of the weights lock on the scheduler thread between two steps (a pointer swap for
+buffers, in a time that does not grow with the model; nothing for the live stage, which was
+written and hashed there, generation paused first); resume, once the weights are verified: a live
+stage that hashes to something else leaves them unverified and generation paused until a good
+load or push.
 
-1. open a stage: buffers beside the live weights, or the live tensors themselves;
-2. write into it, each tensor checked against its digest as it is copied (a push writes one
-   bucket per call, into the stage of its change, until its last);
-3. hash it (the model checksum) and refuse a mismatch before anything serves;
-4. pause generation as the change asks;
-5. swap, under the write side of the weights lock on the scheduler thread, between two steps: a
-   buffer stage's pointer swap, in a time that does not grow with the model; nothing for the
-   live stage, which was written (and hashed) there, generation paused first;
-6. resume, if the weights are verified then: a live stage that hashes to something else leaves
-   them unverified and generation paused until a good load or push.
-
-A buffer stage is written and hashed while the engine serves, so only the swap blocks generation;
-with ``activate=False`` a verified push waits for ``/activate_weights``. A swap the buffers refuse
-gives staging up for good; a load then copies in place under the same lock, a push is refused.
-One change at a time: a load, or a push that finds no change taking buckets, supersedes the one
+Buffers are written and hashed while the engine serves, so only the swap blocks generation; with
+``activate=False`` a verified push waits for ``/activate_weights``. A swap the buffers refuse
+gives staging up for good: a load then copies in place under the same lock, a push is refused.
+One change at a time; a load, or a push that finds no change taking buckets, supersedes the one
 left unfinished.
 """
 
@@ -27,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -62,12 +59,11 @@ logger = logging.getLogger("miles.engine")
 
 T = TypeVar("T")
 PushRequest = UpdateWeightsFromTensorRequest | UpdateWeightsFromDistributedRequest
-# Writes a change's bytes into a stage.
-Write = Callable[[Stage], None]
+Write = Callable[[Stage], None]  # writes a change's bytes into a stage
 
 
 class Result(Enum):
-    """How one call of a change ended, which is what its answer says."""
+    """How one call of a change ended: what its answer says."""
 
     TAKEN = "taken"  # a push's bucket was written; its change goes on
     STAGED = "staged"  # verified beside the live weights; waits for /activate_weights
@@ -80,19 +76,18 @@ class Result(Enum):
 class Outcome:
     result: Result
     message: str
-    # The checksum of what the stage held, when it was hashed.
-    checksum: str | None = None
+    checksum: str | None = None  # what the stage hashed to, when it was hashed
 
 
 @dataclass(frozen=True)
 class Target:
-    """What a change's weights must hash to, and what they are then."""
+    """What a change's weights must hash to, and what they are once they do."""
 
     version: str
     checksum: str
     source: str  # where the bytes came from, for the answer
     mismatch: str  # what a stage hashing to something else means
-    loaded_from: Path | None = None  # the checkpoint directory, for a load
+    loaded_from: Path | None = None  # a load's checkpoint directory
 
 
 class ChangeState(Enum):
@@ -102,7 +97,7 @@ class ChangeState(Enum):
 
 @dataclass
 class _Change:
-    """One change left unfinished between calls: its stage and how far it came."""
+    """One change: its stage and how far it came (a push's lives between its calls)."""
 
     stage: Stage
     state: ChangeState = ChangeState.WRITING
@@ -110,7 +105,7 @@ class _Change:
 
 
 class WeightChanges:
-    """Every change of the served weights: disk loads, pushes and their activation, renames.
+    """Every change of the served weights: loads, pushes and their activation, renames.
     Coroutines run on the event loop."""
 
     def __init__(
@@ -120,12 +115,10 @@ class WeightChanges:
         self._scheduler = scheduler
         self._staging = staging
         self._roots = roots
-        # One change at a time (the next waits).
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one change at a time (the next waits)
         # A push still taking buckets, or staged and verified until /activate_weights.
         self._change: _Change | None = None
-        # The served model's signature, computed once per model (changes never alter it).
-        self._signature_of: tuple[object, Signature] | None = None
+        self._signature_of: tuple[object, Signature] | None = None  # computed once per model
         # Loads in progress, held here so a load whose caller went away is not collected mid-way.
         self._loads: set[asyncio.Future[UpdateWeightsResponse]] = set()
 
@@ -135,12 +128,9 @@ class WeightChanges:
         return self._staging.report()
 
     async def update_from_disk(self, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
-        """Load a checkpoint into the live weights (see the module docstring for the order).
-
-        Raises InvalidRequestError, PermissionDeniedError or NotFoundError for a path that is not
-        allowed or not a directory. A checkpoint that fails validation is answered with
-        ``success=False`` and leaves the old weights serving.
-        """
+        """Load a checkpoint into the live weights. Raises as ``checkpoint_path`` for a path that
+        is not allowed or not a directory; a checkpoint that fails validation is answered with
+        ``success=False`` and leaves the old weights serving."""
         path = await asyncio.to_thread(checkpoint_path, request.model_path, roots=self._roots)
         # Once started, a load runs to its end even if its caller goes away: a worker thread still
         # writing a stage (or copying) for a cancelled task would race the next load for the same
@@ -152,8 +142,7 @@ class WeightChanges:
 
     async def _load(self, path: Path, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
         async with self._lock:
-            # A push that never finished (or was never activated) is superseded by this load.
-            self._drop()
+            self._drop()  # a push that never finished (or was never activated) is superseded
             try:
                 checkpoint = await asyncio.to_thread(
                     open_verified,
@@ -165,10 +154,9 @@ class WeightChanges:
             except CheckpointError as exc:
                 logger.warning("refused checkpoint %s: %s", path, exc)
                 computed = exc.computed if isinstance(exc, UnexpectedChecksumError) else None
-                return self._answer(Outcome(Result.REFUSED, str(exc)), checkpoint_checksum=computed)
+                return self._answer(Outcome(Result.REFUSED, str(exc)), {}, checkpoint_checksum=computed)
             with checkpoint:
-                reader = checkpoint.reader
-                timings = checkpoint.timings
+                reader, timings = checkpoint.reader, checkpoint.timings
                 opening = time.perf_counter()
                 change = _Change(await asyncio.to_thread(self._staging.open_stage, self._weights.model()))
                 if not change.stage.in_place:
@@ -180,18 +168,25 @@ class WeightChanges:
                     mismatch="the files changed after they were verified",
                     loaded_from=Path(reader.directory),
                 )
-                write: Write = lambda stage: stage.write_all(reader.tensor)  # noqa: E731  # written again on a refused swap
-                mode = PauseMode.ABORT if request.abort_all_requests else PauseMode.DRAIN
+
+                def write(stage: Stage) -> None:
+                    stage.write_all(reader.tensor)
+
                 try:
-                    async with self._pause(mode, "update_weights_from_disk", timings, keep=request.keep_pause) as pause:
-                        outcome = await self._run(change, write, target=target, pause=pause, again=write)
+                    mode = _mode(abort=request.abort_all_requests)
+                    async with self._pausing(
+                        mode, "update_weights_from_disk", timings, keep=request.keep_pause
+                    ) as pause:
+                        outcome = await self._run(
+                            change, write, pause, target=target, what=f"checkpoint {reader.directory}", again=write
+                        )
                 finally:
                     change.stage.discard()  # a no-op once activated
             if "copy" in timings:
                 # A load in place hashes every slice as it copies it: one phase, as answers name it.
                 timings["copy_and_checksum"] = timings.pop("copy") + timings.pop("checksum", 0.0)
             return self._answer(
-                outcome, requests=pause.requests, timings=timings, checkpoint_checksum=checkpoint.checkpoint_checksum
+                outcome, timings, requests=pause.requests, checkpoint_checksum=checkpoint.checkpoint_checksum
             )
 
     def check_table(self, table: BucketTable) -> None:
@@ -202,18 +197,15 @@ class WeightChanges:
     async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
         """Take one bucket of pushed tensors into the stage of its change; the last bucket of an
         update (``expected_checksum`` given) is confirmed over the whole model before the weights
-        serve.
-
-        Staged when the policy allows (the engine keeps serving while buckets arrive, and only the
-        swap blocks generation); with ``activate=False`` the verified stage waits for
-        ``activate_staged``. Otherwise copied in place: generation pauses at the first bucket and
-        stays paused, the weights unverified, until a last bucket's checksum matches.
+        serve. Staged when the policy allows: the engine serves while buckets arrive, and with
+        ``activate=False`` the verified stage waits for ``activate_staged``. Otherwise copied in
+        place: generation pauses at the first bucket and stays paused, the weights unverified,
+        until a last bucket's checksum matches.
 
         Raises InvalidRequestError for a tensor the model does not have, or of another dtype or
-        shape, before anything is copied, and for a tensor whose bytes do not match their digest
-        (checked before it is copied in place; staged, the push is dropped: the live weights never
-        changed); ConflictError for a push that must stage (``activate=False``) on an engine that
-        cannot stage now.
+        shape, and for one whose bytes do not match their digest (before it is copied in place;
+        staged, the push is dropped); ConflictError for a push that must stage
+        (``activate=False``) on an engine that cannot stage now.
         """
         if request.expected_checksum is not None and request.weight_version is None:
             raise InvalidRequestError(
@@ -223,8 +215,7 @@ class WeightChanges:
             check_pushed(((e.name, e.torch_dtype(), e.shape) for e in bucket.entries.values()), self._signature())
             change = self._change
             if change is None or change.state is not ChangeState.WRITING:
-                # Staged weights never activated are superseded by this push.
-                self._drop()
+                self._drop()  # staged weights never activated are superseded by this push
                 stage = await asyncio.to_thread(self._staging.open_stage, self._weights.model())
                 change = self._change = _Change(stage)
             if change.stage.in_place and not request.activate:
@@ -238,41 +229,33 @@ class WeightChanges:
                 # Checked before anything is copied: a bad tensor must never reach the live weights.
                 await asyncio.to_thread(bucket.verify)
             target = None
-            if request.expected_checksum is not None:
-                assert request.weight_version is not None
+            if request.expected_checksum is not None and request.weight_version is not None:
                 target = Target(
                     version=request.weight_version,
                     checksum=request.expected_checksum,
                     source=source,
                     mismatch="a tensor is missing or differs",
                 )
-            mode = PauseMode.ABORT if request.abort_all_requests else PauseMode.DRAIN
             timings: dict[str, float] = {}
-            async with self._pause(mode, source, timings) as pause:
+            async with self._pausing(_mode(abort=request.abort_all_requests), source, timings) as pause:
                 try:
                     outcome = await self._run(
                         change,
                         lambda stage: stage.write_bucket(bucket),
+                        pause,
                         target=target,
-                        pause=pause,
+                        what=f"{len(bucket.entries)} tensors",
                         activate=request.activate,
                     )
                 except InvalidRequestError:
                     self._drop()
                     raise
-            if outcome.result is Result.TAKEN:
-                took = f"{len(bucket.entries)} tensors"
-                if change.stage.in_place:
-                    message = f"received {took}; generation stays paused until the last push is verified"
-                else:
-                    message = f"staged {took}; the engine serves {self._weights.held.version} meanwhile"
-                outcome = replace(outcome, message=message)
-            return self._answer(outcome, requests=pause.requests, timings=timings)
+            return self._answer(outcome, timings, requests=pause.requests)
 
     async def activate_staged(self, request: ActivateWeightsRequest) -> UpdateWeightsResponse:
-        """Serve the pushed weights staged and verified earlier (``activate=False``): drain or abort
-        running requests as asked, swap, resume. Raises ConflictError when no staged weights
-        hash to ``expected_checksum``."""
+        """Serve the pushed weights staged and verified earlier (``activate=False``): pause running
+        requests as asked, swap, resume. Raises ConflictError when no staged weights hash to
+        ``expected_checksum``."""
         async with self._lock:
             change = self._change
             staged = change.target if change is not None and change.state is ChangeState.VERIFIED else None
@@ -283,18 +266,17 @@ class WeightChanges:
                     "activate=false"
                 )
             target = replace(staged, version=request.weight_version, source="staged weights")
-            mode = request.pause_mode or (PauseMode.ABORT if request.abort_all_requests else PauseMode.DRAIN)
             timings: dict[str, float] = {}
-            async with self._pause(mode, target.source, timings) as pause:
+            mode = request.pause_mode or _mode(abort=request.abort_all_requests)
+            async with self._pausing(mode, target.source, timings) as pause:
                 await pause()
                 outcome = await self._swap(change, target, timings)
-            return self._answer(outcome, requests=pause.requests, timings=timings)
+            return self._answer(outcome, timings, requests=pause.requests)
 
     async def discard_push(self) -> None:
-        """Drop a push that never reached its last bucket (its window ended): a staged one never
-        changed the live weights; one copied in place leaves them unverified. Staged and verified
-        weights stay until activated or superseded by the next push or load (the window's commit
-        activates them after closing the window)."""
+        """Drop a push that never reached its last bucket (its window ended): staged, the live
+        weights never changed; copied in place, they stay unverified. Staged and verified weights
+        stay until activated or superseded (the window's commit activates them after closing it)."""
         async with self._lock:
             if self._change is not None and self._change.state is ChangeState.WRITING:
                 self._drop()
@@ -316,15 +298,16 @@ class WeightChanges:
         self,
         change: _Change,
         write: Write,
+        pause: _Pause,
         *,
         target: Target | None,
-        pause: _Pause,
+        what: str,
         activate: bool = True,
         again: Write | None = None,
     ) -> Outcome:
-        """Write into the change's stage; for its last write (``target``), hash it, refuse a
-        mismatch, and swap it in (unless it waits for /activate_weights). ``again`` writes every
-        byte again, when the source can (a load's checkpoint): a refused swap then copies in place."""
+        """Write ``what`` into the change's stage; for its last write (``target``), hash it, refuse
+        a mismatch and swap it in (unless it waits for /activate_weights). ``again`` writes every
+        byte once more, where the source can (a load): a refused swap then copies in place."""
         stage, timings = change.stage, pause.timings
         if stage.in_place:
             # The stage is the live weights: generation pauses first, and the write, its hash and
@@ -339,24 +322,21 @@ class WeightChanges:
             except (OSError, CheckpointError) as exc:
                 # The files became unreadable after they were verified; the live weights never changed.
                 self._drop(change)
-                return self._refused(f"{target.source if target else 'the bucket'} could not be staged: {exc}")
-        if target is None:
-            return Outcome(Result.TAKEN, "")
-        assert checksum is not None
-        if checksum.checksum != target.checksum:
+                logger.warning("refused staged update: %s could not be staged: %s", what, exc)
+                return Outcome(Result.REFUSED, f"{what} could not be staged: {exc}")
+        if target is None or checksum is None:
+            if stage.in_place:
+                return Outcome(
+                    Result.TAKEN, f"received {what}; generation stays paused until the last push is verified"
+                )
+            return Outcome(Result.TAKEN, f"staged {what}; the engine serves {self._weights.held.version} meanwhile")
+        if checksum.checksum != target.checksum or stage.in_place:
             self._drop(change)
-            return self._mismatch(checksum, target, in_place=stage.in_place)
-        if stage.in_place:
-            self._drop(change)
-            return Outcome(Result.SERVED, f"Succeeded to update model weights from {target.source}.", checksum.checksum)
+            return self._outcome(checksum, target, in_place=stage.in_place)
         if not activate:
             change.state, change.target = ChangeState.VERIFIED, target
-            served = self._weights.held.version
-            return Outcome(
-                Result.STAGED,
-                f"staged and verified; the engine serves {served} until /activate_weights",
-                checksum.checksum,
-            )
+            served = f"staged and verified; the engine serves {self._weights.held.version} until /activate_weights"
+            return Outcome(Result.STAGED, served, checksum.checksum)
         await pause()
         return await self._swap(change, target, timings, again=again)
 
@@ -376,8 +356,8 @@ class WeightChanges:
         self, stage: Stage, write: Write, target: Target | None, timings: dict[str, float]
     ) -> ModelChecksum | None:
         """Write into the live weights (write lock held, scheduler thread) and, for the last
-        write, hash them; the record says what they are now whatever the outcome (a drift probe
-        must see an unverified copy for what it is), and the version moves only with a match."""
+        write, hash them. The record says what they hash to whatever the outcome (a drift probe
+        must see an unverified copy for what it is); the version moves only with a match."""
         held = self._weights.held
         self._weights.record(replace(held, status=WeightsStatus.UNVERIFIED))
         try:
@@ -386,7 +366,7 @@ class WeightChanges:
             # The files became unreadable (cut, rewritten) after they were verified, part of the
             # way through the copy: what the model holds now is hashed, and cannot match.
             logger.error("copying into the live weights failed part of the way: %s", exc)  # noqa: TRY400
-            checksum = stage.checksum()
+            checksum = stage.checksum() if target is not None else None
         if checksum is None or target is None:
             return None
         if checksum.checksum == target.checksum:
@@ -399,11 +379,10 @@ class WeightChanges:
     async def _swap(
         self, change: _Change, target: Target, timings: dict[str, float], *, again: Write | None = None
     ) -> Outcome:
-        """Swap a verified buffer stage in between two steps (generation paused): its checksum is
-        the live one then, since the swap moves no byte. A swap the buffers refuse (some tensor
-        would keep the old weights) gives staging up; ``again`` (a load's) then copies in place
-        under the same lock, else nothing changed. ``activate`` in the timings is the time the
-        write lock was held: what generation waited for."""
+        """Swap a verified buffer stage in between two steps: its checksum is the live one then,
+        since the swap moves no byte. ``activate`` in the timings is the time the write lock was
+        held, what generation waited for. A swap the buffers refuse (some tensor would keep the old
+        weights) gives staging up; ``again`` then copies in place under the same lock."""
         stage = change.stage
         try:
             stage.prepare_activation()
@@ -433,18 +412,31 @@ class WeightChanges:
         try:
             checksum = await self._locked(swap, timings)
         except StagingRefusedError as exc:
-            return self._refused(
-                f"the pushed weights could not be swapped in ({exc}); nothing changed, push them again"
-            )
+            message = f"the pushed weights could not be swapped in ({exc}); nothing changed, push them again"
+            logger.warning("refused staged update: %s", message)
+            return Outcome(Result.REFUSED, message)
         finally:
             self._drop(change)
         assert checksum is not None
-        if checksum.checksum != target.checksum:
-            return self._mismatch(checksum, target, in_place=True)
-        return Outcome(Result.SERVED, f"Succeeded to update model weights from {target.source}.", checksum.checksum)
+        return self._outcome(checksum, target, in_place=True)
+
+    def _outcome(self, checksum: ModelChecksum, target: Target, *, in_place: bool) -> Outcome:
+        """The outcome of a last write whose stage hashed to ``checksum``: served when that is the
+        target's; else, in place, unverified (generation stays paused), staged, refused."""
+        if checksum.checksum == target.checksum:
+            return Outcome(Result.SERVED, f"Succeeded to update model weights from {target.source}.", checksum.checksum)
+        then = "generation stays paused until good weights are loaded"
+        if not in_place:
+            then = f"nothing changed, the engine serves {self._weights.held.version}"
+        message = (
+            f"the weights from {target.source} hash to {checksum.checksum}, not the expected {target.checksum} "
+            f"({target.mismatch}); {then}"
+        )
+        logger.warning("refused update: %s", message)
+        return Outcome(Result.UNVERIFIED if in_place else Result.REFUSED, message, checksum.checksum)
 
     async def _locked(self, job: Callable[[], T], timings: dict[str, float]) -> T:
-        """Run ``job`` on the scheduler thread between two steps (one torch thread), under the
+        """Run ``job`` on the scheduler thread between two steps (the one torch thread), under the
         write side of the weights lock."""
 
         def run() -> T:
@@ -455,11 +447,21 @@ class WeightChanges:
 
         return await asyncio.to_thread(self._scheduler.call, run)
 
-    def _pause(self, mode: PauseMode, source: str, timings: dict[str, float], *, keep: bool = False) -> _Pause:
-        verified = lambda: self._weights.held.status is WeightsStatus.VERIFIED  # noqa: E731
-        return _Pause(
-            self._scheduler, mode, message=f"aborted by {source}", timings=timings, keep=keep, verified=verified
-        )
+    @asynccontextmanager
+    async def _pausing(
+        self, mode: PauseMode, source: str, timings: dict[str, float], *, keep: bool = False
+    ) -> AsyncIterator[_Pause]:
+        """Generation paused for one change (once it asks: ``await pause()``) and given back when
+        the change ends, if the weights are verified then: a change that leaves them unverified
+        leaves generation paused, for the next good one to resume. With ``keep`` (``keep_pause``)
+        the pause is the caller's, who resumes it."""
+        by = Pauser.CALLER if keep else Pauser.UPDATE
+        pause = _Pause(scheduler=self._scheduler, mode=mode, message=f"aborted by {source}", timings=timings, by=by)
+        try:
+            yield pause
+        finally:
+            if not keep and self._weights.held.status is WeightsStatus.VERIFIED:
+                self._scheduler.resume(paused_by=Pauser.UPDATE)
 
     def _signature(self) -> Signature:
         model = self._weights.model()
@@ -475,34 +477,11 @@ class WeightChanges:
         if change is self._change:
             self._change = None
 
-    def _mismatch(self, checksum: ModelChecksum, target: Target, *, in_place: bool) -> Outcome:
-        then = (
-            "generation stays paused until good weights are loaded"
-            if in_place
-            else f"nothing changed, the engine serves {self._weights.held.version}"
-        )
-        message = (
-            f"the weights from {target.source} hash to {checksum.checksum}, not the expected {target.checksum} "
-            f"({target.mismatch}); {then}"
-        )
-        if not in_place:
-            logger.warning("refused staged update: %s", message)
-        return Outcome(Result.UNVERIFIED if in_place else Result.REFUSED, message, checksum.checksum)
-
-    def _refused(self, message: str) -> Outcome:
-        logger.warning("refused staged update: %s", message)
-        return Outcome(Result.REFUSED, message)
-
     def _answer(
-        self,
-        outcome: Outcome,
-        *,
-        requests: int = 0,
-        timings: dict[str, float] | None = None,
-        checkpoint_checksum: str | None = None,
+        self, outcome: Outcome, timings: dict[str, float], *, requests: int = 0, checkpoint_checksum: str | None = None
     ) -> UpdateWeightsResponse:
-        """The answer to one call of a change, from how it ended: its ``weight_version`` is the
-        one served now (the new one once swapped in, else the old)."""
+        """The answer to one call of a change: its ``weight_version`` is the one served now (the
+        new one once swapped in, else the old); ``requests`` were in flight when it paused."""
         return UpdateWeightsResponse(
             success=outcome.result in (Result.TAKEN, Result.STAGED, Result.SERVED),
             message=outcome.message,
@@ -510,51 +489,36 @@ class WeightChanges:
             weight_version=self._weights.held.version,
             checksum=outcome.checksum,
             checkpoint_checksum=checkpoint_checksum,
-            timings=timings or {},
+            timings=timings,
         )
 
 
+@dataclass
 class _Pause:
-    """Generation paused for one change, in ``mode``, once the change asks (``await pause()``),
-    and given back when the change's block ends if the weights are verified then: a change that
-    leaves them unverified leaves generation paused, for the next good one to resume. With
-    ``keep`` (``keep_pause``) the pause is the caller's, who resumes it. Generation the caller had
-    paused stays paused; an aborting mode then only aborts what is queued."""
+    """Generation paused for one change, once: ``await pause()`` pauses it, if it serves, in
+    ``mode`` (recording ``pause`` and the requests in flight); when the caller had paused it, it
+    stays so, and an aborting mode only aborts what is queued."""
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        mode: PauseMode,
-        *,
-        message: str,
-        timings: dict[str, float],
-        keep: bool,
-        verified: Callable[[], bool],
-    ) -> None:
-        self._scheduler = scheduler
-        self._mode = mode
-        self._message = message
-        self._keep = keep
-        self._verified = verified
-        self.timings = timings  # where ``pause`` is recorded
-        self.requests = 0  # requests in flight when it paused
-        self._asked = False
-
-    async def __aenter__(self) -> _Pause:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if not self._keep and self._verified():
-            self._scheduler.resume(paused_by=Pauser.UPDATE)
+    scheduler: Scheduler
+    mode: PauseMode
+    message: str
+    timings: dict[str, float]
+    by: Pauser
+    requests: int = 0
+    asked: bool = False
 
     async def __call__(self) -> None:
-        if self._asked:
+        if self.asked:
             return
-        self._asked = True
+        self.asked = True
         started = time.perf_counter()
-        if self._scheduler.state is GenerationState.SERVING:
-            by = Pauser.CALLER if self._keep else Pauser.UPDATE
-            self.requests = await asyncio.to_thread(self._scheduler.pause, self._mode, by=by, message=self._message)
-        elif self._mode is PauseMode.ABORT:
-            self._scheduler.abort(None, message=self._message)
+        if self.scheduler.state is GenerationState.SERVING:
+            self.requests = await asyncio.to_thread(self.scheduler.pause, self.mode, by=self.by, message=self.message)
+        elif self.mode is PauseMode.ABORT:
+            self.scheduler.abort(None, message=self.message)
         self.timings["pause"] = time.perf_counter() - started
+
+
+def _mode(*, abort: bool) -> PauseMode:
+    """How a change treats running requests (SGLang's ``abort_all_requests``)."""
+    return PauseMode.ABORT if abort else PauseMode.DRAIN
