@@ -1,21 +1,17 @@
 """Every change of the live weights, one sequence: stage, verify, swap.
 
 A load and a push differ only in where the bytes come from (``sources.py``); the staging policy
-(``buffers.py``) decides what they are written into. Then, for both: open a stage (buffers beside
-the live weights, or the live tensors themselves); write into it, each tensor checked against its
-digest as it is copied (a push writes one bucket per call into the stage of its change); hash it
-and refuse a mismatch before anything serves; pause generation as the change asks; swap, under
-the write side of the weights lock on the scheduler thread between two steps (a pointer swap for
-buffers, in a time that does not grow with the model; nothing for the live stage, which was
-written and hashed there, generation paused first); resume, once the weights are verified: a live
-stage that hashes to something else leaves them unverified and generation paused until a good
-load or push.
-
-Buffers are written and hashed while the engine serves, so only the swap blocks generation; with
-``activate=False`` a verified push waits for ``/activate_weights``. A swap the buffers refuse
-gives staging up for good: a load then copies in place under the same lock, a push is refused.
-One change at a time; a load, or a push that finds no change taking buckets, supersedes the one
-left unfinished.
+(``buffers.py``) picks the stage. Then: write into it, each tensor checked against its digest as
+it is copied (a push writes a bucket per call into its change's stage); hash it, refusing a
+mismatch before anything serves; pause generation as the change asks; swap, under the write side
+of the weights lock on the scheduler thread between two steps; resume once the weights are
+verified. A buffer stage is written and hashed while the engine serves and swapped by re-pointing
+tensors, so generation waits only for that (with ``activate=False``, a verified push waits for
+``/activate_weights``). The live stage is written and hashed in that locked section itself,
+generation paused first, with nothing left to swap; if it hashes to something else the weights
+stay unverified and generation paused until a good load or push. A swap the buffers refuse gives
+staging up: a load then copies in place under the same lock, a push is refused. One change at a
+time; a load, or a push finding no change taking buckets, supersedes one left unfinished.
 """
 
 from __future__ import annotations
@@ -27,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from enum import Enum
+from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
 
@@ -88,6 +85,7 @@ class Target:
     source: str  # where the bytes came from, for the answer
     mismatch: str  # what a stage hashing to something else means
     loaded_from: Path | None = None  # a load's checkpoint directory
+    checkpoint_checksum: str | None = None  # what a load's files hashed to when verified
 
 
 class ChangeState(Enum):
@@ -116,9 +114,7 @@ class WeightChanges:
         self._staging = staging
         self._roots = roots
         self._lock = asyncio.Lock()  # one change at a time (the next waits)
-        # A push still taking buckets, or staged and verified until /activate_weights.
-        self._change: _Change | None = None
-        self._signature_of: tuple[object, Signature] | None = None  # computed once per model
+        self._change: _Change | None = None  # a push taking buckets, or verified until activated
         # Loads in progress, held here so a load whose caller went away is not collected mid-way.
         self._loads: set[asyncio.Future[UpdateWeightsResponse]] = set()
 
@@ -133,8 +129,7 @@ class WeightChanges:
         ``success=False`` and leaves the old weights serving."""
         path = await asyncio.to_thread(checkpoint_path, request.model_path, roots=self._roots)
         # Once started, a load runs to its end even if its caller goes away: a worker thread still
-        # writing a stage (or copying) for a cancelled task would race the next load for the same
-        # memory.
+        # writing a stage (or copying) for a cancelled task would race the next load for its memory.
         load = asyncio.ensure_future(self._load(path, request))
         self._loads.add(load)
         load.add_done_callback(self._loads.discard)
@@ -143,10 +138,11 @@ class WeightChanges:
     async def _load(self, path: Path, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
         async with self._lock:
             self._drop()  # a push that never finished (or was never activated) is superseded
+            model = self._weights.model()
             try:
                 checkpoint = await asyncio.to_thread(
                     open_verified,
-                    self._weights.model(),
+                    model,
                     path,
                     expected_checksum=request.expected_checksum,
                     weight_version=request.weight_version,
@@ -158,7 +154,7 @@ class WeightChanges:
             with checkpoint:
                 reader, timings = checkpoint.reader, checkpoint.timings
                 opening = time.perf_counter()
-                change = _Change(await asyncio.to_thread(self._staging.open_stage, self._weights.model()))
+                change = _Change(await asyncio.to_thread(self._staging.open_stage, model))
                 if not change.stage.in_place:
                     timings["stage_open"] = time.perf_counter() - opening
                 target = Target(
@@ -167,32 +163,35 @@ class WeightChanges:
                     source=str(reader.directory),
                     mismatch="the files changed after they were verified",
                     loaded_from=Path(reader.directory),
+                    checkpoint_checksum=checkpoint.checkpoint_checksum,
                 )
 
                 def write(stage: Stage) -> None:
                     stage.write_all(reader.tensor)
 
                 try:
-                    mode = _mode(abort=request.abort_all_requests)
-                    async with self._pausing(
-                        mode, "update_weights_from_disk", timings, keep=request.keep_pause
-                    ) as pause:
-                        outcome = await self._run(
-                            change, write, pause, target=target, what=f"checkpoint {reader.directory}", again=write
-                        )
+                    answer = await self._run(
+                        change,
+                        write,
+                        target=target,
+                        what=f"checkpoint {reader.directory}",
+                        timings=timings,
+                        mode=_mode(abort=request.abort_all_requests),
+                        source="update_weights_from_disk",
+                        keep=request.keep_pause,
+                        again=write,
+                    )
                 finally:
                     change.stage.discard()  # a no-op once activated
-            if "copy" in timings:
-                # A load in place hashes every slice as it copies it: one phase, as answers name it.
-                timings["copy_and_checksum"] = timings.pop("copy") + timings.pop("checksum", 0.0)
-            return self._answer(
-                outcome, timings, requests=pause.requests, checkpoint_checksum=checkpoint.checkpoint_checksum
-            )
+        if "copy" in answer.timings:
+            # A load in place hashes every slice as it copies it: one phase, as answers name it.
+            answer.timings["copy_and_checksum"] = answer.timings.pop("copy") + answer.timings.pop("checksum", 0.0)
+        return answer
 
     def check_table(self, table: BucketTable) -> None:
         """Raise InvalidRequestError unless every tensor of ``table`` is one the model holds, with
         its dtype and shape (checked before anything is received or allocated)."""
-        check_pushed(((e.name, e.torch_dtype(), e.shape) for e in table.entries), self._signature())
+        check_pushed(((e.name, e.torch_dtype(), e.shape) for e in table.entries), self._signature)
 
     async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
         """Take one bucket of pushed tensors into the stage of its change; the last bucket of an
@@ -212,12 +211,13 @@ class WeightChanges:
                 "the last push of an update (with expected_checksum) must name its weight_version"
             )
         async with self._lock:
-            check_pushed(((e.name, e.torch_dtype(), e.shape) for e in bucket.entries.values()), self._signature())
+            check_pushed(((e.name, e.torch_dtype(), e.shape) for e in bucket.entries.values()), self._signature)
             change = self._change
             if change is None or change.state is not ChangeState.WRITING:
                 self._drop()  # staged weights never activated are superseded by this push
-                stage = await asyncio.to_thread(self._staging.open_stage, self._weights.model())
-                change = self._change = _Change(stage)
+                change = self._change = _Change(
+                    await asyncio.to_thread(self._staging.open_stage, self._weights.model())
+                )
             if change.stage.in_place and not request.activate:
                 self._drop()
                 why = self._staging.report().reason or "staging is off"
@@ -230,27 +230,22 @@ class WeightChanges:
                 await asyncio.to_thread(bucket.verify)
             target = None
             if request.expected_checksum is not None and request.weight_version is not None:
-                target = Target(
-                    version=request.weight_version,
-                    checksum=request.expected_checksum,
+                mismatch = "a tensor is missing or differs"
+                target = Target(request.weight_version, request.expected_checksum, source=source, mismatch=mismatch)
+            try:
+                return await self._run(
+                    change,
+                    lambda stage: stage.write_bucket(bucket),
+                    target=target,
+                    what=f"{len(bucket.entries)} tensors",
+                    timings={},
+                    mode=_mode(abort=request.abort_all_requests),
                     source=source,
-                    mismatch="a tensor is missing or differs",
+                    activate=request.activate,
                 )
-            timings: dict[str, float] = {}
-            async with self._pausing(_mode(abort=request.abort_all_requests), source, timings) as pause:
-                try:
-                    outcome = await self._run(
-                        change,
-                        lambda stage: stage.write_bucket(bucket),
-                        pause,
-                        target=target,
-                        what=f"{len(bucket.entries)} tensors",
-                        activate=request.activate,
-                    )
-                except InvalidRequestError:
-                    self._drop()
-                    raise
-            return self._answer(outcome, timings, requests=pause.requests)
+            except InvalidRequestError:
+                self._drop()
+                raise
 
     async def activate_staged(self, request: ActivateWeightsRequest) -> UpdateWeightsResponse:
         """Serve the pushed weights staged and verified earlier (``activate=False``): pause running
@@ -268,10 +263,9 @@ class WeightChanges:
             target = replace(staged, version=request.weight_version, source="staged weights")
             timings: dict[str, float] = {}
             mode = request.pause_mode or _mode(abort=request.abort_all_requests)
-            async with self._pausing(mode, target.source, timings) as pause:
-                await pause()
-                outcome = await self._swap(change, target, timings)
-            return self._answer(outcome, timings, requests=pause.requests)
+            async with self._paused(mode, target.source, timings) as requests:
+                outcome = await self._swap(change, target, timings, again=None)
+                return self._answer(outcome, timings, requests=requests)
 
     async def discard_push(self) -> None:
         """Drop a push that never reached its last bucket (its window ended): staged, the live
@@ -298,47 +292,60 @@ class WeightChanges:
         self,
         change: _Change,
         write: Write,
-        pause: _Pause,
         *,
         target: Target | None,
         what: str,
+        timings: dict[str, float],
+        mode: PauseMode,
+        source: str,
+        keep: bool = False,
         activate: bool = True,
         again: Write | None = None,
-    ) -> Outcome:
+    ) -> UpdateWeightsResponse:
         """Write ``what`` into the change's stage; for its last write (``target``), hash it, refuse
-        a mismatch and swap it in (unless it waits for /activate_weights). ``again`` writes every
-        byte once more, where the source can (a load): a refused swap then copies in place."""
-        stage, timings = change.stage, pause.timings
-        if stage.in_place:
-            # The stage is the live weights: generation pauses first, and the write, its hash and
-            # the record of what the weights are now happen in one section under the write lock.
-            await pause()
-            checksum = await self._locked(lambda: self._write_in_place(stage, write, target, timings), timings)
-        else:
+        a mismatch and swap it in, pausing generation in ``mode`` for it (``source`` asks; ``keep``
+        leaves it paused), unless it waits for /activate_weights. ``again`` writes every byte once
+        more, where the source can (a load): a refused swap then copies in place."""
+        stage = change.stage
+        verified = target.checkpoint_checksum if target is not None else None
+        if not stage.in_place:
             try:
-                checksum = await asyncio.to_thread(
-                    self._write, stage, write, hashed=target is not None, timings=timings
-                )
+                hashed = target is not None
+                checksum = await asyncio.to_thread(self._write, stage, write, hashed=hashed, timings=timings)
             except (OSError, CheckpointError) as exc:
                 # The files became unreadable after they were verified; the live weights never changed.
                 self._drop(change)
                 logger.warning("refused staged update: %s could not be staged: %s", what, exc)
-                return Outcome(Result.REFUSED, f"{what} could not be staged: {exc}")
-        if target is None or checksum is None:
-            if stage.in_place:
-                return Outcome(
-                    Result.TAKEN, f"received {what}; generation stays paused until the last push is verified"
+                outcome = Outcome(Result.REFUSED, f"{what} could not be staged: {exc}")
+                return self._answer(outcome, timings, checkpoint_checksum=verified)
+            served = self._weights.held.version
+            if target is None or checksum is None:
+                return self._answer(
+                    Outcome(Result.TAKEN, f"staged {what}; the engine serves {served} meanwhile"), timings
                 )
-            return Outcome(Result.TAKEN, f"staged {what}; the engine serves {self._weights.held.version} meanwhile")
-        if checksum.checksum != target.checksum or stage.in_place:
+            if checksum.checksum != target.checksum:
+                self._drop(change)
+                return self._answer(
+                    self._judge(checksum, target, in_place=False), timings, checkpoint_checksum=verified
+                )
+            if not activate:
+                change.state, change.target = ChangeState.VERIFIED, target
+                message = f"staged and verified; the engine serves {served} until /activate_weights"
+                return self._answer(Outcome(Result.STAGED, message, checksum.checksum), timings)
+        async with self._paused(mode, source, timings, keep=keep) as requests:
+            if not stage.in_place:
+                assert target is not None
+                outcome = await self._swap(change, target, timings, again=again)
+                return self._answer(outcome, timings, requests=requests, checkpoint_checksum=verified)
+            # The stage is the live weights: written, hashed and recorded in one section under the
+            # write lock, generation paused.
+            written = await self._locked(lambda: self._write_in_place(stage, write, target, timings), timings)
+            if target is None or written is None:
+                waits = "generation stays paused until the last push is verified"
+                return self._answer(Outcome(Result.TAKEN, f"received {what}; {waits}"), timings, requests=requests)
             self._drop(change)
-            return self._outcome(checksum, target, in_place=stage.in_place)
-        if not activate:
-            change.state, change.target = ChangeState.VERIFIED, target
-            served = f"staged and verified; the engine serves {self._weights.held.version} until /activate_weights"
-            return Outcome(Result.STAGED, served, checksum.checksum)
-        await pause()
-        return await self._swap(change, target, timings, again=again)
+            outcome = self._judge(written, target, in_place=True)
+            return self._answer(outcome, timings, requests=requests, checkpoint_checksum=verified)
 
     def _write(self, stage: Stage, write: Write, *, hashed: bool, timings: dict[str, float]) -> ModelChecksum | None:
         """Write into ``stage`` and, with ``hashed``, hash it: one thread hop."""
@@ -377,12 +384,13 @@ class WeightChanges:
         return checksum
 
     async def _swap(
-        self, change: _Change, target: Target, timings: dict[str, float], *, again: Write | None = None
+        self, change: _Change, target: Target, timings: dict[str, float], *, again: Write | None
     ) -> Outcome:
-        """Swap a verified buffer stage in between two steps: its checksum is the live one then,
-        since the swap moves no byte. ``activate`` in the timings is the time the write lock was
-        held, what generation waited for. A swap the buffers refuse (some tensor would keep the old
-        weights) gives staging up; ``again`` then copies in place under the same lock."""
+        """Swap a verified buffer stage in between two steps, generation paused: its checksum is
+        the live one then, since the swap moves no byte (``activate`` in the timings is the time
+        the write lock was held, what generation waited for). A swap the buffers refuse (some
+        tensor would keep the old weights) gives staging up, and ``again`` then copies in place
+        under the same lock; without it nothing changed."""
         stage = change.stage
         try:
             stage.prepare_activation()
@@ -418,9 +426,9 @@ class WeightChanges:
         finally:
             self._drop(change)
         assert checksum is not None
-        return self._outcome(checksum, target, in_place=True)
+        return self._judge(checksum, target, in_place=True)
 
-    def _outcome(self, checksum: ModelChecksum, target: Target, *, in_place: bool) -> Outcome:
+    def _judge(self, checksum: ModelChecksum, target: Target, *, in_place: bool) -> Outcome:
         """The outcome of a last write whose stage hashed to ``checksum``: served when that is the
         target's; else, in place, unverified (generation stays paused), staged, refused."""
         if checksum.checksum == target.checksum:
@@ -448,26 +456,30 @@ class WeightChanges:
         return await asyncio.to_thread(self._scheduler.call, run)
 
     @asynccontextmanager
-    async def _pausing(
+    async def _paused(
         self, mode: PauseMode, source: str, timings: dict[str, float], *, keep: bool = False
-    ) -> AsyncIterator[_Pause]:
-        """Generation paused for one change (once it asks: ``await pause()``) and given back when
-        the change ends, if the weights are verified then: a change that leaves them unverified
-        leaves generation paused, for the next good one to resume. With ``keep`` (``keep_pause``)
-        the pause is the caller's, who resumes it."""
-        by = Pauser.CALLER if keep else Pauser.UPDATE
-        pause = _Pause(scheduler=self._scheduler, mode=mode, message=f"aborted by {source}", timings=timings, by=by)
+    ) -> AsyncIterator[int]:
+        """Generation paused for a change in ``mode`` (yields the requests in flight then), and
+        given back after it if the weights are verified: a change that leaves them unverified
+        leaves generation paused for the next good one to resume. With ``keep`` (``keep_pause``)
+        the pause is the caller's to give back. Generation the caller had paused stays paused; an
+        aborting mode then only aborts what is queued."""
+        message, requests, started = f"aborted by {source}", 0, time.perf_counter()
+        if self._scheduler.state is GenerationState.SERVING:
+            by = Pauser.CALLER if keep else Pauser.UPDATE
+            requests = await asyncio.to_thread(self._scheduler.pause, mode, by=by, message=message)
+        elif mode is PauseMode.ABORT:
+            self._scheduler.abort(None, message=message)
+        timings["pause"] = time.perf_counter() - started
         try:
-            yield pause
+            yield requests
         finally:
             if not keep and self._weights.held.status is WeightsStatus.VERIFIED:
                 self._scheduler.resume(paused_by=Pauser.UPDATE)
 
+    @cached_property
     def _signature(self) -> Signature:
-        model = self._weights.model()
-        if self._signature_of is None or self._signature_of[0] is not model:
-            self._signature_of = (model, signature(model))
-        return self._signature_of[1]
+        return signature(self._weights.model())  # the model never changes shape
 
     def _drop(self, change: _Change | None = None) -> None:
         """Discard the stage of ``change`` (by default the one left unfinished) and forget it."""
@@ -480,8 +492,8 @@ class WeightChanges:
     def _answer(
         self, outcome: Outcome, timings: dict[str, float], *, requests: int = 0, checkpoint_checksum: str | None = None
     ) -> UpdateWeightsResponse:
-        """The answer to one call of a change: its ``weight_version`` is the one served now (the
-        new one once swapped in, else the old); ``requests`` were in flight when it paused."""
+        """The answer to one call of a change: ``weight_version`` is the one served now (the new
+        one once swapped in, else the old); ``requests`` were in flight when it paused."""
         return UpdateWeightsResponse(
             success=outcome.result in (Result.TAKEN, Result.STAGED, Result.SERVED),
             message=outcome.message,
@@ -491,32 +503,6 @@ class WeightChanges:
             checkpoint_checksum=checkpoint_checksum,
             timings=timings,
         )
-
-
-@dataclass
-class _Pause:
-    """Generation paused for one change, once: ``await pause()`` pauses it, if it serves, in
-    ``mode`` (recording ``pause`` and the requests in flight); when the caller had paused it, it
-    stays so, and an aborting mode only aborts what is queued."""
-
-    scheduler: Scheduler
-    mode: PauseMode
-    message: str
-    timings: dict[str, float]
-    by: Pauser
-    requests: int = 0
-    asked: bool = False
-
-    async def __call__(self) -> None:
-        if self.asked:
-            return
-        self.asked = True
-        started = time.perf_counter()
-        if self.scheduler.state is GenerationState.SERVING:
-            self.requests = await asyncio.to_thread(self.scheduler.pause, self.mode, by=self.by, message=self.message)
-        elif self.mode is PauseMode.ABORT:
-            self.scheduler.abort(None, message=self.message)
-        self.timings["pause"] = time.perf_counter() - started
 
 
 def _mode(*, abort: bool) -> PauseMode:
