@@ -1,27 +1,23 @@
-"""The buffer stage: new weights written beside the live ones while the engine serves, then
-swapped in by re-pointing tensors, so generation waits for a swap instead of a copy; and the
-policy (``--weight-staging``) that decides whether a change gets one.
+"""The buffer stage: new weights written into twins of the live weights' storages while the
+engine serves, then swapped in by re-pointing tensors, so generation waits for a swap instead of
+a copy; and the policy (``--weight-staging``) that decides whether a change gets one.
 
-It works on storages, not parameters (``memory.py`` maps them). For every storage that holds
-checkpoint weights, ``StagingBuffers`` keeps a twin of the same size; a ``BufferStage`` writes
-into the twins at the same offsets. ``activate`` re-points every tensor that views a live storage
-at the same place in its twin (a view of the twin built beforehand is assigned to
-``tensor.data``): O(number of tensors), whatever their size. The old storages become the twins of
-the next update (double buffering: the memory is allocated once). Nothing may go on viewing an
-old storage after a swap: it would keep serving the old weights, and one update later the bytes
-being staged. The storages' reference counts are checked, under the lock, before every swap; a
-swap that finds a viewer nobody listed changes nothing and raises ``StagingRefusedError``.
+``activate`` re-points every tensor that views a live storage (``memory.py`` maps them) at the
+same place in its twin, assigning a view of the twin built beforehand to ``tensor.data``:
+O(number of tensors), whatever their size. The old storages become the next update's twins, so
+the memory is allocated once. Nothing may go on viewing an old storage after a swap: it would
+keep serving the old weights, and one update later the bytes being staged; the storages'
+reference counts are checked under the lock before every swap, and a swap that finds a viewer
+nobody listed changes nothing and raises ``StagingRefusedError``. The copies into the twins go
+through numpy, which releases the GIL and starts no OpenMP team, so a stage is written on a
+worker thread while the scheduler thread serves (see ``scheduler.py`` for why no second thread
+runs parallel torch operations).
 
-The copies into the twins go through numpy, which releases the GIL and starts no OpenMP team, so a
-stage is written on a worker thread while the scheduler thread serves: a second thread running
-parallel torch operations would slow every later decode step (see ``scheduler.py``).
-
-The twins cost a second copy of the weights, allocated when the first update needs it and kept
-for every later one. ``on`` always stages; ``auto`` stages when that copy fits in
-``--weight-staging-budget`` of the memory available then (host RAM from ``/proc/meminfo``, or the
-GPU's free memory), and otherwise copies in place and asks again at the next update; ``off``
-always copies in place. A model whose weights cannot be staged, or twins that cannot be
-allocated, fall back to the in-place copy (``LiveStage``) too; ``/get_server_info`` says why.
+The twins cost a second copy of the weights, allocated at the first update that needs it. ``on``
+always stages; ``auto`` stages when that copy fits in ``--weight-staging-budget`` of the memory
+available then (host ``MemAvailable``, or the GPU's free memory), and otherwise copies in place
+and asks again at the next update; ``off`` always copies in place. Weights that cannot be staged,
+or twins that cannot be allocated, fall back to the in-place copy (``LiveStage``) too.
 """
 
 from __future__ import annotations
@@ -50,15 +46,11 @@ class StagingRefusedError(MilesError):
 
 
 class StagingBuffers:
-    """A twin of every storage of the model's weights (once allocated), and the swap.
-
-    Build it with ``build`` once the runner exists (the fused decoder re-points parameters while
-    it is built). One stage at a time: ``open`` hands out the next ``BufferStage``.
-    """
+    """The twins of a model's weight storages (once allocated) and the swap. Built once the runner
+    exists (the fused decoder re-points parameters while it is built); one stage at a time."""
 
     def __init__(self, memory: WeightMemory) -> None:
         self.memory = memory
-        self._spares: list[torch.UntypedStorage | None] = [None] * len(memory.storages)
         self._open: BufferStage | None = None
         # While a stage is open: each viewer with a view of its twin at the same place, and where
         # it lies in the live storage (to put it back should the swap fail half-way).
@@ -67,8 +59,7 @@ class StagingBuffers:
 
     @staticmethod
     def build(model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor] = ()) -> StagingBuffers:
-        """The buffers of ``model``'s weights (nothing allocated yet); ``runner_tensors`` as in
-        ``WeightMemory.of``, which raises StagingUnsupportedError for weights that cannot be staged."""
+        """Raises StagingUnsupportedError as ``WeightMemory.of`` does; allocates nothing yet."""
         return StagingBuffers(WeightMemory.of(model, runner_tensors=runner_tensors))
 
     @property
@@ -77,61 +68,56 @@ class StagingBuffers:
         return self.memory.nbytes
 
     @property
-    def allocated(self) -> bool:
-        return all(spare is not None for spare in self._spares)
+    def spares(self) -> tuple[torch.UntypedStorage | None, ...]:
+        """The twins, in the order of ``memory.storages`` (None until allocated)."""
+        return tuple(s.twin for s in self.memory.storages)
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(spare.nbytes() for spare in self._spares if spare is not None)
-
-    @property
-    def spares(self) -> tuple[torch.UntypedStorage | None, ...]:
-        """The twins, in the order of ``memory.storages`` (None until allocated)."""
-        return tuple(self._spares)
+        return sum(spare.nbytes() for spare in self.spares if spare is not None)
 
     def allocate(self) -> None:
-        """Allocate the twins (once; later stages reuse them). Raises what the allocator raises
-        (``torch.OutOfMemoryError``, ``RuntimeError``) when the memory is not there."""
-        for index, storage in enumerate(self.memory.storages):
-            if self._spares[index] is None:
-                self._spares[index] = torch.UntypedStorage(storage.live.nbytes(), device=storage.live.device)
+        """Allocate the twins (once). Raises what the allocator raises (``torch.OutOfMemoryError``,
+        ``RuntimeError``) when the memory is not there."""
+        for storage in self.memory.storages:
+            if storage.twin is None:
+                storage.twin = torch.UntypedStorage(storage.live.nbytes(), device=storage.live.device)
 
     def release(self) -> None:
         """Give the twins' memory back (staging is given up for good)."""
         if self._open is not None:
             self._open.discard()
-        self._spares = [None] * len(self.memory.storages)
+        for storage in self.memory.storages:
+            storage.twin = None
         self._pairs, self._restore = [], []
 
     def open(self) -> BufferStage:
-        """The stage for the next update, writing into the twins.
-
-        Raises RuntimeError when the twins are not allocated or another stage is open, and
-        StagingRefusedError when some tensor no longer views the storage it was found on.
-        """
-        if not self.allocated:
+        """The stage for the next update, writing into the twins. Raises RuntimeError when they are
+        not allocated or another stage is open, StagingRefusedError when some tensor no longer
+        views the storage it was found on."""
+        if any(spare is None for spare in self.spares):
             raise RuntimeError("allocate() the staging buffers before opening a stage")
         if self._open is not None:
             raise RuntimeError("a weight stage is already open; activate or discard it first")
         moved = self.memory.viewers_moved()
         if moved:
             raise StagingRefusedError("tensors no longer view the memory the staging buffers know", tensors=moved[:5])
-        # Built here, outside the write lock, so that the swap only rebinds each viewer.
-        self._pairs, self._restore = [], []  # and the last stage's views are freed
-        for storage, spare in zip(self.memory.storages, self._spares, strict=True):
-            assert spare is not None
+        # Built here, outside the write lock, so that the swap only rebinds each viewer; the last
+        # stage's views are freed here too.
+        self._pairs, self._restore = [], []
+        for storage in self.memory.storages:
+            assert storage.twin is not None
             for tensor in storage.viewers:
                 spec = ViewSpec.of(tensor)
-                self._pairs.append((tensor, spec.view(spare, tensor.dtype)))
+                self._pairs.append((tensor, spec.view(storage.twin, tensor.dtype)))
                 self._restore.append((storage.live, spec))
         self._open = BufferStage(self)
         return self._open
 
-    # --- used by BufferStage ---------------------------------------------------------------
-
     def view(self, index: int, spec: ViewSpec, dtype: torch.dtype, *, twin: bool) -> torch.Tensor:
         """A tensor viewing ``spec`` of storage ``index``, in its twin (``twin``) or live."""
-        source = self._spares[index] if twin else self.memory.storages[index].live
+        storage = self.memory.storages[index]
+        source = storage.twin if twin else storage.live
         assert source is not None, "the twins are allocated before a stage opens"
         return spec.view(source, dtype)
 
@@ -158,10 +144,8 @@ class StagingBuffers:
             twin.data_ptr()
 
     def swap(self) -> None:
-        """Re-point every viewer at its twin, then swap the roles of live and twin storages.
-
-        All or nothing: a viewer that cannot be moved puts back those already moved.
-        """
+        """Re-point every viewer at its twin, then trade live and twin storages. All or nothing: a
+        viewer that cannot be moved puts back those already moved."""
         self.check_swap()
         done = 0
         with torch.no_grad():
@@ -176,10 +160,9 @@ class StagingBuffers:
                 for (tensor, _), (live, p) in zip(self._pairs[:done], self._restore[:done], strict=True):
                     tensor.set_(live, p.offset, p.size, p.stride)
                 raise
-        for index, storage in enumerate(self.memory.storages):
-            spare = self._spares[index]
-            assert spare is not None
-            storage.live, self._spares[index] = spare, storage.live
+        for storage in self.memory.storages:
+            assert storage.twin is not None
+            storage.live, storage.twin = storage.twin, storage.live
 
     def closed(self, stage: BufferStage) -> None:
         if self._open is stage:
@@ -190,10 +173,10 @@ class StagingBuffers:
 
 
 class BufferStage(Stage):
-    """One update's new weights, staged in the twins while the live ones keep serving. Writes
-    may run on any threads while the engine serves (writes of different names at once), the
-    checksum once they are done. ``activate`` raises StagingRefusedError when a tensor nobody
-    listed views a live storage (nothing changed, and the stage is discarded)."""
+    """One update's new weights in the twins, while the live ones serve. Writes may run on any
+    threads (of different names at once), the checksum once they are done. ``activate`` raises
+    StagingRefusedError when a tensor nobody listed views a live storage (nothing changed, and
+    the stage is discarded)."""
 
     in_place = False
     phases = ("stage_write", "stage_checksum")
@@ -202,10 +185,6 @@ class BufferStage(Stage):
         self._buffers = buffers
         self._slots = buffers.memory.slots
         super().__init__({name: (slot.dtype, slot.spec.size) for name, slot in self._slots.items()})
-
-    @property
-    def nbytes(self) -> int:
-        return self._buffers.nbytes
 
     def checksum(self) -> ModelChecksum:
         if self._checksum is None:
@@ -248,15 +227,10 @@ class StagingReport:
 
     mode: StagingMode
     budget: float
-    # Bytes of one copy of the weights (what staging costs); 0 when they cannot be staged or
-    # staging is off.
-    weight_bytes: int = 0
-    # Bytes allocated for staging now: 0 until the first staged update, then the same for good.
-    staging_bytes: int = 0
-    # Whether the last update that passed verification was staged (None before any).
-    last_update_staged: bool | None = None
-    # Why updates are copied in place now, when they are.
-    reason: str | None = None
+    weight_bytes: int = 0  # one copy of the weights, what staging costs (0: not staged, or off)
+    staging_bytes: int = 0  # allocated now: 0 until the first staged update, then for good
+    last_update_staged: bool | None = None  # whether the last verified update was (None: none yet)
+    reason: str | None = None  # why updates are copied in place now, when they are
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "mode": self.mode.value}
@@ -308,7 +282,7 @@ class StagingPolicy:
         buffers = self._buffers
         if buffers is None:
             return None
-        if not buffers.allocated:
+        if any(spare is None for spare in buffers.spares):
             if self._mode is StagingMode.AUTO:
                 available = available_memory(buffers.memory.device)
                 if available is None or buffers.nbytes > self._budget * available:

@@ -1,13 +1,11 @@
-"""Where the live weights lie: the storages behind the tensors a checkpoint holds, and every
-tensor object that views them.
+"""Where the live weights lie: the storages behind the tensors a checkpoint holds, every tensor
+object that views them, and (once allocated) their twins.
 
-A buffer stage (``buffers.py``) swaps whole storages, so it needs this map, and the map must be
-complete: a tensor that views a storage but is missing here would go on reading it after the
-swap. The model's parameters are not independent tensors: the fused decoder makes q/k/v and
-gate/up views of one fused buffer each, tied embeddings share one, and the runner keeps handles of
-its own on the fused buffers (``ModelRunner.weight_views``). Every tensor object holds one
-reference to the storage it views, so a storage's reference count shows a viewer nobody listed
-(``WeightMemory.unknown_viewers``).
+A buffer stage (``buffers.py``) swaps whole storages, so this map must be complete: a tensor that
+views a storage but is missing here would go on reading it after the swap. The fused decoder makes
+q/k/v and gate/up views of one fused buffer each, tied embeddings share one, and the runner keeps
+handles of its own (``ModelRunner.weight_views``). Every tensor object holds one reference to the
+storage it views, so a storage's reference count shows a viewer nobody listed.
 """
 
 from __future__ import annotations
@@ -53,12 +51,12 @@ class ViewSpec:
 
 @dataclass(slots=True)
 class StorageViews:
-    """One storage the weights live in and every tensor object that views it."""
+    """One storage the weights live in, every tensor object that views it, and its twin."""
 
-    # The storage the viewers view now; a staged swap replaces it with its twin.
-    live: torch.UntypedStorage
+    live: torch.UntypedStorage  # what the viewers view now; a swap trades it for the twin
     viewers: list[torch.Tensor]
     names: list[str]  # the viewers' names, for messages
+    twin: torch.UntypedStorage | None = None  # as large, once allocated
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +82,10 @@ class WeightMemory:
 
     @staticmethod
     def of(model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor] = ()) -> WeightMemory:
-        """The map of ``model``'s weights; ``runner_tensors`` are the tensors the runner holds
-        besides the model's parameters and buffers (``ModelRunner.weight_views``).
-
-        Raises StagingUnsupportedError naming the reason: a tensor that is not dense, tensors that
-        overlap in memory without being the same view, or a storage viewed by a tensor that
-        neither the model nor the runner lists.
-        """
+        """The map of ``model``'s weights; ``runner_tensors``: those the runner holds besides the
+        model's parameters and buffers. Raises StagingUnsupportedError naming the reason: a tensor
+        that is not dense, tensors that overlap in memory without being the same view, or a
+        storage viewed by a tensor that neither the model nor the runner lists."""
         storages, slots = _checkpoint_slots(model)
         index_of = {s.live._cdata: i for i, s in enumerate(storages)}
         canonical = {(s.storage, s.dtype, s.spec) for s in slots.values()}
@@ -133,8 +128,7 @@ class WeightMemory:
 
     def unknown_viewers(self) -> list[str]:
         """Storages with more references than their known viewers hold, plus one: the storage
-        object this map keeps (``StorageViews.live``; any other Python object wrapping the same
-        storage is that same object)."""
+        object this map keeps (any other Python object wrapping the same storage is that one)."""
         return [
             f"{s.names[:3]}: {references(s.live) - 1} references, {len(s.viewers)} known"
             for s in self.storages
@@ -176,10 +170,8 @@ def references(storage: torch.UntypedStorage) -> int:
 
 def _checkpoint_slots(model: torch.nn.Module) -> tuple[list[StorageViews], dict[str, Slot]]:
     """The storages holding the tensors a checkpoint of ``model`` holds, and where each lies.
-
     A function of its own so that the state dict's tensors (detached views, each one more
-    reference to its storage) are gone when the caller counts references.
-    """
+    reference to its storage) are gone when the caller counts references."""
     storages: list[StorageViews] = []
     index_of: dict[int, int] = {}
     slots: dict[str, Slot] = {}

@@ -1,21 +1,15 @@
 """Where a change's bytes come from, checked before any of them is written: a checkpoint
-verified whole and matched against the live model, or pushed buckets whose tensors the model has.
+verified whole and matched against the live model, or pushed buckets whose tensors it has.
 
 A checkpoint's path is checked first (roots, symlinks), then every tensor of it is read and its
 digest checked against its manifest, then every name, shape and dtype is matched against the live
-model; all of it runs while generation goes on, and a refused checkpoint never touches the
-weights. Files are read, never memory-mapped (a mapped file cut short while in use kills the
-process with SIGBUS): one that changes after the verification makes a stage whose checksum
-cannot match, which is refused, never a crash.
-
+model, all while generation goes on: a refused checkpoint never touches the weights. Files are
+read, never memory-mapped (a mapped file cut short while in use kills the process with SIGBUS):
+one that changes after the verification makes a stage whose checksum cannot match, never a crash.
 A plain Hugging Face directory (no miles manifest) loads the same way when the caller names the
-checksum it expects: the verification pass computes every tensor's digest from the files and the
-model checksum from those digests (``miles.weights.checksum``), and the load goes on only if that
-equals the expected one. The digests become an in-memory manifest, so the rest of the load does
-not care where the manifest came from.
-
-A pushed bucket's table (names, dtypes, shapes) is checked against the model before anything is
-received or allocated; its bytes are checked against their digests as they are written.
+checksum it expects: its files are hashed into an in-memory manifest, which must carry that
+checksum. A pushed bucket's table is checked against the model before anything is received; its
+bytes are checked against their digests as they are written (``Stage.write_bucket``).
 """
 
 from __future__ import annotations
@@ -25,29 +19,21 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 import torch
 
 from miles.errors import (
     CheckpointError,
-    CheckpointFileMissingError,
     InvalidRequestError,
     ManifestMissingError,
     NotFoundError,
     PermissionDeniedError,
 )
-from miles.weights.checkpoint import (
-    CheckpointReader,
-    Manifest,
-    TensorEntry,
-    VerificationReport,
-    open_checkpoint,
-    verify_checkpoint,
-)
-from miles.weights.checksum import checksum_from_digests, collect_slots, digest_files, saved_state_dict
-from miles.weights.paths import checked_path, files_outside_roots
-from miles.weights.safetensors_io import SafetensorsFile, dtype_name, index_files
+from miles.weights.checkpoint import CheckpointReader, Manifest, VerificationReport, open_checkpoint, verify_checkpoint
+from miles.weights.checksum import saved_state_dict
+from miles.weights.manifest import manifest_from_files
+from miles.weights.paths import checked_path, files_outside_roots, inside_roots
+from miles.weights.safetensors_io import SafetensorsFile, dtype_name
 
 # A model's tensors by checkpoint name, as (dtype, shape): what every change must match.
 Signature = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -73,14 +59,14 @@ def signature(model: torch.nn.Module) -> Signature:
 
 
 def checkpoint_path(raw: str, *, roots: tuple[Path, ...]) -> Path:
-    """The checkpoint directory ``raw`` names, checked before any filesystem call sees it.
+    """The checkpoint directory ``raw`` names, checked before any filesystem call sees the text.
 
     Raises InvalidRequestError for bad text or an unreadable path, PermissionDeniedError for a
     directory outside ``roots`` (when there are any) or holding entries that resolve outside them,
     NotFoundError for a path that is not a directory.
     """
     path = checked_path(raw, field="model_path")
-    if roots and not any(path.is_relative_to(root) for root in roots):
+    if not inside_roots(path, roots):
         raise PermissionDeniedError(
             f"model_path {str(path)!r} is outside the allowed checkpoint roots; put the checkpoint "
             "under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS",
@@ -107,31 +93,21 @@ def checkpoint_path(raw: str, *, roots: tuple[Path, ...]) -> Path:
 
 @dataclass
 class VerifiedCheckpoint:
-    """A checkpoint verified whole and matched against the live model: what a disk load writes."""
+    """A checkpoint verified whole and matched against the live model: what a load writes."""
 
     reader: CheckpointReader
-    # The model checksum hashed from the checkpoint's files by the verification pass.
-    checkpoint_checksum: str
-    # Seconds of its opening, verification and match, for the answer.
-    timings: dict[str, float]
-
-    @property
-    def manifest_checksum(self) -> str:
-        return self.reader.manifest.checksum
+    checkpoint_checksum: str  # the model checksum its files hashed to
+    timings: dict[str, float]  # seconds to open, verify and match it
 
     def __enter__(self) -> VerifiedCheckpoint:
         return self
 
-    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.reader.close()
 
 
 def open_verified(
-    model: torch.nn.Module,
-    checkpoint: Path,
-    *,
-    expected_checksum: str | None = None,
-    weight_version: str | None = None,
+    model: torch.nn.Module, checkpoint: Path, *, expected_checksum: str | None = None, weight_version: str | None = None
 ) -> VerifiedCheckpoint:
     """Open and fully verify ``checkpoint`` and match it against ``model``'s tensors.
 
@@ -143,14 +119,15 @@ def open_verified(
     Raises CheckpointError (missing, corrupt or truncated checkpoint, digest mismatch, a plain
     directory without the expected checksum or a version), UnexpectedChecksumError (not the
     checkpoint the caller expects) or IncompatibleCheckpointError (names, shapes or dtypes differ
-    from the live model), naming what is wrong; the live weights are untouched either way.
+    from the live model), naming what is wrong.
     """
     started = time.perf_counter()
     try:
         reader = open_checkpoint(checkpoint)
     except ManifestMissingError:
-        reader, computed = _open_plain(checkpoint, expected_checksum=expected_checksum, weight_version=weight_version)
-        opened = verified = time.perf_counter()
+        reader = _open_plain(checkpoint, expected_checksum=expected_checksum, weight_version=weight_version)
+        computed, opened = reader.manifest.checksum, time.perf_counter()
+        verified = opened  # its files were hashed as it was opened
     except CheckpointError:
         # The files could not even be mapped; a full verification names every problem.
         _verified(checkpoint, lambda: verify_checkpoint(checkpoint))
@@ -174,7 +151,7 @@ def open_verified(
 
 def _verify_manifest(reader: CheckpointReader, checkpoint: Path, *, expected_checksum: str | None) -> str:
     """Verify every file of ``reader`` against its manifest and return the checksum hashed from
-    them (the reader is closed when this raises)."""
+    them; the reader is closed when this raises."""
     try:
         manifest_checksum = reader.manifest.checksum
         if expected_checksum is not None and expected_checksum != manifest_checksum:
@@ -195,16 +172,10 @@ def _verify_manifest(reader: CheckpointReader, checkpoint: Path, *, expected_che
     return report.checksum
 
 
-def _open_plain(
-    checkpoint: Path, *, expected_checksum: str | None, weight_version: str | None
-) -> tuple[CheckpointReader, str]:
-    """A reader over the plain Hugging Face directory ``checkpoint`` whose files hash to
-    ``expected_checksum`` (one pass: the digests hashed here become its in-memory manifest),
-    and the checksum computed.
-
-    Raises CheckpointError naming what is missing or wrong, UnexpectedChecksumError when the files
-    hash to another checksum.
-    """
+def _open_plain(checkpoint: Path, *, expected_checksum: str | None, weight_version: str | None) -> CheckpointReader:
+    """A reader over the plain Hugging Face directory ``checkpoint``, whose manifest is hashed
+    from its files here and must carry ``expected_checksum``. Raises CheckpointError naming what
+    is missing or wrong, UnexpectedChecksumError when the files hash to another checksum."""
     if expected_checksum is None:
         raise CheckpointError(
             "the checkpoint has no miles manifest (miles_manifest.json) to verify it against: seal it with "
@@ -216,41 +187,30 @@ def _open_plain(
             "a checkpoint without a miles manifest has no weight version of its own; pass weight_version",
             path=str(checkpoint),
         )
-    paths = index_files(checkpoint)
-    if not paths:
-        raise CheckpointFileMissingError("the checkpoint directory holds no safetensors files", path=str(checkpoint))
+    try:
+        name = checkpoint.name or "checkpoint"
+        manifest = manifest_from_files(checkpoint, model_name=name, step=0, weight_version=weight_version)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
+    if manifest.checksum != expected_checksum:
+        raise UnexpectedChecksumError(
+            f"the checkpoint's files hash to {manifest.checksum}, not to the expected checksum "
+            f"{expected_checksum}; it is another checkpoint, or it was changed or corrupted",
+            computed=manifest.checksum,
+            path=str(checkpoint),
+        )
+    return _reader(checkpoint, manifest)
+
+
+def _reader(checkpoint: Path, manifest: Manifest) -> CheckpointReader:
     with ExitStack() as stack:
         try:
-            files = {p.relative_to(checkpoint).as_posix(): stack.enter_context(SafetensorsFile(p)) for p in paths}
-            slots = collect_slots(files.values())
-            digests = digest_files(slots)
+            files = {name: stack.enter_context(SafetensorsFile(checkpoint / name)) for name in sorted(manifest.files)}
         except OSError as exc:
             raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
-        computed = checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots))
-        if computed.checksum != expected_checksum:
-            raise UnexpectedChecksumError(
-                f"the checkpoint's files hash to {computed.checksum}, not to the expected checksum "
-                f"{expected_checksum}; it is another checkpoint, or it was changed or corrupted",
-                computed=computed.checksum,
-                path=str(checkpoint),
-            )
-        owners = {name: file for file, mapped in files.items() for name in mapped.tensors}
-        manifest = Manifest(
-            model_name=checkpoint.name or "checkpoint",
-            step=0,
-            weight_version=weight_version,
-            checksum=computed.checksum,
-            num_bytes=computed.num_bytes,
-            tensors={
-                name: TensorEntry(dtype=d.dtype, shape=d.shape, digest=d.digest, file=owners[name])
-                for name, d in computed.tensors.items()
-            },
-            files={name: mapped.path.stat().st_size for name, mapped in files.items()},
-        )
         reader = CheckpointReader(directory=checkpoint, manifest=manifest, files=files)
-        # The reader owns the open files now.
-        stack.pop_all()
-    return reader, computed.checksum
+        stack.pop_all()  # the reader owns the open files now
+    return reader
 
 
 def _verified(checkpoint: Path, verify: Callable[[], VerificationReport]) -> VerificationReport:
@@ -268,8 +228,7 @@ def _verified(checkpoint: Path, verify: Callable[[], VerificationReport]) -> Ver
 
 def _match(layout: Signature, reader: CheckpointReader, checkpoint: Path) -> None:
     names = set(reader.tensor_names)
-    missing = sorted(set(layout) - names)
-    extra = sorted(names - set(layout))
+    missing, extra = sorted(set(layout) - names), sorted(names - set(layout))
     if missing or extra:
         raise IncompatibleCheckpointError(
             "checkpoint tensors do not match the served model; it was written for another architecture",

@@ -159,7 +159,7 @@ class WeightChanges:
                     timings["stage_open"] = time.perf_counter() - opening
                 target = Target(
                     version=request.weight_version or reader.manifest.weight_version,
-                    checksum=checkpoint.manifest_checksum,
+                    checksum=reader.manifest.checksum,
                     source=str(reader.directory),
                     mismatch="the files changed after they were verified",
                     loaded_from=Path(reader.directory),
