@@ -6,9 +6,9 @@ it is copied (a push writes a bucket per call into its change's stage); hash it,
 mismatch before anything serves; pause generation as the change asks; swap, under the write side
 of the weights lock on the scheduler thread between two steps; resume once the weights are
 verified. A buffer stage is written and hashed while the engine serves and swapped by re-pointing
-tensors, so generation waits only for that (with ``activate=False``, a verified push waits for
+tensors, so generation waits only for that (with ``activate=False`` a verified push waits for
 ``/activate_weights``). The live stage is written and hashed in that locked section itself,
-generation paused first, with nothing left to swap; if it hashes to something else the weights
+generation paused first, and leaves nothing to swap; if it hashes to something else the weights
 stay unverified and generation paused until a good load or push. A swap the buffers refuse gives
 staging up: a load then copies in place under the same lock, a push is refused. One change at a
 time; a load, or a push finding no change taking buckets, supersedes one left unfinished.
@@ -59,21 +59,14 @@ PushRequest = UpdateWeightsFromTensorRequest | UpdateWeightsFromDistributedReque
 Write = Callable[[Stage], None]  # writes a change's bytes into a stage
 
 
-class Result(Enum):
-    """How one call of a change ended: what its answer says."""
-
-    TAKEN = "taken"  # a push's bucket was written; its change goes on
-    STAGED = "staged"  # verified beside the live weights; waits for /activate_weights
-    SERVED = "served"  # the new weights serve
-    REFUSED = "refused"  # nothing changed
-    UNVERIFIED = "unverified"  # written in place, hashing to something else: generation stays paused
-
-
 @dataclass(frozen=True)
 class Outcome:
-    result: Result
+    """How one call of a change ended: what its answer says."""
+
+    success: bool
     message: str
     checksum: str | None = None  # what the stage hashed to, when it was hashed
+    requests: int = 0  # in flight when generation paused for it
 
 
 @dataclass(frozen=True)
@@ -85,7 +78,6 @@ class Target:
     source: str  # where the bytes came from, for the answer
     mismatch: str  # what a stage hashing to something else means
     loaded_from: Path | None = None  # a load's checkpoint directory
-    checkpoint_checksum: str | None = None  # what a load's files hashed to when verified
 
 
 class ChangeState(Enum):
@@ -150,7 +142,7 @@ class WeightChanges:
             except CheckpointError as exc:
                 logger.warning("refused checkpoint %s: %s", path, exc)
                 computed = exc.computed if isinstance(exc, UnexpectedChecksumError) else None
-                return self._answer(Outcome(Result.REFUSED, str(exc)), {}, checkpoint_checksum=computed)
+                return self._answer(Outcome(False, str(exc)), {}, checkpoint_checksum=computed)
             with checkpoint:
                 reader, timings = checkpoint.reader, checkpoint.timings
                 opening = time.perf_counter()
@@ -163,14 +155,13 @@ class WeightChanges:
                     source=str(reader.directory),
                     mismatch="the files changed after they were verified",
                     loaded_from=Path(reader.directory),
-                    checkpoint_checksum=checkpoint.checkpoint_checksum,
                 )
 
                 def write(stage: Stage) -> None:
                     stage.write_all(reader.tensor)
 
                 try:
-                    answer = await self._run(
+                    outcome = await self._run(
                         change,
                         write,
                         target=target,
@@ -183,10 +174,10 @@ class WeightChanges:
                     )
                 finally:
                     change.stage.discard()  # a no-op once activated
-        if "copy" in answer.timings:
-            # A load in place hashes every slice as it copies it: one phase, as answers name it.
-            answer.timings["copy_and_checksum"] = answer.timings.pop("copy") + answer.timings.pop("checksum", 0.0)
-        return answer
+            if "copy" in timings:
+                # A load in place hashes every slice as it copies it: one phase, as answers name it.
+                timings["copy_and_checksum"] = timings.pop("copy") + timings.pop("checksum", 0.0)
+            return self._answer(outcome, timings, checkpoint_checksum=checkpoint.checkpoint_checksum)
 
     def check_table(self, table: BucketTable) -> None:
         """Raise InvalidRequestError unless every tensor of ``table`` is one the model holds, with
@@ -215,9 +206,8 @@ class WeightChanges:
             change = self._change
             if change is None or change.state is not ChangeState.WRITING:
                 self._drop()  # staged weights never activated are superseded by this push
-                change = self._change = _Change(
-                    await asyncio.to_thread(self._staging.open_stage, self._weights.model())
-                )
+                stage = await asyncio.to_thread(self._staging.open_stage, self._weights.model())
+                change = self._change = _Change(stage)
             if change.stage.in_place and not request.activate:
                 self._drop()
                 why = self._staging.report().reason or "staging is off"
@@ -230,15 +220,16 @@ class WeightChanges:
                 await asyncio.to_thread(bucket.verify)
             target = None
             if request.expected_checksum is not None and request.weight_version is not None:
-                mismatch = "a tensor is missing or differs"
-                target = Target(request.weight_version, request.expected_checksum, source=source, mismatch=mismatch)
+                missing = "a tensor is missing or differs"
+                target = Target(request.weight_version, request.expected_checksum, source=source, mismatch=missing)
+            timings: dict[str, float] = {}
             try:
-                return await self._run(
+                outcome = await self._run(
                     change,
                     lambda stage: stage.write_bucket(bucket),
                     target=target,
                     what=f"{len(bucket.entries)} tensors",
-                    timings={},
+                    timings=timings,
                     mode=_mode(abort=request.abort_all_requests),
                     source=source,
                     activate=request.activate,
@@ -246,6 +237,7 @@ class WeightChanges:
             except InvalidRequestError:
                 self._drop()
                 raise
+            return self._answer(outcome, timings)
 
     async def activate_staged(self, request: ActivateWeightsRequest) -> UpdateWeightsResponse:
         """Serve the pushed weights staged and verified earlier (``activate=False``): pause running
@@ -264,8 +256,8 @@ class WeightChanges:
             timings: dict[str, float] = {}
             mode = request.pause_mode or _mode(abort=request.abort_all_requests)
             async with self._paused(mode, target.source, timings) as requests:
-                outcome = await self._swap(change, target, timings, again=None)
-                return self._answer(outcome, timings, requests=requests)
+                outcome = replace(await self._swap(change, target, timings, again=None), requests=requests)
+            return self._answer(outcome, timings)
 
     async def discard_push(self) -> None:
         """Drop a push that never reached its last bucket (its window ended): staged, the live
@@ -301,13 +293,12 @@ class WeightChanges:
         keep: bool = False,
         activate: bool = True,
         again: Write | None = None,
-    ) -> UpdateWeightsResponse:
+    ) -> Outcome:
         """Write ``what`` into the change's stage; for its last write (``target``), hash it, refuse
-        a mismatch and swap it in, pausing generation in ``mode`` for it (``source`` asks; ``keep``
-        leaves it paused), unless it waits for /activate_weights. ``again`` writes every byte once
-        more, where the source can (a load): a refused swap then copies in place."""
+        a mismatch and swap it in, generation paused in ``mode`` (``source`` asks; ``keep`` leaves
+        it paused), unless it waits for /activate_weights. ``again`` writes every byte once more,
+        where the source can (a load): a refused swap then copies in place."""
         stage = change.stage
-        verified = target.checkpoint_checksum if target is not None else None
         if not stage.in_place:
             try:
                 hashed = target is not None
@@ -316,36 +307,31 @@ class WeightChanges:
                 # The files became unreadable after they were verified; the live weights never changed.
                 self._drop(change)
                 logger.warning("refused staged update: %s could not be staged: %s", what, exc)
-                outcome = Outcome(Result.REFUSED, f"{what} could not be staged: {exc}")
-                return self._answer(outcome, timings, checkpoint_checksum=verified)
+                return Outcome(False, f"{what} could not be staged: {exc}")
             served = self._weights.held.version
             if target is None or checksum is None:
-                return self._answer(
-                    Outcome(Result.TAKEN, f"staged {what}; the engine serves {served} meanwhile"), timings
-                )
+                return Outcome(True, f"staged {what}; the engine serves {served} meanwhile")
             if checksum.checksum != target.checksum:
                 self._drop(change)
-                return self._answer(
-                    self._judge(checksum, target, in_place=False), timings, checkpoint_checksum=verified
-                )
+                return self._judge(checksum, target, in_place=False)
             if not activate:
                 change.state, change.target = ChangeState.VERIFIED, target
                 message = f"staged and verified; the engine serves {served} until /activate_weights"
-                return self._answer(Outcome(Result.STAGED, message, checksum.checksum), timings)
+                return Outcome(True, message, checksum.checksum)
         async with self._paused(mode, source, timings, keep=keep) as requests:
             if not stage.in_place:
                 assert target is not None
                 outcome = await self._swap(change, target, timings, again=again)
-                return self._answer(outcome, timings, requests=requests, checkpoint_checksum=verified)
-            # The stage is the live weights: written, hashed and recorded in one section under the
-            # write lock, generation paused.
-            written = await self._locked(lambda: self._write_in_place(stage, write, target, timings), timings)
-            if target is None or written is None:
-                waits = "generation stays paused until the last push is verified"
-                return self._answer(Outcome(Result.TAKEN, f"received {what}; {waits}"), timings, requests=requests)
-            self._drop(change)
-            outcome = self._judge(written, target, in_place=True)
-            return self._answer(outcome, timings, requests=requests, checkpoint_checksum=verified)
+            else:
+                # The stage is the live weights: written, hashed and recorded in one section under
+                # the write lock, generation paused.
+                checksum = await self._locked(lambda: self._write_in_place(stage, write, target, timings), timings)
+                if target is None or checksum is None:
+                    waits = "generation stays paused until the last push is verified"
+                    return Outcome(True, f"received {what}; {waits}", requests=requests)
+                self._drop(change)
+                outcome = self._judge(checksum, target, in_place=True)
+        return replace(outcome, requests=requests)
 
     def _write(self, stage: Stage, write: Write, *, hashed: bool, timings: dict[str, float]) -> ModelChecksum | None:
         """Write into ``stage`` and, with ``hashed``, hash it: one thread hop."""
@@ -386,11 +372,11 @@ class WeightChanges:
     async def _swap(
         self, change: _Change, target: Target, timings: dict[str, float], *, again: Write | None
     ) -> Outcome:
-        """Swap a verified buffer stage in between two steps, generation paused: its checksum is
-        the live one then, since the swap moves no byte (``activate`` in the timings is the time
-        the write lock was held, what generation waited for). A swap the buffers refuse (some
-        tensor would keep the old weights) gives staging up, and ``again`` then copies in place
-        under the same lock; without it nothing changed."""
+        """Swap a verified buffer stage in, generation paused: its checksum is the live one then,
+        since the swap moves no byte (``activate`` in the timings: how long the write lock was
+        held, what generation waited for). A swap the buffers refuse (some tensor would keep the
+        old weights) gives staging up; ``again`` then copies in place under the same lock, else
+        nothing changed."""
         stage = change.stage
         try:
             stage.prepare_activation()
@@ -422,17 +408,17 @@ class WeightChanges:
         except StagingRefusedError as exc:
             message = f"the pushed weights could not be swapped in ({exc}); nothing changed, push them again"
             logger.warning("refused staged update: %s", message)
-            return Outcome(Result.REFUSED, message)
+            return Outcome(False, message)
         finally:
             self._drop(change)
         assert checksum is not None
         return self._judge(checksum, target, in_place=True)
 
     def _judge(self, checksum: ModelChecksum, target: Target, *, in_place: bool) -> Outcome:
-        """The outcome of a last write whose stage hashed to ``checksum``: served when that is the
-        target's; else, in place, unverified (generation stays paused), staged, refused."""
+        """A last write's stage hashed to ``checksum``: served if that is the target's, else
+        refused (in place: generation stays paused on unverified weights)."""
         if checksum.checksum == target.checksum:
-            return Outcome(Result.SERVED, f"Succeeded to update model weights from {target.source}.", checksum.checksum)
+            return Outcome(True, f"Succeeded to update model weights from {target.source}.", checksum.checksum)
         then = "generation stays paused until good weights are loaded"
         if not in_place:
             then = f"nothing changed, the engine serves {self._weights.held.version}"
@@ -441,7 +427,7 @@ class WeightChanges:
             f"({target.mismatch}); {then}"
         )
         logger.warning("refused update: %s", message)
-        return Outcome(Result.UNVERIFIED if in_place else Result.REFUSED, message, checksum.checksum)
+        return Outcome(False, message, checksum.checksum)
 
     async def _locked(self, job: Callable[[], T], timings: dict[str, float]) -> T:
         """Run ``job`` on the scheduler thread between two steps (the one torch thread), under the
@@ -490,14 +476,14 @@ class WeightChanges:
             self._change = None
 
     def _answer(
-        self, outcome: Outcome, timings: dict[str, float], *, requests: int = 0, checkpoint_checksum: str | None = None
+        self, outcome: Outcome, timings: dict[str, float], *, checkpoint_checksum: str | None = None
     ) -> UpdateWeightsResponse:
-        """The answer to one call of a change: ``weight_version`` is the one served now (the new
-        one once swapped in, else the old); ``requests`` were in flight when it paused."""
+        """The answer to one call of a change: its ``weight_version`` is the one served now (the
+        new one once swapped in, else the old)."""
         return UpdateWeightsResponse(
-            success=outcome.result in (Result.TAKEN, Result.STAGED, Result.SERVED),
+            success=outcome.success,
             message=outcome.message,
-            num_paused_requests=requests,
+            num_paused_requests=outcome.requests,
             weight_version=self._weights.held.version,
             checksum=outcome.checksum,
             checkpoint_checksum=checkpoint_checksum,
