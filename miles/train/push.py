@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("miles.train")
 
 GROUP_NAME = "miles_weight_push"
-# How an engine that cannot stage refuses a staged push (miles.engine.weights.swap).
+# How an engine that cannot stage refuses a staged push (miles.engine.live_weights).
 _CANNOT_STAGE = "cannot stage pushed weights"
 
 

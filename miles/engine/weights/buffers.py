@@ -1,23 +1,16 @@
 """The buffer stage: new weights written into twins of the live weights' storages while the
 engine serves, then swapped in by re-pointing tensors, so generation waits for a swap instead of
-a copy; and the policy (``--weight-staging``) that decides whether a change gets one.
+a copy (docs/ENGINE.md, "Staged activation"); and the policy (``--weight-staging``) that decides
+whether a change gets one.
 
-``activate`` re-points every tensor that views a live storage (``memory.py`` maps them) at the
-same place in its twin, assigning a view of the twin built beforehand to ``tensor.data``:
-O(number of tensors), whatever their size. The old storages become the next update's twins, so
-the memory is allocated once. Nothing may go on viewing an old storage after a swap: it would
-keep serving the old weights, and one update later the bytes being staged; the storages'
-reference counts are checked under the lock before every swap, and a swap that finds a viewer
-nobody listed changes nothing and raises ``StagingRefusedError``. The copies into the twins go
-through numpy, which releases the GIL and starts no OpenMP team, so a stage is written on a
-worker thread while the scheduler thread serves (see ``scheduler.py`` for why no second thread
-runs parallel torch operations).
-
-The twins cost a second copy of the weights, allocated at the first update that needs it. ``on``
-always stages; ``auto`` stages when that copy fits in ``--weight-staging-budget`` of the memory
-available then (host ``MemAvailable``, or the GPU's free memory), and otherwise copies in place
-and asks again at the next update; ``off`` always copies in place. Weights that cannot be staged,
-or twins that cannot be allocated, fall back to the in-place copy (``LiveStage``) too.
+The swap assigns to every tensor that views a live storage (``memory.py``) a view of the same
+place in its twin, built beforehand: O(number of tensors), whatever their size; the old storages
+become the next update's twins. Nothing may go on viewing an old storage (it would serve the old
+weights, and one update later the bytes being staged): reference counts are checked under the
+lock before every swap, and one that finds a viewer nobody listed changes nothing. The copies into
+the twins go through numpy, which releases the GIL and starts no OpenMP team, so a stage is
+written on a worker thread while the scheduler thread serves (``scheduler.py`` says why no second
+thread runs parallel torch operations).
 """
 
 from __future__ import annotations
@@ -33,7 +26,7 @@ import torch
 
 from miles.engine.settings import StagingMode
 from miles.engine.weights.memory import StagingUnsupportedError, ViewSpec, WeightMemory
-from miles.engine.weights.stage import LiveStage, Stage
+from miles.engine.weights.stage import LiveStage, Stage, StageState
 from miles.errors import MilesError
 from miles.weights.buckets import copy_and_digest
 from miles.weights.checksum import ModelChecksum
@@ -46,8 +39,8 @@ class StagingRefusedError(MilesError):
 
 
 class StagingBuffers:
-    """The twins of a model's weight storages (once allocated) and the swap. Built once the runner
-    exists (the fused decoder re-points parameters while it is built); one stage at a time."""
+    """The twins of a model's weight storages (once allocated) and the swap; one stage at a time.
+    Built once the runner exists (the fused decoder re-points parameters while it is built)."""
 
     def __init__(self, memory: WeightMemory) -> None:
         self.memory = memory
@@ -217,7 +210,8 @@ class BufferStage(Stage):
             self.discard()
             raise
 
-    def _closed(self) -> None:
+    def _close(self, state: StageState) -> None:
+        super()._close(state)
         self._buffers.closed(self)
 
 
@@ -237,8 +231,11 @@ class StagingReport:
 
 
 class StagingPolicy:
-    """Which stage each change of one engine writes into. ``attach`` runs once on the scheduler
-    thread, the rest on the updating worker thread (one change at a time); ``report`` from anywhere."""
+    """Which stage each change writes into. ``on`` always stages; ``auto`` when the twins fit in
+    ``budget`` of the memory available then (else in place, asking again next time); ``off``
+    never. Weights that cannot be staged, or twins that cannot be allocated, are copied in place
+    too. ``attach`` runs once on the scheduler thread, the rest on the updating worker thread (one
+    change at a time); ``report`` from anywhere."""
 
     def __init__(self, *, mode: StagingMode, budget: float) -> None:
         self._mode = mode

@@ -68,17 +68,15 @@ class Slot:
     spec: ViewSpec
 
 
+@dataclass
 class WeightMemory:
     """The storages of a model's checkpoint tensors, their viewers, and where each tensor lies."""
 
-    def __init__(
-        self, *, storages: list[StorageViews], slots: dict[str, Slot], fills: list[tuple[int, torch.Tensor]]
-    ) -> None:
-        self.storages = storages
-        self.slots = slots
-        # Model tensors on these storages that no checkpoint holds (a non-persistent buffer), with
-        # their storage's index: a stage copies them from the live memory, so a swap keeps them.
-        self.fills = fills
+    storages: list[StorageViews]
+    slots: dict[str, Slot]
+    # Model tensors on these storages that no checkpoint holds (a non-persistent buffer), with
+    # their storage's index: a stage copies them from the live memory, so a swap keeps them.
+    fills: list[tuple[int, torch.Tensor]]
 
     @staticmethod
     def of(model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor] = ()) -> WeightMemory:

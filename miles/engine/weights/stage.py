@@ -1,23 +1,15 @@
-"""What a change writes into: a stage, taken by name from any source.
-
-Every write records the digest of the bytes it left in the stage's memory, so a stage's checksum
-is the checksum of what it holds (names not written keep their live values). Two kinds, one
-interface:
-
-- ``BufferStage`` (``buffers.py``): a second copy of the weights, written and hashed while the
-  engine serves on the first, then swapped in by re-pointing tensors (``activate``), in a time
-  that grows with the number of tensors, not their size. The staging policy there decides
-  whether a change gets one.
-- ``LiveStage``: the live tensors themselves, written in place by a caller that holds the write
-  side of the weights lock on the scheduler thread while generation is paused; ``activate`` has
-  nothing left to do.
+"""What a change writes into: a stage, taking tensors by name from any source. Every write
+records the digest of the bytes it left in the stage's memory, so the stage's checksum is the
+checksum of what it holds (names not written keep their live values). Two kinds: a
+``BufferStage`` (``buffers.py``) beside the live weights, swapped in by ``activate``; and a
+``LiveStage``, the live tensors themselves, written by a caller that holds the write side of the
+weights lock on the scheduler thread with generation paused, so ``activate`` has nothing to do.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
@@ -41,26 +33,23 @@ from miles.weights.safetensors_io import dtype_name
 _PARALLEL_WRITE_BYTES = 16 * 1024 * 1024
 
 
-class _StageState(Enum):
+class StageState(Enum):
     OPEN = "open"
     ACTIVATED = "activated"
     DISCARDED = "discarded"
 
 
 class Stage:
-    """One change's new weights, written by name: ``write``, ``write_with`` for a source that
-    copies itself, ``write_all`` for a whole checkpoint, ``write_bucket`` for a pushed bucket.
-    ``checksum`` hashes what is staged; ``activate`` (under the write side of the weights lock)
-    makes it the live weights, ``discard`` drops it."""
+    """One change's new weights: written (``write``, ``write_with``, ``write_all``,
+    ``write_bucket``), hashed (``checksum``), then made the live weights (``activate``, under the
+    write side of the weights lock) or dropped (``discard``)."""
 
-    # Whether the stage is the live weights (written while generation is paused).
-    in_place: ClassVar[bool]
-    # What the answers' ``timings`` call a write into this stage and its hash.
-    phases: ClassVar[tuple[str, str]]
+    in_place: ClassVar[bool]  # whether the stage is the live weights
+    phases: ClassVar[tuple[str, str]]  # what answers' ``timings`` call a write into it and its hash
 
     def __init__(self, layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
         self._layout = layout
-        self._state = _StageState.OPEN
+        self._state = StageState.OPEN
         self._digests: dict[str, str] = {}
         self._checksum: ModelChecksum | None = None
 
@@ -70,20 +59,16 @@ class Stage:
         return tuple(sorted(self._layout))
 
     def write(self, name: str, tensor: torch.Tensor) -> str:
-        """Stage ``tensor`` as the new value of ``name`` (copied; the source may go after) and
-        return the digest of the bytes staged.
-
-        Raises KeyError for a name the served model does not hold, UnsupportedTensorError for a
-        dtype or shape other than the live tensor's, RuntimeError once the stage is closed.
-        """
+        """Stage a copy of ``tensor`` as the new value of ``name``; returns the digest of the bytes
+        staged. Raises KeyError for a name the served model does not hold, UnsupportedTensorError
+        for another dtype or shape than the live tensor's, RuntimeError once the stage is closed."""
         return self.write_with(name, tensor.dtype, tuple(tensor.shape), lambda target: copy_and_digest(target, tensor))
 
     def write_with(
         self, name: str, dtype: torch.dtype, shape: tuple[int, ...], copy: Callable[[torch.Tensor], str]
     ) -> str:
         """``write`` for a source that copies itself: ``copy(target)`` fills the staged tensor of
-        ``name`` (``dtype`` and ``shape``, checked first as ``write`` checks them) and returns the
-        digest of what it wrote, which this returns."""
+        ``name`` (checked first as ``write`` checks it) and returns the digest of what it wrote."""
         self._require_open()
         live = self._layout.get(name)
         if live is None:
@@ -106,12 +91,9 @@ class Stage:
 
     def write_bucket(self, bucket: Received) -> None:
         """Stage every tensor of ``bucket``, each checked against its digest over the bytes staged
-        (InvalidRequestError for the first that differs).
-
-        A large bucket is written on as many threads as torch may use in this process (the cores
-        the engine was given; the copy and the hash release the GIL), the largest tensors first;
-        the first tensor that fails stops the others from taking more.
-        """
+        (InvalidRequestError for one that differs). A large bucket is written on as many threads as
+        torch may use in this process (the copy and the hash release the GIL), largest first; the
+        first tensor that fails keeps the others from starting."""
         items = sorted(bucket.entries.values(), key=lambda entry: entry.nbytes, reverse=True)
 
         def one(entry: BucketEntry) -> None:
@@ -123,30 +105,18 @@ class Stage:
             for entry in items:
                 one(entry)
             return
-        queue = iter(items)
-        taking = threading.Lock()
-        failed = threading.Event()
-
-        def work() -> None:
-            while not failed.is_set():
-                with taking:
-                    item = next(queue, None)
-                if item is None:
-                    return
-                try:
-                    one(item)
-                except BaseException:
-                    failed.set()
-                    raise
-
         with ThreadPoolExecutor(threads, thread_name_prefix="miles-stage") as pool:
-            workers = [pool.submit(work) for _ in range(threads)]
-        for worker in workers:
-            worker.result()
+            writes = [pool.submit(one, entry) for entry in items]
+            try:
+                for done in writes:
+                    done.result()
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
 
     def checksum(self) -> ModelChecksum:
         """The model checksum of the staged weights, which the live model has once they are
-        activated. Names not written keep their live values (hashed here)."""
+        activated; names not written keep their live values (hashed here)."""
         self._require_open()
         if self._checksum is None:
             for name in self._layout.keys() - self._digests.keys():
@@ -157,30 +127,26 @@ class Stage:
         return self._checksum
 
     def prepare_activation(self) -> None:
-        """Check, before the write lock is taken, what ``activate`` checks again under it (nothing
-        for most stages). Raises StagingRefusedError as ``activate`` does (the stage stays open)."""
+        """Check before the write lock is taken what ``activate`` checks again under it (nothing,
+        for most stages); raises as ``activate`` does, and the stage stays open."""
         self._require_open()
 
     def activate(self) -> ModelChecksum:
         """Make the staged weights the live ones and return their checksum; the caller holds the
-        write side of the weights lock.
-
-        Raises RuntimeError when ``checksum`` was not computed after the last write (only weights
-        whose checksum is known are activated); a buffer stage raises StagingRefusedError as
-        ``BufferStage`` says. Either way nothing changed.
-        """
+        write side of the weights lock. Raises RuntimeError when ``checksum`` was not computed
+        after the last write (only weights whose checksum is known serve), and a buffer stage
+        StagingRefusedError; either way nothing changed."""
         self._require_open()
         if self._checksum is None:
             raise RuntimeError("compute the stage's checksum() before activating it")
         self._swap()
-        self._close(_StageState.ACTIVATED)
+        self._close(StageState.ACTIVATED)
         return self._checksum
 
     def discard(self) -> None:
-        """Drop the stage (a no-op once activated or discarded). The live weights keep what was
-        written into them: nothing for a buffer stage."""
-        if self._state is _StageState.OPEN:
-            self._close(_StageState.DISCARDED)
+        """Drop the stage (a no-op once closed); what a live stage wrote stays in the weights."""
+        if self._state is StageState.OPEN:
+            self._close(StageState.DISCARDED)
 
     def _target(self, name: str) -> torch.Tensor:
         """The tensor a write of ``name`` fills."""
@@ -193,22 +159,16 @@ class Stage:
     def _swap(self) -> None:
         """Make the staged memory the live one (write lock held)."""
 
-    def _close(self, state: _StageState) -> None:
+    def _close(self, state: StageState) -> None:
         self._state = state
-        self._closed()
-
-    def _closed(self) -> None:
-        """Let go of what the stage held (once activated or discarded)."""
 
     def _require_open(self) -> None:
-        if self._state is not _StageState.OPEN:
+        if self._state is not StageState.OPEN:
             raise RuntimeError(f"the weight stage is {self._state.value}; open a new one")
 
 
 class LiveStage(Stage):
-    """The live tensors of ``model`` as a stage: every write lands in the served weights, so the
-    caller writes under the write side of the weights lock, on the scheduler thread, with
-    generation paused; there is nothing to swap."""
+    """The live tensors of ``model`` as a stage: nothing to swap."""
 
     in_place = True
     phases = ("copy", "checksum")
@@ -231,7 +191,8 @@ class LiveStage(Stage):
     def _keep(self, name: str) -> str:
         return digest_tensor(self._live[name])
 
-    def _closed(self) -> None:
-        # Views of the live weights: held past the change, they would make a later buffer swap
-        # find viewers it does not know.
+    def _close(self, state: StageState) -> None:
+        super()._close(state)
+        # Views of the live weights: held past the change, a buffer swap would find viewers it
+        # does not know.
         self._live = {}

@@ -185,11 +185,9 @@ class WeightChanges:
         check_pushed(((e.name, e.torch_dtype(), e.shape) for e in table.entries), self._signature)
 
     async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
-        """Take one bucket of pushed tensors into the stage of its change; the last bucket of an
-        update (``expected_checksum`` given) is confirmed over the whole model before the weights
-        serve. Staged when the policy allows: the engine serves while buckets arrive, and with
-        ``activate=False`` the verified stage waits for ``activate_staged``. Otherwise copied in
-        place: generation pauses at the first bucket and stays paused, the weights unverified,
+        """Take one bucket of pushed tensors into the stage of its change; the last one
+        (``expected_checksum`` given) is confirmed over the whole model before the weights serve.
+        In place, generation pauses at the first bucket and stays paused, the weights unverified,
         until a last bucket's checksum matches.
 
         Raises InvalidRequestError for a tensor the model does not have, or of another dtype or
