@@ -107,7 +107,7 @@ class StagingBuffers:
         self._open = BufferStage(self)
         return self._open
 
-    def view(self, index: int, spec: ViewSpec, dtype: torch.dtype, *, twin: bool) -> torch.Tensor:
+    def view(self, index: int, spec: ViewSpec, *, dtype: torch.dtype, twin: bool) -> torch.Tensor:
         """A tensor viewing ``spec`` of storage ``index``, in its twin (``twin``) or live."""
         storage = self.memory.storages[index]
         source = storage.twin if twin else storage.live
@@ -183,7 +183,7 @@ class BufferStage(Stage):
         if self._checksum is None:
             # Model tensors no checkpoint holds (non-persistent buffers) keep their live values.
             for index, tensor in self._buffers.memory.fills:
-                copy_and_digest(self._buffers.view(index, ViewSpec.of(tensor), tensor.dtype, twin=True), tensor)
+                copy_and_digest(self._buffers.view(index, ViewSpec.of(tensor), dtype=tensor.dtype, twin=True), tensor)
         return super().checksum()
 
     def prepare_activation(self) -> None:
@@ -196,11 +196,11 @@ class BufferStage(Stage):
 
     def _target(self, name: str) -> torch.Tensor:
         slot = self._slots[name]
-        return self._buffers.view(slot.storage, slot.spec, slot.dtype, twin=True)
+        return self._buffers.view(slot.storage, slot.spec, dtype=slot.dtype, twin=True)
 
     def _keep(self, name: str) -> str:
         slot = self._slots[name]
-        live = self._buffers.view(slot.storage, slot.spec, slot.dtype, twin=False)
+        live = self._buffers.view(slot.storage, slot.spec, dtype=slot.dtype, twin=False)
         return copy_and_digest(self._target(name), live)
 
     def _swap(self) -> None:

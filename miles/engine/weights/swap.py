@@ -213,15 +213,15 @@ class WeightChanges:
                     f"this engine cannot stage pushed weights now ({why}); push in a window whose servers "
                     "leave routing for the push, or raise --weight-staging-budget"
                 )
-            if change.stage.in_place:
-                # Checked before anything is copied: a bad tensor must never reach the live weights.
-                await asyncio.to_thread(bucket.verify)
             target = None
             if request.expected_checksum is not None and request.weight_version is not None:
                 missing = "a tensor is missing or differs"
                 target = Target(request.weight_version, request.expected_checksum, source=source, mismatch=missing)
             timings: dict[str, float] = {}
             try:
+                if change.stage.in_place:
+                    # Checked before anything is copied: a bad tensor must never reach the live weights.
+                    await asyncio.to_thread(bucket.verify)
                 outcome = await self._run(
                     change,
                     lambda stage: stage.write_bucket(bucket),
@@ -253,8 +253,8 @@ class WeightChanges:
             target = replace(staged, version=request.weight_version, source="staged weights")
             timings: dict[str, float] = {}
             mode = request.pause_mode or _mode(abort=request.abort_all_requests)
-            async with self._paused(mode, target.source, timings) as requests:
-                outcome = replace(await self._swap(change, target, timings, again=None), requests=requests)
+            async with self._paused(mode, source=target.source, timings=timings) as requests:
+                outcome = replace(await self._swap(change, target, timings=timings, again=None), requests=requests)
             return self._answer(outcome, timings)
 
     async def discard_push(self) -> None:
@@ -316,14 +316,16 @@ class WeightChanges:
                 change.state, change.target = ChangeState.VERIFIED, target
                 message = f"staged and verified; the engine serves {served} until /activate_weights"
                 return Outcome(True, message, checksum.checksum)
-        async with self._paused(mode, source, timings, keep=keep) as requests:
+        async with self._paused(mode, source=source, timings=timings, keep=keep) as requests:
             if not stage.in_place:
                 assert target is not None
-                outcome = await self._swap(change, target, timings, again=again)
+                outcome = await self._swap(change, target, timings=timings, again=again)
             else:
                 # The stage is the live weights: written, hashed and recorded in one section under
                 # the write lock, generation paused.
-                checksum = await self._locked(lambda: self._write_in_place(stage, write, target, timings), timings)
+                checksum = await self._locked(
+                    lambda: self._write_in_place(stage, write, target=target, timings=timings), timings
+                )
                 if target is None or checksum is None:
                     waits = "generation stays paused until the last push is verified"
                     return Outcome(True, f"received {what}; {waits}", requests=requests)
@@ -344,7 +346,7 @@ class WeightChanges:
         return checksum
 
     def _write_in_place(
-        self, stage: Stage, write: Write, target: Target | None, timings: dict[str, float]
+        self, stage: Stage, write: Write, *, target: Target | None, timings: dict[str, float]
     ) -> ModelChecksum | None:
         """Write into the live weights (write lock held, scheduler thread) and, for the last
         write, hash them. The record says what they hash to whatever the outcome (a drift probe
@@ -368,7 +370,7 @@ class WeightChanges:
         return checksum
 
     async def _swap(
-        self, change: _Change, target: Target, timings: dict[str, float], *, again: Write | None
+        self, change: _Change, target: Target, *, timings: dict[str, float], again: Write | None
     ) -> Outcome:
         """Swap a verified buffer stage in, generation paused: its checksum is the live one then,
         since the swap moves no byte (``activate`` in the timings: how long the write lock was
@@ -393,7 +395,7 @@ class WeightChanges:
                     raise
                 live = self._staging.open_stage(self._weights.model())
                 try:
-                    return self._write_in_place(live, again, target, timings)
+                    return self._write_in_place(live, again, target=target, timings=timings)
                 finally:
                     live.discard()
             verified = HeldWeights(version=target.version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
@@ -424,7 +426,7 @@ class WeightChanges:
             f"the weights from {target.source} hash to {checksum.checksum}, not the expected {target.checksum} "
             f"({target.mismatch}); {then}"
         )
-        logger.warning("refused update: %s", message)
+        logger.warning("an update did not verify: %s", message)
         return Outcome(False, message, checksum.checksum)
 
     async def _locked(self, job: Callable[[], T], timings: dict[str, float]) -> T:
@@ -441,7 +443,7 @@ class WeightChanges:
 
     @asynccontextmanager
     async def _paused(
-        self, mode: PauseMode, source: str, timings: dict[str, float], *, keep: bool = False
+        self, mode: PauseMode, *, source: str, timings: dict[str, float], keep: bool = False
     ) -> AsyncIterator[int]:
         """Generation paused for a change in ``mode`` (yields the requests in flight then), and
         given back after it if the weights are verified: a change that leaves them unverified
