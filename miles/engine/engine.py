@@ -3,8 +3,9 @@
 ``Engine`` is the asyncio-facing core behind the HTTP server: it turns requests into scheduler
 sequences (after checking everything they carry against the model, so nothing a client sends can
 fail inside a step), bridges results back from the scheduler thread, and answers for health and
-info. Everything about the served weights (loads, renames, checksums, exports, their identity)
-lives in ``Engine.weights`` (``miles.engine.live_weights``).
+info. The served weights' record, checksums and exports live in ``Engine.weights``
+(``miles.engine.weights.live``), every change to them (loads, pushes, renames) in
+``Engine.changes`` (``miles.engine.weights.swap``).
 """
 
 from __future__ import annotations
@@ -30,15 +31,16 @@ from transformers import (
 )
 
 from miles import __version__
-from miles.engine.live_weights import LiveWeights, WeightsStatus
 from miles.engine.metrics import EngineMetrics
 from miles.engine.model_runner import ModelRunner, build_runner, load_model
-from miles.engine.rwlock import WeightsLock
 from miles.engine.sampling import RowSampler
 from miles.engine.scheduler import GenerationState, Scheduler
 from miles.engine.sequence import Sequence
 from miles.engine.settings import EngineSettings
-from miles.engine.staging import WeightStaging
+from miles.engine.weights.buffers import StagingPolicy
+from miles.engine.weights.live import LiveWeights, WeightsStatus
+from miles.engine.weights.lock import WeightsLock
+from miles.engine.weights.swap import WeightChanges
 from miles.errors import CheckpointError, InvalidRequestError, QueueFullError
 from miles.protocol.compat import SGLANG_VERSION
 from miles.protocol.sglang import GenerateRequest, GenerateResponse, PauseMode, SamplingParams
@@ -116,16 +118,21 @@ class Engine:
             max_running_requests=settings.max_running_requests,
         )
         self.weights = LiveWeights(
-            settings=settings,
-            scheduler=self._scheduler,
             lock=lock,
             model=lambda: self._model,
             tokenizer=self.tokenizer,
             served_model_name=self.served_model_name,
+            snapshot_dir=settings.snapshot_dir,
             version=manifest.weight_version if manifest else DEFAULT_WEIGHT_VERSION,
             loaded_from=self.model_path,
             manifest_checksum=manifest.checksum if manifest else None,
-            staging=WeightStaging(mode=settings.weight_staging, budget=settings.weight_staging_budget),
+        )
+        self._staging = StagingPolicy(mode=settings.weight_staging, budget=settings.weight_staging_budget)
+        self.changes = WeightChanges(
+            weights=self.weights,
+            scheduler=self._scheduler,
+            staging=self._staging,
+            roots=settings.allowed_checkpoint_roots,
         )
         self._in_flight: set[str] = set()
         self.started_at = time.time()
@@ -144,8 +151,10 @@ class Engine:
             self.model, device=self.device, pad_token_id=pad if pad is not None else 0, forward=self.settings.forward
         )
         self.forward_name = runner.name
-        # Over the parameters the runner serves from (the fused decoder re-points them).
-        self.weights.record_loaded(runner_tensors=runner.weight_views())
+        # Over the parameters the runner serves from (the fused decoder re-points them): the
+        # memory a staged change swaps (``ModelRunner.weight_views``).
+        self._staging.attach(self.model, runner_tensors=runner.weight_views())
+        self.weights.record_loaded()
         return runner
 
     @property
@@ -439,7 +448,7 @@ class Engine:
             "weight_version": held.version,
             "checksum": held.checksum,
             "weights_status": held.status.value,
-            "weight_staging": self.weights.staging.as_dict(),
+            "weight_staging": self.changes.staging.as_dict(),
             "uptime_s": time.time() - self.started_at,
             "internal_states": [
                 {

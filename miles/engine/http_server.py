@@ -135,13 +135,22 @@ def create_app(engine: Engine) -> FastAPI:
             return JSONResponse([r.model_dump(mode="json") for r in result])
         return JSONResponse(result.model_dump(mode="json"))
 
+    def answered(
+        result: UpdateWeightsResponse, *, source: str, started: float, received: float | None = None
+    ) -> JSONResponse:
+        """A change's answer (400 when refused), counted in the metrics by where it came from."""
+        engine.metrics.weight_load(source, started=started, success=result.success)
+        body = result.model_dump(mode="json")
+        if received is not None:
+            # Mapping or receiving the bucket.
+            body["timings"] = {"receive": received, **body["timings"]}
+        return JSONResponse(body, status_code=200 if result.success else 400)
+
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest, http_request: Request) -> JSONResponse:
         admit(access, http_request)
         started = time.perf_counter()
-        result = await engine.weights.update_from_disk(request)
-        engine.metrics.weight_load("disk", started=started, success=result.success)
-        return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.success else 400)
+        return answered(await engine.changes.update_from_disk(request), source="disk", started=started)
 
     groups = WeightGroups(device=engine.device)
     sweeps: set[asyncio.Task[list[str]]] = set()
@@ -159,36 +168,20 @@ def create_app(engine: Engine) -> FastAPI:
             sweeps.add(sweep)  # held until it ends: the loop keeps only weak references to tasks
             sweep.add_done_callback(sweeps.discard)
 
-    async def pushed(
-        result: UpdateWeightsResponse, *, source: str, started: float, received: float | None = None
-    ) -> JSONResponse:
-        engine.metrics.weight_load(source, started=started, success=result.success)
-        body = result.model_dump(mode="json")
-        if received is not None:
-            # Mapping or receiving the bucket.
-            body["timings"] = {"receive": received, **body["timings"]}
-        return JSONResponse(body, status_code=200 if result.success else 400)
-
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(
         request: UpdateWeightsFromTensorRequest, http_request: Request
     ) -> JSONResponse:
         admit(access, http_request, activates=request.activate)
         started = time.perf_counter()
-        bucket = await asyncio.to_thread(TensorBucket, request, engine.weights.check_table, device=engine.device)
+        bucket = await asyncio.to_thread(TensorBucket, request, engine.changes.check_table, device=engine.device)
         received = time.perf_counter() - started
+        source = "CUDA IPC" if request.load_format == CUDA_IPC_LOAD_FORMAT else "shared memory"
         try:
-            result = await engine.weights.apply_pushed(
-                bucket.received,
-                weight_version=request.weight_version,
-                expected_checksum=request.expected_checksum,
-                abort_all_requests=request.abort_all_requests,
-                source="CUDA IPC" if request.load_format == CUDA_IPC_LOAD_FORMAT else "shared memory",
-                activate=request.activate,
-            )
+            result = await engine.changes.apply_pushed(bucket.received, request, source=source)
         finally:
             bucket.close()
-        return await pushed(result, source="tensor", started=started, received=received)
+        return answered(result, source="tensor", started=started, received=received)
 
     @app.post("/activate_weights")
     async def activate_weights(request: ActivateWeightsRequest, http_request: Request) -> JSONResponse:
@@ -197,7 +190,7 @@ def create_app(engine: Engine) -> FastAPI:
         access.close_window()
         await window_moved(access.state)
         started = time.perf_counter()
-        return await pushed(await engine.weights.activate_staged(request), source="activate", started=started)
+        return answered(await engine.changes.activate_staged(request), source="activate", started=started)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: InitWeightsUpdateGroupRequest, http_request: Request) -> GroupResponse:
@@ -216,17 +209,10 @@ def create_app(engine: Engine) -> FastAPI:
     ) -> JSONResponse:
         admit(access, http_request, activates=request.activate)
         started = time.perf_counter()
-        async with groups.bucket(request, engine.weights.check_table) as bucket:
+        async with groups.bucket(request, engine.changes.check_table) as bucket:
             received = time.perf_counter() - started
-            result = await engine.weights.apply_pushed(
-                bucket,
-                weight_version=request.weight_version,
-                expected_checksum=request.expected_checksum,
-                abort_all_requests=request.abort_all_requests,
-                source=f"group {request.group_name}",
-                activate=request.activate,
-            )
-        return await pushed(result, source="distributed", started=started, received=received)
+            result = await engine.changes.apply_pushed(bucket, request, source=f"group {request.group_name}")
+        return answered(result, source="distributed", started=started, received=received)
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(
@@ -238,7 +224,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/update_weight_version")
     async def update_weight_version(request: UpdateWeightVersionRequest, http_request: Request) -> dict[str, Any]:
         admit(access, http_request)
-        await engine.weights.rename(request)
+        await engine.changes.rename(request)
         return {"success": True, "message": "weight version updated", "new_version": request.new_version}
 
     @app.post("/pause_generation")
@@ -302,7 +288,7 @@ def create_app(engine: Engine) -> FastAPI:
         await window_moved(state, swept=not request.window_open)
         if not request.window_open:
             # A window ended: what it pushed but did not activate is dropped.
-            await engine.weights.discard_push()
+            await engine.changes.discard_push()
         return state.model_dump()
 
     @app.get("/v1/models")

@@ -47,7 +47,7 @@ class ModelRunner(Protocol[KV]):
     def weight_views(self) -> list[torch.Tensor]:
         """Tensors the runner holds, besides the model's parameters and buffers, that view the
         weights' memory: a staged update re-points them with the parameters
-        (``weight_stage.py``), and refuses to swap while any tensor it was not told of does."""
+        (``weights/buffers.py``), and refuses to swap while any tensor it was not told of does."""
         ...
 
 

@@ -38,9 +38,9 @@ from typing import Generic, TypeVar
 import torch
 
 from miles.engine.model_runner import ModelRunner
-from miles.engine.rwlock import WeightsLock
 from miles.engine.sampling import SamplingFailure, sample_rows
 from miles.engine.sequence import Detokenizer, Sequence
+from miles.engine.weights.lock import WeightsLock
 from miles.protocol.sglang import FinishReason, GenerateResponse, PauseMode
 
 logger = logging.getLogger("miles.engine")
@@ -54,6 +54,15 @@ class GenerationState(Enum):
     SERVING = "serving"  # admit and step
     PAUSED = "paused"  # no admission; the running batch (if any) steps to completion
     HELD = "held"  # no admission, no stepping: running requests wait in place
+
+
+class Pauser(Enum):
+    """Who paused generation, and so who gives it back."""
+
+    CALLER = "caller"  # /pause_generation (or an update told to keep it paused); /continue_generation resumes
+    # A weight change: the change that leaves the weights verified resumes (one that leaves them
+    # unverified keeps generation paused for the next).
+    UPDATE = "update"
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,7 @@ class Scheduler:
         # rows' histories before anything else runs (under the weights lock).
         self._needs_rebuild = False
         self._state = GenerationState.SERVING
+        self._paused_by = Pauser.CALLER  # who moved _state off SERVING, while it is
         self._pending_aborts: list[tuple[str | None, str]] = []  # (rid or None for all, message)
         self._pending_retract = False
         self._in_step = False
@@ -157,9 +167,15 @@ class Scheduler:
             return found + len(running)
 
     def pause(
-        self, mode: PauseMode, *, timeout: float | None = None, message: str = "aborted by pause_generation"
+        self,
+        mode: PauseMode,
+        *,
+        by: Pauser = Pauser.CALLER,
+        timeout: float | None = None,
+        message: str = "aborted by pause_generation",
     ) -> int:
-        """Stop admitting requests and deal with in-flight ones as ``mode`` says.
+        """Stop admitting requests and deal with in-flight ones as ``mode`` says; generation that
+        was serving is paused ``by`` (whoever paused it first keeps it).
 
         Returns when the mode's promise holds: ``drain`` once the running batch finished,
         ``abort`` once it was emptied, ``retract`` once its rows went back to the front of the
@@ -169,6 +185,8 @@ class Scheduler:
         with self._cond:
             in_flight = self._running_count + len(self._waiting)
             in_place = mode is PauseMode.IN_PLACE
+            if self._state is GenerationState.SERVING:
+                self._paused_by = by
 
             def done() -> bool:
                 # in_place waits for the running step only; the other modes for the batch to empty.
@@ -188,10 +206,12 @@ class Scheduler:
                 raise TimeoutError(f"pause({mode.value}) did not complete within {timeout}s")
             return in_flight
 
-    def resume(self) -> None:
+    def resume(self, *, paused_by: Pauser | None = None) -> None:
+        """Serve again; with ``paused_by``, only if that is who paused generation."""
         with self._cond:
-            self._state = GenerationState.SERVING
-            self._cond.notify_all()
+            if paused_by is None or self._paused_by is paused_by:
+                self._state = GenerationState.SERVING
+                self._cond.notify_all()
 
     @property
     def state(self) -> GenerationState:

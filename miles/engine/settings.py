@@ -36,7 +36,7 @@ class Forward(Enum):
 
 
 class StagingMode(Enum):
-    """How a weight update reaches the live weights (``miles.engine.staging``)."""
+    """How a weight update reaches the live weights (``miles.engine.weights.buffers``)."""
 
     # Stage when a second copy of the weights fits in ``weight_staging_budget`` of the memory
     # available when it is first needed, else copy in place.

@@ -17,7 +17,8 @@ import transformers
 from miles.engine.fused_decoder import FusedDecoderRunner, supports
 from miles.engine.model_runner import TransformersRunner, build_runner, load_model
 from miles.engine.settings import Forward
-from miles.engine.weight_loader import apply_update, prepare_update
+from miles.engine.weights.sources import open_verified
+from miles.engine.weights.stage import LiveStage
 from miles.models.presets import build_model, init_checkpoint
 from miles.weights.checkpoint import read_manifest
 
@@ -131,11 +132,10 @@ def test_weight_updates_reach_the_fused_weights(tmp_path: Path) -> None:
     runner = FusedDecoderRunner(model, device=device, pad_token_id=0)
     before, _ = _script(runner, steps=8)
 
-    update = prepare_update(model, tmp_path / "v2")
-    try:
-        checksum = apply_update(update, model)
-    finally:
-        update.close()
+    with open_verified(model, tmp_path / "v2") as checkpoint:
+        stage = LiveStage(model)  # an in-place copy
+        stage.write_all(checkpoint.reader.tensor)
+        checksum = stage.checksum()
     assert checksum.checksum == read_manifest(tmp_path / "v2").checksum
     assert checksum_module(model).checksum == read_manifest(tmp_path / "v2").checksum
 

@@ -19,10 +19,10 @@ from transformers import AutoTokenizer
 
 from miles.engine.fused_decoder import FusedDecoderRunner
 from miles.engine.model_runner import TransformersRunner, load_model
-from miles.engine.rwlock import WeightsLock
 from miles.engine.sampling import RowSampler
 from miles.engine.scheduler import Scheduler
 from miles.engine.sequence import Sequence
+from miles.engine.weights.lock import WeightsLock
 from miles.protocol.sglang import GenerateResponse, SamplingParams
 
 CPU = torch.device("cpu")

@@ -17,15 +17,14 @@ import pytest
 import torch
 import transformers
 
-from miles.engine import live_weights
 from miles.engine.fused_decoder import FusedDecoderRunner
-from miles.engine.live_weights import copy_weights
 from miles.engine.model_runner import ModelRunner, TransformersRunner, load_model
-from miles.engine.rwlock import WeightsLock
 from miles.engine.settings import StagingMode
-from miles.engine.staging import WeightStaging
-from miles.engine.weight_memory import StagingUnsupportedError, references
-from miles.engine.weight_stage import StagingBuffers, StagingRefusedError
+from miles.engine.weights.buffers import StagingBuffers, StagingPolicy, StagingRefusedError
+from miles.engine.weights.export import copy_weights
+from miles.engine.weights.lock import WeightsLock
+from miles.engine.weights.memory import StagingUnsupportedError, references
+from miles.engine.weights.stage import LiveStage
 from miles.errors import ConflictError, InvalidRequestError, UnsupportedTensorError
 from miles.models.presets import build_model
 from miles.testing import bucket_file
@@ -280,13 +279,14 @@ def test_writes_are_checked_and_a_stage_activates_only_once_hashed(versions: Cal
 def test_the_policy_stages_when_asked_and_says_why_not(versions: Callable[[str], dict[str, Path]]) -> None:
     model, runner = _served(versions("llama (preset tiny)")["v1"], "fused")
 
-    def policy(mode: StagingMode, budget: float = 0.5) -> WeightStaging:
-        staging = WeightStaging(mode=mode, budget=budget)
+    def policy(mode: StagingMode, budget: float = 0.5) -> StagingPolicy:
+        staging = StagingPolicy(mode=mode, budget=budget)
         staging.attach(model, runner_tensors=runner.weight_views())
         return staging
 
+    # A policy that does not stage hands out the live weights as the stage (an in-place copy).
     off = policy(StagingMode.OFF)
-    assert off.open_stage() is None
+    assert isinstance(off.open_stage(model), LiveStage)
     assert off.report().as_dict() == {
         "mode": "off",
         "budget": 0.5,
@@ -297,14 +297,14 @@ def test_the_policy_stages_when_asked_and_says_why_not(versions: Callable[[str],
     }
 
     too_small = policy(StagingMode.AUTO, budget=1e-12)
-    assert too_small.open_stage() is None
+    assert isinstance(too_small.open_stage(model), LiveStage)
     report = too_small.report()
     assert report.staging_bytes == 0 and report.weight_bytes > 0 and report.last_update_staged is False
     assert report.reason is not None and "--weight-staging-budget" in report.reason
 
     on = policy(StagingMode.ON, budget=1e-12)  # the budget only matters under auto
-    stage = on.open_stage()
-    assert stage is not None
+    stage = on.open_stage(model)
+    assert not stage.in_place
     stage.discard()
     report = on.report()
     assert report.staging_bytes == report.weight_bytes > 0
@@ -325,7 +325,7 @@ def test_a_pushed_bucket_is_staged_on_two_threads_and_a_bad_digest_stops_it(
     segment = tmp_path / "segment"
     table, flat = bucket_file(new, segment)
     fd = os.open(segment, os.O_RDONLY)
-    monkeypatch.setattr(live_weights, "_PARALLEL_STAGE_BYTES", 0)
+    monkeypatch.setattr("miles.engine.weights.stage._PARALLEL_WRITE_BYTES", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -333,14 +333,14 @@ def test_a_pushed_bucket_is_staged_on_two_threads_and_a_bad_digest_stops_it(
         def received(bucket: BucketTable) -> Received:
             return unpack(bucket, flat) if where == "memory" else from_file(bucket, fd, table.total_bytes)
 
-        stage = buffers.open()
-        live_weights._stage_all(stage, received(table))
-        assert stage.checksum().checksum == read_manifest(paths["v2"]).checksum
-        stage.discard()
+        staged = buffers.open()
+        staged.write_bucket(received(table))
+        assert staged.checksum().checksum == read_manifest(paths["v2"]).checksum
+        staged.discard()
 
         wrong = table.entries[-1].model_copy(update={"digest": "0" * 32})
         with pytest.raises(InvalidRequestError, match=f"{wrong.name!r} arrived with digest"):
-            live_weights._stage_all(buffers.open(), received(BucketTable(entries=(*table.entries[:-1], wrong))))
+            buffers.open().write_bucket(received(BucketTable(entries=(*table.entries[:-1], wrong))))
     finally:
         torch.set_num_threads(threads)
         os.close(fd)
@@ -368,7 +368,7 @@ def test_a_swap_during_an_export_copy_goes_through_and_ends_the_copy(
     """The copy an export takes holds no view of the live weights between its slices, so a staged
     swap that comes between two of them is not refused (it would leave such a view on the old
     weights); the copy then stops, since the weights it copied are no longer the served ones."""
-    monkeypatch.setattr(live_weights, "_EXPORT_SLICE_BYTES", 64)  # thousands of read sections
+    monkeypatch.setattr("miles.engine.weights.export._EXPORT_SLICE_BYTES", 64)  # thousands of read sections
     paths = versions("qwen2, biased qkv (preset small)")
     model, runner = _served(paths["v1"], runner_name)
     buffers = _buffers(model, runner)

@@ -7,9 +7,8 @@ import threading
 import pytest
 import torch
 
-import miles.engine.live_weights as live_weights
-from miles.engine.live_weights import copy_weights
-from miles.engine.rwlock import WeightsLock
+from miles.engine.weights.export import copy_weights
+from miles.engine.weights.lock import WeightsLock
 from miles.errors import ConflictError
 from miles.models.presets import build_model
 from miles.weights.checksum import checksum_module
@@ -31,7 +30,7 @@ def test_the_copy_holds_the_same_weights_in_memory_of_its_own_and_keeps_ties() -
 def test_a_write_meanwhile_waits_for_one_slice_and_ends_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer gets the lock between two slices, long before the copy would have ended; the
     copy then refuses to go on with weights that are no longer the ones it started from."""
-    monkeypatch.setattr(live_weights, "_EXPORT_SLICE_BYTES", 64)  # thousands of read sections
+    monkeypatch.setattr("miles.engine.weights.export._EXPORT_SLICE_BYTES", 64)  # thousands of read sections
     model = build_model("tiny", seed=3)
     lock = WeightsLock()
     writes = lock.writes

@@ -7,7 +7,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from miles.engine.weight_loader import apply_update, prepare_update
+import pytest
+
+from miles.engine.weights.sources import open_verified
+from miles.engine.weights.stage import LiveStage
+from miles.errors import CheckpointError
 from miles.models import build_model, build_tokenizer
 from miles.weights.checkpoint import save_checkpoint
 from miles.weights.checksum import checksum_module
@@ -18,8 +22,11 @@ def test_a_file_cut_after_verification_makes_an_in_place_copy_that_cannot_match(
         tmp_path / "v2", model=build_model("tiny", seed=2), tokenizer=build_tokenizer(), model_name="t", step=2
     )
     model = build_model("tiny", seed=1)
-    update = prepare_update(model, tmp_path / "v2")
-    os.truncate(tmp_path / "v2" / "model.safetensors", 1024)
-    checksum = apply_update(update, model)
+    with open_verified(model, tmp_path / "v2") as checkpoint:
+        os.truncate(tmp_path / "v2" / "model.safetensors", 1024)
+        stage = LiveStage(model)
+        with pytest.raises((OSError, CheckpointError)):
+            stage.write_all(checkpoint.reader.tensor)
+        checksum = stage.checksum()
     assert checksum.checksum != manifest.checksum
     assert checksum.checksum == checksum_module(model).checksum  # what the model holds now

@@ -1,17 +1,16 @@
-"""Where a model's weights live: the storages behind the tensors a checkpoint holds, and every
-tensor object that views them.
+"""Where the live weights lie: the storages behind the tensors a checkpoint holds, every tensor
+object that views them, and (once allocated) their twins.
 
-Staged activation (``weight_stage.py``) swaps whole storages, so it needs this map, and the map
-must be complete: a tensor that views a storage but is missing here would go on reading it after
-the swap. The model's parameters are not independent tensors: the fused decoder makes q/k/v and
-gate/up views of one fused buffer each, tied embeddings share one, and the runner keeps handles of
-its own on the fused buffers (``ModelRunner.weight_views``). Every tensor object holds one
-reference to the storage it views, so a storage's reference count shows a viewer nobody listed
-(``WeightMemory.unknown_viewers``).
+A buffer stage (``buffers.py``) swaps whole storages, so this map must be complete: a tensor that
+views a storage but is missing here would go on reading it after the swap. The fused decoder makes
+q/k/v and gate/up views of one fused buffer each, tied embeddings share one, and the runner keeps
+handles of its own (``ModelRunner.weight_views``). Every tensor object holds one reference to the
+storage it views, so a storage's reference count shows a viewer nobody listed.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ class StagingUnsupportedError(MilesError):
 
 
 @dataclass(frozen=True, slots=True)
-class Placement:
+class ViewSpec:
     """Where a tensor lies in its storage, in elements of its dtype."""
 
     offset: int
@@ -35,19 +34,16 @@ class Placement:
     stride: tuple[int, ...]
 
     @staticmethod
-    def of(tensor: torch.Tensor) -> Placement:
-        return Placement(int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()))
+    def of(tensor: torch.Tensor) -> ViewSpec:
+        return ViewSpec(int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()))
 
-    @property
-    def numel(self) -> int:
-        count = 1
-        for d in self.size:
-            count *= d
-        return count
+    def view(self, storage: torch.UntypedStorage, dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor viewing this place of ``storage``."""
+        return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, self.offset, self.size, self.stride)
 
     def byte_span(self, itemsize: int) -> tuple[int, int]:
-        """The bytes of the storage this placement reaches: ``[begin, end)``."""
-        if self.numel == 0:
+        """The bytes of the storage this view reaches: ``[begin, end)``."""
+        if math.prod(self.size) == 0:
             return (self.offset * itemsize, self.offset * itemsize)
         last = self.offset + sum((d - 1) * s for d, s in zip(self.size, self.stride, strict=True))
         return (self.offset * itemsize, (last + 1) * itemsize)
@@ -55,12 +51,12 @@ class Placement:
 
 @dataclass(slots=True)
 class StorageViews:
-    """One storage the weights live in and every tensor object that views it."""
+    """One storage the weights live in, every tensor object that views it, and its twin."""
 
-    # The storage the viewers view now; a staged swap replaces it with its twin.
-    live: torch.UntypedStorage
+    live: torch.UntypedStorage  # what the viewers view now; a swap trades it for the twin
     viewers: list[torch.Tensor]
     names: list[str]  # the viewers' names, for messages
+    twin: torch.UntypedStorage | None = None  # as large, once allocated
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,55 +65,45 @@ class Slot:
 
     storage: int  # index in WeightMemory.storages
     dtype: torch.dtype
-    placement: Placement
+    spec: ViewSpec
 
 
+@dataclass
 class WeightMemory:
     """The storages of a model's checkpoint tensors, their viewers, and where each tensor lies."""
 
-    def __init__(
-        self, *, storages: list[StorageViews], slots: dict[str, Slot], fills: list[tuple[int, torch.Tensor]]
-    ) -> None:
-        self.storages = storages
-        self.slots = slots
-        # Model tensors on these storages that no checkpoint holds (a non-persistent buffer), with
-        # their storage's index: a stage copies them from the live memory, so a swap keeps them.
-        self.fills = fills
+    storages: list[StorageViews]
+    slots: dict[str, Slot]
+    # Model tensors on these storages that no checkpoint holds (a non-persistent buffer), with
+    # their storage's index: a stage copies them from the live memory, so a swap keeps them.
+    fills: list[tuple[int, torch.Tensor]]
 
     @staticmethod
     def of(model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor] = ()) -> WeightMemory:
-        """The map of ``model``'s weights; ``runner_tensors`` are the tensors the runner holds
-        besides the model's parameters and buffers (``ModelRunner.weight_views``).
-
-        Raises StagingUnsupportedError naming the reason: a tensor that is not dense, tensors that
-        overlap in memory without being the same view, or a storage viewed by a tensor that
-        neither the model nor the runner lists.
-        """
+        """The map of ``model``'s weights; ``runner_tensors``: those the runner holds besides the
+        model's parameters and buffers. Raises StagingUnsupportedError naming the reason: a tensor
+        that is not dense, tensors that overlap in memory without being the same view, or a
+        storage viewed by a tensor that neither the model nor the runner lists."""
         storages, slots = _checkpoint_slots(model)
         index_of = {s.live._cdata: i for i, s in enumerate(storages)}
-        canonical = {(s.storage, s.dtype, s.placement) for s in slots.values()}
+        canonical = {(s.storage, s.dtype, s.spec) for s in slots.values()}
         fills: list[tuple[int, torch.Tensor]] = []
         seen: set[int] = set()
-
-        def add(name: str, tensor: torch.Tensor, *, of_model: bool) -> None:
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        listed = [(name, t, True) for name, t in named]
+        listed += [(f"runner tensor {i}", t, False) for i, t in enumerate(runner_tensors)]
+        for name, tensor, of_model in listed:
             if id(tensor) in seen:
-                return  # one object listed twice (tied weights): one viewer
+                continue  # one object listed twice (tied weights): one viewer
             seen.add(id(tensor))
             index = index_of.get(tensor.untyped_storage()._cdata)
             if index is None:
-                return  # memory no checkpoint writes (a rotary table): no update changes it
+                continue  # memory no checkpoint writes (a rotary table): no update changes it
             _require_dense(tensor, name)
             storages[index].viewers.append(tensor)
             storages[index].names.append(name)
-            if of_model and (index, tensor.dtype, Placement.of(tensor)) not in canonical:
+            if of_model and (index, tensor.dtype, ViewSpec.of(tensor)) not in canonical:
                 fills.append((index, tensor))
-
-        for name, parameter in model.named_parameters(remove_duplicate=False):
-            add(name, parameter, of_model=True)
-        for name, buffer in model.named_buffers(remove_duplicate=False):
-            add(name, buffer, of_model=True)
-        for i, held in enumerate(runner_tensors):
-            add(f"runner tensor {i}", held, of_model=False)
         memory = WeightMemory(storages=storages, slots=slots, fills=fills)
         memory._check_layout()
         unknown = memory.unknown_viewers()
@@ -140,8 +126,7 @@ class WeightMemory:
 
     def unknown_viewers(self) -> list[str]:
         """Storages with more references than their known viewers hold, plus one: the storage
-        object this map keeps (``StorageViews.live``; any other Python object wrapping the same
-        storage is that same object)."""
+        object this map keeps (any other Python object wrapping the same storage is that one)."""
         return [
             f"{s.names[:3]}: {references(s.live) - 1} references, {len(s.viewers)} known"
             for s in self.storages
@@ -162,19 +147,16 @@ class WeightMemory:
         bytes belong to which name, nor copy one without changing the other."""
         spans: dict[int, list[tuple[int, int, str]]] = {}
         for name, slot in self.slots.items():
-            begin, end = slot.placement.byte_span(slot.dtype.itemsize)
-            spans.setdefault(slot.storage, []).append((begin, end, name))
+            spans.setdefault(slot.storage, []).append((*slot.spec.byte_span(slot.dtype.itemsize), name))
         for index, tensor in self.fills:
-            begin, end = Placement.of(tensor).byte_span(tensor.dtype.itemsize)
+            begin, end = ViewSpec.of(tensor).byte_span(tensor.dtype.itemsize)
             spans.setdefault(index, []).append((begin, end, f"a {dtype_name(tensor.dtype)} tensor no checkpoint holds"))
         for entries in spans.values():
             entries.sort()
             for (_, end, first), (begin, _, second) in zip(entries, entries[1:], strict=False):
                 if begin < end:
                     raise StagingUnsupportedError(
-                        "two weight tensors overlap in memory without being the same view",
-                        first=first,
-                        second=second,
+                        "two weight tensors overlap in memory without being the same view", first=first, second=second
                     )
 
 
@@ -186,10 +168,8 @@ def references(storage: torch.UntypedStorage) -> int:
 
 def _checkpoint_slots(model: torch.nn.Module) -> tuple[list[StorageViews], dict[str, Slot]]:
     """The storages holding the tensors a checkpoint of ``model`` holds, and where each lies.
-
     A function of its own so that the state dict's tensors (detached views, each one more
-    reference to its storage) are gone when the caller counts references.
-    """
+    reference to its storage) are gone when the caller counts references."""
     storages: list[StorageViews] = []
     index_of: dict[int, int] = {}
     slots: dict[str, Slot] = {}
@@ -201,7 +181,7 @@ def _checkpoint_slots(model: torch.nn.Module) -> tuple[list[StorageViews], dict[
         index = index_of.setdefault(storage._cdata, len(storages))
         if index == len(storages):
             storages.append(StorageViews(live=storage, viewers=[], names=[]))
-        slots[name] = Slot(storage=index, dtype=tensor.dtype, placement=Placement.of(tensor))
+        slots[name] = Slot(storage=index, dtype=tensor.dtype, spec=ViewSpec.of(tensor))
     return storages, slots
 
 

@@ -1,0 +1,328 @@
+"""The buffer stage: new weights written into twins of the live weights' storages while the
+engine serves, then swapped in by re-pointing tensors, so generation waits for a swap instead of
+a copy (docs/ENGINE.md, "Staged activation"); and the policy (``--weight-staging``) that decides
+whether a change gets one.
+
+The swap assigns to every tensor that views a live storage (``memory.py``) a view of the same
+place in its twin, built beforehand: O(number of tensors), whatever their size; the old storages
+become the next update's twins. Nothing may go on viewing an old storage (it would serve the old
+weights, and one update later the bytes being staged): reference counts are checked under the
+lock before every swap, and one that finds a viewer nobody listed changes nothing. The copies into
+the twins go through numpy, which releases the GIL and starts no OpenMP team, so a stage is
+written on a worker thread while the scheduler thread serves (``scheduler.py`` says why no second
+thread runs parallel torch operations).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from miles.engine.settings import StagingMode
+from miles.engine.weights.memory import StagingUnsupportedError, ViewSpec, WeightMemory
+from miles.engine.weights.stage import LiveStage, Stage, StageState
+from miles.errors import MilesError
+from miles.weights.buckets import copy_and_digest
+from miles.weights.checksum import ModelChecksum
+
+logger = logging.getLogger("miles.engine")
+
+
+class StagingRefusedError(MilesError):
+    """A swap found a tensor nobody listed viewing a live storage; nothing was changed."""
+
+
+class StagingBuffers:
+    """The twins of a model's weight storages (once allocated) and the swap; one stage at a time.
+    Built once the runner exists (the fused decoder re-points parameters while it is built)."""
+
+    def __init__(self, memory: WeightMemory) -> None:
+        self.memory = memory
+        self._open: BufferStage | None = None
+        # While a stage is open: each viewer with a view of its twin at the same place, and where
+        # it lies in the live storage (to put it back should the swap fail half-way).
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._restore: list[tuple[torch.UntypedStorage, ViewSpec]] = []
+
+    @staticmethod
+    def build(model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor] = ()) -> StagingBuffers:
+        """Raises StagingUnsupportedError as ``WeightMemory.of`` does; allocates nothing yet."""
+        return StagingBuffers(WeightMemory.of(model, runner_tensors=runner_tensors))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one copy of the staged weights: what the twins cost."""
+        return self.memory.nbytes
+
+    @property
+    def spares(self) -> tuple[torch.UntypedStorage | None, ...]:
+        """The twins, in the order of ``memory.storages`` (None until allocated)."""
+        return tuple(s.twin for s in self.memory.storages)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(spare.nbytes() for spare in self.spares if spare is not None)
+
+    def allocate(self) -> None:
+        """Allocate the twins (once). Raises what the allocator raises (``torch.OutOfMemoryError``,
+        ``RuntimeError``) when the memory is not there."""
+        for storage in self.memory.storages:
+            if storage.twin is None:
+                storage.twin = torch.UntypedStorage(storage.live.nbytes(), device=storage.live.device)
+
+    def release(self) -> None:
+        """Give the twins' memory back (staging is given up for good)."""
+        if self._open is not None:
+            self._open.discard()
+        for storage in self.memory.storages:
+            storage.twin = None
+        self._pairs, self._restore = [], []
+
+    def open(self) -> BufferStage:
+        """The stage for the next update, writing into the twins. Raises RuntimeError when they are
+        not allocated or another stage is open, StagingRefusedError when some tensor no longer
+        views the storage it was found on."""
+        if any(spare is None for spare in self.spares):
+            raise RuntimeError("allocate() the staging buffers before opening a stage")
+        if self._open is not None:
+            raise RuntimeError("a weight stage is already open; activate or discard it first")
+        moved = self.memory.viewers_moved()
+        if moved:
+            raise StagingRefusedError("tensors no longer view the memory the staging buffers know", tensors=moved[:5])
+        # Built here, outside the write lock, so that the swap only rebinds each viewer; the last
+        # stage's views are freed here too.
+        self._pairs, self._restore = [], []
+        for storage in self.memory.storages:
+            assert storage.twin is not None
+            for tensor in storage.viewers:
+                spec = ViewSpec.of(tensor)
+                self._pairs.append((tensor, spec.view(storage.twin, tensor.dtype)))
+                self._restore.append((storage.live, spec))
+        self._open = BufferStage(self)
+        return self._open
+
+    def view(self, index: int, spec: ViewSpec, *, dtype: torch.dtype, twin: bool) -> torch.Tensor:
+        """A tensor viewing ``spec`` of storage ``index``, in its twin (``twin``) or live."""
+        storage = self.memory.storages[index]
+        source = storage.twin if twin else storage.live
+        assert source is not None, "the twins are allocated before a stage opens"
+        return spec.view(source, dtype)
+
+    def check_swap(self) -> None:
+        """Raise StagingRefusedError when a tensor nobody listed views a live storage."""
+        unknown = self.memory.unknown_viewers()
+        if unknown:
+            # A reference cycle can keep a dead temporary view alive until the collector runs;
+            # only a viewer that survives a collection is real.
+            gc.collect()
+            unknown = self.memory.unknown_viewers()
+        if unknown:
+            raise StagingRefusedError(
+                "some weight memory is viewed by tensors the staging buffers do not know; swapping would "
+                "leave them on the old weights",
+                storages=unknown[:3],
+            )
+
+    def warm(self) -> None:
+        """Read every viewer and twin view once, so the swap finds them in cache (staging has just
+        streamed the whole model through it)."""
+        for tensor, twin in self._pairs:
+            tensor.data_ptr()
+            twin.data_ptr()
+
+    def swap(self) -> None:
+        """Re-point every viewer at its twin, then trade live and twin storages. All or nothing: a
+        viewer that cannot be moved puts back those already moved."""
+        self.check_swap()
+        done = 0
+        with torch.no_grad():
+            try:
+                # Assigning .data takes the twin view's storage, offset, size and stride into the
+                # same tensor object, as set_ would, in a sixth of its time (no argument parsing):
+                # 0.05 ms for 400 tensors.
+                for tensor, twin in self._pairs:
+                    tensor.data = twin
+                    done += 1
+            except BaseException:
+                for (tensor, _), (live, p) in zip(self._pairs[:done], self._restore[:done], strict=True):
+                    tensor.set_(live, p.offset, p.size, p.stride)
+                raise
+        for storage in self.memory.storages:
+            assert storage.twin is not None
+            storage.live, storage.twin = storage.twin, storage.live
+
+    def closed(self, stage: BufferStage) -> None:
+        if self._open is stage:
+            # The twin views reference what is now (after a swap) the live memory; they must go
+            # before the next swap counts its references, but freeing ~400 tensors is a tenth of
+            # a millisecond the write lock need not wait for: the next open() drops them.
+            self._open = None
+
+
+class BufferStage(Stage):
+    """One update's new weights in the twins, while the live ones serve. Writes may run on any
+    threads (of different names at once), the checksum once they are done. ``activate`` raises
+    StagingRefusedError when a tensor nobody listed views a live storage (nothing changed, and
+    the stage is discarded)."""
+
+    in_place = False
+    phases = ("stage_write", "stage_checksum")
+
+    def __init__(self, buffers: StagingBuffers) -> None:
+        self._buffers = buffers
+        self._slots = buffers.memory.slots
+        super().__init__({name: (slot.dtype, slot.spec.size) for name, slot in self._slots.items()})
+
+    def checksum(self) -> ModelChecksum:
+        if self._checksum is None:
+            # Model tensors no checkpoint holds (non-persistent buffers) keep their live values.
+            for index, tensor in self._buffers.memory.fills:
+                copy_and_digest(self._buffers.view(index, ViewSpec.of(tensor), dtype=tensor.dtype, twin=True), tensor)
+        return super().checksum()
+
+    def prepare_activation(self) -> None:
+        """Check before the write lock is taken what ``activate`` checks again under it, and bring
+        the tensors it moves into cache: a refusal is known without holding the lock, and the swap
+        after staging 1 GB took 0.2 ms instead of 0.45 (500M parameters, 363 tensors)."""
+        super().prepare_activation()
+        self._buffers.check_swap()
+        self._buffers.warm()
+
+    def _target(self, name: str) -> torch.Tensor:
+        slot = self._slots[name]
+        return self._buffers.view(slot.storage, slot.spec, dtype=slot.dtype, twin=True)
+
+    def _keep(self, name: str) -> str:
+        slot = self._slots[name]
+        live = self._buffers.view(slot.storage, slot.spec, dtype=slot.dtype, twin=False)
+        return copy_and_digest(self._target(name), live)
+
+    def _swap(self) -> None:
+        try:
+            self._buffers.swap()
+        except StagingRefusedError:
+            self.discard()
+            raise
+
+    def _close(self, state: StageState) -> None:
+        super()._close(state)
+        self._buffers.closed(self)
+
+
+@dataclass(frozen=True)
+class StagingReport:
+    """What ``/get_server_info`` says about staging (``weight_staging``)."""
+
+    mode: StagingMode
+    budget: float
+    weight_bytes: int = 0  # one copy of the weights, what staging costs (0: not staged, or off)
+    staging_bytes: int = 0  # allocated now: 0 until the first staged update, then for good
+    last_update_staged: bool | None = None  # whether the last verified update was (None: none yet)
+    reason: str | None = None  # why updates are copied in place now, when they are
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "mode": self.mode.value}
+
+
+class StagingPolicy:
+    """Which stage each change writes into. ``on`` always stages; ``auto`` when the twins fit in
+    ``budget`` of the memory available then (else in place, asking again next time); ``off``
+    never. Weights that cannot be staged, or twins that cannot be allocated, are copied in place
+    too. ``attach`` runs once on the scheduler thread, the rest on the updating worker thread (one
+    change at a time); ``report`` from anywhere."""
+
+    def __init__(self, *, mode: StagingMode, budget: float) -> None:
+        self._mode = mode
+        self._budget = budget
+        self._buffers: StagingBuffers | None = None
+        off = mode is StagingMode.OFF
+        self._report = StagingReport(mode=mode, budget=budget, reason="--weight-staging off" if off else None)
+
+    def attach(self, model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor]) -> None:
+        """Find the storages of the loaded model's weights (no memory is allocated yet)."""
+        if self._mode is StagingMode.OFF:
+            return
+        try:
+            buffers = StagingBuffers.build(model, runner_tensors=runner_tensors)
+        except StagingUnsupportedError as exc:
+            logger.warning("weight updates will be copied in place: %s", exc)
+            self._report = replace(self._report, reason=f"the weights cannot be staged: {exc}")
+            return
+        self._buffers = buffers
+        self._report = replace(self._report, weight_bytes=buffers.nbytes)
+
+    def open_stage(self, model: torch.nn.Module) -> Stage:
+        """A stage for the next change: the buffers (allocated on first use) when the policy
+        allows, else ``model``'s live tensors (the report says why)."""
+        stage = self._open()
+        self._report = replace(self._report, last_update_staged=stage is not None)
+        return stage if stage is not None else LiveStage(model)
+
+    def give_up(self, reason: str) -> None:
+        """Stop staging for good and free the twins (a swap was refused: see ``BufferStage``)."""
+        logger.error("weight updates will be copied in place from now on: %s", reason)
+        if self._buffers is not None:
+            self._buffers.release()
+        self._buffers = None
+        self._report = replace(self._report, staging_bytes=0, last_update_staged=False, reason=reason)
+
+    def report(self) -> StagingReport:
+        return self._report
+
+    def _open(self) -> BufferStage | None:
+        buffers = self._buffers
+        if buffers is None:
+            return None
+        if any(spare is None for spare in buffers.spares):
+            if self._mode is StagingMode.AUTO:
+                available = available_memory(buffers.memory.device)
+                if available is None or buffers.nbytes > self._budget * available:
+                    seen = "unknown" if available is None else f"{available} bytes"
+                    self._report = replace(
+                        self._report,
+                        reason=f"a second copy of the weights ({buffers.nbytes} bytes) does not fit in "
+                        f"{self._budget:g} of the available memory ({seen}); raise --weight-staging-budget "
+                        "or free memory",
+                    )
+                    return None
+            try:
+                buffers.allocate()
+            except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+                buffers.release()
+                logger.warning("could not allocate %d bytes to stage weights: %s", buffers.nbytes, exc)
+                self._report = replace(
+                    self._report, reason=f"the staging copy ({buffers.nbytes} bytes) could not be allocated: {exc}"
+                )
+                return None
+            self._report = replace(self._report, staging_bytes=buffers.allocated_bytes, reason=None)
+        try:
+            return buffers.open()
+        except StagingRefusedError as exc:
+            self.give_up(f"staging was given up: {exc}")
+            return None
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can be allocated on ``device`` now without pushing anything out, or None when
+    unknown: the GPU's free memory, else ``MemAvailable`` (which counts reclaimable page cache),
+    else the free pages ``sysconf`` reports."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass  # not Linux, or an unexpected format: ask sysconf
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None

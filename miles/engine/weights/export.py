@@ -1,0 +1,134 @@
+"""Exporting the weights an engine holds as a sealed miles checkpoint (``POST /export_weights``).
+
+A restarted peer can then load exactly these weights, verified by their manifest, instead of
+waiting for training to publish again. The weights are copied a slice at a time (``copy_weights``),
+so updates and generation go on while the copy is written; the written checkpoint must still hash
+to the checksum the engine recorded for them.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from miles.engine.weights.lock import WeightsLock
+from miles.errors import CheckpointError, ChecksumMismatchError, ConflictError
+from miles.weights.checkpoint import read_manifest, save_checkpoint
+
+# Each part of a snapshot's directory name stays well inside NAME_MAX (255 bytes) in all.
+_MAX_PART_CHARS = 96
+
+
+def snapshot_path(snapshot_dir: Path, *, model_name: str, weight_version: str, checksum: str) -> Path:
+    """``snapshot_dir/<model>-<version>-<checksum[:16]>``, with characters that are unsafe in a
+    directory name replaced by ``_``: the same weights under the same name map to the same path."""
+    return snapshot_dir / f"{_safe(model_name)}-{_safe(weight_version)}-{checksum[:16]}"
+
+
+def export_snapshot(
+    model: PreTrainedModel,
+    *,
+    tokenizer: Any,
+    snapshot_dir: Path,
+    model_name: str,
+    weight_version: str,
+    checksum: str,
+    step: int,
+) -> Path:
+    """Write ``model`` (whose checksum is ``checksum``) under ``snapshot_dir`` and return the path.
+
+    An existing snapshot of the same name whose manifest has this checksum is reused as it is.
+    The caller must keep the weights from changing until this returns.
+
+    Raises:
+        ChecksumMismatchError: the written checkpoint does not hash to ``checksum`` (the caller's
+            record of the weights is wrong); nothing is left at the path.
+        CheckpointError / OSError: the snapshot could not be written (permissions, disk space).
+    """
+    target = snapshot_path(snapshot_dir, model_name=model_name, weight_version=weight_version, checksum=checksum)
+    if target.is_dir():
+        try:
+            if read_manifest(target).checksum == checksum:
+                return target
+        except CheckpointError:
+            pass  # not a sealed snapshot (a leftover of something else): written again below
+    manifest = save_checkpoint(
+        target,
+        model=model,
+        tokenizer=tokenizer,
+        model_name=model_name,
+        step=step,
+        weight_version=weight_version,
+        overwrite=target.exists(),
+    )
+    if manifest.checksum != checksum:
+        # save_checkpoint already held the files to the live model; a difference here means the
+        # engine's record of what it holds is wrong, and a snapshot named after it would lie.
+        shutil.rmtree(target, ignore_errors=True)
+        raise ChecksumMismatchError(
+            "the exported weights do not hash to the checksum the engine records for them",
+            expected=checksum,
+            actual=manifest.checksum,
+            path=str(target),
+        )
+    return target
+
+
+def _safe(part: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", part)[:_MAX_PART_CHARS] or "_"
+
+
+def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what: str) -> PreTrainedModel:
+    """A copy of ``model``, taken a slice at a time, each under the read side of ``lock``: an
+    update that commits meanwhile waits for one slice, not for the whole copy (its swap runs
+    between two generation steps, which would wait with it), and ends the copy, whose weights are
+    no longer the ones served. Between two slices nothing here views the live weights (a staged
+    swap refuses to leave a tensor it does not know on the old ones).
+
+    ``writes``: ``lock.writes`` when the caller read the record of the weights (``what``).
+
+    Raises ConflictError: the weights changed since (and the copy is dropped).
+    """
+    copied, pairs = _empty_copy(model)
+    for live, target in pairs:
+        # A tensor that is not contiguous is copied whole, in one section.
+        step = _EXPORT_SLICE_BYTES // live.element_size() if live.is_contiguous() else live.numel()
+        for start in range(0, max(live.numel(), 1), max(step, 1)):
+            with lock.read():
+                if lock.writes != writes:
+                    raise ConflictError(
+                        f"the weights changed while they were copied ({what} then); ask again to copy the ones "
+                        "held now",
+                    )
+                with torch.no_grad():
+                    if step >= live.numel():
+                        target.copy_(live)
+                    else:
+                        target.view(-1)[start : start + step].copy_(live.view(-1)[start : start + step])
+    return copied
+
+
+# What one read section of an export copies: what an update's swap may wait for.
+_EXPORT_SLICE_BYTES = 16 * 1024 * 1024
+
+
+def _empty_copy(model: PreTrainedModel) -> tuple[PreTrainedModel, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A copy of ``model`` whose parameters and buffers are new, unfilled tensors (tied ones stay
+    tied), and the (live, copy) pairs to fill them from: the model's own tensor objects, so that
+    holding them adds no view of the live memory."""
+    memo: dict[int, Any] = {}
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in memo:
+            continue
+        empty = torch.empty_like(tensor)
+        is_parameter = isinstance(tensor, torch.nn.Parameter)
+        memo[id(tensor)] = torch.nn.Parameter(empty, requires_grad=tensor.requires_grad) if is_parameter else empty
+        pairs.append((tensor, empty))
+    return copy.deepcopy(model, memo), pairs

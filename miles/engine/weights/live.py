@@ -1,0 +1,177 @@
+"""The live record: what the served weights are, and the operations that read them whole.
+
+``HeldWeights`` (version, checksum, verified or not) is replaced whole under the write side of the
+weights lock whenever the weights or their name change, so a probe never reads a version paired
+with another version's checksum. The checksum is never stale: it is computed once at start-up, by
+every change (``swap.py``: over the memory it wrote, the live weights after an in-place copy or
+the staged ones before they are swapped in, whatever it hashes to) and by every
+``/weights_checker``; a rename keeps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from miles.engine.weights.export import copy_weights, export_snapshot
+from miles.engine.weights.lock import WeightsLock
+from miles.errors import ConflictError
+from miles.protocol.sglang import (
+    ExportWeightsRequest,
+    ExportWeightsResponse,
+    WeightVersionResponse,
+)
+from miles.weights.checksum import ModelChecksum, checksum_module
+
+logger = logging.getLogger("miles.engine")
+
+
+class WeightsStatus(Enum):
+    """Whether the live weights are known to equal a verified checkpoint."""
+
+    VERIFIED = "verified"
+    # Written in place but not (yet) hashing to what was expected: generation stays paused until
+    # good weights are loaded or pushed.
+    UNVERIFIED = "unverified"
+
+
+@dataclass(frozen=True)
+class HeldWeights:
+    """The identity of the weights the engine holds now (replaced whole, never torn)."""
+
+    version: str
+    # The model checksum of the weights held now; None only until the model has loaded.
+    checksum: str | None
+    status: WeightsStatus
+
+
+class LiveWeights:
+    """The served weights' record and the operations that read them; coroutines run on the event loop."""
+
+    def __init__(
+        self,
+        *,
+        lock: WeightsLock,
+        model: Callable[[], PreTrainedModel],
+        tokenizer: Any,
+        served_model_name: str,
+        snapshot_dir: Path | None,
+        version: str,
+        loaded_from: Path,
+        manifest_checksum: str | None,
+    ) -> None:
+        self.lock = lock
+        self.model = model
+        self._tokenizer = tokenizer
+        self._served_model_name = served_model_name
+        self._snapshot_dir = snapshot_dir
+        self._held = HeldWeights(version=version, checksum=None, status=WeightsStatus.VERIFIED)
+        # This process's identity in every report of the weights: a restart makes a new one.
+        self._instance_id = uuid.uuid4().hex
+        self._start_manifest_checksum = manifest_checksum
+        self._loaded_from = loaded_from
+        # One export at a time: two writing the same snapshot would race for its directory.
+        self._export_lock = asyncio.Lock()
+
+    @property
+    def held(self) -> HeldWeights:
+        return self._held
+
+    @property
+    def loaded_from(self) -> Path:
+        """The checkpoint directory the weights were last loaded from."""
+        return self._loaded_from
+
+    def identity(self) -> WeightVersionResponse:
+        """What the weights held now are (version and checksum), from one consistent record."""
+        held = self._held
+        return WeightVersionResponse(weight_version=held.version, checksum=held.checksum, instance_id=self._instance_id)
+
+    def record(self, held: HeldWeights, *, loaded_from: Path | None = None) -> None:
+        """Record what the weights are now (and the checkpoint they came from); the caller holds
+        the write side of the lock, under which the weights changed."""
+        self._held = held
+        if loaded_from is not None:
+            self._loaded_from = loaded_from
+
+    def record_loaded(self) -> None:
+        """Record the checksum of the weights just loaded at start-up, before serving begins, so
+        the identity probes read is never without one (a hash pass at memory speed)."""
+        checksum = checksum_module(self.model()).checksum
+        self._held = replace(self._held, checksum=checksum)
+        if self._start_manifest_checksum not in (None, checksum):
+            logger.warning(
+                "the weights loaded from %s hash to %s but its manifest says %s; the engine reports what it holds",
+                self._loaded_from,
+                checksum,
+                self._start_manifest_checksum,
+            )
+
+    def require_verified(self, action: str) -> None:
+        """Raises ConflictError (409) while the weights are unverified."""
+        if self._held.status is WeightsStatus.UNVERIFIED:
+            raise ConflictError(
+                "the engine holds unverified weights after a failed update; load a good checkpoint "
+                f"with /update_weights_from_disk before {action}",
+            )
+
+    async def checksum(self) -> ModelChecksum:
+        """The checksum of the weights held right now (recomputed, and recorded as theirs)."""
+
+        def compute() -> ModelChecksum:
+            with self.lock.read():
+                result = checksum_module(self.model())
+                # Still under the read lock: no change can write the weights before this is recorded.
+                self._held = replace(self._held, checksum=result.checksum)
+                return result
+
+        return await asyncio.to_thread(compute)
+
+    async def export(self, request: ExportWeightsRequest) -> ExportWeightsResponse:
+        """Write the weights held now as a sealed checkpoint under ``--snapshot-dir``.
+
+        Raises ConflictError (409) when export is not enabled, the weights are unverified, or
+        they changed while they were copied.
+        """
+        snapshot_dir = self._snapshot_dir
+        if snapshot_dir is None:
+            raise ConflictError(
+                "weight export is not enabled on this engine; start it with --snapshot-dir DIR "
+                "(the directory exported checkpoints are written under)",
+            )
+
+        def export() -> ExportWeightsResponse:
+            # A copy of the weights and their record, then written to disk without any lock (see
+            # ``copy_weights``). A worker thread, not the scheduler's.
+            with self.lock.read():
+                self.require_verified("exporting")
+                held = self._held
+                assert held.checksum is not None, "the checksum is recorded before the engine serves"
+                writes = self.lock.writes
+            model = copy_weights(self.model(), self.lock, writes=writes, what=f"weights {held.version}")
+            try:
+                path = export_snapshot(
+                    model,
+                    tokenizer=self._tokenizer,
+                    snapshot_dir=snapshot_dir,
+                    model_name=self._served_model_name,
+                    weight_version=held.version,
+                    checksum=held.checksum,
+                    step=request.step,
+                )
+            finally:
+                del model
+            return ExportWeightsResponse(
+                success=True, path=str(path), checksum=held.checksum, weight_version=held.version
+            )
+
+        async with self._export_lock:
+            return await asyncio.to_thread(export)

@@ -1,0 +1,269 @@
+"""Where a change's bytes come from, checked before any of them is written: a checkpoint
+verified whole and matched against the live model, or pushed buckets whose tensors it has.
+
+A checkpoint's path is checked first (roots, symlinks), then every tensor of it is read and its
+digest checked against its manifest, then every name, shape and dtype is matched against the live
+model, all while generation goes on: a refused checkpoint never touches the weights. Files are
+read, never memory-mapped (a mapped file cut short while in use kills the process with SIGBUS):
+one that changes after the verification makes a stage whose checksum cannot match, never a crash.
+A plain Hugging Face directory (no miles manifest) loads the same way when the caller names the
+checksum it expects: its files are hashed into an in-memory manifest, which must carry that
+checksum. A pushed bucket's table is checked against the model before anything is received; its
+bytes are checked against their digests as they are written (``Stage.write_bucket``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from miles.errors import (
+    CheckpointError,
+    InvalidRequestError,
+    ManifestMissingError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from miles.weights.checkpoint import CheckpointReader, Manifest, VerificationReport, open_checkpoint, verify_checkpoint
+from miles.weights.checksum import saved_state_dict
+from miles.weights.manifest import manifest_from_files
+from miles.weights.paths import checked_path, files_outside_roots, inside_roots
+from miles.weights.safetensors_io import SafetensorsFile, dtype_name
+
+# A model's tensors by checkpoint name, as (dtype, shape): what every change must match.
+Signature = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """A valid checkpoint that does not fit the served model (other names, shapes or dtypes)."""
+
+
+class UnexpectedChecksumError(CheckpointError):
+    """The checkpoint is not the one the caller expects: its checksum differs from
+    ``expected_checksum``. ``computed`` is the checksum hashed from its files, when that was done."""
+
+    def __init__(self, message: str, *, computed: str | None, **context: object) -> None:
+        self.computed = computed
+        super().__init__(message, **context)
+
+
+def signature(model: torch.nn.Module) -> Signature:
+    """The (dtype, shape) of every tensor a checkpoint of ``model`` holds. Not the tensors: a held
+    view of the live weights would keep their memory alive past a staged swap."""
+    return {name: (t.dtype, tuple(t.shape)) for name, t in saved_state_dict(model).items()}
+
+
+def checkpoint_path(raw: str, *, roots: tuple[Path, ...]) -> Path:
+    """The checkpoint directory ``raw`` names, checked before any filesystem call sees the text.
+
+    Raises InvalidRequestError for bad text or an unreadable path, PermissionDeniedError for a
+    directory outside ``roots`` (when there are any) or holding entries that resolve outside them,
+    NotFoundError for a path that is not a directory.
+    """
+    path = checked_path(raw, field="model_path")
+    if not inside_roots(path, roots):
+        raise PermissionDeniedError(
+            f"model_path {str(path)!r} is outside the allowed checkpoint roots; put the checkpoint "
+            "under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS",
+            allowed=[str(r) for r in roots],
+        )
+    try:
+        is_dir = path.is_dir()
+    except OSError as exc:  # e.g. a resolved path longer than the system allows
+        raise InvalidRequestError(f"model_path {str(path)[:200]!r} cannot be read: {exc.strerror}") from exc
+    if not is_dir:
+        raise NotFoundError(f"model_path {str(path)!r} is not a directory")
+    # The directory is inside a root, but each file in it may be a symlink to anywhere: every
+    # entry must resolve inside a root too, or reading it would leave them.
+    outside = files_outside_roots(path, roots)
+    if outside:
+        raise PermissionDeniedError(
+            f"checkpoint {str(path)!r} holds entries that resolve outside the allowed checkpoint roots: "
+            f"{', '.join(outside[:10])}{' ...' if len(outside) > 10 else ''}; copy the files into the "
+            "checkpoint instead of linking them, or extend MILES_ALLOWED_CHECKPOINT_ROOTS",
+            allowed=[str(r) for r in roots],
+        )
+    return path
+
+
+@dataclass
+class VerifiedCheckpoint:
+    """A checkpoint verified whole and matched against the live model: what a load writes."""
+
+    reader: CheckpointReader
+    checkpoint_checksum: str  # the model checksum its files hashed to
+    timings: dict[str, float]  # seconds to open, verify and match it
+
+    def __enter__(self) -> VerifiedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.close()
+
+
+def open_verified(
+    model: torch.nn.Module, checkpoint: Path, *, expected_checksum: str | None = None, weight_version: str | None = None
+) -> VerifiedCheckpoint:
+    """Open and fully verify ``checkpoint`` and match it against ``model``'s tensors.
+
+    With a manifest, the files are verified against it and, when ``expected_checksum`` is given,
+    the manifest's checksum must equal it. Without one, ``expected_checksum`` and
+    ``weight_version`` are required and the checksum hashed from the files must equal the
+    expected one.
+
+    Raises CheckpointError (missing, corrupt or truncated checkpoint, digest mismatch, a plain
+    directory without the expected checksum or a version), UnexpectedChecksumError (not the
+    checkpoint the caller expects) or IncompatibleCheckpointError (names, shapes or dtypes differ
+    from the live model), naming what is wrong.
+    """
+    started = time.perf_counter()
+    try:
+        reader = open_checkpoint(checkpoint)
+    except ManifestMissingError:
+        reader = _open_plain(checkpoint, expected_checksum=expected_checksum, weight_version=weight_version)
+        computed, opened = reader.manifest.checksum, time.perf_counter()
+        verified = opened  # its files were hashed as it was opened
+    except CheckpointError:
+        # The files could not even be mapped; a full verification names every problem.
+        _verified(checkpoint, lambda: verify_checkpoint(checkpoint))
+        raise
+    except OSError as exc:
+        # Unreadable files (a directory where the manifest should be, no permission): the
+        # checkpoint is refused like any other bad one, never a failure of the engine.
+        raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
+    else:
+        opened = time.perf_counter()
+        computed = _verify_manifest(reader, checkpoint, expected_checksum=expected_checksum)
+        verified = time.perf_counter()
+    try:
+        _match(signature(model), reader, checkpoint)
+    except BaseException:
+        reader.close()
+        raise
+    timings = {"open": opened - started, "verify": verified - opened, "match": time.perf_counter() - verified}
+    return VerifiedCheckpoint(reader=reader, checkpoint_checksum=computed, timings=timings)
+
+
+def _verify_manifest(reader: CheckpointReader, checkpoint: Path, *, expected_checksum: str | None) -> str:
+    """Verify every file of ``reader`` against its manifest and return the checksum hashed from
+    them; the reader is closed when this raises."""
+    try:
+        manifest_checksum = reader.manifest.checksum
+        if expected_checksum is not None and expected_checksum != manifest_checksum:
+            # Refused before hashing: whatever the files hold, this is not the checkpoint asked for.
+            raise UnexpectedChecksumError(  # noqa: TRY301  # the except below closes the reader, re-raises
+                "the checkpoint's manifest names another checksum than expected_checksum; "
+                "load the checkpoint the caller expects, or fix expected_checksum",
+                computed=None,
+                expected=expected_checksum,
+                manifest=manifest_checksum,
+                path=str(checkpoint),
+            )
+        report = _verified(checkpoint, reader.verify)
+    except BaseException:
+        reader.close()
+        raise
+    assert report.checksum is not None  # a hashed report without problems has its checksum
+    return report.checksum
+
+
+def _open_plain(checkpoint: Path, *, expected_checksum: str | None, weight_version: str | None) -> CheckpointReader:
+    """A reader over the plain Hugging Face directory ``checkpoint``, whose manifest is hashed
+    from its files here and must carry ``expected_checksum``. Raises CheckpointError naming what
+    is missing or wrong, UnexpectedChecksumError when the files hash to another checksum."""
+    if expected_checksum is None:
+        raise CheckpointError(
+            "the checkpoint has no miles manifest (miles_manifest.json) to verify it against: seal it with "
+            "`miles checkpoint seal` or pass expected_checksum",
+            path=str(checkpoint),
+        )
+    if weight_version is None:
+        raise CheckpointError(
+            "a checkpoint without a miles manifest has no weight version of its own; pass weight_version",
+            path=str(checkpoint),
+        )
+    try:
+        name = checkpoint.name or "checkpoint"
+        manifest = manifest_from_files(checkpoint, model_name=name, step=0, weight_version=weight_version)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
+    if manifest.checksum != expected_checksum:
+        raise UnexpectedChecksumError(
+            f"the checkpoint's files hash to {manifest.checksum}, not to the expected checksum "
+            f"{expected_checksum}; it is another checkpoint, or it was changed or corrupted",
+            computed=manifest.checksum,
+            path=str(checkpoint),
+        )
+    return _reader(checkpoint, manifest)
+
+
+def _reader(checkpoint: Path, manifest: Manifest) -> CheckpointReader:
+    with ExitStack() as stack:
+        try:
+            files = {name: stack.enter_context(SafetensorsFile(checkpoint / name)) for name in sorted(manifest.files)}
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
+        reader = CheckpointReader(directory=checkpoint, manifest=manifest, files=files)
+        stack.pop_all()  # the reader owns the open files now
+    return reader
+
+
+def _verified(checkpoint: Path, verify: Callable[[], VerificationReport]) -> VerificationReport:
+    """``verify()``'s report; raises CheckpointError naming the problems it found (first five)."""
+    try:
+        report = verify()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
+    if not report.ok:
+        problems = "; ".join(f"{p.kind.value}: {p.message}" for p in report.problems[:5])
+        more = f" (and {len(report.problems) - 5} more)" if len(report.problems) > 5 else ""
+        raise CheckpointError(f"checkpoint failed verification: {problems}{more}", path=str(checkpoint))
+    return report
+
+
+def _match(layout: Signature, reader: CheckpointReader, checkpoint: Path) -> None:
+    names = set(reader.tensor_names)
+    missing, extra = sorted(set(layout) - names), sorted(names - set(layout))
+    if missing or extra:
+        raise IncompatibleCheckpointError(
+            "checkpoint tensors do not match the served model; it was written for another architecture",
+            path=str(checkpoint),
+            missing=missing[:5] or None,
+            unexpected=extra[:5] or None,
+        )
+    for name, (dtype, shape) in layout.items():
+        info = reader.info(name)
+        if tuple(info.shape) != shape or info.dtype != dtype:
+            raise IncompatibleCheckpointError(
+                "checkpoint tensor differs in shape or dtype from the served model",
+                path=str(checkpoint),
+                tensor=name,
+                expected=f"{dtype_name(dtype)}{list(shape)}",
+                actual=f"{dtype_name(info.dtype)}{list(info.shape)}",
+            )
+
+
+def check_pushed(pushed: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], live: Signature) -> None:
+    """Raise InvalidRequestError unless every pushed (name, dtype, shape) names a live tensor of
+    that dtype and shape. Compared as numbers: a shape no tensor could have (2**40 x 2**40) is
+    refused by the comparison, never allocated, even on the meta device."""
+    for name, dtype, shape in pushed:
+        target = live.get(name)
+        if target is None:
+            raise InvalidRequestError(f"the model has no tensor {name!r}; push the names its checkpoint has")
+        if target != (dtype, tuple(shape)):
+            raise InvalidRequestError(
+                f"tensor {name!r} is pushed as {dtype}{_shape_text(shape)}, but the model holds "
+                f"{target[0]}{list(target[1])}"
+            )
+
+
+def _shape_text(shape: Iterable[int]) -> str:
+    """A shape as a list, cut short past 8 dimensions (a hostile one may have thousands)."""
+    dims = list(shape)
+    return str(dims) if len(dims) <= 8 else f"[{', '.join(map(str, dims[:8]))}, ... ({len(dims)} dimensions)]"

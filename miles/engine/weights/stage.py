@@ -1,0 +1,198 @@
+"""What a change writes into: a stage, taking tensors by name from any source. Every write
+records the digest of the bytes it left in the stage's memory, so the stage's checksum is the
+checksum of what it holds (names not written keep their live values). Two kinds: a
+``BufferStage`` (``buffers.py``) beside the live weights, swapped in by ``activate``; and a
+``LiveStage``, the live tensors themselves, written by a caller that holds the write side of the
+weights lock on the scheduler thread with generation paused, so ``activate`` has nothing to do.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
+from typing import ClassVar
+
+import torch
+
+from miles.errors import UnsupportedTensorError
+from miles.weights.buckets import BucketEntry, Received, copy_and_digest
+from miles.weights.checksum import (
+    ModelChecksum,
+    TensorDigest,
+    checksum_from_digests,
+    copy_and_checksum,
+    digest_tensor,
+    saved_state_dict,
+)
+from miles.weights.safetensors_io import dtype_name
+
+# Below this many bytes a bucket is written on one thread: more cost more than they save.
+_PARALLEL_WRITE_BYTES = 16 * 1024 * 1024
+
+
+class StageState(Enum):
+    OPEN = "open"
+    ACTIVATED = "activated"
+    DISCARDED = "discarded"
+
+
+class Stage:
+    """One change's new weights: written (``write``, ``write_with``, ``write_all``,
+    ``write_bucket``), hashed (``checksum``), then made the live weights (``activate``, under the
+    write side of the weights lock) or dropped (``discard``)."""
+
+    in_place: ClassVar[bool]  # whether the stage is the live weights
+    phases: ClassVar[tuple[str, str]]  # what answers' ``timings`` call a write into it and its hash
+
+    def __init__(self, layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        self._layout = layout
+        self._state = StageState.OPEN
+        self._digests: dict[str, str] = {}
+        self._checksum: ModelChecksum | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names the stage takes: the tensors a checkpoint of the served model holds."""
+        return tuple(sorted(self._layout))
+
+    def write(self, name: str, tensor: torch.Tensor) -> str:
+        """Stage a copy of ``tensor`` as the new value of ``name``; returns the digest of the bytes
+        staged. Raises KeyError for a name the served model does not hold, UnsupportedTensorError
+        for another dtype or shape than the live tensor's, RuntimeError once the stage is closed."""
+        return self.write_with(name, tensor.dtype, tuple(tensor.shape), lambda target: copy_and_digest(target, tensor))
+
+    def write_with(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], copy: Callable[[torch.Tensor], str]
+    ) -> str:
+        """``write`` for a source that copies itself: ``copy(target)`` fills the staged tensor of
+        ``name`` (checked first as ``write`` checks it) and returns the digest of what it wrote."""
+        self._require_open()
+        live = self._layout.get(name)
+        if live is None:
+            raise KeyError(f"{name!r} is not a tensor of the served model; stage the names Stage.names lists")
+        if (dtype, tuple(shape)) != live:
+            raise UnsupportedTensorError(
+                "a staged tensor must have the dtype and shape of the live one",
+                tensor=name,
+                live=f"{dtype_name(live[0])}{list(live[1])}",
+                staged=f"{dtype_name(dtype)}{list(shape)}",
+            )
+        self._checksum = None
+        digest = self._digests[name] = copy(self._target(name))
+        return digest
+
+    def write_all(self, source: Callable[[str], torch.Tensor]) -> None:
+        """Stage ``source(name)`` for every name in ``names`` (a whole checkpoint)."""
+        for name in self.names:
+            self.write(name, source(name))
+
+    def write_bucket(self, bucket: Received) -> None:
+        """Stage every tensor of ``bucket``, each checked against its digest over the bytes staged
+        (InvalidRequestError for one that differs). A large bucket is written on as many threads as
+        torch may use in this process (the copy and the hash release the GIL), largest first; the
+        first tensor that fails keeps the others from starting."""
+        items = sorted(bucket.entries.values(), key=lambda entry: entry.nbytes, reverse=True)
+
+        def one(entry: BucketEntry) -> None:
+            copy = functools.partial(bucket.copy_into, entry.name)
+            bucket.check(entry.name, self.write_with(entry.name, entry.torch_dtype(), entry.shape, copy))
+
+        threads = min(torch.get_num_threads(), len(items))
+        if threads < 2 or sum(e.nbytes for e in items) < _PARALLEL_WRITE_BYTES:
+            for entry in items:
+                one(entry)
+            return
+        with ThreadPoolExecutor(threads, thread_name_prefix="miles-stage") as pool:
+            writes = [pool.submit(one, entry) for entry in items]
+            try:
+                for done in writes:
+                    done.result()
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
+
+    def checksum(self) -> ModelChecksum:
+        """The model checksum of the staged weights, which the live model has once they are
+        activated; names not written keep their live values (hashed here)."""
+        self._require_open()
+        if self._checksum is None:
+            for name in self._layout.keys() - self._digests.keys():
+                self._digests[name] = self._keep(name)
+            digests = [TensorDigest(n, dtype_name(d), s, self._digests[n]) for n, (d, s) in self._layout.items()]
+            num_bytes = sum(dtype.itemsize * math.prod(shape) for dtype, shape in self._layout.values())
+            self._checksum = checksum_from_digests(digests, num_bytes=num_bytes)
+        return self._checksum
+
+    def prepare_activation(self) -> None:
+        """Check before the write lock is taken what ``activate`` checks again under it (nothing,
+        for most stages); raises as ``activate`` does, and the stage stays open."""
+        self._require_open()
+
+    def activate(self) -> ModelChecksum:
+        """Make the staged weights the live ones and return their checksum; the caller holds the
+        write side of the weights lock. Raises RuntimeError when ``checksum`` was not computed
+        after the last write (only weights whose checksum is known serve), and a buffer stage
+        StagingRefusedError; either way nothing changed."""
+        self._require_open()
+        if self._checksum is None:
+            raise RuntimeError("compute the stage's checksum() before activating it")
+        self._swap()
+        self._close(StageState.ACTIVATED)
+        return self._checksum
+
+    def discard(self) -> None:
+        """Drop the stage (a no-op once closed); what a live stage wrote stays in the weights."""
+        if self._state is StageState.OPEN:
+            self._close(StageState.DISCARDED)
+
+    def _target(self, name: str) -> torch.Tensor:
+        """The tensor a write of ``name`` fills."""
+        raise NotImplementedError
+
+    def _keep(self, name: str) -> str:
+        """Make the stage hold the live value of ``name`` (not written) and return its digest."""
+        raise NotImplementedError
+
+    def _swap(self) -> None:
+        """Make the staged memory the live one (write lock held)."""
+
+    def _close(self, state: StageState) -> None:
+        self._state = state
+
+    def _require_open(self) -> None:
+        if self._state is not StageState.OPEN:
+            raise RuntimeError(f"the weight stage is {self._state.value}; open a new one")
+
+
+class LiveStage(Stage):
+    """The live tensors of ``model`` as a stage: nothing to swap."""
+
+    in_place = True
+    phases = ("copy", "checksum")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._live = saved_state_dict(model)
+        super().__init__({name: (t.dtype, tuple(t.shape)) for name, t in self._live.items()})
+
+    def write_all(self, source: Callable[[str], torch.Tensor]) -> None:
+        # One thread: the caller is the engine's torch thread (see scheduler.py), and copy_ still
+        # uses its intra-op threads; each slice is hashed right after it is written.
+        self._require_open()
+        self._checksum = None
+        written = copy_and_checksum(self._live, source, threads=1)
+        self._digests.update({name: d.digest for name, d in written.tensors.items()})
+
+    def _target(self, name: str) -> torch.Tensor:
+        return self._live[name]
+
+    def _keep(self, name: str) -> str:
+        return digest_tensor(self._live[name])
+
+    def _close(self, state: StageState) -> None:
+        super()._close(state)
+        # Views of the live weights: held past the change, a buffer swap would find viewers it
+        # does not know.
+        self._live = {}

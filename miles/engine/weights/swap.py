@@ -1,0 +1,497 @@
+"""Every change of the live weights, one sequence: stage, verify, swap.
+
+A load and a push differ only in where the bytes come from (``sources.py``); the staging policy
+(``buffers.py``) picks the stage. Then: write into it, each tensor checked against its digest as
+it is copied (a push writes a bucket per call into its change's stage); hash it, refusing a
+mismatch before anything serves; pause generation as the change asks; swap, under the write side
+of the weights lock on the scheduler thread between two steps; resume once the weights are
+verified. A buffer stage is written and hashed while the engine serves and swapped by re-pointing
+tensors, so generation waits only for that (with ``activate=False`` a verified push waits for
+``/activate_weights``). The live stage is written and hashed in that locked section itself,
+generation paused first, and leaves nothing to swap; if it hashes to something else the weights
+stay unverified and generation paused until a good load or push. A swap the buffers refuse gives
+staging up: a load then copies in place under the same lock, a push is refused. One change at a
+time; a load, or a push finding no change taking buckets, supersedes one left unfinished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from enum import Enum
+from functools import cached_property
+from pathlib import Path
+from typing import TypeVar
+
+from miles.engine.scheduler import GenerationState, Pauser, Scheduler
+from miles.engine.weights.buffers import StagingPolicy, StagingRefusedError, StagingReport
+from miles.engine.weights.live import HeldWeights, LiveWeights, WeightsStatus
+from miles.engine.weights.sources import (
+    Signature,
+    UnexpectedChecksumError,
+    check_pushed,
+    checkpoint_path,
+    open_verified,
+    signature,
+)
+from miles.engine.weights.stage import Stage
+from miles.errors import CheckpointError, ConflictError, InvalidRequestError, Refusal
+from miles.protocol.sglang import (
+    ActivateWeightsRequest,
+    PauseMode,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightsResponse,
+    UpdateWeightVersionRequest,
+)
+from miles.weights.buckets import BucketTable, Received
+from miles.weights.checksum import ModelChecksum
+
+logger = logging.getLogger("miles.engine")
+
+T = TypeVar("T")
+PushRequest = UpdateWeightsFromTensorRequest | UpdateWeightsFromDistributedRequest
+Write = Callable[[Stage], None]  # writes a change's bytes into a stage
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one call of a change ended: what its answer says."""
+
+    success: bool
+    message: str
+    checksum: str | None = None  # what the stage hashed to, when it was hashed
+    requests: int = 0  # in flight when generation paused for it
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a change's weights must hash to, and what they are once they do."""
+
+    version: str
+    checksum: str
+    source: str  # where the bytes came from, for the answer
+    mismatch: str  # what a stage hashing to something else means
+    loaded_from: Path | None = None  # a load's checkpoint directory
+
+
+class ChangeState(Enum):
+    WRITING = "writing"  # taking a push's buckets
+    VERIFIED = "verified"  # hashed to its target beside the live weights; waits for /activate_weights
+
+
+@dataclass
+class _Change:
+    """One change: its stage and how far it came (a push's lives between its calls)."""
+
+    stage: Stage
+    state: ChangeState = ChangeState.WRITING
+    target: Target | None = None  # once verified
+
+
+class WeightChanges:
+    """Every change of the served weights: loads, pushes and their activation, renames.
+    Coroutines run on the event loop."""
+
+    def __init__(
+        self, *, weights: LiveWeights, scheduler: Scheduler, staging: StagingPolicy, roots: tuple[Path, ...]
+    ) -> None:
+        self._weights = weights
+        self._scheduler = scheduler
+        self._staging = staging
+        self._roots = roots
+        self._lock = asyncio.Lock()  # one change at a time (the next waits)
+        self._change: _Change | None = None  # a push taking buckets, or verified until activated
+        # Loads in progress, held here so a load whose caller went away is not collected mid-way.
+        self._loads: set[asyncio.Future[UpdateWeightsResponse]] = set()
+
+    @property
+    def staging(self) -> StagingReport:
+        """Whether updates are staged, and what staging holds (``/get_server_info``)."""
+        return self._staging.report()
+
+    async def update_from_disk(self, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
+        """Load a checkpoint into the live weights. Raises as ``checkpoint_path`` for a path that
+        is not allowed or not a directory; a checkpoint that fails validation is answered with
+        ``success=False`` and leaves the old weights serving."""
+        path = await asyncio.to_thread(checkpoint_path, request.model_path, roots=self._roots)
+        # Once started, a load runs to its end even if its caller goes away: a worker thread still
+        # writing a stage (or copying) for a cancelled task would race the next load for its memory.
+        load = asyncio.ensure_future(self._load(path, request))
+        self._loads.add(load)
+        load.add_done_callback(self._loads.discard)
+        return await asyncio.shield(load)
+
+    async def _load(self, path: Path, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
+        async with self._lock:
+            self._drop()  # a push that never finished (or was never activated) is superseded
+            model = self._weights.model()
+            try:
+                checkpoint = await asyncio.to_thread(
+                    open_verified,
+                    model,
+                    path,
+                    expected_checksum=request.expected_checksum,
+                    weight_version=request.weight_version,
+                )
+            except CheckpointError as exc:
+                logger.warning("refused checkpoint %s: %s", path, exc)
+                computed = exc.computed if isinstance(exc, UnexpectedChecksumError) else None
+                return self._answer(Outcome(False, str(exc)), {}, checkpoint_checksum=computed)
+            with checkpoint:
+                reader, timings = checkpoint.reader, checkpoint.timings
+                opening = time.perf_counter()
+                change = _Change(await asyncio.to_thread(self._staging.open_stage, model))
+                if not change.stage.in_place:
+                    timings["stage_open"] = time.perf_counter() - opening
+                target = Target(
+                    version=request.weight_version or reader.manifest.weight_version,
+                    checksum=reader.manifest.checksum,
+                    source=str(reader.directory),
+                    mismatch="the files changed after they were verified",
+                    loaded_from=Path(reader.directory),
+                )
+
+                def write(stage: Stage) -> None:
+                    stage.write_all(reader.tensor)
+
+                try:
+                    outcome = await self._run(
+                        change,
+                        write,
+                        target=target,
+                        what=f"checkpoint {reader.directory}",
+                        timings=timings,
+                        mode=_mode(abort=request.abort_all_requests),
+                        source="update_weights_from_disk",
+                        keep=request.keep_pause,
+                        again=write,
+                    )
+                finally:
+                    change.stage.discard()  # a no-op once activated
+            if "copy" in timings:
+                # A load in place hashes every slice as it copies it: one phase, as answers name it.
+                timings["copy_and_checksum"] = timings.pop("copy") + timings.pop("checksum", 0.0)
+            return self._answer(outcome, timings, checkpoint_checksum=checkpoint.checkpoint_checksum)
+
+    def check_table(self, table: BucketTable) -> None:
+        """Raise InvalidRequestError unless every tensor of ``table`` is one the model holds, with
+        its dtype and shape (checked before anything is received or allocated)."""
+        check_pushed(((e.name, e.torch_dtype(), e.shape) for e in table.entries), self._signature)
+
+    async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
+        """Take one bucket of pushed tensors into the stage of its change; the last one
+        (``expected_checksum`` given) is confirmed over the whole model before the weights serve.
+        In place, generation pauses at the first bucket and stays paused, the weights unverified,
+        until a last bucket's checksum matches.
+
+        Raises InvalidRequestError for a tensor the model does not have, or of another dtype or
+        shape, and for one whose bytes do not match their digest (before it is copied in place;
+        staged, the push is dropped); ConflictError for a push that must stage
+        (``activate=False``) on an engine that cannot stage now.
+        """
+        if request.expected_checksum is not None and request.weight_version is None:
+            raise InvalidRequestError(
+                "the last push of an update (with expected_checksum) must name its weight_version"
+            )
+        async with self._lock:
+            check_pushed(((e.name, e.torch_dtype(), e.shape) for e in bucket.entries.values()), self._signature)
+            change = self._change
+            if change is None or change.state is not ChangeState.WRITING:
+                self._drop()  # staged weights never activated are superseded by this push
+                stage = await asyncio.to_thread(self._staging.open_stage, self._weights.model())
+                change = self._change = _Change(stage)
+            if change.stage.in_place and not request.activate:
+                self._drop()
+                why = self._staging.report().reason or "staging is off"
+                raise ConflictError(
+                    f"this engine cannot stage pushed weights now ({why}); push in a window whose servers "
+                    "leave routing for the push, or raise --weight-staging-budget",
+                    refusal=Refusal.CANNOT_STAGE,
+                )
+            target = None
+            if request.expected_checksum is not None and request.weight_version is not None:
+                missing = "a tensor is missing or differs"
+                target = Target(request.weight_version, request.expected_checksum, source=source, mismatch=missing)
+            timings: dict[str, float] = {}
+            try:
+                if change.stage.in_place:
+                    # Checked before anything is copied: a bad tensor must never reach the live weights.
+                    await asyncio.to_thread(bucket.verify)
+                outcome = await self._run(
+                    change,
+                    lambda stage: stage.write_bucket(bucket),
+                    target=target,
+                    what=f"{len(bucket.entries)} tensors",
+                    timings=timings,
+                    mode=_mode(abort=request.abort_all_requests),
+                    source=source,
+                    activate=request.activate,
+                )
+            except InvalidRequestError:
+                self._drop()
+                raise
+            return self._answer(outcome, timings)
+
+    async def activate_staged(self, request: ActivateWeightsRequest) -> UpdateWeightsResponse:
+        """Serve the pushed weights staged and verified earlier (``activate=False``): pause running
+        requests as asked, swap, resume. Raises ConflictError when no staged weights hash to
+        ``expected_checksum``."""
+        async with self._lock:
+            change = self._change
+            staged = change.target if change is not None and change.state is ChangeState.VERIFIED else None
+            if change is None or staged is None or staged.checksum != request.expected_checksum:
+                have = "nothing is staged" if staged is None else f"the staged weights hash to {staged.checksum}"
+                raise ConflictError(
+                    f"no staged weights hash to {request.expected_checksum} ({have}); push them first with "
+                    "activate=false"
+                )
+            target = replace(staged, version=request.weight_version, source="staged weights")
+            timings: dict[str, float] = {}
+            mode = request.pause_mode or _mode(abort=request.abort_all_requests)
+            async with self._paused(mode, source=target.source, timings=timings) as requests:
+                outcome = replace(await self._swap(change, target, timings=timings, again=None), requests=requests)
+            return self._answer(outcome, timings)
+
+    async def discard_push(self) -> None:
+        """Drop a push that never reached its last bucket (its window ended): staged, the live
+        weights never changed; copied in place, they stay unverified. Staged and verified weights
+        stay until activated or superseded (the window's commit activates them after closing it)."""
+        async with self._lock:
+            if self._change is not None and self._change.state is ChangeState.WRITING:
+                self._drop()
+
+    async def rename(self, request: UpdateWeightVersionRequest) -> None:
+        """Serve the same weights under ``new_version`` (between two steps: the write side)."""
+        if request.abort_all_requests:
+            self._scheduler.abort(None, message="aborted by update_weight_version")
+
+        def rename() -> None:
+            with self._weights.lock.write():
+                self._weights.record(replace(self._weights.held, version=request.new_version))
+
+        await asyncio.to_thread(rename)
+
+    # --- the sequence ----------------------------------------------------------------------
+
+    async def _run(
+        self,
+        change: _Change,
+        write: Write,
+        *,
+        target: Target | None,
+        what: str,
+        timings: dict[str, float],
+        mode: PauseMode,
+        source: str,
+        keep: bool = False,
+        activate: bool = True,
+        again: Write | None = None,
+    ) -> Outcome:
+        """Write ``what`` into the change's stage; for its last write (``target``), hash it, refuse
+        a mismatch and swap it in, generation paused in ``mode`` (``source`` asks; ``keep`` leaves
+        it paused), unless it waits for /activate_weights. ``again`` writes every byte once more,
+        where the source can (a load): a refused swap then copies in place."""
+        stage = change.stage
+        if not stage.in_place:
+            try:
+                hashed = target is not None
+                checksum = await asyncio.to_thread(self._write, stage, write, hashed=hashed, timings=timings)
+            except (OSError, CheckpointError) as exc:
+                # The files became unreadable after they were verified; the live weights never changed.
+                self._drop(change)
+                logger.warning("refused staged update: %s could not be staged: %s", what, exc)
+                return Outcome(False, f"{what} could not be staged: {exc}")
+            served = self._weights.held.version
+            if target is None or checksum is None:
+                return Outcome(True, f"staged {what}; the engine serves {served} meanwhile")
+            if checksum.checksum != target.checksum:
+                self._drop(change)
+                return self._judge(checksum, target, in_place=False)
+            if not activate:
+                change.state, change.target = ChangeState.VERIFIED, target
+                message = f"staged and verified; the engine serves {served} until /activate_weights"
+                return Outcome(True, message, checksum.checksum)
+        async with self._paused(mode, source=source, timings=timings, keep=keep) as requests:
+            if not stage.in_place:
+                assert target is not None
+                outcome = await self._swap(change, target, timings=timings, again=again)
+            else:
+                # The stage is the live weights: written, hashed and recorded in one section under
+                # the write lock, generation paused.
+                checksum = await self._locked(
+                    lambda: self._write_in_place(stage, write, target=target, timings=timings), timings
+                )
+                if target is None or checksum is None:
+                    waits = "generation stays paused until the last push is verified"
+                    return Outcome(True, f"received {what}; {waits}", requests=requests)
+                self._drop(change)
+                outcome = self._judge(checksum, target, in_place=True)
+        return replace(outcome, requests=requests)
+
+    def _write(self, stage: Stage, write: Write, *, hashed: bool, timings: dict[str, float]) -> ModelChecksum | None:
+        """Write into ``stage`` and, with ``hashed``, hash it: one thread hop."""
+        started = time.perf_counter()
+        write(stage)
+        written = time.perf_counter()
+        timings[stage.phases[0]] = written - started
+        if not hashed:
+            return None
+        checksum = stage.checksum()
+        timings[stage.phases[1]] = time.perf_counter() - written
+        return checksum
+
+    def _write_in_place(
+        self, stage: Stage, write: Write, *, target: Target | None, timings: dict[str, float]
+    ) -> ModelChecksum | None:
+        """Write into the live weights (write lock held, scheduler thread) and, for the last
+        write, hash them. The record says what they hash to whatever the outcome (a drift probe
+        must see an unverified copy for what it is); the version moves only with a match."""
+        held = self._weights.held
+        self._weights.record(replace(held, status=WeightsStatus.UNVERIFIED))
+        try:
+            checksum = self._write(stage, write, hashed=target is not None, timings=timings)
+        except (OSError, CheckpointError) as exc:
+            # The files became unreadable (cut, rewritten) after they were verified, part of the
+            # way through the copy: what the model holds now is hashed, and cannot match.
+            logger.error("copying into the live weights failed part of the way: %s", exc)  # noqa: TRY400
+            checksum = stage.checksum() if target is not None else None
+        if checksum is None or target is None:
+            return None
+        if checksum.checksum == target.checksum:
+            verified = HeldWeights(version=target.version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
+            self._weights.record(verified, loaded_from=target.loaded_from)
+        else:
+            self._weights.record(replace(held, checksum=checksum.checksum, status=WeightsStatus.UNVERIFIED))
+        return checksum
+
+    async def _swap(
+        self, change: _Change, target: Target, *, timings: dict[str, float], again: Write | None
+    ) -> Outcome:
+        """Swap a verified buffer stage in, generation paused: its checksum is the live one then,
+        since the swap moves no byte (``activate`` in the timings: how long the write lock was
+        held, what generation waited for). A swap the buffers refuse (some tensor would keep the
+        old weights) gives staging up; ``again`` then copies in place under the same lock, else
+        nothing changed."""
+        stage = change.stage
+        try:
+            stage.prepare_activation()
+        except StagingRefusedError as exc:
+            # Maybe a reader holding the weights for a moment (an export, a checksum): checked
+            # again under the write lock, once every reader is gone; only a refusal there is final.
+            logger.info("the swap's check before the lock was refused (checked again under it): %s", exc)
+
+        def swap() -> ModelChecksum | None:
+            locked = time.perf_counter()
+            try:
+                checksum = stage.activate()
+            except StagingRefusedError as exc:
+                self._staging.give_up(f"a swap was refused: {exc}")
+                if again is None:
+                    raise
+                live = self._staging.open_stage(self._weights.model())
+                try:
+                    return self._write_in_place(live, again, target=target, timings=timings)
+                finally:
+                    live.discard()
+            verified = HeldWeights(version=target.version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
+            self._weights.record(verified, loaded_from=target.loaded_from)
+            timings["activate"] = time.perf_counter() - locked
+            return checksum
+
+        try:
+            checksum = await self._locked(swap, timings)
+        except StagingRefusedError as exc:
+            message = f"the pushed weights could not be swapped in ({exc}); nothing changed, push them again"
+            logger.warning("refused staged update: %s", message)
+            return Outcome(False, message)
+        finally:
+            self._drop(change)
+        assert checksum is not None
+        return self._judge(checksum, target, in_place=True)
+
+    def _judge(self, checksum: ModelChecksum, target: Target, *, in_place: bool) -> Outcome:
+        """A last write's stage hashed to ``checksum``: served if that is the target's, else
+        refused (in place: generation stays paused on unverified weights)."""
+        if checksum.checksum == target.checksum:
+            return Outcome(True, f"Succeeded to update model weights from {target.source}.", checksum.checksum)
+        then = "generation stays paused until good weights are loaded"
+        if not in_place:
+            then = f"nothing changed, the engine serves {self._weights.held.version}"
+        message = (
+            f"the weights from {target.source} hash to {checksum.checksum}, not the expected {target.checksum} "
+            f"({target.mismatch}); {then}"
+        )
+        logger.warning("an update did not verify: %s", message)
+        return Outcome(False, message, checksum.checksum)
+
+    async def _locked(self, job: Callable[[], T], timings: dict[str, float]) -> T:
+        """Run ``job`` on the scheduler thread between two steps (the one torch thread), under the
+        write side of the weights lock."""
+
+        def run() -> T:
+            waiting = time.perf_counter()
+            with self._weights.lock.write():
+                timings["write_lock_wait"] = time.perf_counter() - waiting
+                return job()
+
+        return await asyncio.to_thread(self._scheduler.call, run)
+
+    @asynccontextmanager
+    async def _paused(
+        self, mode: PauseMode, *, source: str, timings: dict[str, float], keep: bool = False
+    ) -> AsyncIterator[int]:
+        """Generation paused for a change in ``mode`` (yields the requests in flight then), and
+        given back after it if the weights are verified: a change that leaves them unverified
+        leaves generation paused for the next good one to resume. With ``keep`` (``keep_pause``)
+        the pause is the caller's to give back. Generation the caller had paused stays paused; an
+        aborting mode then only aborts what is queued."""
+        message, requests, started = f"aborted by {source}", 0, time.perf_counter()
+        if self._scheduler.state is GenerationState.SERVING:
+            by = Pauser.CALLER if keep else Pauser.UPDATE
+            requests = await asyncio.to_thread(self._scheduler.pause, mode, by=by, message=message)
+        elif mode is PauseMode.ABORT:
+            self._scheduler.abort(None, message=message)
+        timings["pause"] = time.perf_counter() - started
+        try:
+            yield requests
+        finally:
+            if not keep and self._weights.held.status is WeightsStatus.VERIFIED:
+                self._scheduler.resume(paused_by=Pauser.UPDATE)
+
+    @cached_property
+    def _signature(self) -> Signature:
+        return signature(self._weights.model())  # the model never changes shape
+
+    def _drop(self, change: _Change | None = None) -> None:
+        """Discard the stage of ``change`` (by default the one left unfinished) and forget it."""
+        change = change or self._change
+        if change is not None:
+            change.stage.discard()
+        if change is self._change:
+            self._change = None
+
+    def _answer(
+        self, outcome: Outcome, timings: dict[str, float], *, checkpoint_checksum: str | None = None
+    ) -> UpdateWeightsResponse:
+        """The answer to one call of a change: its ``weight_version`` is the one served now (the
+        new one once swapped in, else the old)."""
+        return UpdateWeightsResponse(
+            success=outcome.success,
+            message=outcome.message,
+            num_paused_requests=outcome.requests,
+            weight_version=self._weights.held.version,
+            checksum=outcome.checksum,
+            checkpoint_checksum=checkpoint_checksum,
+            timings=timings,
+        )
+
+
+def _mode(*, abort: bool) -> PauseMode:
+    """How a change treats running requests (SGLang's ``abort_all_requests``)."""
+    return PauseMode.ABORT if abort else PauseMode.DRAIN
