@@ -39,7 +39,8 @@ from miles.controller.results import (
 )
 from miles.controller.router import Router
 from miles.errors import MilesError
-from miles.protocol.sglang import PauseMode, UpdateWeightsResponse
+from miles.protocol.sglang import PauseMode
+from miles.protocol.sglang_weights import UpdateWeightsResponse
 from miles.rollout.engine_client import EngineCallError, WeightsChecksum
 from miles.rollout.rollout import Rollout
 from miles.rollout.state import ServerState, VerifiedWeights

@@ -35,15 +35,17 @@ from miles.protocol.openai import (
 )
 from miles.protocol.sglang import (
     AbortRequest,
-    ActivateWeightsRequest,
     ContinueGenerationRequest,
-    DestroyWeightsUpdateGroupRequest,
-    ExportWeightsRequest,
     GenerateRequest,
     GenerateResponse,
+    PauseGenerationRequest,
+)
+from miles.protocol.sglang_weights import (
+    ActivateWeightsRequest,
+    DestroyWeightsUpdateGroupRequest,
+    ExportWeightsRequest,
     GroupResponse,
     InitWeightsUpdateGroupRequest,
-    PauseGenerationRequest,
     PauseGenerationResponse,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,

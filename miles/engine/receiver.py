@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from miles.errors import ConflictError, InvalidRequestError, NotFoundError
 from miles.protocol.auth import FenceState
-from miles.protocol.sglang import (
+from miles.protocol.sglang_weights import (
     FLAT_LOAD_FORMAT,
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,

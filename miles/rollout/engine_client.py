@@ -15,14 +15,12 @@ from pydantic import BaseModel, ValidationError
 
 from miles.errors import MilesError
 from miles.protocol.auth import FENCE_HEADER, FenceRequest, FenceState
-from miles.protocol.sglang import (
-    AbortRequest,
+from miles.protocol.sglang import AbortRequest, PauseGenerationRequest, PauseMode
+from miles.protocol.sglang_weights import (
     ActivateWeightsRequest,
     ExportWeightsRequest,
     ExportWeightsResponse,
-    PauseGenerationRequest,
     PauseGenerationResponse,
-    PauseMode,
     SGLangWeightsCheckerResponse,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsResponse,

@@ -32,12 +32,8 @@ from typing import ClassVar
 import httpx
 
 from miles.errors import MilesError
-from miles.protocol.sglang import (
-    ActivateWeightsRequest,
-    PauseMode,
-    UpdateWeightsFromDiskRequest,
-    UpdateWeightsResponse,
-)
+from miles.protocol.sglang import PauseMode
+from miles.protocol.sglang_weights import ActivateWeightsRequest, UpdateWeightsFromDiskRequest, UpdateWeightsResponse
 from miles.rollout.engine_client import (
     EngineCallError,
     EngineClient,

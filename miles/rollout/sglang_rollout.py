@@ -27,7 +27,8 @@ from pathlib import Path
 
 from miles.config import RuntimeKind
 from miles.errors import CheckpointError
-from miles.protocol.sglang import PauseMode, UpdateWeightsResponse
+from miles.protocol.sglang import PauseMode
+from miles.protocol.sglang_weights import UpdateWeightsResponse
 from miles.rollout.engine_client import SGLANG_ENGINE_DIGEST, EngineCallError, WeightsChecksum
 from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutError, RolloutObserver
 from miles.rollout.runtime import EngineCommand, LaunchSlot

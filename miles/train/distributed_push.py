@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from miles.controller.results import UpdateWindow
 from miles.errors import PublishError
-from miles.protocol.sglang import (
+from miles.protocol.sglang_weights import (
     FLAT_LOAD_FORMAT,
     DestroyWeightsUpdateGroupRequest,
     InitWeightsUpdateGroupRequest,

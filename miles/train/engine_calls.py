@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from miles.controller.results import UpdateWindow, WindowServer
 from miles.errors import PublishError, Refusal
 from miles.protocol.base import ErrorAnswer
-from miles.protocol.sglang import GroupResponse, UpdateWeightsResponse
+from miles.protocol.sglang_weights import GroupResponse, UpdateWeightsResponse
 from miles.train.push_stats import PushStats
 
 # What each endpoint a push calls answers when it did what it was asked.

@@ -43,7 +43,7 @@ import torch
 from miles.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, TransferPath, check_seconds
 from miles.controller.results import UpdateStatus, UpdateWindow
 from miles.errors import InvalidRequestError, PublishError, Refusal
-from miles.protocol.sglang import PUSH_TIMEOUT_MAX_S
+from miles.protocol.sglang_weights import PUSH_TIMEOUT_MAX_S
 from miles.train.distributed_push import DistributedPush
 from miles.train.publisher import PublishResult
 from miles.train.push_stats import PushStats

@@ -19,7 +19,7 @@ import httpx
 import torch
 
 from miles.controller.results import UpdateWindow
-from miles.protocol.sglang import UpdateWeightsFromTensorRequest
+from miles.protocol.sglang_weights import UpdateWeightsFromTensorRequest
 from miles.train import engine_calls
 from miles.train.push_stats import PushStats
 from miles.weights.buckets import BucketTable, layout, plan, regions

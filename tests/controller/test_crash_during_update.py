@@ -14,7 +14,8 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from miles.controller.results import ServerStep, UpdateStatus
-from miles.protocol.sglang import PauseMode, UpdateWeightsResponse
+from miles.protocol.sglang import PauseMode
+from miles.protocol.sglang_weights import UpdateWeightsResponse
 from miles.rollout.sft_rollout import SFTRollout
 from miles.rollout.state import ServerState
 from miles.testing import process_alive, running_controller, wait_until

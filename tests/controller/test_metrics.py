@@ -19,7 +19,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from miles.controller.results import UpdateStatus
-from miles.protocol.sglang import UpdateWeightsResponse
+from miles.protocol.sglang_weights import UpdateWeightsResponse
 from miles.ray.rollout.inference_controller import AsyncInferenceController
 from miles.rollout.sft_rollout import SFTRollout
 from miles.testing import running_controller

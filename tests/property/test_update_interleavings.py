@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from miles.controller.results import UpdateStatus
 from miles.inference_controller import InferenceController
-from miles.protocol.sglang import UpdateWeightsResponse
+from miles.protocol.sglang_weights import UpdateWeightsResponse
 from miles.rollout.sft_rollout import SFTRollout
 from miles.testing import wait_until
 from miles.utils.audit_utils.event_analyzer import analyze_events

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from miles.errors import ChecksumMismatchError, PublishError
-from miles.protocol.sglang import UpdateWeightsFromDiskRequest
+from miles.protocol.sglang_weights import UpdateWeightsFromDiskRequest
 from miles.rollout.engine_client import EngineClient
 from miles.weights.checkpoint import Manifest
 

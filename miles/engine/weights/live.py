@@ -24,11 +24,7 @@ from transformers import PreTrainedModel
 from miles.engine.weights.export import copy_weights, export_snapshot
 from miles.engine.weights.lock import WeightsLock
 from miles.errors import ConflictError
-from miles.protocol.sglang import (
-    ExportWeightsRequest,
-    ExportWeightsResponse,
-    WeightVersionResponse,
-)
+from miles.protocol.sglang_weights import ExportWeightsRequest, ExportWeightsResponse, WeightVersionResponse
 from miles.weights.checksum import ModelChecksum, checksum_module
 
 logger = logging.getLogger("miles.engine")

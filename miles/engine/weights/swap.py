@@ -40,9 +40,9 @@ from miles.engine.weights.sources import (
 )
 from miles.engine.weights.stage import Stage
 from miles.errors import CheckpointError, ConflictError, InvalidRequestError, Refusal
-from miles.protocol.sglang import (
+from miles.protocol.sglang import PauseMode
+from miles.protocol.sglang_weights import (
     ActivateWeightsRequest,
-    PauseMode,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,

@@ -8,10 +8,9 @@ from pydantic import ValidationError
 
 from miles.protocol.base import MAX_SEED, MIN_SEED, sample_seed
 from miles.protocol.openai import ChatCompletionRequest, CompletionRequest
-from miles.protocol.sglang import (
-    GenerateRequest,
+from miles.protocol.sglang import GenerateRequest, SamplingParams
+from miles.protocol.sglang_weights import (
     InitWeightsUpdateGroupRequest,
-    SamplingParams,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )

@@ -20,11 +20,10 @@ from pydantic import BaseModel, ValidationError
 
 from miles.protocol.compat import SGLANG_VERSION, SGLangFields
 from miles.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
-from miles.protocol.sglang import (
+from miles.protocol.sglang import GenerateRequest, SamplingParams
+from miles.protocol.sglang_weights import (
     DestroyWeightsUpdateGroupRequest,
-    GenerateRequest,
     InitWeightsUpdateGroupRequest,
-    SamplingParams,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )

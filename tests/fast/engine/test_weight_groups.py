@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from miles.engine.receiver import JOIN_GRACE_S, MAX_PENDING_JOINS, WeightGroups
 from miles.errors import ConflictError, InvalidRequestError, NotFoundError
-from miles.protocol.sglang import InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest
+from miles.protocol.sglang_weights import InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest
 from miles.weights.buckets import BucketTable
 from miles.weights.transport.groups import broadcast
 

@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from miles.controller.results import UpdateStatus
 from miles.errors import ConflictError
-from miles.protocol.sglang import UpdateWeightsResponse
+from miles.protocol.sglang_weights import UpdateWeightsResponse
 from miles.ray.rollout.inference_controller import AsyncInferenceController
 from miles.rollout.sft_rollout import SFTRollout
 from miles.rollout.state import ServerState

@@ -20,13 +20,10 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from miles.protocol.sglang import (
-    AbortRequest,
-    ContinueGenerationRequest,
+from miles.protocol.sglang import AbortRequest, ContinueGenerationRequest, PauseGenerationRequest, PauseMode
+from miles.protocol.sglang_weights import (
     DestroyWeightsUpdateGroupRequest,
     InitWeightsUpdateGroupRequest,
-    PauseGenerationRequest,
-    PauseMode,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,

@@ -22,7 +22,7 @@ from miles.config import UpdatePauseMode
 from miles.controller.results import UpdateResult, UpdateWindow, WindowServer
 from miles.errors import AuthenticationError, ConflictError, PublishError, Refusal
 from miles.http.windows import HttpWindows
-from miles.protocol.sglang import DestroyWeightsUpdateGroupRequest, UpdateWeightsResponse
+from miles.protocol.sglang_weights import DestroyWeightsUpdateGroupRequest, UpdateWeightsResponse
 from miles.train import engine_calls
 from miles.train.push_stats import PushStats
 from miles.train.windows import window_client
