@@ -32,28 +32,13 @@ class Steps(Protocol):
     def loaded(self, server_id: str) -> bool: ...
 
 
-class Source(Protocol):
-    """Where an update's weights come from."""
-
-    @property
-    def pauses(self) -> bool:
-        """Whether taking a server out pauses its generation (else its engine pauses itself,
-        only for the swap, as it loads)."""
-        ...
-
-    @property
-    def refusable(self) -> bool:
-        """Whether every server refusing the weights, before touching its own, rejects the update."""
-        ...
-
-    def load(self, update: Steps, server_ids: list[str]) -> Awaitable[None]:
-        """Put the new weights in the servers (each records how it went on its progress)."""
-        ...
-
-
 @dataclass(frozen=True)
 class FromCheckpoint:
-    """Each server loads ``checkpoint`` (verifying its bytes before touching its weights)."""
+    """Each server loads ``checkpoint`` (verifying its bytes before touching its weights).
+
+    A source says whether taking a server out pauses it (``pauses``; else its engine pauses
+    itself, only for the swap, as it loads), whether every server refusing the weights before
+    touching its own rejects the update (``refusable``), and how the weights get in (``load``)."""
 
     checkpoint: Path
     pauses: bool = True
