@@ -379,12 +379,14 @@ class WeightChanges:
         old weights) gives staging up; ``again`` then copies in place under the same lock, else
         nothing changed."""
         stage = change.stage
-        try:
-            stage.prepare_activation()
-        except StagingRefusedError as exc:
-            # Maybe a reader holding the weights for a moment (an export, a checksum): checked
-            # again under the write lock, once every reader is gone; only a refusal there is final.
-            logger.info("the swap's check before the lock was refused (checked again under it): %s", exc)
+
+        def prepare() -> None:
+            try:
+                stage.prepare_activation()
+            except StagingRefusedError as exc:
+                # Maybe a reader holding the weights for a moment (an export, a checksum): checked
+                # again under the write lock, once every reader is gone; only a refusal there is final.
+                logger.info("the swap's check before the lock was refused (checked again under it): %s", exc)
 
         def swap() -> ModelChecksum | None:
             locked = time.perf_counter()
@@ -405,7 +407,7 @@ class WeightChanges:
             return checksum
 
         try:
-            checksum = await self._locked(swap, timings)
+            checksum = await self._locked(swap, timings, before=prepare)
         except StagingRefusedError as exc:
             message = f"the pushed weights could not be swapped in ({exc}); nothing changed, push them again"
             logger.warning("refused staged update: %s", message)
@@ -430,11 +432,16 @@ class WeightChanges:
         logger.warning("an update did not verify: %s", message)
         return Outcome(False, message, checksum.checksum)
 
-    async def _locked(self, job: Callable[[], T], timings: dict[str, float]) -> T:
+    async def _locked(
+        self, job: Callable[[], T], timings: dict[str, float], *, before: Callable[[], None] | None = None
+    ) -> T:
         """Run ``job`` on the scheduler thread between two steps (the one torch thread), under the
-        write side of the weights lock."""
+        write side of the weights lock; ``before`` first on the same thread, outside the lock (a
+        swap's warm-up: the cache it warms is that core's)."""
 
         def run() -> T:
+            if before is not None:
+                before()
             waiting = time.perf_counter()
             with self._weights.lock.write():
                 timings["write_lock_wait"] = time.perf_counter() - waiting
