@@ -30,7 +30,7 @@ from miles.protocol.sglang_weights import (
     UpdateWeightsFromDistributedRequest,
 )
 from miles.train import engine_calls
-from miles.train.push_stats import PushStats
+from miles.train.engine_calls import PushStats
 from miles.weights.buckets import BucketTable, layout, plan, regions
 from miles.weights.transport import groups
 

@@ -21,7 +21,7 @@ import torch
 from miles.controller.results import UpdateWindow
 from miles.protocol.sglang_weights import UpdateWeightsFromTensorRequest
 from miles.train import engine_calls
-from miles.train.push_stats import PushStats
+from miles.train.engine_calls import PushStats
 from miles.weights.buckets import BucketTable, layout, plan, regions
 from miles.weights.transport.cuda_ipc import share
 from miles.weights.transport.documents import BucketDocument, CudaIpcDocument, ShmDocument
