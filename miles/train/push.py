@@ -95,14 +95,6 @@ def on_this_machine(url: str) -> bool:
     return host in ours
 
 
-def _check_seconds(name: str, value: float, low: float, high: float) -> None:
-    """The controller's check of a number of seconds, as a ValueError (a bad argument here)."""
-    try:
-        check_seconds(value, name=name, low=low, high=high)
-    except InvalidRequestError as exc:
-        raise ValueError(exc.message) from None
-
-
 class PushPublisher:
     """Publishes the trainer's weights by pushing them into the servers' memory (module docstring)."""
 
@@ -122,9 +114,13 @@ class PushPublisher:
     ) -> None:
         if TransferPath(path) is TransferPath.DISK:
             raise ValueError("PushPublisher pushes from memory; publish through disk with DiskPublisher")
-        # Refused here rather than by the controller or every engine in the middle of a push.
-        _check_seconds("ttl_s", ttl_s, LEASE_TTL_MIN_S, LEASE_TTL_MAX_S)
-        _check_seconds("timeout_s", timeout_s, 0.1, PUSH_TIMEOUT_MAX_S)
+        # Refused here (a bad argument: ValueError) rather than by the controller or every engine
+        # in the middle of a push.
+        try:
+            check_seconds(ttl_s, name="ttl_s", low=LEASE_TTL_MIN_S, high=LEASE_TTL_MAX_S)
+            check_seconds(timeout_s, name="timeout_s", low=0.1, high=PUSH_TIMEOUT_MAX_S)
+        except InvalidRequestError as exc:
+            raise ValueError(exc.message) from None
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive number of bytes, not {bucket_bytes!r}")
         self.windows = window_client(controller)
@@ -205,9 +201,8 @@ class PushPublisher:
         previous verified weights.
 
         With ``share_weights`` (the default) and a path that may be shared memory, the model's
-        weights are first moved into shared memory (``share_memory``; once, unless its tensors are
-        replaced), so pushes read them where they lie. When /dev/shm cannot hold them, they stay
-        where they are and every push copies them.
+        weights are first moved there (``share_memory``, once unless its tensors are replaced);
+        when /dev/shm cannot hold them, they stay where they are and every push copies them.
         """
         if self.share_weights and self.path is not TransferPath.DISTRIBUTED and not self._shares(model):
             try:
