@@ -12,7 +12,8 @@ verified weights.
 One bucket loop (``_stream``) whatever the path; the path's ``BucketSender`` says where each
 bucket is packed and how it reaches the engines: ``shm`` (``miles.train.tensor_push``, every
 engine on this node), ``distributed`` (``miles.train.distributed_push``, engines anywhere), or
-``auto``: ``shm`` when every engine's address is this machine's, else ``distributed``.
+``auto``: ``shm`` when every engine's address is this machine's, else ``distributed``. The
+controller is given as anything ``miles.train.windows.window_client`` takes.
 """
 
 from __future__ import annotations
