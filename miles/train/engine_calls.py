@@ -1,5 +1,5 @@
-"""One call to every engine of a window at once (``post_all``), and what a push's calls cost
-(``PushStats``): the bodies are the protocol's request models, the answers are read as its
+"""One call to every engine of a window at once (``post_all``; ``EngineCalls`` for one push's),
+and what a push's calls cost (``PushStats``): the bodies are the protocol's request models, the answers are read as its
 response models, and a refusal is a PublishError naming each engine that refused (and the
 ``Refusal`` an engine named, for the pusher to act on)."""
 
@@ -54,6 +54,21 @@ class PushStats:
     def spent(self, phase: str, since: float) -> None:
         """Add the time from ``since`` (a ``time.perf_counter()``) to now to ``phase``."""
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - since
+
+
+@dataclass(frozen=True)
+class EngineCalls:
+    """One push's calls to the engines of ``window`` over ``http``, pushing weight version
+    ``version``, counted in ``stats``."""
+
+    http: httpx.AsyncClient
+    window: UpdateWindow
+    version: str
+    stats: PushStats
+
+    async def post(self, path: str, body: Callable[[int], BaseModel], *, fail_fast: bool = False) -> None:
+        """``post_all`` to this push's engines."""
+        await post_all(self.http, self.window, path=path, body=body, stats=self.stats, fail_fast=fail_fast)
 
 
 @dataclass(frozen=True)

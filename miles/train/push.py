@@ -38,7 +38,7 @@ from miles.controller.results import UpdateStatus, UpdateWindow
 from miles.errors import InvalidRequestError, PublishError, Refusal
 from miles.protocol.sglang_weights import PUSH_TIMEOUT_MAX_S
 from miles.train.distributed_push import DistributedPush
-from miles.train.engine_calls import PushStats
+from miles.train.engine_calls import EngineCalls, PushStats
 from miles.train.publisher import PublishResult
 from miles.train.tensor_push import TensorPush
 from miles.train.windows import abort_quietly, keep_alive, window_client
@@ -247,10 +247,11 @@ class PushPublisher:
             # Looks at /dev/shm and resolves this machine's addresses: off the loop.
             path = await asyncio.to_thread(self._choose, window)
             stats = PushStats(path=path.value, tensors=len(sending), skipped=len(unchanged))
+            calls = EngineCalls(http=self.http, window=window, version=version, stats=stats)
             sender: AbstractAsyncContextManager[BucketSender] = (
-                self._tensors.push(window, sending, http=self.http, version=version, stats=stats, shared=self._shared)
+                self._tensors.push(sending, calls, shared=self._shared)
                 if path is TransferPath.SHM
-                else self._broadcasts.push(window, sending, http=self.http, version=version, stats=stats)
+                else self._broadcasts.push(sending, calls)
             )
             async with sender as buckets:
                 checksum = await _stream(buckets, sending, stats=stats, unchanged=unchanged, known=digests or {})
