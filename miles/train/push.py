@@ -82,16 +82,11 @@ class BucketSender(Protocol):
 def on_this_machine(url: str) -> bool:
     """Whether the engine at ``url`` runs on this machine (its shared memory is ours)."""
     host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
     try:
-        if ipaddress.ip_address(host).is_loopback:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
             return True
-    except ValueError:
-        return False
-    try:
         ours = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
-    except OSError:
+    except (ValueError, OSError):  # a name other than localhost, or this machine's unknown
         return False
     return host in ours
 

@@ -108,18 +108,16 @@ class _Buckets:
     segment: Segment | None
 
     def into(self, index: int) -> torch.Tensor | None:
-        if index < self.in_place:
-            return None
-        return self.buffers[(index - self.in_place) % len(self.buffers)]
+        return None if index < self.in_place else self.buffers[(index - self.in_place) % len(self.buffers)]
 
     def _document(self, index: int, packed: BucketTable) -> BucketDocument:
-        if index < self.in_place:
-            assert self.shared is not None
-            return ShmDocument(shm=self.shared.name, table=packed)
-        if self.segment is not None:
-            return ShmDocument(shm=self.segment.name, table=packed)
+        into = self.into(index)
+        segment = self.shared if into is None else self.segment
+        if segment is not None:
+            return ShmDocument(shm=segment.name, table=packed)
+        assert into is not None
         # A handle of its own per engine: each engine's release counts against its own.
-        return CudaIpcDocument(cuda_ipc=share(self.buffers[(index - self.in_place) % len(self.buffers)]), table=packed)
+        return CudaIpcDocument(cuda_ipc=share(into), table=packed)
 
     async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> None:
         def request(_: int) -> UpdateWeightsFromTensorRequest:

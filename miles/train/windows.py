@@ -1,11 +1,9 @@
 """The controller's window API as a pusher uses it (``WindowClient``), and the client for each
-way a controller is reached.
+way a controller is reached (``window_client``: ``LocalWindows`` in this process, ``HttpWindows``
+over HTTP, ``RayWindows`` through Ray).
 
 A push opens a window, renews its lease while it pushes (``keep_alive``), publishes the model
-checksum, and ends or aborts the window. ``window_client`` picks the client for a controller
-object: ``LocalWindows`` for a controller in this process, ``HttpWindows`` (``miles.http``) for
-the URL of the controller's HTTP API, ``RayWindows`` (``miles.ray``) for the named controller's
-actor handle, or any ``WindowClient`` as it is.
+checksum, and ends or aborts the window.
 """
 
 from __future__ import annotations
