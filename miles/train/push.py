@@ -25,9 +25,9 @@ import itertools
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -52,8 +52,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger("miles.train")
-
-T = TypeVar("T")
 
 # Buckets smaller than this are packed on the event loop: a thread hop costs more.
 _INLINE_PACK_BYTES = 4 * 1024 * 1024
@@ -334,9 +332,12 @@ async def _stream(
             into = sender.into(index)
             if into is None:
                 stats.in_place += table.nbytes
-                packed = await _off_loop_if_large(table, functools.partial(_digested, named, table, known=known))
-            else:
-                packed = await _off_loop_if_large(table, functools.partial(pack, named, table, into))
+            work = (
+                functools.partial(_digested, named, table, known=known)
+                if into is None
+                else functools.partial(pack, named, table, into)
+            )
+            packed = work() if table.nbytes <= _INLINE_PACK_BYTES else await asyncio.to_thread(work)
             stats.spent("pack", packing)
             digests += [e.tensor_digest() for e in packed.entries]
             stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
@@ -355,12 +356,6 @@ async def _stream(
             await asyncio.gather(sending, return_exceptions=True)
     assert checksum is not None
     return checksum
-
-
-async def _off_loop_if_large(table: BucketTable, fn: Callable[[], T]) -> T:
-    """``fn()`` for the bucket ``table``: on the event loop when the bucket is small (a thread hop
-    costs more), on a thread otherwise."""
-    return fn() if table.nbytes <= _INLINE_PACK_BYTES else await asyncio.to_thread(fn)
 
 
 def _digested(named: Mapping[str, torch.Tensor], table: BucketTable, *, known: Mapping[str, str]) -> BucketTable:
