@@ -44,8 +44,8 @@ from transformers import AutoModelForCausalLM
 from miles.models.presets import init_checkpoint
 from miles.rollout.engine_process import free_port
 from miles.testing import running_controller
+from miles.train.engine_calls import PushStats
 from miles.train.push import PushPublisher
-from miles.train.push_stats import PushStats
 from miles.utils.progress_bars import disable_library_progress_bars
 from miles.weights.checksum import saved_state_dict
 

@@ -17,11 +17,9 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import torch
 import torch.distributed as dist
 
-from miles.controller.results import UpdateWindow
 from miles.errors import PublishError
 from miles.protocol.sglang_weights import (
     FLAT_LOAD_FORMAT,
@@ -29,8 +27,7 @@ from miles.protocol.sglang_weights import (
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,
 )
-from miles.train import engine_calls
-from miles.train.push_stats import PushStats
+from miles.train.engine_calls import EngineCalls
 from miles.weights.buckets import BucketTable, layout, plan, regions
 from miles.weights.transport import groups
 
@@ -58,37 +55,25 @@ class DistributedPush:
         self._buffers = []
 
     @contextlib.asynccontextmanager
-    async def push(
-        self,
-        window: UpdateWindow,
-        named: Mapping[str, torch.Tensor],
-        *,
-        http: httpx.AsyncClient,
-        version: str,
-        stats: PushStats,
-    ) -> AsyncIterator[_Broadcasts]:
-        """The buckets of one push of ``named``, once every engine of the window joined this
+    async def push(self, named: Mapping[str, torch.Tensor], calls: EngineCalls) -> AsyncIterator[_Broadcasts]:
+        """The buckets of one push of ``named``, once every engine of ``calls`` joined this
         push's group; the engines leave it when the block ends. Raises PublishError when the
         group does not form."""
-        rank0 = groups.Rank0(
-            address=self.master_address, world=len(window.servers) + 1, group_name=GROUP_NAME, timeout_s=self.timeout_s
-        )
+        world = len(calls.window.servers) + 1
+        rank0 = groups.Rank0(address=self.master_address, world=world, group_name=GROUP_NAME, timeout_s=self.timeout_s)
         try:
             # NCCL between GPUs when the trainer's weights are on one (the engines receive on
             # theirs), gloo between CPUs otherwise.
             device = next((t.device for t in named.values() if t.device.type == "cuda"), None)
             joined = time.perf_counter()
             backend = "nccl" if device is not None else "gloo"
-            group = await self._form(rank0, window, http=http, backend=backend, stats=stats)
-            stats.spent("join", joined)
+            group = await self._form(rank0, calls, backend=backend)
+            calls.stats.spent("join", joined)
             tables = [layout(named, names) for names in plan(named, bucket_bytes=self.bucket_bytes)]
             buffers = self._host_buffers(regions(len(tables)), max(max(t.total_bytes for t in tables), 1))
             try:
                 yield _Broadcasts(
-                    http=http,
-                    window=window,
-                    version=version,
-                    stats=stats,
+                    calls=calls,
                     tables=tables,
                     buffers=buffers,
                     group=group,
@@ -98,17 +83,12 @@ class DistributedPush:
             finally:
                 leave = DestroyWeightsUpdateGroupRequest(group_name=GROUP_NAME)
                 await asyncio.gather(
-                    engine_calls.post_all(
-                        http, window, path="/destroy_weights_update_group", body=lambda _: leave, stats=stats
-                    ),
-                    return_exceptions=True,
+                    calls.post("/destroy_weights_update_group", lambda _: leave), return_exceptions=True
                 )
         finally:
             rank0.close()
 
-    async def _form(
-        self, rank0: groups.Rank0, window: UpdateWindow, *, http: httpx.AsyncClient, backend: str, stats: PushStats
-    ) -> Any:
+    async def _form(self, rank0: groups.Rank0, calls: EngineCalls, *, backend: str) -> Any:
         """The group, formed while every engine joins it."""
 
         def join(index: int) -> InitWeightsUpdateGroupRequest:
@@ -122,11 +102,7 @@ class DistributedPush:
                 timeout_s=self.timeout_s,
             )
 
-        joining = asyncio.create_task(
-            engine_calls.post_all(
-                http, window, path="/init_weights_update_group", body=join, stats=stats, fail_fast=True
-            )
-        )
+        joining = asyncio.create_task(calls.post("/init_weights_update_group", join, fail_fast=True))
         forming = rank0.form(backend)
         try:
             await asyncio.wait((forming, joining), return_when=asyncio.FIRST_EXCEPTION)
@@ -143,7 +119,7 @@ class DistributedPush:
                 raise refused
             group = await forming
         except (RuntimeError, dist.DistError):
-            missing = [window.servers[rank - 1].server_id for rank in rank0.missing()]
+            missing = [calls.window.servers[rank - 1].server_id for rank in rank0.missing()]
             await asyncio.gather(joining, return_exceptions=True)
             raise PublishError(
                 f"the weight-update group did not form within {self.timeout_s:g}s: "
@@ -157,10 +133,7 @@ class DistributedPush:
 class _Broadcasts:
     """One push's buckets, each packed into a host buffer in turn and broadcast from it."""
 
-    http: httpx.AsyncClient
-    window: UpdateWindow
-    version: str
-    stats: PushStats
+    calls: EngineCalls
     tables: list[BucketTable]
     buffers: list[torch.Tensor]
     group: Any  # ProcessGroupGloo or ProcessGroupNCCL
@@ -179,28 +152,20 @@ class _Broadcasts:
             digests=[e.tensor_digest().digest for e in packed.entries],
             group_name=GROUP_NAME,
             load_format=FLAT_LOAD_FORMAT,
-            weight_version=self.version if checksum is not None else None,
+            weight_version=self.calls.version if checksum is not None else None,
             expected_checksum=checksum,
-            activate=not self.window.staged,
+            activate=not self.calls.window.staged,
             timeout_s=self.timeout_s,
         )
-        receiving = asyncio.create_task(
-            engine_calls.post_all(
-                self.http,
-                self.window,
-                path="/update_weights_from_distributed",
-                body=lambda _: request,
-                stats=self.stats,
-            )
-        )
+        receiving = asyncio.create_task(self.calls.post("/update_weights_from_distributed", lambda _: request))
         try:
             sent = self.into(index)[: packed.total_bytes]
             broadcasting = time.perf_counter()
             flat = sent if self.device is None else sent.to(self.device)
             await asyncio.to_thread(groups.broadcast, self.group, [flat], timeout_s=self.timeout_s)
-            self.stats.spent("broadcast", broadcasting)
+            self.calls.stats.spent("broadcast", broadcasting)
         finally:
             # The engines' answers say why, when the broadcast failed.
             waiting = time.perf_counter()
             await receiving
-            self.stats.spent("engines", waiting)
+            self.calls.stats.spent("engines", waiting)

@@ -1,12 +1,14 @@
-"""One call to every engine of a window at once: the bodies are the protocol's request models,
-the answers are read as its response models, and a refusal is a PublishError naming each engine
-that refused (and the ``Refusal`` an engine named, for the pusher to act on)."""
+"""One call to every engine of a window at once (``post_all``; ``EngineCalls`` for one push's),
+and what a push's calls cost (``PushStats``): the bodies are the protocol's request models, the answers are read as its
+response models, and a refusal is a PublishError naming each engine that refused (and the
+``Refusal`` an engine named, for the pusher to act on)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -15,7 +17,6 @@ from miles.controller.results import UpdateWindow, WindowServer
 from miles.errors import PublishError, Refusal
 from miles.protocol.base import ErrorAnswer
 from miles.protocol.sglang_weights import GroupResponse, UpdateWeightsResponse
-from miles.train.push_stats import PushStats
 
 # What each endpoint a push calls answers when it did what it was asked.
 _ANSWERS: dict[str, type[UpdateWeightsResponse] | type[GroupResponse]] = {
@@ -26,6 +27,48 @@ _ANSWERS: dict[str, type[UpdateWeightsResponse] | type[GroupResponse]] = {
 }
 # How much of an engine's message a failure quotes.
 _QUOTED_CHARS = 500
+
+
+@dataclass
+class PushStats:
+    """What one push sent and what it cost (``PushPublisher.last``)."""
+
+    path: str
+    tensors: int = 0  # sent
+    skipped: int = 0  # unchanged since the last committed push (delta)
+    buckets: int = 0
+    calls: int = 0
+    # Each sent tensor's digest, computed while it was packed.
+    digests: dict[str, str] = field(default_factory=dict)
+    # What each engine reported each update call cost it (seconds per phase), in call order.
+    engine_timings: list[dict[str, float]] = field(default_factory=list)
+    bytes: int = 0
+    # Of ``bytes``, those the engines read where they lie in the trainer's shared memory (no copy
+    # on this side: ``PushPublisher.share_memory``).
+    in_place: int = 0
+    # Seconds: "open", "push" and "commit" of the window; within the push, the sender's own
+    # phases, summed over buckets: "pack" (copy and digest), "join" (forming the group),
+    # "broadcast", and "engines" (waiting for the engines' answers once their bytes are sent).
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def spent(self, phase: str, since: float) -> None:
+        """Add the time from ``since`` (a ``time.perf_counter()``) to now to ``phase``."""
+        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - since
+
+
+@dataclass(frozen=True)
+class EngineCalls:
+    """One push's calls to the engines of ``window`` over ``http``, pushing weight version
+    ``version``, counted in ``stats``."""
+
+    http: httpx.AsyncClient
+    window: UpdateWindow
+    version: str
+    stats: PushStats
+
+    async def post(self, path: str, body: Callable[[int], BaseModel], *, fail_fast: bool = False) -> None:
+        """``post_all`` to this push's engines."""
+        await post_all(self.http, self.window, path=path, body=body, stats=self.stats, fail_fast=fail_fast)
 
 
 @dataclass(frozen=True)

@@ -9,32 +9,25 @@ every engine's checksum against the published one and admits, quarantines or rol
 as for a checkpoint on disk. Anything that fails aborts the window: the servers go back to their
 verified weights.
 
-One bucket loop (``_stream``) whatever the path; the path's transport (a ``BucketSender``) says
-where each bucket is packed and how it reaches the engines (``TransferPath``):
-- ``shm``: every engine on this node (``miles.train.tensor_push``): each bucket is written once
-  into a shared-memory segment that every engine reads (``/update_weights_from_tensor``); weights
-  on a GPU are packed in GPU memory and handed over as CUDA IPC handles instead
-  (``load_format="miles_cuda_ipc"``);
-- ``distributed``: engines anywhere (``miles.train.distributed_push``): a torch.distributed group
-  with this process as rank 0 (gloo on CPU), one flat broadcast per bucket
-  (``/update_weights_from_distributed`` with SGLang's ``load_format="flattened_bucket"``);
-- ``auto``: ``shm`` when every engine's address is this machine's, else ``distributed``.
-
-The controller is given as an ``AsyncInferenceController``, the blocking ``InferenceController``,
-a Ray actor handle of the named controller, the URL of its HTTP API (with ``MILES_ADMIN_TOKEN``
-from the environment when set), or a ``WindowClient`` (``miles.train.windows``).
+One bucket loop (``_stream``) whatever the path; the path's ``BucketSender`` says where each
+bucket is packed and how it reaches the engines: ``shm`` (``miles.train.tensor_push``, every
+engine on this node), ``distributed`` (``miles.train.distributed_push``, engines anywhere), or
+``auto``: ``shm`` when every engine's address is this machine's, else ``distributed``. The
+controller is given as anything ``miles.train.windows.window_client`` takes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
+import itertools
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -45,9 +38,8 @@ from miles.controller.results import UpdateStatus, UpdateWindow
 from miles.errors import InvalidRequestError, PublishError, Refusal
 from miles.protocol.sglang_weights import PUSH_TIMEOUT_MAX_S
 from miles.train.distributed_push import DistributedPush
+from miles.train.engine_calls import EngineCalls, PushStats
 from miles.train.publisher import PublishResult
-from miles.train.push_stats import PushStats
-from miles.train.shared_weights import share, shareable
 from miles.train.tensor_push import TensorPush
 from miles.train.windows import abort_quietly, keep_alive, window_client
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
@@ -61,21 +53,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("miles.train")
 
-P = ParamSpec("P")
-T = TypeVar("T")
-
 # Buckets smaller than this are packed on the event loop: a thread hop costs more.
 _INLINE_PACK_BYTES = 4 * 1024 * 1024
+# Where shared storages start: a cache line, which every dtype's alignment divides.
+_SHARED_ALIGN = 64
 
 
 class BucketSender(Protocol):
-    """One push's transport, the trainer's end: the buckets it carries, where each is packed, and
-    how it reaches the engines."""
+    """One push's transport, the trainer's end: its buckets' ``tables`` (in the order they are
+    sent, digests not yet known), where each is packed, and how it reaches the engines."""
 
     @property
-    def tables(self) -> Sequence[BucketTable]:
-        """Each bucket's table, in the order they are sent (digests not yet known)."""
-        ...
+    def tables(self) -> Sequence[BucketTable]: ...
 
     def into(self, index: int) -> torch.Tensor | None:
         """The flat buffer bucket ``index`` is packed into, at its table's offsets; None when the
@@ -91,26 +80,13 @@ class BucketSender(Protocol):
 def on_this_machine(url: str) -> bool:
     """Whether the engine at ``url`` runs on this machine (its shared memory is ours)."""
     host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
     try:
-        if ipaddress.ip_address(host).is_loopback:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
             return True
-    except ValueError:
-        return False
-    try:
         ours = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
-    except OSError:
+    except (ValueError, OSError):  # a name other than localhost, or this machine's unknown
         return False
     return host in ours
-
-
-def _check_seconds(name: str, value: float, low: float, high: float) -> None:
-    """The controller's check of a number of seconds, as a ValueError (a bad argument here)."""
-    try:
-        check_seconds(value, name=name, low=low, high=high)
-    except InvalidRequestError as exc:
-        raise ValueError(exc.message) from None
 
 
 class PushPublisher:
@@ -132,9 +108,13 @@ class PushPublisher:
     ) -> None:
         if TransferPath(path) is TransferPath.DISK:
             raise ValueError("PushPublisher pushes from memory; publish through disk with DiskPublisher")
-        # Refused here rather than by the controller or every engine in the middle of a push.
-        _check_seconds("ttl_s", ttl_s, LEASE_TTL_MIN_S, LEASE_TTL_MAX_S)
-        _check_seconds("timeout_s", timeout_s, 0.1, PUSH_TIMEOUT_MAX_S)
+        # Refused here (a bad argument: ValueError) rather than by the controller or every engine
+        # in the middle of a push.
+        try:
+            check_seconds(ttl_s, name="ttl_s", low=LEASE_TTL_MIN_S, high=LEASE_TTL_MAX_S)
+            check_seconds(timeout_s, name="timeout_s", low=0.1, high=PUSH_TIMEOUT_MAX_S)
+        except InvalidRequestError as exc:
+            raise ValueError(exc.message) from None
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive number of bytes, not {bucket_bytes!r}")
         self.windows = window_client(controller)
@@ -184,7 +164,7 @@ class PushPublisher:
         Called again (the module's tensors were replaced since), it moves them into a new segment.
         Raises PublishError when /dev/shm cannot hold them.
         """
-        segment = share(module)
+        segment = _share(module)
         if segment is not None:
             previous, self._shared = self._shared, segment
             if previous is not None:
@@ -194,7 +174,7 @@ class PushPublisher:
     def _shares(self, module: torch.nn.Module) -> bool:
         """Whether every tensor of ``module`` that ``share_memory`` moves lives in the shared segment."""
         shared = self._shared
-        return shared is not None and all(shared.holds(t) for t in shareable(module))
+        return shared is not None and all(shared.holds(t) for t in _shareable(module))
 
     async def close(self) -> None:
         """Remove the shared-memory segments, free the broadcast buffers and close the connections;
@@ -215,9 +195,8 @@ class PushPublisher:
         previous verified weights.
 
         With ``share_weights`` (the default) and a path that may be shared memory, the model's
-        weights are first moved into shared memory (``share_memory``; once, unless its tensors are
-        replaced), so pushes read them where they lie. When /dev/shm cannot hold them, they stay
-        where they are and every push copies them.
+        weights are first moved there (``share_memory``, once unless its tensors are replaced);
+        when /dev/shm cannot hold them, they stay where they are and every push copies them.
         """
         if self.share_weights and self.path is not TransferPath.DISTRIBUTED and not self._shares(model):
             try:
@@ -261,8 +240,14 @@ class PushPublisher:
             # Looks at /dev/shm and resolves this machine's addresses: off the loop.
             path = await asyncio.to_thread(self._choose, window)
             stats = PushStats(path=path.value, tensors=len(sending), skipped=len(unchanged))
-            async with self._sender(path, window, sending, version=version, stats=stats) as sender:
-                checksum = await _stream(sender, sending, stats=stats, unchanged=unchanged, known=digests or {})
+            calls = EngineCalls(http=self.http, window=window, version=version, stats=stats)
+            sender: AbstractAsyncContextManager[BucketSender] = (
+                self._tensors.push(sending, calls, shared=self._shared)
+                if path is TransferPath.SHM
+                else self._broadcasts.push(sending, calls)
+            )
+            async with sender as buckets:
+                checksum = await _stream(buckets, sending, stats=stats, unchanged=unchanged, known=digests or {})
             pushed = time.perf_counter()
             await self.windows.publish(
                 InferenceEngineWeightChecksumEvent(
@@ -297,20 +282,6 @@ class PushPublisher:
             path=path.value,
         )
 
-    def _sender(
-        self,
-        path: TransferPath,
-        window: UpdateWindow,
-        named: Mapping[str, torch.Tensor],
-        *,
-        version: str,
-        stats: PushStats,
-    ) -> AbstractAsyncContextManager[BucketSender]:
-        """The transport of ``path`` for one push of ``named`` into ``window``."""
-        if path is TransferPath.SHM:
-            return self._tensors.push(window, named, http=self.http, version=version, stats=stats, shared=self._shared)
-        return self._broadcasts.push(window, named, http=self.http, version=version, stats=stats)
-
     async def _delta(
         self, named: Mapping[str, torch.Tensor], held: dict[str, str] | None
     ) -> tuple[Mapping[str, torch.Tensor], list[TensorDigest], dict[str, str] | None]:
@@ -318,7 +289,7 @@ class PushPublisher:
         the digests of the rest (the model checksum needs them all)."""
         if not self.delta or held is None or set(held) != set(named):
             return named, [], None
-        now = await asyncio.to_thread(_digests, named)
+        now = await asyncio.to_thread(lambda: {n: digest_tensor(t) for n, t in named.items()})
         changed = {n: t for n, t in named.items() if held[n] != now[n]}
         if not changed:
             # The last push carries the checksum the engines confirm: send the smallest tensor.
@@ -361,9 +332,12 @@ async def _stream(
             into = sender.into(index)
             if into is None:
                 stats.in_place += table.nbytes
-                packed = await _off_loop_if_large(table, _digested, named, table, known=known)
-            else:
-                packed = await _off_loop_if_large(table, pack, named, table, into)
+            work = (
+                functools.partial(_digested, named, table, known=known)
+                if into is None
+                else functools.partial(pack, named, table, into)
+            )
+            packed = work() if table.nbytes <= _INLINE_PACK_BYTES else await asyncio.to_thread(work)
             stats.spent("pack", packing)
             digests += [e.tensor_digest() for e in packed.entries]
             stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
@@ -384,14 +358,6 @@ async def _stream(
     return checksum
 
 
-async def _off_loop_if_large(table: BucketTable, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """``fn(*args, **kwargs)`` for the bucket ``table``: on the event loop when the bucket is small
-    (a thread hop costs more), on a thread otherwise."""
-    if table.nbytes <= _INLINE_PACK_BYTES:
-        return fn(*args, **kwargs)
-    return await asyncio.to_thread(fn, *args, **kwargs)
-
-
 def _digested(named: Mapping[str, torch.Tensor], table: BucketTable, *, known: Mapping[str, str]) -> BucketTable:
     """``table`` with each tensor's digest, computed where the tensor lies (nothing is copied)."""
     return BucketTable(
@@ -401,5 +367,37 @@ def _digested(named: Mapping[str, torch.Tensor], table: BucketTable, *, known: M
     )
 
 
-def _digests(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    return {name: digest_tensor(tensor) for name, tensor in named.items()}
+def _shareable(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The parameters and buffers of ``module`` that ``_share`` moves: dense CPU tensors holding
+    any bytes."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
+            continue
+        nbytes = tensor.untyped_storage().nbytes()
+        if nbytes and not nbytes % tensor.element_size():
+            yield tensor
+
+
+def _share(module: torch.nn.Module) -> Segment | None:
+    """Move every CPU parameter and buffer of ``module`` into a new segment (each storage copied
+    once, every tensor viewing it re-pointed, values unchanged); None when there is none. Raises
+    PublishError when /dev/shm cannot hold them."""
+    storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+    for tensor in _shareable(module):
+        storage = tensor.untyped_storage()
+        storages.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
+    if not storages:
+        return None
+    offsets, size = [], 0
+    for storage, _ in storages.values():
+        offsets.append(size)
+        size += -(-storage.nbytes() // _SHARED_ALIGN) * _SHARED_ALIGN
+    segment = Segment(size)
+    with torch.no_grad():
+        for (storage, tensors), at in zip(storages.values(), offsets, strict=True):
+            place = segment.flat[at : at + storage.nbytes()]
+            place.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+            for tensor in tensors:
+                start = at // tensor.element_size() + tensor.storage_offset()
+                tensor.data = place.view(tensor.dtype).as_strided(tensor.size(), tensor.stride(), start)
+    return segment

@@ -15,13 +15,10 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
-import httpx
 import torch
 
-from miles.controller.results import UpdateWindow
 from miles.protocol.sglang_weights import UpdateWeightsFromTensorRequest
-from miles.train import engine_calls
-from miles.train.push_stats import PushStats
+from miles.train.engine_calls import EngineCalls
 from miles.weights.buckets import BucketTable, layout, plan, regions
 from miles.weights.transport.cuda_ipc import share
 from miles.weights.transport.documents import BucketDocument, CudaIpcDocument, ShmDocument
@@ -52,16 +49,9 @@ class TensorPush:
 
     @contextlib.asynccontextmanager
     async def push(
-        self,
-        window: UpdateWindow,
-        named: Mapping[str, torch.Tensor],
-        *,
-        http: httpx.AsyncClient,
-        version: str,
-        stats: PushStats,
-        shared: Segment | None,
+        self, named: Mapping[str, torch.Tensor], calls: EngineCalls, *, shared: Segment | None
     ) -> AsyncIterator[_Buckets]:
-        """The buckets of one push of ``named`` to the window's engines. Tensors that lie in
+        """The buckets of one push of ``named`` to the engines of ``calls``. Tensors that lie in
         ``shared`` (host tensors only) are read there; the others are packed, in GPU memory when
         they are on a GPU. A push that fails drops the kept segment: an engine may still read it."""
         device = next((t.device for t in named.values() if t.device.type == "cuda"), None)
@@ -91,10 +81,7 @@ class TensorPush:
             buffers = [segment.flat] if segment is not None else []
         try:
             yield _Buckets(
-                http=http,
-                window=window,
-                version=version,
-                stats=stats,
+                calls=calls,
                 tables=in_place + packed,
                 in_place=len(in_place),
                 buffers=buffers,
@@ -113,10 +100,7 @@ class _Buckets:
     others packed in turn into ``buffers``: the whole of ``segment`` (their offsets say which
     region), or, without a segment, one buffer of GPU memory per region."""
 
-    http: httpx.AsyncClient
-    window: UpdateWindow
-    version: str
-    stats: PushStats
+    calls: EngineCalls
     tables: list[BucketTable]
     in_place: int
     buffers: list[torch.Tensor]
@@ -124,18 +108,16 @@ class _Buckets:
     segment: Segment | None
 
     def into(self, index: int) -> torch.Tensor | None:
-        if index < self.in_place:
-            return None
-        return self.buffers[(index - self.in_place) % len(self.buffers)]
+        return None if index < self.in_place else self.buffers[(index - self.in_place) % len(self.buffers)]
 
     def _document(self, index: int, packed: BucketTable) -> BucketDocument:
-        if index < self.in_place:
-            assert self.shared is not None
-            return ShmDocument(shm=self.shared.name, table=packed)
-        if self.segment is not None:
-            return ShmDocument(shm=self.segment.name, table=packed)
+        into = self.into(index)
+        segment = self.shared if into is None else self.segment
+        if segment is not None:
+            return ShmDocument(shm=segment.name, table=packed)
+        assert into is not None
         # A handle of its own per engine: each engine's release counts against its own.
-        return CudaIpcDocument(cuda_ipc=share(self.buffers[(index - self.in_place) % len(self.buffers)]), table=packed)
+        return CudaIpcDocument(cuda_ipc=share(into), table=packed)
 
     async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> None:
         def request(_: int) -> UpdateWeightsFromTensorRequest:
@@ -143,13 +125,11 @@ class _Buckets:
             return UpdateWeightsFromTensorRequest(
                 serialized_named_tensors=[document.encode()],
                 load_format=document.load_format,
-                weight_version=self.version if checksum is not None else None,
+                weight_version=self.calls.version if checksum is not None else None,
                 expected_checksum=checksum,
-                activate=not self.window.staged,
+                activate=not self.calls.window.staged,
             )
 
         waiting = time.perf_counter()
-        await engine_calls.post_all(
-            self.http, self.window, path="/update_weights_from_tensor", body=request, stats=self.stats
-        )
-        self.stats.spent("engines", waiting)
+        await self.calls.post("/update_weights_from_tensor", request)
+        self.calls.stats.spent("engines", waiting)

@@ -1,12 +1,9 @@
 """The controller's window API as a pusher uses it (``WindowClient``), and the client for each
-way a controller is reached.
+way a controller is reached (``window_client``: ``LocalWindows`` in this process, ``HttpWindows``
+over HTTP, ``RayWindows`` through Ray).
 
 A push opens a window, renews its lease while it pushes (``keep_alive``), publishes the model
-checksum, and ends or aborts the window. ``window_client`` picks the client for a controller
-object: ``LocalWindows`` for an ``AsyncInferenceController`` on this event loop,
-``BlockingWindows`` for the blocking ``InferenceController``, ``HttpWindows`` (``miles.http``) for
-the URL of the controller's HTTP API, ``RayWindows`` (``miles.ray``) for the named controller's
-actor handle, or any ``WindowClient`` as it is.
+checksum, and ends or aborts the window.
 """
 
 from __future__ import annotations
@@ -55,14 +52,17 @@ class WindowClient(Protocol):
 
 
 class LocalWindows:
-    """The window API of an ``AsyncInferenceController`` running on this event loop."""
+    """The window API of a controller in this process: an ``AsyncInferenceController`` running on
+    this event loop, or the blocking ``InferenceController``, whose core's coroutines run on the
+    controller's own loop (another thread), waited for on a thread of this loop's."""
 
-    def __init__(self, controller: AsyncInferenceController) -> None:
-        self.controller = controller
+    def __init__(self, controller: AsyncInferenceController | InferenceController) -> None:
+        self._blocking = controller if isinstance(controller, InferenceController) else None
+        self.controller = controller.core if isinstance(controller, InferenceController) else controller
 
     async def _run(self, call: Coroutine[Any, Any, T]) -> T:
         """Run one of the controller's coroutines on the loop the controller runs on."""
-        return await call
+        return await (call if self._blocking is None else asyncio.to_thread(self._blocking.run, call))
 
     async def open(self, *, model_name: str | None, ttl_s: float, staged: bool) -> UpdateWindow:
         return await self._run(self.controller.start_update_weights(model_name, ttl_s=ttl_s, staged=staged))
@@ -84,18 +84,6 @@ class LocalWindows:
         await self._run(self.controller.abort_update_weights(window.token, reason=reason))
 
 
-class BlockingWindows(LocalWindows):
-    """The window API of the blocking ``InferenceController``: its core's coroutines run on the
-    controller's own loop (another thread), waited for on a thread of this loop's."""
-
-    def __init__(self, controller: InferenceController) -> None:
-        super().__init__(controller.core)
-        self._blocking = controller
-
-    async def _run(self, call: Coroutine[Any, Any, T]) -> T:
-        return await asyncio.to_thread(self._blocking.run, call)
-
-
 def window_client(controller: object) -> WindowClient:
     """The client of ``controller``: an ``AsyncInferenceController``, the blocking
     ``InferenceController``, the URL of a controller's HTTP API (with ``MILES_ADMIN_TOKEN`` from
@@ -103,10 +91,8 @@ def window_client(controller: object) -> WindowClient:
     ``WindowClient``. Raises TypeError for anything else."""
     if isinstance(controller, str):
         return HttpWindows(controller, admin_token=os.environ.get("MILES_ADMIN_TOKEN", "").strip() or None)
-    if isinstance(controller, AsyncInferenceController):
+    if isinstance(controller, AsyncInferenceController | InferenceController):
         return LocalWindows(controller)
-    if isinstance(controller, InferenceController):
-        return BlockingWindows(controller)
     if is_actor_handle(controller):
         return RayWindows(controller)
     if isinstance(controller, WindowClient):

@@ -4,8 +4,7 @@
 SGLang puts pickled tensors there; the miles engine refuses them (unpickling a request runs
 whatever code it names) and takes instead the base64 of a JSON document: the bucket's table and
 where its bytes lie, in a shared-memory segment (``ShmDocument``) or in the sender's GPU memory
-(``CudaIpcDocument``). Decoding is strict: a number sent as text, a float or a boolean is no
-offset, size or dimension, and an unknown key is refused.
+(``CudaIpcDocument``). Decoding is strict (``decode``).
 """
 
 from __future__ import annotations

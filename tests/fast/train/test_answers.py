@@ -24,7 +24,7 @@ from miles.errors import AuthenticationError, ConflictError, PublishError, Refus
 from miles.http.windows import HttpWindows
 from miles.protocol.sglang_weights import DestroyWeightsUpdateGroupRequest, UpdateWeightsResponse
 from miles.train import engine_calls
-from miles.train.push_stats import PushStats
+from miles.train.engine_calls import PushStats
 from miles.train.windows import window_client
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
 from miles.utils.http import install_error_handlers
