@@ -1,17 +1,9 @@
-"""Every change of the live weights, one sequence: stage, verify, swap.
-
-A load and a push differ only in where the bytes come from (``sources.py``); the staging policy
-(``buffers.py``) picks the stage. Then: write into it, each tensor checked against its digest as
-it is copied (a push writes a bucket per call into its change's stage); hash it, refusing a
-mismatch before anything serves; pause generation as the change asks; swap, under the write side
-of the weights lock on the scheduler thread between two steps; resume once the weights are
-verified. A buffer stage is written and hashed while the engine serves and swapped by re-pointing
-tensors, so generation waits only for that (with ``activate=False`` a verified push waits for
-``/activate_weights``). The live stage is written and hashed in that locked section itself,
-generation paused first, and leaves nothing to swap; if it hashes to something else the weights
-stay unverified and generation paused until a good load or push. A swap the buffers refuse gives
-staging up: a load then copies in place under the same lock, a push is refused. One change at a
-time; a load, or a push finding no change taking buckets, supersedes one left unfinished.
+"""Every change of the live weights, one sequence: stage, verify, swap (docs/ENGINE.md, "Staged
+activation"). A load and a push differ only in where the bytes come from (``sources.py``); the
+staging policy picks the stage (``buffers.py``). A buffer stage is written and hashed while the
+engine serves, then swapped in under the write lock with generation paused; the live stage is
+written and hashed in that locked section itself. A swap the buffers refuse gives staging up: a
+load then copies in place under the same lock, a push is refused. One change at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +14,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from enum import Enum
 from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
@@ -80,18 +71,12 @@ class Target:
     loaded_from: Path | None = None  # a load's checkpoint directory
 
 
-class ChangeState(Enum):
-    WRITING = "writing"  # taking a push's buckets
-    VERIFIED = "verified"  # hashed to its target beside the live weights; waits for /activate_weights
-
-
 @dataclass
 class _Change:
     """One change: its stage and how far it came (a push's lives between its calls)."""
 
     stage: Stage
-    state: ChangeState = ChangeState.WRITING
-    target: Target | None = None  # once verified
+    verified: Target | None = None  # hashed to it beside the live weights: waits for /activate_weights
 
 
 class WeightChanges:
@@ -182,7 +167,7 @@ class WeightChanges:
     def check_table(self, table: BucketTable) -> None:
         """Raise InvalidRequestError unless every tensor of ``table`` is one the model holds, with
         its dtype and shape (checked before anything is received or allocated)."""
-        check_pushed(((e.name, e.torch_dtype(), e.shape) for e in table.entries), self._signature)
+        check_pushed(table.entries, self._signature)
 
     async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
         """Take one bucket of pushed tensors into the stage of its change; the last one
@@ -200,9 +185,9 @@ class WeightChanges:
                 "the last push of an update (with expected_checksum) must name its weight_version"
             )
         async with self._lock:
-            check_pushed(((e.name, e.torch_dtype(), e.shape) for e in bucket.entries.values()), self._signature)
+            check_pushed(bucket.entries.values(), self._signature)
             change = self._change
-            if change is None or change.state is not ChangeState.WRITING:
+            if change is None or change.verified is not None:
                 self._drop()  # staged weights never activated are superseded by this push
                 stage = await asyncio.to_thread(self._staging.open_stage, self._weights.model())
                 change = self._change = _Change(stage)
@@ -244,7 +229,7 @@ class WeightChanges:
         ``expected_checksum``."""
         async with self._lock:
             change = self._change
-            staged = change.target if change is not None and change.state is ChangeState.VERIFIED else None
+            staged = change.verified if change is not None else None
             if change is None or staged is None or staged.checksum != request.expected_checksum:
                 have = "nothing is staged" if staged is None else f"the staged weights hash to {staged.checksum}"
                 raise ConflictError(
@@ -263,7 +248,7 @@ class WeightChanges:
         weights never changed; copied in place, they stay unverified. Staged and verified weights
         stay until activated or superseded (the window's commit activates them after closing it)."""
         async with self._lock:
-            if self._change is not None and self._change.state is ChangeState.WRITING:
+            if self._change is not None and self._change.verified is None:
                 self._drop()
 
     async def rename(self, request: UpdateWeightVersionRequest) -> None:
@@ -314,7 +299,7 @@ class WeightChanges:
                 self._drop(change)
                 return self._judge(checksum, target, in_place=False)
             if not activate:
-                change.state, change.target = ChangeState.VERIFIED, target
+                change.verified = target
                 message = f"staged and verified; the engine serves {served} until /activate_weights"
                 return Outcome(True, message, checksum.checksum)
         async with self._paused(mode, source=source, timings=timings, keep=keep) as requests:
