@@ -172,13 +172,11 @@ class WeightChanges:
     async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
         """Take one bucket of pushed tensors into the stage of its change; the last one
         (``expected_checksum`` given) is confirmed over the whole model before the weights serve.
-        In place, generation pauses at the first bucket and stays paused, the weights unverified,
-        until a last bucket's checksum matches.
+        In place, generation stays paused, the weights unverified, until a last bucket matches.
 
-        Raises InvalidRequestError for a tensor the model does not have, or of another dtype or
-        shape, and for one whose bytes do not match their digest (before it is copied in place;
-        staged, the push is dropped); ConflictError for a push that must stage
-        (``activate=False``) on an engine that cannot stage now.
+        Raises InvalidRequestError for a tensor the model does not have (or not of that dtype and
+        shape) and for bytes that differ from their digest (the push is dropped); ConflictError
+        for a push that must stage (``activate=False``) on an engine that cannot stage now.
         """
         if request.expected_checksum is not None and request.weight_version is None:
             raise InvalidRequestError(
@@ -244,9 +242,9 @@ class WeightChanges:
             return self._answer(outcome, timings)
 
     async def discard_push(self) -> None:
-        """Drop a push that never reached its last bucket (its window ended): staged, the live
-        weights never changed; copied in place, they stay unverified. Staged and verified weights
-        stay until activated or superseded (the window's commit activates them after closing it)."""
+        """Drop a push that never reached its last bucket (its window ended); copied in place, the
+        weights stay unverified. Staged and verified weights stay until activated or superseded
+        (the window's commit activates them after closing it)."""
         async with self._lock:
             if self._change is not None and self._change.verified is None:
                 self._drop()
@@ -334,9 +332,9 @@ class WeightChanges:
     def _write_in_place(
         self, stage: Stage, write: Write, *, target: Target | None, timings: dict[str, float]
     ) -> ModelChecksum | None:
-        """Write into the live weights (write lock held, scheduler thread) and, for the last
-        write, hash them. The record says what they hash to whatever the outcome (a drift probe
-        must see an unverified copy for what it is); the version moves only with a match."""
+        """Write into the live weights (write lock held) and, for the last write, hash them. The
+        record says what they hash to whatever the outcome (a drift probe must see an unverified
+        copy for what it is); the version moves only with a match."""
         held = self._weights.held
         self._weights.record(replace(held, status=WeightsStatus.UNVERIFIED))
         try:
@@ -349,8 +347,7 @@ class WeightChanges:
         if checksum is None or target is None:
             return None
         if checksum.checksum == target.checksum:
-            verified = HeldWeights(version=target.version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
-            self._weights.record(verified, loaded_from=target.loaded_from)
+            self._serve(target, checksum)
         else:
             self._weights.record(replace(held, checksum=checksum.checksum, status=WeightsStatus.UNVERIFIED))
         return checksum
@@ -358,11 +355,9 @@ class WeightChanges:
     async def _swap(
         self, change: _Change, target: Target, *, timings: dict[str, float], again: Write | None
     ) -> Outcome:
-        """Swap a verified buffer stage in, generation paused: its checksum is the live one then,
-        since the swap moves no byte (``activate`` in the timings: how long the write lock was
-        held, what generation waited for). A swap the buffers refuse (some tensor would keep the
-        old weights) gives staging up; ``again`` then copies in place under the same lock, else
-        nothing changed."""
+        """Swap a verified buffer stage in, generation paused (``activate`` in the timings: what
+        generation waited for). A swap the buffers refuse (some tensor would keep the old
+        weights) gives staging up; ``again`` then copies in place under the same lock."""
         stage = change.stage
         try:
             stage.prepare_activation()
@@ -384,8 +379,7 @@ class WeightChanges:
                     return self._write_in_place(live, again, target=target, timings=timings)
                 finally:
                     live.discard()
-            verified = HeldWeights(version=target.version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
-            self._weights.record(verified, loaded_from=target.loaded_from)
+            self._serve(target, checksum)
             timings["activate"] = time.perf_counter() - locked
             return checksum
 
@@ -399,6 +393,11 @@ class WeightChanges:
             self._drop(change)
         assert checksum is not None
         return self._judge(checksum, target, in_place=True)
+
+    def _serve(self, target: Target, checksum: ModelChecksum) -> None:
+        """Record the weights, which hash to ``target``, as serving it (write lock held)."""
+        held = HeldWeights(version=target.version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
+        self._weights.record(held, loaded_from=target.loaded_from)
 
     def _judge(self, checksum: ModelChecksum, target: Target, *, in_place: bool) -> Outcome:
         """A last write's stage hashed to ``checksum``: served if that is the target's, else
@@ -431,11 +430,10 @@ class WeightChanges:
     async def _paused(
         self, mode: PauseMode, *, source: str, timings: dict[str, float], keep: bool = False
     ) -> AsyncIterator[int]:
-        """Generation paused for a change in ``mode`` (yields the requests in flight then), and
-        given back after it if the weights are verified: a change that leaves them unverified
-        leaves generation paused for the next good one to resume. With ``keep`` (``keep_pause``)
-        the pause is the caller's to give back. Generation the caller had paused stays paused; an
-        aborting mode then only aborts what is queued."""
+        """Generation paused for a change in ``mode`` (yields the requests in flight then), given
+        back after it only if the weights are verified, or by the caller with ``keep``
+        (``keep_pause``). Generation the caller had paused stays paused; an aborting mode then
+        only aborts what is queued."""
         message, requests, started = f"aborted by {source}", 0, time.perf_counter()
         if self._scheduler.state is GenerationState.SERVING:
             by = Pauser.CALLER if keep else Pauser.UPDATE
