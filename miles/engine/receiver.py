@@ -169,12 +169,10 @@ class WeightGroups:
 
     async def join_within(self, request: InitWeightsUpdateGroupRequest, *, owner: int | None = None) -> str:
         """``join`` on a thread of its own, answered within ``timeout_s`` (and a grace) whatever
-        rank 0 does. torch's store handshake has no time limit of its own: a rank 0 that accepts
-        the connection and never answers would hold the call (and a thread of the shared pool,
-        which pauses, loads and checksums need) for as long as it liked. A join given up on
-        leaves no group behind should it form later, and at most ``MAX_PENDING_JOINS`` may still
-        run (ConflictError past that). ``owner``: the fencing token of the call, whose window the
-        group lasts for."""
+        rank 0 does: torch's store handshake has no time limit of its own, and a rank 0 that never
+        answers would hold a thread of the shared pool (which pauses, loads and checksums need).
+        A join given up on keeps no group should it form later; at most ``MAX_PENDING_JOINS`` may
+        still run (ConflictError past that). ``owner``: the fencing token whose window it lasts."""
         state = _JoinState(owner=owner)
         with self._lock:
             if self._pending >= MAX_PENDING_JOINS:
@@ -266,14 +264,9 @@ class WeightGroups:
     async def bucket(
         self, request: UpdateWeightsFromDistributedRequest, check: Callable[[BucketTable], None]
     ) -> AsyncIterator[Received]:
-        """One bucket by broadcast from rank 0, with the digests it was sent with (checked as it is
-        copied out), held until the block ends: a group takes one bucket at a time, and its buffer
-        is neither overwritten by the next broadcast nor handed to another group while the
-        tensors viewing it are copied out.
-
-        As SGLang receives it: with ``load_format="flattened_bucket"`` one broadcast of every
-        tensor back to back; without one, a broadcast per tensor, in the order named.
-
+        """One bucket by broadcast from rank 0 (as SGLang: one broadcast of a flattened bucket, else
+        one per tensor), held until the block ends: its buffer is neither overwritten by the next
+        broadcast nor handed to another group while the tensors viewing it are copied out.
         Raises NotFoundError for an unknown group, ConflictError when the broadcast does not finish
         within ``timeout_s`` (the sender died or never sent)."""
         if request.load_format not in (None, FLAT_LOAD_FORMAT):
@@ -295,13 +288,10 @@ class WeightGroups:
     @staticmethod
     def _receive(member: _Group, request: UpdateWeightsFromDistributedRequest, table: BucketTable) -> Received:
         flat = member.flat(table.total_bytes)
-        if request.load_format == FLAT_LOAD_FORMAT:
-            tensors = [flat]
-        else:
-            # Each tensor into its (aligned) place in the buffer.
-            tensors = [
-                flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).reshape(e.shape) for e in table.entries
-            ]
+        # Flattened, one broadcast of the whole; else each tensor into its (aligned) place.
+        tensors = [flat]
+        if request.load_format != FLAT_LOAD_FORMAT:
+            tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).reshape(e.shape) for e in table.entries]
         try:
             groups.broadcast(member.joined.group, tensors, timeout_s=request.timeout_s)
         except (RuntimeError, dist.DistError) as exc:
@@ -314,13 +304,11 @@ class WeightGroups:
     def destroy(self, name: str) -> str:
         with self._lock:
             member = self._groups.pop(name, None)
+            # A buffer still being received into or copied out of goes with its group.
+            if member is not None and member.buffer is not None and not member.in_use.locked():
+                self._spare[member.device] = member.buffer
         if member is None:
             raise NotFoundError(f"this engine is in no group {name!r}")
-        if member.buffer is not None and not member.in_use.locked():
-            # A buffer still being received into or copied out of goes with its group.
-            with self._lock:
-                self._spare[member.device] = member.buffer
-        del member
         return f"left group {name!r}"
 
 
