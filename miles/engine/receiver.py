@@ -291,7 +291,7 @@ class WeightGroups:
         # Flattened, one broadcast of the whole; else each tensor into its (aligned) place.
         tensors = [flat]
         if request.load_format != FLAT_LOAD_FORMAT:
-            tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).reshape(e.shape) for e in table.entries]
+            tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape) for e in table.entries]
         try:
             groups.broadcast(member.joined.group, tensors, timeout_s=request.timeout_s)
         except (RuntimeError, dist.DistError) as exc:
