@@ -103,17 +103,11 @@ class VerifiedCheckpoint:
 def open_verified(
     model: torch.nn.Module, checkpoint: Path, *, expected_checksum: str | None = None, weight_version: str | None = None
 ) -> VerifiedCheckpoint:
-    """Open and fully verify ``checkpoint`` and match it against ``model``'s tensors.
-
-    With a manifest, the files are verified against it and, when ``expected_checksum`` is given,
-    the manifest's checksum must equal it. Without one (a plain Hugging Face directory),
-    ``expected_checksum`` and ``weight_version`` are required and the files, hashed into an
-    in-memory manifest, must hash to the expected checksum.
-
-    Raises CheckpointError (missing, corrupt or truncated checkpoint, digest mismatch, a plain
-    directory without the expected checksum or a version), UnexpectedChecksumError (not the
-    checkpoint the caller expects) or IncompatibleCheckpointError (names, shapes or dtypes differ
-    from the live model), naming what is wrong.
+    """Open ``checkpoint``, verify it whole (against its manifest, whose checksum must be
+    ``expected_checksum`` when given; a plain Hugging Face directory is hashed into a manifest that
+    must carry it, and needs a ``weight_version``) and match it against ``model``'s tensors.
+    Raises CheckpointError naming what is wrong: UnexpectedChecksumError for another checkpoint
+    than expected, IncompatibleCheckpointError for other names, shapes or dtypes than the model's.
     """
     started = time.perf_counter()
     plain = False
