@@ -222,10 +222,9 @@ def check_pushed(entries: Iterable[BucketEntry], live: Signature) -> None:
     shape. Compared as numbers: a shape no tensor could have (2**40 x 2**40) is refused by the
     comparison, never allocated, even on the meta device."""
     for entry in entries:
-        target = live.get(entry.name)
+        dtype, target = entry.torch_dtype(), live.get(entry.name)
         if target is None:
             raise InvalidRequestError(f"the model has no tensor {entry.name!r}; push the names its checkpoint has")
-        dtype = entry.torch_dtype()
         if target != (dtype, tuple(entry.shape)):
             raise InvalidRequestError(
                 f"tensor {entry.name!r} is pushed as {dtype}{_shape_text(entry.shape)}, but the model holds "
