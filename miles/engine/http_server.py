@@ -310,48 +310,41 @@ def create_app(engine: Engine) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, http_request: Request) -> Response:
-        generate_request = completion_to_generate(request)
-        rid = new_id("cmpl")
-        if request.stream:
-            chunks = openai_stream(
-                await engine.stream(generate_request),
-                model=engine.served_model_name,
-                rid=rid,
-                chat=False,
-                usage=request.include_usage,
-            )
+    async def openai_answer(
+        generated: GenerateRequest, http_request: Request, *, chat: bool, stream: bool, usage: bool, logprobs: bool
+    ) -> Response:
+        """An OpenAI-compatible answer: streamed as chunks, or one body of every choice."""
+        rid, model = new_id("chatcmpl" if chat else "cmpl"), engine.served_model_name
+        if stream:
+            chunks = openai_stream(await engine.stream(generated), model=model, rid=rid, chat=chat, usage=usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
-        result = await until_disconnected(http_request, engine.generate(generate_request))
+        result = await until_disconnected(http_request, engine.generate(generated))
         if isinstance(result, Response):
             return result
         responses = result if isinstance(result, list) else [result]
-        return JSONResponse(
-            completion_body(
-                responses, model=engine.served_model_name, request_id=rid, with_logprobs=request.logprobs is not None
-            )
+        body = chat_body if chat else completion_body
+        return JSONResponse(body(responses, model=model, request_id=rid, with_logprobs=logprobs))
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, http_request: Request) -> Response:
+        return await openai_answer(
+            completion_to_generate(request),
+            http_request,
+            chat=False,
+            stream=request.stream,
+            usage=request.include_usage,
+            logprobs=request.logprobs is not None,
         )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, http_request: Request) -> Response:
-        generate_request = await chat_to_generate(engine, request)
-        rid = new_id("chatcmpl")
-        if request.stream:
-            chunks = openai_stream(
-                await engine.stream(generate_request),
-                model=engine.served_model_name,
-                rid=rid,
-                chat=True,
-                usage=request.include_usage,
-            )
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        result = await until_disconnected(http_request, engine.generate(generate_request))
-        if isinstance(result, Response):
-            return result
-        responses = result if isinstance(result, list) else [result]
-        return JSONResponse(
-            chat_body(responses, model=engine.served_model_name, request_id=rid, with_logprobs=request.logprobs)
+        return await openai_answer(
+            await chat_to_generate(engine, request),
+            http_request,
+            chat=True,
+            stream=request.stream,
+            usage=request.include_usage,
+            logprobs=request.logprobs,
         )
 
     unclassified = sorted({getattr(r, "path", "") for r in app.routes} - ENDPOINTS.keys())

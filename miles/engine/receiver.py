@@ -1,20 +1,8 @@
-"""Weights pushed from a trainer's memory, received: buckets handed over in memory and buckets
-broadcast to the torch.distributed groups this engine joined.
-
-Both produce one bucket of named tensors with the digests they were sent with (``Received``), which
-``LiveWeights.apply_pushed`` copies into the model, checking each digest over the bytes it copied;
-nothing here touches the live weights. How the bytes travel (segments, CUDA IPC handles, the
-documents that name them, the groups) is ``miles.weights.transport``, shared with the trainer.
-
-- Shared memory (``/update_weights_from_tensor``, ``load_format="miles_shm"``): the engine opens the
-  segment read-only and reads each tensor from it as it copies it (``pread``: a segment cut short
-  is an error, never a SIGBUS).
-- CUDA IPC (``load_format="miles_cuda_ipc"``, GPU engines): the engine opens the sender's GPU
-  buffer and copies from it.
-- torch.distributed (``/init_weights_update_group``, ``/update_weights_from_distributed``,
-  ``/destroy_weights_update_group``): the engine joins a group of its own as rank
-  ``rank_offset``; each update is one flat broadcast per bucket from rank 0. Joining is bounded by
-  ``timeout_s``, and a group that does not form names the ranks that never joined.
+"""Weights pushed from a trainer's memory, received: buckets handed over in memory (a shared-memory
+segment, a CUDA IPC handle) and buckets broadcast to the torch.distributed groups this engine
+joined. Both produce one bucket of named tensors with the digests they were sent with
+(``Received``), for ``WeightChanges.apply_pushed``; nothing here touches the live weights. How the
+bytes travel is ``miles.weights.transport``, shared with the trainer.
 """
 
 from __future__ import annotations
@@ -22,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -48,21 +37,13 @@ logger = logging.getLogger("miles.engine")
 
 
 class TensorBucket:
-    """One bucket's tensors handed over in memory: read from a shared-memory segment, or from a
-    CUDA IPC handle of the sender's GPU memory (``close`` once they are copied).
-
-    A segment is read (``pread``), never mapped: a sender that cuts it short during the push makes
-    the push fail with 400, where a mapped segment would kill the engine (SIGBUS). The tensors are
-    read straight into their staged place, so reading costs no more copies than mapping did."""
-
-    received: Received
+    """One bucket's tensors handed over in memory (``close`` once they are copied). A segment is
+    read (``pread``), never mapped: a sender that cuts it short during the push makes the push
+    fail with 400, where a mapped segment would kill the engine (SIGBUS). The tensors are read
+    straight into their staged place, so reading costs no more copies than mapping did."""
 
     def __init__(
-        self,
-        request: UpdateWeightsFromTensorRequest,
-        check: Callable[[BucketTable], None],
-        *,
-        device: torch.device,
+        self, request: UpdateWeightsFromTensorRequest, check: Callable[[BucketTable], None], *, device: torch.device
     ) -> None:
         document = decode(request.load_format, request.serialized_named_tensors)
         table = document.table
@@ -81,23 +62,18 @@ class TensorBucket:
             check(table)
             self.received = from_file(table, self._fd, size)
         except BaseException:
-            self.close()
+            os.close(self._fd)
             raise
 
     def close(self) -> None:
+        self.received.close()
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
-        received = getattr(self, "received", None)
-        if received is not None:
-            received.close()
 
 
 @dataclass
 class _Group:
-    name: str
-    rank: int
-    world_size: int
     joined: groups.Joined
     # The fencing token of the call that joined it (None: an unfenced call); the group lasts as
     # long as that token's window (``WeightGroups.follow``).
@@ -193,12 +169,10 @@ class WeightGroups:
 
     async def join_within(self, request: InitWeightsUpdateGroupRequest, *, owner: int | None = None) -> str:
         """``join`` on a thread of its own, answered within ``timeout_s`` (and a grace) whatever
-        rank 0 does. torch's store handshake has no time limit of its own: a rank 0 that accepts
-        the connection and never answers would hold the call (and a thread of the shared pool,
-        which pauses, loads and checksums need) for as long as it liked. A join given up on
-        leaves no group behind should it form later, and at most ``MAX_PENDING_JOINS`` may still
-        run (ConflictError past that). ``owner``: the fencing token of the call, whose window the
-        group lasts for."""
+        rank 0 does: torch's store handshake has no time limit of its own, and a rank 0 that never
+        answers would hold a thread of the shared pool (which pauses, loads and checksums need).
+        A join given up on keeps no group should it form later; at most ``MAX_PENDING_JOINS`` may
+        still run (ConflictError past that). ``owner``: the fencing token whose window it lasts."""
         state = _JoinState(owner=owner)
         with self._lock:
             if self._pending >= MAX_PENDING_JOINS:
@@ -234,7 +208,8 @@ class WeightGroups:
         """Join the group (blocking: call off the loop); returns a message. Raises ConflictError
         naming the ranks that did not join within ``timeout_s``. ``state`` reports the phase the
         join is in, and says whether its caller gave up (the group is then not kept)."""
-        backend = request.backend.lower()
+        state = state or _JoinState()
+        backend, name = request.backend.lower(), request.group_name
         if backend == "nccl" and self._device.type != "cuda":
             raise InvalidRequestError(
                 f"backend 'nccl' needs CUDA; this engine runs on {self._device}: use backend 'gloo'"
@@ -244,70 +219,54 @@ class WeightGroups:
         rank, world = request.rank_offset, request.world_size
         if rank >= world:
             raise InvalidRequestError(f"rank_offset {rank} is outside a group of world_size {world}")
-        joining = (request.group_name, request.master_address, request.master_port)
+        joining = (name, request.master_address, request.master_port)
         with self._lock:
-            if request.group_name in self._groups:
+            if name in self._groups:
                 raise ConflictError(
-                    f"this engine is already in group {request.group_name!r}; destroy it first "
-                    "(/destroy_weights_update_group)"
+                    f"this engine is already in group {name!r}; destroy it first (/destroy_weights_update_group)"
                 )
             if joining in self._joining:
                 raise ConflictError(
-                    f"this engine is already joining group {request.group_name!r} at "
-                    f"{request.master_address}:{request.master_port}"
+                    f"this engine is already joining group {name!r} at {request.master_address}:{request.master_port}"
                 )
             self._joining.add(joining)
         try:
-            return self._join(request, backend, rank, world, state or _JoinState())
+            joined = groups.join(
+                address=request.master_address,
+                port=request.master_port,
+                group_name=name,
+                rank=rank,
+                world=world,
+                backend=backend,
+                timeout_s=request.timeout_s,
+                phase=state.at,
+            )
+            with self._lock:
+                if state.abandoned.is_set():  # its caller was answered already: the group goes with it
+                    raise ConflictError(f"group {name!r} formed after its join was given up")
+                if self._is_over(state.owner):
+                    raise ConflictError(
+                        f"group {name!r} formed after its training window closed; ask the controller for a new window"
+                    )
+                if name in self._groups:  # another join of the name formed first
+                    raise ConflictError(
+                        f"group {name!r} was joined meanwhile (at another rank 0); destroy it and join again"
+                    )
+                device = self._device if backend == "nccl" else torch.device("cpu")
+                self._groups[name] = _Group(joined, state.owner, device, self._spare.pop(device, None))
         finally:
             with self._lock:
                 self._joining.discard(joining)
-
-    def _join(
-        self, request: InitWeightsUpdateGroupRequest, backend: str, rank: int, world: int, state: _JoinState
-    ) -> str:
-        joined = groups.join(
-            address=request.master_address,
-            port=request.master_port,
-            group_name=request.group_name,
-            rank=rank,
-            world=world,
-            backend=backend,
-            timeout_s=request.timeout_s,
-            phase=state.at,
-        )
-        with self._lock:
-            if state.abandoned.is_set():  # its caller was answered already: the group goes with it
-                raise ConflictError(f"group {request.group_name!r} formed after its join was given up")
-            if self._is_over(state.owner):
-                raise ConflictError(
-                    f"group {request.group_name!r} formed after its training window closed; ask the controller "
-                    "for a new window"
-                )
-            if request.group_name in self._groups:  # another join of the name formed first
-                raise ConflictError(
-                    f"group {request.group_name!r} was joined meanwhile (at another rank 0); destroy it and join again"
-                )
-            device = self._device if backend == "nccl" else torch.device("cpu")
-            spare = self._spare.pop(device, None)
-            self._groups[request.group_name] = _Group(
-                request.group_name, rank, world, joined, state.owner, device, spare
-            )
-        logger.info("joined weight-update group %s as rank %d of %d", request.group_name, rank, world)
-        return f"joined group {request.group_name!r} as rank {rank} of {world}"
+        logger.info("joined weight-update group %s as rank %d of %d", name, rank, world)
+        return f"joined group {name!r} as rank {rank} of {world}"
 
     @contextlib.asynccontextmanager
     async def bucket(
         self, request: UpdateWeightsFromDistributedRequest, check: Callable[[BucketTable], None]
     ) -> AsyncIterator[Received]:
-        """One bucket by broadcast from rank 0, with the digests it was sent with (checked as it is
-        copied out), held until the block ends: a group takes one bucket at a time, and its buffer
-        is neither overwritten by the next broadcast nor handed to another group while the
-        tensors viewing it are copied out.
-
-        As SGLang receives it: with ``load_format="flattened_bucket"`` one broadcast of every
-        tensor back to back; without one, a broadcast per tensor, in the order named.
-
+        """One bucket by broadcast from rank 0 (as SGLang: one broadcast of a flattened bucket, else
+        one per tensor), held until the block ends: its buffer is neither overwritten by the next
+        broadcast nor handed to another group while the tensors viewing it are copied out.
         Raises NotFoundError for an unknown group, ConflictError when the broadcast does not finish
         within ``timeout_s`` (the sender died or never sent)."""
         if request.load_format not in (None, FLAT_LOAD_FORMAT):
@@ -329,13 +288,10 @@ class WeightGroups:
     @staticmethod
     def _receive(member: _Group, request: UpdateWeightsFromDistributedRequest, table: BucketTable) -> Received:
         flat = member.flat(table.total_bytes)
-        if request.load_format == FLAT_LOAD_FORMAT:
-            tensors = [flat]
-        else:
-            # Each tensor into its (aligned) place in the buffer.
-            tensors = [
-                flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).reshape(e.shape) for e in table.entries
-            ]
+        # Flattened, one broadcast of the whole; else each tensor into its (aligned) place.
+        tensors = [flat]
+        if request.load_format != FLAT_LOAD_FORMAT:
+            tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape) for e in table.entries]
         try:
             groups.broadcast(member.joined.group, tensors, timeout_s=request.timeout_s)
         except (RuntimeError, dist.DistError) as exc:
@@ -348,13 +304,11 @@ class WeightGroups:
     def destroy(self, name: str) -> str:
         with self._lock:
             member = self._groups.pop(name, None)
+            # A buffer still being received into or copied out of goes with its group.
+            if member is not None and member.buffer is not None and not member.in_use.locked():
+                self._spare[member.device] = member.buffer
         if member is None:
             raise NotFoundError(f"this engine is in no group {name!r}")
-        if member.buffer is not None and not member.in_use.locked():
-            # A buffer still being received into or copied out of goes with its group.
-            with self._lock:
-                self._spare[member.device] = member.buffer
-        del member
         return f"left group {name!r}"
 
 
@@ -368,8 +322,10 @@ def table_of(request: UpdateWeightsFromDistributedRequest) -> BucketTable:
     it names a tensor twice or a dtype torch does not know: back to back for a flattened bucket,
     each tensor at an aligned offset when each has its own broadcast."""
     align = 1 if request.load_format == FLAT_LOAD_FORMAT else _TENSOR_ALIGN
-    entries, offset, seen = [], 0, set()
-    for i, (name, raw_dtype, shape) in enumerate(zip(request.names, request.dtypes, request.shapes, strict=True)):
+    entries: list[BucketEntry] = []
+    offset, seen = 0, set()
+    digests: Sequence[str | None] = request.digests or [None] * len(request.names)
+    for name, raw_dtype, shape, digest in zip(request.names, request.dtypes, request.shapes, digests, strict=True):
         if name in seen:
             raise InvalidRequestError(f"tensor {name!r} appears twice in one bucket; name each tensor once")
         seen.add(name)
@@ -378,14 +334,9 @@ def table_of(request: UpdateWeightsFromDistributedRequest) -> BucketTable:
             raise InvalidRequestError(
                 f"tensor {name!r} has unknown dtype {raw_dtype!r}; known: {', '.join(TORCH_DTYPES)}"
             )
-        itemsize = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
-        nbytes = itemsize
-        for n in shape:
-            nbytes *= n
-        digest = request.digests[i] if request.digests else None
+        nbytes = math.prod(shape) * TORCH_DTYPES[dtype].itemsize
         offset = -(-offset // align) * align
-        entries.append(
-            BucketEntry(name=name, dtype=dtype, shape=tuple(shape), offset=offset, nbytes=nbytes, digest=digest)
-        )
+        entry = BucketEntry(name=name, dtype=dtype, shape=tuple(shape), offset=offset, nbytes=nbytes, digest=digest)
+        entries.append(entry)
         offset += nbytes
     return BucketTable(entries=tuple(entries))

@@ -1,6 +1,3 @@
-"""The served weights and every change to them, one module per step a change passes through:
-``sources`` (the bytes: a verified checkpoint, or pushed buckets) → ``stage`` and ``buffers``
-(what they are written into: the live tensors, or twins beside them) → ``swap`` (stage, verify,
-swap, for loads and pushes alike) → ``live`` (the record of what the weights are). ``memory``
-maps where the weights lie, ``lock`` is the weights' reader-writer lock, ``export`` reads them
-whole."""
+"""The served weights and every change to them: ``sources`` (the bytes) → ``stage``/``buffers``
+(what they are written into) → ``swap`` (stage, verify, swap) → ``live`` (what the weights are);
+``memory`` maps where they lie, ``lock`` guards them, ``export`` reads them whole."""

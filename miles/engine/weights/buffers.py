@@ -1,16 +1,11 @@
-"""The buffer stage: new weights written into twins of the live weights' storages while the
-engine serves, then swapped in by re-pointing tensors, so generation waits for a swap instead of
-a copy (docs/ENGINE.md, "Staged activation"); and the policy (``--weight-staging``) that decides
-whether a change gets one.
+"""The buffer stage: new weights written into twins of the live storages while the engine serves,
+then swapped in by re-pointing every viewer (``memory.py``) at the same place in its twin,
+O(number of tensors); and the policy (``--weight-staging``) that decides whether a change gets one.
 
-The swap assigns to every tensor that views a live storage (``memory.py``) a view of the same
-place in its twin, built beforehand: O(number of tensors), whatever their size; the old storages
-become the next update's twins. Nothing may go on viewing an old storage (it would serve the old
-weights, and one update later the bytes being staged): reference counts are checked under the
-lock before every swap, and one that finds a viewer nobody listed changes nothing. The copies into
-the twins go through numpy, which releases the GIL and starts no OpenMP team, so a stage is
-written on a worker thread while the scheduler thread serves (``scheduler.py`` says why no second
-thread runs parallel torch operations).
+Nothing may go on viewing an old storage (it would serve the old weights, and one update later
+the bytes being staged): reference counts are checked under the lock before every swap. The
+copies into the twins go through numpy, which releases the GIL and starts no OpenMP team, so a
+stage is written on a worker thread while the scheduler thread serves (``scheduler.py``).
 """
 
 from __future__ import annotations
@@ -39,8 +34,8 @@ class StagingRefusedError(MilesError):
 
 
 class StagingBuffers:
-    """The twins of a model's weight storages (once allocated) and the swap; one stage at a time.
-    Built once the runner exists (the fused decoder re-points parameters while it is built)."""
+    """The twins of a model's weight storages and the swap; one stage at a time. Built once the
+    runner exists (the fused decoder re-points parameters while it is built)."""
 
     def __init__(self, memory: WeightMemory) -> None:
         self.memory = memory
@@ -70,8 +65,7 @@ class StagingBuffers:
         return sum(spare.nbytes() for spare in self.spares if spare is not None)
 
     def allocate(self) -> None:
-        """Allocate the twins (once). Raises what the allocator raises (``torch.OutOfMemoryError``,
-        ``RuntimeError``) when the memory is not there."""
+        """Allocate the twins (once); raises what the allocator raises."""
         for storage in self.memory.storages:
             if storage.twin is None:
                 storage.twin = torch.UntypedStorage(storage.live.nbytes(), device=storage.live.device)
@@ -85,9 +79,8 @@ class StagingBuffers:
         self._pairs, self._restore = [], []
 
     def open(self) -> BufferStage:
-        """The stage for the next update, writing into the twins. Raises RuntimeError when they are
-        not allocated or another stage is open, StagingRefusedError when some tensor no longer
-        views the storage it was found on."""
+        """The stage for the next update. Raises RuntimeError when the twins are not allocated or
+        a stage is open, StagingRefusedError when a tensor left the storage it was found on."""
         if any(spare is None for spare in self.spares):
             raise RuntimeError("allocate() the staging buffers before opening a stage")
         if self._open is not None:
@@ -130,8 +123,7 @@ class StagingBuffers:
             )
 
     def warm(self) -> None:
-        """Read every viewer and twin view once, so the swap finds them in cache (staging has just
-        streamed the whole model through it)."""
+        """Read every viewer and twin view once, so the swap finds them in cache."""
         for tensor, twin in self._pairs:
             tensor.data_ptr()
             twin.data_ptr()
@@ -167,9 +159,8 @@ class StagingBuffers:
 
 class BufferStage(Stage):
     """One update's new weights in the twins, while the live ones serve. Writes may run on any
-    threads (of different names at once), the checksum once they are done. ``activate`` raises
-    StagingRefusedError when a tensor nobody listed views a live storage (nothing changed, and
-    the stage is discarded)."""
+    threads (of different names at once), the checksum once they are done; a refused
+    ``activate`` discards the stage."""
 
     in_place = False
     phases = ("stage_write", "stage_checksum")
@@ -231,11 +222,9 @@ class StagingReport:
 
 
 class StagingPolicy:
-    """Which stage each change writes into. ``on`` always stages; ``auto`` when the twins fit in
-    ``budget`` of the memory available then (else in place, asking again next time); ``off``
-    never. Weights that cannot be staged, or twins that cannot be allocated, are copied in place
-    too. ``attach`` runs once on the scheduler thread, the rest on the updating worker thread (one
-    change at a time); ``report`` from anywhere."""
+    """Which stage each change writes into: ``on`` always the buffers, ``auto`` when the twins fit
+    in ``budget`` of the memory available then, ``off`` never; weights that cannot be staged go in
+    place too. ``attach`` runs on the scheduler thread, the rest on the updating worker thread."""
 
     def __init__(self, *, mode: StagingMode, budget: float) -> None:
         self._mode = mode
@@ -258,8 +247,8 @@ class StagingPolicy:
         self._report = replace(self._report, weight_bytes=buffers.nbytes)
 
     def open_stage(self, model: torch.nn.Module) -> Stage:
-        """A stage for the next change: the buffers (allocated on first use) when the policy
-        allows, else ``model``'s live tensors (the report says why)."""
+        """The buffers (allocated on first use) when the policy allows, else ``model``'s live
+        tensors (the report says why)."""
         stage = self._open()
         self._report = replace(self._report, last_update_staged=stage is not None)
         return stage if stage is not None else LiveStage(model)
@@ -309,9 +298,8 @@ class StagingPolicy:
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Bytes that can be allocated on ``device`` now without pushing anything out, or None when
-    unknown: the GPU's free memory, else ``MemAvailable`` (which counts reclaimable page cache),
-    else the free pages ``sysconf`` reports."""
+    """Bytes ``device`` can allocate now without pushing anything out (None: unknown): the GPU's
+    free memory, else ``MemAvailable`` (it counts reclaimable page cache), else ``sysconf``'s."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)

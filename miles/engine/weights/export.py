@@ -1,10 +1,6 @@
-"""Exporting the weights an engine holds as a sealed miles checkpoint (``POST /export_weights``).
-
-A restarted peer can then load exactly these weights, verified by their manifest, instead of
-waiting for training to publish again. The weights are copied a slice at a time (``copy_weights``),
-so updates and generation go on while the copy is written; the written checkpoint must still hash
-to the checksum the engine recorded for them.
-"""
+"""Exporting the weights an engine holds as a sealed miles checkpoint (``POST /export_weights``),
+so a restarted peer loads exactly these weights. They are copied a slice at a time, so updates
+and generation go on while the copy is written."""
 
 from __future__ import annotations
 
@@ -25,12 +21,6 @@ from miles.weights.checkpoint import read_manifest, save_checkpoint
 _MAX_PART_CHARS = 96
 
 
-def snapshot_path(snapshot_dir: Path, *, model_name: str, weight_version: str, checksum: str) -> Path:
-    """``snapshot_dir/<model>-<version>-<checksum[:16]>``, with characters that are unsafe in a
-    directory name replaced by ``_``: the same weights under the same name map to the same path."""
-    return snapshot_dir / f"{_safe(model_name)}-{_safe(weight_version)}-{checksum[:16]}"
-
-
 def export_snapshot(
     model: PreTrainedModel,
     *,
@@ -41,17 +31,18 @@ def export_snapshot(
     checksum: str,
     step: int,
 ) -> Path:
-    """Write ``model`` (whose checksum is ``checksum``) under ``snapshot_dir`` and return the path.
-
-    An existing snapshot of the same name whose manifest has this checksum is reused as it is.
-    The caller must keep the weights from changing until this returns.
+    """Write ``model`` (whose checksum is ``checksum``) under ``snapshot_dir`` and return the path;
+    an existing snapshot of the same name and checksum is reused as it is.
 
     Raises:
         ChecksumMismatchError: the written checkpoint does not hash to ``checksum`` (the caller's
             record of the weights is wrong); nothing is left at the path.
         CheckpointError / OSError: the snapshot could not be written (permissions, disk space).
     """
-    target = snapshot_path(snapshot_dir, model_name=model_name, weight_version=weight_version, checksum=checksum)
+    # ``<model>-<version>-<checksum[:16]>``, unsafe characters replaced: the same weights under the
+    # same name map to the same path.
+    parts = [re.sub(r"[^A-Za-z0-9._-]", "_", part)[:_MAX_PART_CHARS] or "_" for part in (model_name, weight_version)]
+    target = snapshot_dir / "-".join([*parts, checksum[:16]])
     if target.is_dir():
         try:
             if read_manifest(target).checksum == checksum:
@@ -78,10 +69,6 @@ def export_snapshot(
             path=str(target),
         )
     return target
-
-
-def _safe(part: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", part)[:_MAX_PART_CHARS] or "_"
 
 
 def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what: str) -> PreTrainedModel:

@@ -1,11 +1,7 @@
 """The live record: what the served weights are, and the operations that read them whole.
-
-``HeldWeights`` (version, checksum, verified or not) is replaced whole under the write side of the
-weights lock whenever the weights or their name change, so a probe never reads a version paired
-with another version's checksum. The checksum is never stale: it is computed once at start-up, by
-every change (``swap.py``: over the memory it wrote, the live weights after an in-place copy or
-the staged ones before they are swapped in, whatever it hashes to) and by every
-``/weights_checker``; a rename keeps it.
+``HeldWeights`` is replaced whole under the write lock whenever the weights or their name change,
+so a probe never reads a version paired with another version's checksum; every change, start-up
+and ``/weights_checker`` record the checksum of what the weights hold.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Where the live weights lie: the storages behind the tensors a checkpoint holds, every tensor
-object that views them, and (once allocated) their twins.
-
-A buffer stage (``buffers.py``) swaps whole storages, so this map must be complete: a tensor that
-views a storage but is missing here would go on reading it after the swap. The fused decoder makes
-q/k/v and gate/up views of one fused buffer each, tied embeddings share one, and the runner keeps
-handles of its own (``ModelRunner.weight_views``). Every tensor object holds one reference to the
-storage it views, so a storage's reference count shows a viewer nobody listed.
+"""Where the live weights lie: the storages behind a checkpoint's tensors, every tensor object that
+views them (fused q/k/v views, tied embeddings, the runner's ``weight_views``), and their twins.
+A buffer stage swaps whole storages, so this map must be complete: a viewer missing here would
+go on reading the old storage. Every tensor object holds one reference to the storage it views,
+so a storage's reference count shows a viewer nobody listed.
 """
 
 from __future__ import annotations
@@ -80,10 +77,9 @@ class WeightMemory:
 
     @staticmethod
     def of(model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor] = ()) -> WeightMemory:
-        """The map of ``model``'s weights; ``runner_tensors``: those the runner holds besides the
-        model's parameters and buffers. Raises StagingUnsupportedError naming the reason: a tensor
-        that is not dense, tensors that overlap in memory without being the same view, or a
-        storage viewed by a tensor that neither the model nor the runner lists."""
+        """The map of ``model``'s weights (``runner_tensors``: the runner's besides the model's).
+        Raises StagingUnsupportedError for a tensor that is not dense, tensors that overlap
+        without being the same view, or a viewer neither the model nor the runner lists."""
         storages, slots = _checkpoint_slots(model)
         index_of = {s.live._cdata: i for i, s in enumerate(storages)}
         canonical = {(s.storage, s.dtype, s.spec) for s in slots.values()}

@@ -1,15 +1,8 @@
 """Where a change's bytes come from, checked before any of them is written: a checkpoint
-verified whole and matched against the live model, or pushed buckets whose tensors it has.
-
-A checkpoint's path is checked first (roots, symlinks), then every tensor of it is read and its
-digest checked against its manifest, then every name, shape and dtype is matched against the live
-model, all while generation goes on: a refused checkpoint never touches the weights. Files are
-read, never memory-mapped (a mapped file cut short while in use kills the process with SIGBUS):
-one that changes after the verification makes a stage whose checksum cannot match, never a crash.
-A plain Hugging Face directory (no miles manifest) loads the same way when the caller names the
-checksum it expects: its files are hashed into an in-memory manifest, which must carry that
-checksum. A pushed bucket's table is checked against the model before anything is received; its
-bytes are checked against their digests as they are written (``Stage.write_bucket``).
+verified whole and matched against the live model while generation goes on (a refused one never
+touches the weights), or pushed buckets whose tensors the model has. Files are read, never
+memory-mapped (a mapped file cut short kills the process with SIGBUS): one that changes after the
+verification makes a stage whose checksum cannot match, never a crash.
 """
 
 from __future__ import annotations
@@ -29,7 +22,8 @@ from miles.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
-from miles.weights.checkpoint import CheckpointReader, Manifest, VerificationReport, open_checkpoint, verify_checkpoint
+from miles.weights.buckets import BucketEntry
+from miles.weights.checkpoint import CheckpointReader, VerificationReport, open_checkpoint, verify_checkpoint
 from miles.weights.checksum import saved_state_dict
 from miles.weights.manifest import manifest_from_files
 from miles.weights.paths import checked_path, files_outside_roots, inside_roots
@@ -109,73 +103,55 @@ class VerifiedCheckpoint:
 def open_verified(
     model: torch.nn.Module, checkpoint: Path, *, expected_checksum: str | None = None, weight_version: str | None = None
 ) -> VerifiedCheckpoint:
-    """Open and fully verify ``checkpoint`` and match it against ``model``'s tensors.
-
-    With a manifest, the files are verified against it and, when ``expected_checksum`` is given,
-    the manifest's checksum must equal it. Without one, ``expected_checksum`` and
-    ``weight_version`` are required and the checksum hashed from the files must equal the
-    expected one.
-
-    Raises CheckpointError (missing, corrupt or truncated checkpoint, digest mismatch, a plain
-    directory without the expected checksum or a version), UnexpectedChecksumError (not the
-    checkpoint the caller expects) or IncompatibleCheckpointError (names, shapes or dtypes differ
-    from the live model), naming what is wrong.
+    """Open ``checkpoint``, verify it whole (against its manifest, whose checksum must be
+    ``expected_checksum`` when given; a plain Hugging Face directory is hashed into a manifest that
+    must carry it, and needs a ``weight_version``) and match it against ``model``'s tensors.
+    Raises CheckpointError naming what is wrong: UnexpectedChecksumError for another checkpoint
+    than expected, IncompatibleCheckpointError for other names, shapes or dtypes than the model's.
     """
     started = time.perf_counter()
+    plain = False
     try:
         reader = open_checkpoint(checkpoint)
     except ManifestMissingError:
+        plain = True
         reader = _open_plain(checkpoint, expected_checksum=expected_checksum, weight_version=weight_version)
-        computed, opened = reader.manifest.checksum, time.perf_counter()
-        verified = opened  # its files were hashed as it was opened
     except CheckpointError:
-        # The files could not even be mapped; a full verification names every problem.
+        # The files could not even be opened; a full verification names every problem.
         _verified(checkpoint, lambda: verify_checkpoint(checkpoint))
         raise
     except OSError as exc:
         # Unreadable files (a directory where the manifest should be, no permission): the
         # checkpoint is refused like any other bad one, never a failure of the engine.
         raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
-    else:
-        opened = time.perf_counter()
-        computed = _verify_manifest(reader, checkpoint, expected_checksum=expected_checksum)
-        verified = time.perf_counter()
+    opened = time.perf_counter()
     try:
+        manifest = reader.manifest
+        if not plain:  # a plain directory's files were hashed as it was opened
+            if expected_checksum is not None and expected_checksum != manifest.checksum:
+                # Refused before hashing: whatever the files hold, this is not the checkpoint asked for.
+                raise UnexpectedChecksumError(  # noqa: TRY301  # the except below closes the reader, re-raises
+                    "the checkpoint's manifest names another checksum than expected_checksum; "
+                    "load the checkpoint the caller expects, or fix expected_checksum",
+                    computed=None,
+                    expected=expected_checksum,
+                    manifest=manifest.checksum,
+                    path=str(checkpoint),
+                )
+            _verified(checkpoint, reader.verify)
+        verified = time.perf_counter()
         _match(signature(model), reader, checkpoint)
     except BaseException:
         reader.close()
         raise
     timings = {"open": opened - started, "verify": verified - opened, "match": time.perf_counter() - verified}
-    return VerifiedCheckpoint(reader=reader, checkpoint_checksum=computed, timings=timings)
-
-
-def _verify_manifest(reader: CheckpointReader, checkpoint: Path, *, expected_checksum: str | None) -> str:
-    """Verify every file of ``reader`` against its manifest and return the checksum hashed from
-    them; the reader is closed when this raises."""
-    try:
-        manifest_checksum = reader.manifest.checksum
-        if expected_checksum is not None and expected_checksum != manifest_checksum:
-            # Refused before hashing: whatever the files hold, this is not the checkpoint asked for.
-            raise UnexpectedChecksumError(  # noqa: TRY301  # the except below closes the reader, re-raises
-                "the checkpoint's manifest names another checksum than expected_checksum; "
-                "load the checkpoint the caller expects, or fix expected_checksum",
-                computed=None,
-                expected=expected_checksum,
-                manifest=manifest_checksum,
-                path=str(checkpoint),
-            )
-        report = _verified(checkpoint, reader.verify)
-    except BaseException:
-        reader.close()
-        raise
-    assert report.checksum is not None  # a hashed report without problems has its checksum
-    return report.checksum
+    # Verified without a problem, the files hash to their manifest's checksum.
+    return VerifiedCheckpoint(reader=reader, checkpoint_checksum=manifest.checksum, timings=timings)
 
 
 def _open_plain(checkpoint: Path, *, expected_checksum: str | None, weight_version: str | None) -> CheckpointReader:
     """A reader over the plain Hugging Face directory ``checkpoint``, whose manifest is hashed
-    from its files here and must carry ``expected_checksum``. Raises CheckpointError naming what
-    is missing or wrong, UnexpectedChecksumError when the files hash to another checksum."""
+    from its files here and must carry ``expected_checksum``."""
     if expected_checksum is None:
         raise CheckpointError(
             "the checkpoint has no miles manifest (miles_manifest.json) to verify it against: seal it with "
@@ -187,24 +163,17 @@ def _open_plain(checkpoint: Path, *, expected_checksum: str | None, weight_versi
             "a checkpoint without a miles manifest has no weight version of its own; pass weight_version",
             path=str(checkpoint),
         )
-    try:
-        name = checkpoint.name or "checkpoint"
-        manifest = manifest_from_files(checkpoint, model_name=name, step=0, weight_version=weight_version)
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
-    if manifest.checksum != expected_checksum:
-        raise UnexpectedChecksumError(
-            f"the checkpoint's files hash to {manifest.checksum}, not to the expected checksum "
-            f"{expected_checksum}; it is another checkpoint, or it was changed or corrupted",
-            computed=manifest.checksum,
-            path=str(checkpoint),
-        )
-    return _reader(checkpoint, manifest)
-
-
-def _reader(checkpoint: Path, manifest: Manifest) -> CheckpointReader:
     with ExitStack() as stack:
         try:
+            name = checkpoint.name or "checkpoint"
+            manifest = manifest_from_files(checkpoint, model_name=name, step=0, weight_version=weight_version)
+            if manifest.checksum != expected_checksum:
+                raise UnexpectedChecksumError(
+                    f"the checkpoint's files hash to {manifest.checksum}, not to the expected checksum "
+                    f"{expected_checksum}; it is another checkpoint, or it was changed or corrupted",
+                    computed=manifest.checksum,
+                    path=str(checkpoint),
+                )
             files = {name: stack.enter_context(SafetensorsFile(checkpoint / name)) for name in sorted(manifest.files)}
         except OSError as exc:
             raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
@@ -248,17 +217,17 @@ def _match(layout: Signature, reader: CheckpointReader, checkpoint: Path) -> Non
             )
 
 
-def check_pushed(pushed: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], live: Signature) -> None:
-    """Raise InvalidRequestError unless every pushed (name, dtype, shape) names a live tensor of
-    that dtype and shape. Compared as numbers: a shape no tensor could have (2**40 x 2**40) is
-    refused by the comparison, never allocated, even on the meta device."""
-    for name, dtype, shape in pushed:
-        target = live.get(name)
+def check_pushed(entries: Iterable[BucketEntry], live: Signature) -> None:
+    """Raise InvalidRequestError unless every pushed entry names a live tensor of its dtype and
+    shape. Compared as numbers: a shape no tensor could have (2**40 x 2**40) is refused by the
+    comparison, never allocated, even on the meta device."""
+    for entry in entries:
+        dtype, target = entry.torch_dtype(), live.get(entry.name)
         if target is None:
-            raise InvalidRequestError(f"the model has no tensor {name!r}; push the names its checkpoint has")
-        if target != (dtype, tuple(shape)):
+            raise InvalidRequestError(f"the model has no tensor {entry.name!r}; push the names its checkpoint has")
+        if target != (dtype, tuple(entry.shape)):
             raise InvalidRequestError(
-                f"tensor {name!r} is pushed as {dtype}{_shape_text(shape)}, but the model holds "
+                f"tensor {entry.name!r} is pushed as {dtype}{_shape_text(entry.shape)}, but the model holds "
                 f"{target[0]}{list(target[1])}"
             )
 

@@ -1,10 +1,7 @@
-"""What a change writes into: a stage, taking tensors by name from any source. Every write
-records the digest of the bytes it left in the stage's memory, so the stage's checksum is the
-checksum of what it holds (names not written keep their live values). Two kinds: a
-``BufferStage`` (``buffers.py``) beside the live weights, swapped in by ``activate``; and a
-``LiveStage``, the live tensors themselves, written by a caller that holds the write side of the
-weights lock on the scheduler thread with generation paused, so ``activate`` has nothing to do.
-"""
+"""What a change writes into: a stage, taking tensors by name. Every write records the digest of
+the bytes it left in the stage's memory, so the stage's checksum is that of what it holds. A
+``BufferStage`` (``buffers.py``) lies beside the live weights and is swapped in; a ``LiveStage``
+is the live tensors, written under the write lock with generation paused."""
 
 from __future__ import annotations
 
@@ -40,9 +37,8 @@ class StageState(Enum):
 
 
 class Stage:
-    """One change's new weights: written (``write``, ``write_with``, ``write_all``,
-    ``write_bucket``), hashed (``checksum``), then made the live weights (``activate``, under the
-    write side of the weights lock) or dropped (``discard``)."""
+    """One change's new weights: written, hashed (``checksum``), then made the live weights
+    (``activate``, under the write lock) or dropped (``discard``)."""
 
     in_place: ClassVar[bool]  # whether the stage is the live weights
     phases: ClassVar[tuple[str, str]]  # what answers' ``timings`` call a write into it and its hash
@@ -85,15 +81,14 @@ class Stage:
         return digest
 
     def write_all(self, source: Callable[[str], torch.Tensor]) -> None:
-        """Stage ``source(name)`` for every name in ``names`` (a whole checkpoint)."""
+        """Stage ``source(name)`` for every name in ``names``."""
         for name in self.names:
             self.write(name, source(name))
 
     def write_bucket(self, bucket: Received) -> None:
         """Stage every tensor of ``bucket``, each checked against its digest over the bytes staged
-        (InvalidRequestError for one that differs). A large bucket is written on as many threads as
-        torch may use in this process (the copy and the hash release the GIL), largest first; the
-        first tensor that fails keeps the others from starting."""
+        (InvalidRequestError). A large bucket is written on torch's number of threads (the copy and
+        the hash release the GIL), largest first; the first that fails stops the others."""
         items = sorted(bucket.entries.values(), key=lambda entry: entry.nbytes, reverse=True)
 
         def one(entry: BucketEntry) -> None:
@@ -115,8 +110,7 @@ class Stage:
                 raise
 
     def checksum(self) -> ModelChecksum:
-        """The model checksum of the staged weights, which the live model has once they are
-        activated; names not written keep their live values (hashed here)."""
+        """The model checksum of the staged weights (names not written keep their live values)."""
         self._require_open()
         if self._checksum is None:
             for name in self._layout.keys() - self._digests.keys():
@@ -132,10 +126,9 @@ class Stage:
         self._require_open()
 
     def activate(self) -> ModelChecksum:
-        """Make the staged weights the live ones and return their checksum; the caller holds the
-        write side of the weights lock. Raises RuntimeError when ``checksum`` was not computed
-        after the last write (only weights whose checksum is known serve), and a buffer stage
-        StagingRefusedError; either way nothing changed."""
+        """Make the staged weights the live ones and return their checksum (write lock held).
+        Raises RuntimeError when ``checksum`` was not computed after the last write, a buffer
+        stage StagingRefusedError; either way nothing changed."""
         self._require_open()
         if self._checksum is None:
             raise RuntimeError("compute the stage's checksum() before activating it")

@@ -1,17 +1,9 @@
-"""Every change of the live weights, one sequence: stage, verify, swap.
-
-A load and a push differ only in where the bytes come from (``sources.py``); the staging policy
-(``buffers.py``) picks the stage. Then: write into it, each tensor checked against its digest as
-it is copied (a push writes a bucket per call into its change's stage); hash it, refusing a
-mismatch before anything serves; pause generation as the change asks; swap, under the write side
-of the weights lock on the scheduler thread between two steps; resume once the weights are
-verified. A buffer stage is written and hashed while the engine serves and swapped by re-pointing
-tensors, so generation waits only for that (with ``activate=False`` a verified push waits for
-``/activate_weights``). The live stage is written and hashed in that locked section itself,
-generation paused first, and leaves nothing to swap; if it hashes to something else the weights
-stay unverified and generation paused until a good load or push. A swap the buffers refuse gives
-staging up: a load then copies in place under the same lock, a push is refused. One change at a
-time; a load, or a push finding no change taking buckets, supersedes one left unfinished.
+"""Every change of the live weights, one sequence: stage, verify, swap (docs/ENGINE.md, "Staged
+activation"). A load and a push differ only in where the bytes come from (``sources.py``); the
+staging policy picks the stage (``buffers.py``). A buffer stage is written and hashed while the
+engine serves, then swapped in under the write lock with generation paused; the live stage is
+written and hashed in that locked section itself. A swap the buffers refuse gives staging up: a
+load then copies in place under the same lock, a push is refused. One change at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +14,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from enum import Enum
 from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
@@ -80,18 +71,12 @@ class Target:
     loaded_from: Path | None = None  # a load's checkpoint directory
 
 
-class ChangeState(Enum):
-    WRITING = "writing"  # taking a push's buckets
-    VERIFIED = "verified"  # hashed to its target beside the live weights; waits for /activate_weights
-
-
 @dataclass
 class _Change:
     """One change: its stage and how far it came (a push's lives between its calls)."""
 
     stage: Stage
-    state: ChangeState = ChangeState.WRITING
-    target: Target | None = None  # once verified
+    verified: Target | None = None  # hashed to it beside the live weights: waits for /activate_weights
 
 
 class WeightChanges:
@@ -182,27 +167,25 @@ class WeightChanges:
     def check_table(self, table: BucketTable) -> None:
         """Raise InvalidRequestError unless every tensor of ``table`` is one the model holds, with
         its dtype and shape (checked before anything is received or allocated)."""
-        check_pushed(((e.name, e.torch_dtype(), e.shape) for e in table.entries), self._signature)
+        check_pushed(table.entries, self._signature)
 
     async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
         """Take one bucket of pushed tensors into the stage of its change; the last one
         (``expected_checksum`` given) is confirmed over the whole model before the weights serve.
-        In place, generation pauses at the first bucket and stays paused, the weights unverified,
-        until a last bucket's checksum matches.
+        In place, generation stays paused, the weights unverified, until a last bucket matches.
 
-        Raises InvalidRequestError for a tensor the model does not have, or of another dtype or
-        shape, and for one whose bytes do not match their digest (before it is copied in place;
-        staged, the push is dropped); ConflictError for a push that must stage
-        (``activate=False``) on an engine that cannot stage now.
+        Raises InvalidRequestError for a tensor the model does not have (or not of that dtype and
+        shape) and for bytes that differ from their digest (the push is dropped); ConflictError
+        for a push that must stage (``activate=False``) on an engine that cannot stage now.
         """
         if request.expected_checksum is not None and request.weight_version is None:
             raise InvalidRequestError(
                 "the last push of an update (with expected_checksum) must name its weight_version"
             )
         async with self._lock:
-            check_pushed(((e.name, e.torch_dtype(), e.shape) for e in bucket.entries.values()), self._signature)
+            check_pushed(bucket.entries.values(), self._signature)
             change = self._change
-            if change is None or change.state is not ChangeState.WRITING:
+            if change is None or change.verified is not None:
                 self._drop()  # staged weights never activated are superseded by this push
                 stage = await asyncio.to_thread(self._staging.open_stage, self._weights.model())
                 change = self._change = _Change(stage)
@@ -244,7 +227,7 @@ class WeightChanges:
         ``expected_checksum``."""
         async with self._lock:
             change = self._change
-            staged = change.target if change is not None and change.state is ChangeState.VERIFIED else None
+            staged = change.verified if change is not None else None
             if change is None or staged is None or staged.checksum != request.expected_checksum:
                 have = "nothing is staged" if staged is None else f"the staged weights hash to {staged.checksum}"
                 raise ConflictError(
@@ -259,11 +242,11 @@ class WeightChanges:
             return self._answer(outcome, timings)
 
     async def discard_push(self) -> None:
-        """Drop a push that never reached its last bucket (its window ended): staged, the live
-        weights never changed; copied in place, they stay unverified. Staged and verified weights
-        stay until activated or superseded (the window's commit activates them after closing it)."""
+        """Drop a push that never reached its last bucket (its window ended); copied in place, the
+        weights stay unverified. Staged and verified weights stay until activated or superseded
+        (the window's commit activates them after closing it)."""
         async with self._lock:
-            if self._change is not None and self._change.state is ChangeState.WRITING:
+            if self._change is not None and self._change.verified is None:
                 self._drop()
 
     async def rename(self, request: UpdateWeightVersionRequest) -> None:
@@ -314,7 +297,7 @@ class WeightChanges:
                 self._drop(change)
                 return self._judge(checksum, target, in_place=False)
             if not activate:
-                change.state, change.target = ChangeState.VERIFIED, target
+                change.verified = target
                 message = f"staged and verified; the engine serves {served} until /activate_weights"
                 return Outcome(True, message, checksum.checksum)
         async with self._paused(mode, source=source, timings=timings, keep=keep) as requests:
@@ -349,9 +332,9 @@ class WeightChanges:
     def _write_in_place(
         self, stage: Stage, write: Write, *, target: Target | None, timings: dict[str, float]
     ) -> ModelChecksum | None:
-        """Write into the live weights (write lock held, scheduler thread) and, for the last
-        write, hash them. The record says what they hash to whatever the outcome (a drift probe
-        must see an unverified copy for what it is); the version moves only with a match."""
+        """Write into the live weights (write lock held) and, for the last write, hash them. The
+        record says what they hash to whatever the outcome (a drift probe must see an unverified
+        copy for what it is); the version moves only with a match."""
         held = self._weights.held
         self._weights.record(replace(held, status=WeightsStatus.UNVERIFIED))
         try:
@@ -364,8 +347,7 @@ class WeightChanges:
         if checksum is None or target is None:
             return None
         if checksum.checksum == target.checksum:
-            verified = HeldWeights(version=target.version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
-            self._weights.record(verified, loaded_from=target.loaded_from)
+            self._serve(target, checksum)
         else:
             self._weights.record(replace(held, checksum=checksum.checksum, status=WeightsStatus.UNVERIFIED))
         return checksum
@@ -373,11 +355,9 @@ class WeightChanges:
     async def _swap(
         self, change: _Change, target: Target, *, timings: dict[str, float], again: Write | None
     ) -> Outcome:
-        """Swap a verified buffer stage in, generation paused: its checksum is the live one then,
-        since the swap moves no byte (``activate`` in the timings: how long the write lock was
-        held, what generation waited for). A swap the buffers refuse (some tensor would keep the
-        old weights) gives staging up; ``again`` then copies in place under the same lock, else
-        nothing changed."""
+        """Swap a verified buffer stage in, generation paused (``activate`` in the timings: what
+        generation waited for). A swap the buffers refuse (some tensor would keep the old
+        weights) gives staging up; ``again`` then copies in place under the same lock."""
         stage = change.stage
 
         def prepare() -> None:
@@ -401,8 +381,7 @@ class WeightChanges:
                     return self._write_in_place(live, again, target=target, timings=timings)
                 finally:
                     live.discard()
-            verified = HeldWeights(version=target.version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
-            self._weights.record(verified, loaded_from=target.loaded_from)
+            self._serve(target, checksum)
             timings["activate"] = time.perf_counter() - locked
             return checksum
 
@@ -416,6 +395,11 @@ class WeightChanges:
             self._drop(change)
         assert checksum is not None
         return self._judge(checksum, target, in_place=True)
+
+    def _serve(self, target: Target, checksum: ModelChecksum) -> None:
+        """Record the weights, which hash to ``target``, as serving it (write lock held)."""
+        held = HeldWeights(version=target.version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
+        self._weights.record(held, loaded_from=target.loaded_from)
 
     def _judge(self, checksum: ModelChecksum, target: Target, *, in_place: bool) -> Outcome:
         """A last write's stage hashed to ``checksum``: served if that is the target's, else
@@ -453,11 +437,10 @@ class WeightChanges:
     async def _paused(
         self, mode: PauseMode, *, source: str, timings: dict[str, float], keep: bool = False
     ) -> AsyncIterator[int]:
-        """Generation paused for a change in ``mode`` (yields the requests in flight then), and
-        given back after it if the weights are verified: a change that leaves them unverified
-        leaves generation paused for the next good one to resume. With ``keep`` (``keep_pause``)
-        the pause is the caller's to give back. Generation the caller had paused stays paused; an
-        aborting mode then only aborts what is queued."""
+        """Generation paused for a change in ``mode`` (yields the requests in flight then), given
+        back after it only if the weights are verified, or by the caller with ``keep``
+        (``keep_pause``). Generation the caller had paused stays paused; an aborting mode then
+        only aborts what is queued."""
         message, requests, started = f"aborted by {source}", 0, time.perf_counter()
         if self._scheduler.state is GenerationState.SERVING:
             by = Pauser.CALLER if keep else Pauser.UPDATE
