@@ -1,11 +1,11 @@
 """Publishing trained weights: the ``Publisher`` protocol and ``DiskPublisher``, its disk reference.
 
-``DiskPublisher.publish`` runs the training side of the weight-update protocol (DESIGN.md):
-write the checkpoint (its manifest carries the checksum), announce the checksum as an
-``InferenceEngineWeightChecksumEvent``, wait until the serving side says it is ready, then hand
-the checkpoint to an injected ``apply`` (the demo passes the controller's
-``update_rollout_weights``; tests pass ``EngineDiskApply``), which must not return before the
-servers hold the new weights, verified.
+``DiskPublisher.publish`` runs the training side of the weight-update protocol
+(docs/ARCHITECTURE.md, "The life of an update"): write the checkpoint (its manifest carries the
+checksum), announce the checksum as an ``InferenceEngineWeightChecksumEvent``, wait until the
+serving side says it is ready, then hand the checkpoint to an injected ``apply`` (the demo passes
+the controller's ``update_rollout_weights``; tests pass ``EngineDiskApply``), which must not
+return before the servers hold the new weights, verified.
 """
 
 from __future__ import annotations

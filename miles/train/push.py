@@ -1,6 +1,6 @@
 """Pushing weights from the trainer's memory, no disk: ``PushPublisher``, a ``Publisher``.
 
-``publish`` runs the training side of a window (DESIGN.md, "training-driven updates"): open the
+``publish`` runs the training side of a window (docs/ARCHITECTURE.md, "Pushing weights from memory"): open the
 update window on the controller, stream the model's tensors to every engine of the window in
 buckets (a constant number of calls per update, whatever the number of tensors), computing each
 tensor's digest while it is packed and the model checksum from those digests, publish that
