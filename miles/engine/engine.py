@@ -448,7 +448,7 @@ class Engine:
             "weight_version": held.version,
             "checksum": held.checksum,
             "weights_status": held.status.value,
-            "weight_staging": self.changes.staging.as_dict(),
+            "weight_staging": self._staging.report().as_dict(),
             "uptime_s": time.time() - self.started_at,
             "internal_states": [
                 {
