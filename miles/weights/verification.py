@@ -72,8 +72,8 @@ class VerificationReport:
         return not self.problems
 
     def raise_for_problems(self, *, limit: int | None = None) -> Manifest:
-        """The verified manifest; raises CheckpointVerificationError listing the problems (the
-        first ``limit``, when given) unless there are none."""
+        """The verified manifest. Raises CheckpointVerificationError for any problem: ``.report``
+        holds them all, the message lists them (the first ``limit``, when given)."""
         if self.manifest is not None and not self.problems:
             return self.manifest
         shown = self.problems[:limit]
@@ -132,13 +132,9 @@ def verify_checkpoint(
 def verify_checkpoint_or_raise(
     directory: str | os.PathLike[str], *, threads: int | None = None, limit: int | None = None
 ) -> Manifest:
-    """Verify the checkpoint in ``directory`` and return its manifest.
-
-    Raises:
-        CheckpointVerificationError: any problem; ``.report`` holds them all, the message lists
-            them (the first ``limit``, when given).
-        CheckpointError: the files could not be read (``OSError``: no permission, a directory
-            where a file should be).
+    """Verify the checkpoint in ``directory`` and return its manifest. Raises
+    CheckpointVerificationError as ``VerificationReport.raise_for_problems`` does, CheckpointError
+    for files that cannot be read (``OSError``: no permission, a directory where a file should be).
     """
     try:
         report = verify_checkpoint(directory, threads=threads)
