@@ -113,7 +113,7 @@ def open_checkpoint(directory: str | os.PathLike[str], *, manifest: Manifest | N
             a weight file named by the manifest is missing, cut, or malformed.
     """
     directory = Path(directory)
-    manifest = manifest or read_manifest(directory)
+    manifest = read_manifest(directory) if manifest is None else manifest
     with ExitStack() as stack:
         files = {name: stack.enter_context(SafetensorsFile(directory / name)) for name in sorted(manifest.files)}
         reader = CheckpointReader(directory=directory, manifest=manifest, files=files)
