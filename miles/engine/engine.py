@@ -172,10 +172,6 @@ class Engine:
         held = self.weights.held
         return {"weight_version": held.version, "checksum": held.checksum or "", "status": held.status.value}
 
-    @property
-    def weight_version(self) -> str:
-        return self.weights.held.version
-
     async def generate(self, request: GenerateRequest) -> GenerateResponse | list[GenerateResponse]:
         """Run a (batch) request to completion; a batch or ``n > 1`` returns a list."""
         pending = await self._submit(request)
@@ -448,7 +444,7 @@ class Engine:
             "weight_version": held.version,
             "checksum": held.checksum,
             "weights_status": held.status.value,
-            "weight_staging": self.changes.staging.as_dict(),
+            "weight_staging": self._staging.report().as_dict(),
             "uptime_s": time.time() - self.started_at,
             "internal_states": [
                 {

@@ -269,17 +269,18 @@ def create_app(engine: Engine) -> FastAPI:
     async def weights_checker(http_request: Request, request: WeightsCheckerRequest | None = None) -> dict[str, Any]:
         admit(access, http_request)
         checksum = await engine.weights.checksum()
+        held = engine.weights.held
         return WeightsCheckerResponse(
             success=True,
-            message=f"checksum of the weights held at version {engine.weight_version}",
+            message=f"checksum of the weights held at version {held.version}",
             payload=WeightsChecksumPayload(
                 action=(request or WeightsCheckerRequest()).action,
                 checksum=checksum.checksum,
                 algorithm=checksum.algorithm,
                 num_tensors=len(checksum.tensors),
                 num_bytes=checksum.num_bytes,
-                weight_version=engine.weight_version,
-                weights_status=engine.weights.held.status.value,
+                weight_version=held.version,
+                weights_status=held.status.value,
             ),
         ).model_dump(mode="json")
 
@@ -305,7 +306,7 @@ def create_app(engine: Engine) -> FastAPI:
                     "owned_by": "miles",
                     "root": str(engine.model_path),
                     "max_model_len": engine.context_length,
-                    "weight_version": engine.weight_version,
+                    "weight_version": engine.weights.held.version,
                 }
             ],
         }

@@ -101,8 +101,9 @@ class CheckpointReader:
         self.close()
 
 
-def open_checkpoint(directory: str | os.PathLike[str]) -> CheckpointReader:
-    """Open the checkpoint in ``directory``: read its manifest and headers, open its weight files.
+def open_checkpoint(directory: str | os.PathLike[str], *, manifest: Manifest | None = None) -> CheckpointReader:
+    """Open the checkpoint in ``directory``: read its manifest (unless given: one hashed from a
+    plain directory's files) and headers, open its weight files.
 
     Nothing is hashed here; call ``verify()`` before trusting the bytes.
 
@@ -112,7 +113,7 @@ def open_checkpoint(directory: str | os.PathLike[str]) -> CheckpointReader:
             a weight file named by the manifest is missing, cut, or malformed.
     """
     directory = Path(directory)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory) if manifest is None else manifest
     with ExitStack() as stack:
         files = {name: stack.enter_context(SafetensorsFile(directory / name)) for name in sorted(manifest.files)}
         reader = CheckpointReader(directory=directory, manifest=manifest, files=files)

@@ -10,6 +10,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from miles.errors import (
+    CheckpointError,
     CheckpointFileError,
     CheckpointFileInvalidError,
     CheckpointFileMissingError,
@@ -70,6 +71,20 @@ class VerificationReport:
     def ok(self) -> bool:
         return not self.problems
 
+    def raise_for_problems(self, *, limit: int | None = None) -> Manifest:
+        """The verified manifest. Raises CheckpointVerificationError for any problem: ``.report``
+        holds them all, the message lists them (the first ``limit``, when given)."""
+        if self.manifest is not None and not self.problems:
+            return self.manifest
+        shown = self.problems[:limit]
+        more = f" (and {len(self.problems) - len(shown)} more)" if len(shown) < len(self.problems) else ""
+        raise CheckpointVerificationError(
+            "checkpoint failed verification: " + "; ".join(f"{p.kind}: {p.message}" for p in shown) + more,
+            report=self,
+            path=str(self.directory),
+            problems=len(self.problems),
+        )
+
 
 def verify_checkpoint(
     directory: str | os.PathLike[str], *, threads: int | None = None, digests: bool = True
@@ -114,21 +129,18 @@ def verify_checkpoint(
     return VerificationReport(directory, manifest, tuple(problems + found), checksum)
 
 
-def verify_checkpoint_or_raise(directory: str | os.PathLike[str], *, threads: int | None = None) -> Manifest:
-    """Verify the checkpoint in ``directory`` and return its manifest.
-
-    Raises:
-        CheckpointVerificationError: any problem; ``.report`` holds them all, the message lists them.
+def verify_checkpoint_or_raise(
+    directory: str | os.PathLike[str], *, threads: int | None = None, limit: int | None = None
+) -> Manifest:
+    """Verify the checkpoint in ``directory`` and return its manifest. Raises
+    CheckpointVerificationError as ``VerificationReport.raise_for_problems`` does, CheckpointError
+    for files that cannot be read (``OSError``: no permission, a directory where a file should be).
     """
-    report = verify_checkpoint(directory, threads=threads)
-    if report.manifest is None or report.problems:
-        raise CheckpointVerificationError(
-            "checkpoint failed verification: " + "; ".join(f"{p.kind}: {p.message}" for p in report.problems),
-            report=report,
-            path=str(directory),
-            problems=len(report.problems),
-        )
-    return report.manifest
+    try:
+        report = verify_checkpoint(directory, threads=threads)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(directory)) from exc
+    return report.raise_for_problems(limit=limit)
 
 
 def file_problem(file_name: str, exc: CheckpointFileError) -> CheckpointProblem:

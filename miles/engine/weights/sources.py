@@ -8,8 +8,7 @@ verification makes a stage whose checksum cannot match, never a crash.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import ExitStack
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +22,11 @@ from miles.errors import (
     PermissionDeniedError,
 )
 from miles.weights.buckets import BucketEntry
-from miles.weights.checkpoint import CheckpointReader, VerificationReport, open_checkpoint, verify_checkpoint
+from miles.weights.checkpoint import CheckpointReader, open_checkpoint, verify_checkpoint_or_raise
 from miles.weights.checksum import saved_state_dict
 from miles.weights.manifest import manifest_from_files
 from miles.weights.paths import checked_path, files_outside_roots, inside_roots
-from miles.weights.safetensors_io import SafetensorsFile, dtype_name
+from miles.weights.safetensors_io import dtype_name
 
 # A model's tensors by checkpoint name, as (dtype, shape): what every change must match.
 Signature = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -118,12 +117,12 @@ def open_verified(
         reader = _open_plain(checkpoint, expected_checksum=expected_checksum, weight_version=weight_version)
     except CheckpointError:
         # The files could not even be opened; a full verification names every problem.
-        _verified(checkpoint, lambda: verify_checkpoint(checkpoint))
+        verify_checkpoint_or_raise(checkpoint, limit=5)
         raise
     except OSError as exc:
         # Unreadable files (a directory where the manifest should be, no permission): the
         # checkpoint is refused like any other bad one, never a failure of the engine.
-        raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
+        raise _unreadable(checkpoint, exc) from exc
     opened = time.perf_counter()
     try:
         manifest = reader.manifest
@@ -138,9 +137,12 @@ def open_verified(
                     manifest=manifest.checksum,
                     path=str(checkpoint),
                 )
-            _verified(checkpoint, reader.verify)
+            reader.verify().raise_for_problems(limit=5)
         verified = time.perf_counter()
         _match(signature(model), reader, checkpoint)
+    except OSError as exc:
+        reader.close()
+        raise _unreadable(checkpoint, exc) from exc
     except BaseException:
         reader.close()
         raise
@@ -163,36 +165,23 @@ def _open_plain(checkpoint: Path, *, expected_checksum: str | None, weight_versi
             "a checkpoint without a miles manifest has no weight version of its own; pass weight_version",
             path=str(checkpoint),
         )
-    with ExitStack() as stack:
-        try:
-            name = checkpoint.name or "checkpoint"
-            manifest = manifest_from_files(checkpoint, model_name=name, step=0, weight_version=weight_version)
-            if manifest.checksum != expected_checksum:
-                raise UnexpectedChecksumError(
-                    f"the checkpoint's files hash to {manifest.checksum}, not to the expected checksum "
-                    f"{expected_checksum}; it is another checkpoint, or it was changed or corrupted",
-                    computed=manifest.checksum,
-                    path=str(checkpoint),
-                )
-            files = {name: stack.enter_context(SafetensorsFile(checkpoint / name)) for name in sorted(manifest.files)}
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
-        reader = CheckpointReader(directory=checkpoint, manifest=manifest, files=files)
-        stack.pop_all()  # the reader owns the open files now
-    return reader
-
-
-def _verified(checkpoint: Path, verify: Callable[[], VerificationReport]) -> VerificationReport:
-    """``verify()``'s report; raises CheckpointError naming the problems it found (first five)."""
     try:
-        report = verify()
+        name = checkpoint.name or "checkpoint"
+        manifest = manifest_from_files(checkpoint, model_name=name, step=0, weight_version=weight_version)
+        if manifest.checksum != expected_checksum:
+            raise UnexpectedChecksumError(
+                f"the checkpoint's files hash to {manifest.checksum}, not to the expected checksum "
+                f"{expected_checksum}; it is another checkpoint, or it was changed or corrupted",
+                computed=manifest.checksum,
+                path=str(checkpoint),
+            )
+        return open_checkpoint(checkpoint, manifest=manifest)
     except OSError as exc:
-        raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint)) from exc
-    if not report.ok:
-        problems = "; ".join(f"{p.kind.value}: {p.message}" for p in report.problems[:5])
-        more = f" (and {len(report.problems) - 5} more)" if len(report.problems) > 5 else ""
-        raise CheckpointError(f"checkpoint failed verification: {problems}{more}", path=str(checkpoint))
-    return report
+        raise _unreadable(checkpoint, exc) from exc
+
+
+def _unreadable(checkpoint: Path, exc: OSError) -> CheckpointError:
+    return CheckpointError(f"checkpoint could not be read: {exc}", path=str(checkpoint))
 
 
 def _match(layout: Signature, reader: CheckpointReader, checkpoint: Path) -> None:

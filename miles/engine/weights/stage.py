@@ -50,6 +50,10 @@ class Stage:
         self._checksum: ModelChecksum | None = None
 
     @property
+    def is_open(self) -> bool:
+        return self._state is StageState.OPEN
+
+    @property
     def names(self) -> tuple[str, ...]:
         """The names the stage takes: the tensors a checkpoint of the served model holds."""
         return tuple(sorted(self._layout))
@@ -138,7 +142,7 @@ class Stage:
 
     def discard(self) -> None:
         """Drop the stage (a no-op once closed); what a live stage wrote stays in the weights."""
-        if self._state is StageState.OPEN:
+        if self.is_open:
             self._close(StageState.DISCARDED)
 
     def _target(self, name: str) -> torch.Tensor:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from miles.engine.scheduler import GenerationState, Pauser, Scheduler
-from miles.engine.weights.buffers import StagingPolicy, StagingRefusedError, StagingReport
+from miles.engine.weights.buffers import StagingPolicy, StagingRefusedError
 from miles.engine.weights.live import HeldWeights, LiveWeights, WeightsStatus
 from miles.engine.weights.sources import (
     Signature,
@@ -94,11 +94,6 @@ class WeightChanges:
         self._change: _Change | None = None  # a push taking buckets, or verified until activated
         # Loads in progress, held here so a load whose caller went away is not collected mid-way.
         self._loads: set[asyncio.Future[UpdateWeightsResponse]] = set()
-
-    @property
-    def staging(self) -> StagingReport:
-        """Whether updates are staged, and what staging holds (``/get_server_info``)."""
-        return self._staging.report()
 
     async def update_from_disk(self, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
         """Load a checkpoint into the live weights. Raises as ``checkpoint_path`` for a path that
