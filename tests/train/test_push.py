@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import fcntl
 import gc
 import json
 import os
@@ -175,6 +176,18 @@ def shm_document(name: str, table: object) -> str:
 
 
 @contextlib.contextmanager
+def held(segment: Path) -> Iterator[None]:
+    """Hold the lock a live maker holds on its segment (miles.weights.transport.segments): the
+    sweep any engine on the machine runs when a window closes leaves it alone meanwhile."""
+    fd = os.open(segment, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def packed_segment(named: dict[str, torch.Tensor], names: list[str]) -> Iterator[tuple[str, torch.Tensor, BucketTable]]:
     """A segment of our own holding ``names`` packed (its name, its bytes, the packed table);
     removed at the end."""
@@ -182,7 +195,8 @@ def packed_segment(named: dict[str, torch.Tensor], names: list[str]) -> Iterator
     segment = Path("/dev/shm") / name
     try:
         packed, flat = bucket_file(named, segment, names)
-        yield name, flat, packed
+        with held(segment):
+            yield name, flat, packed
     finally:
         segment.unlink(missing_ok=True)
 
@@ -357,18 +371,19 @@ def test_a_corrupted_bucket_drops_the_whole_push(
         return httpx.post(f"{url}/update_weights_from_tensor", json=body, headers=auth, trust_env=False, timeout=60)
 
     try:
-        assert push(head).status_code == 200
-        refused = push(middle, corrupt=True)
-        assert refused.status_code == 400 and middle[0] in refused.text and "digest" in refused.text
-        # The head bucket went with the bad one: finishing the push without it does not verify.
-        unfinished = push(middle + tail, last=True)
-        assert unfinished.status_code == 400 and "hash to" in unfinished.text
-        assert httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json() == before
-        # Pushed again whole, it serves.
-        assert push(head).status_code == 200
-        done = push(middle + tail, last=True)
-        assert done.status_code == 200, done.text
-        assert done.json()["weight_version"] == "7"
+        with held(segment):
+            assert push(head).status_code == 200
+            refused = push(middle, corrupt=True)
+            assert refused.status_code == 400 and middle[0] in refused.text and "digest" in refused.text
+            # The head bucket went with the bad one: finishing the push without it does not verify.
+            unfinished = push(middle + tail, last=True)
+            assert unfinished.status_code == 400 and "hash to" in unfinished.text
+            assert httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json() == before
+            # Pushed again whole, it serves.
+            assert push(head).status_code == 200
+            done = push(middle + tail, last=True)
+            assert done.status_code == 200, done.text
+            assert done.json()["weight_version"] == "7"
     finally:
         segment.unlink()
 
@@ -406,14 +421,15 @@ def test_a_segment_cut_while_the_engine_reads_it_fails_the_push_not_the_engine(
     cutter.start()
     statuses: dict[int, int] = {}
     try:
-        for _ in range(30):
-            answer = httpx.post(
-                f"{url}/update_weights_from_tensor", json=body, headers=auth, trust_env=False, timeout=60
-            )
-            statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
-            assert answer.status_code in (200, 400), answer.text
-            if answer.status_code == 400:
-                assert any(why in answer.text for why in ("cut it short", "fewer than", "digest")), answer.text
+        with held(segment):
+            for _ in range(30):
+                answer = httpx.post(
+                    f"{url}/update_weights_from_tensor", json=body, headers=auth, trust_env=False, timeout=60
+                )
+                statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
+                assert answer.status_code in (200, 400), answer.text
+                if answer.status_code == 400:
+                    assert any(why in answer.text for why in ("cut it short", "fewer than", "digest")), answer.text
     finally:
         stop.set()
         cutter.join(timeout=10)
