@@ -49,7 +49,11 @@ def serve(
     port: Annotated[int | None, typer.Option(help="HTTP port (default MILES_PORT or 8000).")] = None,
     host: Annotated[str | None, typer.Option(help="HTTP host (default MILES_HOST or 127.0.0.1).")] = None,
     server_cls: Annotated[
-        str | None, typer.Option(help="Rollout class (default SFTRollout; SGLangRollout with --attach).")
+        str | None,
+        typer.Option(
+            help="Rollout class: SFTRollout (default), SGLangRollout (default with --attach), VLLMRollout, "
+            "or a dotted path."
+        ),
     ] = None,
     attach: Annotated[
         list[str] | None,

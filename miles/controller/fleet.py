@@ -22,13 +22,19 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from miles.config import DEFAULT_CPUS_PER_ENGINE, ControllerSettings, PlacementStrategy, RuntimeKind
 from miles.errors import CheckpointError, InvalidRequestError, MilesError, NotFoundError
 from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutObserver
-from miles.rollout.spec import EngineUrls, HealthSettings, RolloutSpec, SGLangServerArgs
+from miles.rollout.spec import EngineUrls, HealthSettings, RolloutSpec, SGLangServerArgs, VLLMServerArgs
 from miles.rollout.state import ServerSnapshot
 from miles.weights.checkpoint import read_manifest
 
 logger = logging.getLogger("miles.controller")
 
 DEFAULT_SERVER_CLS = "miles.rollout.sft_rollout.SFTRollout"
+# The server types by their short names (``--server-cls VLLMRollout``).
+SERVER_CLASSES = {
+    "SFTRollout": DEFAULT_SERVER_CLS,
+    "SGLangRollout": "miles.rollout.sglang_rollout.SGLangRollout",
+    "VLLMRollout": "miles.rollout.vllm_rollout.VLLMRollout",
+}
 
 
 class ModelServerSpec(BaseModel):
@@ -47,6 +53,7 @@ class ModelServerSpec(BaseModel):
     num_servers: Annotated[int, Field(ge=1, le=64)] | None = None
     urls: EngineUrls = ()
     sglang: SGLangServerArgs | None = None
+    vllm: VLLMServerArgs | None = None
     devices: tuple[str, ...] | None = None
     max_running_requests: Annotated[int, Field(ge=1)] = 32
     num_threads: Annotated[int, Field(ge=1)] | None = None
@@ -60,7 +67,7 @@ class ModelServerSpec(BaseModel):
 def resolve_server_cls(server_cls: str | type) -> type[Rollout]:
     """Import ``server_cls`` when given as a dotted path and check it is a Rollout."""
     if isinstance(server_cls, str):
-        module_name, _, attr = server_cls.rpartition(".")
+        module_name, _, attr = SERVER_CLASSES.get(server_cls, server_cls).rpartition(".")
         try:
             resolved = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError, ValueError) as exc:
@@ -144,6 +151,10 @@ class Fleet:
             raise InvalidRequestError(
                 f"server spec {name!r}: 'sglang' launch arguments are for SGLangRollout, not {server_cls.__name__}"
             )
+        if spec.vllm is not None and not server_cls.takes_vllm_args:
+            raise InvalidRequestError(
+                f"server spec {name!r}: 'vllm' launch arguments are for VLLMRollout, not {server_cls.__name__}"
+            )
         taken = sorted(set(spec.urls) & self._attached_urls)
         if taken:
             # Two rollouts driving one server would each load their own weights into it.
@@ -192,6 +203,7 @@ class Fleet:
             ray_namespace=settings.ray_namespace,
             urls=spec.urls,
             sglang=spec.sglang or SGLangServerArgs(),
+            vllm=spec.vllm or VLLMServerArgs(),
         )
         self._servers[model_name] = server_cls(rollout_spec, exclusive=exclusive, observer=observer)
         self._attached_urls |= set(rollout_spec.urls)

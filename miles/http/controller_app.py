@@ -245,6 +245,18 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         credentials.check(request, Access.READ)
         return await _route("/v1/chat/completions", request, _openai_request)
 
+    def _check_native(model: str | None) -> None:
+        """Refuse SGLang's native /generate for a model whose servers do not speak it (vLLM)."""
+        try:
+            rollout = controller.fleet.rollout(model)
+        except (InvalidRequestError, NotFoundError):
+            return  # the router answers for a model it cannot pick
+        if not rollout.serves_generate:
+            raise InvalidRequestError(
+                f"{rollout.model_name} is served by {type(rollout).__name__}, whose servers do not answer SGLang's "
+                "native /generate; send the request to /v1/completions or /v1/chat/completions"
+            )
+
     async def _route(path: str, request: Request, prepare: Callable[[bytes], _Routed]) -> Response:
         # The body is held (request.body() keeps it) until the answer: its bytes count against
         # the budget from before it is parsed; the parsed JSON is dropped once the payload is built.
@@ -252,6 +264,8 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         with bodies.hold(len(raw)):
             # Parsing and encoding a body of megabytes takes a while: not on the serving loop.
             routed = prepare(raw) if len(raw) < _PREPARE_OFF_LOOP_BYTES else await asyncio.to_thread(prepare, raw)
+            if path == "/generate":
+                _check_native(routed.model)
             route = options(routed.model, routed.session_id, routed.min_weight_version)
             payload = routed.payload
             with bodies.hold(0 if payload is raw else len(payload), refusable=False):

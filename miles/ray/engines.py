@@ -129,10 +129,10 @@ class EngineHost:
                 (self.work_dir,) if checkpoint_roots is None else readable_roots(checkpoint_roots, self.work_dir)
             ),
         )
-        environment = command.environment(slot)
-        self.process = EngineProcess(
-            command=command.argv(slot, Path(checkpoint)), log_path=self.work_dir / "engine.log", env=environment
-        )
+        # A command may prepare its node's files (vLLM's directories): off the actor's loop.
+        environment = await asyncio.to_thread(command.environment, slot)
+        argv = await asyncio.to_thread(command.argv, slot, Path(checkpoint))
+        self.process = EngineProcess(command=argv, log_path=self.work_dir / "engine.log", env=environment)
         await asyncio.to_thread(self.process.start)
         url = f"http://{slot.host}:{slot.port}"
         secret = environment.get("MILES_ENGINE_SECRET")

@@ -76,9 +76,13 @@ class Rollout(ABC):
     """Base of every server type (``SFTRollout`` ...): one model's servers; see the module docstring."""
 
     # Whether the server type can take servers someone else runs (a spec's ``urls``), and
-    # SGLang's launch arguments (a spec's ``sglang``).
+    # SGLang's or vLLM's launch arguments (a spec's ``sglang``, ``vllm``).
     can_attach: ClassVar[bool] = False
     takes_sglang_args: ClassVar[bool] = False
+    takes_vllm_args: ClassVar[bool] = False
+    # Whether its servers answer SGLang's native /generate, and take pushes from training windows.
+    serves_generate: ClassVar[bool] = True
+    takes_pushes: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -117,6 +121,10 @@ class Rollout(ABC):
     @abstractmethod
     def engine_command(self) -> EngineCommand:
         """How to run one engine of this server type (the runtime decides where)."""
+
+    def new_client(self, url: str, *, server_id: str, http: httpx.AsyncClient, secret: str | None) -> EngineClient:
+        """The client that speaks to one of this server type's engines (SGLang's HTTP API)."""
+        return EngineClient(url, http=http, server_id=server_id, secret=secret)
 
     async def _launch(self, cell: ServerCell, checkpoint: Path) -> str:
         """Start an engine for ``cell`` serving ``checkpoint``; return its base URL once healthy."""
@@ -471,7 +479,7 @@ class Rollout(ABC):
         # check it, and it would let that server change the weights of the engines launched here.
         attached = cell.placement is not None and cell.placement.attached
         secret = self.spec.engine_secret.get_secret_value() if self.spec.engine_secret and not attached else None
-        self._clients[cell.server_id] = EngineClient(url, http=self.http, server_id=cell.server_id, secret=secret)
+        self._clients[cell.server_id] = self.new_client(url, server_id=cell.server_id, http=self.http, secret=secret)
         self.transition(cell, ServerState.PENDING_WEIGHTS, "engine healthy")
         expected = cell.verified if cell.verified is not None else await asyncio.to_thread(start_weights, checkpoint)
         client = self._clients[cell.server_id]

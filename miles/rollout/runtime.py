@@ -175,10 +175,11 @@ class LocalRuntime(EngineRuntime):
                 work_dir=self._snapshot_dir,
                 checkpoint_roots=readable_roots(self.spec.allowed_checkpoint_roots, self._snapshot_dir),
             )
+            # A command may prepare files for its engine (vLLM's directories): off the loop.
             process = EngineProcess(
-                command=command.argv(slot, checkpoint),
+                command=await asyncio.to_thread(command.argv, slot, checkpoint),
                 log_path=self._log_root / f"{server_id}.log",
-                env=command.environment(slot),
+                env=await asyncio.to_thread(command.environment, slot),
             )
             # Known before it starts, so that ``close`` stops it whatever happens next.
             self._processes[server_id] = process

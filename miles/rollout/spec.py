@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import httpx
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, StrictFloat, StrictInt, model_validator
@@ -72,6 +72,23 @@ class SGLangServerArgs(BaseModel):
         return self.tp_size * self.dp_size
 
 
+class VLLMServerArgs(BaseModel):
+    """What each launched vLLM server is given beside what miles sets (see
+    ``miles.rollout.vllm_rollout``; the spec's ``engine_args`` are passed through after these)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    # The interpreter of an environment with vLLM; default $MILES_VLLM_PYTHON, else the
+    # project's .venv-vllm (``make vllm``).
+    python: Path | None = None
+    max_model_len: Annotated[StrictInt, Field(ge=16)] | None = None
+    # None: the checkpoint's own dtype (vLLM would otherwise run float32 weights in bfloat16).
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    # The KV cache of a CPU server, in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE).
+    cpu_kv_cache_gib: Annotated[StrictInt, Field(ge=1, le=1024)] = 1
+    enable_prefix_caching: bool = True
+
+
 class RolloutSpec(BaseModel):
     """One model served by ``num_servers`` engines of one server type."""
 
@@ -119,6 +136,8 @@ class RolloutSpec(BaseModel):
     urls: EngineUrls = ()
     # What an SGLang server is launched with (SGLangRollout; see miles.rollout.sglang_rollout).
     sglang: SGLangServerArgs = SGLangServerArgs()
+    # What a vLLM server is launched with (VLLMRollout; see miles.rollout.vllm_rollout).
+    vllm: VLLMServerArgs = VLLMServerArgs()
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSpec:

@@ -6,13 +6,15 @@ and detokenizer processes) when this wrapper is told to stop (SIGTERM, SIGINT), 
 exits, or when the wrapper's own parent (the controller, or the Ray actor hosting the engine)
 dies. The embedded engine does this itself (``--exit-with-parent``); SGLang's ``launch_server``
 has no such option. If the wrapper itself is killed outright, the kernel ends the program
-(``PR_SET_PDEATHSIG`` on Linux).
+(``PR_SET_PDEATHSIG`` on Linux). ``--remove DIR`` (repeatable) removes a directory once the
+program has ended.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,11 +73,21 @@ def run(argv: list[str]) -> int:
 
 def main() -> None:
     argv = sys.argv[1:]
+    # ``--remove DIR``: a directory the program works in that goes with it (vLLM's sockets).
+    remove: list[str] = []
+    while argv[:1] == ["--remove"] and len(argv) > 1:
+        remove.append(argv[1])
+        argv = argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        sys.exit("usage: python -m miles.rollout.with_parent -- PROGRAM [ARGS...]")
-    sys.exit(run(argv))
+        sys.exit("usage: python -m miles.rollout.with_parent [--remove DIR] -- PROGRAM [ARGS...]")
+    try:
+        code = run(argv)
+    finally:
+        for directory in remove:
+            shutil.rmtree(directory, ignore_errors=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,182 @@
+"""``EngineClient`` for a vLLM server: SGLang's calls, made with vLLM's routes.
+
+A vLLM server started by ``VLLMRollout`` runs in dev mode with miles' worker extension
+(``miles.vllm.extension``). Its routes stand in for SGLang's:
+
+| the rollout asks            | vLLM is called                                                  |
+|-----------------------------|-----------------------------------------------------------------|
+| load a checkpoint           | ``/collective_rpc miles_load`` (verify, reload, hash), then     |
+|                             | ``/update_weight_version`` and ``/reset_prefix_cache``          |
+| the checksum it holds       | ``/collective_rpc miles_checksum``, and ``/weight_info``        |
+| version and checksum (probe)| ``/weight_info`` and ``/collective_rpc miles_identity``         |
+| relabel                     | ``/update_weight_version``                                      |
+| pause / resume              | ``/pause?mode=wait|abort|keep`` / ``/resume``                   |
+| abort, flush the cache      | ``/abort_requests`` / ``/reset_prefix_cache``                   |
+
+The prefix cache is reset after every load: vLLM keeps it across a reload, so a long prompt would
+otherwise be answered from the old weights' KV cache. Fencing tokens are sent as for every engine
+(vLLM ignores them: the controller's lock is what orders the calls), and what vLLM cannot do
+(windows' pushes, staged activation, writing its weights out) is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from miles.protocol.auth import FenceState
+from miles.protocol.sglang import PauseMode
+from miles.protocol.sglang_weights import ActivateWeightsRequest, UpdateWeightsFromDiskRequest, UpdateWeightsResponse
+from miles.rollout.engine_client import EngineCallError, EngineClient, WeightsChecksum, WeightsExport, WeightsIdentity
+
+# miles' pause modes, as vLLM's ``/pause`` names them: ``drain`` lets running requests finish,
+# ``retract`` keeps them to go on after the update.
+VLLM_PAUSE_MODES = {PauseMode.DRAIN: "wait", PauseMode.ABORT: "abort", PauseMode.RETRACT: "keep"}
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Identity(_Answer):
+    checksum: str | None = None
+    instance_id: str
+
+
+class _Checksum(_Answer):
+    checksum: str
+    algorithm: str
+
+
+class _Load(_Answer):
+    success: bool
+    changed: bool
+    message: str
+    checksum: str | None = None
+    checkpoint_checksum: str | None = None
+    timings: dict[str, float] = {}
+
+
+class VLLMClient(EngineClient):
+    """Calls one vLLM server at ``base_url``; see the module docstring."""
+
+    async def _rpc(self, method: str, answer: type[_Answer], *, timeout: float | None = None, **kwargs: str) -> Any:
+        """``/collective_rpc``: the extension's answer on the (one) worker."""
+        response = await self._call(
+            "POST", "/collective_rpc", json={"method": method, "kwargs": kwargs, "timeout": timeout}, timeout=timeout
+        )
+        if response.status_code >= 400:
+            raise self._refused(f"collective_rpc {method}", response)
+        try:
+            results = response.json()["results"]
+            return answer.model_validate(results[0])
+        except (ValueError, KeyError, IndexError, TypeError, ValidationError) as exc:
+            raise EngineCallError(
+                f"collective_rpc {method} answered something unexpected ({exc}); is the server running with "
+                "--worker-extension-cls miles.vllm.extension.MilesWorkerExtension?",
+                server_id=self.server_id,
+            ) from exc
+
+    async def _weight_version(self, *, timeout: float | None = None) -> str:
+        response = await self._call("GET", "/weight_info", timeout=timeout)
+        if response.status_code >= 400:
+            raise self._refused("GET /weight_info", response)
+        return str(response.json().get("weight_version"))
+
+    async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
+        identity = await self._rpc("miles_identity", _Identity, timeout=timeout)
+        version = await self._weight_version(timeout=timeout)
+        return WeightsIdentity(weight_version=version, checksum=identity.checksum, instance_id=identity.instance_id)
+
+    async def weights_checksum(self, *, timeout: float | None = None, fence: int | None = None) -> WeightsChecksum:
+        held = await self._rpc("miles_checksum", _Checksum, timeout=timeout)
+        version = await self._weight_version(timeout=timeout)
+        return WeightsChecksum(checksum=held.checksum, algorithm=held.algorithm, weight_version=version)
+
+    async def update_weights_from_disk(
+        self, request: UpdateWeightsFromDiskRequest, *, timeout: float | None = None, fence: int | None = None
+    ) -> UpdateWeightsResponse:
+        """Verify and reload in the worker. A refusal changed nothing; a load that changed the
+        weights (even one that failed midway) is answered as loaded, with the checksum of what the
+        worker now holds, for the controller's gate to decide on."""
+        if request.expected_checksum is None:
+            raise EngineCallError(
+                "a vLLM server loads only checkpoints with an expected checksum",
+                status_code=400,
+                server_id=self.server_id,
+            )
+        answer = await self._rpc(
+            "miles_load", _Load, timeout=timeout, path=request.model_path, expected_checksum=request.expected_checksum
+        )
+        if not answer.changed:
+            return UpdateWeightsResponse(success=False, message=answer.message, timings=answer.timings)
+        version = request.weight_version or "unverified"
+        if answer.checksum != request.expected_checksum:
+            version = f"unverified-{version}"  # never labelled as the version it failed to become
+        await self.update_weight_version(version, fence=fence)
+        await self.flush_cache(fence=fence)
+        return UpdateWeightsResponse(
+            success=True,
+            message=answer.message,
+            weight_version=version,
+            checksum=answer.checksum,
+            checkpoint_checksum=answer.checkpoint_checksum,
+            timings=answer.timings,
+        )
+
+    async def update_weight_version(self, new_version: str, *, fence: int | None = None) -> None:
+        await self._call_ok("POST", "/update_weight_version", json={"new_version": new_version}, fence=fence)
+
+    async def pause_generation(self, mode: PauseMode, *, timeout: float | None = None, fence: int | None = None) -> int:
+        response = await self._call("POST", f"/pause?mode={VLLM_PAUSE_MODES[mode]}", timeout=timeout, fence=fence)
+        if response.status_code >= 400:
+            raise self._refused("POST /pause", response)
+        return 0  # vLLM does not say how many requests it held
+
+    async def continue_generation(self, *, fence: int | None = None) -> None:
+        await self._call_ok("POST", "/resume", fence=fence)
+
+    async def flush_cache(self, *, fence: int | None = None) -> None:
+        await self._call_ok("POST", "/reset_prefix_cache", fence=fence)
+
+    async def abort_request(
+        self, rid: str = "", *, abort_all: bool = False, abort_message: str | None = None, fence: int | None = None
+    ) -> None:
+        body = {"request_ids": [] if abort_all else [rid]}
+        await self._call_ok("POST", "/abort_requests", json=body, fence=fence)
+
+    async def health_generate(self, *, timeout: float = 30.0) -> bool:
+        """One token generated now, through the OpenAI completions route."""
+        try:
+            response = await self._call(
+                "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=timeout
+            )
+        except EngineCallError:
+            return False
+        return response.status_code == 200
+
+    async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        response = await self._call("GET", "/v1/models", timeout=timeout)
+        if response.status_code >= 400:
+            raise self._refused("GET /v1/models", response)
+        return {"models": response.json().get("data", []), "weight_version": await self._weight_version()}
+
+    async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        return {"engine": "vllm", **await self.model_info(timeout=timeout)}
+
+    async def fence(self, token: int, *, window_open: bool, staged: bool = False) -> FenceState:
+        raise self._cannot("take pushes from a training window (publish checkpoints to update it)")
+
+    async def activate_weights(
+        self, request: ActivateWeightsRequest, *, timeout: float | None = None, fence: int | None = None
+    ) -> UpdateWeightsResponse:
+        raise self._cannot("activate staged weights (it has no stage)")
+
+    async def export_weights(
+        self, *, step: int, timeout: float | None = None, fence: int | None = None
+    ) -> WeightsExport:
+        raise self._cannot("write out the weights it holds")
+
+    def _cannot(self, what: str) -> EngineCallError:
+        return EngineCallError(f"a vLLM server cannot {what}", status_code=400, server_id=self.server_id)

@@ -1,0 +1,189 @@
+"""VLLMRollout: servers that are real vLLM servers, launched by the controller.
+
+Each server is vLLM's OpenAI API server (``python -m vllm.entrypoints.openai.api_server``) run by
+vLLM's own interpreter (``vllm_python``: the project's ``.venv-vllm`` that ``make vllm`` builds,
+or one given), on the host and port its runtime gave it (local processes, or Ray actors), wrapped
+by ``miles.rollout.with_parent`` so that nothing it started outlives the controller. miles sets:
+
+- the model, its served name, host and port, ``--max-num-seqs`` (``max_running_requests``) and
+  ``--dtype`` (the checkpoint's own: vLLM would otherwise run a float32 model in bfloat16);
+- ``--worker-extension-cls miles.vllm.extension.MilesWorkerExtension``: the code in vLLM's workers
+  that verifies what it loads and hashes what it holds, found through a ``PYTHONPATH`` that holds
+  miles' package and nothing else;
+- ``VLLM_SERVER_DEV_MODE=1`` for the control routes (pause, reload, weight version, cache reset);
+- every cache and temporary directory under the server's work directory, and the Hugging Face
+  libraries offline, so a server reads and writes nothing outside it.
+
+Updates are the same transaction as for every server type: take out, pause, load (verified in the
+worker, then vLLM's in-place reload), confirm by miles' canonical checksum of what the worker
+holds, admit or roll back. What vLLM cannot do is refused by name: pushes from a training window,
+and SGLang's native ``/generate`` (the controller answers 400 naming the OpenAI routes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import httpx
+
+import miles
+from miles.rollout.engine_client import EngineClient
+from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutError, RolloutObserver
+from miles.rollout.runtime import EngineCommand, LaunchSlot
+from miles.rollout.spec import RolloutSpec, VLLMServerArgs
+from miles.rollout.vllm_client import VLLMClient
+
+VLLM_PYTHON_ENV = "MILES_VLLM_PYTHON"
+EXTENSION_CLS = "miles.vllm.extension.MilesWorkerExtension"
+# Where ``make vllm`` builds vLLM's environment, beside the project's own.
+PROJECT_VLLM_PYTHON = Path(miles.__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+# The flags miles sets (and vLLM's other spellings of them), with where the spec says each instead.
+MILES_FLAGS: dict[tuple[str, ...], str] = {
+    ("--model",): "checkpoint",
+    ("--host",): "the runtime (it picks the address)",
+    ("--port",): "the runtime (it picks a free port)",
+    ("--served-model-name",): "model_name",
+    ("--max-num-seqs",): "max_running_requests",
+    ("--dtype",): "vllm.dtype",
+    ("--max-model-len",): "vllm.max_model_len",
+    ("--worker-extension-cls",): "nothing: miles' extension is what verifies the weights",
+    ("--tensor-parallel-size", "-tp"): "nothing: a vLLM server under miles runs one worker",
+}
+
+
+def check_engine_args(engine_args: tuple[str, ...]) -> None:
+    """Refuse extra vLLM flags that repeat one miles sets, naming where to set it instead."""
+    for arg in engine_args:
+        flag = arg.split("=", 1)[0]
+        for flags, where in MILES_FLAGS.items():
+            if flag in flags:
+                raise RolloutError(f"engine_args sets {flag}, which miles sets for every vLLM server; use {where}")
+
+
+def vllm_python(args: VLLMServerArgs) -> Path:
+    """The interpreter that runs vLLM: the spec's, else ``$MILES_VLLM_PYTHON``, else the project's."""
+    given = args.python or os.environ.get(VLLM_PYTHON_ENV)
+    python = Path(given) if given else PROJECT_VLLM_PYTHON
+    if not python.is_file():
+        raise RolloutError(
+            f"no vLLM interpreter at {python}: run `make vllm` (it builds .venv-vllm), or give the python of "
+            f"an environment with vLLM as vllm.python or {VLLM_PYTHON_ENV}"
+        )
+    return python
+
+
+def checkpoint_dtype(checkpoint: Path) -> str:
+    """The dtype the checkpoint's config declares (vLLM's ``--dtype``), "auto" when it declares none."""
+    try:
+        config = json.loads((checkpoint / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"
+    if not isinstance(config, dict):
+        return "auto"
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return dtype if dtype in ("float32", "float16", "bfloat16") else "auto"
+
+
+@dataclass(frozen=True)
+class VLLMLaunchCommand(EngineCommand):
+    """vLLM's API server for one server, given where the runtime placed it."""
+
+    python: Path
+    served_model_name: str
+    max_running_requests: int
+    args: VLLMServerArgs
+    extra_args: tuple[str, ...] = ()
+
+    def argv(self, slot: LaunchSlot, checkpoint: Path) -> list[str]:
+        args = ["--model", str(checkpoint), "--served-model-name", self.served_model_name]
+        args += ["--host", slot.host, "--port", str(slot.port)]
+        args += ["--dtype", self.args.dtype or checkpoint_dtype(checkpoint)]
+        args += ["--max-num-seqs", str(self.max_running_requests), "--worker-extension-cls", EXTENSION_CLS]
+        if self.args.max_model_len is not None:
+            args += ["--max-model-len", str(self.args.max_model_len)]
+        args += ["--enable-prefix-caching" if self.args.enable_prefix_caching else "--no-enable-prefix-caching"]
+        server = [str(self.python), "-m", "vllm.entrypoints.openai.api_server"]
+        # vLLM has no --exit-with-parent: the wrapper ends its process group (API server, engine
+        # core, workers) for it, and removes its sockets' directory after.
+        wrapper = [sys.executable, "-m", "miles.rollout.with_parent", "--remove", str(_socket_dir(slot)), "--"]
+        return [*wrapper, *server, *args, *self.extra_args]
+
+    def environment(self, slot: LaunchSlot) -> dict[str, str]:
+        """Everything vLLM writes, under the server's own directory; miles' package importable."""
+        root = slot.work_dir / "vllm"
+        importable = root / "pythonpath"
+        importable.mkdir(parents=True, exist_ok=True)
+        link = importable / "miles"
+        if not link.is_symlink():
+            with contextlib.suppress(FileExistsError):  # a peer launching at once made it
+                link.symlink_to(Path(miles.__file__).resolve().parent, target_is_directory=True)
+        sockets = _socket_dir(slot)
+        sockets.mkdir(mode=0o700, exist_ok=True)
+        env = {
+            "VLLM_RPC_BASE_PATH": str(sockets),
+            "PYTHONPATH": str(importable),
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.args.cpu_kv_cache_gib),
+            "VLLM_CACHE_ROOT": str(root / "cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+            "TRITON_CACHE_DIR": str(root / "triton"),
+            "XDG_CACHE_HOME": str(root / "xdg"),
+            "HF_HOME": str(root / "hf"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "TMPDIR": str(root / "tmp"),
+        }
+        (root / "tmp").mkdir(exist_ok=True)
+        if slot.placement.gpu_ids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in slot.placement.gpu_ids)
+        return env
+
+
+def _socket_dir(slot: LaunchSlot) -> Path:
+    """Where the server's processes put their IPC sockets: a short path (a socket's path is at
+    most 107 bytes, too few under a deep work directory) of its own, removed when it ends."""
+    owner = hashlib.blake2b(str(slot.work_dir).encode(), digest_size=4).hexdigest()
+    return Path(tempfile.gettempdir()) / f"miles-vllm-{owner}-{slot.port}"
+
+
+class VLLMRollout(Rollout):
+    """Servers that are vLLM servers; see the module docstring."""
+
+    takes_vllm_args: ClassVar[bool] = True
+    serves_generate: ClassVar[bool] = False
+    takes_pushes: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        spec: RolloutSpec,
+        *,
+        exclusive: ExclusiveSection | None = None,
+        observer: RolloutObserver | None = None,
+    ) -> None:
+        check_engine_args(spec.engine_args)
+        self._python = vllm_python(spec.vllm)
+        super().__init__(spec, exclusive=exclusive, observer=observer)
+
+    def engine_command(self) -> EngineCommand:
+        return VLLMLaunchCommand(
+            python=self._python,
+            served_model_name=self.model_name,
+            max_running_requests=self.spec.max_running_requests,
+            args=self.spec.vllm,
+            extra_args=self.spec.engine_args,
+        )
+
+    def new_client(self, url: str, *, server_id: str, http: httpx.AsyncClient, secret: str | None) -> EngineClient:
+        # vLLM checks no miles secret: its server is protected by its network, like SGLang's.
+        return VLLMClient(url, http=http, server_id=server_id)

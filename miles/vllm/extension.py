@@ -1,0 +1,133 @@
+"""miles' worker extension for vLLM: verified loads, and the checksum of what a worker holds.
+
+vLLM loads it into every worker (``--worker-extension-cls
+miles.vllm.extension.MilesWorkerExtension``); the controller calls its methods through vLLM's
+``POST /collective_rpc`` (``miles.rollout.vllm_client``), which passes keyword arguments as
+strings and answers each worker's return value. Each method answers a JSON object:
+
+- ``miles_load(path, expected_checksum)``: read the checkpoint's tensors once, hash what was
+  read, and refuse it (nothing touched) unless it is the checkpoint expected; then reload them
+  through vLLM's own in-place reload (``reload_weights``, the path that keeps its layer wrappers
+  consistent) and hash what the worker holds afterwards. A reload that failed midway leaves the
+  worker holding something else: the answer says so (``changed``) and carries the checksum of what
+  it holds, which the controller's gate then refuses.
+- ``miles_checksum()``: the canonical checksum (``miles.weights.checksum``: the one manifests and
+  ``InferenceEngineWeightChecksumEvent`` carry) of the weights the worker holds now, read back
+  from vLLM's layers (``miles.vllm.held``), and what was hashed.
+- ``miles_identity()``: the checksum computed when the weights last changed, and which process
+  answers, without hashing anything (for the controller's probes).
+
+This module runs inside vLLM's worker processes, in vLLM's environment: it imports torch and
+``miles.weights`` only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.errors import CheckpointError, ManifestMissingError, MilesError
+from miles.vllm.held import held_state
+from miles.weights.checksum import checksum_state_dict
+from miles.weights.manifest import Manifest, manifest_from_files, read_manifest
+from miles.weights.reader import open_checkpoint
+
+# What a checksum of this worker covers, as the confirmation says.
+HASHED = "the tensors the vLLM worker holds, read back from its layers under the checkpoint's names"
+
+
+class MilesWorkerExtension:
+    """Mixed into vLLM's worker class (``self`` is the worker: ``reload_weights``, ``model_runner``)."""
+
+    _miles_checksum: str | None = None
+
+    def miles_identity(self) -> dict[str, Any]:
+        return {"checksum": self._miles_checksum, "instance_id": _instance_id()}
+
+    def miles_checksum(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        state = self._miles_held()
+        checksum = checksum_state_dict(state)
+        self._miles_checksum = checksum.checksum
+        return {
+            "checksum": checksum.checksum,
+            "algorithm": checksum.algorithm,
+            "tensors": len(state),
+            "num_bytes": checksum.num_bytes,
+            "hashed": HASHED,
+            "seconds": time.perf_counter() - started,
+        }
+
+    def miles_load(self, path: str, expected_checksum: str) -> dict[str, Any]:
+        timings: dict[str, float] = {}
+        started = time.perf_counter()
+        try:
+            tensors, checkpoint_checksum = _read_expected(Path(path), expected_checksum)
+        except (MilesError, OSError) as exc:
+            message = exc.message if isinstance(exc, MilesError) else f"the checkpoint could not be read: {exc}"
+            return {"success": False, "changed": False, "message": message, "checkpoint_checksum": None}
+        timings["verify"] = time.perf_counter() - started
+        loaded = time.perf_counter()
+        self._miles_checksum = None  # whatever happens now, the last checksum no longer holds
+        failure: str | None = None
+        try:
+            self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001  # vLLM's reload raises anything; the checksum below tells
+            failure = f"vLLM's reload failed midway ({type(exc).__name__}: {exc}); the worker holds other weights"
+        timings["copy"] = time.perf_counter() - loaded
+        confirmed = self.miles_checksum()
+        timings["checksum"] = confirmed["seconds"]
+        return {
+            "success": True,
+            "changed": True,
+            "message": failure or "loaded",
+            "checksum": confirmed["checksum"],
+            "checkpoint_checksum": checkpoint_checksum,
+            "hashed": HASHED,
+            "timings": timings,
+        }
+
+    def _miles_held(self) -> dict[str, torch.Tensor]:
+        config = self.vllm_config.model_config  # type: ignore[attr-defined]
+        tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return held_state(model, dtype=config.dtype, tied_embeddings=tied)
+
+
+def _read_expected(path: Path, expected_checksum: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The checkpoint's tensors, read once and hashed as read; CheckpointError unless they are
+    the weights ``expected_checksum`` names (a sealed checkpoint's problems are named one by one)."""
+    try:
+        manifest: Manifest = read_manifest(path)
+        sealed = True
+    except ManifestMissingError:
+        manifest = manifest_from_files(path, model_name=path.name, step=0)
+        sealed = False
+    if manifest.checksum != expected_checksum:
+        where = "its manifest names" if sealed else "its files hash to"
+        raise CheckpointError(
+            f"the checkpoint at {path} is not the one expected: {where} {manifest.checksum}, expected "
+            f"{expected_checksum}; load the checkpoint the update publishes"
+        )
+    with open_checkpoint(path, manifest=manifest) as reader:
+        tensors = {name: reader.tensor(name) for name in reader.tensor_names}
+        read = checksum_state_dict(tensors).checksum
+        if read != expected_checksum:
+            if sealed:
+                reader.verify().raise_for_problems(limit=5)
+            raise CheckpointError(
+                f"the checkpoint at {path} changed while it was read (its tensors hash to {read}, expected "
+                f"{expected_checksum}); write checkpoints to a new directory and publish it once complete"
+            )
+    return tensors, read
+
+
+def _instance_id() -> str:
+    """This worker process: its pid and when it started (a restarted worker answers another)."""
+    with open(f"/proc/{os.getpid()}/stat", encoding="ascii") as stat:
+        started = stat.read().rsplit(")", 1)[1].split()[19]
+    return f"vllm-worker:{os.getpid()}:{started}"
