@@ -53,7 +53,7 @@ from miles.controller.windows import (
     window_target,
 )
 from miles.controller.write_outs import WriteOuts
-from miles.errors import InvalidRequestError, LockTimeoutError, MilesError
+from miles.errors import LockTimeoutError, MilesError
 from miles.protocol.auth import window_credential
 from miles.rollout.rollout import Rollout
 from miles.utils.audit_utils.event_logger.logger import EventLogger
@@ -355,11 +355,9 @@ class AsyncInferenceController:
         weights in (draining per ``pause_mode``), so serving stops for the swap, not the transfer.
         """
         rollout = self.fleet.rollout(model_name)
-        if not rollout.takes_pushes:
-            raise InvalidRequestError(
-                f"{rollout.model_name} is served by {type(rollout).__name__}, whose servers take no pushes from a "
-                "training window; publish a checkpoint and call update_rollout_weights instead"
-            )
+        # A server type that cannot stage (vLLM) gets a window with its servers out of routing;
+        # the window's ``staged`` says which it is.
+        staged = bool(staged) and rollout.stages_pushes
         ttl = check_seconds(
             ttl_s if ttl_s is not None else self._settings.lease_ttl_s,
             name="ttl_s",

@@ -6,6 +6,7 @@ import time
 import uuid
 from datetime import datetime
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -137,6 +138,9 @@ class WindowServer(BaseModel):
     server_id: str
     url: str
     weight_version: str | None
+    # The HTTP API the server's engine takes pushes through: "sglang" (embedded engines, SGLang's
+    # /update_weights_from_tensor) or "vllm" (vLLM's native weight transfer, miles' backend).
+    engine: Literal["sglang", "vllm"] = "sglang"
 
 
 class UpdateWindow(BaseModel):

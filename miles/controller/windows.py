@@ -213,7 +213,12 @@ def describe(
         # Servers whose engines died while the window opened are not pushed to: they restart
         # on what the window commits.
         servers=tuple(
-            WindowServer(server_id=s.server_id, url=s.url or "", weight_version=s.weight_version)
+            WindowServer(
+                server_id=s.server_id,
+                url=s.url or "",
+                weight_version=s.weight_version,
+                engine=update.rollout.engine_api,
+            )
             for s in update.rollout.snapshot()
             if s.server_id in live
         ),

@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import httpx
 
@@ -80,9 +80,11 @@ class Rollout(ABC):
     can_attach: ClassVar[bool] = False
     takes_sglang_args: ClassVar[bool] = False
     takes_vllm_args: ClassVar[bool] = False
-    # Whether its servers answer SGLang's native /generate, and take pushes from training windows.
+    # Whether its servers answer SGLang's native /generate, and can stage a window's pushes while
+    # they serve; the API their engines take pushes through (``WindowServer.engine``).
     serves_generate: ClassVar[bool] = True
-    takes_pushes: ClassVar[bool] = True
+    stages_pushes: ClassVar[bool] = True
+    engine_api: ClassVar[Literal["sglang", "vllm"]] = "sglang"
 
     def __init__(
         self,

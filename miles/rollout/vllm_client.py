@@ -15,12 +15,15 @@ A vLLM server started by ``VLLMRollout`` runs in dev mode with miles' worker ext
 
 The prefix cache is reset after every load: vLLM keeps it across a reload, so a long prompt would
 otherwise be answered from the old weights' KV cache. Fencing tokens are sent as for every engine
-(vLLM ignores them: the controller's lock is what orders the calls), and what vLLM cannot do
-(windows' pushes, staged activation, writing its weights out) is refused by name.
+(vLLM ignores them: the controller's lock is what orders the calls); writing out the weights it
+holds is the extension's ``miles_export``, and staged activation is refused by name (vLLM has no
+stage). A window's pushes do not pass here: the trainer speaks to vLLM's weight-transfer routes
+itself (``miles.train.engine_calls``).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -47,6 +50,11 @@ class _Identity(_Answer):
 class _Checksum(_Answer):
     checksum: str
     algorithm: str
+
+
+class _Export(_Answer):
+    path: str
+    checksum: str
 
 
 class _Load(_Answer):
@@ -166,7 +174,8 @@ class VLLMClient(EngineClient):
         return {"engine": "vllm", **await self.model_info(timeout=timeout)}
 
     async def fence(self, token: int, *, window_open: bool, staged: bool = False) -> FenceState:
-        raise self._cannot("take pushes from a training window (publish checkpoints to update it)")
+        """vLLM has no fence: the controller's lock orders the calls, and its network guards it."""
+        return FenceState(fence=token, window_open=window_open)
 
     async def activate_weights(
         self, request: ActivateWeightsRequest, *, timeout: float | None = None, fence: int | None = None
@@ -176,7 +185,10 @@ class VLLMClient(EngineClient):
     async def export_weights(
         self, *, step: int, timeout: float | None = None, fence: int | None = None
     ) -> WeightsExport:
-        raise self._cannot("write out the weights it holds")
+        """The worker writes what it holds as a sealed checkpoint under the server's snapshot directory."""
+        written = await self._rpc("miles_export", _Export, timeout=timeout, step=str(step))
+        version = await self._weight_version(timeout=timeout)
+        return WeightsExport(path=Path(written.path), checksum=written.checksum, weight_version=version)
 
     def _cannot(self, what: str) -> EngineCallError:
         return EngineCallError(f"a vLLM server cannot {what}", status_code=400, server_id=self.server_id)

@@ -16,8 +16,10 @@ by ``miles.rollout.with_parent`` so that nothing it started outlives the control
 
 Updates are the same transaction as for every server type: take out, pause, load (verified in the
 worker, then vLLM's in-place reload), confirm by miles' canonical checksum of what the worker
-holds, admit or roll back. What vLLM cannot do is refused by name: pushes from a training window,
-and SGLang's native ``/generate`` (the controller answers 400 naming the OpenAI routes).
+holds, admit or roll back. Pushes from a training window arrive through vLLM's native weight
+transfer (``--weight-transfer-config``, miles' backend: ``miles.vllm.transfer``), always with the
+servers paused (vLLM cannot stage). SGLang's native ``/generate`` is refused by name (the
+controller answers 400 naming the OpenAI routes).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import httpx
 
@@ -108,6 +110,8 @@ class VLLMLaunchCommand(EngineCommand):
         args += ["--host", slot.host, "--port", str(slot.port)]
         args += ["--dtype", self.args.dtype or checkpoint_dtype(checkpoint)]
         args += ["--max-num-seqs", str(self.max_running_requests), "--worker-extension-cls", EXTENSION_CLS]
+        # Pushes from a training window arrive through vLLM's weight transfer, miles' backend.
+        args += ["--weight-transfer-config", json.dumps({"backend": "miles"})]
         if self.args.max_model_len is not None:
             args += ["--max-model-len", str(self.args.max_model_len)]
         args += ["--enable-prefix-caching" if self.args.enable_prefix_caching else "--no-enable-prefix-caching"]
@@ -130,6 +134,8 @@ class VLLMLaunchCommand(EngineCommand):
         sockets.mkdir(mode=0o700, exist_ok=True)
         env = {
             "VLLM_RPC_BASE_PATH": str(sockets),
+            # Where the worker writes out the weights it holds (pushed ones lie on no disk).
+            "MILES_SNAPSHOT_DIR": str(slot.work_dir),
             "PYTHONPATH": str(importable),
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": str(self.args.cpu_kv_cache_gib),
@@ -162,7 +168,8 @@ class VLLMRollout(Rollout):
 
     takes_vllm_args: ClassVar[bool] = True
     serves_generate: ClassVar[bool] = False
-    takes_pushes: ClassVar[bool] = False
+    stages_pushes: ClassVar[bool] = False
+    engine_api: ClassVar[Literal["sglang", "vllm"]] = "vllm"
 
     def __init__(
         self,

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ValidationError
 from miles.controller.results import UpdateWindow, WindowServer
 from miles.errors import PublishError, Refusal
 from miles.protocol.base import ErrorAnswer
-from miles.protocol.sglang_weights import GroupResponse, UpdateWeightsResponse
+from miles.protocol.sglang_weights import GroupResponse, UpdateWeightsFromTensorRequest, UpdateWeightsResponse
+from miles.weights.transport.documents import SHM_LOAD_FORMAT
 
 # What each endpoint a push calls answers when it did what it was asked.
 _ANSWERS: dict[str, type[UpdateWeightsResponse] | type[GroupResponse]] = {
@@ -65,10 +66,20 @@ class EngineCalls:
     window: UpdateWindow
     version: str
     stats: PushStats
+    # vLLM servers whose weight-transfer session this push has begun.
+    vllm_sessions: set[str] = field(default_factory=set)
 
     async def post(self, path: str, body: Callable[[int], BaseModel], *, fail_fast: bool = False) -> None:
         """``post_all`` to this push's engines."""
-        await post_all(self.http, self.window, path=path, body=body, stats=self.stats, fail_fast=fail_fast)
+        await post_all(
+            self.http,
+            self.window,
+            path=path,
+            body=body,
+            stats=self.stats,
+            fail_fast=fail_fast,
+            vllm_sessions=self.vllm_sessions,
+        )
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,7 @@ async def post_all(
     body: Callable[[int], BaseModel],
     stats: PushStats,
     fail_fast: bool = False,
+    vllm_sessions: set[str] | None = None,
 ) -> None:
     """POST ``body(i)`` to the ``i``-th engine of the window, all at once, with the window's
     credential. Raises PublishError naming each engine that refused or did not answer (with
@@ -94,6 +106,8 @@ async def post_all(
     expected = _ANSWERS[path]
 
     async def one(index: int, server: WindowServer) -> _Failure | None:
+        if server.engine == "vllm":
+            return await _vllm_call(http, server, path, body(index), sessions=vllm_sessions)
         try:
             answer = await http.post(f"{server.url}{path}", json=body(index).model_dump(mode="json"), headers=headers)
         except httpx.HTTPError as exc:
@@ -124,6 +138,40 @@ async def post_all(
             f"{path} failed: " + "; ".join(f.message for f in failures),
             refusal=next((f.refusal for f in failures if f.refusal is not None), None),
         )
+
+
+async def _vllm_call(
+    http: httpx.AsyncClient, server: WindowServer, path: str, request: BaseModel, *, sessions: set[str] | None
+) -> _Failure | None:
+    """A bucket pushed to a vLLM server through its native weight transfer (miles' backend reads
+    the bucket's shared-memory segment): the first bucket of a push begins the session, the last
+    (the one carrying the expected checksum) finishes it under the push's weight version and drops
+    the prefix cache. The controller confirms what the worker then holds, as after every push."""
+    if path != "/update_weights_from_tensor" or not isinstance(request, UpdateWeightsFromTensorRequest):
+        return _Failure(f"{server.server_id} is a vLLM server: it takes pushes through shared memory on its node only")
+    if request.load_format != SHM_LOAD_FORMAT:
+        return _Failure(
+            f"{server.server_id} is a vLLM server: it reads buckets from shared memory, not {request.load_format}"
+        )
+    calls: list[tuple[str, dict[str, object] | None]] = []
+    if sessions is None or server.server_id not in sessions:
+        calls.append(("/start_weight_update", None))
+    calls.append(("/update_weights", {"update_info": {"document": request.serialized_named_tensors[0]}}))
+    if request.expected_checksum is not None:
+        calls.append(("/finish_weight_update", {"weight_version": request.weight_version}))
+        calls.append(("/reset_prefix_cache", None))
+    for call, body in calls:
+        try:
+            answer = await http.post(f"{server.url}{call}", json=body)
+        except httpx.HTTPError as exc:
+            return _Failure(f"{server.server_id} at {server.url} did not answer {call} ({type(exc).__name__}: {exc})")
+        if answer.status_code >= 400:
+            return _Failure(f"{server.server_id}: {call} answered {answer.status_code}: {answer.text[:_QUOTED_CHARS]}")
+        if call == "/start_weight_update" and sessions is not None:
+            sessions.add(server.server_id)
+        if call == "/finish_weight_update" and sessions is not None:
+            sessions.discard(server.server_id)
+    return None
 
 
 def _refused(server: WindowServer, answer: httpx.Response) -> _Failure:

@@ -16,6 +16,12 @@ strings and answers each worker's return value. Each method answers a JSON objec
   from vLLM's layers (``miles.vllm.held``), and what was hashed.
 - ``miles_identity()``: the checksum computed when the weights last changed, and which process
   answers, without hashing anything (for the controller's probes).
+- ``miles_export(step)``: write what the worker holds as a sealed checkpoint under the server's
+  snapshot directory (``MILES_SNAPSHOT_DIR``), to restart a peer on weights that were pushed and
+  lie on no disk.
+
+Importing this module also registers miles' backend for vLLM's native weight transfer
+(``miles.vllm.transfer``), through which pushes from a training window arrive.
 
 This module runs inside vLLM's worker processes, in vLLM's environment: it imports torch and
 ``miles.weights`` only.
@@ -24,17 +30,23 @@ This module runs inside vLLM's worker processes, in vLLM's environment: it impor
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from miles.errors import CheckpointError, ManifestMissingError, MilesError
 from miles.vllm.held import held_state
+from miles.vllm.transfer import register
 from miles.weights.checksum import checksum_state_dict
-from miles.weights.manifest import Manifest, manifest_from_files, read_manifest
+from miles.weights.manifest import Manifest, manifest_from_files, read_manifest, write_manifest
 from miles.weights.reader import open_checkpoint
+
+register()
 
 # What a checksum of this worker covers, as the confirmation says.
 HASHED = "the tensors the vLLM worker holds, read back from its layers under the checkpoint's names"
@@ -75,6 +87,9 @@ class MilesWorkerExtension:
         self._miles_checksum = None  # whatever happens now, the last checksum no longer holds
         failure: str | None = None
         try:
+            if getattr(self, "_weight_update_active", False):
+                # A push that never finished (its trainer died): vLLM's reload session ends first.
+                self.finish_weight_update()  # type: ignore[attr-defined]
             self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         except Exception as exc:  # noqa: BLE001  # vLLM's reload raises anything; the checksum below tells
             failure = f"vLLM's reload failed midway ({type(exc).__name__}: {exc}); the worker holds other weights"
@@ -90,6 +105,32 @@ class MilesWorkerExtension:
             "hashed": HASHED,
             "timings": timings,
         }
+
+    def miles_export(self, step: str) -> dict[str, Any]:
+        state = self._miles_held()
+        checksum = checksum_state_dict(state).checksum
+        config = self.vllm_config.model_config  # type: ignore[attr-defined]
+        root = Path(os.environ["MILES_SNAPSHOT_DIR"])
+        target = root / f"vllm-{int(step)}-{checksum[:16]}"
+        if not (target / "miles_manifest.json").is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}.tmp-"))
+            try:
+                save_file({name: t.clone() for name, t in state.items()}, tmp / "model.safetensors")
+                source = Path(config.model)
+                for extra in source.iterdir():  # config, tokenizer: everything but the weights
+                    if extra.is_file() and not extra.name.endswith(".safetensors") and extra.suffix != ".bin":
+                        if extra.name not in ("miles_manifest.json", "model.safetensors.index.json"):
+                            shutil.copy2(extra, tmp / extra.name)
+                manifest = manifest_from_files(tmp, model_name=source.name, step=int(step))
+                if manifest.checksum != checksum:
+                    raise CheckpointError(f"the written weights hash to {manifest.checksum}, not {checksum}")
+                write_manifest(tmp, manifest)
+                shutil.rmtree(target, ignore_errors=True)
+                tmp.rename(target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return {"path": str(target), "checksum": checksum}
 
     def _miles_held(self) -> dict[str, torch.Tensor]:
         config = self.vllm_config.model_config  # type: ignore[attr-defined]

@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
+import torch
+from transformers import AutoModelForCausalLM
 
 from miles.controller.results import UpdateStatus
 from miles.models import build_model, build_tokenizer
@@ -25,9 +27,14 @@ from miles.ray.rollout.inference_controller import AsyncInferenceController
 from miles.rollout.state import ServerState
 from miles.rollout.vllm_rollout import PROJECT_VLLM_PYTHON, VLLM_PYTHON_ENV
 from miles.testing import copy_checkpoint, process_alive, running_controller, wait_until
+from miles.train.push import PushPublisher
+from miles.train.windows import window_client
 from miles.utils.audit_utils.event_logger.models import InferenceEngineWeightChecksumEvent
+from miles.weights.buckets import layout, pack
 from miles.weights.checkpoint import read_manifest
-from miles.weights.checksum import model_checksum
+from miles.weights.checksum import model_checksum, saved_state_dict
+from miles.weights.transport.documents import ShmDocument
+from miles.weights.transport.segments import Segment
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="module"),
@@ -87,6 +94,10 @@ async def greedy(url: str, prompt: str) -> str:
 async def update(ctl: AsyncInferenceController, checkpoint: Path) -> UpdateStatus:
     result = await ctl.update_rollout_weights(checkpoint, model_name=VLLM_MODEL, weight_version=str(next(versions)))
     return result.status
+
+
+def weights_of(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return saved_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint))
 
 
 def vllm_server(ctl: AsyncInferenceController):  # type: ignore[no-untyped-def]
@@ -211,12 +222,74 @@ async def test_one_controller_serves_vllm_and_embedded_servers(fleet, checkpoint
         refused = await http.post(f"{url}/generate", json={"model": VLLM_MODEL, "text": "hi"})
         assert refused.status_code == 400
         assert "/v1/completions" in refused.json()["error"]["message"]
-        window = await http.post(f"{url}/update_weights/start", json={"model_name": VLLM_MODEL})
-        assert window.status_code == 400
-        assert "update_rollout_weights" in window.json()["error"]["message"]
     # The embedded model updates through the same controller meanwhile.
     result = await ctl.update_rollout_weights(checkpoints["v2"], model_name="tiny")
     assert result.status is UpdateStatus.COMMITTED, result.message
+
+
+async def test_pushes_from_memory_arrive_through_vllms_weight_transfer_verified(fleet, small) -> None:
+    ctl, url = fleet
+    prompt = "pushed weights answer"
+    assert await update(ctl, small["s0"]) is UpdateStatus.COMMITTED
+    from_disk = {}
+    for name in ("s1", "s0"):
+        assert await update(ctl, small[name]) is UpdateStatus.COMMITTED
+        from_disk[name] = await greedy(url, prompt)
+    weights = await asyncio.to_thread(lambda: {name: weights_of(small[name]) for name in ("s0", "s1")})
+    # Staged by default: a vLLM server cannot stage, so its window takes it out of routing.
+    publisher = PushPublisher(ctl, model_name=VLLM_MODEL, path="shm", bucket_bytes=1 << 20, timeout_s=60)
+    try:
+        result = await publisher.push(weights["s1"], step=next(versions))
+        assert result.path == "shm" and publisher.last is not None and publisher.last.buckets > 1
+        snap = vllm_server(ctl)
+        assert snap.checksum == read_manifest(small["s1"]).checksum == result.checksum
+        assert snap.weight_version == result.weight_version
+        assert await greedy(url, prompt) == from_disk["s1"]
+        # The next push sends what changed (every tensor, between two seeds) and is verified alike.
+        again = await publisher.push(weights["s0"], step=next(versions))
+        assert vllm_server(ctl).checksum == read_manifest(small["s0"]).checksum == again.checksum
+        assert await greedy(url, prompt) == from_disk["s0"]
+    finally:
+        await publisher.close()
+    # Pushed weights lie on no disk: the worker writes them out, for restarts.
+    await wait_until(
+        lambda: (v := vllm_server(ctl).verified) is not None and v.checkpoint is not None,
+        timeout=60,
+        what="the pushed weights written out",
+    )
+    written = vllm_server(ctl).verified
+    assert written is not None and written.checkpoint is not None
+    assert read_manifest(written.checkpoint).checksum == read_manifest(small["s0"]).checksum
+
+
+async def test_a_corrupted_push_is_refused_and_the_server_rolls_back(fleet, small) -> None:
+    ctl, url = fleet
+    held = vllm_server(ctl).checksum
+    weights = await asyncio.to_thread(weights_of, small["s1"])
+    windows = window_client(ctl)
+    window = await windows.open(model_name=VLLM_MODEL, ttl_s=30, staged=False)
+    try:
+        # A bucket whose bytes are not those its digest names: the backend refuses it.
+        name = "model.norm.weight"
+        table = layout(weights, [name])
+        segment = await asyncio.to_thread(Segment, table.total_bytes)
+        try:
+            packed = pack(weights, table, segment.flat)
+            segment.flat[0] ^= 1
+            document = ShmDocument(shm=segment.name, table=packed).encode()
+            async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
+                server = window.servers[0]
+                assert server.engine == "vllm"
+                assert (await http.post(f"{server.url}/start_weight_update")).status_code == 200
+                refused = await http.post(f"{server.url}/update_weights", json={"update_info": {"document": document}})
+                assert refused.status_code >= 400
+        finally:
+            await asyncio.to_thread(segment.close)
+    finally:
+        await windows.abort(window, reason="the push was corrupted")
+    await wait_until(lambda: vllm_server(ctl).state is ServerState.SERVING, timeout=120, what="serving again")
+    assert vllm_server(ctl).checksum == held
+    assert (await complete(url, "rolled back")).status_code == 200
 
 
 async def test_updates_under_load_lose_no_request_and_never_mix_weights(fleet, small) -> None:

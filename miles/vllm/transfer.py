@@ -1,0 +1,83 @@
+"""miles' backend for vLLM's native weight transfer: pushed buckets read from shared memory.
+
+vLLM's weight-transfer API (``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``, with ``--weight-transfer-config {"backend": "miles"}``) hands each
+``update_info`` to the backend registered under that name in the worker. This one takes the
+document of a bucket ``PushPublisher`` wrote into a shared-memory segment on the server's node
+(``{"document": ShmDocument.encode()}``, the same document an embedded engine reads), reads the
+bucket's tensors from the segment, checks each against the digest it was sent with, and loads them
+through the model's ``load_weights`` inside vLLM's layerwise reload (begun by
+``start_weight_update``, completed by ``finish_weight_update``), the reload path that keeps vLLM's
+fused and packed layers consistent. A tensor that arrives other than it was sent is refused before
+its bucket is loaded; what the worker holds at the end is confirmed by the controller through
+``miles_checksum``, as after every update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+from miles.weights.buckets import from_file
+from miles.weights.transport.documents import SHM_LOAD_FORMAT, ShmDocument, decode
+from miles.weights.transport.segments import open_segment
+
+BACKEND = "miles"
+
+
+@dataclass
+class MilesInitInfo(WeightTransferInitInfo):
+    """Nothing to set up: the buckets come through shared memory on the server's node."""
+
+
+@dataclass
+class MilesUpdateInfo(WeightTransferUpdateInfo):
+    # ``ShmDocument.encode()`` of one bucket.
+    document: str
+
+
+class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
+    """See the module docstring."""
+
+    init_info_cls = MilesInitInfo
+    update_info_cls = MilesUpdateInfo
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: MilesInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def receive_weights(self, update_info: MilesUpdateInfo) -> None:
+        document = decode(SHM_LOAD_FORMAT, [update_info.document])
+        assert isinstance(document, ShmDocument)  # decode checked the format
+        fd, size = open_segment(document.shm, document.table.total_bytes)
+        try:
+            received = from_file(document.table, fd, size)
+            received.verify()
+            self.model.load_weights(iter(received.tensors.items()))
+            received.close()
+        finally:
+            os.close(fd)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def register() -> None:
+    """Make the backend known to vLLM's factory (once per process)."""
+    with contextlib.suppress(ValueError):  # registered already
+        WeightTransferEngineFactory.register_engine(BACKEND, MilesTransferEngine)
