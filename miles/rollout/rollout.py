@@ -145,6 +145,11 @@ class Rollout(ABC):
     # --- lifecycle -------------------------------------------------------------------------
 
     @property
+    def attached(self) -> bool:
+        """Whether the servers are someone else's (the spec's ``urls``)."""
+        return bool(self.spec.urls)
+
+    @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
             # Loopback calls to our own engines: no proxies from the environment.
@@ -520,11 +525,31 @@ class Rollout(ABC):
     async def _adopt(
         self, cell: ServerCell, expected: VerifiedWeights, confirmed: WeightsChecksum, *, fence: int | None
     ) -> WeightsChecksum:
-        """An engine came up holding other weights than ``expected``: what it holds after the
-        server type has done what it can. A launched engine started on the checkpoint it was
-        given, so nothing can be done (it is quarantined); a server type whose engines run
-        elsewhere (attached) loads ``expected`` into it here."""
-        return confirmed
+        """An engine came up holding other weights than ``expected``: what it holds after what can be
+        done. A launched engine started on the checkpoint it was given, so nothing can be done (it
+        is quarantined); an attached server (someone else runs it) is told to load ``expected``."""
+        if not self.attached or expected.checkpoint is None:
+            return confirmed
+        logger.info(
+            "%s holds %s (%s); loading the verified %s from %s",
+            cell.server_id,
+            confirmed.weight_version,
+            confirmed.checksum,
+            expected.weight_version,
+            expected.checkpoint,
+        )
+        response = await self.load(
+            cell.server_id,
+            expected.checkpoint,
+            weight_version=expected.weight_version,
+            expected_checksum=expected.checksum,
+            fence=fence,
+        )
+        if not response.success:
+            logger.warning("%s refused the verified weights: %s", cell.server_id, response.message)
+            return confirmed
+        # A load pauses nothing it has to resume here; the confirmation decides.
+        return await self.confirm(cell.server_id, fence=fence)
 
     def _restored(self, cell: ServerCell, verified: VerifiedWeights) -> None:
         if self.observer is not None:

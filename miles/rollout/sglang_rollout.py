@@ -34,7 +34,7 @@ from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutError, Rollo
 from miles.rollout.runtime import EngineCommand, LaunchSlot
 from miles.rollout.sglang_digests import DigestBook
 from miles.rollout.spec import RolloutSpec, SGLangServerArgs
-from miles.rollout.state import ServerCell, VerifiedWeights
+from miles.rollout.state import ServerCell
 from miles.weights.checksum import model_checksum
 
 logger = logging.getLogger("miles.rollout")
@@ -144,10 +144,6 @@ class SGLangRollout(Rollout):
         # checkpoint -> (what its files looked like, their canonical checksum)
         self._hashed: dict[Path, tuple[tuple[tuple[str, int, int], ...], str]] = {}
 
-    @property
-    def attached(self) -> bool:
-        return bool(self.spec.urls)
-
     def engine_command(self) -> EngineCommand:
         return SGLangLaunchCommand(
             served_model_name=self.model_name,
@@ -221,33 +217,6 @@ class SGLangRollout(Rollout):
             if exc.status_code != 404:
                 raise
             logger.debug("%s does not fence (no /fence endpoint)", server_id)
-
-    async def _adopt(
-        self, cell: ServerCell, expected: VerifiedWeights, confirmed: WeightsChecksum, *, fence: int | None
-    ) -> WeightsChecksum:
-        """An attached server holding other weights than verified is told to load them."""
-        if not self.attached or expected.checkpoint is None:
-            return confirmed
-        logger.info(
-            "%s holds %s (%s); loading the verified %s from %s",
-            cell.server_id,
-            confirmed.weight_version,
-            confirmed.checksum,
-            expected.weight_version,
-            expected.checkpoint,
-        )
-        response = await self.load(
-            cell.server_id,
-            expected.checkpoint,
-            weight_version=expected.weight_version,
-            expected_checksum=expected.checksum,
-            fence=fence,
-        )
-        if not response.success:
-            logger.warning("%s refused the verified weights: %s", cell.server_id, response.message)
-            return confirmed
-        # A load pauses nothing it has to resume here; the confirmation decides.
-        return await self.confirm(cell.server_id, fence=fence)
 
     async def _checksum_of(self, checkpoint: Path) -> str | None:
         """The canonical checksum of a checkpoint's files, hashed again only when they changed."""

@@ -166,6 +166,7 @@ def _socket_dir(slot: LaunchSlot) -> Path:
 class VLLMRollout(Rollout):
     """Servers that are vLLM servers; see the module docstring."""
 
+    can_attach: ClassVar[bool] = True
     takes_vllm_args: ClassVar[bool] = True
     serves_generate: ClassVar[bool] = False
     stages_pushes: ClassVar[bool] = False
@@ -179,12 +180,14 @@ class VLLMRollout(Rollout):
         observer: RolloutObserver | None = None,
     ) -> None:
         check_engine_args(spec.engine_args)
-        self._python = vllm_python(spec.vllm)
+        # Attached servers run on their owner's vLLM; launching needs one here.
+        self._python = None if spec.urls else vllm_python(spec.vllm)
         super().__init__(spec, exclusive=exclusive, observer=observer)
 
     def engine_command(self) -> EngineCommand:
         return VLLMLaunchCommand(
-            python=self._python,
+            # Attached servers are never launched (their runtime starts nothing): no vLLM here.
+            python=self._python or PROJECT_VLLM_PYTHON,
             served_model_name=self.model_name,
             max_running_requests=self.spec.max_running_requests,
             args=self.spec.vllm,

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import os
 import signal
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -24,8 +25,11 @@ from miles.controller.results import UpdateStatus
 from miles.models import build_model, build_tokenizer
 from miles.models.presets import init_checkpoint
 from miles.ray.rollout.inference_controller import AsyncInferenceController
+from miles.rollout.engine_process import free_port
+from miles.rollout.runtime import LaunchSlot, Placement
+from miles.rollout.spec import VLLMServerArgs
 from miles.rollout.state import ServerState
-from miles.rollout.vllm_rollout import PROJECT_VLLM_PYTHON, VLLM_PYTHON_ENV
+from miles.rollout.vllm_rollout import PROJECT_VLLM_PYTHON, VLLM_PYTHON_ENV, VLLMLaunchCommand, vllm_python
 from miles.testing import copy_checkpoint, process_alive, running_controller, wait_until
 from miles.train.push import PushPublisher
 from miles.train.windows import window_client
@@ -352,3 +356,35 @@ async def test_a_killed_api_server_leaves_no_process_behind(fleet) -> None:
         what="every process of the killed server gone",
     )
     assert (await complete(url, "after the restart")).status_code == 200
+
+
+def start_standalone(checkpoint: Path, work_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A vLLM server someone else runs (as miles would launch it), for attach mode."""
+    args = VLLMServerArgs()
+    command = VLLMLaunchCommand(
+        python=vllm_python(args), served_model_name=VLLM_MODEL, max_running_requests=4, args=args
+    )
+    slot = LaunchSlot(host="127.0.0.1", port=free_port(), placement=Placement("own", "127.0.0.1"), work_dir=work_dir)
+    env = {**os.environ, **command.environment(slot)}
+    log = open(work_dir / "server.log", "wb")  # the server writes it until it ends
+    process = subprocess.Popen(command.argv(slot, checkpoint), env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    return process, f"http://127.0.0.1:{slot.port}"
+
+
+async def test_an_attached_vllm_server_is_made_to_hold_the_verified_weights(small, tmp_path: Path) -> None:
+    process, server_url = await asyncio.to_thread(start_standalone, small["s1"], tmp_path)
+    try:
+        # It serves s1; the controller is asked to serve s0 on it.
+        spec = {"cls": "VLLMRollout", "checkpoint": small["s0"], "urls": [server_url]}
+        async with running_controller({"attached": spec}, http=False, startup_timeout_s=300) as (ctl, _):
+            snap = vllm_server(ctl)
+            assert snap.state is ServerState.SERVING and snap.placement is not None and snap.placement.attached
+            assert snap.checksum == read_manifest(small["s0"]).checksum
+            result = await ctl.update_rollout_weights(small["s1"], model_name=VLLM_MODEL)
+            assert result.status is UpdateStatus.COMMITTED, result.message
+        # The controller stopped; the server is its owner's and still runs.
+        assert process.poll() is None
+    finally:
+        process.terminate()
+        await asyncio.to_thread(process.wait, 60)
