@@ -15,10 +15,10 @@ A vLLM server started by ``VLLMRollout`` runs in dev mode with miles' worker ext
 
 The prefix cache is reset after every load: vLLM keeps it across a reload, so a long prompt would
 otherwise be answered from the old weights' KV cache. Fencing tokens are sent as for every engine
-(vLLM ignores them: the controller's lock is what orders the calls); writing out the weights it
-holds is the extension's ``miles_export``, and staged activation is refused by name (vLLM has no
-stage). A window's pushes do not pass here: the trainer speaks to vLLM's weight-transfer routes
-itself (``miles.train.engine_calls``).
+(vLLM ignores them: the controller's lock is what orders the calls; closing a window ends a push
+it left unfinished); writing out the weights it holds is the extension's ``miles_export``, and
+staged activation is refused by name (vLLM has no stage). A window's pushes do not pass here: the
+trainer speaks to vLLM's weight-transfer routes itself (``miles.train.engine_calls``).
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ class _Identity(_Answer):
 class _Checksum(_Answer):
     checksum: str
     algorithm: str
+
+
+class _Ended(_Answer):
+    ended: bool
 
 
 class _Export(_Answer):
@@ -174,7 +178,10 @@ class VLLMClient(EngineClient):
         return {"engine": "vllm", **await self.model_info(timeout=timeout)}
 
     async def fence(self, token: int, *, window_open: bool, staged: bool = False) -> FenceState:
-        """vLLM has no fence: the controller's lock orders the calls, and its network guards it."""
+        """vLLM has no fence (the controller's lock orders the calls, and its network guards it);
+        closing a window ends a push it left unfinished (the extension's ``miles_end_push``)."""
+        if not window_open:
+            await self._rpc("miles_end_push", _Ended)
         return FenceState(fence=token, window_open=window_open)
 
     async def activate_weights(

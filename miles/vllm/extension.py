@@ -16,6 +16,9 @@ strings and answers each worker's return value. Each method answers a JSON objec
   from vLLM's layers (``miles.vllm.held``), and what was hashed.
 - ``miles_identity()``: the checksum computed when the weights last changed, and which process
   answers, without hashing anything (for the controller's probes).
+- ``miles_end_push()``: end a push its window closed on before its last bucket (the controller
+  calls it when a window closes): vLLM's reload session finishes, the layers it loaded keep what
+  they got, the others what they held. Every read of the held weights ends such a push first.
 - ``miles_export(step)``: write what the worker holds as a sealed checkpoint under the server's
   snapshot directory (``MILES_SNAPSHOT_DIR``), to restart a peer on weights that were pushed and
   lie on no disk.
@@ -41,7 +44,7 @@ from safetensors.torch import save_file
 
 from miles.errors import CheckpointError, ManifestMissingError, MilesError
 from miles.vllm.held import held_state
-from miles.vllm.transfer import register
+from miles.vllm.transfer import end_reload, register
 from miles.weights.checksum import checksum_state_dict
 from miles.weights.manifest import Manifest, manifest_from_files, read_manifest, write_manifest
 from miles.weights.reader import open_checkpoint
@@ -87,9 +90,7 @@ class MilesWorkerExtension:
         self._miles_checksum = None  # whatever happens now, the last checksum no longer holds
         failure: str | None = None
         try:
-            if getattr(self, "_weight_update_active", False):
-                # A push that never finished (its trainer died): vLLM's reload session ends first.
-                self.finish_weight_update()  # type: ignore[attr-defined]
+            self.miles_end_push()
             self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         except Exception as exc:  # noqa: BLE001  # vLLM's reload raises anything; the checksum below tells
             failure = f"vLLM's reload failed midway ({type(exc).__name__}: {exc}); the worker holds other weights"
@@ -105,6 +106,13 @@ class MilesWorkerExtension:
             "hashed": HASHED,
             "timings": timings,
         }
+
+    def miles_end_push(self) -> dict[str, Any]:
+        if getattr(self, "_weight_update_active", False):
+            self.finish_weight_update()  # type: ignore[attr-defined]
+            return {"ended": True}
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {"ended": end_reload(model, self.vllm_config.model_config)}  # type: ignore[attr-defined]
 
     def miles_export(self, step: str) -> dict[str, Any]:
         state = self._miles_held()
@@ -133,6 +141,7 @@ class MilesWorkerExtension:
         return {"path": str(target), "checksum": checksum}
 
     def _miles_held(self) -> dict[str, torch.Tensor]:
+        self.miles_end_push()
         config = self.vllm_config.model_config  # type: ignore[attr-defined]
         tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
         model = self.model_runner.get_model()  # type: ignore[attr-defined]

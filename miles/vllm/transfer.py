@@ -11,6 +11,11 @@ through the model's ``load_weights`` inside vLLM's layerwise reload (begun by
 fused and packed layers consistent. A tensor that arrives other than it was sent is refused before
 its bucket is loaded; what the worker holds at the end is confirmed by the controller through
 ``miles_checksum``, as after every update.
+
+A refused bucket ends vLLM's reload at once (``end_reload``): vLLM forgets the session on any
+error but leaves the layers the reload had emptied on the meta device, holding nothing to serve
+or hash. Ended, the layers already loaded keep what they got and the others take back the weights
+they held, so the controller's checksum sees a model that exists, and its rollback reloads it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import contextlib
 import os
 from dataclasses import dataclass
 
+import torch
+from vllm.config import ModelConfig
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -26,6 +33,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
 from miles.weights.buckets import from_file
 from miles.weights.transport.documents import SHM_LOAD_FORMAT, ShmDocument, decode
@@ -70,11 +78,22 @@ class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
             received.verify()
             self.model.load_weights(iter(received.tensors.items()))
             received.close()
+        except BaseException:
+            end_reload(self.model, self.model_config)
+            raise
         finally:
             os.close(fd)
 
     def shutdown(self) -> None:
         pass
+
+
+def end_reload(model: torch.nn.Module, model_config: ModelConfig) -> bool:
+    """Finish a layerwise reload left open (see the module docstring); False when none was."""
+    if not any(info.can_load() for layer in model.modules() if (info := LAYERWISE_INFO.get(layer)) is not None):
+        return False
+    finalize_layerwise_reload(model, model_config)
+    return True
 
 
 def register() -> None:

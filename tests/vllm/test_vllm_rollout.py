@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import os
 import signal
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,21 +21,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles.controller.results import UpdateStatus
-from miles.models import build_model, build_tokenizer
-from miles.models.presets import init_checkpoint
 from miles.ray.rollout.inference_controller import AsyncInferenceController
-from miles.rollout.engine_process import free_port
-from miles.rollout.runtime import LaunchSlot, Placement
-from miles.rollout.spec import VLLMServerArgs
 from miles.rollout.state import ServerState
-from miles.rollout.vllm_rollout import PROJECT_VLLM_PYTHON, VLLM_PYTHON_ENV, VLLMLaunchCommand, vllm_python
+from miles.rollout.vllm_rollout import PROJECT_VLLM_PYTHON, VLLM_PYTHON_ENV
 from miles.testing import copy_checkpoint, process_alive, running_controller, wait_until
 from miles.train.push import PushPublisher
 from miles.train.windows import window_client
 from miles.utils.audit_utils.event_logger.models import InferenceEngineWeightChecksumEvent
 from miles.weights.buckets import layout, pack
 from miles.weights.checkpoint import read_manifest
-from miles.weights.checksum import model_checksum, saved_state_dict
+from miles.weights.checksum import saved_state_dict
 from miles.weights.transport.documents import ShmDocument
 from miles.weights.transport.segments import Segment
 
@@ -49,24 +43,11 @@ pytestmark = [
 ]
 
 VLLM_MODEL = "small"
+# torch.compile's warm-up is most of a vLLM start on this CPU (and all of it cold, in CI): the tests
+# show behaviour, so their servers run eagerly; benchmarks/vllm.py measures vLLM's default.
+EAGER = ("--enforce-eager",)
 # Serving versions never go back: each update below takes the next one.
 versions = itertools.count(100)
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
-    root = tmp_path_factory.mktemp("small")
-    made: dict[str, Path | str] = {}
-    for name, seed, step in (("s0", 0, 0), ("s1", 1, 1)):
-        init_checkpoint(root / name, model_name=VLLM_MODEL, preset="small", seed=seed, step=step)
-        made[name] = root / name
-    # What a trainer writes: save_pretrained, no manifest.
-    for name, seed in (("plain-a", 2), ("plain-b", 3)):
-        model = build_model("small", seed=seed)
-        model.save_pretrained(root / name)
-        build_tokenizer().save_pretrained(root / name)
-        made[name], made[f"{name}-checksum"] = root / name, model_checksum(model)
-    return made
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -74,7 +55,13 @@ async def fleet(
     small: dict[str, Path], checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[tuple[AsyncInferenceController, str]]:
     specs = {
-        "vllm": {"cls": "VLLMRollout", "checkpoint": small["s0"], "num_servers": 1, "max_running_requests": 8},
+        "vllm": {
+            "cls": "VLLMRollout",
+            "checkpoint": small["s0"],
+            "num_servers": 1,
+            "max_running_requests": 8,
+            "engine_args": EAGER,
+        },
         "embedded": {"cls": "SFTRollout", "checkpoint": checkpoints["v1"], "num_servers": 1},
     }
     state_dir = tmp_path_factory.mktemp("vllm-controller")
@@ -266,33 +253,40 @@ async def test_pushes_from_memory_arrive_through_vllms_weight_transfer_verified(
     assert read_manifest(written.checkpoint).checksum == read_manifest(small["s0"]).checksum
 
 
-async def test_a_corrupted_push_is_refused_and_the_server_rolls_back(fleet, small) -> None:
+@pytest.mark.parametrize("corrupt", [True, False], ids=["a-corrupted-bucket", "a-window-left-unfinished"])
+async def test_a_push_that_does_not_finish_is_rolled_back_in_place(fleet, small, corrupt: bool) -> None:
     ctl, url = fleet
-    held = vllm_server(ctl).checksum
+    before = vllm_server(ctl)
     weights = await asyncio.to_thread(weights_of, small["s1"])
     windows = window_client(ctl)
     window = await windows.open(model_name=VLLM_MODEL, ttl_s=30, staged=False)
     try:
-        # A bucket whose bytes are not those its digest names: the backend refuses it.
+        # One bucket of s1, corrupted (its bytes not those its digest names) or whole.
         name = "model.norm.weight"
         table = layout(weights, [name])
         segment = await asyncio.to_thread(Segment, table.total_bytes)
         try:
             packed = pack(weights, table, segment.flat)
-            segment.flat[0] ^= 1
+            if corrupt:
+                segment.flat[0] ^= 1
             document = ShmDocument(shm=segment.name, table=packed).encode()
             async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
                 server = window.servers[0]
                 assert server.engine == "vllm"
                 assert (await http.post(f"{server.url}/start_weight_update")).status_code == 200
-                refused = await http.post(f"{server.url}/update_weights", json={"update_info": {"document": document}})
-                assert refused.status_code >= 400
+                pushed = await http.post(f"{server.url}/update_weights", json={"update_info": {"document": document}})
+                # A refused bucket is vLLM's 500 (it answers every error of the worker so);
+                # else the window closes on a push whose other buckets never came.
+                assert pushed.status_code == (500 if corrupt else 200), pushed.text
         finally:
             await asyncio.to_thread(segment.close)
     finally:
-        await windows.abort(window, reason="the push was corrupted")
+        await windows.abort(window, reason="the push did not finish")
     await wait_until(lambda: vllm_server(ctl).state is ServerState.SERVING, timeout=120, what="serving again")
-    assert vllm_server(ctl).checksum == held
+    # Rolled back in place: vLLM's reload was ended (by the refusal, or as the window closed)
+    # and the weights loaded again; nothing had to restart.
+    after = vllm_server(ctl)
+    assert after.checksum == before.checksum and after.restarts == before.restarts and after.pid == before.pid
     assert (await complete(url, "rolled back")).status_code == 200
 
 
@@ -356,35 +350,3 @@ async def test_a_killed_api_server_leaves_no_process_behind(fleet) -> None:
         what="every process of the killed server gone",
     )
     assert (await complete(url, "after the restart")).status_code == 200
-
-
-def start_standalone(checkpoint: Path, work_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A vLLM server someone else runs (as miles would launch it), for attach mode."""
-    args = VLLMServerArgs()
-    command = VLLMLaunchCommand(
-        python=vllm_python(args), served_model_name=VLLM_MODEL, max_running_requests=4, args=args
-    )
-    slot = LaunchSlot(host="127.0.0.1", port=free_port(), placement=Placement("own", "127.0.0.1"), work_dir=work_dir)
-    env = {**os.environ, **command.environment(slot)}
-    log = open(work_dir / "server.log", "wb")  # the server writes it until it ends
-    process = subprocess.Popen(command.argv(slot, checkpoint), env=env, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    return process, f"http://127.0.0.1:{slot.port}"
-
-
-async def test_an_attached_vllm_server_is_made_to_hold_the_verified_weights(small, tmp_path: Path) -> None:
-    process, server_url = await asyncio.to_thread(start_standalone, small["s1"], tmp_path)
-    try:
-        # It serves s1; the controller is asked to serve s0 on it.
-        spec = {"cls": "VLLMRollout", "checkpoint": small["s0"], "urls": [server_url]}
-        async with running_controller({"attached": spec}, http=False, startup_timeout_s=300) as (ctl, _):
-            snap = vllm_server(ctl)
-            assert snap.state is ServerState.SERVING and snap.placement is not None and snap.placement.attached
-            assert snap.checksum == read_manifest(small["s0"]).checksum
-            result = await ctl.update_rollout_weights(small["s1"], model_name=VLLM_MODEL)
-            assert result.status is UpdateStatus.COMMITTED, result.message
-        # The controller stopped; the server is its owner's and still runs.
-        assert process.poll() is None
-    finally:
-        process.terminate()
-        await asyncio.to_thread(process.wait, 60)
