@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +14,13 @@ import uvloop
 from rich.console import Console
 
 from miles.config import TransferPath, UpdatePauseMode, UpdateStrategy
+
+
+class DemoServer(StrEnum):
+    """The rollout servers ``miles demo`` can run (SGLang's need a GPU: ``miles serve`` runs them)."""
+
+    EMBEDDED = "SFTRollout"
+    VLLM = "VLLMRollout"
 
 
 @contextmanager
@@ -67,6 +75,16 @@ def demo(
     ray: Annotated[
         bool, typer.Option("--ray", help="Run the servers on a local Ray cluster of two nodes (one engine per GPU).")
     ] = False,
+    server_cls: Annotated[
+        DemoServer,
+        typer.Option(
+            help="The rollout servers: miles' embedded engine (SFTRollout), or real vLLM servers (VLLMRollout, "
+            "installed by `make vllm`; the model is then the small preset)."
+        ),
+    ] = DemoServer.EMBEDDED,
+    preset: Annotated[
+        str | None, typer.Option(help="The model preset trained and served (default: tiny; small on vLLM).")
+    ] = None,
 ) -> None:
     """Train while serving: a controller, 2 rollout servers, a GRPO trainer and user traffic.
 
@@ -93,6 +111,8 @@ def demo(
         live=live and sys.stdout.isatty(),
         ray=ray,
         transfer=transfer,
+        server_cls=server_cls.value,
+        preset=preset,
     )
     if ray:
         with _local_ray_cluster(servers, console):

@@ -109,6 +109,7 @@ class LiveDisplay:
         table.add_column("figure")
         table.add_column("value", justify="right")
         rows = [
+            ("rollout servers", f"{summary.servers} {summary.server_cls}"),
             ("trainer steps", f"{summary.steps}"),
             ("updates committed / not", f"{summary.updates_committed} / {summary.updates_failed}"),
             (

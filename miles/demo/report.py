@@ -54,6 +54,8 @@ class DemoSummary(BaseModel):
     events_check_passed: bool
     event_findings: list[str]
     servers: int
+    # Which engine served: the rollout servers' type.
+    server_cls: str = "SFTRollout"
     strategy: str
     pause_mode: str
     # GRPO's loop ("sync" or "async"), what it cost in idle time, and how stale its samples were.
@@ -85,6 +87,7 @@ def summarize(
     strategy: str,
     pause_mode: str,
     wall_s: float,
+    server_cls: str = "SFTRollout",
     loop: str = "sync",
 ) -> DemoSummary:
     events = read_events(events_dir)
@@ -115,6 +118,7 @@ def summarize(
         events_check_passed=analysis.passed,
         event_findings=[f.message for f in analysis.findings],
         servers=servers,
+        server_cls=server_cls,
         strategy=strategy,
         pause_mode=pause_mode,
         loop=loop,
@@ -266,7 +270,8 @@ def _markdown(summary: DemoSummary, training: TrainingSummary, updates: list[Upd
         f"Verdict: **{verdict}**: {summary.requests_failed} failed requests, {summary.checksum_mismatches} checksum "
         f"mismatches, event audit {'passed' if summary.events_check_passed else 'FAILED'}.",
         "",
-        f"{summary.servers} rollout servers, strategy `{summary.strategy}`, pause mode `{summary.pause_mode}`, "
+        f"{summary.servers} {summary.server_cls} rollout servers, strategy `{summary.strategy}`, "
+        f"pause mode `{summary.pause_mode}`, "
         f"{summary.wall_s:.0f} s wall time.",
         "",
         "| figure | value |",

@@ -15,7 +15,7 @@ import os
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import httpx
 import transformers
@@ -61,6 +61,17 @@ class DemoConfig(BaseModel):
     # The servers on the Ray cluster this process is connected to (``miles demo --ray`` starts a
     # local one of two nodes), not as child processes.
     ray: bool = False
+    # The rollout servers' type, by short name: the embedded engine, or real vLLM servers.
+    server_cls: Literal["SFTRollout", "VLLMRollout"] = "SFTRollout"
+    # The model trained and served; default: the ``tiny`` preset, ``small`` on vLLM (whose CPU
+    # attention refuses tiny's head size).
+    preset: str | None = None
+
+    @property
+    def model_preset(self) -> str:
+        if self.preset is not None:
+            return self.preset
+        return "small" if self.server_cls == "VLLMRollout" else TrainerConfig().preset
 
 
 def _run_dir(root: Path) -> Path:
@@ -93,6 +104,8 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
     run_dir = await asyncio.to_thread(_run_dir, config.runs_dir)
     checkpoints, events_dir = run_dir / "checkpoints", run_dir / "events"
     trainer_config = TrainerConfig(
+        preset=config.model_preset,
+        model_name=f"{config.model_preset}-reverse",
         sft_steps=config.sft_steps,
         grpo_steps=config.grpo_steps,
         publish_every=config.publish_every,
@@ -107,6 +120,7 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
     updates: list[UpdateRecord] = []
     controller = AsyncInferenceController(
         model_checkpoint=checkpoints / "step-000000",
+        rollout_server_cls=config.server_cls,
         num_servers=config.servers,
         port=0,
         seed=config.seed,
@@ -123,7 +137,7 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
     traffic: UserTraffic | None = None
     display = LiveDisplay(console, total_steps=trainer_config.total_steps, controller=controller, live=config.live)
     try:
-        console.print(f"starting {config.servers} rollout servers on {initial.model_name} step 0 ...")
+        console.print(f"starting {config.servers} {config.server_cls} servers on {initial.model_name} step 0 ...")
         await controller.start()
         if config.ray:
             for server in controller.health().servers:
@@ -195,6 +209,7 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         traffic=traffic_stats,
         events_dir=events_dir,
         servers=config.servers,
+        server_cls=config.server_cls,
         strategy=config.strategy.value,
         pause_mode=config.pause_mode.value,
         wall_s=time.monotonic() - t0,

@@ -1,10 +1,12 @@
 """The controller's HTTP API (port 8000 by default): a thin adapter over AsyncInferenceController.
 
 Inference: ``/generate`` (SGLang native) and ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models`` (OpenAI), routed to a serving server. Three request fields are miles extensions and
-are removed before forwarding: ``model`` on ``/generate`` (which model, when several are served),
-``min_weight_version`` (wait for a server at that version or later) and, on the OpenAI endpoints,
-``session_id`` (keep a conversation on one server; SGLang's ``/generate`` has it natively).
+``/v1/models`` (OpenAI), routed to a serving server (``/generate`` to a model served by vLLM goes
+as ``/v1/completions``, its answer turned into SGLang's: ``miles.protocol.generate_completions``).
+Three request fields are miles extensions and are removed before forwarding: ``model`` on
+``/generate`` (which model, when several are served), ``min_weight_version`` (wait for a server at
+that version or later) and, on the OpenAI endpoints, ``session_id`` (keep a conversation on one
+server; SGLang's ``/generate`` has it natively).
 
 Operations: ``GET /health`` (200 while the fleet can serve, else 503), ``/metrics``, the status page
 at ``/`` (and its JSON at ``/status``),
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -48,13 +51,15 @@ from miles.http.auth import Access, Credentials
 from miles.http.metrics import CONTENT_TYPE, NO_REQUEST_METRICS, ControllerMetrics
 from miles.http.proxy import HeldBodies, Proxy, RouteOptions, new_session
 from miles.http.status import add_status_page
+from miles.protocol.generate_completions import completion_body, generate_answers, parse_generate
+from miles.rollout.rollout import Rollout
 from miles.utils.audit_utils.event_logger.models import (
     EVENT_ADAPTER,
     EVENT_TYPES,
     ChecksumRole,
     InferenceEngineWeightChecksumEvent,
 )
-from miles.utils.http import MIB, BodyLimit, CheckFirst, install_error_handlers, until_disconnected
+from miles.utils.http import MIB, BodyLimit, CheckFirst, error_response, install_error_handlers, until_disconnected
 from miles.weights.paths import path_text_problem
 
 logger = logging.getLogger("miles.controller")
@@ -245,17 +250,53 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         credentials.check(request, Access.READ)
         return await _route("/v1/chat/completions", request, _openai_request)
 
-    def _check_native(model: str | None) -> None:
-        """Refuse SGLang's native /generate for a model whose servers do not speak it (vLLM)."""
+    def _translated(model: str | None) -> Rollout | None:
+        """The rollout of ``model`` when its servers do not answer SGLang's native /generate (vLLM)."""
         try:
             rollout = controller.fleet.rollout(model)
         except (InvalidRequestError, NotFoundError):
-            return  # the router answers for a model it cannot pick
-        if not rollout.serves_generate:
-            raise InvalidRequestError(
-                f"{rollout.model_name} is served by {type(rollout).__name__}, whose servers do not answer SGLang's "
-                "native /generate; send the request to /v1/completions or /v1/chat/completions"
-            )
+            return None  # the router answers for a model it cannot pick
+        return None if rollout.serves_generate else rollout
+
+    async def _generate_by_completions(routed: _Routed, rollout: Rollout) -> Response:
+        """``/generate`` for a model whose servers answer only ``/v1/completions``: one completions
+        request per prompt, each answer turned into SGLang's (``miles.protocol.generate_completions``)."""
+        generate = parse_generate(_json_object(routed.payload))
+        route = options(routed.model, routed.session_id, routed.min_weight_version)
+        started = time.perf_counter()
+
+        def versions() -> dict[str, str]:
+            return {s.server_id: s.weight_version or "" for s in rollout.snapshot()}
+
+        async def one(index: int) -> tuple[Response, list[dict[str, Any]] | None]:
+            sent = versions()
+            answer = await proxy().forward("/v1/completions", _encoded(completion_body(generate, index)), route)
+            if answer.status_code != 200:
+                return answer, None
+            server = answer.headers.get("x-miles-server", "")
+            end = versions().get(server, "")
+            try:
+                translated = generate_answers(
+                    generate,
+                    index,
+                    bytes(answer.body),
+                    versions=(sent.get(server, end), end),
+                    latency_s=time.perf_counter() - started,
+                )
+            except ValueError as exc:
+                message = f"{server} answered /v1/completions with what is not a completions answer: {exc}"
+                return error_response(message, code=502, kind="bad_gateway"), None
+            return answer, translated
+
+        results = await asyncio.gather(*(one(index) for index in range(generate.batch_size)))
+        answers: list[dict[str, Any]] = []
+        for answer, translated in results:
+            if translated is None:
+                return answer
+            answers += translated
+        served_by = ",".join(dict.fromkeys(answer.headers.get("x-miles-server", "") for answer, _ in results))
+        body = answers[0] if not generate.is_batch and len(answers) == 1 else answers
+        return JSONResponse(body, headers={"x-miles-server": served_by})
 
     async def _route(path: str, request: Request, prepare: Callable[[bytes], _Routed]) -> Response:
         # The body is held (request.body() keeps it) until the answer: its bytes count against
@@ -264,8 +305,8 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
         with bodies.hold(len(raw)):
             # Parsing and encoding a body of megabytes takes a while: not on the serving loop.
             routed = prepare(raw) if len(raw) < _PREPARE_OFF_LOOP_BYTES else await asyncio.to_thread(prepare, raw)
-            if path == "/generate":
-                _check_native(routed.model)
+            if path == "/generate" and (rollout := _translated(routed.model)) is not None:
+                return await until_disconnected(request, _generate_by_completions(routed, rollout))
             route = options(routed.model, routed.session_id, routed.min_weight_version)
             payload = routed.payload
             with bodies.hold(0 if payload is raw else len(payload), refusable=False):

@@ -23,6 +23,7 @@ trainer speaks to vLLM's weight-transfer routes itself (``miles.train.engine_cal
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,10 @@ from miles.rollout.engine_client import EngineCallError, EngineClient, WeightsCh
 # miles' pause modes, as vLLM's ``/pause`` names them: ``drain`` lets running requests finish,
 # ``retract`` keeps them to go on after the update.
 VLLM_PAUSE_MODES = {PauseMode.DRAIN: "wait", PauseMode.ABORT: "abort", PauseMode.RETRACT: "keep"}
+
+
+# How often a call into vLLM's worker checks that the server still has an engine (seconds).
+_WATCH_S = 2.0
 
 
 class _Answer(BaseModel):
@@ -74,10 +79,25 @@ class VLLMClient(EngineClient):
     """Calls one vLLM server at ``base_url``; see the module docstring."""
 
     async def _rpc(self, method: str, answer: type[_Answer], *, timeout: float | None = None, **kwargs: str) -> Any:
-        """``/collective_rpc``: the extension's answer on the (one) worker."""
-        response = await self._call(
-            "POST", "/collective_rpc", json={"method": method, "kwargs": kwargs, "timeout": timeout}, timeout=timeout
-        )
+        """``/collective_rpc``: the extension's answer on the (one) worker.
+
+        Watched while it runs: when a worker dies, vLLM's API server may hang in its shutdown
+        with the call unanswered (a load's timeout is minutes). A server whose ``/health`` fails
+        twice in a row meanwhile has lost its engine: the call fails then, naming that."""
+        body = {"method": method, "kwargs": kwargs, "timeout": timeout}
+        call = asyncio.ensure_future(self._call("POST", "/collective_rpc", json=body, timeout=timeout))
+        try:
+            failed = 0
+            while not (await asyncio.wait({call}, timeout=_WATCH_S))[0]:
+                failed = 0 if await self.health(timeout=_WATCH_S) else failed + 1
+                if failed >= 2:
+                    raise EngineCallError(
+                        f"collective_rpc {method}: the vLLM server's engine died while it ran (its /health fails)",
+                        server_id=self.server_id,
+                    )
+        finally:
+            call.cancel()
+        response = call.result()
         if response.status_code >= 400:
             raise self._refused(f"collective_rpc {method}", response)
         try:
@@ -167,6 +187,14 @@ class VLLMClient(EngineClient):
         except EngineCallError:
             return False
         return response.status_code == 200
+
+    async def warm_up(self, *, timeout: float) -> None:
+        """One token with its logprobs (what vLLM compiles on first use); EngineCallError unless
+        it is answered."""
+        body = {"prompt": "a", "max_tokens": 1, "logprobs": 1}
+        response = await self._call("POST", "/v1/completions", json=body, timeout=timeout)
+        if response.status_code != 200:
+            raise self._refused("POST /v1/completions (warming up)", response)
 
     async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
         response = await self._call("GET", "/v1/models", timeout=timeout)

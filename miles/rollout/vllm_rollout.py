@@ -41,6 +41,7 @@ from miles.rollout.engine_client import EngineClient
 from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutError, RolloutObserver
 from miles.rollout.runtime import EngineCommand, LaunchSlot
 from miles.rollout.spec import RolloutSpec, VLLMServerArgs
+from miles.rollout.state import ServerCell
 from miles.rollout.vllm_client import VLLMClient
 
 VLLM_PYTHON_ENV = "MILES_VLLM_PYTHON"
@@ -193,6 +194,16 @@ class VLLMRollout(Rollout):
             args=self.spec.vllm,
             extra_args=self.spec.engine_args,
         )
+
+    async def _launch(self, cell: ServerCell, checkpoint: Path) -> str:
+        url = await super()._launch(cell, checkpoint)
+        # vLLM compiles its logprob kernels on the first request that asks for logprobs (~14 s on
+        # two cores, its worker blocked meanwhile: long enough for two failed health checks and a
+        # restart). One such request now, within the start's time, compiles them into the
+        # server's cache, which its restarts reuse.
+        client = VLLMClient(url, http=self.http, server_id=cell.server_id)
+        await client.warm_up(timeout=self.spec.startup_timeout_s)
+        return url
 
     def new_client(self, url: str, *, server_id: str, http: httpx.AsyncClient, secret: str | None) -> EngineClient:
         # vLLM checks no miles secret: its server is protected by its network, like SGLang's.

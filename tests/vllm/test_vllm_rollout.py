@@ -210,12 +210,48 @@ async def test_one_controller_serves_vllm_and_embedded_servers(fleet, checkpoint
     async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
         native = await http.post(f"{url}/generate", json={"model": "tiny", "text": "hi"})
         assert native.status_code == 200, native.text
-        refused = await http.post(f"{url}/generate", json={"model": VLLM_MODEL, "text": "hi"})
-        assert refused.status_code == 400
-        assert "/v1/completions" in refused.json()["error"]["message"]
     # The embedded model updates through the same controller meanwhile.
     result = await ctl.update_rollout_weights(checkpoints["v2"], model_name="tiny")
     assert result.status is UpdateStatus.COMMITTED, result.message
+
+
+async def test_sglangs_generate_is_answered_for_a_vllm_model_through_its_completions(fleet) -> None:
+    ctl, url = fleet
+    version = vllm_server(ctl).weight_version
+    openai = await complete(url, "the same prompt", tokens=6)
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
+
+        async def generate(**body: object) -> httpx.Response:
+            return await http.post(f"{url}/generate", json={"model": VLLM_MODEL, **body})
+
+        greedy = {"temperature": 0, "max_new_tokens": 6}
+        one = await generate(text="the same prompt", sampling_params=greedy, return_logprob=True, top_logprobs_num=2)
+        assert one.status_code == 200, one.text
+        answer = one.json()
+        assert answer["text"] == openai.json()["choices"][0]["text"]
+        meta = answer["meta_info"]
+        assert meta["completion_tokens"] == len(answer["output_ids"]) == 6 and meta["finish_reason"]["type"] == "length"
+        assert meta["weight_version"] == meta["weight_version_start"] == version
+        assert meta["weight_version_spans"] == [{"weight_version": version, "start": 0, "end": 6}]
+        # Greedy: each output token is the likeliest, its logprob the first of its top two.
+        assert [token for _, token, _ in meta["output_token_logprobs"]] == answer["output_ids"]
+        for (logprob, token, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True):
+            assert len(top) == 2 and top[0][1] == token and abs(top[0][0] - logprob) < 1e-4
+        # What the trainer sends: token ids, n samples, a stop token; a batch answers prompt by prompt.
+        ids = answer["output_ids"][:3]
+        sampled = {"n": 2, "max_new_tokens": 4, "stop_token_ids": [0]}
+        batch = await generate(input_ids=[ids, ids[:2]], sampling_params=sampled, return_logprob=True)
+        assert batch.status_code == 200, batch.text
+        assert len(batch.json()) == 4 and all(len(a["meta_info"]["output_token_logprobs"]) for a in batch.json())
+        # What cannot be translated, or is not SGLang's, is refused by name.
+        for body, named in (
+            ({"text": "hi", "stream": True}, "stream"),
+            ({"text": "hi", "return_logprob": True, "return_text_in_logprobs": True}, "return_text_in_logprobs"),
+            ({"text": "hi", "sampling_params": {"temperatur": 0}}, "temperatur"),
+            ({"text": "hi", "image_data": "x"}, "image_data"),
+        ):
+            refused = await generate(**body)
+            assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text
 
 
 async def test_pushes_from_memory_arrive_through_vllms_weight_transfer_verified(fleet, small) -> None:
@@ -253,6 +289,30 @@ async def test_pushes_from_memory_arrive_through_vllms_weight_transfer_verified(
     assert read_manifest(written.checkpoint).checksum == read_manifest(small["s0"]).checksum
 
 
+async def push_one_bucket(server_url: str, weights: dict[str, torch.Tensor], *, corrupt: bool) -> httpx.Response:
+    """Begin a push into a vLLM server of a window and send it one bucket (``model.norm.weight``),
+    its bytes flipped when ``corrupt`` (not those its digest names); the rest never comes."""
+    table = layout(weights, ["model.norm.weight"])
+    segment = await asyncio.to_thread(Segment, table.total_bytes)
+    try:
+        packed = pack(weights, table, segment.flat)
+        if corrupt:
+            segment.flat[0] ^= 1
+        document = ShmDocument(shm=segment.name, table=packed).encode()
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
+            assert (await http.post(f"{server_url}/start_weight_update")).status_code == 200
+            return await http.post(f"{server_url}/update_weights", json={"update_info": {"document": document}})
+    finally:
+        await asyncio.to_thread(segment.close)
+
+
+def worker_of(wrapper: int) -> int:
+    """The pid of the vLLM worker under a server's wrapper (vLLM names its processes)."""
+    workers = [pid for pid in descendants(wrapper) if "::Worker" in title(pid)]
+    assert len(workers) == 1, {pid: title(pid) for pid in descendants(wrapper)}
+    return workers[0]
+
+
 @pytest.mark.parametrize("corrupt", [True, False], ids=["a-corrupted-bucket", "a-window-left-unfinished"])
 async def test_a_push_that_does_not_finish_is_rolled_back_in_place(fleet, small, corrupt: bool) -> None:
     ctl, url = fleet
@@ -261,25 +321,11 @@ async def test_a_push_that_does_not_finish_is_rolled_back_in_place(fleet, small,
     windows = window_client(ctl)
     window = await windows.open(model_name=VLLM_MODEL, ttl_s=30, staged=False)
     try:
-        # One bucket of s1, corrupted (its bytes not those its digest names) or whole.
-        name = "model.norm.weight"
-        table = layout(weights, [name])
-        segment = await asyncio.to_thread(Segment, table.total_bytes)
-        try:
-            packed = pack(weights, table, segment.flat)
-            if corrupt:
-                segment.flat[0] ^= 1
-            document = ShmDocument(shm=segment.name, table=packed).encode()
-            async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
-                server = window.servers[0]
-                assert server.engine == "vllm"
-                assert (await http.post(f"{server.url}/start_weight_update")).status_code == 200
-                pushed = await http.post(f"{server.url}/update_weights", json={"update_info": {"document": document}})
-                # A refused bucket is vLLM's 500 (it answers every error of the worker so);
-                # else the window closes on a push whose other buckets never came.
-                assert pushed.status_code == (500 if corrupt else 200), pushed.text
-        finally:
-            await asyncio.to_thread(segment.close)
+        assert window.servers[0].engine == "vllm"
+        pushed = await push_one_bucket(window.servers[0].url, weights, corrupt=corrupt)
+        # A refused bucket is vLLM's 500 (it answers every error of a worker so); else the
+        # window closes on a push whose other buckets never came.
+        assert pushed.status_code == (500 if corrupt else 200), pushed.text
     finally:
         await windows.abort(window, reason="the push did not finish")
     await wait_until(lambda: vllm_server(ctl).state is ServerState.SERVING, timeout=120, what="serving again")
@@ -307,7 +353,7 @@ async def test_updates_under_load_lose_no_request_and_never_mix_weights(fleet, s
 
     clients = [asyncio.create_task(traffic()) for _ in range(3)]
     try:
-        for name in ("s0", "s1") * 5:
+        for name in ("s0", "s1") * 10:
             assert await update(ctl, small[name]) is UpdateStatus.COMMITTED
     finally:
         stop.set()
@@ -317,26 +363,33 @@ async def test_updates_under_load_lose_no_request_and_never_mix_weights(fleet, s
     assert {a.json()["choices"][0]["text"] for a in answers} <= set(expected)
 
 
-async def test_a_killed_vllm_worker_is_restarted_on_verified_weights(fleet, small) -> None:
+async def test_a_vllm_worker_killed_mid_update_leaves_serving_on_verified_weights(fleet, small) -> None:
     ctl, url = fleet
     snap = vllm_server(ctl)
-    verified = snap.checksum
     wrapper = snap.pid
     assert wrapper is not None
-    # vLLM names its processes (API server -> engine core -> worker).
     tree = await asyncio.to_thread(descendants, wrapper)
-    titles = await asyncio.to_thread(lambda: {pid: title(pid) for pid in tree})
-    workers = [pid for pid, name in titles.items() if "::Worker" in name]
-    assert len(workers) == 1, titles
-    worker = workers[0]
-    os.kill(worker, signal.SIGKILL)
+    weights = await asyncio.to_thread(weights_of, small["s1"])
+    windows = window_client(ctl)
+    window = await windows.open(model_name=VLLM_MODEL, ttl_s=60, staged=False)
+    try:
+        # Half a push in, the worker dies (its API server still answers for a moment).
+        assert (await push_one_bucket(window.servers[0].url, weights, corrupt=False)).status_code == 200
+        os.kill(await asyncio.to_thread(worker_of, wrapper), signal.SIGKILL)
+    finally:
+        await windows.abort(window, reason="the server's worker was killed")
     await wait_serving_again(ctl, restarts=snap.restarts + 1)
     again = vllm_server(ctl)
-    assert again.checksum == verified and again.pid != wrapper
+    assert again.checksum == snap.checksum and again.pid != wrapper
+    await wait_until(
+        lambda: not any(process_alive(pid) for pid in [wrapper, *tree]),
+        timeout=30,
+        what="every process of the killed server gone",
+    )
     assert (await complete(url, "after the crash")).status_code == 200
 
 
-async def test_a_killed_api_server_leaves_no_process_behind(fleet) -> None:
+async def test_an_idle_server_whose_api_server_is_killed_leaves_no_process_behind(fleet) -> None:
     ctl, url = fleet
     snap = vllm_server(ctl)
     wrapper = snap.pid
