@@ -99,6 +99,21 @@ _RAY_PLACEMENT: dict[str, Any] = {
 }
 
 
+def _servers(config: DemoConfig, checkpoint: Path, model_name: str) -> dict[str, Any]:
+    """The controller's servers: of the demo's type on ``checkpoint``; vLLM's run eagerly (on a
+    few cores torch.compile's warm-up is most of a start, and a recompile can stall a worker past
+    its health checks)."""
+    if config.server_cls != "VLLMRollout":
+        return {"rollout_server_cls": config.server_cls, "model_checkpoint": checkpoint, "num_servers": config.servers}
+    spec = {
+        "cls": "VLLMRollout",
+        "checkpoint": checkpoint,
+        "num_servers": config.servers,
+        "engine_args": ["--enforce-eager"],
+    }
+    return {"rollout_server_cls": {model_name: spec}}
+
+
 async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
     """Run the whole demo and write its run directory; returns the summary."""
     run_dir = await asyncio.to_thread(_run_dir, config.runs_dir)
@@ -119,9 +134,7 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
     t0 = time.monotonic()
     updates: list[UpdateRecord] = []
     controller = AsyncInferenceController(
-        model_checkpoint=checkpoints / "step-000000",
-        rollout_server_cls=config.server_cls,
-        num_servers=config.servers,
+        **_servers(config, checkpoints / "step-000000", trainer_config.model_name),
         port=0,
         seed=config.seed,
         events_dir=events_dir,

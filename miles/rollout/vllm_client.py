@@ -24,9 +24,11 @@ trainer speaks to vLLM's weight-transfer routes itself (``miles.train.engine_cal
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles.protocol.auth import FenceState
@@ -41,6 +43,8 @@ VLLM_PAUSE_MODES = {PauseMode.DRAIN: "wait", PauseMode.ABORT: "abort", PauseMode
 
 # How often a call into vLLM's worker checks that the server still has an engine (seconds).
 _WATCH_S = 2.0
+# How long a worker may answer no probe while its server answers /health (seconds).
+_BUSY_GRACE_S = 120.0
 
 
 class _Answer(BaseModel):
@@ -77,6 +81,12 @@ class _Load(_Answer):
 
 class VLLMClient(EngineClient):
     """Calls one vLLM server at ``base_url``; see the module docstring."""
+
+    def __init__(self, base_url: str, *, http: httpx.AsyncClient, server_id: str, secret: str | None = None) -> None:
+        super().__init__(base_url, http=http, server_id=server_id, secret=secret)
+        # The worker's last answer to an identity probe, and since when it answers none.
+        self._identity: _Identity | None = None
+        self._busy_since: float | None = None
 
     async def _rpc(self, method: str, answer: type[_Answer], *, timeout: float | None = None, **kwargs: str) -> Any:
         """``/collective_rpc``: the extension's answer on the (one) worker.
@@ -117,7 +127,21 @@ class VLLMClient(EngineClient):
         return str(response.json().get("weight_version"))
 
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
-        identity = await self._rpc("miles_identity", _Identity, timeout=timeout)
+        """The worker's identity (checksum, process), the API server's version.
+
+        A worker busy with one long step (a batch of many sequences, a kernel compiled on first
+        use) answers nothing until it ends, while its server is well: as long as ``/health``
+        answers 200, and for at most ``_BUSY_GRACE_S``, the identity it last gave stands in."""
+        try:
+            identity = await self._rpc("miles_identity", _Identity, timeout=timeout)
+        except EngineCallError:
+            now = time.monotonic()
+            self._busy_since = self._busy_since if self._busy_since is not None else now
+            if self._identity is None or now - self._busy_since > _BUSY_GRACE_S or not await self.health():
+                raise
+            identity = self._identity
+        else:
+            self._identity, self._busy_since = identity, None
         version = await self._weight_version(timeout=timeout)
         return WeightsIdentity(weight_version=version, checksum=identity.checksum, instance_id=identity.instance_id)
 
@@ -189,12 +213,14 @@ class VLLMClient(EngineClient):
         return response.status_code == 200
 
     async def warm_up(self, *, timeout: float) -> None:
-        """One token with its logprobs (what vLLM compiles on first use); EngineCallError unless
-        it is answered."""
-        body = {"prompt": "a", "max_tokens": 1, "logprobs": 1}
-        response = await self._call("POST", "/v1/completions", json=body, timeout=timeout)
-        if response.status_code != 200:
-            raise self._refused("POST /v1/completions (warming up)", response)
+        """Tokens with their logprobs, for one sequence and then several at once (what vLLM
+        compiles on first use: torch compiles a graph for a batch of one, and another for any
+        larger batch); EngineCallError unless they are answered."""
+        for n in (1, 3):
+            body = {"prompt": "a", "max_tokens": 2, "logprobs": 1, "n": n}
+            response = await self._call("POST", "/v1/completions", json=body, timeout=timeout)
+            if response.status_code != 200:
+                raise self._refused("POST /v1/completions (warming up)", response)
 
     async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
         response = await self._call("GET", "/v1/models", timeout=timeout)

@@ -105,6 +105,8 @@ class VLLMLaunchCommand(EngineCommand):
     max_running_requests: int
     args: VLLMServerArgs
     extra_args: tuple[str, ...] = ()
+    # The threads of a CPU server's worker (the rollout's share of this machine's cores).
+    num_threads: int | None = None
 
     def argv(self, slot: LaunchSlot, checkpoint: Path) -> list[str]:
         args = ["--model", str(checkpoint), "--served-model-name", self.served_model_name]
@@ -135,6 +137,9 @@ class VLLMLaunchCommand(EngineCommand):
         sockets.mkdir(mode=0o700, exist_ok=True)
         env = {
             "VLLM_RPC_BASE_PATH": str(sockets),
+            # The address its processes give each other: the server's own (vLLM picks the
+            # machine's routable one otherwise).
+            "VLLM_HOST_IP": slot.host,
             # Where the worker writes out the weights it holds (pushed ones lie on no disk).
             "MILES_SNAPSHOT_DIR": str(slot.work_dir),
             "PYTHONPATH": str(importable),
@@ -154,6 +159,13 @@ class VLLMLaunchCommand(EngineCommand):
         (root / "tmp").mkdir(exist_ok=True)
         if slot.placement.gpu_ids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in slot.placement.gpu_ids)
+        elif self.num_threads is not None:
+            # vLLM would pin every CPU server's worker to the same cores (its "auto" binding
+            # takes the machine as its own: on two cores, core 0 for the worker, core 1 kept for
+            # its engine core), so servers side by side would share one core. Each takes the
+            # rollout's share of threads instead, unpinned, as embedded engines do.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            env["OMP_NUM_THREADS"] = str(self.num_threads)
         return env
 
 
@@ -193,14 +205,15 @@ class VLLMRollout(Rollout):
             max_running_requests=self.spec.max_running_requests,
             args=self.spec.vllm,
             extra_args=self.spec.engine_args,
+            num_threads=self.spec.threads_per_engine(),
         )
 
     async def _launch(self, cell: ServerCell, checkpoint: Path) -> str:
         url = await super()._launch(cell, checkpoint)
-        # vLLM compiles its logprob kernels on the first request that asks for logprobs (~14 s on
-        # two cores, its worker blocked meanwhile: long enough for two failed health checks and a
-        # restart). One such request now, within the start's time, compiles them into the
-        # server's cache, which its restarts reuse.
+        # vLLM compiles its logprob kernels on the first request that asks for logprobs, and again
+        # on the first batch of several (~14 s each on two cores, its worker blocked meanwhile:
+        # long enough for three failed health checks and a restart). Such requests now, within
+        # the start's time, compile them into the server's cache, which its restarts reuse.
         client = VLLMClient(url, http=self.http, server_id=cell.server_id)
         await client.warm_up(timeout=self.spec.startup_timeout_s)
         return url
