@@ -45,6 +45,8 @@ VLLM_PAUSE_MODES = {PauseMode.DRAIN: "wait", PauseMode.ABORT: "abort", PauseMode
 _WATCH_S = 2.0
 # How long a worker may answer no probe while its server answers /health (seconds).
 _BUSY_GRACE_S = 120.0
+# How often an identity probe asks the worker itself (seconds).
+_IDENTITY_EVERY_S = 30.0
 
 
 class _Answer(BaseModel):
@@ -84,8 +86,10 @@ class VLLMClient(EngineClient):
 
     def __init__(self, base_url: str, *, http: httpx.AsyncClient, server_id: str, secret: str | None = None) -> None:
         super().__init__(base_url, http=http, server_id=server_id, secret=secret)
-        # The worker's last answer to an identity probe, and since when it answers none.
+        # The worker's last answer to an identity probe (None: ask it; its weights changed), when
+        # it came, and since when the worker answers none.
         self._identity: _Identity | None = None
+        self._identity_at = 0.0
         self._busy_since: float | None = None
 
     async def _rpc(self, method: str, answer: type[_Answer], *, timeout: float | None = None, **kwargs: str) -> Any:
@@ -94,6 +98,8 @@ class VLLMClient(EngineClient):
         Watched while it runs: when a worker dies, vLLM's API server may hang in its shutdown
         with the call unanswered (a load's timeout is minutes). A server whose ``/health`` fails
         twice in a row meanwhile has lost its engine: the call fails then, naming that."""
+        if method != "miles_identity":
+            self._identity = None  # what the worker holds may change: ask it again next time
         body = {"method": method, "kwargs": kwargs, "timeout": timeout}
         call = asyncio.ensure_future(self._call("POST", "/collective_rpc", json=body, timeout=timeout))
         try:
@@ -129,19 +135,24 @@ class VLLMClient(EngineClient):
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
         """The worker's identity (checksum, process), the API server's version.
 
-        A worker busy with one long step (a batch of many sequences, a kernel compiled on first
-        use) answers nothing until it ends, while its server is well: as long as ``/health``
-        answers 200, and for at most ``_BUSY_GRACE_S``, the identity it last gave stands in."""
-        try:
-            identity = await self._rpc("miles_identity", _Identity, timeout=timeout)
-        except EngineCallError:
-            now = time.monotonic()
-            self._busy_since = self._busy_since if self._busy_since is not None else now
-            if self._identity is None or now - self._busy_since > _BUSY_GRACE_S or not await self.health():
-                raise
-            identity = self._identity
-        else:
-            self._identity, self._busy_since = identity, None
+        The worker is asked at most every ``_IDENTITY_EVERY_S`` (and after every change of its
+        weights); between, ``/health`` answers for it: after each call it is sent, a vLLM worker
+        busy-polls for a second, so probes every two seconds kept a core busy. A worker busy with
+        one long step (a batch of many sequences, a kernel compiled on first use) answers nothing
+        until it ends while its server is well: as long as ``/health`` answers 200, and for at
+        most ``_BUSY_GRACE_S``, the identity it last gave stands in."""
+        now = time.monotonic()
+        if self._identity is None or now - self._identity_at >= _IDENTITY_EVERY_S:
+            try:
+                self._identity = await self._rpc("miles_identity", _Identity, timeout=timeout)
+                self._identity_at, self._busy_since = now, None
+            except EngineCallError:
+                self._busy_since = self._busy_since if self._busy_since is not None else now
+                if self._identity is None or now - self._busy_since > _BUSY_GRACE_S or not await self.health():
+                    raise
+        elif not await self.health(timeout=timeout or 5.0):
+            raise EngineCallError("the vLLM server's /health fails", server_id=self.server_id, url=self.base_url)
+        identity = self._identity
         version = await self._weight_version(timeout=timeout)
         return WeightsIdentity(weight_version=version, checksum=identity.checksum, instance_id=identity.instance_id)
 
