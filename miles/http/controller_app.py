@@ -261,7 +261,11 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     async def _generate_by_completions(routed: _Routed, rollout: Rollout) -> Response:
         """``/generate`` for a model whose servers answer only ``/v1/completions``: one completions
         request per prompt, each answer turned into SGLang's (``miles.protocol.generate_completions``)."""
-        generate = parse_generate(_json_object(routed.payload))
+        # As for every routed body: a large one is parsed off the serving loop.
+        if len(routed.payload) < _PREPARE_OFF_LOOP_BYTES:
+            generate = parse_generate(_json_object(routed.payload))
+        else:
+            generate = await asyncio.to_thread(lambda: parse_generate(_json_object(routed.payload)))
         route = options(routed.model, routed.session_id, routed.min_weight_version)
         started = time.perf_counter()
 

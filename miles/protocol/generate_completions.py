@@ -87,12 +87,12 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
     return request
 
 
-def prompts_of(request: GenerateRequest) -> list[str | list[int]]:
-    """The request's prompts, one per entry of its batch."""
+def _prompt(request: GenerateRequest, index: int) -> str | list[int]:
+    """Prompt ``index`` of the request's batch (a single prompt is index 0)."""
     if request.text is not None:
-        return list(request.text) if isinstance(request.text, list) else [request.text]
+        return request.text[index] if isinstance(request.text, list) else request.text
     ids = request.input_ids or []
-    return [list(p) for p in ids] if ids and isinstance(ids[0], list) else [list(ids)]
+    return list(ids[index]) if ids and isinstance(ids[0], list) else list(ids)
 
 
 def _per_prompt(value: Any, index: int) -> Any:
@@ -103,7 +103,7 @@ def completion_body(request: GenerateRequest, index: int) -> dict[str, Any]:
     """The ``/v1/completions`` body for prompt ``index`` of ``request``."""
     sampling: SamplingParams = _per_prompt(request.sampling_params, index) or SamplingParams()
     body: dict[str, Any] = {
-        "prompt": prompts_of(request)[index],
+        "prompt": _prompt(request, index),
         "max_tokens": sampling.max_new_tokens,
         "min_tokens": sampling.min_new_tokens,
         "include_stop_str_in_output": sampling.no_stop_trim,
