@@ -231,20 +231,24 @@ async def one_fleet(
                 "phases_s": {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[-1]},
             }
         # Delta: 10% of the tensors changed, against a push where every tensor changed, both
-        # whole updates through the same warmed-up delta publisher.
+        # whole updates through the same warmed-up delta publisher, each alone (as the floors run:
+        # once the engines' background write-out of the push before is done).
         publisher = PushPublisher(controller, path="shm", delta=True, timeout_s=600, ttl_s=1800)
         try:
             step += 1
             await publisher.push(perturbed(named, 1.0, seed=step), step=step)  # warm-up
             step += 1
             base = perturbed(named, 1.0, seed=step)
+            await asyncio.sleep(QUIET_GAP_S)
             started = time.perf_counter()
             await publisher.push(base, step=step)
             full_s, full_bytes = time.perf_counter() - started, publisher.last.bytes  # type: ignore[union-attr]
             full_transfer_s = publisher.last.timings["open"] + publisher.last.timings["push"]  # type: ignore[union-attr]
             step += 1
+            changed = perturbed(base, 0.1, seed=step)
+            await asyncio.sleep(QUIET_GAP_S)
             started = time.perf_counter()
-            await publisher.push(perturbed(base, 0.1, seed=step), step=step)
+            await publisher.push(changed, step=step)
             delta_s = time.perf_counter() - started
             assert publisher.last is not None
             figures["delta"] = {

@@ -20,6 +20,7 @@ from miles.controller.core import AsyncInferenceController
 from miles.http.runner import HttpServer
 from miles.rollout.engine_process import EngineProcess, engine_command, free_port
 from miles.weights.buckets import BucketTable, layout, pack
+from miles.weights.transport.segments import Segment
 
 
 @contextmanager
@@ -142,14 +143,10 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def bucket_file(
-    named: dict[str, torch.Tensor], path: Path, names: list[str] | None = None
-) -> tuple[BucketTable, torch.Tensor]:
-    """``names`` (default: all) of ``named`` packed back to back into the file ``path`` (made or
-    cut to size): the packed table, with digests, and the file's bytes, shared (a byte changed in
-    them is changed in the file)."""
+def bucket_segment(named: dict[str, torch.Tensor], names: list[str] | None = None) -> tuple[Segment, BucketTable]:
+    """``names`` (default: all) of ``named`` packed back to back into a new shared-memory segment
+    (its bytes are ``segment.flat``: a byte changed there is changed for every reader), with the
+    packed table and its digests."""
     table = layout(named, names if names is not None else list(named))
-    with open(path, "w+b") as f:
-        f.truncate(table.total_bytes)
-    flat = torch.from_file(str(path), shared=True, size=table.total_bytes, dtype=torch.uint8)
-    return pack(named, table, flat), flat
+    segment = Segment(table.total_bytes)
+    return segment, pack(named, table, segment.flat)

@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from miles.engine.access import ENDPOINTS, GRANT_STATE_KEY, EngineAccess, admit, check_first, grant_of
 from miles.engine.engine import Engine
 from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream
-from miles.engine.receiver import TensorBucket, WeightGroups
+from miles.engine.receiver import WeightGroups, tensor_bucket
+from miles.engine.weights.sources import InMemory
 from miles.errors import InvalidRequestError
 from miles.protocol.auth import FenceRequest, FenceState
 from miles.protocol.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -66,7 +67,7 @@ from miles.utils.http import (
     until_disconnected,
 )
 from miles.weights.transport.documents import CUDA_IPC_LOAD_FORMAT
-from miles.weights.transport.segments import sweep as sweep_segments
+from miles.weights.transport.segments import SegmentMaps
 
 logger = logging.getLogger("miles.engine")
 
@@ -155,20 +156,17 @@ def create_app(engine: Engine) -> FastAPI:
         return answered(await engine.changes.update_from_disk(request), source="disk", started=started)
 
     groups = WeightGroups(device=engine.device)
-    sweeps: set[asyncio.Task[list[str]]] = set()
+    segments = SegmentMaps(forget_every_s=1.0)
 
-    async def window_moved(state: FenceState, *, swept: bool = False) -> None:
+    async def window_moved(state: FenceState, *, ended: bool = False) -> None:
         """A window that ended (closed, or overtaken by a newer one) takes its groups with it,
-        whoever ended it: its pusher may be dead. With ``swept``, the segments of pushers that
-        died go too, in the background: the answer (and the commit waiting on it) does not wait
-        for a look through /dev/shm."""
+        whoever ended it: its pusher may be dead. With ``ended``, the mappings of segments their
+        pusher let go of (or died holding) go too, at once (``segments`` looks every second)."""
         over = groups.follow(state)
         if over:
             await asyncio.to_thread(groups.leave, over)
-        if swept:
-            sweep = asyncio.create_task(asyncio.to_thread(sweep_segments), name="sweep-segments")
-            sweeps.add(sweep)  # held until it ends: the loop keeps only weak references to tasks
-            sweep.add_done_callback(sweeps.discard)
+        if ended:
+            await asyncio.to_thread(segments.forget_gone)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(
@@ -176,11 +174,13 @@ def create_app(engine: Engine) -> FastAPI:
     ) -> JSONResponse:
         admit(access, http_request, activates=request.activate)
         started = time.perf_counter()
-        bucket = await asyncio.to_thread(TensorBucket, request, engine.changes.check_table, device=engine.device)
+        bucket = await asyncio.to_thread(
+            tensor_bucket, request, engine.changes.check_table, device=engine.device, segments=segments
+        )
         received = time.perf_counter() - started
         source = "CUDA IPC" if request.load_format == CUDA_IPC_LOAD_FORMAT else "shared memory"
         try:
-            result = await engine.changes.apply_pushed(bucket.received, request, source=source)
+            result = await engine.changes.apply_pushed(InMemory(bucket), request, source=source)
         finally:
             bucket.close()
         return answered(result, source="tensor", started=started, received=received)
@@ -288,7 +288,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def fence(request: FenceRequest, http_request: Request) -> dict[str, Any]:
         admit(access, http_request)
         state = access.move_fence(request)
-        await window_moved(state, swept=not request.window_open)
+        await window_moved(state, ended=not request.window_open)
         if not request.window_open:
             # A window ended: what it pushed but did not activate is dropped.
             await engine.changes.discard_push()

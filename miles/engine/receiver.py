@@ -1,5 +1,5 @@
-"""Weights pushed from a trainer's memory, received: buckets handed over in memory (a shared-memory
-segment, a CUDA IPC handle) and buckets broadcast to the torch.distributed groups this engine
+"""Weights pushed from a trainer's memory, received: buckets handed over in memory (a mapped
+shared-memory segment, a CUDA IPC handle) and buckets broadcast to the torch.distributed groups this engine
 joined. Both produce one bucket of named tensors with the digests they were sent with
 (``Received``), for ``WeightChanges.apply_pushed``; nothing here touches the live weights. How the
 bytes travel is ``miles.weights.transport``, shared with the trainer.
@@ -11,15 +11,17 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from miles.errors import ConflictError, InvalidRequestError, NotFoundError
+from miles.engine.weights.sources import InMemory, PushedBucket
+from miles.engine.weights.stage import Stage
+from miles.errors import ConflictError, InvalidRequestError, MilesError, NotFoundError
 from miles.protocol.auth import FenceState
 from miles.protocol.sglang_weights import (
     FLAT_LOAD_FORMAT,
@@ -27,49 +29,38 @@ from miles.protocol.sglang_weights import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, Received, from_file, unpack
+from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, Received, unpack
+from miles.weights.checksum import digest_tensor
 from miles.weights.transport import groups
 from miles.weights.transport.cuda_ipc import open_shared
 from miles.weights.transport.documents import CUDA_IPC_LOAD_FORMAT, SHM_LOAD_FORMAT, CudaIpcDocument, decode
-from miles.weights.transport.segments import open_segment
+from miles.weights.transport.segments import SegmentMaps
 
 logger = logging.getLogger("miles.engine")
 
 
-class TensorBucket:
-    """One bucket's tensors handed over in memory (``close`` once they are copied). A segment is
-    read (``pread``), never mapped: a sender that cuts it short during the push makes the push
-    fail with 400, where a mapped segment would kill the engine (SIGBUS). The tensors are read
-    straight into their staged place, so reading costs no more copies than mapping did."""
-
-    def __init__(
-        self, request: UpdateWeightsFromTensorRequest, check: Callable[[BucketTable], None], *, device: torch.device
-    ) -> None:
-        document = decode(request.load_format, request.serialized_named_tensors)
-        table = document.table
-        self._fd: int | None = None
-        if isinstance(document, CudaIpcDocument):
-            if device.type != "cuda":
-                raise InvalidRequestError(
-                    f"load_format {CUDA_IPC_LOAD_FORMAT!r} needs an engine on a GPU; this one runs on {device}: "
-                    f"push over shared memory ({SHM_LOAD_FORMAT!r}) from CPU tensors"
-                )
-            check(table)
-            self.received = unpack(table, open_shared(document.cuda_ipc, table.total_bytes))
-            return
-        self._fd, size = open_segment(document.shm, table.total_bytes)
-        try:
-            check(table)
-            self.received = from_file(table, self._fd, size)
-        except BaseException:
-            os.close(self._fd)
-            raise
-
-    def close(self) -> None:
-        self.received.close()
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
+def tensor_bucket(
+    request: UpdateWeightsFromTensorRequest,
+    check: Callable[[BucketTable], None],
+    *,
+    device: torch.device,
+    segments: SegmentMaps,
+) -> Received:
+    """One bucket's tensors handed over in memory: views of a mapped shared-memory segment (sealed:
+    no sender can cut it short under the engine) or of a CUDA IPC handle's memory. ``check``
+    refuses the table before any byte is mapped."""
+    document = decode(request.load_format, request.serialized_named_tensors)
+    table = document.table
+    if isinstance(document, CudaIpcDocument):
+        if device.type != "cuda":
+            raise InvalidRequestError(
+                f"load_format {CUDA_IPC_LOAD_FORMAT!r} needs an engine on a GPU; this one runs on {device}: "
+                f"push over shared memory ({SHM_LOAD_FORMAT!r}) from CPU tensors"
+            )
+        check(table)
+        return unpack(table, open_shared(document.cuda_ipc, table.total_bytes))
+    check(table)
+    return unpack(table, segments.flat(document.shm, table.total_bytes))
 
 
 @dataclass
@@ -263,12 +254,15 @@ class WeightGroups:
     @contextlib.asynccontextmanager
     async def bucket(
         self, request: UpdateWeightsFromDistributedRequest, check: Callable[[BucketTable], None]
-    ) -> AsyncIterator[Received]:
-        """One bucket by broadcast from rank 0 (as SGLang: one broadcast of a flattened bucket, else
-        one per tensor), held until the block ends: its buffer is neither overwritten by the next
-        broadcast nor handed to another group while the tensors viewing it are copied out.
-        Raises NotFoundError for an unknown group, ConflictError when the broadcast does not finish
-        within ``timeout_s`` (the sender died or never sent)."""
+    ) -> AsyncIterator[PushedBucket]:
+        """One bucket by broadcast from rank 0, held until the block ends (its buffer is neither
+        overwritten by the next broadcast nor handed to another group meanwhile). A flattened
+        bucket is one broadcast, received here; otherwise one broadcast per tensor (as SGLang
+        sends them), received as the change writes them (``Broadcast``). A bucket the block did
+        not take is received and dropped at its end, so the sender is never left waiting.
+        Raises NotFoundError for an unknown group, InvalidRequestError for a table the model
+        refuses (``check``, before a byte is allocated), ConflictError when the broadcast does not
+        finish within ``timeout_s`` (the sender died or never sent)."""
         if request.load_format not in (None, FLAT_LOAD_FORMAT):
             raise InvalidRequestError(
                 f"load_format {request.load_format!r} is not supported; send {FLAT_LOAD_FORMAT!r} "
@@ -283,23 +277,16 @@ class WeightGroups:
         table = table_of(request)
         check(table)  # names, dtypes and shapes the model has, before a byte is allocated
         async with member.in_use:
-            yield await asyncio.to_thread(self._receive, member, request, table)
-
-    @staticmethod
-    def _receive(member: _Group, request: UpdateWeightsFromDistributedRequest, table: BucketTable) -> Received:
-        flat = member.flat(table.total_bytes)
-        # Flattened, one broadcast of the whole; else each tensor into its (aligned) place.
-        tensors = [flat]
-        if request.load_format != FLAT_LOAD_FORMAT:
-            tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape) for e in table.entries]
-        try:
-            groups.broadcast(member.joined.group, tensors, timeout_s=request.timeout_s)
-        except (RuntimeError, dist.DistError) as exc:
-            raise ConflictError(
-                f"the broadcast of group {request.group_name!r} did not complete within {request.timeout_s:g}s "
-                f"(the sender stopped or never sent): {exc}; destroy the group and push again"
-            ) from None
-        return unpack(table, flat.cpu() if flat.device.type != "cpu" else flat)
+            if request.load_format == FLAT_LOAD_FORMAT:
+                yield InMemory(await asyncio.to_thread(_receive, member, request, table))
+                return
+            broadcast = Broadcast(member, request, table)
+            try:
+                yield broadcast
+            finally:
+                if not broadcast.taken:
+                    with contextlib.suppress(MilesError):  # the block's own error is the answer
+                        await asyncio.to_thread(broadcast.prepare, in_place=True)
 
     def destroy(self, name: str) -> str:
         with self._lock:
@@ -310,6 +297,81 @@ class WeightGroups:
         if member is None:
             raise NotFoundError(f"this engine is in no group {name!r}")
         return f"left group {name!r}"
+
+
+def _receive(member: _Group, request: UpdateWeightsFromDistributedRequest, table: BucketTable) -> Received:
+    """The bucket, received into the group's buffer: flattened, one broadcast of the whole; else
+    each tensor into its (aligned) place."""
+    flat = member.flat(table.total_bytes)
+    tensors = [flat]
+    if request.load_format != FLAT_LOAD_FORMAT:
+        tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape) for e in table.entries]
+    try:
+        groups.broadcast(member.joined.group, tensors, timeout_s=request.timeout_s)
+    except (RuntimeError, dist.DistError) as exc:
+        raise _unfinished(request, exc) from None
+    return unpack(table, flat.cpu() if flat.device.type != "cpu" else flat)
+
+
+def _unfinished(request: UpdateWeightsFromDistributedRequest, exc: BaseException) -> ConflictError:
+    return ConflictError(
+        f"the broadcast of group {request.group_name!r} did not complete within {request.timeout_s:g}s "
+        f"(the sender stopped or never sent): {exc}; destroy the group and push again"
+    )
+
+
+class Broadcast:
+    """A bucket broadcast one tensor at a time, received where the change writes it: straight
+    into a stage beside the live weights (no receive buffer, no copy: each tensor hashed as the
+    next one arrives), or, for a change in place, into the group's buffer first and checked whole
+    (``prepare``). Every broadcast posted is waited for, whatever fails, so none lands later in
+    memory the engine has moved on from."""
+
+    def __init__(self, member: _Group, request: UpdateWeightsFromDistributedRequest, table: BucketTable) -> None:
+        self._member, self._request, self._table = member, request, table
+        self.entries = {e.name: e for e in table.entries}
+        self._received: Received | None = None
+        self.taken = False  # received, or being received: its broadcasts are spoken for
+
+    def prepare(self, *, in_place: bool) -> None:
+        if in_place and not self.taken:
+            self.taken = True
+            self._received = _receive(self._member, self._request, self._table)
+            self._received.verify()
+
+    def write(self, stage: Stage) -> None:
+        if self._received is not None:
+            stage.write_bucket(self._received)
+            return
+        self.taken = True
+        device = self._member.device
+        staged, landing = [], []
+        for entry in self._table.entries:
+            target = stage.target(entry.name, entry.torch_dtype(), entry.shape)
+            staged.append(target)
+            direct = target.device == device and target.is_contiguous()
+            landing.append(target if direct else torch.empty(entry.shape, dtype=target.dtype, device=device))
+        timeout = timedelta(seconds=self._request.timeout_s)
+        works = groups.start_broadcasts(self._member.joined.group, landing, timeout_s=self._request.timeout_s)
+        failure: MilesError | None = None
+        for entry, target, landed, work in zip(self._table.entries, staged, landing, works, strict=True):
+            try:
+                work.wait(timeout)
+            except (RuntimeError, dist.DistError) as exc:
+                failure = failure or _unfinished(self._request, exc)
+                continue
+            if failure is not None:
+                continue  # the stage is dropped: no need to hash what lands after a failure
+            if landed is not target:
+                target.copy_(landed)
+            digest = stage.record(entry.name, digest_tensor(target))
+            if entry.digest is not None and digest != entry.digest:
+                failure = InvalidRequestError(
+                    f"tensor {entry.name!r} arrived with digest {digest}, not the {entry.digest} it was sent "
+                    "with: the bytes were corrupted on the way; push the update again"
+                )
+        if failure is not None:
+            raise failure
 
 
 # Where each tensor broadcast on its own is received in a group's buffer: a multiple of this, so

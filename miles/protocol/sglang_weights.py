@@ -181,8 +181,8 @@ class UpdateWeightsFromTensorRequest(_PushFields):
     """``POST /update_weights_from_tensor``: tensors of the trainer's, handed over in memory.
 
     ``serialized_named_tensors`` holds one base64 document whose shape ``load_format`` names
-    (``miles.weights.transport.documents``): ``"miles_shm"``, a bucket in a segment
-    ``/dev/shm/miles-...`` on the engine's node; ``"miles_cuda_ipc"``, a flat bucket in GPU memory
+    (``miles.weights.transport.documents``): ``"miles_shm"``, a bucket in a shared-memory
+    segment on the engine's node; ``"miles_cuda_ipc"``, a flat bucket in GPU memory
     of a process on the engine's node. SGLang's pickled tensors are refused. Every tensor is
     checked against its digest."""
 

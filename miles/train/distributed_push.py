@@ -70,10 +70,18 @@ class DistributedPush:
             group = await self._form(rank0, calls, backend=backend)
             calls.stats.spent("join", joined)
             tables = [layout(named, names) for names in plan(named, bucket_bytes=self.bucket_bytes)]
-            buffers = self._host_buffers(regions(len(tables)), max(max(t.total_bytes for t in tables), 1))
+            # Between CPUs each tensor is broadcast from where it lies, and each engine receives it
+            # where it stages it: no copy on either side. Between GPUs a bucket is packed into one
+            # flat broadcast (one NCCL call per bucket).
+            buffers = (
+                self._host_buffers(regions(len(tables)), max(max(t.total_bytes for t in tables), 1))
+                if device is not None
+                else []
+            )
             try:
                 yield _Broadcasts(
                     calls=calls,
+                    named=named,
                     tables=tables,
                     buffers=buffers,
                     group=group,
@@ -131,9 +139,11 @@ class DistributedPush:
 
 @dataclass(frozen=True)
 class _Broadcasts:
-    """One push's buckets, each packed into a host buffer in turn and broadcast from it."""
+    """One push's buckets: from a GPU, each packed into a buffer in turn and broadcast from it in
+    one call; from the host, each tensor broadcast from where it lies."""
 
     calls: EngineCalls
+    named: Mapping[str, torch.Tensor]
     tables: list[BucketTable]
     buffers: list[torch.Tensor]
     group: Any  # ProcessGroupGloo or ProcessGroupNCCL
@@ -141,17 +151,18 @@ class _Broadcasts:
     device: torch.device | None
     timeout_s: float
 
-    def into(self, index: int) -> torch.Tensor:
-        return self.buffers[index % len(self.buffers)]
+    def into(self, index: int) -> torch.Tensor | None:
+        return self.buffers[index % len(self.buffers)] if self.buffers else None
 
     async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> None:
+        flat = self.into(index)
         request = UpdateWeightsFromDistributedRequest(
             names=[e.name for e in packed.entries],
             dtypes=[e.dtype for e in packed.entries],
             shapes=[list(e.shape) for e in packed.entries],
             digests=[e.tensor_digest().digest for e in packed.entries],
             group_name=GROUP_NAME,
-            load_format=FLAT_LOAD_FORMAT,
+            load_format=FLAT_LOAD_FORMAT if flat is not None else None,
             weight_version=self.calls.version if checksum is not None else None,
             expected_checksum=checksum,
             activate=not self.calls.window.staged,
@@ -159,13 +170,18 @@ class _Broadcasts:
         )
         receiving = asyncio.create_task(self.calls.post("/update_weights_from_distributed", lambda _: request))
         try:
-            sent = self.into(index)[: packed.total_bytes]
             broadcasting = time.perf_counter()
-            flat = sent if self.device is None else sent.to(self.device)
-            await asyncio.to_thread(groups.broadcast, self.group, [flat], timeout_s=self.timeout_s)
+            await asyncio.to_thread(self._broadcast, packed, flat)
             self.calls.stats.spent("broadcast", broadcasting)
         finally:
             # The engines' answers say why, when the broadcast failed.
             waiting = time.perf_counter()
             await receiving
             self.calls.stats.spent("engines", waiting)
+
+    def _broadcast(self, packed: BucketTable, flat: torch.Tensor | None) -> None:
+        if flat is not None:
+            sent = [flat[: packed.total_bytes].to(self.device)]
+        else:
+            sent = [self.named[e.name].detach().contiguous() for e in packed.entries]
+        groups.broadcast(self.group, sent, timeout_s=self.timeout_s)

@@ -44,8 +44,8 @@ class PushStats:
     # What each engine reported each update call cost it (seconds per phase), in call order.
     engine_timings: list[dict[str, float]] = field(default_factory=list)
     bytes: int = 0
-    # Of ``bytes``, those the engines read where they lie in the trainer's shared memory (no copy
-    # on this side: ``PushPublisher.share_memory``).
+    # Of ``bytes``, those sent from where they lie, no copy on this side: read by the engines in the
+    # trainer's shared memory (``PushPublisher.share_memory``), or broadcast tensor by tensor.
     in_place: int = 0
     # Seconds: "open", "push" and "commit" of the window; within the push, the sender's own
     # phases, summed over buckets: "pack" (copy and digest), "join" (forming the group),

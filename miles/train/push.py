@@ -46,7 +46,8 @@ from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEv
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable, pack
 from miles.weights.checksum import TensorDigest, checksum_from_digests, digest_tensor, saved_state_dict
 from miles.weights.safetensors_io import dtype_name
-from miles.weights.transport.segments import SHM_DIR, Segment
+from miles.weights.transport import segments
+from miles.weights.transport.segments import Segment
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -162,7 +163,7 @@ class PushPublisher:
         no longer matches), as it would with any copy. Returns ``module``.
 
         Called again (the module's tensors were replaced since), it moves them into a new segment.
-        Raises PublishError when /dev/shm cannot hold them.
+        Raises PublishError when the memory for them cannot be had.
         """
         segment = _share(module)
         if segment is not None:
@@ -196,7 +197,7 @@ class PushPublisher:
 
         With ``share_weights`` (the default) and a path that may be shared memory, the model's
         weights are first moved there (``share_memory``, once unless its tensors are replaced);
-        when /dev/shm cannot hold them, they stay where they are and every push copies them.
+        when the memory for them cannot be had, they stay where they are and every push copies them.
         """
         if self.share_weights and self.path is not TransferPath.DISTRIBUTED and not self._shares(model):
             try:
@@ -237,7 +238,7 @@ class PushPublisher:
         opened = time.perf_counter()
         renewing = asyncio.create_task(keep_alive(self.windows, window), name=f"renew-window-{window.token}")
         try:
-            # Looks at /dev/shm and resolves this machine's addresses: off the loop.
+            # Looks at /proc and resolves this machine's addresses: off the loop.
             path = await asyncio.to_thread(self._choose, window)
             stats = PushStats(path=path.value, tensors=len(sending), skipped=len(unchanged))
             calls = EngineCalls(http=self.http, window=window, version=version, stats=stats)
@@ -305,7 +306,7 @@ class PushPublisher:
     def _choose(self, window: UpdateWindow) -> TransferPath:
         if self.path is not TransferPath.AUTO:
             return self.path
-        local = SHM_DIR.is_dir() and all(on_this_machine(s.url) for s in window.servers)
+        local = segments.available() and all(on_this_machine(s.url) for s in window.servers)
         return TransferPath.SHM if local else TransferPath.DISTRIBUTED
 
 
@@ -381,7 +382,7 @@ def _shareable(module: torch.nn.Module) -> Iterator[torch.Tensor]:
 def _share(module: torch.nn.Module) -> Segment | None:
     """Move every CPU parameter and buffer of ``module`` into a new segment (each storage copied
     once, every tensor viewing it re-pointed, values unchanged); None when there is none. Raises
-    PublishError when /dev/shm cannot hold them."""
+    PublishError when the memory for them cannot be had."""
     storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
     for tensor in _shareable(module):
         storage = tensor.untyped_storage()

@@ -114,7 +114,7 @@ class _Buckets:
         into = self.into(index)
         segment = self.shared if into is None else self.segment
         if segment is not None:
-            return ShmDocument(shm=segment.name, table=packed)
+            return ShmDocument(shm=segment.ref, table=packed)
         assert into is not None
         # A handle of its own per engine: each engine's release counts against its own.
         return CudaIpcDocument(cuda_ipc=share(into), table=packed)

@@ -21,8 +21,8 @@ they held, so the controller's checksum sees a model that exists, and its rollba
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.config import ModelConfig
@@ -35,9 +35,9 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-from miles.weights.buckets import from_file
+from miles.weights.buckets import unpack
 from miles.weights.transport.documents import SHM_LOAD_FORMAT, ShmDocument, decode
-from miles.weights.transport.segments import open_segment
+from miles.weights.transport.segments import SegmentMaps
 
 BACKEND = "miles"
 
@@ -60,6 +60,11 @@ class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
     update_info_cls = MilesUpdateInfo
     supports_draft_weight_update = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The segments pushes name, mapped once and kept while their trainer holds them.
+        self.segments = SegmentMaps(forget_every_s=1.0)
+
     def init_transfer_engine(self, init_info: MilesInitInfo) -> None:
         pass
 
@@ -72,20 +77,19 @@ class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
     def receive_weights(self, update_info: MilesUpdateInfo) -> None:
         document = decode(SHM_LOAD_FORMAT, [update_info.document])
         assert isinstance(document, ShmDocument)  # decode checked the format
-        fd, size = open_segment(document.shm, document.table.total_bytes)
         try:
-            received = from_file(document.table, fd, size)
+            received = unpack(document.table, self.segments.flat(document.shm, document.table.total_bytes))
             received.verify()
-            self.model.load_weights(iter(received.tensors.items()))
+            # Copies of the mapped bytes: vLLM's layerwise reload keeps what it is given until the
+            # layer is complete, and the segment is the trainer's to write the next bucket into.
+            self.model.load_weights((name, tensor.clone()) for name, tensor in received.tensors.items())
             received.close()
         except BaseException:
             end_reload(self.model, self.model_config)
             raise
-        finally:
-            os.close(fd)
 
     def shutdown(self) -> None:
-        pass
+        self.segments.clear()
 
 
 def end_reload(model: torch.nn.Module, model_config: ModelConfig) -> bool:

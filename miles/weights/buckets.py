@@ -13,7 +13,6 @@ with a shared-memory segment (``/update_weights_from_tensor``) and, as SGLang's 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
@@ -147,77 +146,20 @@ def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tens
 
 
 class Received:
-    """One bucket's tensors as they arrived, with the digests they were sent with. Nothing has
-    checked them yet: whoever copies them out checks each digest over the bytes it copied (one
-    pass: ``copy_into`` then ``check``), or calls ``verify`` before it copies.
+    """One bucket's tensors as they arrived (views of a receive buffer or of a mapped segment),
+    with the digests they were sent with. Nothing has checked them yet: whoever copies them out
+    checks each digest over the bytes it copied (one pass: ``copy_into`` then ``check``), or calls
+    ``verify`` before it copies."""
 
-    The bytes are in memory (``unpack``: views of a receive buffer) or in a file read as they are
-    copied (``from_file``: a shared-memory segment read with ``pread``, never mapped, so a sender
-    that cuts its segment short causes an error naming the tensor, not a SIGBUS).
-    """
-
-    def __init__(
-        self,
-        entries: Iterable[BucketEntry],
-        *,
-        tensors: Mapping[str, torch.Tensor] | None = None,
-        fd: int | None = None,
-    ) -> None:
+    def __init__(self, entries: Iterable[BucketEntry], *, tensors: Mapping[str, torch.Tensor]) -> None:
         self.entries: Mapping[str, BucketEntry] = {e.name: e for e in entries}
         self.digests: Mapping[str, str] = {n: e.digest for n, e in self.entries.items() if e.digest is not None}
-        self._tensors = tensors
-        self._fd = fd
-
-    @property
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        """Every tensor in memory; a bucket in a file is read into memory of its own once, each
-        tensor on its own (what lies between the tensors in the file is never read)."""
-        if self._tensors is None:
-            tensors = {}
-            for name, entry in self.entries.items():
-                tensor = torch.empty(entry.shape, dtype=entry.torch_dtype())
-                self._read(entry.offset, tensor.reshape(-1).view(torch.uint8).numpy(), what=f"tensor {name!r}")
-                tensors[name] = tensor
-            self._tensors = tensors
-        return self._tensors
+        self.tensors = tensors
 
     def copy_into(self, name: str, target: torch.Tensor) -> str:
         """Copy tensor ``name`` into ``target`` (a tensor of its dtype and shape) and return the
-        digest of the bytes ``target`` now holds. Raises InvalidRequestError when the bucket's
-        file ends before the tensor does."""
-        entry = self.entries[name]
-        if self._fd is None or self._tensors is not None:  # in memory
-            return copy_and_digest(target, self.tensors[name])
-        if target.device.type != "cpu" or not target.is_contiguous():
-            # A GPU tensor or a strided view (of a fused weight): read into the host, then copy.
-            source = torch.empty(entry.nbytes, dtype=torch.uint8)
-            self._read(entry.offset, source.numpy(), what=f"tensor {name!r}")
-            return copy_and_digest(target, source.view(entry.torch_dtype()).reshape(entry.shape))
-        dst = target.reshape(-1).view(torch.uint8).numpy()
-        view = memoryview(dst)  # type: ignore[arg-type]  # an ndarray has the buffer protocol
-        hasher = xxhash.xxh3_128()
-        for start in range(0, entry.nbytes, COPY_SLICE_BYTES):
-            end = min(start + COPY_SLICE_BYTES, entry.nbytes)
-            self._read(entry.offset + start, dst[start:end], what=f"tensor {name!r}")
-            hasher.update(view[start:end])
-        return hasher.hexdigest()
-
-    def _read(self, offset: int, into: np.ndarray, *, what: str) -> None:
-        assert self._fd is not None
-        done = 0
-        while done < into.size:
-            try:
-                got = os.preadv(self._fd, [memoryview(into[done:])], offset + done)  # type: ignore[arg-type]
-            except OSError as exc:
-                raise InvalidRequestError(
-                    f"the bucket's segment could not be read for {what}: {exc.strerror}"
-                ) from None
-            if got == 0:
-                raise InvalidRequestError(
-                    f"the bucket's segment ends at byte {offset + done}, before {what} does: the sender cut "
-                    "it short during the push; push the update again"
-                )
-            done += got
+        digest of the bytes ``target`` now holds."""
+        return copy_and_digest(target, self.tensors[name])
 
     def check(self, name: str, actual: str) -> None:
         """Raise InvalidRequestError when ``actual`` is not the digest ``name`` was sent with."""
@@ -235,8 +177,8 @@ class Received:
                 self.check(name, digest_tensor(tensor))
 
     def close(self) -> None:
-        """Let go of the bytes (the file stays open for its owner to close)."""
-        self._tensors, self._fd = {}, None
+        """Let go of the bytes."""
+        self.tensors = {}
 
 
 def copy_and_digest(target: torch.Tensor, source: torch.Tensor) -> str:
@@ -281,12 +223,6 @@ def unpack(table: BucketTable, flat: torch.Tensor) -> Received:
     flat = flat.reshape(-1).view(torch.uint8)
     entries = _checked(table, flat.numel())
     return Received(entries, tensors=_views(entries, flat))
-
-
-def from_file(table: BucketTable, fd: int, size: int) -> Received:
-    """The tensors of ``table`` in the file open as ``fd`` (``size`` bytes now), read as they are
-    copied out. Raises InvalidRequestError as ``unpack``."""
-    return Received(_checked(table, size), fd=fd)
 
 
 def _checked(table: BucketTable, size: int) -> list[BucketEntry]:

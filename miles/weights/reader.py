@@ -9,6 +9,7 @@ map: a file cut short while mapped kills the process); a file that changed meanw
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from miles.errors import CheckpointError, CheckpointFileInvalidError
 from miles.weights.manifest import Manifest, read_manifest
 from miles.weights.safetensors_io import SafetensorsFile, TensorSlot
-from miles.weights.verification import VerificationReport, compare_with_manifest
+from miles.weights.verification import VerificationReport, compare_with_manifest, digest_problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +72,24 @@ class CheckpointReader:
         file_name, slot = self._lookup(name)
         return self._files[file_name].tensor(slot)
 
-    def verify(self, *, threads: int | None = None) -> VerificationReport:
-        """Hash every tensor in the files and compare with the manifest; never raises for a mismatch."""
+    def copy_into(self, name: str, target: torch.Tensor) -> str:
+        """Copy tensor ``name`` from its file into ``target`` (a tensor of its dtype and shape) and
+        return the digest of the bytes read. Raises CheckpointError as ``tensor``."""
+        file_name, slot = self._lookup(name)
+        return self._files[file_name].copy_into(slot, target)
+
+    def verify(self, *, threads: int | None = None, digests: bool = True) -> VerificationReport:
+        """Hash every tensor in the files and compare with the manifest (with ``digests=False``,
+        only names, dtypes and shapes: no byte is read); never raises for a mismatch."""
         if not self._files and self.manifest.files:
             raise CheckpointError("checkpoint reader is closed", path=str(self.directory))
-        problems, checksum = compare_with_manifest(self.manifest, self._files, threads=threads)
+        problems, checksum = compare_with_manifest(self.manifest, self._files, threads=threads, digests=digests)
         return VerificationReport(self.directory, self.manifest, tuple(problems), checksum)
+
+    def check_digests(self, digests: Mapping[str, str]) -> VerificationReport:
+        """Compare the digests of tensors read from the files (``copy_into``) with the manifest."""
+        problems = tuple(digest_problems(self.manifest, digests))
+        return VerificationReport(self.directory, self.manifest, problems, None if problems else self.manifest.checksum)
 
     def close(self) -> None:
         """Close the files (tensors already read stay valid)."""

@@ -251,6 +251,28 @@ def compare_with_manifest(
     return problems, checksum
 
 
+def digest_problems(manifest: Manifest, digests: Mapping[str, str]) -> list[CheckpointProblem]:
+    """The tensors whose bytes, hashed to ``digests`` as they were read, differ from the manifest
+    (their dtype and shape already checked against it)."""
+    return [
+        _digest_problem(name, entry, digests[name])
+        for name, entry in sorted(manifest.tensors.items())
+        if name in digests and digests[name] != entry.digest
+    ]
+
+
+def _digest_problem(name: str, entry: TensorEntry, actual: str) -> CheckpointProblem:
+    return CheckpointProblem(
+        kind=ProblemKind.DIGEST_MISMATCH,
+        tensor=name,
+        file=entry.file,
+        expected=entry.digest,
+        actual=actual,
+        message=f"the bytes of tensor {name!r} in {entry.file} differ from the manifest "
+        f"(corrupted on disk or changed after sealing); {_RESEAL}.",
+    )
+
+
 def _entry_problems(name: str, file_name: str, entry: TensorEntry, digest: TensorDigest) -> list[CheckpointProblem]:
     problems: list[CheckpointProblem] = []
     if entry.dtype != digest.dtype:
@@ -279,17 +301,7 @@ def _entry_problems(name: str, file_name: str, entry: TensorEntry, digest: Tenso
         )
     # Only compare bytes once dtype and shape agree: a different layout is already named above.
     if not problems and entry.digest != digest.digest:
-        problems.append(
-            CheckpointProblem(
-                kind=ProblemKind.DIGEST_MISMATCH,
-                tensor=name,
-                file=file_name,
-                expected=entry.digest,
-                actual=digest.digest,
-                message=f"the bytes of tensor {name!r} in {file_name} differ from the manifest "
-                f"(corrupted on disk or changed after sealing); {_RESEAL}.",
-            )
-        )
+        problems.append(_digest_problem(name, entry, digest.digest))
     return problems
 
 

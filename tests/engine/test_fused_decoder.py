@@ -134,7 +134,7 @@ def test_weight_updates_reach_the_fused_weights(tmp_path: Path) -> None:
 
     with open_verified(model, tmp_path / "v2") as checkpoint:
         stage = LiveStage(model)  # an in-place copy
-        stage.write_all(checkpoint.reader.tensor)
+        checkpoint.write(stage)
         checksum = stage.checksum()
     assert checksum.checksum == read_manifest(tmp_path / "v2").checksum
     assert checksum_module(model).checksum == read_manifest(tmp_path / "v2").checksum

@@ -8,7 +8,6 @@ what a model loaded fresh from the new checkpoint computes. Nothing else may kee
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,13 +23,15 @@ from miles.engine.weights.buffers import StagingBuffers, StagingPolicy, StagingR
 from miles.engine.weights.export import copy_weights
 from miles.engine.weights.lock import WeightsLock
 from miles.engine.weights.memory import StagingUnsupportedError, references
-from miles.engine.weights.stage import LiveStage
+from miles.engine.weights.stage import LiveStage, Stage
 from miles.errors import ConflictError, InvalidRequestError, UnsupportedTensorError
 from miles.models.presets import build_model
-from miles.testing import bucket_file
-from miles.weights.buckets import BucketTable, Received, from_file, unpack
+from miles.testing import bucket_segment
+from miles.weights.buckets import BucketTable, unpack
 from miles.weights.checkpoint import open_checkpoint, read_manifest, save_checkpoint
 from miles.weights.checksum import checksum_module, saved_state_dict
+from miles.weights.reader import CheckpointReader
+from miles.weights.transport.segments import SegmentMaps
 
 DEVICE = torch.device("cpu")
 
@@ -118,7 +119,7 @@ def _stage_checkpoint(buffers: StagingBuffers, checkpoint: Path) -> str:
     """Stage every tensor of ``checkpoint``; returns the staged checksum."""
     stage = buffers.open()
     with open_checkpoint(checkpoint) as reader:
-        stage.write_all(reader.tensor)
+        stage.write_checkpoint(reader)
     checksum = stage.checksum().checksum
     stage.activate()
     return checksum
@@ -135,7 +136,7 @@ def test_a_staged_update_computes_what_a_fresh_model_computes(
     buffers = _buffers(model, runner)
     stage = buffers.open()
     with open_checkpoint(paths["v2"]) as reader:
-        stage.write_all(reader.tensor)
+        stage.write_checkpoint(reader)
     staged = stage.checksum()
     # Staged, not active: the model still hashes to and computes the old weights.
     assert staged.checksum == read_manifest(paths["v2"]).checksum
@@ -187,14 +188,16 @@ def test_a_stage_that_fails_midway_leaves_the_live_weights(versions: Callable[[s
     written: list[str] = []
     with open_checkpoint(paths["v2"]) as reader:
 
-        def source(name: str) -> torch.Tensor:
-            if len(written) == 5:
-                raise OSError("the file went away")
-            written.append(name)
-            return reader.tensor(name)
+        class GoesAway(CheckpointReader):
+            def copy_into(self, name: str, target: torch.Tensor) -> str:
+                if len(written) == 5:
+                    raise OSError("the file went away")
+                written.append(name)
+                return reader.copy_into(name, target)
 
+        failing = GoesAway(directory=reader.directory, manifest=reader.manifest, files=reader._files)
         with pytest.raises(OSError, match="went away"):
-            stage.write_all(source)
+            stage.write_checkpoint(failing)
     stage.discard()
     assert checksum_module(model).checksum == read_manifest(paths["v1"]).checksum
     assert _generate(runner) == before
@@ -214,7 +217,7 @@ def test_a_tensor_nobody_reported_blocks_the_swap_and_changes_nothing(
     buffers = _buffers(model, runner)
     stage = buffers.open()
     with open_checkpoint(paths["v2"]) as reader:
-        stage.write_all(reader.tensor)
+        stage.write_checkpoint(reader)
     stage.checksum()
     stray = model.model.layers[1].mlp.down_proj.weight.detach()  # a view nobody told the buffers of
     with pytest.raises(StagingRefusedError, match="do not know"):
@@ -311,39 +314,34 @@ def test_the_policy_stages_when_asked_and_says_why_not(versions: Callable[[str],
     assert (report.last_update_staged, report.reason) == (True, None)
 
 
-@pytest.mark.parametrize("where", ["memory", "file"])
+@pytest.mark.parametrize("where", ["memory", "segment"])
 def test_a_pushed_bucket_is_staged_on_two_threads_and_a_bad_digest_stops_it(
-    versions: Callable[[str], dict[str, Path]], where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    versions: Callable[[str], dict[str, Path]], where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Pushed buckets are staged on the engine's threads (forced here for a small model), from a
-    receive buffer or read from a segment's file, fused views included; a tensor whose bytes do not
-    match its digest fails the whole bucket."""
+    receive buffer or a mapped segment, fused views included; a tensor whose bytes do not match
+    its digest fails the whole bucket."""
     paths = versions("qwen2, biased qkv (preset small)")
     model, runner = _served(paths["v1"], "fused")
     buffers = _buffers(model, runner)
     new = saved_state_dict(load_model(paths["v2"], device=DEVICE))
-    segment = tmp_path / "segment"
-    table, flat = bucket_file(new, segment)
-    fd = os.open(segment, os.O_RDONLY)
+    segment, table = bucket_segment(new)
+    flat = segment.flat if where == "memory" else SegmentMaps().flat(segment.ref, table.total_bytes)
     monkeypatch.setattr("miles.engine.weights.stage._PARALLEL_WRITE_BYTES", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-
-        def received(bucket: BucketTable) -> Received:
-            return unpack(bucket, flat) if where == "memory" else from_file(bucket, fd, table.total_bytes)
-
         staged = buffers.open()
-        staged.write_bucket(received(table))
+        staged.write_bucket(unpack(table, flat))
         assert staged.checksum().checksum == read_manifest(paths["v2"]).checksum
         staged.discard()
 
         wrong = table.entries[-1].model_copy(update={"digest": "0" * 32})
         with pytest.raises(InvalidRequestError, match=f"{wrong.name!r} arrived with digest"):
-            buffers.open().write_bucket(received(BucketTable(entries=(*table.entries[:-1], wrong))))
+            buffers.open().write_bucket(unpack(BucketTable(entries=(*table.entries[:-1], wrong)), flat))
     finally:
         torch.set_num_threads(threads)
-        os.close(fd)
+        segment.close()
     assert checksum_module(model).checksum == read_manifest(paths["v1"]).checksum
 
 
@@ -368,13 +366,13 @@ def test_a_swap_during_an_export_copy_goes_through_and_ends_the_copy(
     """The copy an export takes holds no view of the live weights between its slices, so a staged
     swap that comes between two of them is not refused (it would leave such a view on the old
     weights); the copy then stops, since the weights it copied are no longer the served ones."""
-    monkeypatch.setattr("miles.engine.weights.export._EXPORT_SLICE_BYTES", 64)  # thousands of read sections
+    monkeypatch.setattr("miles.engine.weights.lock.READ_SECTION_BYTES", 64)  # thousands of read sections
     paths = versions("qwen2, biased qkv (preset small)")
     model, runner = _served(paths["v1"], runner_name)
     buffers = _buffers(model, runner)
     stage = buffers.open()
     with open_checkpoint(paths["v2"]) as reader:
-        stage.write_all(reader.tensor)
+        stage.write_checkpoint(reader)
     staged = stage.checksum()
     lock = ReadWatched()
     outcome: dict[str, object] = {}
@@ -394,5 +392,39 @@ def test_a_swap_during_an_export_copy_goes_through_and_ends_the_copy(
     copier.join(timeout=120)
     assert not copier.is_alive()
     assert "copied" not in outcome, "the copy ended before the swap: make the model larger"
-    assert "weights changed while they were copied" in str(outcome["refused"])
+    assert "weights changed while they were read" in str(outcome["refused"])
     assert checksum_module(model).checksum == staged.checksum
+
+
+def test_a_delta_copies_only_what_the_twins_do_not_hold_already(versions: Callable[[str], dict[str, Path]]) -> None:
+    """After two swaps the twins hold the weights from before the last one: a stage given only the
+    names that changed copies nothing else into them (their digests say so), and still hashes
+    to the whole model's checksum."""
+    paths = versions("llama (preset tiny)")
+    model, runner = _served(paths["v1"], "fused")
+    buffers = _buffers(model, runner)
+    for _ in range(2):
+        stage = buffers.open()
+        with open_checkpoint(paths["v1"]) as reader:
+            stage.write_checkpoint(reader)
+        stage.checksum()
+        stage.activate()
+
+    def copied_by(stage: Stage) -> list[str]:
+        """The names ``stage.checksum()`` copies from the live weights."""
+        before = dict(buffers.twin_digests)
+        stage.checksum()
+        return sorted(n for n, d in buffers.twin_digests.items() if before.get(n) != d or n not in before)
+
+    name = "model.layers.0.mlp.up_proj.weight"
+    new = torch.full(dict(model.named_parameters())[name].shape, 0.5)
+    stage = buffers.open()
+    stage.write(name, new)
+    assert copied_by(stage) == []
+    assert stage.activate().checksum == checksum_module(model).checksum
+    assert torch.equal(dict(model.named_parameters())[name].detach(), new)
+    # The next delta, of another name, copies back only the one that changed last time.
+    stage = buffers.open()
+    stage.write("model.norm.weight", torch.full((64,), 2.0))
+    assert copied_by(stage) == [name]
+    assert stage.activate().checksum == checksum_module(model).checksum

@@ -22,7 +22,6 @@ from miles.testing import running_controller, wait_until
 from miles.train.push import PushPublisher
 from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import saved_state_dict
-from miles.weights.transport.segments import SHM_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -124,12 +123,12 @@ async def test_a_trainer_killed_anywhere_in_a_push_costs_one_lease_and_leaves_no
                 lambda: all(s.state is ServerState.SERVING for s in ctl.health().servers), what="serving again"
             )
             assert all(s.checksum == v1.checksum for s in ctl.health().servers), point
-            # What it left in /dev/shm (the bucket segment, and for a shared-weights push the
-            # model's whole copy) went when its window closed, with no other push to sweep it.
-            # (The engines sweep in the background as they close the window: within moments.)
+            # What it left in shared memory (the bucket segment, and for a shared-weights push the
+            # model's whole copy) went when its window closed: no engine maps it any more, with no
+            # other push needed. (The engines let go in the background as they close the window.)
             deadline = time.monotonic() + 5
-            while leftovers := await asyncio.to_thread(lambda pid=trainer.pid: list(SHM_DIR.glob(f"miles-{pid}-*"))):
-                assert time.monotonic() < deadline, (point, leftovers)
+            while held := [s.server_id for s in ctl.health().servers if await _maps_segment_of(s.pid, trainer.pid)]:
+                assert time.monotonic() < deadline, (point, held)
                 await asyncio.sleep(0.05)
             async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
                 answer = await http.post(
@@ -151,3 +150,10 @@ async def test_a_trainer_killed_anywhere_in_a_push_costs_one_lease_and_leaves_no
             await publisher.close()
             assert back.checksum == v1.checksum
             assert all(s.checksum == v1.checksum for s in ctl.health().servers)
+
+
+async def _maps_segment_of(engine_pid: int | None, maker_pid: int) -> bool:
+    """Whether the engine process ``engine_pid`` maps a segment process ``maker_pid`` made."""
+    assert engine_pid is not None
+    maps = await asyncio.to_thread(Path(f"/proc/{engine_pid}/maps").read_text)
+    return f"memfd:miles-{maker_pid}-" in maps

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import fcntl
 import gc
 import json
 import os
@@ -14,7 +13,6 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -32,12 +30,13 @@ from miles.controller.results import UpdateWindow
 from miles.errors import PublishError
 from miles.rollout.engine_process import free_port
 from miles.rollout.state import ServerState
-from miles.testing import bucket_file, running_controller, running_engine, wait_until
+from miles.testing import bucket_segment, running_controller, running_engine, wait_until
 from miles.train.distributed_push import GROUP_NAME
 from miles.train.push import PushPublisher
 from miles.weights.buckets import BucketTable, layout, pack
 from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import checksum_module, checksum_state_dict, saved_state_dict
+from miles.weights.transport.segments import Segment
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -171,34 +170,23 @@ def engine_url(
         yield url, {"authorization": f"Bearer {secret}"}
 
 
-def shm_document(name: str, table: object) -> str:
-    return base64.b64encode(json.dumps({"shm": name, "table": table}).encode()).decode()
+def shm_document(segment: object, table: object) -> str:
+    """The document of a bucket in ``segment`` (a Segment, or a reference as JSON, hostile or not)."""
+    ref = segment.ref.model_dump() if isinstance(segment, Segment) else segment
+    return base64.b64encode(json.dumps({"shm": ref, "table": table}).encode()).decode()
 
 
 @contextlib.contextmanager
-def held(segment: Path) -> Iterator[None]:
-    """Hold the lock a live maker holds on its segment (miles.weights.transport.segments): the
-    sweep any engine on the machine runs when a window closes leaves it alone meanwhile."""
-    fd = os.open(segment, os.O_RDONLY)
+def packed_segment(
+    named: dict[str, torch.Tensor], names: list[str]
+) -> Iterator[tuple[Segment, torch.Tensor, BucketTable]]:
+    """A segment of our own holding ``names`` packed (the segment, its bytes, the packed table);
+    closed at the end."""
+    segment, packed = bucket_segment(named, names)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
+        yield segment, segment.flat, packed
     finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def packed_segment(named: dict[str, torch.Tensor], names: list[str]) -> Iterator[tuple[str, torch.Tensor, BucketTable]]:
-    """A segment of our own holding ``names`` packed (its name, its bytes, the packed table);
-    removed at the end."""
-    name = f"miles-test-{uuid.uuid4().hex[:8]}"
-    segment = Path("/dev/shm") / name
-    try:
-        packed, flat = bucket_file(named, segment, names)
-        with held(segment):
-            yield name, flat, packed
-    finally:
-        segment.unlink(missing_ok=True)
+        segment.close()
 
 
 def test_a_corrupted_bucket_is_refused_before_the_weights_change(
@@ -272,13 +260,21 @@ def test_a_corrupted_bucket_is_refused_before_the_weights_change(
                 trust_env=False,
             )
             assert refused.status_code == 400 and "but the model holds" in refused.text, refused.text
-        foreign = httpx.post(
-            f"{url}/update_weights_from_tensor",
-            json={"serialized_named_tensors": [shm_document("../etc/passwd", bad)], "load_format": "miles_shm"},
-            headers=auth,
-            trust_env=False,
-        )
-        assert foreign.status_code == 400 and "miles-" in foreign.text
+        for foreign, says in (
+            ({"pid": os.getpid(), "fd": 0, "name": "../etc/passwd"}, "miles-"),
+            ({"pid": os.getpid(), "fd": 0, "name": "miles-stdin"}, "is not the shared-memory segment"),
+            ({"pid": 2**31 - 1, "fd": 3, "name": "miles-nobody"}, "no shared-memory segment"),
+        ):
+            refused = httpx.post(
+                f"{url}/update_weights_from_tensor",
+                json={
+                    "serialized_named_tensors": [shm_document(foreign, packed.model_dump(mode="json"))],
+                    "load_format": "miles_shm",
+                },
+                headers=auth,
+                trust_env=False,
+            )
+            assert refused.status_code in (400, 404) and says in refused.text, refused.text
     after = httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json()
     assert after == before
     # Still generating on its verified weights.
@@ -329,8 +325,9 @@ def test_a_bucket_document_takes_its_own_types_and_every_digest(
             trust_env=False,
         )
         assert refused.status_code == 400 and len(refused.content) < 4096, refused.text[:300]
-        extra = base64.b64encode(json.dumps({"shm": name, "table": good, "x": 1}).encode()).decode()
-        newline = shm_document(name + "\n", good)
+        ref = name.ref.model_dump()
+        extra = base64.b64encode(json.dumps({"shm": ref, "table": good, "x": 1}).encode()).decode()
+        newline = shm_document({**ref, "name": ref["name"] + "\n"}, good)
         for document, says in ((extra, "x"), (newline, "miles-")):
             refused = httpx.post(
                 f"{url}/update_weights_from_tensor",
@@ -351,19 +348,15 @@ def test_a_corrupted_bucket_drops_the_whole_push(
     before = httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json()
     names = list(v2_weights)
     head, middle, tail = names[:2], names[2:4], names[4:]
-    name = f"miles-test-{uuid.uuid4().hex[:8]}"
-    segment = Path("/dev/shm") / name
     whole = layout(v2_weights, names)
-    with open(segment, "w+b") as f:
-        f.truncate(whole.total_bytes)
+    segment = Segment(whole.total_bytes)
 
     def push(part: list[str], *, corrupt: bool = False, last: bool = False) -> httpx.Response:
-        flat = torch.from_file(str(segment), shared=True, size=whole.total_bytes, dtype=torch.uint8)
-        packed = pack(v2_weights, layout(v2_weights, part), flat)
+        packed = pack(v2_weights, layout(v2_weights, part), segment.flat)
         if corrupt:
-            flat[packed.entries[0].offset] ^= 0xFF
+            segment.flat[packed.entries[0].offset] ^= 0xFF
         body = {
-            "serialized_named_tensors": [shm_document(name, packed.model_dump(mode="json"))],
+            "serialized_named_tensors": [shm_document(segment, packed.model_dump(mode="json"))],
             "load_format": "miles_shm",
             "weight_version": "7" if last else None,
             "expected_checksum": read_manifest(checkpoints["v2"]).checksum if last else None,
@@ -371,69 +364,74 @@ def test_a_corrupted_bucket_drops_the_whole_push(
         return httpx.post(f"{url}/update_weights_from_tensor", json=body, headers=auth, trust_env=False, timeout=60)
 
     try:
-        with held(segment):
-            assert push(head).status_code == 200
-            refused = push(middle, corrupt=True)
-            assert refused.status_code == 400 and middle[0] in refused.text and "digest" in refused.text
-            # The head bucket went with the bad one: finishing the push without it does not verify.
-            unfinished = push(middle + tail, last=True)
-            assert unfinished.status_code == 400 and "hash to" in unfinished.text
-            assert httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json() == before
-            # Pushed again whole, it serves.
-            assert push(head).status_code == 200
-            done = push(middle + tail, last=True)
-            assert done.status_code == 200, done.text
-            assert done.json()["weight_version"] == "7"
+        assert push(head).status_code == 200
+        refused = push(middle, corrupt=True)
+        assert refused.status_code == 400 and middle[0] in refused.text and "digest" in refused.text
+        # The head bucket went with the bad one: finishing the push without it does not verify.
+        unfinished = push(middle + tail, last=True)
+        assert unfinished.status_code == 400 and "hash to" in unfinished.text
+        assert httpx.get(f"{url}/get_weight_version", headers=auth, trust_env=False).json() == before
+        # Pushed again whole, it serves.
+        assert push(head).status_code == 200
+        done = push(middle + tail, last=True)
+        assert done.status_code == 200, done.text
+        assert done.json()["weight_version"] == "7"
     finally:
-        segment.unlink()
+        segment.close()
 
 
-def test_a_segment_cut_while_the_engine_reads_it_fails_the_push_not_the_engine(
+def test_a_segment_written_while_the_engine_reads_it_fails_the_push_not_the_engine(
     engine_url: tuple[str, dict[str, str]], v2_weights: dict[str, torch.Tensor], checkpoints: dict[str, Path]
 ) -> None:
-    """A sender that cuts its segment short and writes it again while the engine reads it: each
-    push is staged or refused with 400 saying what happened, and the engine lives on, on its weights."""
+    """A sender cannot cut its segment short under an engine (sealed: a mapped segment cut short
+    would kill its reader), and one that offers a memory file it could cut is refused by name; a
+    sender that rewrites its bytes while the engine reads them gets each push staged or refused
+    with 400 naming the digest, and the engine lives on, on its weights."""
     url, auth = engine_url
     before = httpx.post(f"{url}/generate", json=GREEDY, headers=auth, trust_env=False).json()["text"]
-    name = f"miles-test-{uuid.uuid4().hex[:8]}"
-    segment = Path("/dev/shm") / name
     names = list(v2_weights)
-    table = layout(v2_weights, names)
-    flat = torch.zeros(table.total_bytes, dtype=torch.uint8)
-    table = pack(v2_weights, table, flat)
-    whole = flat.numpy().tobytes()
-    segment.write_bytes(whole)
+    segment, table = bucket_segment(v2_weights, names)
+    with pytest.raises(PermissionError):
+        os.ftruncate(segment.ref.fd, table.total_bytes // 3)
+    unsealed = os.memfd_create("miles-unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, table.total_bytes)
     body = {
-        "serialized_named_tensors": [shm_document(name, table.model_dump(mode="json"))],
+        "serialized_named_tensors": [shm_document(segment, table.model_dump(mode="json"))],
         "load_format": "miles_shm",
     }
+    cuttable = {
+        **body,
+        "serialized_named_tensors": [
+            shm_document({"pid": os.getpid(), "fd": unsealed, "name": "miles-unsealed"}, table.model_dump(mode="json"))
+        ],
+    }
+    refused = httpx.post(f"{url}/update_weights_from_tensor", json=cuttable, headers=auth, trust_env=False)
+    os.close(unsealed)
+    assert refused.status_code == 400 and "not sealed against shrinking" in refused.text, refused.text
+    whole = segment.flat.clone()
     stop = threading.Event()
 
-    def cut_and_write_again() -> None:
-        with open(segment, "r+b") as f:
-            while not stop.is_set():
-                f.truncate(table.total_bytes // 3)
-                f.seek(0)
-                f.write(whole)
-                f.flush()
+    def scramble_and_write_again() -> None:
+        while not stop.is_set():
+            segment.flat[: table.total_bytes // 3].fill_(7)
+            segment.flat.copy_(whole)
 
-    cutter = threading.Thread(target=cut_and_write_again, daemon=True)
-    cutter.start()
+    writer = threading.Thread(target=scramble_and_write_again, daemon=True)
+    writer.start()
     statuses: dict[int, int] = {}
     try:
-        with held(segment):
-            for _ in range(30):
-                answer = httpx.post(
-                    f"{url}/update_weights_from_tensor", json=body, headers=auth, trust_env=False, timeout=60
-                )
-                statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
-                assert answer.status_code in (200, 400), answer.text
-                if answer.status_code == 400:
-                    assert any(why in answer.text for why in ("cut it short", "fewer than", "digest")), answer.text
+        for _ in range(30):
+            answer = httpx.post(
+                f"{url}/update_weights_from_tensor", json=body, headers=auth, trust_env=False, timeout=60
+            )
+            statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
+            assert answer.status_code in (200, 400), answer.text
+            if answer.status_code == 400:
+                assert "digest" in answer.text, answer.text
     finally:
         stop.set()
-        cutter.join(timeout=10)
-        segment.unlink(missing_ok=True)
+        writer.join(timeout=10)
+        segment.close()
     # Alive, and serving the weights it had: the staged pushes never carried a checksum to activate.
     assert httpx.post(f"{url}/generate", json=GREEDY, headers=auth, trust_env=False).json()["text"] == before
     back = httpx.post(
@@ -630,8 +628,8 @@ async def test_a_published_model_is_read_from_shared_memory_where_it_lies(
         assert result.checksum == checksum_module(model).checksum
         assert all(s.checksum == result.checksum for s in ctl.health().servers)
         await publisher.close()
-    assert not await asyncio.to_thread(shared.path.exists)
-    # The model keeps its memory once the segment's file is gone.
+    # The publisher let go of the segment (its descriptor is closed); the model keeps its memory.
+    assert not await asyncio.to_thread(os.path.exists, shared.ref.path)
     assert checksum_module(model).checksum == result.checksum
 
 
@@ -643,6 +641,7 @@ from transformers import AutoModelForCausalLM
 import miles.train.engine_calls as engine_calls
 import miles.train.push as push
 from miles.weights.checksum import checksum_module, checksum_state_dict, saved_state_dict
+from miles.weights.transport.segments import Segment
 
 url, checkpoint, die = sys.argv[1], sys.argv[2], sys.argv[3] == "die"
 named = saved_state_dict(AutoModelForCausalLM.from_pretrained(checkpoint))
@@ -695,11 +694,16 @@ async def test_a_trainer_process_pushes_over_http_or_dies_and_serving_stays_veri
         async with httpx.AsyncClient(trust_env=False) as http:
             assert (await http.post(f"{url}/generate", json=GREEDY)).status_code == 200
         if die:
-            # The next push commits, and removes the segment the dead trainer left behind.
+            # The next push commits.
             retry = await PushPublisher(ctl, path="shm").push(weights_of(checkpoints["v2"]), step=8)
             assert retry.checksum == v2.checksum
-    leftovers = await asyncio.to_thread(lambda: list(Path("/dev/shm").glob(f"miles-{trainer.pid}-*")))
-    assert not leftovers
+        # No engine holds on to what the trainer left once it is gone (the engines look every second).
+        deadline = time.monotonic() + 10
+        for server in servers:
+            assert server.pid is not None
+            while f"memfd:miles-{trainer.pid}-" in await asyncio.to_thread(Path(f"/proc/{server.pid}/maps").read_text):
+                assert time.monotonic() < deadline, server.server_id
+                await asyncio.sleep(0.1)
 
 
 @pytest.mark.parametrize("path", ["shm", "distributed"])

@@ -298,7 +298,7 @@ async def push_one_bucket(server_url: str, weights: dict[str, torch.Tensor], *, 
         packed = pack(weights, table, segment.flat)
         if corrupt:
             segment.flat[0] ^= 1
-        document = ShmDocument(shm=segment.name, table=packed).encode()
+        document = ShmDocument(shm=segment.ref, table=packed).encode()
         async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
             assert (await http.post(f"{server_url}/start_weight_update")).status_code == 200
             return await http.post(f"{server_url}/update_weights", json={"update_info": {"document": document}})

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -23,6 +22,7 @@ from miles.engine.settings import StagingMode
 from miles.engine.weights.memory import StagingUnsupportedError, ViewSpec, WeightMemory
 from miles.engine.weights.stage import LiveStage, Stage
 from miles.errors import MilesError
+from miles.utils.memory import available_host_memory
 from miles.weights.buckets import copy_and_digest
 from miles.weights.checksum import ModelChecksum
 
@@ -40,6 +40,12 @@ class StagingBuffers:
     def __init__(self, memory: WeightMemory) -> None:
         self.memory = memory
         self._stage: BufferStage | None = None  # the last stage opened, open or not
+        # The digest of what the live storages and the twins hold under each name, where known: a
+        # stage need not copy a name it is not given into a twin that already holds its live bytes
+        # (a delta: the twin holds the weights from before the last swap, equal for every name
+        # that update did not change).
+        self.live_digests: dict[str, str] = {}
+        self.twin_digests: dict[str, str] = {}
 
     @staticmethod
     def build(model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor] = ()) -> StagingBuffers:
@@ -69,6 +75,7 @@ class StagingBuffers:
     def release(self) -> None:
         """Give the twins' memory back (staging is given up for good)."""
         self._forget()
+        self.live_digests, self.twin_digests = {}, {}
         for storage in self.memory.storages:
             storage.twin = None
 
@@ -157,14 +164,27 @@ class BufferStage(Stage):
             tensor.data_ptr()
             twin.data_ptr()
 
+    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        target = super().target(name, dtype, shape)
+        # Unknown while it is written (a write that fails half-way leaves it so).
+        self._buffers.twin_digests.pop(name, None)
+        return target
+
+    def record(self, name: str, digest: str) -> str:
+        self._buffers.twin_digests[name] = digest
+        return super().record(name, digest)
+
     def _target(self, name: str) -> torch.Tensor:
         slot = self._slots[name]
         return self._buffers.view(slot.storage, slot.spec, dtype=slot.dtype, twin=True)
 
     def _keep(self, name: str) -> str:
+        live = self._buffers.live_digests.get(name)
+        if live is not None and self._buffers.twin_digests.get(name) == live:
+            return live  # the twin holds these bytes already
         slot = self._slots[name]
-        live = self._buffers.view(slot.storage, slot.spec, dtype=slot.dtype, twin=False)
-        return copy_and_digest(self._target(name), live)
+        source = self._buffers.view(slot.storage, slot.spec, dtype=slot.dtype, twin=False)
+        return self.write_with(name, slot.dtype, slot.spec.size, lambda target: copy_and_digest(target, source))
 
     def _swap(self) -> None:
         """Re-point every viewer at its twin, then trade live and twin storages. All or nothing: a
@@ -190,6 +210,8 @@ class BufferStage(Stage):
         for storage in self._buffers.memory.storages:
             assert storage.twin is not None
             storage.live, storage.twin = storage.twin, storage.live
+        buffers = self._buffers
+        buffers.twin_digests, buffers.live_digests = buffers.live_digests, dict(self._digests)
 
 
 @dataclass(frozen=True)
@@ -237,7 +259,11 @@ class StagingPolicy:
         tensors (the report says why)."""
         stage = self._open()
         self._report = replace(self._report, last_update_staged=stage is not None)
-        return stage if stage is not None else LiveStage(model)
+        if stage is not None:
+            return stage
+        if self._buffers is not None:
+            self._buffers.live_digests = {}  # what a change in place leaves, no twin knows
+        return LiveStage(model)
 
     def give_up(self, reason: str) -> None:
         """Stop staging for good and free the twins (a swap was refused: see ``BufferStage``)."""
@@ -284,19 +310,8 @@ class StagingPolicy:
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Bytes ``device`` can allocate now without pushing anything out (None: unknown): the GPU's
-    free memory, else ``MemAvailable`` (it counts reclaimable page cache), else ``sysconf``'s."""
+    """Bytes ``device`` can allocate now without pushing anything out (None: unknown)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass  # not Linux, or an unexpected format: ask sysconf
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return None
+    return available_host_memory()

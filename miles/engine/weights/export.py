@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from miles.engine.weights.lock import WeightsLock
-from miles.errors import CheckpointError, ChecksumMismatchError, ConflictError
+from miles.engine.weights.lock import WeightsLock, read_in_sections
+from miles.errors import CheckpointError, ChecksumMismatchError
 from miles.weights.checkpoint import read_manifest, save_checkpoint
 
 # Each part of a snapshot's directory name stays well inside NAME_MAX (255 bytes) in all.
@@ -72,37 +72,22 @@ def export_snapshot(
 
 
 def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what: str) -> PreTrainedModel:
-    """A copy of ``model``, taken a slice at a time, each under the read side of ``lock``: an
-    update that commits meanwhile waits for one slice, not for the whole copy (its swap runs
-    between two generation steps, which would wait with it), and ends the copy, whose weights are
-    no longer the ones served. Between two slices nothing here views the live weights (a staged
-    swap refuses to leave a tensor it does not know on the old ones).
-
-    ``writes``: ``lock.writes`` when the caller read the record of the weights (``what``).
+    """A copy of ``model``, read in short sections of ``lock`` (``read_in_sections``): an update
+    that commits meanwhile waits for one slice, not for the whole copy (its swap runs between two
+    generation steps, which would wait with it), and ends the copy, whose weights are no longer
+    the ones served.
 
     Raises ConflictError: the weights changed since (and the copy is dropped).
     """
     copied, pairs = _empty_copy(model)
-    for live, target in pairs:
-        # A tensor that is not contiguous is copied whole, in one section.
-        step = _EXPORT_SLICE_BYTES // live.element_size() if live.is_contiguous() else live.numel()
-        for start in range(0, max(live.numel(), 1), max(step, 1)):
-            with lock.read():
-                if lock.writes != writes:
-                    raise ConflictError(
-                        f"the weights changed while they were copied ({what} then); ask again to copy the ones "
-                        "held now",
-                    )
-                with torch.no_grad():
-                    if step >= live.numel():
-                        target.copy_(live)
-                    else:
-                        target.view(-1)[start : start + step].copy_(live.view(-1)[start : start + step])
+    targets = [target.reshape(-1).view(torch.uint8) for _, target in pairs]
+
+    def copy_slice(index: int, start: int, chunk: torch.Tensor) -> None:
+        with torch.no_grad():
+            targets[index][start : start + chunk.numel()].copy_(chunk)
+
+    read_in_sections(lock, [live for live, _ in pairs], writes=writes, what=what, each=copy_slice)
     return copied
-
-
-# What one read section of an export copies: what an update's swap may wait for.
-_EXPORT_SLICE_BYTES = 16 * 1024 * 1024
 
 
 def _empty_copy(model: PreTrainedModel) -> tuple[PreTrainedModel, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -114,7 +99,8 @@ def _empty_copy(model: PreTrainedModel) -> tuple[PreTrainedModel, list[tuple[tor
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in memo:
             continue
-        empty = torch.empty_like(tensor)
+        # Contiguous whatever the live layout: the copy is filled with the bytes in logical order.
+        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         is_parameter = isinstance(tensor, torch.nn.Parameter)
         memo[id(tensor)] = torch.nn.Parameter(empty, requires_grad=tensor.requires_grad) if is_parameter else empty
         pairs.append((tensor, empty))

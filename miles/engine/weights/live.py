@@ -7,6 +7,7 @@ and ``/weights_checker`` record the checksum of what the weights hold.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Callable
@@ -15,15 +16,27 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import torch
+import xxhash
 from transformers import PreTrainedModel
 
 from miles.engine.weights.export import copy_weights, export_snapshot
-from miles.engine.weights.lock import WeightsLock
+from miles.engine.weights.lock import WeightsLock, read_in_sections
 from miles.errors import ConflictError
 from miles.protocol.sglang_weights import ExportWeightsRequest, ExportWeightsResponse, WeightVersionResponse
-from miles.weights.checksum import ModelChecksum, checksum_module
+from miles.weights.checksum import (
+    ModelChecksum,
+    TensorDigest,
+    checksum_from_digests,
+    checksum_module,
+    saved_state_dict,
+)
+from miles.weights.safetensors_io import dtype_name
 
 logger = logging.getLogger("miles.engine")
+
+# Passes of a sectioned checksum that changes may end before it hashes in one section.
+_SECTIONED_TRIES = 3
 
 
 class WeightsStatus(Enum):
@@ -116,9 +129,15 @@ class LiveWeights:
             )
 
     async def checksum(self) -> ModelChecksum:
-        """The checksum of the weights held right now (recomputed, and recorded as theirs)."""
+        """The checksum of the weights held right now (recomputed, and recorded as theirs). Hashed
+        in short read sections (``read_in_sections``), so a change never waits for a whole pass;
+        a change that commits meanwhile makes it hash again, and after ``_SECTIONED_TRIES`` such
+        passes it hashes in one section."""
 
         def compute() -> ModelChecksum:
+            for _ in range(_SECTIONED_TRIES):
+                with contextlib.suppress(ConflictError):  # a change committed meanwhile
+                    return self._hash_in_sections()
             with self.lock.read():
                 result = checksum_module(self.model())
                 # Still under the read lock: no change can write the weights before this is recorded.
@@ -127,11 +146,38 @@ class LiveWeights:
 
         return await asyncio.to_thread(compute)
 
+    def _hash_in_sections(self) -> ModelChecksum:
+        """The checksum of the live weights, each slice hashed in a read section of its own, and
+        recorded unless a change committed meanwhile (ConflictError)."""
+        model = self.model()
+        writes = self.lock.writes
+        with self.lock.read():
+            # The names and layout a checkpoint of the model has, and the model's own tensor
+            # objects behind them (no view of the live memory is held between sections).
+            layout = {name: (t.dtype, tuple(t.shape)) for name, t in saved_state_dict(model).items()}
+        tensors = [_own_tensor(model, name) for name in layout]
+        hashers = [xxhash.xxh3_128() for _ in layout]
+
+        def hash_slice(index: int, start: int, chunk: torch.Tensor) -> None:
+            hashers[index].update(memoryview(chunk.numpy()))  # type: ignore[arg-type]
+
+        read_in_sections(self.lock, tensors, writes=writes, what=f"weights {self._held.version}", each=hash_slice)
+        digests = [
+            TensorDigest(name, dtype_name(dtype), shape, hasher.hexdigest())
+            for (name, (dtype, shape)), hasher in zip(layout.items(), hashers, strict=True)
+        ]
+        result = checksum_from_digests(digests, num_bytes=sum(t.numel() * t.element_size() for t in tensors))
+        with self.lock.read():
+            if self.lock.writes != writes:
+                raise ConflictError("the weights changed while they were hashed")
+            self._held = replace(self._held, checksum=result.checksum)
+        return result
+
     async def export(self, request: ExportWeightsRequest) -> ExportWeightsResponse:
         """Write the weights held now as a sealed checkpoint under ``--snapshot-dir``.
 
         Raises ConflictError (409) when export is not enabled, the weights are unverified, or
-        they changed while they were copied.
+        they changed while they were read.
         """
         snapshot_dir = self._snapshot_dir
         if snapshot_dir is None:
@@ -167,3 +213,11 @@ class LiveWeights:
 
         async with self._export_lock:
             return await asyncio.to_thread(export)
+
+
+def _own_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The model's own parameter or buffer object of checkpoint name ``name`` (not a view)."""
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return model.get_buffer(name)

@@ -8,8 +8,16 @@ generation steps can never starve a weight update.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+
+import torch
+
+from miles.errors import ConflictError
+
+# What one read section of a long read (an export, a checksum) takes of the weights: what a
+# change's swap may wait for (about half a millisecond here).
+READ_SECTION_BYTES = 4 * 1024 * 1024
 
 
 class WeightsLock:
@@ -58,3 +66,36 @@ class WeightsLock:
         sections knows nothing was written between them."""
         with self._cond:
             return self._writes
+
+
+def read_in_sections(
+    lock: WeightsLock,
+    tensors: Sequence[torch.Tensor],
+    *,
+    writes: int,
+    what: str,
+    each: Callable[[int, int, torch.Tensor], None],
+) -> None:
+    """Call ``each(index, start, chunk)`` for every slice of each tensor's bytes (``chunk`` a flat
+    uint8 view of the live bytes from ``start``), each call in a read section of its own: a change
+    waits for one slice, never for the whole read. Between sections nothing here views the live
+    weights (a staged swap refuses to leave a tensor it does not know on the old ones), so
+    ``each`` must not keep ``chunk``. ``tensors`` are the model's own tensor objects, which a swap
+    re-points: a write between two sections would make a torn read, so the read ends instead.
+
+    ``writes``: ``lock.writes`` when the caller read the record of the weights (``what``).
+    Raises ConflictError: the weights changed since.
+    """
+    for index, live in enumerate(tensors):
+        nbytes = live.numel() * live.element_size()
+        # A tensor that is not contiguous is read whole, in one section.
+        step = READ_SECTION_BYTES if live.is_contiguous() else max(nbytes, 1)
+        for start in range(0, nbytes, step):
+            with lock.read():
+                if lock.writes != writes:
+                    raise ConflictError(
+                        f"the weights changed while they were read ({what} then); ask again to read the ones held now"
+                    )
+                raw = live.detach().contiguous().reshape(-1).view(torch.uint8)
+                each(index, start, raw[start : start + step])
+                del raw

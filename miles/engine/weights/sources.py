@@ -2,7 +2,8 @@
 verified whole and matched against the live model while generation goes on (a refused one never
 touches the weights), or pushed buckets whose tensors the model has. Files are read, never
 memory-mapped (a mapped file cut short kills the process with SIGBUS): one that changes after the
-verification makes a stage whose checksum cannot match, never a crash.
+verification makes a stage whose checksum cannot match, never a crash. A pushed bucket is in
+memory already, or arrives by broadcast as it is written (``PushedBucket``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
+from miles.engine.weights.stage import Stage
 from miles.errors import (
     CheckpointError,
     InvalidRequestError,
@@ -21,7 +24,7 @@ from miles.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
-from miles.weights.buckets import BucketEntry
+from miles.weights.buckets import BucketEntry, Received
 from miles.weights.checkpoint import CheckpointReader, open_checkpoint, verify_checkpoint_or_raise
 from miles.weights.checksum import saved_state_dict
 from miles.weights.manifest import manifest_from_files
@@ -86,11 +89,22 @@ def checkpoint_path(raw: str, *, roots: tuple[Path, ...]) -> Path:
 
 @dataclass
 class VerifiedCheckpoint:
-    """A checkpoint verified whole and matched against the live model: what a load writes."""
+    """A checkpoint matched against the live model: what a load writes. Its bytes were verified
+    whole as it was opened, or (``deferred``) are verified tensor by tensor as they are staged:
+    a stage beside the live weights can be written before its bytes are known good, so a staged
+    load reads the checkpoint once instead of twice."""
 
     reader: CheckpointReader
-    checkpoint_checksum: str  # the model checksum its files hashed to
+    checkpoint_checksum: str  # the model checksum its files hash to (deferred: once staged whole)
     timings: dict[str, float]  # seconds to open, verify and match it
+    deferred: bool = False
+
+    def write(self, stage: Stage) -> None:
+        """Stage every tensor; a deferred verification raises CheckpointVerificationError naming
+        the tensors whose bytes differ from the manifest."""
+        digests = stage.write_checkpoint(self.reader)
+        if self.deferred:
+            self.reader.check_digests(digests).raise_for_problems(limit=5)
 
     def __enter__(self) -> VerifiedCheckpoint:
         return self
@@ -100,11 +114,18 @@ class VerifiedCheckpoint:
 
 
 def open_verified(
-    model: torch.nn.Module, checkpoint: Path, *, expected_checksum: str | None = None, weight_version: str | None = None
+    model: torch.nn.Module,
+    checkpoint: Path,
+    *,
+    expected_checksum: str | None = None,
+    weight_version: str | None = None,
+    defer: bool = False,
 ) -> VerifiedCheckpoint:
     """Open ``checkpoint``, verify it whole (against its manifest, whose checksum must be
     ``expected_checksum`` when given; a plain Hugging Face directory is hashed into a manifest that
-    must carry it, and needs a ``weight_version``) and match it against ``model``'s tensors.
+    must carry it, and needs a ``weight_version``) and match it against ``model``'s tensors. With
+    ``defer``, a sealed checkpoint's bytes are left to be verified as they are written
+    (``VerifiedCheckpoint.write``): only its structure is checked here.
     Raises CheckpointError naming what is wrong: UnexpectedChecksumError for another checkpoint
     than expected, IncompatibleCheckpointError for other names, shapes or dtypes than the model's.
     """
@@ -124,9 +145,10 @@ def open_verified(
         # checkpoint is refused like any other bad one, never a failure of the engine.
         raise _unreadable(checkpoint, exc) from exc
     opened = time.perf_counter()
+    deferred = defer and not plain  # a plain directory's files were hashed as it was opened
     try:
         manifest = reader.manifest
-        if not plain:  # a plain directory's files were hashed as it was opened
+        if not plain:
             if expected_checksum is not None and expected_checksum != manifest.checksum:
                 # Refused before hashing: whatever the files hold, this is not the checkpoint asked for.
                 raise UnexpectedChecksumError(  # noqa: TRY301  # the except below closes the reader, re-raises
@@ -137,7 +159,7 @@ def open_verified(
                     manifest=manifest.checksum,
                     path=str(checkpoint),
                 )
-            reader.verify().raise_for_problems(limit=5)
+            reader.verify(digests=not deferred).raise_for_problems(limit=5)
         verified = time.perf_counter()
         _match(signature(model), reader, checkpoint)
     except OSError as exc:
@@ -147,8 +169,8 @@ def open_verified(
         reader.close()
         raise
     timings = {"open": opened - started, "verify": verified - opened, "match": time.perf_counter() - verified}
-    # Verified without a problem, the files hash to their manifest's checksum.
-    return VerifiedCheckpoint(reader=reader, checkpoint_checksum=manifest.checksum, timings=timings)
+    # Verified without a problem (or once staged), the files hash to their manifest's checksum.
+    return VerifiedCheckpoint(reader=reader, checkpoint_checksum=manifest.checksum, timings=timings, deferred=deferred)
 
 
 def _open_plain(checkpoint: Path, *, expected_checksum: str | None, weight_version: str | None) -> CheckpointReader:
@@ -204,6 +226,40 @@ def _match(layout: Signature, reader: CheckpointReader, checkpoint: Path) -> Non
                 expected=f"{dtype_name(dtype)}{list(shape)}",
                 actual=f"{dtype_name(info.dtype)}{list(info.shape)}",
             )
+
+
+class PushedBucket(Protocol):
+    """One bucket of a push, as a change takes it: its tensors, and how they get into a stage."""
+
+    @property
+    def entries(self) -> Mapping[str, BucketEntry]: ...
+
+    def prepare(self, *, in_place: bool) -> None:
+        """Before the change writes (off the write lock): in place, have every byte here and
+        checked against its digest (InvalidRequestError), so a bad tensor never reaches the live
+        weights."""
+
+    def write(self, stage: Stage) -> None:
+        """Write every tensor into ``stage``, each checked against its digest over the bytes
+        written (InvalidRequestError)."""
+
+
+@dataclass(frozen=True)
+class InMemory:
+    """A bucket whose bytes are all here (a mapped segment, a receive buffer)."""
+
+    received: Received
+
+    @property
+    def entries(self) -> Mapping[str, BucketEntry]:
+        return self.received.entries
+
+    def prepare(self, *, in_place: bool) -> None:
+        if in_place:
+            self.received.verify()
+
+    def write(self, stage: Stage) -> None:
+        stage.write_bucket(self.received)
 
 
 def check_pushed(entries: Iterable[BucketEntry], live: Signature) -> None:

@@ -15,15 +15,9 @@ from typing import ClassVar
 import torch
 
 from miles.errors import UnsupportedTensorError
-from miles.weights.buckets import BucketEntry, Received, copy_and_digest
-from miles.weights.checksum import (
-    ModelChecksum,
-    TensorDigest,
-    checksum_from_digests,
-    copy_and_checksum,
-    digest_tensor,
-    saved_state_dict,
-)
+from miles.weights.buckets import Received, copy_and_digest
+from miles.weights.checksum import ModelChecksum, TensorDigest, checksum_from_digests, digest_tensor, saved_state_dict
+from miles.weights.reader import CheckpointReader
 from miles.weights.safetensors_io import dtype_name
 
 # Below this many bytes a bucket is written on one thread: more cost more than they save.
@@ -69,6 +63,12 @@ class Stage:
     ) -> str:
         """``write`` for a source that copies itself: ``copy(target)`` fills the staged tensor of
         ``name`` (checked first as ``write`` checks it) and returns the digest of what it wrote."""
+        return self.record(name, copy(self.target(name, dtype, shape)))
+
+    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The staged tensor of ``name``, for a source that fills it itself and then ``record``s
+        the digest of what it wrote (until then the stage knows nothing of its bytes). Raises as
+        ``write``."""
         self._require_open()
         live = self._layout.get(name)
         if live is None:
@@ -81,31 +81,49 @@ class Stage:
                 staged=f"{dtype_name(dtype)}{list(shape)}",
             )
         self._checksum = None
-        digest = self._digests[name] = copy(self._target(name))
+        self._digests.pop(name, None)
+        return self._target(name)
+
+    def record(self, name: str, digest: str) -> str:
+        """Note that the staged tensor of ``name`` now holds bytes of digest ``digest``."""
+        self._digests[name] = digest
         return digest
 
-    def write_all(self, source: Callable[[str], torch.Tensor]) -> None:
-        """Stage ``source(name)`` for every name in ``names``."""
-        for name in self.names:
-            self.write(name, source(name))
+    def write_checkpoint(self, reader: CheckpointReader) -> dict[str, str]:
+        """Stage every tensor of ``reader`` (the names ``names`` lists) and return the digests of
+        the bytes read; each tensor is read a slice at a time, each slice hashed and copied while
+        in cache."""
+        digests: dict[str, str] = {}
+
+        def one(name: str, nbytes: int) -> None:
+            info = reader.info(name)
+            digests[name] = self.write_with(name, info.dtype, info.shape, functools.partial(reader.copy_into, name))
+
+        self._each([(name, reader.info(name).nbytes) for name in self.names], one)
+        return digests
 
     def write_bucket(self, bucket: Received) -> None:
         """Stage every tensor of ``bucket``, each checked against its digest over the bytes staged
-        (InvalidRequestError). A large bucket is written on torch's number of threads (the copy and
-        the hash release the GIL), largest first; the first that fails stops the others."""
-        items = sorted(bucket.entries.values(), key=lambda entry: entry.nbytes, reverse=True)
+        (InvalidRequestError)."""
 
-        def one(entry: BucketEntry) -> None:
-            copy = functools.partial(bucket.copy_into, entry.name)
-            bucket.check(entry.name, self.write_with(entry.name, entry.torch_dtype(), entry.shape, copy))
+        def one(name: str, nbytes: int) -> None:
+            entry = bucket.entries[name]
+            copy = functools.partial(bucket.copy_into, name)
+            bucket.check(name, self.write_with(name, entry.torch_dtype(), entry.shape, copy))
 
+        self._each([(e.name, e.nbytes) for e in bucket.entries.values()], one)
+
+    def _each(self, items: list[tuple[str, int]], job: Callable[[str, int], None]) -> None:
+        """``job(name, nbytes)`` for every item: a large write on torch's number of threads (the
+        copy and the hash release the GIL), largest first; the first that fails stops the others."""
+        items = sorted(items, key=lambda item: item[1], reverse=True)
         threads = min(torch.get_num_threads(), len(items))
-        if threads < 2 or sum(e.nbytes for e in items) < _PARALLEL_WRITE_BYTES:
-            for entry in items:
-                one(entry)
+        if threads < 2 or sum(nbytes for _, nbytes in items) < _PARALLEL_WRITE_BYTES:
+            for name, nbytes in items:
+                job(name, nbytes)
             return
         with ThreadPoolExecutor(threads, thread_name_prefix="miles-stage") as pool:
-            writes = [pool.submit(one, entry) for entry in items]
+            writes = [pool.submit(job, name, nbytes) for name, nbytes in items]
             try:
                 for done in writes:
                     done.result()
@@ -168,19 +186,12 @@ class LiveStage(Stage):
     """The live tensors of ``model`` as a stage: nothing to swap."""
 
     in_place = True
-    phases = ("copy", "checksum")
+    # A change in place hashes each slice as it copies it: one phase, however many writes it takes.
+    phases = ("copy_and_checksum", "copy_and_checksum")
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._live = saved_state_dict(model)
         super().__init__({name: (t.dtype, tuple(t.shape)) for name, t in self._live.items()})
-
-    def write_all(self, source: Callable[[str], torch.Tensor]) -> None:
-        # One thread: the caller is the engine's torch thread (see scheduler.py), and copy_ still
-        # uses its intra-op threads; each slice is hashed right after it is written.
-        self._require_open()
-        self._checksum = None
-        written = copy_and_checksum(self._live, source, threads=1)
-        self._digests.update({name: d.digest for name, d in written.tensors.items()})
 
     def _target(self, name: str) -> torch.Tensor:
         return self._live[name]

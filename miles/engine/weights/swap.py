@@ -22,6 +22,7 @@ from miles.engine.scheduler import GenerationState, Pauser, Scheduler
 from miles.engine.weights.buffers import StagingPolicy, StagingRefusedError
 from miles.engine.weights.live import HeldWeights, LiveWeights, WeightsStatus
 from miles.engine.weights.sources import (
+    PushedBucket,
     Signature,
     UnexpectedChecksumError,
     check_pushed,
@@ -40,7 +41,7 @@ from miles.protocol.sglang_weights import (
     UpdateWeightsResponse,
     UpdateWeightVersionRequest,
 )
-from miles.weights.buckets import BucketTable, Received
+from miles.weights.buckets import BucketTable
 from miles.weights.checksum import ModelChecksum
 
 logger = logging.getLogger("miles.engine")
@@ -111,24 +112,29 @@ class WeightChanges:
         async with self._lock:
             self._drop()  # a push that never finished (or was never activated) is superseded
             model = self._weights.model()
+            opening = time.perf_counter()
+            change = _Change(await asyncio.to_thread(self._staging.open_stage, model))
+            opened = time.perf_counter() - opening
             try:
+                # Beside the live weights, the bytes are verified as they are staged (one read of
+                # the checkpoint); in place, they are verified whole before anything is copied.
                 checkpoint = await asyncio.to_thread(
                     open_verified,
                     model,
                     path,
                     expected_checksum=request.expected_checksum,
                     weight_version=request.weight_version,
+                    defer=not change.stage.in_place,
                 )
             except CheckpointError as exc:
+                self._drop(change)
                 logger.warning("refused checkpoint %s: %s", path, exc)
                 computed = exc.computed if isinstance(exc, UnexpectedChecksumError) else None
                 return self._answer(Outcome(False, str(exc)), {}, checkpoint_checksum=computed)
             with checkpoint:
                 reader, timings = checkpoint.reader, checkpoint.timings
-                opening = time.perf_counter()
-                change = _Change(await asyncio.to_thread(self._staging.open_stage, model))
                 if not change.stage.in_place:
-                    timings["stage_open"] = time.perf_counter() - opening
+                    timings["stage_open"] = opened
                 target = Target(
                     version=request.weight_version or reader.manifest.weight_version,
                     checksum=reader.manifest.checksum,
@@ -136,27 +142,20 @@ class WeightChanges:
                     mismatch="the files changed after they were verified",
                     loaded_from=Path(reader.directory),
                 )
-
-                def write(stage: Stage) -> None:
-                    stage.write_all(reader.tensor)
-
                 try:
                     outcome = await self._run(
                         change,
-                        write,
+                        checkpoint.write,
                         target=target,
                         what=f"checkpoint {reader.directory}",
                         timings=timings,
                         mode=_mode(abort=request.abort_all_requests),
                         source="update_weights_from_disk",
                         keep=request.keep_pause,
-                        again=write,
+                        again=checkpoint.write,
                     )
                 finally:
                     change.stage.discard()  # a no-op once activated
-            if "copy" in timings:
-                # A load in place hashes every slice as it copies it: one phase, as answers name it.
-                timings["copy_and_checksum"] = timings.pop("copy") + timings.pop("checksum", 0.0)
             return self._answer(outcome, timings, checkpoint_checksum=checkpoint.checkpoint_checksum)
 
     def check_table(self, table: BucketTable) -> None:
@@ -164,14 +163,15 @@ class WeightChanges:
         its dtype and shape (checked before anything is received or allocated)."""
         check_pushed(table.entries, self._signature)
 
-    async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
+    async def apply_pushed(self, bucket: PushedBucket, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
         """Take one bucket of pushed tensors into the stage of its change; the last one
         (``expected_checksum`` given) is confirmed over the whole model before the weights serve.
         In place, generation stays paused, the weights unverified, until a last bucket matches.
 
         Raises InvalidRequestError for a tensor the model does not have (or not of that dtype and
-        shape) and for bytes that differ from their digest (the push is dropped); ConflictError
-        for a push that must stage (``activate=False``) on an engine that cannot stage now.
+        shape) and for bytes that differ from their digest, ConflictError for a push that must
+        stage (``activate=False``) on an engine that cannot stage now and for bytes that never
+        came; either way the push is dropped.
         """
         if request.expected_checksum is not None and request.weight_version is None:
             raise InvalidRequestError(
@@ -198,12 +198,10 @@ class WeightChanges:
                 target = Target(request.weight_version, request.expected_checksum, source=source, mismatch=missing)
             timings: dict[str, float] = {}
             try:
-                if change.stage.in_place:
-                    # Checked before anything is copied: a bad tensor must never reach the live weights.
-                    await asyncio.to_thread(bucket.verify)
+                await asyncio.to_thread(bucket.prepare, in_place=change.stage.in_place)
                 outcome = await self._run(
                     change,
-                    lambda stage: stage.write_bucket(bucket),
+                    bucket.write,
                     target=target,
                     what=f"{len(bucket.entries)} tensors",
                     timings=timings,
@@ -211,7 +209,7 @@ class WeightChanges:
                     source=source,
                     activate=request.activate,
                 )
-            except InvalidRequestError:
+            except (InvalidRequestError, ConflictError):
                 self._drop()
                 raise
             return self._answer(outcome, timings)
@@ -281,7 +279,8 @@ class WeightChanges:
                 hashed = target is not None
                 checksum = await asyncio.to_thread(self._write, stage, write, hashed=hashed, timings=timings)
             except (OSError, CheckpointError) as exc:
-                # The files became unreadable after they were verified; the live weights never changed.
+                # Bytes that differ from the manifest (verified as they were staged), or files that
+                # became unreadable after they were opened: the live weights never changed.
                 self._drop(change)
                 logger.warning("refused staged update: %s could not be staged: %s", what, exc)
                 return Outcome(False, f"{what} could not be staged: {exc}")
@@ -317,11 +316,11 @@ class WeightChanges:
         started = time.perf_counter()
         write(stage)
         written = time.perf_counter()
-        timings[stage.phases[0]] = written - started
+        timings[stage.phases[0]] = timings.get(stage.phases[0], 0.0) + written - started
         if not hashed:
             return None
         checksum = stage.checksum()
-        timings[stage.phases[1]] = time.perf_counter() - written
+        timings[stage.phases[1]] = timings.get(stage.phases[1], 0.0) + time.perf_counter() - written
         return checksum
 
     def _write_in_place(

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from miles.errors import InvalidRequestError
 from miles.weights.buckets import BucketTable
 from miles.weights.transport.cuda_ipc import CudaIpcHandle
+from miles.weights.transport.segments import SegmentRef
 
 # A bucket in a shared-memory segment on the engine's node, its table as JSON.
 SHM_LOAD_FORMAT = "miles_shm"
@@ -41,13 +42,13 @@ class _BucketDocument(BaseModel):
 
 
 class ShmDocument(_BucketDocument):
-    """``{"shm": NAME, "table": ...}``: the bucket's tensors lie at their table's offsets in the
-    segment ``/dev/shm/NAME`` (``miles.weights.transport.segments``)."""
+    """``{"shm": {"pid", "fd", "name"}, "table": ...}``: the bucket's tensors lie at their table's
+    offsets in a shared-memory segment on the engine's node (``miles.weights.transport.segments``)."""
 
     load_format: ClassVar[str] = SHM_LOAD_FORMAT
     where: ClassVar[str] = "shm"
 
-    shm: str
+    shm: SegmentRef
 
 
 class CudaIpcDocument(_BucketDocument):

@@ -89,13 +89,17 @@ def broadcast(group: Any, tensors: Sequence[torch.Tensor], *, timeout_s: float) 
     others), all queued before the first wait. The first broadcast still waiting bounds the whole:
     a sender that stops stops them all. Raises RuntimeError or ``dist.DistError`` when one does
     not complete within ``timeout_s``."""
-    timeout = timedelta(seconds=timeout_s)
+    for work in start_broadcasts(group, tensors, timeout_s=timeout_s):
+        work.wait(timedelta(seconds=timeout_s))
+
+
+def start_broadcasts(group: Any, tensors: Sequence[torch.Tensor], *, timeout_s: float) -> list[Any]:
+    """Queue a broadcast from rank 0 of each of ``tensors``, in order; one work per tensor to
+    ``wait(timedelta(seconds=timeout_s))`` on (its tensor holds the bytes once it returns)."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    options.timeout = timeout
-    works = [group.broadcast([tensor], options) for tensor in tensors]
-    for work in works:
-        work.wait(timeout)
+    options.timeout = timedelta(seconds=timeout_s)
+    return [group.broadcast([tensor], options) for tensor in tensors]
 
 
 class Rank0:

@@ -1,15 +1,17 @@
-"""Shared-memory segments: the files in /dev/shm that pushes on one node carry weights in.
+"""Shared-memory segments: the memory pushes on one node carry weights in.
 
 Both ends use this module: the trainer makes a segment (``Segment``) and writes buckets (or its
-model's weights) into it; an engine opens it read-only (``open_segment``) and reads the tensors.
+model's weights) into it; an engine maps it read-only (``SegmentMaps``) and copies the tensors
+out at memory speed.
 
-Who made a segment, and whether it is still alive, is told by a lock, not a process id: the
-maker holds a shared ``flock`` on its segment for as long as it lives, and the kernel drops it
-when the process dies, however it dies (kill -9 included), in any PID namespace that shares
-the node's /dev/shm. ``sweep`` removes every segment nobody holds: the leftovers of dead
-makers. Engines sweep when a training window closes (whoever closed it), and every new segment
-sweeps first, so a dead trainer's memory (a whole copy of the model, for a shared-weights push)
-does not outlive its window.
+A segment is an anonymous memory file (``memfd_create``) sealed against shrinking and growing
+before anyone else sees it, named on the wire by its maker's process id and descriptor
+(``SegmentRef``) and opened through ``/proc/<pid>/fd/<fd>``. The seal is what lets an engine map
+it: a mapped file cut short kills its reader (SIGBUS) at the first touch of a page past the new
+end, and a sealed segment can never be cut; an unsealed one is refused. Memory files have no name
+in any directory, so nothing outlives its users: the memory goes back to the system once the
+maker's descriptor and every mapping of it are gone, however the maker died (kill -9 included),
+and engines let go of the mappings whose maker is gone each time a training window ends.
 """
 
 from __future__ import annotations
@@ -17,67 +19,90 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import logging
 import mmap
 import os
 import re
 import stat
+import threading
+import time
 import uuid
+import warnings
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from miles.errors import InvalidRequestError, NotFoundError, PublishError
+from miles.utils.memory import available_host_memory
 
-logger = logging.getLogger("miles.weights")
-
-SHM_DIR = Path("/dev/shm")
 PREFIX = "miles-"
 # A segment's name as pushes carry it: matched whole (a trailing newline is no name).
 NAME = re.compile(r"miles-[A-Za-z0-9_.-]{1,200}")
-# What to do when /dev/shm is too small for a segment.
-MORE_ROOM = "give it more room (a container's --shm-size), lower bucket_bytes, or push with path='distributed'"
+# The seals a segment must carry before an engine maps it: it can neither be cut nor grow.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# Where a process's descriptors are reachable by other processes of the same user.
+PROC = Path("/proc")
+
+
+def available() -> bool:
+    """Whether this machine makes segments (Linux memory files, reachable through /proc)."""
+    return hasattr(os, "memfd_create") and (PROC / "self" / "fd").is_dir()
+
+
+class SegmentRef(BaseModel):
+    """A segment as a push names it: its maker's process, the maker's descriptor of it, its name."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    pid: Annotated[int, Field(gt=0, lt=2**31)]
+    fd: Annotated[int, Field(ge=0, lt=2**31)]
+    name: Annotated[str, Field(pattern=NAME.pattern, max_length=205)]
+
+    @property
+    def path(self) -> Path:
+        return PROC / str(self.pid) / "fd" / str(self.fd)
 
 
 class Segment:
-    """A shared-memory segment of this process's (``/dev/shm/miles-<pid>-...``), removed by
-    ``close``, or at interpreter exit if nobody closed it (its memory stays mapped while a tensor
-    views it). A process killed outright leaves it to the next ``sweep``.
+    """A shared-memory segment of this process's, sealed at ``size`` bytes; ``close`` (or the
+    segment's collection) drops this process's descriptor, and the memory goes once no mapping of
+    it is left (a tensor viewing ``flat`` keeps it, as an engine's mapping does).
 
-    Its pages are reserved when it is made: a /dev/shm too small for it is a PublishError here,
-    not a SIGBUS at the first write past what it can hold."""
+    Its pages are reserved when it is made: memory that cannot be had is a PublishError here,
+    not a SIGBUS at the first write past what the system can give."""
 
     def __init__(self, size: int) -> None:
-        sweep()
         self.size = size
         self.name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.path = SHM_DIR / self.name
-        room = _room(SHM_DIR)
+        room = available_host_memory()
         if room is not None and size > room:
-            raise PublishError(f"{SHM_DIR} has room for {room} bytes, not the {size} a push needs there: {MORE_ROOM}")
-        # Made under a name no sweep looks at, locked, then renamed: a sweep never sees it unlocked.
-        making = SHM_DIR / f".{self.name}"
-        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            # Reserving more than there is would not fail: the system would kill processes to make room.
+            raise PublishError(
+                f"a push needs {size} bytes of shared memory, but {room} are available: free memory, "
+                "lower bucket_bytes, or push with path='distributed'"
+            )
+        fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
             try:
-                # Pages taken now: one that cannot be had later would be a SIGBUS at its first write.
                 os.posix_fallocate(fd, 0, max(size, 1))
             except OSError as exc:
-                why = f"{SHM_DIR} cannot hold the {size} bytes of a push ({exc.strerror})"
-                raise PublishError(f"{why}: {MORE_ROOM}") from None
-            self._map = mmap.mmap(fd, max(size, 1))
-            os.rename(making, self.path)
+                raise PublishError(
+                    f"shared memory for the {size} bytes of a push cannot be had ({exc.strerror}): free memory, "
+                    "lower bucket_bytes, or push with path='distributed'"
+                ) from None
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            # Mapped by path, which keeps no descriptor of its own (a Python mmap would keep a
+            # copy of ``fd``): once ``close`` drops ``fd``, the tensors viewing it are all that hold it.
+            self.flat = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=max(size, 1), dtype=torch.uint8)
         except BaseException:
-            making.unlink(missing_ok=True)
             os.close(fd)
             raise
-        # The descriptor holds the lock that says this segment's maker lives: kept until ``close``.
-        self._fd: int | None = fd
-        self.flat = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.ref = SegmentRef(pid=os.getpid(), fd=fd, name=self.name)
         self.base = self.flat.data_ptr()
-        self._finalizer = weakref.finalize(self, _remove, self.path, fd)
+        self._finalizer = weakref.finalize(self, _close_soon, fd)
 
     def offset_of(self, tensor: torch.Tensor) -> int | None:
         """Where ``tensor``'s bytes start in this segment, when they lie in it back to back."""
@@ -94,108 +119,147 @@ class Segment:
         return tensor.device.type == "cpu" and self.base <= start < self.base + self.size
 
     def close(self) -> None:
-        """Remove the file. The memory is unmapped once no tensor views it: tensors hold the map,
-        and closing it under them would leave them pointing at nothing."""
+        """Drop the descriptor. The memory is unmapped once no tensor views it: tensors hold the
+        map, and closing it under them would leave them pointing at nothing."""
         self._finalizer()
 
 
-def _remove(path: Path, fd: int) -> None:
-    """Remove a segment's file and drop its lock. Run by ``close``, when the segment is collected,
-    or at exit. A collection can happen on a running event loop, where the file system call (and
-    the pages its removal frees) goes to the loop's executor instead: handed over by the loop, not
-    from here, because a collection can also happen inside that executor's ``submit``, which
-    holds a lock that submitting from here would wait on forever."""
+def _close_soon(fd: int) -> None:
+    """Close a segment's descriptor: run by ``close``, when the segment is collected, or at exit.
+    The last reference to a segment's memory frees its pages, which takes a while for a model's
+    worth: on a running event loop the close goes to the loop's executor, handed over by the
+    loop, not from here (a collection can happen inside that executor's ``submit``, which holds a
+    lock that submitting from here would wait on forever)."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         loop = None
     if loop is not None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: remove it here
-            loop.call_soon_threadsafe(_unlink_off_loop, loop, path, fd)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: close it here
+            loop.call_soon_threadsafe(_close_off_loop, loop, fd)
             return
-    _unlink(path, fd)
+    _close(fd)
 
 
-def _unlink_off_loop(loop: asyncio.AbstractEventLoop, path: Path, fd: int) -> None:
+def _close_off_loop(loop: asyncio.AbstractEventLoop, fd: int) -> None:
     try:
-        loop.run_in_executor(None, _unlink, path, fd)
+        loop.run_in_executor(None, _close, fd)
     except RuntimeError:  # the loop's executor is shut down
-        _unlink(path, fd)
+        _close(fd)
 
 
-def _unlink(path: Path, fd: int) -> None:
-    path.unlink(missing_ok=True)
+def _close(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
 
 
-def _room(directory: Path) -> int | None:
-    """Bytes that can still be written under ``directory`` (None when unknown)."""
-    try:
-        status = os.statvfs(directory)
-    except OSError:
-        return None
-    return status.f_bavail * status.f_frsize
+@dataclass(frozen=True)
+class _Mapped:
+    ref: SegmentRef
+    inode: tuple[int, int]  # (device, inode): the same memory file, whatever descriptor names it
+    flat: torch.Tensor  # the whole segment, read-only (a write would fault, never reach the maker)
 
 
-def open_segment(name: str, needed: int) -> tuple[int, int]:
-    """An open descriptor of segment ``name`` and its size, refused unless it is a regular file
-    under /dev/shm holding at least ``needed`` bytes."""
-    if not NAME.fullmatch(name):
-        raise InvalidRequestError(f"shared-memory segment names start with {PREFIX!r} (letters, digits, ._-): {name!r}")
-    path = SHM_DIR / name
-    try:
-        # Non-blocking: opening a FIFO for reading would wait for a writer that may never come.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise NotFoundError(
-            f"no shared-memory segment {name!r} on this node: the sender must run on the engine's node"
-        ) from None
-    except OSError as exc:
-        raise InvalidRequestError(f"shared-memory segment {name!r} cannot be opened: {exc.strerror}") from None
-    status = os.fstat(fd)
-    problem = None
-    if not stat.S_ISREG(status.st_mode):
-        problem = (
-            f"{name!r} in {SHM_DIR} is not a shared-memory segment (not a regular file); "
-            "push from miles.train.push.PushPublisher, which creates one"
-        )
-    elif status.st_size < needed or status.st_size == 0:
-        problem = f"segment {name!r} holds {status.st_size} bytes, fewer than the {needed} its table describes"
-    if problem is not None:
-        os.close(fd)
-        raise InvalidRequestError(problem)
-    return fd, status.st_size
+class SegmentMaps:
+    """An engine's mappings of the segments pushes name, kept from one push to the next: the first
+    read of a mapped page faults it into this process (about 70 ms per GB here), which a trainer
+    that keeps its segments pays once. ``forget_gone`` lets go of those whose maker dropped them."""
 
+    def __init__(self, *, forget_every_s: float | None = None) -> None:
+        self._maps: dict[SegmentRef, _Mapped] = {}
+        self._lock = threading.Lock()  # pushes map on worker threads while another thread forgets
+        if forget_every_s is not None:
+            # A trainer that exits after its last push ends no window: its segments are let go
+            # within this many seconds instead of at the next window's end.
+            threading.Thread(
+                target=self._forget_gone_every, args=(forget_every_s,), name="miles-segments", daemon=True
+            ).start()
 
-def sweep() -> list[str]:
-    """Remove every segment whose maker is gone (nobody holds its lock); returns their names.
-
-    Safe against every other party: a live maker holds its lock, so its segments stay; a reader
-    in the middle of a push keeps its descriptor, so the bytes it reads stay until it closes it."""
-    removed = []
-    for path in SHM_DIR.glob(f"{PREFIX}*"):
-        if not NAME.fullmatch(path.name):
-            continue
+    def flat(self, ref: SegmentRef, needed: int) -> torch.Tensor:
+        """The bytes of segment ``ref`` (read-only), refused unless it is a sealed memory file of
+        miles' holding at least ``needed`` bytes. Raises NotFoundError when no such process or
+        descriptor exists on this node, InvalidRequestError for anything else."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue  # gone meanwhile, or not ours to open
+            # Non-blocking: opening a FIFO for reading would wait for a writer that may never come.
+            fd = os.open(ref.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"no shared-memory segment {ref.name!r} (process {ref.pid}, descriptor {ref.fd}) on this node: "
+                "the sender must run on the engine's node, in its process namespace"
+            ) from None
+        except OSError as exc:
+            raise InvalidRequestError(f"shared-memory segment {ref.name!r} cannot be opened: {exc.strerror}") from None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its maker lives
-            # Unlocked: nobody holds it (a maker locks its segment before giving it this name,
-            # which no other segment ever has).
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-        except OSError:
-            continue
+            status = os.fstat(fd)
+            inode = (status.st_dev, status.st_ino)
+            with self._lock:
+                known = self._maps.get(ref)
+            if known is not None and known.inode == inode and known.flat.numel() >= needed:
+                return known.flat
+            _check(fd, ref, status, needed)
+            with warnings.catch_warnings():
+                # torch warns that the buffer is not writable: nothing here writes to it.
+                warnings.simplefilter("ignore", UserWarning)
+                # Mapped whole but faulted in only where tensors are read: a sparse segment far
+                # larger than its tensors costs their bytes, not its size.
+                mapped = mmap.mmap(fd, status.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                flat = torch.frombuffer(mapped, dtype=torch.uint8)
         finally:
             os.close(fd)
-    if removed:
-        logger.info("removed %d shared-memory segment(s) left by pushers that died: %s", len(removed), removed)
-    return removed
+        with self._lock:
+            self._maps[ref] = _Mapped(ref, inode, flat)
+        return flat
+
+    def forget_gone(self) -> list[str]:
+        """Let go of the segments whose maker no longer holds them (it closed them, or died);
+        returns their names. Their memory goes once no tensor of this process views it either."""
+        with self._lock:
+            known = dict(self._maps)
+        gone = [ref for ref, mapped in known.items() if _inode(ref) != mapped.inode]
+        with self._lock:
+            for ref in gone:
+                if self._maps.get(ref) is known[ref]:  # not mapped again meanwhile
+                    del self._maps[ref]
+        return [ref.name for ref in gone]
+
+    def _forget_gone_every(self, seconds: float) -> None:
+        while True:
+            time.sleep(seconds)
+            self.forget_gone()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._maps.clear()
+
+
+def _inode(ref: SegmentRef) -> tuple[int, int] | None:
+    try:
+        status = os.stat(ref.path)
+    except OSError:
+        return None
+    return (status.st_dev, status.st_ino)
+
+
+def _check(fd: int, ref: SegmentRef, status: os.stat_result, needed: int) -> None:
+    """Raise InvalidRequestError unless ``fd`` is a sealed miles segment of at least ``needed`` bytes."""
+    problem = None
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        target = ""
+    if not stat.S_ISREG(status.st_mode) or target != f"/memfd:{ref.name} (deleted)":
+        problem = (
+            f"process {ref.pid}'s descriptor {ref.fd} is not the shared-memory segment {ref.name!r}; push from "
+            "miles.train.push.PushPublisher, which makes one"
+        )
+    else:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if not seals & fcntl.F_SEAL_SHRINK:
+            problem = f"segment {ref.name!r} is not sealed against shrinking; make it with miles' Segment"
+        elif status.st_size < needed or status.st_size == 0:
+            problem = f"segment {ref.name!r} holds {status.st_size} bytes, fewer than the {needed} its table describes"
+    if problem is not None:
+        raise InvalidRequestError(problem)

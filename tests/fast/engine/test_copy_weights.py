@@ -1,13 +1,19 @@
-"""Copying an engine's weights for export, a slice at a time under the read side of its lock."""
+"""Reading an engine's weights whole (an export's copy, a checksum), a slice at a time under the
+read side of its lock."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from miles.engine.weights.export import copy_weights
+from miles.engine.weights.live import LiveWeights
 from miles.engine.weights.lock import WeightsLock
 from miles.errors import ConflictError
 from miles.models.presets import build_model
@@ -30,7 +36,7 @@ def test_the_copy_holds_the_same_weights_in_memory_of_its_own_and_keeps_ties() -
 def test_a_write_meanwhile_waits_for_one_slice_and_ends_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer gets the lock between two slices, long before the copy would have ended; the
     copy then refuses to go on with weights that are no longer the ones it started from."""
-    monkeypatch.setattr("miles.engine.weights.export._EXPORT_SLICE_BYTES", 64)  # thousands of read sections
+    monkeypatch.setattr("miles.engine.weights.lock.READ_SECTION_BYTES", 64)  # thousands of read sections
     model = build_model("tiny", seed=3)
     lock = WeightsLock()
     writes = lock.writes
@@ -54,7 +60,7 @@ def test_a_write_meanwhile_waits_for_one_slice_and_ends_the_copy(monkeypatch: py
     assert not copier.is_alive()
     if "copied" in outcome:
         pytest.fail("the copy ended before the writer could take the lock once: make the model larger")
-    assert "weights changed while they were copied (weights 1 then)" in str(outcome["refused"])
+    assert "weights changed while they were read (weights 1 then)" in str(outcome["refused"])
     # The copy noticed the write after it: the writer did not wait for the copy to end.
     assert outcome["writer_was_done"] is True
 
@@ -67,3 +73,44 @@ def test_a_write_before_the_copy_starts_is_noticed_at_its_first_slice() -> None:
         pass
     with pytest.raises(ConflictError, match="ask again"):
         copy_weights(model, lock, writes=writes, what="weights 1")
+
+
+def test_a_checksum_is_hashed_in_sections_a_write_waits_for_one_and_the_hash_starts_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A checksum of the live weights (``/weights_checker``) never holds a change back for a whole
+    pass: the writer gets the lock between two slices, and the checksum, which would otherwise mix
+    two versions, is hashed again and recorded as the weights held after the write."""
+    monkeypatch.setattr("miles.engine.weights.lock.READ_SECTION_BYTES", 64)
+    model = build_model("tiny", seed=3)
+    lock = WeightsLock()
+    weights = LiveWeights(
+        lock=lock,
+        model=lambda: model,
+        tokenizer=None,
+        served_model_name="tiny",
+        snapshot_dir=None,
+        version="1",
+        loaded_from=Path("."),
+        manifest_checksum=None,
+    )
+    sections = threading.Semaphore(0)
+    read = lock.read
+
+    @contextlib.contextmanager
+    def counted() -> Iterator[None]:
+        with read():
+            yield
+        sections.release()
+
+    monkeypatch.setattr(lock, "read", counted)
+    changed = torch.full_like(next(model.parameters()), 0.5)
+    hashed: dict[str, str] = {}
+    hasher = threading.Thread(target=lambda: hashed.setdefault("checksum", asyncio.run(weights.checksum()).checksum))
+    hasher.start()
+    for _ in range(10):  # well inside the first pass
+        assert sections.acquire(timeout=30)
+    with lock.write(), torch.no_grad():
+        next(model.parameters()).copy_(changed)
+    hasher.join(timeout=60)
+    assert hashed["checksum"] == checksum_module(model).checksum == weights.held.checksum

@@ -20,9 +20,15 @@ import torch
 import torch.distributed as dist
 
 from miles.engine.receiver import JOIN_GRACE_S, MAX_PENDING_JOINS, WeightGroups
+from miles.engine.weights.stage import LiveStage
 from miles.errors import ConflictError, InvalidRequestError, NotFoundError
-from miles.protocol.sglang_weights import InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest
+from miles.protocol.sglang_weights import (
+    FLAT_LOAD_FORMAT,
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDistributedRequest,
+)
 from miles.weights.buckets import BucketTable
+from miles.weights.checksum import digest_tensor
 from miles.weights.transport.groups import broadcast
 
 N = 1024  # float32 elements per bucket
@@ -74,9 +80,17 @@ class Sender:
         thread.start()
         return thread
 
-    def request(self) -> UpdateWeightsFromDistributedRequest:
+    def request(self, *, flat: bool = True, digest: str | None = None) -> UpdateWeightsFromDistributedRequest:
+        """The bucket's request: flattened (one broadcast, received into the group's buffer), or a
+        broadcast per tensor (received where a change writes it); one tensor either way."""
         return UpdateWeightsFromDistributedRequest(
-            names=["w"], dtypes=["float32"], shapes=[[N]], group_name=self.name, timeout_s=20
+            names=["w"],
+            dtypes=["float32"],
+            shapes=[[N]],
+            digests=[digest] if digest else None,
+            group_name=self.name,
+            timeout_s=20,
+            load_format=FLAT_LOAD_FORMAT if flat else None,
         )
 
 
@@ -101,8 +115,8 @@ def test_a_buffer_being_copied_out_is_not_handed_to_the_next_group(groups: Weigh
             sent = second.send(2.0)
             async with groups.bucket(second.request(), unchecked) as other:
                 sent.join()
-                assert torch.equal(other.tensors["w"], torch.full((N,), 2.0))
-            assert torch.equal(bucket.tensors["w"], torch.full((N,), 1.0))
+                assert torch.equal(other.received.tensors["w"], torch.full((N,), 2.0))
+            assert torch.equal(bucket.received.tensors["w"], torch.full((N,), 1.0))
         groups.destroy("second")
 
     asyncio.run(scenario())
@@ -118,7 +132,7 @@ def test_a_group_takes_one_bucket_at_a_time(groups: WeightGroups) -> None:
             async with groups.bucket(sender.request(), unchecked) as bucket:
                 if hold is not None:
                     await hold.wait()
-                seen.append(float(bucket.tensors["w"][0]))
+                seen.append(float(bucket.received.tensors["w"][0]))
 
         hold = asyncio.Event()
         first = asyncio.create_task(take(hold))
@@ -144,13 +158,13 @@ def test_a_group_left_hands_its_buffer_to_the_next_one(groups: WeightGroups) -> 
         sent = first.send(1.0)
         async with groups.bucket(first.request(), unchecked) as bucket:
             sent.join()
-            buffer = bucket.tensors["w"].untyped_storage().data_ptr()
+            buffer = bucket.received.tensors["w"].untyped_storage().data_ptr()
         groups.destroy("first")
         second = await asyncio.to_thread(Sender, groups, "second")
         sent = second.send(2.0)
         async with groups.bucket(second.request(), unchecked) as bucket:
             sent.join()
-            assert bucket.tensors["w"].untyped_storage().data_ptr() == buffer
+            assert bucket.received.tensors["w"].untyped_storage().data_ptr() == buffer
         groups.destroy("second")
 
     asyncio.run(scenario())
@@ -177,10 +191,15 @@ def test_a_second_join_of_a_group_being_joined_is_refused_and_the_first_forms(gr
 
     async def take() -> float:
         request = UpdateWeightsFromDistributedRequest(
-            names=["w"], dtypes=["float32"], shapes=[[N]], group_name="raced", timeout_s=20
+            names=["w"],
+            dtypes=["float32"],
+            shapes=[[N]],
+            group_name="raced",
+            timeout_s=20,
+            load_format=FLAT_LOAD_FORMAT,
         )
         async with groups.bucket(request, unchecked) as bucket:
-            return float(bucket.tensors["w"][0])
+            return float(bucket.received.tensors["w"][0])
 
     assert asyncio.run(take()) == 3.0
     sent.join()
@@ -201,7 +220,7 @@ def test_a_bucket_naming_a_tensor_twice_is_refused_before_any_byte_arrives(group
         sent = sender.send(4.0)
         async with groups.bucket(sender.request(), unchecked) as bucket:
             sent.join()
-            assert float(bucket.tensors["w"][0]) == 4.0
+            assert float(bucket.received.tensors["w"][0]) == 4.0
         groups.destroy("twice")
 
     asyncio.run(scenario())
@@ -232,7 +251,7 @@ def test_a_new_group_of_a_name_forms_while_a_join_of_it_still_waits_for_a_rank_0
         sent = sender.send(5.0)
         async with groups.bucket(sender.request(), unchecked) as bucket:
             sent.join()
-            return float(bucket.tensors["w"][0])
+            return float(bucket.received.tensors["w"][0])
 
     assert asyncio.run(take()) == 5.0
     groups.destroy("again")
@@ -299,3 +318,60 @@ def test_a_join_whose_rank_0_never_answers_is_refused_in_bounded_time_and_leaves
     for name in ("mute", *(f"mute-{i}" for i in range(MAX_PENDING_JOINS - 1))):
         with pytest.raises(NotFoundError):
             groups.destroy(name)
+
+
+class One(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(N), requires_grad=False)
+
+
+def test_a_bucket_broadcast_per_tensor_lands_where_the_change_writes_it(groups: WeightGroups) -> None:
+    """No receive buffer: each tensor is received straight into the stage (here the live tensor of
+    a stage in place, the same ``Stage.target`` a buffer stage gives) and hashed there; a digest
+    that does not match fails the bucket once every broadcast posted has landed."""
+
+    async def scenario() -> None:
+        sender = Sender(groups, "direct")
+        model = One()
+        good = digest_tensor(torch.full((N,), 3.0))
+        for value, digest in ((3.0, good), (4.0, good)):
+            sent = sender.send(value)
+            async with groups.bucket(sender.request(flat=False, digest=digest), unchecked) as bucket:
+                stage = LiveStage(model)
+                if value == 3.0:
+                    await asyncio.to_thread(bucket.write, stage)
+                    assert torch.equal(model.w.detach(), torch.full((N,), 3.0))
+                    assert stage.checksum().tensors["w"].digest == good
+                else:
+                    with pytest.raises(InvalidRequestError, match="'w' arrived with digest"):
+                        await asyncio.to_thread(bucket.write, stage)
+                assert groups.pending_joins == 0
+            await asyncio.to_thread(sent.join)
+        assert torch.equal(model.w.detach(), torch.full((N,), 4.0))  # in place: what landed stays
+        groups.destroy("direct")
+
+    asyncio.run(scenario())
+
+
+def test_a_bucket_broadcast_per_tensor_that_is_refused_is_still_received(groups: WeightGroups) -> None:
+    """A change that refuses a bucket before writing it (a table it does not take, an engine that
+    cannot stage) must not leave its sender waiting out its timeout: the bucket is received and
+    dropped, and the next one lands."""
+
+    async def scenario() -> None:
+        sender = Sender(groups, "refused")
+        sent = sender.send(5.0)
+        started = time.monotonic()
+        with pytest.raises(ConflictError, match="refused"):
+            async with groups.bucket(sender.request(flat=False), unchecked):
+                raise ConflictError("refused before it was written")
+        await asyncio.to_thread(sent.join)
+        assert time.monotonic() - started < 10
+        sent = sender.send(6.0)
+        async with groups.bucket(sender.request(), unchecked) as bucket:
+            assert float(bucket.received.tensors["w"][0]) == 6.0
+        await asyncio.to_thread(sent.join)
+        groups.destroy("refused")
+
+    asyncio.run(scenario())

@@ -26,7 +26,7 @@ def test_a_file_cut_after_verification_makes_an_in_place_copy_that_cannot_match(
         os.truncate(tmp_path / "v2" / "model.safetensors", 1024)
         stage = LiveStage(model)
         with pytest.raises((OSError, CheckpointError)):
-            stage.write_all(checkpoint.reader.tensor)
+            checkpoint.write(stage)
         checksum = stage.checksum()
     assert checksum.checksum != manifest.checksum
     assert checksum.checksum == checksum_module(model).checksum  # what the model holds now

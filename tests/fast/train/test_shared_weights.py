@@ -1,5 +1,5 @@
 """``PushPublisher.share_memory``: a module's weights moved into a shared-memory segment keep their
-values, their tensor objects and their ties, train on as before, and leave no file behind once the
+values, their tensor objects and their ties, train on as before, and leave no segment behind once the
 publisher is closed (pushes from them are tested in tests/train/test_push.py)."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch
 from miles.errors import PublishError
 from miles.train.push import PushPublisher
 from miles.weights.checksum import checksum_module
-from miles.weights.transport.segments import SHM_DIR, Segment
+from miles.weights.transport import segments
+from miles.weights.transport.segments import Segment
 
-pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
+pytestmark = pytest.mark.skipif(not segments.available(), reason="no shared-memory segments on this machine")
 
 
 class Tied(torch.nn.Module):
@@ -35,7 +36,17 @@ _BEFORE: set[str] = set()
 
 
 def _segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(f"miles-{os.getpid()}-*")}
+    """The segments this process holds a descriptor of (a segment's memory lives on without one
+    for as long as a tensor views it)."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:miles-{os.getpid()}-"):
+            held.add(target.removeprefix("/memfd:").removesuffix(" (deleted)"))
+    return held
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +68,7 @@ def test_shared_weights_keep_their_values_objects_and_ties_and_train_on() -> Non
     publisher = PushPublisher("http://127.0.0.1:1")
     assert publisher.share_memory(model) is model
     segment = publisher.shared_segment
-    assert segment is not None and segment.path.exists()
+    assert segment is not None and segment.name in ours()
     assert checksum_module(model).checksum == before
     assert [id(t) for t in (*model.parameters(), *model.buffers())] == objects
     for tensor in (*model.parameters(), *model.buffers()):
@@ -76,7 +87,7 @@ def test_shared_weights_keep_their_values_objects_and_ties_and_train_on() -> Non
     stored = segment.flat[at : at + model.embed.weight.nbytes].view(torch.float32).reshape(32, 8)
     assert torch.equal(stored, model.embed.weight.detach())
 
-    # Closing removes the file; the model keeps its memory and its values.
+    # Closing drops the segment; the model keeps its memory and its values.
     trained = checksum_module(model).checksum
     asyncio.run(publisher.close())
     assert publisher.shared_segment is None and not ours()
@@ -94,17 +105,16 @@ def test_sharing_again_moves_replaced_tensors_and_drops_the_old_file() -> None:
     publisher.share_memory(model)
     second = publisher.shared_segment
     assert second is not None and second.name != first.name
-    assert not first.path.exists() and second.path.exists()
+    assert first.name not in ours() and second.name in ours()
     assert all(second.offset_of(t) is not None for t in model.parameters())
     assert torch.equal(model.proj.weight, torch.ones(8, 8, dtype=torch.bfloat16))
     asyncio.run(publisher.close())
     assert not ours()
 
 
-def test_a_segment_dev_shm_cannot_hold_is_refused_before_anything_is_written() -> None:
-    status = os.statvfs(SHM_DIR)
-    too_big = status.f_blocks * status.f_frsize + 1
-    with pytest.raises(PublishError, match="has room for .* give it more room"):
+def test_a_segment_larger_than_the_memory_there_is_is_refused_before_anything_is_taken() -> None:
+    too_big = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") + 1
+    with pytest.raises(PublishError, match="bytes of shared memory, but .* are available"):
         Segment(too_big)
     assert not ours()
 

@@ -1,20 +1,21 @@
 """The bucket format pushes share: tensors packed back to back with their digests, read back by
-an engine from the flat bytes or from a file, whatever the mix of dtypes and whatever offsets a
+an engine from the flat bytes or from a shared-memory segment, whatever the mix of dtypes and whatever offsets a
 sender claims."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
 from miles.errors import InvalidRequestError
-from miles.testing import bucket_file
-from miles.weights.buckets import BucketEntry, BucketTable, from_file, layout, pack, unpack
+from miles.testing import bucket_segment
+from miles.weights.buckets import BucketEntry, BucketTable, layout, pack, unpack
 from miles.weights.checksum import digest_tensor
+from miles.weights.transport.segments import SegmentMaps, SegmentRef
 
 
 def test_mixed_dtypes_packed_back_to_back_come_back_equal_with_their_digests() -> None:
@@ -74,53 +75,42 @@ def test_a_large_bucket_packed_on_two_threads_holds_every_tensor_with_its_digest
         assert received.digests[name] == digest_tensor(tensor)
 
 
-def test_a_bucket_in_a_file_is_read_like_one_in_memory(tmp_path: Path) -> None:
+def test_a_bucket_in_a_segment_is_read_like_one_in_memory() -> None:
     named = {
         "a": torch.randn(3, dtype=torch.bfloat16),
-        "b": torch.randn(5, 7),  # unaligned in the file, after 6 bytes of bfloat16
+        "b": torch.randn(5, 7),  # unaligned in the segment, after 6 bytes of bfloat16
         "c": torch.arange(9, dtype=torch.int8),
         "empty": torch.empty(0, 4),
     }
-    path = tmp_path / "bucket"
-    packed, _ = bucket_file(named, path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        received = from_file(packed, fd, packed.total_bytes)
-        for name, tensor in named.items():
-            target = torch.empty_like(tensor)
-            received.check(name, received.copy_into(name, target))
-            assert torch.equal(target, tensor), name
-        # Into a strided view (a part of a fused weight), through the host.
-        fused = torch.zeros(7, 5)
-        received.check("b", received.copy_into("b", fused.t()))
-        assert torch.equal(fused.t(), named["b"])
-        for name, tensor in from_file(packed, fd, packed.total_bytes).tensors.items():
-            assert torch.equal(tensor, named[name]), name
-        with pytest.raises(InvalidRequestError, match="'b' ends at byte 146, past the bucket's 100 bytes"):
-            from_file(packed, fd, 100)
-    finally:
-        os.close(fd)
+    segment, packed = bucket_segment(named)
+    received = unpack(packed, SegmentMaps().flat(segment.ref, packed.total_bytes))
+    for name, tensor in named.items():
+        target = torch.empty_like(tensor)
+        received.check(name, received.copy_into(name, target))
+        assert torch.equal(target, tensor), name
+    # Into a strided view (a part of a fused weight).
+    fused = torch.zeros(7, 5)
+    received.check("b", received.copy_into("b", fused.t()))
+    assert torch.equal(fused.t(), named["b"])
+    with pytest.raises(InvalidRequestError, match="'b' ends at byte 146, past the bucket's 100 bytes"):
+        unpack(packed, segment.flat[:100])
+    segment.close()
 
 
-def test_tensors_far_apart_in_a_file_are_read_without_what_lies_between(tmp_path: Path) -> None:
-    """Only each tensor's bytes are read into memory: a table whose tensors lie a terabyte apart
-    in a sparse file costs their bytes, not a terabyte."""
+def test_tensors_far_apart_in_a_segment_are_read_without_what_lies_between() -> None:
+    """Only each tensor's bytes are faulted in: a sealed segment whose tensors lie a terabyte apart
+    costs their bytes, not a terabyte."""
     named = {"a": torch.randn(4, 8), "b": torch.randn(16)}
     gap = 1 << 40
-    table = BucketTable(
-        entries=(
-            *layout(named, ["a"]).entries,
-            *layout(named, ["b"], start=gap).entries,
-        )
-    )
-    path = tmp_path / "sparse"
-    with open(path, "wb") as f:
-        for entry in table.entries:
-            f.seek(entry.offset)
-            f.write(named[entry.name].numpy().tobytes())
-    fd = os.open(path, os.O_RDONLY)
+    table = BucketTable(entries=(*layout(named, ["a"]).entries, *layout(named, ["b"], start=gap).entries))
+    fd = os.memfd_create("miles-sparse", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        tensors = from_file(table, fd, os.fstat(fd).st_size).tensors
+        os.ftruncate(fd, table.total_bytes)
+        for entry in table.entries:
+            os.pwrite(fd, named[entry.name].numpy().tobytes(), entry.offset)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        ref = SegmentRef(pid=os.getpid(), fd=fd, name="miles-sparse")
+        tensors = unpack(table, SegmentMaps().flat(ref, table.total_bytes)).tensors
         assert {n: torch.equal(t, named[n]) for n, t in tensors.items()} == {"a": True, "b": True}
     finally:
         os.close(fd)

@@ -6,6 +6,7 @@ broadcast, a member that never comes is named, and a segment's removal never dea
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,8 +24,9 @@ from miles.weights.transport.documents import (
     ShmDocument,
     decode,
 )
-from miles.weights.transport.segments import Segment
+from miles.weights.transport.segments import Segment, SegmentRef
 
+REF = SegmentRef(pid=1, fd=3, name="miles-1-abc")
 TABLE = BucketTable(
     entries=(BucketEntry(name="w", dtype="float32", shape=(2, 3), offset=64, nbytes=24, digest="0" * 32),)
 )
@@ -41,14 +43,14 @@ HANDLE = CudaIpcHandle(
 
 
 def test_what_the_trainer_encodes_the_engine_decodes() -> None:
-    shm = ShmDocument(shm="miles-1-abc", table=TABLE)
+    shm = ShmDocument(shm=REF, table=TABLE)
     assert decode(SHM_LOAD_FORMAT, [shm.encode()]) == shm
     ipc = CudaIpcDocument(cuda_ipc=HANDLE, table=TABLE)
     assert decode(CUDA_IPC_LOAD_FORMAT, [ipc.encode()]) == ipc
 
 
 def test_a_document_is_decoded_only_as_its_own_format_and_whole() -> None:
-    shm = ShmDocument(shm="miles-1-abc", table=TABLE).encode()
+    shm = ShmDocument(shm=REF, table=TABLE).encode()
     with pytest.raises(InvalidRequestError, match="pickled tensors"):
         decode(None, [shm])
     with pytest.raises(InvalidRequestError, match=r'base64 of \{"cuda_ipc": \.\.\., "table"'):
@@ -57,7 +59,7 @@ def test_a_document_is_decoded_only_as_its_own_format_and_whole() -> None:
         decode(SHM_LOAD_FORMAT, [shm, shm])
     unsigned = BucketTable(entries=(TABLE.entries[0].model_copy(update={"digest": None}),))
     with pytest.raises(InvalidRequestError, match="'w' has no digest"):
-        decode(SHM_LOAD_FORMAT, [ShmDocument(shm="miles-1-abc", table=unsigned).encode()])
+        decode(SHM_LOAD_FORMAT, [ShmDocument(shm=REF, table=unsigned).encode()])
 
 
 def test_a_group_formed_by_rank_0_is_joined_and_broadcast_to() -> None:
@@ -117,9 +119,15 @@ def test_a_member_that_never_joins_is_named_on_both_sides() -> None:
     asyncio.run(scenario())
 
 
-def test_a_segment_collected_inside_the_loops_executor_removes_its_file_later_not_never() -> None:
+def test_a_segment_collected_inside_the_loops_executor_is_closed_later_not_never() -> None:
     """A collection can run a segment's finalizer anywhere on the loop, even inside the default
-    executor's ``submit`` while it holds its lock: the removal must not wait on that lock."""
+    executor's ``submit`` while it holds its lock: closing it must not wait on that lock."""
+
+    def held(segment: Segment) -> bool:
+        try:
+            return os.readlink(f"/proc/self/fd/{segment.ref.fd}") == f"/memfd:{segment.name} (deleted)"
+        except OSError:
+            return False
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
@@ -130,9 +138,9 @@ def test_a_segment_collected_inside_the_loops_executor_removes_its_file_later_no
         with executor._shutdown_lock:
             segment.close()
         for _ in range(500):
-            if not await asyncio.to_thread(segment.path.exists):
+            if not held(segment):
                 return
             await asyncio.sleep(0.01)
-        raise AssertionError(f"{segment.path} was never removed")
+        raise AssertionError(f"{segment.name} was never closed")
 
     asyncio.run(scenario())
