@@ -65,6 +65,7 @@ class _Checksum(_Answer):
 
 class _Ended(_Answer):
     ended: bool
+    left: str | None = None  # the torch.distributed group the push formed
 
 
 class _Export(_Answer):
