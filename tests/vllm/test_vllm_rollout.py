@@ -15,12 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from vllm_fleet import VLLM_MODEL, complete, descendants, greedy, update, versions, vllm_server, wait_serving_again
+from vllm_fleet import VLLM_MODEL, complete, greedy, update, versions, vllm_server, wait_serving_again
 
 from miles.controller.results import UpdateStatus
 from miles.rollout.state import ServerState
 from miles.rollout.vllm_rollout import PROJECT_VLLM_PYTHON, VLLM_PYTHON_ENV
-from miles.testing import copy_checkpoint, process_alive, wait_until
+from miles.testing import copy_checkpoint, descendants, process_alive, wait_until
 from miles.utils.audit_utils.event_logger.models import InferenceEngineWeightChecksumEvent
 from miles.weights.checkpoint import read_manifest
 

@@ -20,7 +20,6 @@ import torch
 from vllm_fleet import (
     VLLM_MODEL,
     complete,
-    descendants,
     greedy,
     update,
     versions,
@@ -34,7 +33,7 @@ from miles.controller.results import UpdateStatus, UpdateWindow
 from miles.errors import PublishError
 from miles.rollout.state import ServerState
 from miles.rollout.vllm_rollout import PROJECT_VLLM_PYTHON, VLLM_PYTHON_ENV
-from miles.testing import process_alive, wait_until
+from miles.testing import descendants, process_alive, wait_until
 from miles.train.distributed_push import DistributedPush
 from miles.train.engine_calls import EngineCalls, PushStats
 from miles.train.push import PushPublisher

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from miles.controller.results import UpdateStatus
 from miles.ray.rollout.inference_controller import AsyncInferenceController
 from miles.rollout.state import ServerState
-from miles.testing import wait_until
+from miles.testing import descendants, wait_until
 from miles.weights.checksum import saved_state_dict
 
 VLLM_MODEL = "small"
@@ -48,24 +48,6 @@ def weights_of(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 def vllm_server(ctl: AsyncInferenceController):  # type: ignore[no-untyped-def]
     return ctl.fleet.rollout(VLLM_MODEL).snapshot()[0]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (vLLM's API server, engine core and worker under the wrapper)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def title(pid: int) -> str:
