@@ -8,6 +8,7 @@ import ipaddress
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -16,6 +17,7 @@ from typing import Any
 
 import httpx
 import torch
+import uvicorn
 
 from miles.controller.core import AsyncInferenceController
 from miles.http.runner import HttpServer
@@ -141,6 +143,25 @@ def process_alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):  # reaped between the two looks (or the open and the read)
         return False
+
+
+@contextmanager
+def app_on_loopback(app: Any, *, timeout_s: float = 30.0) -> Iterator[int]:
+    """Serve the ASGI ``app`` with uvicorn on a free loopback port, on a thread of its own, until
+    the block ends; yields the port. Call it off any event loop (it waits for the server)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, name=f"app-on-{port}", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.02)  # another thread's server: nothing to wait on
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=timeout_s)
 
 
 def descendants(pid: int) -> list[int]:

@@ -18,7 +18,7 @@ otherwise be answered from the old weights' KV cache. Fencing tokens are sent as
 (vLLM ignores them: the controller's lock is what orders the calls; closing a window ends a push
 it left unfinished); writing out the weights it holds is the extension's ``miles_export``, and
 staged activation is refused by name (vLLM has no stage). A window's pushes do not pass here: the
-trainer speaks to vLLM's weight-transfer routes itself (``miles.train.engine_calls``).
+trainer speaks to vLLM's weight-transfer routes itself (``miles.train.vllm_calls``).
 """
 
 from __future__ import annotations

@@ -16,10 +16,11 @@ by ``miles.rollout.with_parent`` so that nothing it started outlives the control
 
 Updates are the same transaction as for every server type: take out, pause, load (verified in the
 worker, then vLLM's in-place reload), confirm by miles' canonical checksum of what the worker
-holds, admit or roll back. Pushes from a training window arrive through vLLM's native weight
-transfer (``--weight-transfer-config``, miles' backend: ``miles.vllm.transfer``), always with the
-servers paused (vLLM cannot stage). SGLang's native ``/generate`` is refused by name (the
-controller answers 400 naming the OpenAI routes).
+holds, admit or roll back. Pushes from a training window (over shared memory or a gloo broadcast)
+arrive through vLLM's native weight transfer (``--weight-transfer-config``, miles' backend:
+``miles.vllm.transfer``), always with the servers paused (vLLM cannot stage). SGLang's native
+``/generate`` for a vLLM-served model is answered by the controller through ``/v1/completions``
+(``miles.protocol.generate_completions``).
 """
 
 from __future__ import annotations

@@ -61,12 +61,21 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-async def test_the_worker_is_asked_its_identity_at_most_every_30_s_and_after_each_change_of_its_weights(
-    fake: tuple[FakeVLLM, str], http: httpx.AsyncClient, checkpoints: dict[str, Path]
-) -> None:
+Probed = tuple[FakeVLLM, VLLMClient, Clock]
+
+
+@pytest.fixture
+def probed(fake: tuple[FakeVLLM, str], http: httpx.AsyncClient) -> Probed:
+    """The fake server, a client of it with the default cadence, and the clock the client reads."""
     server, url = fake
     clock = Clock()
-    client = VLLMClient(url, http=http, server_id="vllm-0", clock=clock)
+    return server, VLLMClient(url, http=http, server_id="vllm-0", clock=clock), clock
+
+
+async def test_the_worker_is_asked_its_identity_at_most_every_30_s_and_after_each_change_of_its_weights(
+    probed: Probed, checkpoints: dict[str, Path]
+) -> None:
+    server, client, clock = probed
     for _ in range(5):
         identity = await client.weight_identity(timeout=5)
     assert identity.checksum == server.holds and identity.instance_id == server.instance_id
@@ -86,12 +95,8 @@ async def test_the_worker_is_asked_its_identity_at_most_every_30_s_and_after_eac
     assert (server.calls["miles_identity"], identity.checksum, identity.weight_version) == (3, v2, "2")
 
 
-async def test_a_busy_workers_last_identity_stands_while_its_server_answers_health_for_120_s(
-    fake: tuple[FakeVLLM, str], http: httpx.AsyncClient
-) -> None:
-    server, url = fake
-    clock = Clock()
-    client = VLLMClient(url, http=http, server_id="vllm-0", clock=clock)
+async def test_a_busy_workers_last_identity_stands_while_its_server_answers_health_for_120_s(probed: Probed) -> None:
+    server, client, clock = probed
     first = await client.weight_identity(timeout=5)
     server.busy()
     clock.advance(30)
@@ -111,12 +116,8 @@ async def test_a_busy_workers_last_identity_stands_while_its_server_answers_heal
     assert await client.weight_identity(timeout=0.2) == first
 
 
-async def test_a_busy_workers_last_identity_does_not_stand_once_its_server_fails_health(
-    fake: tuple[FakeVLLM, str], http: httpx.AsyncClient
-) -> None:
-    server, url = fake
-    clock = Clock()
-    client = VLLMClient(url, http=http, server_id="vllm-0", clock=clock)
+async def test_a_busy_workers_last_identity_does_not_stand_once_its_server_fails_health(probed: Probed) -> None:
+    server, client, clock = probed
     await client.weight_identity(timeout=5)
     server.lose_engine()
     clock.advance(30)

@@ -19,7 +19,6 @@ of a sealed checkpoint, ``miles_end_push``). Its worker is scripted:
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections import Counter
@@ -28,10 +27,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from miles.testing import app_on_loopback
 from miles.weights.checkpoint import read_manifest
 
 
@@ -130,19 +129,8 @@ class FakeVLLM:
     @contextmanager
     def running(self) -> Iterator[str]:
         """Serve on a free loopback port, on a thread of its own, until the block ends; its URL."""
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
-        server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="critical"))
-        thread = threading.Thread(target=server.run, name="fake-vllm", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the fake vLLM server did not start"
-            time.sleep(0.02)  # another thread's server: nothing to wait on
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            self.free()  # a call left waiting on the worker ends, so the server can stop
-            server.should_exit = True
-            thread.join(timeout=30)
+        with app_on_loopback(self.app) as port:
+            try:
+                yield f"http://127.0.0.1:{port}"
+            finally:
+                self.free()  # a call left waiting on the worker ends, so the server can stop
