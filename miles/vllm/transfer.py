@@ -129,6 +129,8 @@ class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
         # One group at a time: a group still held was joined for a window that is over (the
         # controller opens one at a time) and whose close did not reach this worker.
         self.leave()
+        # Where the join is, for the message when it is given up.
+        where = {"phase": "starting"}
 
         def join() -> groups.Joined:
             return groups.join(
@@ -139,7 +141,7 @@ class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
                 world=world,
                 backend=backend,
                 timeout_s=request.timeout_s,
-                phase=lambda _: None,
+                phase=lambda now: where.update(phase=now),
             )
 
         # Bounded whatever rank 0 does: torch's store handshake has no time limit of its own, and
@@ -148,8 +150,8 @@ class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
             joined = groups.within(join, timeout_s=request.timeout_s + groups.JOIN_GRACE_S, name="miles-join")
         except TimeoutError:
             raise ConflictError(
-                f"group {request.group_name!r} did not form within {request.timeout_s:g}s (rank 0 at "
-                f"{request.master_address}:{request.master_port}); check that the sender is running"
+                f"group {request.group_name!r} did not form within {request.timeout_s:g}s: still {where['phase']} "
+                f"(rank 0 at {request.master_address}:{request.master_port}); check that the sender is running"
             ) from None
         self._group = _Group(request.group_name, joined, device)
         logger.info("joined weight-update group %s as rank %d of %d", request.group_name, rank, world)
