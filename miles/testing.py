@@ -4,17 +4,20 @@ themselves. Nothing in the product imports this module."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import shutil
 import subprocess
+import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
+import uvicorn
 
 from miles.controller.core import AsyncInferenceController
 from miles.http.runner import HttpServer
@@ -141,6 +144,76 @@ def process_alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):  # reaped between the two looks (or the open and the read)
         return False
+
+
+@contextmanager
+def app_on_loopback(app: Any, *, timeout_s: float = 30.0) -> Iterator[int]:
+    """Serve the ASGI ``app`` with uvicorn on a free loopback port, on a thread of its own, until
+    the block ends; yields the port. Call it off any event loop (it waits for the server)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, name=f"app-on-{port}", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.02)  # another thread's server: nothing to wait on
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=timeout_s)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` now (its children, theirs ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # the process ended meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def listening(pids: Iterable[int]) -> list[tuple[str, int]]:
+    """The TCP addresses (host, port) the processes ``pids`` listen on: the sockets each holds, in
+    LISTEN, from /proc."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+        except OSError:
+            continue  # the process ended, or is not ours to look into
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            raw_host, raw_port = local.split(":")
+            # The kernel writes each 32-bit word of the address in host (little-endian) order.
+            packed = b"".join(bytes.fromhex(raw_host[i : i + 8])[::-1] for i in range(0, len(raw_host), 8))
+            addresses.append((str(ipaddress.ip_address(packed)), int(raw_port, 16)))
+    return addresses
+
+
+def on_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address, v4 or v6, v4-mapped included) is a loopback address."""
+    address = ipaddress.ip_address(host)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def bucket_segment(named: dict[str, torch.Tensor], names: list[str] | None = None) -> tuple[Segment, BucketTable]:

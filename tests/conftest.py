@@ -65,6 +65,28 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return made
 
 
+@pytest.fixture(scope="session")
+def small(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
+    """Checkpoints of the ``small`` preset (vLLM's CPU attention refuses the ``tiny`` preset's head
+    size): ``s0`` and ``s1``, sealed (steps 0 and 1); ``plain-a`` and ``plain-b``, what a trainer
+    writes with save_pretrained, no manifest (their checksums beside them)."""
+    from miles.models import build_model, build_tokenizer
+    from miles.models.presets import init_checkpoint
+    from miles.weights.checksum import model_checksum
+
+    root = tmp_path_factory.mktemp("small")
+    made: dict[str, Path | str] = {}
+    for name, seed, step in (("s0", 0, 0), ("s1", 1, 1)):
+        init_checkpoint(root / name, model_name="small", preset="small", seed=seed, step=step)
+        made[name] = root / name
+    for name, seed in (("plain-a", 2), ("plain-b", 3)):
+        model = build_model("small", seed=seed)
+        model.save_pretrained(root / name)
+        build_tokenizer().save_pretrained(root / name)
+        made[name], made[f"{name}-checksum"] = root / name, model_checksum(model)
+    return made
+
+
 @pytest.fixture
 def supervisor_rounds() -> Callable[..., Awaitable[None]]:
     """``await supervisor_rounds(rollout, n)``: wait until the rollout's supervisor has probed its

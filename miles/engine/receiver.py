@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -24,12 +23,11 @@ from miles.engine.weights.stage import Stage
 from miles.errors import ConflictError, InvalidRequestError, MilesError, NotFoundError
 from miles.protocol.auth import FenceState
 from miles.protocol.sglang_weights import (
-    FLAT_LOAD_FORMAT,
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, Received, unpack
+from miles.weights.buckets import BucketTable, Received, unpack
 from miles.weights.checksum import digest_tensor
 from miles.weights.transport import groups
 from miles.weights.transport.cuda_ipc import open_shared
@@ -82,10 +80,10 @@ class _Group:
         return self.buffer[:nbytes]
 
 
-# Joins that may still run at once (each on a thread of its own), and how long past its
-# ``timeout_s`` a join is waited for before its caller is answered.
+# Joins that may still run at once (each on a thread of its own); how long past its ``timeout_s``
+# a join is waited for is ``groups.JOIN_GRACE_S``.
 MAX_PENDING_JOINS = 4
-JOIN_GRACE_S = 2.0
+JOIN_GRACE_S = groups.JOIN_GRACE_S
 
 
 @dataclass
@@ -200,16 +198,8 @@ class WeightGroups:
         naming the ranks that did not join within ``timeout_s``. ``state`` reports the phase the
         join is in, and says whether its caller gave up (the group is then not kept)."""
         state = state or _JoinState()
-        backend, name = request.backend.lower(), request.group_name
-        if backend == "nccl" and self._device.type != "cuda":
-            raise InvalidRequestError(
-                f"backend 'nccl' needs CUDA; this engine runs on {self._device}: use backend 'gloo'"
-            )
-        if backend not in ("gloo", "nccl"):
-            raise InvalidRequestError(f"backend {request.backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPU)")
-        rank, world = request.rank_offset, request.world_size
-        if rank >= world:
-            raise InvalidRequestError(f"rank_offset {rank} is outside a group of world_size {world}")
+        name, rank, world = request.group_name, request.rank_offset, request.world_size
+        backend, device = groups.member_device(request.backend, rank=rank, world=world, device=self._device)
         joining = (name, request.master_address, request.master_port)
         with self._lock:
             if name in self._groups:
@@ -243,7 +233,6 @@ class WeightGroups:
                     raise ConflictError(
                         f"group {name!r} was joined meanwhile (at another rank 0); destroy it and join again"
                     )
-                device = self._device if backend == "nccl" else torch.device("cpu")
                 self._groups[name] = _Group(joined, state.owner, device, self._spare.pop(device, None))
         finally:
             with self._lock:
@@ -263,21 +252,17 @@ class WeightGroups:
         Raises NotFoundError for an unknown group, InvalidRequestError for a table the model
         refuses (``check``, before a byte is allocated), ConflictError when the broadcast does not
         finish within ``timeout_s`` (the sender died or never sent)."""
-        if request.load_format not in (None, FLAT_LOAD_FORMAT):
-            raise InvalidRequestError(
-                f"load_format {request.load_format!r} is not supported; send {FLAT_LOAD_FORMAT!r} "
-                "(every tensor of the bucket in one broadcast) or none (a broadcast per tensor)"
-            )
+        flattened = request.flattened()
         with self._lock:
             member = self._groups.get(request.group_name)
         if member is None:
             raise NotFoundError(
                 f"this engine is in no group {request.group_name!r}; join it first (/init_weights_update_group)"
             )
-        table = table_of(request)
+        table = table_of(request, flattened=flattened)
         check(table)  # names, dtypes and shapes the model has, before a byte is allocated
         async with member.in_use:
-            if request.load_format == FLAT_LOAD_FORMAT:
+            if flattened:
                 yield InMemory(await asyncio.to_thread(_receive, member, request, table))
                 return
             broadcast = Broadcast(member, request, table)
@@ -300,23 +285,14 @@ class WeightGroups:
 
 
 def _receive(member: _Group, request: UpdateWeightsFromDistributedRequest, table: BucketTable) -> Received:
-    """The bucket, received into the group's buffer: flattened, one broadcast of the whole; else
-    each tensor into its (aligned) place."""
-    flat = member.flat(table.total_bytes)
-    tensors = [flat]
-    if request.load_format != FLAT_LOAD_FORMAT:
-        tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape) for e in table.entries]
-    try:
-        groups.broadcast(member.joined.group, tensors, timeout_s=request.timeout_s)
-    except (RuntimeError, dist.DistError) as exc:
-        raise _unfinished(request, exc) from None
-    return unpack(table, flat.cpu() if flat.device.type != "cpu" else flat)
-
-
-def _unfinished(request: UpdateWeightsFromDistributedRequest, exc: BaseException) -> ConflictError:
-    return ConflictError(
-        f"the broadcast of group {request.group_name!r} did not complete within {request.timeout_s:g}s "
-        f"(the sender stopped or never sent): {exc}; destroy the group and push again"
+    """The bucket, received into the group's buffer."""
+    return groups.receive(
+        member.joined.group,
+        table,
+        member.flat(table.total_bytes),
+        flattened=request.flattened(),
+        group_name=request.group_name,
+        timeout_s=request.timeout_s,
     )
 
 
@@ -358,7 +334,7 @@ class Broadcast:
             try:
                 work.wait(timeout)
             except (RuntimeError, dist.DistError) as exc:
-                failure = failure or _unfinished(self._request, exc)
+                failure = failure or groups.unfinished(self._request.group_name, self._request.timeout_s, exc)
                 continue
             if failure is not None:
                 continue  # the stage is dropped: no need to hash what lands after a failure
@@ -374,31 +350,7 @@ class Broadcast:
             raise failure
 
 
-# Where each tensor broadcast on its own is received in a group's buffer: a multiple of this, so
-# every dtype views its place.
-_TENSOR_ALIGN = 64
-
-
-def table_of(request: UpdateWeightsFromDistributedRequest) -> BucketTable:
-    """The bucket a broadcast will carry, refused (InvalidRequestError) before any byte arrives when
-    it names a tensor twice or a dtype torch does not know: back to back for a flattened bucket,
-    each tensor at an aligned offset when each has its own broadcast."""
-    align = 1 if request.load_format == FLAT_LOAD_FORMAT else _TENSOR_ALIGN
-    entries: list[BucketEntry] = []
-    offset, seen = 0, set()
-    digests: Sequence[str | None] = request.digests or [None] * len(request.names)
-    for name, raw_dtype, shape, digest in zip(request.names, request.dtypes, request.shapes, digests, strict=True):
-        if name in seen:
-            raise InvalidRequestError(f"tensor {name!r} appears twice in one bucket; name each tensor once")
-        seen.add(name)
-        dtype = raw_dtype.removeprefix("torch.")
-        if dtype not in TORCH_DTYPES:
-            raise InvalidRequestError(
-                f"tensor {name!r} has unknown dtype {raw_dtype!r}; known: {', '.join(TORCH_DTYPES)}"
-            )
-        nbytes = math.prod(shape) * TORCH_DTYPES[dtype].itemsize
-        offset = -(-offset // align) * align
-        entry = BucketEntry(name=name, dtype=dtype, shape=tuple(shape), offset=offset, nbytes=nbytes, digest=digest)
-        entries.append(entry)
-        offset += nbytes
-    return BucketTable(entries=tuple(entries))
+def table_of(request: UpdateWeightsFromDistributedRequest, *, flattened: bool) -> BucketTable:
+    """The bucket a broadcast will carry (``groups.broadcast_table``), refused before any byte
+    arrives when it names a tensor twice or a dtype torch does not know."""
+    return groups.broadcast_table(request.names, request.dtypes, request.shapes, request.digests, flattened=flattened)

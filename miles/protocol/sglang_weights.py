@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from miles.errors import InvalidRequestError
 from miles.protocol.base import RequestModel, WeightVersion
 from miles.protocol.compat import SGLangFields, Unsupported
 from miles.protocol.sglang import PauseMode
@@ -239,6 +240,16 @@ class UpdateWeightsFromDistributedRequest(_PushFields):
     load_format: str | None = None
     digests: list[Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]+$")]] | None = None
     timeout_s: Annotated[float, Field(gt=0, le=PUSH_TIMEOUT_MAX_S)] = 600.0
+
+    def flattened(self) -> bool:
+        """Whether the bucket comes as one flat broadcast (``flattened_bucket``) rather than one
+        broadcast per tensor (no ``load_format``). Raises InvalidRequestError for any other."""
+        if self.load_format not in (None, FLAT_LOAD_FORMAT):
+            raise InvalidRequestError(
+                f"load_format {self.load_format!r} is not supported; send {FLAT_LOAD_FORMAT!r} "
+                "(every tensor of the bucket in one broadcast) or none (a broadcast per tensor)"
+            )
+        return self.load_format == FLAT_LOAD_FORMAT
 
     @model_validator(mode="after")
     def _same_lengths(self) -> UpdateWeightsFromDistributedRequest:

@@ -140,11 +140,11 @@ class EngineHost:
         async with httpx.AsyncClient(trust_env=False, timeout=10.0, headers=headers) as http:
             try:
                 await self.process.wait_healthy(url, timeout_s=startup_timeout_s, http=http)
-                info = (await http.get(f"{url}/get_server_info")).json()
+                report = command.reported((await http.get(f"{url}{command.info_route}")).json(), slot)
             except (EngineStartError, httpx.HTTPError, ValueError) as exc:
                 await self.process.stop(grace_s=2.0)
                 return {"error": str(exc), "tail": await asyncio.to_thread(self.process.log_tail)}
-        return {"url": url, "pid": self.process.pid, "device": info.get("device"), "gpu_ids": _reported_gpu_ids(info)}
+        return {"url": url, "pid": self.process.pid, "device": report.device, "gpu_ids": report.gpu_ids}
 
     async def wait_exit(self) -> int | None:
         """Return when the engine process ends (its exit code); raises if the actor dies first."""
@@ -472,15 +472,3 @@ def _shortfall(bundle: dict[str, float], count: int) -> str:
         return f"{verdict.message}: stop what holds them, lower what each engine asks for, or add nodes"
     # IMPOSSIBLE names the setting to lower itself; FITS: what was missing is free again now.
     return verdict.message or "what it needs is free now (something else held it while it waited)"
-
-
-def _reported_gpu_ids(info: dict[str, Any]) -> list[int] | None:
-    """The GPUs an engine says it uses: the embedded engine lists them (``gpu_ids``); an SGLang
-    server uses ``tp_size * dp_size`` consecutive ones from ``base_gpu_id``, ``gpu_id_step`` apart."""
-    if "gpu_ids" in info:
-        return info["gpu_ids"]
-    if info.get("base_gpu_id") is None or info.get("device") not in (None, "cuda"):
-        return None
-    count = int(info.get("tp_size") or 1) * int(info.get("dp_size") or 1)
-    step = int(info.get("gpu_id_step") or 1)
-    return [int(info["base_gpu_id"]) + i * step for i in range(count)]

@@ -20,10 +20,10 @@ import socket
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
 
@@ -64,9 +64,38 @@ class LaunchSlot:
     checkpoint_roots: tuple[Path, ...] = ()
 
 
+@dataclass(frozen=True)
+class EngineReport:
+    """What a started engine says it runs on, for the runtime to check against what it gave it."""
+
+    device: str | None
+    # None: the engine does not say.
+    gpu_ids: tuple[int, ...] | None
+
+
+def sglang_gpu_ids(info: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The GPUs an engine says it uses in SGLang's ``/get_server_info``: the embedded engine lists
+    them (``gpu_ids``); an SGLang server uses ``tp_size * dp_size`` consecutive ones from
+    ``base_gpu_id``, ``gpu_id_step`` apart."""
+    if "gpu_ids" in info:
+        return tuple(info["gpu_ids"])
+    if info.get("base_gpu_id") is None or info.get("device") not in (None, "cuda"):
+        return None
+    count = int(info.get("tp_size") or 1) * int(info.get("dp_size") or 1)
+    step = int(info.get("gpu_id_step") or 1)
+    return tuple(int(info["base_gpu_id"]) + i * step for i in range(count))
+
+
 class EngineCommand(ABC):
     """How to run one engine of a server type, wherever the runtime puts it (must pickle: the
     Ray runtime builds the command line on the engine's node)."""
+
+    # The route (GET) where a started engine says what it runs on: SGLang's.
+    info_route: ClassVar[str] = "/get_server_info"
+
+    def reported(self, info: Mapping[str, Any], slot: LaunchSlot) -> EngineReport:
+        """What the engine's answer at ``info_route`` says it runs on (``slot``: what it was given)."""
+        return EngineReport(device=info.get("device"), gpu_ids=sglang_gpu_ids(info))
 
     @abstractmethod
     def argv(self, slot: LaunchSlot, checkpoint: Path) -> list[str]:

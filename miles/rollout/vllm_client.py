@@ -18,13 +18,15 @@ otherwise be answered from the old weights' KV cache. Fencing tokens are sent as
 (vLLM ignores them: the controller's lock is what orders the calls; closing a window ends a push
 it left unfinished); writing out the weights it holds is the extension's ``miles_export``, and
 staged activation is refused by name (vLLM has no stage). A window's pushes do not pass here: the
-trainer speaks to vLLM's weight-transfer routes itself (``miles.train.engine_calls``).
+trainer speaks to vLLM's weight-transfer routes itself (``miles.train.vllm_calls``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +43,20 @@ from miles.rollout.engine_client import EngineCallError, EngineClient, WeightsCh
 VLLM_PAUSE_MODES = {PauseMode.DRAIN: "wait", PauseMode.ABORT: "abort", PauseMode.RETRACT: "keep"}
 
 
-# How often a call into vLLM's worker checks that the server still has an engine (seconds).
-_WATCH_S = 2.0
-# How long a worker may answer no probe while its server answers /health (seconds).
-_BUSY_GRACE_S = 120.0
-# How often an identity probe asks the worker itself (seconds).
-_IDENTITY_EVERY_S = 30.0
+@dataclass(frozen=True)
+class WorkerCadence:
+    """How often a ``VLLMClient`` asks a vLLM worker, and how long it waits on one (seconds)."""
+
+    # An identity probe asks the worker itself at most this often (and after every change of its
+    # weights); ``/health`` answers for it between. A vLLM worker busy-polls for a second after
+    # every call it gets: probes every 2 s kept a core busy (10.1 s of CPU per 10 s idle).
+    identity_every_s: float = 30.0
+    # A worker busy with one long step answers no probe while its server answers ``/health``:
+    # its last identity stands for this long.
+    busy_grace_s: float = 120.0
+    # A call into the worker checks this often that the server still has an engine: when a
+    # worker dies, vLLM's API server may hang in its shutdown with the call unanswered.
+    watch_s: float = 2.0
 
 
 class _Answer(BaseModel):
@@ -65,6 +75,7 @@ class _Checksum(_Answer):
 
 class _Ended(_Answer):
     ended: bool
+    left: str | None = None  # the torch.distributed group the push formed
 
 
 class _Export(_Answer):
@@ -84,8 +95,18 @@ class _Load(_Answer):
 class VLLMClient(EngineClient):
     """Calls one vLLM server at ``base_url``; see the module docstring."""
 
-    def __init__(self, base_url: str, *, http: httpx.AsyncClient, server_id: str, secret: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        http: httpx.AsyncClient,
+        server_id: str,
+        secret: str | None = None,
+        cadence: WorkerCadence = WorkerCadence(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(base_url, http=http, server_id=server_id, secret=secret)
+        self.cadence, self._clock = cadence, clock
         # The worker's last answer to an identity probe (None: ask it; its weights changed), when
         # it came, and since when the worker answers none.
         self._identity: _Identity | None = None
@@ -95,17 +116,19 @@ class VLLMClient(EngineClient):
     async def _rpc(self, method: str, answer: type[_Answer], *, timeout: float | None = None, **kwargs: str) -> Any:
         """``/collective_rpc``: the extension's answer on the (one) worker.
 
-        Watched while it runs: when a worker dies, vLLM's API server may hang in its shutdown
-        with the call unanswered (a load's timeout is minutes). A server whose ``/health`` fails
-        twice in a row meanwhile has lost its engine: the call fails then, naming that."""
+        Watched while it runs (every ``cadence.watch_s``): when a worker dies, vLLM's API server
+        may hang in its shutdown with the call unanswered (a load's timeout is minutes). A server
+        whose ``/health`` fails twice in a row meanwhile has lost its engine: the call fails then,
+        naming that."""
         if method != "miles_identity":
             self._identity = None  # what the worker holds may change: ask it again next time
         body = {"method": method, "kwargs": kwargs, "timeout": timeout}
         call = asyncio.ensure_future(self._call("POST", "/collective_rpc", json=body, timeout=timeout))
         try:
             failed = 0
-            while not (await asyncio.wait({call}, timeout=_WATCH_S))[0]:
-                failed = 0 if await self.health(timeout=_WATCH_S) else failed + 1
+            watch_s = self.cadence.watch_s
+            while not (await asyncio.wait({call}, timeout=watch_s))[0]:
+                failed = 0 if await self.health(timeout=watch_s) else failed + 1
                 if failed >= 2:
                     raise EngineCallError(
                         f"collective_rpc {method}: the vLLM server's engine died while it ran (its /health fails)",
@@ -135,20 +158,21 @@ class VLLMClient(EngineClient):
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
         """The worker's identity (checksum, process), the API server's version.
 
-        The worker is asked at most every ``_IDENTITY_EVERY_S`` (and after every change of its
-        weights); between, ``/health`` answers for it: after each call it is sent, a vLLM worker
-        busy-polls for a second, so probes every two seconds kept a core busy. A worker busy with
-        one long step (a batch of many sequences, a kernel compiled on first use) answers nothing
-        until it ends while its server is well: as long as ``/health`` answers 200, and for at
-        most ``_BUSY_GRACE_S``, the identity it last gave stands in."""
-        now = time.monotonic()
-        if self._identity is None or now - self._identity_at >= _IDENTITY_EVERY_S:
+        The worker is asked at most every ``cadence.identity_every_s`` (and after every change of
+        its weights); between, ``/health`` answers for it: after each call it is sent, a vLLM
+        worker busy-polls for a second, so probes every two seconds kept a core busy. A worker busy
+        with one long step (a batch of many sequences, a kernel compiled on first use) answers
+        nothing until it ends while its server is well: as long as ``/health`` answers 200, and
+        for at most ``cadence.busy_grace_s``, the identity it last gave stands in."""
+        now = self._clock()
+        if self._identity is None or now - self._identity_at >= self.cadence.identity_every_s:
             try:
                 self._identity = await self._rpc("miles_identity", _Identity, timeout=timeout)
                 self._identity_at, self._busy_since = now, None
             except EngineCallError:
                 self._busy_since = self._busy_since if self._busy_since is not None else now
-                if self._identity is None or now - self._busy_since > _BUSY_GRACE_S or not await self.health():
+                grace_over = now - self._busy_since > self.cadence.busy_grace_s
+                if self._identity is None or grace_over or not await self.health():
                     raise
         elif not await self.health(timeout=timeout or 5.0):
             raise EngineCallError("the vLLM server's /health fails", server_id=self.server_id, url=self.base_url)

@@ -16,10 +16,11 @@ by ``miles.rollout.with_parent`` so that nothing it started outlives the control
 
 Updates are the same transaction as for every server type: take out, pause, load (verified in the
 worker, then vLLM's in-place reload), confirm by miles' canonical checksum of what the worker
-holds, admit or roll back. Pushes from a training window arrive through vLLM's native weight
-transfer (``--weight-transfer-config``, miles' backend: ``miles.vllm.transfer``), always with the
-servers paused (vLLM cannot stage). SGLang's native ``/generate`` is refused by name (the
-controller answers 400 naming the OpenAI routes).
+holds, admit or roll back. Pushes from a training window (over shared memory or a gloo broadcast)
+arrive through vLLM's native weight transfer (``--weight-transfer-config``, miles' backend:
+``miles.vllm.transfer``), always with the servers paused (vLLM cannot stage). SGLang's native
+``/generate`` for a vLLM-served model is answered by the controller through ``/v1/completions``
+(``miles.protocol.generate_completions``).
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import httpx
 
 import miles
 from miles.rollout.engine_client import EngineClient
 from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutError, RolloutObserver
-from miles.rollout.runtime import EngineCommand, LaunchSlot
+from miles.rollout.runtime import EngineCommand, EngineReport, LaunchSlot
 from miles.rollout.spec import RolloutSpec, VLLMServerArgs
 from miles.rollout.state import ServerCell
 from miles.rollout.vllm_client import VLLMClient
@@ -107,6 +109,21 @@ class VLLMLaunchCommand(EngineCommand):
     extra_args: tuple[str, ...] = ()
     # The threads of a CPU server's worker (the rollout's share of this machine's cores).
     num_threads: int | None = None
+
+    # vLLM has no /get_server_info: its dev mode's /server_info holds its config.
+    info_route: ClassVar[str] = "/server_info?config_format=json"
+
+    def reported(self, info: Mapping[str, Any], slot: LaunchSlot) -> EngineReport:
+        """The device vLLM's config names; the GPUs are those ``environment`` gave it in
+        ``CUDA_VISIBLE_DEVICES`` (vLLM numbers what it sees from 0 and says nothing of which)."""
+        config = info.get("vllm_config")
+        devices = config.get("device_config") if isinstance(config, dict) else None
+        device = devices.get("device") if isinstance(devices, dict) else None
+        gpus = slot.placement.gpu_ids
+        if device == "cuda" and gpus:
+            device = f"cuda:{gpus[0]}"
+        # None: a platform that runs its inputs on the host.
+        return EngineReport(device=str(device) if device else "cpu", gpu_ids=gpus)
 
     def argv(self, slot: LaunchSlot, checkpoint: Path) -> list[str]:
         args = ["--model", str(checkpoint), "--served-model-name", self.served_model_name]

@@ -1,7 +1,8 @@
 """One call to every engine of a window at once (``post_all``; ``EngineCalls`` for one push's),
 and what a push's calls cost (``PushStats``): the bodies are the protocol's request models, the answers are read as its
 response models, and a refusal is a PublishError naming each engine that refused (and the
-``Refusal`` an engine named, for the pusher to act on)."""
+``Refusal`` an engine named, for the pusher to act on). A vLLM server takes the same requests
+through vLLM's weight-transfer routes (``miles.train.vllm_calls``)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 from miles.controller.results import UpdateWindow, WindowServer
 from miles.errors import PublishError, Refusal
 from miles.protocol.base import ErrorAnswer
-from miles.protocol.sglang_weights import GroupResponse, UpdateWeightsFromTensorRequest, UpdateWeightsResponse
-from miles.weights.transport.documents import SHM_LOAD_FORMAT
+from miles.protocol.sglang_weights import GroupResponse, UpdateWeightsResponse
+from miles.train.vllm_calls import QUOTED_CHARS, post_to_vllm
 
 # What each endpoint a push calls answers when it did what it was asked.
 _ANSWERS: dict[str, type[UpdateWeightsResponse] | type[GroupResponse]] = {
@@ -26,8 +27,6 @@ _ANSWERS: dict[str, type[UpdateWeightsResponse] | type[GroupResponse]] = {
     "/init_weights_update_group": GroupResponse,
     "/destroy_weights_update_group": GroupResponse,
 }
-# How much of an engine's message a failure quotes.
-_QUOTED_CHARS = 500
 
 
 @dataclass
@@ -107,7 +106,11 @@ async def post_all(
 
     async def one(index: int, server: WindowServer) -> _Failure | None:
         if server.engine == "vllm":
-            return await _vllm_call(http, server, path, body(index), sessions=vllm_sessions)
+            try:
+                await post_to_vllm(http, server, body(index), sessions=vllm_sessions)
+            except PublishError as exc:
+                return _Failure(exc.message)
+            return None
         try:
             answer = await http.post(f"{server.url}{path}", json=body(index).model_dump(mode="json"), headers=headers)
         except httpx.HTTPError as exc:
@@ -118,7 +121,7 @@ async def post_all(
         except ValidationError:
             return _refused(server, answer)
         if not answered.success:
-            return _Failure(f"{server.server_id}: {answered.message[:_QUOTED_CHARS]}")
+            return _Failure(f"{server.server_id}: {answered.message[:QUOTED_CHARS]}")
         if isinstance(answered, UpdateWeightsResponse):
             stats.engine_timings.append(answered.timings)
         return None
@@ -140,40 +143,6 @@ async def post_all(
         )
 
 
-async def _vllm_call(
-    http: httpx.AsyncClient, server: WindowServer, path: str, request: BaseModel, *, sessions: set[str] | None
-) -> _Failure | None:
-    """A bucket pushed to a vLLM server through its native weight transfer (miles' backend reads
-    the bucket's shared-memory segment): the first bucket of a push begins the session, the last
-    (the one carrying the expected checksum) finishes it under the push's weight version and drops
-    the prefix cache. The controller confirms what the worker then holds, as after every push."""
-    if path != "/update_weights_from_tensor" or not isinstance(request, UpdateWeightsFromTensorRequest):
-        return _Failure(f"{server.server_id} is a vLLM server: it takes pushes through shared memory on its node only")
-    if request.load_format != SHM_LOAD_FORMAT:
-        return _Failure(
-            f"{server.server_id} is a vLLM server: it reads buckets from shared memory, not {request.load_format}"
-        )
-    calls: list[tuple[str, dict[str, object] | None]] = []
-    if sessions is None or server.server_id not in sessions:
-        calls.append(("/start_weight_update", None))
-    calls.append(("/update_weights", {"update_info": {"document": request.serialized_named_tensors[0]}}))
-    if request.expected_checksum is not None:
-        calls.append(("/finish_weight_update", {"weight_version": request.weight_version}))
-        calls.append(("/reset_prefix_cache", None))
-    for call, body in calls:
-        try:
-            answer = await http.post(f"{server.url}{call}", json=body)
-        except httpx.HTTPError as exc:
-            return _Failure(f"{server.server_id} at {server.url} did not answer {call} ({type(exc).__name__}: {exc})")
-        if answer.status_code >= 400:
-            return _Failure(f"{server.server_id}: {call} answered {answer.status_code}: {answer.text[:_QUOTED_CHARS]}")
-        if call == "/start_weight_update" and sessions is not None:
-            sessions.add(server.server_id)
-        if call == "/finish_weight_update" and sessions is not None:
-            sessions.discard(server.server_id)
-    return None
-
-
 def _refused(server: WindowServer, answer: httpx.Response) -> _Failure:
     """An answer other than the success the call expects: the engine's error, or (an answer that
     is no answer of its API) what it said, quoted."""
@@ -182,6 +151,6 @@ def _refused(server: WindowServer, answer: httpx.Response) -> _Failure:
     except ValidationError:
         return _Failure(
             f"{server.server_id} at {server.url} answered {answer.status_code} with a body that is no answer of "
-            f"the engine's API: {answer.text[:_QUOTED_CHARS]!r}"
+            f"the engine's API: {answer.text[:QUOTED_CHARS]!r}"
         )
-    return _Failure(f"{server.server_id}: {error.message[:_QUOTED_CHARS]}", refusal=error.refusal)
+    return _Failure(f"{server.server_id}: {error.message[:QUOTED_CHARS]}", refusal=error.refusal)

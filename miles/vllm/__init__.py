@@ -1,2 +1,3 @@
-"""What miles runs inside vLLM's processes: the worker extension (``extension``) and the
-read-back of what a worker holds (``held``). Imported by vLLM's workers, never by miles itself."""
+"""What miles runs inside vLLM's processes: the worker extension (``extension``), the read-back of
+what a worker holds (``held``) and miles' backend of vLLM's weight transfer (``transfer``).
+Imported by vLLM's workers, never by miles itself."""

@@ -16,9 +16,10 @@ strings and answers each worker's return value. Each method answers a JSON objec
   from vLLM's layers (``miles.vllm.held``), and what was hashed.
 - ``miles_identity()``: the checksum computed when the weights last changed, and which process
   answers, without hashing anything (for the controller's probes).
-- ``miles_end_push()``: end a push its window closed on before its last bucket (the controller
-  calls it when a window closes): vLLM's reload session finishes, the layers it loaded keep what
-  they got, the others what they held. Every read of the held weights ends such a push first.
+- ``miles_end_push()``: end a push its window closed on (the controller calls it when a window
+  closes): a reload its last bucket never finished ends (the layers it loaded keep what they got,
+  the others what they held; every read of the held weights ends such a reload first), and the
+  torch.distributed group the push formed is left. Answers what it ended and the group it left.
 - ``miles_export(step)``: write what the worker holds as a sealed checkpoint under the server's
   snapshot directory (``MILES_SNAPSHOT_DIR``), to restart a peer on weights that were pushed and
   lie on no disk.
@@ -44,7 +45,7 @@ from safetensors.torch import save_file
 
 from miles.errors import CheckpointError, ManifestMissingError, MilesError
 from miles.vllm.held import held_state
-from miles.vllm.transfer import end_reload, register
+from miles.vllm.transfer import MilesTransferEngine, end_reload, register
 from miles.weights.checksum import checksum_state_dict
 from miles.weights.manifest import Manifest, manifest_from_files, read_manifest, write_manifest
 from miles.weights.reader import open_checkpoint
@@ -90,7 +91,7 @@ class MilesWorkerExtension:
         self._miles_checksum = None  # whatever happens now, the last checksum no longer holds
         failure: str | None = None
         try:
-            self.miles_end_push()
+            self._miles_end_reload()
             self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         except Exception as exc:  # noqa: BLE001  # vLLM's reload raises anything; the checksum below tells
             failure = f"vLLM's reload failed midway ({type(exc).__name__}: {exc}); the worker holds other weights"
@@ -108,11 +109,18 @@ class MilesWorkerExtension:
         }
 
     def miles_end_push(self) -> dict[str, Any]:
+        ended = self._miles_end_reload()
+        engine = getattr(self, "weight_transfer_engine", None)
+        left = engine.leave() if isinstance(engine, MilesTransferEngine) else None
+        return {"ended": ended, "left": left}
+
+    def _miles_end_reload(self) -> bool:
+        """End a push's reload left open (its session, or a reload vLLM forgot); False when none was."""
         if getattr(self, "_weight_update_active", False):
             self.finish_weight_update()  # type: ignore[attr-defined]
-            return {"ended": True}
+            return True
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return {"ended": end_reload(model, self.vllm_config.model_config)}  # type: ignore[attr-defined]
+        return end_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
 
     def miles_export(self, step: str) -> dict[str, Any]:
         state = self._miles_held()
@@ -141,7 +149,7 @@ class MilesWorkerExtension:
         return {"path": str(target), "checksum": checksum}
 
     def _miles_held(self) -> dict[str, torch.Tensor]:
-        self.miles_end_push()
+        self._miles_end_reload()
         config = self.vllm_config.model_config  # type: ignore[attr-defined]
         tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
         model = self.model_runner.get_model()  # type: ignore[attr-defined]

@@ -1,30 +1,45 @@
-"""miles' backend for vLLM's native weight transfer: pushed buckets read from shared memory.
+"""miles' backend for vLLM's native weight transfer: pushed buckets, read from shared memory on the
+server's node or broadcast over a torch.distributed group formed with the trainer.
 
-vLLM's weight-transfer API (``/start_weight_update``, ``/update_weights``,
-``/finish_weight_update``, with ``--weight-transfer-config {"backend": "miles"}``) hands each
+vLLM's weight-transfer API (``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``, ``/shutdown_weight_transfer_engine``, with
+``--weight-transfer-config {"backend": "miles"}``) hands each call's ``init_info`` or
 ``update_info`` to the backend registered under that name in the worker. This one takes the
-document of a bucket ``PushPublisher`` wrote into a shared-memory segment on the server's node
-(``{"document": ShmDocument.encode()}``, the same document an embedded engine reads), reads the
-bucket's tensors from the segment, checks each against the digest it was sent with, and loads them
-through the model's ``load_weights`` inside vLLM's layerwise reload (begun by
-``start_weight_update``, completed by ``finish_weight_update``), the reload path that keeps vLLM's
-fused and packed layers consistent. A tensor that arrives other than it was sent is refused before
-its bucket is loaded; what the worker holds at the end is confirmed by the controller through
-``miles_checksum``, as after every update.
+requests ``PushPublisher`` sends an embedded engine, one definition for both
+(``miles.weights.transport``, ``miles.protocol.sglang_weights``):
 
-A refused bucket ends vLLM's reload at once (``end_reload``): vLLM forgets the session on any
-error but leaves the layers the reload had emptied on the meta device, holding nothing to serve
-or hash. Ended, the layers already loaded keep what they got and the others take back the weights
-they held, so the controller's checksum sees a model that exists, and its rollback reloads it.
+- ``init_info``: an ``InitWeightsUpdateGroupRequest``: join the trainer's group (its rank 0 serves
+  the store) as ``rank_offset``, gloo on CPU, NCCL from a GPU to a GPU; the join gives up after its
+  ``timeout_s``. The group is left by ``/shutdown_weight_transfer_engine`` (the trainer's end of a
+  push) or when the push's window closes (``leave``, through the extension's ``miles_end_push``),
+  whichever comes first.
+- ``update_info``, one bucket: ``{"document": ShmDocument.encode()}``, a bucket in a shared-memory
+  segment on this node (the document an embedded engine reads), or ``{"distributed":
+  UpdateWeightsFromDistributedRequest}``, the group's next broadcast, waited for at most its
+  ``timeout_s``.
+
+Either way each tensor is checked against the digest it was sent with before its bucket is loaded,
+then loaded through the model's ``load_weights`` inside vLLM's layerwise reload (begun by
+``start_weight_update``, completed by ``finish_weight_update``), the reload path that keeps vLLM's
+fused and packed layers consistent. What the worker holds at the end is confirmed by the
+controller through ``miles_checksum``, as after every update.
+
+A refused bucket (a digest that does not match, a broadcast whose sender died) ends vLLM's reload
+at once (``end_reload``): vLLM forgets the session on any error but leaves the layers the reload had
+emptied on the meta device, holding nothing to serve or hash. Ended, the layers already loaded keep
+what they got and the others take back the weights they held, so the controller's checksum sees a
+model that exists, and its rollback reloads it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from vllm.config import ModelConfig
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -35,22 +50,39 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-from miles.weights.buckets import unpack
+from miles.errors import ConflictError
+from miles.protocol.sglang_weights import InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest
+from miles.weights.buckets import Received, unpack
+from miles.weights.transport import groups
 from miles.weights.transport.documents import SHM_LOAD_FORMAT, ShmDocument, decode
 from miles.weights.transport.segments import SegmentMaps
 
 BACKEND = "miles"
 
+logger = logging.getLogger("miles.vllm")
+
 
 @dataclass
 class MilesInitInfo(WeightTransferInitInfo):
-    """Nothing to set up: the buckets come through shared memory on the server's node."""
+    """The trainer's group to join, for a push by broadcast."""
+
+    group: InitWeightsUpdateGroupRequest
 
 
 @dataclass
 class MilesUpdateInfo(WeightTransferUpdateInfo):
-    # ``ShmDocument.encode()`` of one bucket.
-    document: str
+    """One bucket: in a shared-memory segment on this node, or the group's next broadcast."""
+
+    bucket: ShmDocument | UpdateWeightsFromDistributedRequest
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The group this worker joined, and where its broadcasts land."""
+
+    name: str
+    joined: groups.Joined
+    device: torch.device
 
 
 class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
@@ -64,9 +96,74 @@ class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
         super().__init__(*args, **kwargs)
         # The segments pushes name, mapped once and kept while their trainer holds them.
         self.segments = SegmentMaps(forget_every_s=1.0)
+        self._group: _Group | None = None
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> MilesInitInfo:
+        try:
+            return MilesInitInfo(group=InitWeightsUpdateGroupRequest.model_validate(init_dict))
+        except ValidationError as exc:
+            raise ValueError(f"init_info must be an InitWeightsUpdateGroupRequest (SGLang's fields): {exc}") from None
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> MilesUpdateInfo:
+        if set(update_dict) == {"document"}:
+            document = decode(SHM_LOAD_FORMAT, [update_dict["document"]])
+            assert isinstance(document, ShmDocument)  # decode checked the format
+            return MilesUpdateInfo(bucket=document)
+        if set(update_dict) == {"distributed"}:
+            try:
+                return MilesUpdateInfo(
+                    bucket=UpdateWeightsFromDistributedRequest.model_validate(update_dict["distributed"])
+                )
+            except ValidationError as exc:
+                raise ValueError(
+                    f"update_info.distributed must be an UpdateWeightsFromDistributedRequest: {exc}"
+                ) from None
+        raise ValueError(
+            f"update_info holds {sorted(update_dict)}; send {{'document': ShmDocument}} (a bucket in shared "
+            "memory on this node) or {'distributed': UpdateWeightsFromDistributedRequest} (the group's next broadcast)"
+        )
 
     def init_transfer_engine(self, init_info: MilesInitInfo) -> None:
-        pass
+        request = init_info.group
+        rank, world = request.rank_offset, request.world_size
+        backend, device = groups.member_device(request.backend, rank=rank, world=world, device=self.device)
+        # One group at a time: a group still held was joined for a window that is over (the
+        # controller opens one at a time) and whose close did not reach this worker.
+        self.leave()
+        # Where the join is, for the message when it is given up.
+        where = {"phase": "starting"}
+
+        def join() -> groups.Joined:
+            return groups.join(
+                address=request.master_address,
+                port=request.master_port,
+                group_name=request.group_name,
+                rank=rank,
+                world=world,
+                backend=backend,
+                timeout_s=request.timeout_s,
+                phase=lambda now: where.update(phase=now),
+            )
+
+        # Bounded whatever rank 0 does: torch's store handshake has no time limit of its own, and
+        # this is the worker's only thread (a join left running keeps no group).
+        try:
+            joined = groups.within(join, timeout_s=request.timeout_s + groups.JOIN_GRACE_S, name="miles-join")
+        except TimeoutError:
+            raise ConflictError(
+                f"group {request.group_name!r} did not form within {request.timeout_s:g}s: still {where['phase']} "
+                f"(rank 0 at {request.master_address}:{request.master_port}); check that the sender is running"
+            ) from None
+        self._group = _Group(request.group_name, joined, device)
+        logger.info("joined weight-update group %s as rank %d of %d", request.group_name, rank, world)
+
+    def leave(self) -> str | None:
+        """Leave the group this worker is in; its name, None when it was in none."""
+        group, self._group = self._group, None
+        if group is None:
+            return None
+        logger.info("left weight-update group %s", group.name)
+        return group.name
 
     def start_weight_update(self) -> None:
         initialize_layerwise_reload(self.model)
@@ -75,20 +172,55 @@ class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
         finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: MilesUpdateInfo) -> None:
-        document = decode(SHM_LOAD_FORMAT, [update_info.document])
-        assert isinstance(document, ShmDocument)  # decode checked the format
-        try:
-            received = unpack(document.table, self.segments.flat(document.shm, document.table.total_bytes))
-            received.verify()
-            # Copies of the mapped bytes: vLLM's layerwise reload keeps what it is given until the
-            # layer is complete, and the segment is the trainer's to write the next bucket into.
-            self.model.load_weights((name, tensor.clone()) for name, tensor in received.tensors.items())
-            received.close()
-        except BaseException:
-            end_reload(self.model, self.model_config)
-            raise
+        with contextlib.ExitStack() as stack:
+            try:
+                received = self._received(update_info.bucket, stack)
+                received.verify()
+                self.model.load_weights(iter(received.tensors.items()))
+            except BaseException:
+                end_reload(self.model, self.model_config)
+                raise
+
+    def _received(
+        self, bucket: ShmDocument | UpdateWeightsFromDistributedRequest, stack: contextlib.ExitStack
+    ) -> Received:
+        """The bucket's tensors as they arrived (closed with ``stack``), nothing checked yet."""
+        if isinstance(bucket, ShmDocument):
+            # A copy of its own, as a broadcast has a buffer of its own (below): the segment is the
+            # trainer's to write its next bucket into.
+            mapped = self.segments.flat(bucket.shm, bucket.table.total_bytes)
+            received = unpack(bucket.table, mapped[: bucket.table.total_bytes].clone())
+        else:
+            flattened = bucket.flattened()
+            group = self._group
+            if group is None or group.name != bucket.group_name:
+                raise ConflictError(
+                    f"this worker is in no group {bucket.group_name!r}: join it first (/init_weight_transfer_engine)"
+                )
+            table = groups.broadcast_table(
+                bucket.names, bucket.dtypes, bucket.shapes, bucket.digests, flattened=flattened
+            )
+            try:
+                received = groups.receive(
+                    group.joined.group,
+                    table,
+                    # A buffer of its own per bucket: vLLM's layerwise reload keeps the tensors it
+                    # is given until the rest of their layer arrives, so a buffer kept for the next
+                    # bucket would be overwritten under them (the loaded weights then fail the
+                    # checksum). The shared-memory path reads into new tensors alike.
+                    torch.empty(table.total_bytes, dtype=torch.uint8, device=group.device),
+                    flattened=flattened,
+                    group_name=group.name,
+                    timeout_s=bucket.timeout_s,
+                )
+            except ConflictError:
+                self.leave()  # a broadcast that failed leaves the group out of step: of no more use
+                raise
+        stack.callback(received.close)
+        return received
 
     def shutdown(self) -> None:
+        self.leave()
         self.segments.clear()
 
 

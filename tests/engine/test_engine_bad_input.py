@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,14 +18,12 @@ from typing import BinaryIO
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from miles.engine.engine import Engine
 from miles.engine.http_server import create_app
 from miles.engine.settings import EngineSettings
-from miles.rollout.engine_process import free_port
-from miles.testing import running_engine
+from miles.testing import app_on_loopback, running_engine
 
 MAX_MIB = 8
 REFERENCE = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
@@ -355,23 +352,14 @@ def test_after_a_bug_answers_500_the_connection_stays_open(checkpoints: dict[str
     """Over real HTTP: a client that reuses its keep-alive connection after a 500 is answered on
     it (the server re-raising the bug would close it, failing the client's next request)."""
     engine = _BrokenInfoEngine(EngineSettings(model_path=checkpoints["v1"]))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the engine did not start"
-            time.sleep(0.05)  # another thread's server: nothing to wait on
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-            reader = sock.makefile("rb")
-            for path, status in (("/get_model_info", 500), ("/get_weight_version", 200), ("/get_model_info", 500)):
-                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: engine\r\n\r\n".encode())
-                assert _status_and_body(reader) == status, path
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+    with (
+        app_on_loopback(create_app(engine), timeout_s=120) as port,
+        socket.create_connection(("127.0.0.1", port), timeout=30) as sock,
+    ):
+        reader = sock.makefile("rb")
+        for path, status in (("/get_model_info", 500), ("/get_weight_version", 200), ("/get_model_info", 500)):
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: engine\r\n\r\n".encode())
+            assert _status_and_body(reader) == status, path
 
 
 def _status_and_body(reader: BinaryIO) -> int:

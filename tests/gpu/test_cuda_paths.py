@@ -36,7 +36,7 @@ async def test_an_engine_on_a_gpu_updates_from_disk_staged(checkpoints: dict[str
         assert ctl.health().servers[0].checksum == read_manifest(checkpoints["v2"]).checksum
 
 
-# shm from GPU tensors goes by CUDA IPC handle; from host tensors through /dev/shm.
+# shm from GPU tensors goes by CUDA IPC handle; from host tensors through a shared-memory segment.
 @pytest.mark.parametrize(("path", "device"), [("shm", "cpu"), ("shm", "cuda"), ("distributed", "cuda")])
 async def test_pushes_into_a_gpu_engine(checkpoints: dict[str, Path], path: str, device: str) -> None:
     named = {

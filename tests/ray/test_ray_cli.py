@@ -5,7 +5,6 @@ refused within seconds, naming the flag to lower."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import shutil
@@ -21,7 +20,8 @@ import httpx
 import pytest
 
 from miles.rollout.engine_process import free_port
-from miles.testing import process_alive
+from miles.testing import descendants, on_loopback, process_alive
+from miles.testing import listening as addresses
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,55 +69,6 @@ def _serve(*args: str, ray_dir: Path, port: int) -> subprocess.Popen[str]:
     )
 
 
-def _descendants(root: int) -> set[int]:
-    children: dict[int, set[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, set()).add(int(entry.name))
-    found, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        found.add(pid)
-        todo.extend(children.get(pid, set()) - found)
-    return found
-
-
-def _listening(pids: set[int]) -> list[tuple[str, int]]:
-    """The TCP addresses the processes listen on (from /proc: the sockets each holds, in LISTEN)."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    inodes.add(target[len("socket:[") : -1])
-        except OSError:
-            continue  # the process ended, or is not ours to look into
-    addresses = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            raw_host, raw_port = local.split(":")
-            # The kernel writes each 32-bit word of the address in host (little-endian) order.
-            packed = b"".join(bytes.fromhex(raw_host[i : i + 8])[::-1] for i in range(0, len(raw_host), 8))
-            addresses.append((str(ipaddress.ip_address(packed)), int(raw_port, 16)))
-    return addresses
-
-
-def _on_loopback(host: str) -> bool:
-    address = ipaddress.ip_address(host)
-    mapped = getattr(address, "ipv4_mapped", None)
-    return address.is_loopback or (mapped is not None and mapped.is_loopback)
-
-
 def test_serve_on_ray_with_no_flags_fits_two_cores_answers_on_loopback_and_stops_with_everything(
     checkpoints: dict[str, Path], ray_dir: Path
 ) -> None:
@@ -149,9 +100,9 @@ def test_serve_on_ray_with_no_flags_fits_two_cores_answers_on_loopback_and_stops
         assert 0 < share <= 1
         # Nothing the command started (the controller, Ray's processes, the engines) listens
         # anywhere but loopback.
-        listening = _listening(_descendants(serve.pid) | set(pids))
+        listening = addresses({serve.pid, *descendants(serve.pid), *pids})
         assert ("127.0.0.1", port) in listening
-        assert [a for a in listening if not _on_loopback(a[0])] == []
+        assert [a for a in listening if not on_loopback(a[0])] == []
     finally:
         if serve.poll() is None:
             serve.send_signal(signal.SIGINT)

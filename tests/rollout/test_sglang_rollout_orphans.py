@@ -14,27 +14,9 @@ from pathlib import Path
 import httpx
 
 from miles.rollout.engine_process import free_port
-from miles.testing import process_alive
+from miles.testing import descendants, process_alive
 
 STANDIN = [sys.executable, str(Path(__file__).parent / "sglang_standin.py")]
-
-
-def children(pid: int) -> list[int]:
-    """The processes ``pid`` started, from any of its threads."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            continue  # the thread ended meanwhile
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    found = []
-    for child in children(pid):
-        found += [child, *descendants(child)]
-    return found
 
 
 def wait_for(predicate, *, what: str, timeout: float) -> None:  # type: ignore[no-untyped-def]

@@ -4,14 +4,17 @@ A group of its own per push, never the process's default group: the trainer is r
 the group's ``TCPStore`` (``Rank0``); each engine connects to it and joins as rank N (``join``).
 Every member sets its key in the store once it is there (``joined/<rank>``), so a group that
 does not form names the ranks that never came. Each bucket is then one broadcast from rank 0
-(``broadcast``, the same call on both sides). Forming and joining block in torch for as long as
-the store's timeout, so both run on a daemon thread (``in_daemon_thread``) that never holds up
-a loop's shutdown or the interpreter's exit.
+(``broadcast``, the same call on both sides; a receiver lays the bucket out with
+``broadcast_table`` and takes it with ``receive``). Forming and joining block in torch for as long
+as the store's timeout, so both run on a daemon thread (``in_daemon_thread`` on a loop,
+``within`` off one) that never holds up a loop's shutdown or the interpreter's exit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import queue
 import socket
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -22,9 +25,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from miles.errors import ConflictError
+from miles.errors import ConflictError, InvalidRequestError
+from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, Received, unpack
 
 T = TypeVar("T")
+
+# How long past its ``timeout_s`` a member's join is waited for before its caller is answered.
+JOIN_GRACE_S = 2.0
 
 
 def free_port(host: str) -> int:
@@ -66,6 +73,28 @@ def in_daemon_thread(fn: Callable[[], T], *, name: str) -> asyncio.Future[T]:
     return future
 
 
+def within(fn: Callable[[], T], *, timeout_s: float, name: str) -> T:
+    """``fn()`` on a daemon thread of its own, waited for at most ``timeout_s``, for a caller with no
+    event loop. Raises what ``fn`` raised, or TimeoutError once ``timeout_s`` has passed: whatever
+    ``fn`` returns or raises later is dropped, and its thread holds up nothing."""
+    answers: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            answers.put((fn(), None))
+        except BaseException as exc:  # noqa: BLE001  # handed to the waiting caller, whatever it is
+            answers.put((None, exc))
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        result, error = answers.get(timeout=timeout_s)
+    except queue.Empty:
+        raise TimeoutError(f"{name} did not end within {timeout_s:g}s") from None
+    if error is not None:
+        raise error
+    return result
+
+
 def _joined_key(rank: int) -> str:
     """The key each member of a group sets in the group's store once it is there."""
     return f"joined/{rank}"
@@ -102,6 +131,70 @@ def start_broadcasts(group: Any, tensors: Sequence[torch.Tensor], *, timeout_s: 
     return [group.broadcast([tensor], options) for tensor in tensors]
 
 
+# Where each tensor broadcast on its own is received in a bucket's buffer: a multiple of this, so
+# every dtype views its place.
+TENSOR_ALIGN = 64
+
+
+def broadcast_table(
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    digests: Sequence[str | None] | None,
+    *,
+    flattened: bool,
+) -> BucketTable:
+    """Where the tensors a broadcast will carry land in the receive buffer: back to back when the
+    bucket comes as one flat broadcast (``flattened``), else each at an aligned offset (one
+    broadcast per tensor, as SGLang sends without a ``load_format``). Raises InvalidRequestError,
+    before any byte arrives, for a tensor named twice or a dtype torch does not know."""
+    align = 1 if flattened else TENSOR_ALIGN
+    entries: list[BucketEntry] = []
+    offset, seen = 0, set()
+    for name, raw_dtype, shape, digest in zip(names, dtypes, shapes, digests or [None] * len(names), strict=True):
+        if name in seen:
+            raise InvalidRequestError(f"tensor {name!r} appears twice in one bucket; name each tensor once")
+        seen.add(name)
+        dtype = raw_dtype.removeprefix("torch.")
+        if dtype not in TORCH_DTYPES:
+            raise InvalidRequestError(
+                f"tensor {name!r} has unknown dtype {raw_dtype!r}; known: {', '.join(TORCH_DTYPES)}"
+            )
+        nbytes = math.prod(shape) * TORCH_DTYPES[dtype].itemsize
+        offset = -(-offset // align) * align
+        entries.append(
+            BucketEntry(name=name, dtype=dtype, shape=tuple(shape), offset=offset, nbytes=nbytes, digest=digest)
+        )
+        offset += nbytes
+    return BucketTable(entries=tuple(entries))
+
+
+def receive(
+    group: Any, table: BucketTable, flat: torch.Tensor, *, flattened: bool, group_name: str, timeout_s: float
+) -> Received:
+    """The bucket of ``table`` (laid out by ``broadcast_table``) broadcast by rank 0 into ``flat``
+    (a uint8 buffer of ``table.total_bytes``, on the device the group's backend receives on), as
+    tensors with the digests they were sent with; nothing has checked them yet. Raises
+    ConflictError when the broadcast does not complete within ``timeout_s`` (the sender died or
+    never sent): the group is then of no more use."""
+    tensors = [flat]
+    if not flattened:
+        tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape) for e in table.entries]
+    try:
+        broadcast(group, tensors, timeout_s=timeout_s)
+    except (RuntimeError, dist.DistError) as exc:
+        raise unfinished(group_name, timeout_s, exc) from None
+    return unpack(table, flat.cpu() if flat.device.type != "cpu" else flat)
+
+
+def unfinished(group_name: str, timeout_s: float, exc: BaseException) -> ConflictError:
+    """What a receiver answers for a broadcast that did not complete within ``timeout_s``."""
+    return ConflictError(
+        f"the broadcast of group {group_name!r} did not complete within {timeout_s:g}s "
+        f"(the sender stopped or never sent): {exc}; destroy the group and push again"
+    )
+
+
 class Rank0:
     """This process as rank 0 of a new group of ``world`` members named ``group_name``: it serves
     the group's store at ``address``:``port`` until ``close``, and forms the group once the other
@@ -135,6 +228,22 @@ class Rank0:
     def close(self) -> None:
         """Stop serving the store: a group still forming through it fails at once."""
         self._server = None
+
+
+def member_device(backend: str, *, rank: int, world: int, device: torch.device) -> tuple[str, torch.device]:
+    """The backend a member running on ``device`` joins a group with (by its lower-case name), and
+    where it receives the group's broadcasts: its GPU with NCCL, the CPU with gloo. Raises
+    InvalidRequestError for another backend, NCCL off a GPU, or a rank outside the group."""
+    name = backend.lower()
+    if name == "nccl" and device.type != "cuda":
+        raise InvalidRequestError(
+            f"backend 'nccl' needs CUDA; this engine runs on {device}: push from CPU tensors over backend 'gloo'"
+        )
+    if name not in ("gloo", "nccl"):
+        raise InvalidRequestError(f"backend {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPU)")
+    if rank >= world:
+        raise InvalidRequestError(f"rank_offset {rank} is outside a group of world_size {world}")
+    return name, device if name == "nccl" else torch.device("cpu")
 
 
 @dataclass(frozen=True)

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from starlette.types import Scope
 
 import miles.utils.http
 from miles.errors import AuthenticationError
+from miles.testing import app_on_loopback
 from miles.utils.http import BodyLimit, CheckFirst, install_error_handlers
 
 IDLE_S = 0.5
@@ -39,21 +38,8 @@ def port(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     async def echo(request: Request) -> dict[str, int]:
         return {"bytes": len(await request.body())}
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        chosen = int(probe.getsockname()[1])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=chosen, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)  # another thread's server: nothing to wait on
-    try:
+    with app_on_loopback(app) as chosen:
         yield chosen
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def answer(port: int, request: bytes) -> bytes:

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from miles.config import RuntimeKind
-from miles.ray.engines import _reported_gpu_ids
 from miles.rollout.rollout import RolloutError
+from miles.rollout.runtime import sglang_gpu_ids
 from miles.rollout.sglang_rollout import SGLangRollout, check_ray_gpus
 from miles.rollout.spec import RolloutSpec, SGLangServerArgs
 
@@ -17,15 +17,15 @@ from miles.rollout.spec import RolloutSpec, SGLangServerArgs
 @pytest.mark.parametrize(
     ("info", "expected"),
     [
-        ({"device": "cpu", "gpu_ids": []}, []),  # the embedded engine lists its own
-        ({"device": "cuda", "gpu_ids": [3]}, [3]),
-        ({"device": "cuda", "base_gpu_id": 4, "tp_size": 2, "dp_size": 1}, [4, 5]),  # SGLang
-        ({"device": "cuda", "base_gpu_id": 0, "tp_size": 2, "dp_size": 2, "gpu_id_step": 2}, [0, 2, 4, 6]),
+        ({"device": "cpu", "gpu_ids": []}, ()),  # the embedded engine lists its own
+        ({"device": "cuda", "gpu_ids": [3]}, (3,)),
+        ({"device": "cuda", "base_gpu_id": 4, "tp_size": 2, "dp_size": 1}, (4, 5)),  # SGLang
+        ({"device": "cuda", "base_gpu_id": 0, "tp_size": 2, "dp_size": 2, "gpu_id_step": 2}, (0, 2, 4, 6)),
         ({"device": "cpu", "base_gpu_id": 0, "tp_size": 1, "dp_size": 1}, None),
     ],
 )
-def test_the_gpus_an_engine_reports(info: dict[str, Any], expected: list[int] | None) -> None:
-    assert _reported_gpu_ids(info) == expected
+def test_the_gpus_an_engine_reports(info: dict[str, Any], expected: tuple[int, ...] | None) -> None:
+    assert sglang_gpu_ids(info) == expected
 
 
 @pytest.mark.parametrize(

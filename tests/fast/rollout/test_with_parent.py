@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from miles.testing import descendants
+
 # A launcher that starts the wrapper around a program that would run for ever (and starts a
 # child of its own, as SGLang starts its scheduler), prints their pids, and waits.
 LAUNCHER = """
@@ -19,13 +21,6 @@ wrapper = subprocess.Popen([sys.executable, "-m", "miles.rollout.with_parent", "
 print(wrapper.pid, flush=True)
 time.sleep(600)
 """
-
-
-def descendants(pid: int) -> list[int]:
-    found = []
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        found += [int(child), *descendants(int(child))]
-    return found
 
 
 def gone(pid: int) -> bool:

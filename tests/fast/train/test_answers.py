@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
@@ -23,6 +19,7 @@ from miles.controller.results import UpdateResult, UpdateWindow, WindowServer
 from miles.errors import AuthenticationError, ConflictError, PublishError, Refusal
 from miles.http.windows import HttpWindows
 from miles.protocol.sglang_weights import DestroyWeightsUpdateGroupRequest, UpdateWeightsResponse
+from miles.testing import app_on_loopback
 from miles.train import engine_calls
 from miles.train.engine_calls import PushStats
 from miles.train.windows import window_client
@@ -57,21 +54,8 @@ def url() -> Iterator[str]:
     async def garbled() -> PlainTextResponse:
         return PlainTextResponse("<html>bad gateway</html>", status_code=502)
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)  # another thread's server: nothing to wait on
-    try:
+    with app_on_loopback(app) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def window(url: str, *engines: str) -> UpdateWindow:
