@@ -9,7 +9,7 @@ the same tensors saved to a temp file (page cache warm), ``hashlib.sha256`` over
 and ``Tensor.copy_`` into preallocated tensors. Prints GB/s (1e9 bytes) and the ratios
 ours / sha256 and ours / memcpy (targets: >= 10x and >= 0.5x).
 
-Then copying and checksumming in one pass, on one thread (``copy_and_checksum``: what loading,
+Then copying and checksumming in one pass, on one thread (``miles.weights.digest.copy_and_digest``: what loading,
 staging and packing a push do): the copy and the hash made one after the other over the whole
 tensors, and one pass slice by slice, at the slice size the code uses and at others, each as a
 ratio to the code's.
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-import miles.weights.checksum as checksum_module
+import miles.weights.digest as digest_module
 from miles.utils.progress_bars import disable_library_progress_bars
-from miles.weights.checksum import checksum_safetensors, checksum_state_dict, copy_and_checksum, default_threads
+from miles.weights.checksum import checksum_safetensors, checksum_state_dict, default_threads
 
 _HIDDEN = 1024
 _KV = 256
@@ -140,7 +140,7 @@ def copy_and_hash(
     tensors: dict[str, torch.Tensor], destination: dict[str, torch.Tensor], repeats: int, num_bytes: int
 ) -> None:
     """One thread copying and checksumming: two passes, then one pass at several slice sizes."""
-    shipped = checksum_module.COPY_SLICE_BYTES
+    shipped = digest_module.COPY_SLICE_BYTES
     rows = [
         (
             "copy, then checksum (two passes)",
@@ -154,11 +154,14 @@ def copy_and_hash(
         )
     ]
     for size in sorted({64 << 10, 256 << 10, 1 << 20, 4 << 20, shipped}):
-        checksum_module.COPY_SLICE_BYTES = size
+        digest_module.COPY_SLICE_BYTES = size
         try:
-            seconds = best_of(repeats, lambda: copy_and_checksum(destination, tensors.__getitem__, threads=1))
+            seconds = best_of(
+                repeats,
+                lambda: [digest_module.copy_and_digest(destination[name], t) for name, t in tensors.items()],
+            )
         finally:
-            checksum_module.COPY_SLICE_BYTES = shipped
+            digest_module.COPY_SLICE_BYTES = shipped
         label = f"one pass, {size >> 10} KiB slices" + (" (the code's)" if size == shipped else "")
         rows.append((label, seconds))
     ours = next(seconds for label, seconds in rows if "the code's" in label)

@@ -45,6 +45,7 @@ from miles.rollout.engine_client import EngineCallError, WeightsChecksum
 from miles.rollout.rollout import Rollout
 from miles.rollout.state import ServerState, VerifiedWeights
 from miles.utils.weight_version import newest, version_number
+from miles.weights.checksum import ALGORITHM
 
 logger = logging.getLogger("miles.controller")
 
@@ -246,7 +247,7 @@ class WeightUpdate:
         note.step = ServerStep.LOADED
         if answer.checksum is not None and answer.weight_version is not None:
             note.reported = WeightsChecksum(
-                checksum=answer.checksum, algorithm="xxh3_128", weight_version=answer.weight_version
+                checksum=answer.checksum, algorithm=ALGORITHM, weight_version=answer.weight_version
             )
 
     async def confirm(self, server_ids: list[str]) -> None:

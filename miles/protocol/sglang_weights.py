@@ -85,7 +85,7 @@ class WeightsChecksumPayload(BaseModel):
 
     action: str = "checksum"
     checksum: str
-    algorithm: str = "xxh3_128"
+    algorithm: str = "xxh3_128_chunked"  # miles.weights.checksum.ALGORITHM
     num_tensors: int
     num_bytes: int
     weight_version: str

@@ -35,7 +35,7 @@ from miles.rollout.runtime import EngineCommand, LaunchSlot
 from miles.rollout.sglang_digests import DigestBook
 from miles.rollout.spec import RolloutSpec, SGLangServerArgs
 from miles.rollout.state import ServerCell
-from miles.weights.checksum import model_checksum
+from miles.weights.checksum import ALGORITHM, model_checksum
 
 logger = logging.getLogger("miles.rollout")
 
@@ -192,7 +192,7 @@ class SGLangRollout(Rollout):
             loaded = await self._checksum_of(given) if given is not None else None
             canonical = self._digests.translate(reported.checksum, layout=reported.layout, loaded=loaded)
             reported = WeightsChecksum(
-                checksum=canonical, algorithm="xxh3_128", weight_version=reported.weight_version, layout=reported.layout
+                checksum=canonical, algorithm=ALGORITHM, weight_version=reported.weight_version, layout=reported.layout
             )
         return self.record_checksum(server_id, reported)
 

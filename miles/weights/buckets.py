@@ -2,7 +2,7 @@
 calls that does not grow with the number of tensors.
 
 A bucket's ``BucketTable`` says where each tensor lies in the flat bytes (name, dtype, shape,
-offset, size) and carries its digest (xxh3-128 of its bytes: the digest the model checksum
+offset, size) and carries its digest (``miles.weights.digest``: the digest the model checksum
 combines), so a receiver checks every tensor it takes: over the bytes it copied, in the same pass
 (``Received.check``), or before it copies (``Received.verify``). Packing computes the digests
 while it copies (the slice just written is still in cache). The same table travels
@@ -19,11 +19,11 @@ from typing import Annotated
 
 import numpy as np
 import torch
-import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles.errors import InvalidRequestError
-from miles.weights.checksum import COPY_SLICE_BYTES, TensorDigest, digest_tensor
+from miles.weights.checksum import TensorDigest, digest_tensor
+from miles.weights.digest import COPY_SLICE_BYTES, TensorHasher, copy_and_digest
 from miles.weights.safetensors_io import SAFETENSORS_DTYPES, dtype_name
 
 # Default bucket size: large enough that per-call costs vanish, small enough to stage twice.
@@ -122,18 +122,17 @@ def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tens
     if flat.device.type != "cpu":
         return _pack_on_device(named, table, flat)
     target = flat.numpy()
-    view = memoryview(target)  # type: ignore[arg-type]  # an ndarray has the buffer protocol
 
     def one(entry: BucketEntry) -> BucketEntry:
         source = named[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
         if source.device.type != "cpu":
             source = source.cpu()
         raw = source.numpy()
-        hasher = xxhash.xxh3_128()
+        hasher = TensorHasher()
         for start in range(0, entry.nbytes, COPY_SLICE_BYTES):
             end = min(start + COPY_SLICE_BYTES, entry.nbytes)
             np.copyto(target[entry.offset + start : entry.offset + end], raw[start:end])
-            hasher.update(view[entry.offset + start : entry.offset + end])
+            hasher.update(target[entry.offset + start : entry.offset + end])
         return entry.model_copy(update={"digest": hasher.hexdigest()})
 
     threads = min(torch.get_num_threads(), len(table.entries))
@@ -179,26 +178,6 @@ class Received:
     def close(self) -> None:
         """Let go of the bytes."""
         self.tensors = {}
-
-
-def copy_and_digest(target: torch.Tensor, source: torch.Tensor) -> str:
-    """Copy ``source`` into ``target`` and return the digest of what ``target`` now holds."""
-    source = source.detach()
-    cpu = target.device.type == "cpu" and source.device.type == "cpu"
-    if not (cpu and target.is_contiguous() and source.is_contiguous()) or target.numel() == 0:
-        with torch.no_grad():
-            target.copy_(source)
-        return digest_tensor(target)
-    # numpy views of the raw bytes: np.copyto releases the GIL and runs no OpenMP team.
-    dst = target.reshape(-1).view(torch.uint8).numpy()
-    src = source.reshape(-1).view(torch.uint8).numpy()
-    view = memoryview(dst)  # type: ignore[arg-type]  # an ndarray has the buffer protocol
-    hasher = xxhash.xxh3_128()  # slice by slice, each hashed while in cache
-    for start in range(0, dst.size, COPY_SLICE_BYTES):
-        end = min(start + COPY_SLICE_BYTES, dst.size)
-        np.copyto(dst[start:end], src[start:end])
-        hasher.update(view[start:end])
-    return hasher.hexdigest()
 
 
 def _pack_on_device(named: Mapping[str, torch.Tensor], table: BucketTable, flat: torch.Tensor) -> BucketTable:

@@ -1,9 +1,11 @@
 """Canonical weight checksums: the same weights give the same checksum from every representation.
 
-Per tensor, the digest is xxh3-128 (``xxhash.xxh3_128``) over the tensor's raw bytes: row-major,
-native little-endian, exactly what ``tensor.reshape(-1).view(torch.uint8)`` holds and exactly
-the bytes a safetensors file stores. Any dtype hashes (bfloat16, float8, bool, ...), 0-d tensors
-hash their one element, empty tensors hash zero bytes. Digests are 32 lowercase hex characters.
+Per tensor, the digest is ``miles.weights.digest``'s: xxh3-128 over the xxh3-128 digests of the
+tensor's raw bytes taken 64 KiB at a time (row-major, native little-endian, exactly what
+``tensor.reshape(-1).view(torch.uint8)`` holds and exactly the bytes a safetensors file stores),
+so that it can be computed from any split of the bytes (the ranks of a sharded trainer each hash
+their own). Any dtype hashes (bfloat16, float8, bool, ...), 0-d tensors hash their one element,
+empty tensors hash zero bytes. Digests are 32 lowercase hex characters.
 
 The model checksum is xxh3-128 over this UTF-8 text, with nothing before or after it::
 
@@ -44,9 +46,11 @@ from miles.errors import (
     TensorNameError,
     UnsupportedTensorError,
 )
+from miles.weights.digest import digest_buffer
 from miles.weights.safetensors_io import SafetensorsFile, TensorSlot, dtype_name, index_files
 
-ALGORITHM: Final = "xxh3_128"
+# The digest of ``miles.weights.digest`` (64 KiB chunks) combined as above.
+ALGORITHM: Final = "xxh3_128_chunked"
 
 # Below this many bytes a thread pool costs more than it saves.
 _PARALLEL_MIN_BYTES = 8 * 1024 * 1024
@@ -82,11 +86,6 @@ class ModelChecksum:
 def default_threads() -> int:
     """The default hashing parallelism: ``min(8, os.cpu_count())``."""
     return min(8, os.cpu_count() or 1)
-
-
-def digest_buffer(buffer: object) -> str:
-    """xxh3-128 hex digest of any object exposing the buffer protocol (bytes, memoryview)."""
-    return xxhash.xxh3_128(buffer).hexdigest()  # type: ignore[arg-type]
 
 
 def digest_tensor(tensor: torch.Tensor) -> str:
@@ -350,62 +349,3 @@ def _expand_paths(paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathL
     if not paths:
         raise CheckpointFileMissingError("no safetensors files given")
     return paths
-
-
-# Copy and hash in slices this big: the slice just written is still in the core's cache when it
-# is hashed, so the hash costs a cache read instead of a second pass over memory. Source and
-# target slices should both fit in L2 (2 MiB per core on the machines measured); smaller slices
-# pay per-slice overhead (`benchmarks/checksum.py` compares sizes; docs/PERFORMANCE.md).
-COPY_SLICE_BYTES = 1024 * 1024
-
-
-def copy_and_checksum(
-    targets: Mapping[str, torch.Tensor],
-    source: Callable[[str], torch.Tensor],
-    *,
-    threads: int | None = None,
-) -> ModelChecksum:
-    """Copy ``source(name)`` into each ``targets[name]`` in place and checksum what was written.
-
-    The digest of every tensor is computed from the target's memory after the copy (slice by
-    slice, while the slice is in cache), so the result is the checksum of the weights the
-    targets now hold, not of the source. Sources must match their targets' dtype and shape.
-    Targets not on the CPU are copied whole and then hashed.
-
-    Raises:
-        UnsupportedTensorError: a dtype or shape differs, or a target is not a dense tensor.
-        TensorNameError: as ``combine_digests``.
-    """
-    n_threads = _resolve_threads(threads)
-
-    def one(name: str, target: torch.Tensor) -> str:
-        src = source(name)
-        if src.dtype != target.dtype or tuple(src.shape) != tuple(target.shape):
-            raise UnsupportedTensorError(
-                "source and target differ in dtype or shape",
-                tensor=name,
-                target=f"{dtype_name(target.dtype)}{list(target.shape)}",
-                source=f"{dtype_name(src.dtype)}{list(src.shape)}",
-            )
-        with torch.no_grad():
-            if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
-                target.copy_(src)
-                return digest_tensor(target)
-            dst = target.detach().reshape(-1).view(torch.uint8)
-            raw = src.detach().contiguous().reshape(-1).view(torch.uint8)
-            hasher = xxhash.xxh3_128()
-            view = memoryview(dst.numpy())  # type: ignore[arg-type]  # as in _raw_bytes
-            for start in range(0, dst.numel(), COPY_SLICE_BYTES):
-                end = min(start + COPY_SLICE_BYTES, dst.numel())
-                dst[start:end].copy_(raw[start:end])
-                hasher.update(view[start:end])
-            return hasher.hexdigest()
-
-    items = list(targets.items())
-    jobs = [(t.numel() * t.element_size(), (lambda n=n, t=t: one(n, t))) for n, t in items]
-    hexes = _run_digests(jobs, n_threads)
-    digests = [
-        TensorDigest(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), digest=h)
-        for (name, t), h in zip(items, hexes, strict=True)
-    ]
-    return checksum_from_digests(digests, num_bytes=sum(n for n, _ in jobs))

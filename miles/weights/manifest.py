@@ -56,7 +56,7 @@ class Manifest(BaseModel):
     model_name: str = Field(min_length=1)
     step: int = Field(ge=0)
     weight_version: str = ""
-    algorithm: Literal["xxh3_128"] = ALGORITHM
+    algorithm: Literal["xxh3_128_chunked"] = ALGORITHM
     checksum: str = Field(pattern=r"^[0-9a-f]{32}$")
     num_bytes: int = Field(ge=0)
     tensors: dict[str, TensorEntry]
@@ -70,6 +70,16 @@ class Manifest(BaseModel):
             raise ValueError(
                 f"format_version {value} is not supported (this miles reads {FORMAT_VERSION}); "
                 "upgrade miles or re-seal the checkpoint"
+            )
+        return value
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _current_algorithm(cls, value: object) -> object:
+        if value == "xxh3_128":
+            raise ValueError(
+                "this manifest was sealed by an earlier miles, whose digests hashed each tensor's bytes whole "
+                f"(now {ALGORITHM}: 64 KiB chunks); re-seal the checkpoint (`miles checkpoint seal`)"
             )
         return value
 

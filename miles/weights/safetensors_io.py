@@ -30,13 +30,13 @@ from typing import BinaryIO
 
 import numpy
 import torch
-import xxhash
 
 from miles.errors import (
     CheckpointFileInvalidError,
     CheckpointFileMissingError,
     CheckpointFileTruncatedError,
 )
+from miles.weights.digest import TensorHasher, digest_buffer
 
 # A header larger than this is not a real header but garbage in the length field (the
 # safetensors library uses the same bound).
@@ -248,8 +248,9 @@ class SafetensorsFile:
         return self.header.tensors
 
     def digest(self, slot: TensorSlot) -> str:
-        """The xxh3-128 digest of ``slot``'s bytes, read a slice at a time (hashed while in cache)."""
-        hasher = xxhash.xxh3_128()
+        """The digest of ``slot``'s bytes (``miles.weights.digest``), read a slice at a time (hashed
+        while in cache)."""
+        hasher = TensorHasher()
         buffer = _read_buffer()
         offset = slot.begin
         while offset < slot.end:
@@ -268,9 +269,9 @@ class SafetensorsFile:
             source = self.tensor(slot)
             with torch.no_grad():
                 target.copy_(source)
-            return xxhash.xxh3_128(memoryview(source.reshape(-1).view(torch.uint8).numpy())).hexdigest()  # type: ignore[arg-type]
+            return digest_buffer(source.reshape(-1).view(torch.uint8).numpy())
         dst = target.reshape(-1).view(torch.uint8).numpy()
-        hasher = xxhash.xxh3_128()
+        hasher = TensorHasher()
         buffer = _read_buffer()
         slice_bytes = len(buffer)
         staged = numpy.frombuffer(buffer, dtype=numpy.uint8)

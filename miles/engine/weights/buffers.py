@@ -23,8 +23,8 @@ from miles.engine.weights.memory import StagingUnsupportedError, ViewSpec, Weigh
 from miles.engine.weights.stage import LiveStage, Stage
 from miles.errors import MilesError
 from miles.utils.memory import available_host_memory
-from miles.weights.buckets import copy_and_digest
 from miles.weights.checksum import ModelChecksum
+from miles.weights.digest import copy_and_digest
 
 logger = logging.getLogger("miles.engine")
 

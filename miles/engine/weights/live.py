@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 from transformers import PreTrainedModel
 
 from miles.engine.weights.export import copy_weights, export_snapshot
@@ -31,6 +30,7 @@ from miles.weights.checksum import (
     checksum_module,
     saved_state_dict,
 )
+from miles.weights.digest import TensorHasher
 from miles.weights.safetensors_io import dtype_name
 
 logger = logging.getLogger("miles.engine")
@@ -156,10 +156,10 @@ class LiveWeights:
             # objects behind them (no view of the live memory is held between sections).
             layout = {name: (t.dtype, tuple(t.shape)) for name, t in saved_state_dict(model).items()}
         tensors = [_own_tensor(model, name) for name in layout]
-        hashers = [xxhash.xxh3_128() for _ in layout]
+        hashers = [TensorHasher() for _ in layout]
 
         def hash_slice(index: int, start: int, chunk: torch.Tensor) -> None:
-            hashers[index].update(memoryview(chunk.numpy()))  # type: ignore[arg-type]
+            hashers[index].update(chunk.numpy())
 
         read_in_sections(self.lock, tensors, writes=writes, what=f"weights {self._held.version}", each=hash_slice)
         digests = [

@@ -15,8 +15,9 @@ from typing import ClassVar
 import torch
 
 from miles.errors import UnsupportedTensorError
-from miles.weights.buckets import Received, copy_and_digest
+from miles.weights.buckets import Received
 from miles.weights.checksum import ModelChecksum, TensorDigest, checksum_from_digests, digest_tensor, saved_state_dict
+from miles.weights.digest import copy_and_digest
 from miles.weights.reader import CheckpointReader
 from miles.weights.safetensors_io import dtype_name
 

@@ -46,7 +46,7 @@ def test_save_writes_a_verified_checkpoint(make_checkpoint: MakeCheckpoint) -> N
     assert {"config.json", "model.safetensors", "tokenizer.json", MANIFEST_NAME} <= set(os.listdir(directory))
     assert manifest.model_name == "tiny-test"
     assert manifest.step == 3 and manifest.weight_version == "3"
-    assert manifest.algorithm == "xxh3_128"
+    assert manifest.algorithm == "xxh3_128_chunked"
     assert manifest.created_at.tzinfo == UTC
     assert manifest.files == {"model.safetensors": (directory / "model.safetensors").stat().st_size}
     assert manifest.checksum == checksum_module(build_model("tiny", seed=0)).checksum
@@ -124,6 +124,7 @@ def test_a_header_nested_too_deeply_to_parse_is_an_invalid_file(make_checkpoint:
     [
         ("step", -1),
         ("algorithm", "sha256"),
+        ("algorithm", "xxh3_128"),
         ("surprise", 1),
         ("checksum", "xyz"),
         ("format_version", 2),

@@ -21,6 +21,7 @@ from miles.weights.checksum import (
     combine_digests,
     digest_tensor,
 )
+from miles.weights.digest import TensorHasher, chunk_digest
 
 
 def test_state_dict_module_single_file_and_shards_agree(tiny_model: PreTrainedModel, tmp_path: Path) -> None:
@@ -108,7 +109,13 @@ def test_order_of_the_mapping_does_not_matter() -> None:
     assert checksum_state_dict(dict(reversed(base.items()))) == checksum_state_dict(base)
 
 
-def test_digest_is_xxh3_128_of_the_raw_bytes_for_any_dtype() -> None:
+def chunked_xxh3(raw: bytes) -> str:
+    """The digest as the module docstring defines it, written out independently of the code."""
+    chunks = [raw[i : i + 65536] for i in range(0, len(raw), 65536)]
+    return xxhash.xxh3_128(b"".join(xxhash.xxh3_128(c).digest() for c in chunks)).hexdigest()
+
+
+def test_digest_is_xxh3_128_of_the_raw_bytes_chunk_digests_for_any_dtype() -> None:
     cases = {
         "bfloat16": torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16),
         "0-d": torch.tensor(3.0),
@@ -116,15 +123,37 @@ def test_digest_is_xxh3_128_of_the_raw_bytes_for_any_dtype() -> None:
         "float8": torch.tensor([0.5, 1.0], dtype=torch.float8_e4m3fn),
         "int64": torch.arange(5),
         "empty": torch.empty(0, 3),
+        "three chunks, the last short": torch.arange(40000, dtype=torch.float32),
     }
     for name, tensor in cases.items():
         # Read the bytes straight from memory, independently of the code under test.
         raw = ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-        assert digest_tensor(tensor) == xxhash.xxh3_128(raw).hexdigest(), name
+        assert digest_tensor(tensor) == chunked_xxh3(raw), name
+    assert digest_tensor(torch.empty(0)) == xxhash.xxh3_128(b"").hexdigest()
     result = checksum_state_dict(cases)
     assert result.tensors["0-d"].shape == ()
     assert result.tensors["bool"].dtype == "bool"
     assert result.tensors["bfloat16"].dtype == "bfloat16"
+
+
+def test_a_digest_is_the_same_whatever_pieces_the_bytes_come_in() -> None:
+    """What lets the ranks of a sharded trainer each hash their own rows: any split of the bytes,
+    and chunk digests computed elsewhere, give the digest of the whole."""
+    raw = torch.randint(0, 256, (300_001,), dtype=torch.uint8).numpy().tobytes()
+    whole = chunked_xxh3(raw)
+    for cuts in ([1], [65536], [65535, 65537], [100, 200_000], [131072, 262144]):
+        hasher = TensorHasher()
+        for start, end in zip([0, *cuts], [*cuts, len(raw)], strict=True):
+            hasher.update(raw[start:end])
+        assert hasher.hexdigest() == whole, cuts
+    hasher = TensorHasher()
+    hasher.update_chunks(b"".join(chunk_digest(raw[i : i + 65536]) for i in range(0, 262144, 65536)))
+    hasher.update(raw[262144:])
+    assert hasher.hexdigest() == whole
+    with pytest.raises(ValueError, match="whole chunks"):
+        hasher = TensorHasher()
+        hasher.update(raw[:10])
+        hasher.update_chunks(chunk_digest(raw[10:20]))
 
 
 def test_zero_dim_and_one_element_share_a_digest_but_not_a_checksum() -> None:
