@@ -244,6 +244,11 @@ async def one_fleet(
             await publisher.push(base, step=step)
             full_s, full_bytes = time.perf_counter() - started, publisher.last.bytes  # type: ignore[union-attr]
             full_transfer_s = publisher.last.timings["open"] + publisher.last.timings["push"]  # type: ignore[union-attr]
+            # Training that changes the same tenth of the tensors every step: the first delta after
+            # a full push also copies back what that push changed; from the next one on, only
+            # what changes moves (measured there).
+            step += 1
+            await publisher.push(perturbed(base, 0.1, seed=step), step=step)
             step += 1
             changed = perturbed(base, 0.1, seed=step)
             await asyncio.sleep(QUIET_GAP_S)

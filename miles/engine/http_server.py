@@ -23,7 +23,6 @@ from miles.engine.access import ENDPOINTS, GRANT_STATE_KEY, EngineAccess, admit,
 from miles.engine.engine import Engine
 from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream
 from miles.engine.receiver import WeightGroups, tensor_bucket
-from miles.engine.weights.sources import InMemory
 from miles.errors import InvalidRequestError
 from miles.protocol.auth import FenceRequest, FenceState
 from miles.protocol.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -180,7 +179,7 @@ def create_app(engine: Engine) -> FastAPI:
         received = time.perf_counter() - started
         source = "CUDA IPC" if request.load_format == CUDA_IPC_LOAD_FORMAT else "shared memory"
         try:
-            result = await engine.changes.apply_pushed(InMemory(bucket), request, source=source)
+            result = await engine.changes.apply_pushed(bucket, request, source=source)
         finally:
             bucket.close()
         return answered(result, source="tensor", started=started, received=received)

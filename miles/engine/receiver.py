@@ -13,14 +13,10 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
-from miles.engine.weights.sources import InMemory, PushedBucket
-from miles.engine.weights.stage import Stage
-from miles.errors import ConflictError, InvalidRequestError, MilesError, NotFoundError
+from miles.errors import ConflictError, InvalidRequestError, NotFoundError
 from miles.protocol.auth import FenceState
 from miles.protocol.sglang_weights import (
     InitWeightsUpdateGroupRequest,
@@ -28,7 +24,6 @@ from miles.protocol.sglang_weights import (
     UpdateWeightsFromTensorRequest,
 )
 from miles.weights.buckets import BucketTable, Received, unpack
-from miles.weights.checksum import digest_tensor
 from miles.weights.transport import groups
 from miles.weights.transport.cuda_ipc import open_shared
 from miles.weights.transport.documents import CUDA_IPC_LOAD_FORMAT, SHM_LOAD_FORMAT, CudaIpcDocument, decode
@@ -62,6 +57,21 @@ def tensor_bucket(
 
 
 @dataclass
+class _Buffer:
+    """One receive buffer of a group: kept from one bucket to the next (its pages faulted in once),
+    grown when a bucket is bigger; held from a broadcast into it until its tensors are copied out."""
+
+    device: torch.device
+    memory: torch.Tensor | None = None
+    in_use: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def flat(self, nbytes: int) -> torch.Tensor:
+        if self.memory is None or self.memory.numel() < nbytes:
+            self.memory = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.memory[:nbytes]
+
+
+@dataclass
 class _Group:
     joined: groups.Joined
     # The fencing token of the call that joined it (None: an unfenced call); the group lasts as
@@ -69,15 +79,12 @@ class _Group:
     owner: int | None
     # Where broadcasts land: the engine's GPU with NCCL, the CPU with gloo.
     device: torch.device
-    # Kept from one bucket to the next (its pages faulted in once), grown when a bucket is bigger.
-    buffer: torch.Tensor | None = None
-    # Held from a broadcast into ``buffer`` until its tensors are copied out (``WeightGroups.bucket``).
-    in_use: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    def flat(self, nbytes: int) -> torch.Tensor:
-        if self.buffer is None or self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self.buffer[:nbytes]
+    # Two, taken in turn: the next bucket is received into one while the last one's tensors are
+    # copied out of the other (a sender broadcasts it as soon as the last broadcast is done).
+    buffers: tuple[_Buffer, _Buffer]
+    # Held while a bucket is received: broadcasts land in the order their calls came.
+    receiving: asyncio.Lock = field(default_factory=asyncio.Lock)
+    turn: int = 0
 
 
 # Joins that may still run at once (each on a thread of its own); how long past its ``timeout_s``
@@ -116,9 +123,9 @@ class WeightGroups:
         # new group of a name whose last join is still waiting on a rank 0 that gave up may form.
         self._joining: set[tuple[str, str, int]] = set()
         self._lock = threading.Lock()
-        # The receive buffer of the last group left, by device, for the next group that joins:
+        # The receive buffers of the last group left, by device, for the next group that joins:
         # a pusher forms a group per update, and a fresh buffer faults every page in again.
-        self._spare: dict[torch.device, torch.Tensor] = {}
+        self._spare: dict[torch.device, list[torch.Tensor]] = {}
         # Joins whose thread still runs, given up on or not.
         self._pending = 0
 
@@ -233,7 +240,9 @@ class WeightGroups:
                     raise ConflictError(
                         f"group {name!r} was joined meanwhile (at another rank 0); destroy it and join again"
                     )
-                self._groups[name] = _Group(joined, state.owner, device, self._spare.pop(device, None))
+                spare = [*self._spare.pop(device, []), None, None]
+                buffers = (_Buffer(device, spare[0]), _Buffer(device, spare[1]))
+                self._groups[name] = _Group(joined, state.owner, device, buffers)
         finally:
             with self._lock:
                 self._joining.discard(joining)
@@ -243,12 +252,11 @@ class WeightGroups:
     @contextlib.asynccontextmanager
     async def bucket(
         self, request: UpdateWeightsFromDistributedRequest, check: Callable[[BucketTable], None]
-    ) -> AsyncIterator[PushedBucket]:
-        """One bucket by broadcast from rank 0, held until the block ends (its buffer is neither
-        overwritten by the next broadcast nor handed to another group meanwhile). A flattened
-        bucket is one broadcast, received here; otherwise one broadcast per tensor (as SGLang
-        sends them), received as the change writes them (``Broadcast``). A bucket the block did
-        not take is received and dropped at its end, so the sender is never left waiting.
+    ) -> AsyncIterator[Received]:
+        """One bucket by broadcast from rank 0 (as SGLang: one broadcast of a flattened bucket, else
+        one per tensor), held until the block ends: its buffer is neither overwritten by a later
+        broadcast nor handed to another group while the tensors viewing it are copied out; the
+        next bucket is received into the group's other buffer meanwhile.
         Raises NotFoundError for an unknown group, InvalidRequestError for a table the model
         refuses (``check``, before a byte is allocated), ConflictError when the broadcast does not
         finish within ``timeout_s`` (the sender died or never sent)."""
@@ -261,93 +269,45 @@ class WeightGroups:
             )
         table = table_of(request, flattened=flattened)
         check(table)  # names, dtypes and shapes the model has, before a byte is allocated
-        async with member.in_use:
-            if flattened:
-                yield InMemory(await asyncio.to_thread(_receive, member, request, table))
-                return
-            broadcast = Broadcast(member, request, table)
+        async with member.receiving:
+            buffer = member.buffers[member.turn]
+            member.turn ^= 1
+            await buffer.in_use.acquire()
             try:
-                yield broadcast
-            finally:
-                if not broadcast.taken:
-                    with contextlib.suppress(MilesError):  # the block's own error is the answer
-                        await asyncio.to_thread(broadcast.prepare, in_place=True)
+                received = await asyncio.to_thread(_receive, member, buffer, request, table)
+            except BaseException:
+                buffer.in_use.release()
+                raise
+        try:
+            yield received
+        finally:
+            buffer.in_use.release()
 
     def destroy(self, name: str) -> str:
         with self._lock:
             member = self._groups.pop(name, None)
-            # A buffer still being received into or copied out of goes with its group.
-            if member is not None and member.buffer is not None and not member.in_use.locked():
-                self._spare[member.device] = member.buffer
+            if member is not None:
+                # A buffer still being received into or copied out of goes with its group.
+                self._spare[member.device] = [
+                    b.memory for b in member.buffers if b.memory is not None and not b.in_use.locked()
+                ]
         if member is None:
             raise NotFoundError(f"this engine is in no group {name!r}")
         return f"left group {name!r}"
 
 
-def _receive(member: _Group, request: UpdateWeightsFromDistributedRequest, table: BucketTable) -> Received:
-    """The bucket, received into the group's buffer."""
+def _receive(
+    member: _Group, buffer: _Buffer, request: UpdateWeightsFromDistributedRequest, table: BucketTable
+) -> Received:
+    """The bucket, received into ``buffer``."""
     return groups.receive(
         member.joined.group,
         table,
-        member.flat(table.total_bytes),
+        buffer.flat(table.total_bytes),
         flattened=request.flattened(),
         group_name=request.group_name,
         timeout_s=request.timeout_s,
     )
-
-
-class Broadcast:
-    """A bucket broadcast one tensor at a time, received where the change writes it: straight
-    into a stage beside the live weights (no receive buffer, no copy: each tensor hashed as the
-    next one arrives), or, for a change in place, into the group's buffer first and checked whole
-    (``prepare``). Every broadcast posted is waited for, whatever fails, so none lands later in
-    memory the engine has moved on from."""
-
-    def __init__(self, member: _Group, request: UpdateWeightsFromDistributedRequest, table: BucketTable) -> None:
-        self._member, self._request, self._table = member, request, table
-        self.entries = {e.name: e for e in table.entries}
-        self._received: Received | None = None
-        self.taken = False  # received, or being received: its broadcasts are spoken for
-
-    def prepare(self, *, in_place: bool) -> None:
-        if in_place and not self.taken:
-            self.taken = True
-            self._received = _receive(self._member, self._request, self._table)
-            self._received.verify()
-
-    def write(self, stage: Stage) -> None:
-        if self._received is not None:
-            stage.write_bucket(self._received)
-            return
-        self.taken = True
-        device = self._member.device
-        staged, landing = [], []
-        for entry in self._table.entries:
-            target = stage.target(entry.name, entry.torch_dtype(), entry.shape)
-            staged.append(target)
-            direct = target.device == device and target.is_contiguous()
-            landing.append(target if direct else torch.empty(entry.shape, dtype=target.dtype, device=device))
-        timeout = timedelta(seconds=self._request.timeout_s)
-        works = groups.start_broadcasts(self._member.joined.group, landing, timeout_s=self._request.timeout_s)
-        failure: MilesError | None = None
-        for entry, target, landed, work in zip(self._table.entries, staged, landing, works, strict=True):
-            try:
-                work.wait(timeout)
-            except (RuntimeError, dist.DistError) as exc:
-                failure = failure or groups.unfinished(self._request.group_name, self._request.timeout_s, exc)
-                continue
-            if failure is not None:
-                continue  # the stage is dropped: no need to hash what lands after a failure
-            if landed is not target:
-                target.copy_(landed)
-            digest = stage.record(entry.name, digest_tensor(target))
-            if entry.digest is not None and digest != entry.digest:
-                failure = InvalidRequestError(
-                    f"tensor {entry.name!r} arrived with digest {digest}, not the {entry.digest} it was sent "
-                    "with: the bytes were corrupted on the way; push the update again"
-                )
-        if failure is not None:
-            raise failure
 
 
 def table_of(request: UpdateWeightsFromDistributedRequest, *, flattened: bool) -> BucketTable:

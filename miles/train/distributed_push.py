@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,18 +70,10 @@ class DistributedPush:
             group = await self._form(rank0, calls, backend=backend)
             calls.stats.spent("join", joined)
             tables = [layout(named, names) for names in plan(named, bucket_bytes=self.bucket_bytes)]
-            # Between CPUs each tensor is broadcast from where it lies, and each engine receives it
-            # where it stages it: no copy on either side. Between GPUs a bucket is packed into one
-            # flat broadcast (one NCCL call per bucket).
-            buffers = (
-                self._host_buffers(regions(len(tables)), max(max(t.total_bytes for t in tables), 1))
-                if device is not None
-                else []
-            )
+            buffers = self._host_buffers(regions(len(tables)), max(max(t.total_bytes for t in tables), 1))
             try:
                 yield _Broadcasts(
                     calls=calls,
-                    named=named,
                     tables=tables,
                     buffers=buffers,
                     group=group,
@@ -139,11 +131,9 @@ class DistributedPush:
 
 @dataclass(frozen=True)
 class _Broadcasts:
-    """One push's buckets: from a GPU, each packed into a buffer in turn and broadcast from it in
-    one call; from the host, each tensor broadcast from where it lies."""
+    """One push's buckets, each packed into a host buffer in turn and broadcast from it."""
 
     calls: EngineCalls
-    named: Mapping[str, torch.Tensor]
     tables: list[BucketTable]
     buffers: list[torch.Tensor]
     group: Any  # ProcessGroupGloo or ProcessGroupNCCL
@@ -151,18 +141,17 @@ class _Broadcasts:
     device: torch.device | None
     timeout_s: float
 
-    def into(self, index: int) -> torch.Tensor | None:
-        return self.buffers[index % len(self.buffers)] if self.buffers else None
+    def into(self, index: int) -> torch.Tensor:
+        return self.buffers[index % len(self.buffers)]
 
-    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> None:
-        flat = self.into(index)
+    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> Awaitable[None]:
         request = UpdateWeightsFromDistributedRequest(
             names=[e.name for e in packed.entries],
             dtypes=[e.dtype for e in packed.entries],
             shapes=[list(e.shape) for e in packed.entries],
             digests=[e.tensor_digest().digest for e in packed.entries],
             group_name=GROUP_NAME,
-            load_format=FLAT_LOAD_FORMAT if flat is not None else None,
+            load_format=FLAT_LOAD_FORMAT,
             weight_version=self.calls.version if checksum is not None else None,
             expected_checksum=checksum,
             activate=not self.calls.window.staged,
@@ -170,18 +159,17 @@ class _Broadcasts:
         )
         receiving = asyncio.create_task(self.calls.post("/update_weights_from_distributed", lambda _: request))
         try:
+            sent = self.into(index)[: packed.total_bytes]
             broadcasting = time.perf_counter()
-            await asyncio.to_thread(self._broadcast, packed, flat)
+            flat = sent if self.device is None else sent.to(self.device)
+            await asyncio.to_thread(groups.broadcast, self.group, [flat], timeout_s=self.timeout_s)
             self.calls.stats.spent("broadcast", broadcasting)
-        finally:
+        except BaseException:
             # The engines' answers say why, when the broadcast failed.
-            waiting = time.perf_counter()
-            await receiving
-            self.calls.stats.spent("engines", waiting)
-
-    def _broadcast(self, packed: BucketTable, flat: torch.Tensor | None) -> None:
-        if flat is not None:
-            sent = [flat[: packed.total_bytes].to(self.device)]
-        else:
-            sent = [self.named[e.name].detach().contiguous() for e in packed.entries]
-        groups.broadcast(self.group, sent, timeout_s=self.timeout_s)
+            await asyncio.wait([receiving])
+            refused = None if receiving.cancelled() else receiving.exception()
+            if refused is not None:
+                raise refused from None
+            raise
+        # Broadcast: the buffer is free. The engines copy the bucket out while the next one comes.
+        return receiving

@@ -154,3 +154,10 @@ def _refused(server: WindowServer, answer: httpx.Response) -> _Failure:
             f"the engine's API: {answer.text[:QUOTED_CHARS]!r}"
         )
     return _Failure(f"{server.server_id}: {error.message[:QUOTED_CHARS]}", refusal=error.refusal)
+
+
+def answered() -> asyncio.Future[None]:
+    """A send's answers when there is nothing left to wait for (``BucketSender.send``)."""
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done

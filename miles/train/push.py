@@ -19,13 +19,14 @@ controller is given as anything ``miles.train.windows.window_client`` takes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import ipaddress
 import itertools
 import logging
 import socket
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
@@ -44,7 +45,13 @@ from miles.train.tensor_push import TensorPush
 from miles.train.windows import abort_quietly, keep_alive, window_client
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable, pack
-from miles.weights.checksum import TensorDigest, checksum_from_digests, digest_tensor, saved_state_dict
+from miles.weights.checksum import (
+    TensorDigest,
+    checksum_from_digests,
+    checksum_state_dict,
+    digest_tensor,
+    saved_state_dict,
+)
 from miles.weights.safetensors_io import dtype_name
 from miles.weights.transport import segments
 from miles.weights.transport.segments import Segment
@@ -72,9 +79,11 @@ class BucketSender(Protocol):
         engines read its tensors where they lie (they are only hashed)."""
         ...
 
-    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> None:
-        """Hand bucket ``index`` (its table with the digests) to every engine and wait for their
-        answers; ``checksum``, with the last bucket, is the model checksum they must hold after it."""
+    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> Awaitable[None]:
+        """Hand bucket ``index`` (its table with the digests) to every engine; ``checksum``, with
+        the last bucket, is the model checksum they must hold after it. Returns once the bucket's
+        buffer may be packed again, with the engines' answers (raising PublishError for a refusal)
+        to await: at once where they read the buffer itself, later where it was broadcast to them."""
         ...
 
 
@@ -233,8 +242,16 @@ class PushPublisher:
     ) -> PublishResult:
         started = time.perf_counter()
         version = str(step)
-        sending, unchanged, digests = await self._delta(named, held)
-        window = await self.windows.open(model_name=self.model_name, ttl_s=self.ttl_s, staged=staged)
+        # The window opens while a delta push hashes every tensor to find what changed.
+        opening = asyncio.ensure_future(self.windows.open(model_name=self.model_name, ttl_s=self.ttl_s, staged=staged))
+        try:
+            sending, unchanged, digests = await self._delta(named, held)
+        except BaseException as exc:
+            await asyncio.wait([opening])
+            if not opening.cancelled() and opening.exception() is None:
+                await abort_quietly(self.windows, opening.result(), reason=f"finding what changed failed: {exc}")
+            raise
+        window = await opening
         opened = time.perf_counter()
         renewing = asyncio.create_task(keep_alive(self.windows, window), name=f"renew-window-{window.token}")
         try:
@@ -290,7 +307,10 @@ class PushPublisher:
         the digests of the rest (the model checksum needs them all)."""
         if not self.delta or held is None or set(held) != set(named):
             return named, [], None
-        now = await asyncio.to_thread(lambda: {n: digest_tensor(t) for n, t in named.items()})
+        # Every tensor hashed (on torch's threads) to find those that changed: nothing short of
+        # their bytes says which did (a counter of in-place writes misses writes through .data).
+        hashed = await asyncio.to_thread(checksum_state_dict, named, threads=torch.get_num_threads())
+        now = {n: d.digest for n, d in hashed.tensors.items()}
         changed = {n: t for n, t in named.items() if held[n] != now[n]}
         if not changed:
             # The last push carries the checksum the engines confirm: send the smallest tensor.
@@ -321,11 +341,16 @@ async def _stream(
     """Pack each bucket of ``sender`` (copied into its buffer and digested, or digested where its
     tensors lie, from ``known`` digests when they have not changed since), then send it, the model
     checksum with the last one; returns the checksum. The next bucket is packed while the engines
-    take the one before; a bucket is sent only once the one before it is in, so a packer writing
-    into two buffers in turn never writes into one the engines still read."""
+    take the one before; a bucket is sent only once the buffer of the one before it may be packed
+    again (the engines read it, or it was broadcast), so a packer writing into two buffers in turn
+    never writes into one still in use; a broadcast bucket's engines copy it out while the next
+    one is broadcast."""
     tables = sender.tables
     digests: list[TensorDigest] = list(unchanged)
-    sending: asyncio.Task[None] | None = None
+    sending: asyncio.Task[Awaitable[None]] | None = None
+    # Answers still to come, oldest first: at most the last two buckets', since an engine has two
+    # buffers to receive into (a refusal surfaces within two buckets).
+    answers: collections.deque[Awaitable[None]] = collections.deque()
     checksum: str | None = None
     try:
         for index, table in enumerate(tables):
@@ -345,18 +370,29 @@ async def _stream(
             if index == len(tables) - 1:
                 checksum = checksum_from_digests(digests, num_bytes=0).checksum
             if sending is not None:
-                await sending
+                answers.append(await sending)
+            while len(answers) > 1:
+                await _answered(answers.popleft(), stats)
             sending = asyncio.create_task(sender.send(index, packed, checksum=checksum))
             stats.buckets += 1
             stats.bytes += packed.nbytes
         if sending is not None:
-            await sending
+            answers.append(await sending)
+        while answers:
+            await _answered(answers.popleft(), stats)
     finally:
-        if sending is not None and not sending.done():
-            sending.cancel()
-            await asyncio.gather(sending, return_exceptions=True)
+        left = [a for a in (sending, *answers) if isinstance(a, asyncio.Future) and not a.done()]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
     assert checksum is not None
     return checksum
+
+
+async def _answered(answer: Awaitable[None], stats: PushStats) -> None:
+    waiting = time.perf_counter()
+    await answer
+    stats.spent("engines", waiting)
 
 
 def _digested(named: Mapping[str, torch.Tensor], table: BucketTable, *, known: Mapping[str, str]) -> BucketTable:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from miles.protocol.sglang_weights import UpdateWeightsFromTensorRequest
-from miles.train.engine_calls import EngineCalls
+from miles.train.engine_calls import EngineCalls, answered
 from miles.weights.buckets import BucketTable, layout, plan, regions
 from miles.weights.transport.cuda_ipc import share
 from miles.weights.transport.documents import BucketDocument, CudaIpcDocument, ShmDocument
@@ -119,7 +119,7 @@ class _Buckets:
         # A handle of its own per engine: each engine's release counts against its own.
         return CudaIpcDocument(cuda_ipc=share(into), table=packed)
 
-    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> None:
+    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> Awaitable[None]:
         def request(_: int) -> UpdateWeightsFromTensorRequest:
             document = self._document(index, packed)
             return UpdateWeightsFromTensorRequest(
@@ -131,5 +131,7 @@ class _Buckets:
             )
 
         waiting = time.perf_counter()
+        # The engines read the bucket where it lies: its buffer is free once they answered.
         await self.calls.post("/update_weights_from_tensor", request)
         self.calls.stats.spent("engines", waiting)
+        return answered()

@@ -1,7 +1,7 @@
 """Canonical weight checksums: the same weights give the same checksum from every representation.
 
 Per tensor, the digest is ``miles.weights.digest``'s: xxh3-128 over the xxh3-128 digests of the
-tensor's raw bytes taken 64 KiB at a time (row-major, native little-endian, exactly what
+tensor's raw bytes taken 256 KiB at a time (row-major, native little-endian, exactly what
 ``tensor.reshape(-1).view(torch.uint8)`` holds and exactly the bytes a safetensors file stores),
 so that it can be computed from any split of the bytes (the ranks of a sharded trainer each hash
 their own). Any dtype hashes (bfloat16, float8, bool, ...), 0-d tensors hash their one element,
@@ -49,7 +49,7 @@ from miles.errors import (
 from miles.weights.digest import digest_buffer
 from miles.weights.safetensors_io import SafetensorsFile, TensorSlot, dtype_name, index_files
 
-# The digest of ``miles.weights.digest`` (64 KiB chunks) combined as above.
+# The digest of ``miles.weights.digest`` (256 KiB chunks) combined as above.
 ALGORITHM: Final = "xxh3_128_chunked"
 
 # Below this many bytes a thread pool costs more than it saves.

@@ -79,7 +79,7 @@ class Manifest(BaseModel):
         if value == "xxh3_128":
             raise ValueError(
                 "this manifest was sealed by an earlier miles, whose digests hashed each tensor's bytes whole "
-                f"(now {ALGORITHM}: 64 KiB chunks); re-seal the checkpoint (`miles checkpoint seal`)"
+                f"(now {ALGORITHM}: 256 KiB chunks); re-seal the checkpoint (`miles checkpoint seal`)"
             )
         return value
 

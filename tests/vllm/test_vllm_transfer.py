@@ -38,9 +38,8 @@ from miles.train.distributed_push import DistributedPush
 from miles.train.engine_calls import EngineCalls, PushStats
 from miles.train.push import PushPublisher
 from miles.train.windows import window_client
-from miles.weights.buckets import BucketTable, layout, pack
+from miles.weights.buckets import layout, pack
 from miles.weights.checkpoint import read_manifest
-from miles.weights.checksum import digest_tensor
 from miles.weights.transport.documents import ShmDocument
 from miles.weights.transport.segments import Segment
 
@@ -122,20 +121,16 @@ async def broadcast_one_bucket(window: UpdateWindow, weights: dict[str, torch.Te
     """Push the window's vLLM server one bucket (``model.norm.weight``) by broadcast, as the
     trainer does (a gloo group with this process as rank 0), its bytes flipped after they were
     digested when ``corrupt``; the rest never comes. The refusal, None when the bucket was taken."""
-    named = {"model.norm.weight": weights["model.norm.weight"].clone()}
+    named = {"model.norm.weight": weights["model.norm.weight"]}
     pusher = DistributedPush(master_address="127.0.0.1", timeout_s=30, bucket_bytes=1 << 20)
     async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
         calls = EngineCalls(http=http, window=window, version="unfinished", stats=PushStats(path="distributed"))
         async with pusher.push(named, calls) as buckets:
-            # Broadcast from where the tensor lies (as from the host): digested, then changed.
-            entries = buckets.tables[0].entries
-            packed = BucketTable(
-                entries=tuple(e.model_copy(update={"digest": digest_tensor(named[e.name])}) for e in entries)
-            )
+            packed = pack(named, buckets.tables[0], buckets.into(0))
             if corrupt:
-                named["model.norm.weight"].view(torch.uint8)[0] ^= 1
+                buckets.into(0)[0] ^= 1
             try:
-                await buckets.send(0, packed, checksum=None)
+                await (await buckets.send(0, packed, checksum=None))
             except PublishError as exc:
                 return exc.message
     return None

@@ -2,8 +2,7 @@
 verified whole and matched against the live model while generation goes on (a refused one never
 touches the weights), or pushed buckets whose tensors the model has. Files are read, never
 memory-mapped (a mapped file cut short kills the process with SIGBUS): one that changes after the
-verification makes a stage whose checksum cannot match, never a crash. A pushed bucket is in
-memory already, or arrives by broadcast as it is written (``PushedBucket``).
+verification makes a stage whose checksum cannot match, never a crash.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -24,7 +22,7 @@ from miles.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
-from miles.weights.buckets import BucketEntry, Received
+from miles.weights.buckets import BucketEntry
 from miles.weights.checkpoint import CheckpointReader, open_checkpoint, verify_checkpoint_or_raise
 from miles.weights.checksum import saved_state_dict
 from miles.weights.manifest import manifest_from_files
@@ -226,40 +224,6 @@ def _match(layout: Signature, reader: CheckpointReader, checkpoint: Path) -> Non
                 expected=f"{dtype_name(dtype)}{list(shape)}",
                 actual=f"{dtype_name(info.dtype)}{list(info.shape)}",
             )
-
-
-class PushedBucket(Protocol):
-    """One bucket of a push, as a change takes it: its tensors, and how they get into a stage."""
-
-    @property
-    def entries(self) -> Mapping[str, BucketEntry]: ...
-
-    def prepare(self, *, in_place: bool) -> None:
-        """Before the change writes (off the write lock): in place, have every byte here and
-        checked against its digest (InvalidRequestError), so a bad tensor never reaches the live
-        weights."""
-
-    def write(self, stage: Stage) -> None:
-        """Write every tensor into ``stage``, each checked against its digest over the bytes
-        written (InvalidRequestError)."""
-
-
-@dataclass(frozen=True)
-class InMemory:
-    """A bucket whose bytes are all here (a mapped segment, a receive buffer)."""
-
-    received: Received
-
-    @property
-    def entries(self) -> Mapping[str, BucketEntry]:
-        return self.received.entries
-
-    def prepare(self, *, in_place: bool) -> None:
-        if in_place:
-            self.received.verify()
-
-    def write(self, stage: Stage) -> None:
-        stage.write_bucket(self.received)
 
 
 def check_pushed(entries: Iterable[BucketEntry], live: Signature) -> None:

@@ -22,7 +22,6 @@ from miles.engine.scheduler import GenerationState, Pauser, Scheduler
 from miles.engine.weights.buffers import StagingPolicy, StagingRefusedError
 from miles.engine.weights.live import HeldWeights, LiveWeights, WeightsStatus
 from miles.engine.weights.sources import (
-    PushedBucket,
     Signature,
     UnexpectedChecksumError,
     check_pushed,
@@ -41,7 +40,7 @@ from miles.protocol.sglang_weights import (
     UpdateWeightsResponse,
     UpdateWeightVersionRequest,
 )
-from miles.weights.buckets import BucketTable
+from miles.weights.buckets import BucketTable, Received
 from miles.weights.checksum import ModelChecksum
 
 logger = logging.getLogger("miles.engine")
@@ -163,15 +162,14 @@ class WeightChanges:
         its dtype and shape (checked before anything is received or allocated)."""
         check_pushed(table.entries, self._signature)
 
-    async def apply_pushed(self, bucket: PushedBucket, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
+    async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
         """Take one bucket of pushed tensors into the stage of its change; the last one
         (``expected_checksum`` given) is confirmed over the whole model before the weights serve.
         In place, generation stays paused, the weights unverified, until a last bucket matches.
 
         Raises InvalidRequestError for a tensor the model does not have (or not of that dtype and
-        shape) and for bytes that differ from their digest, ConflictError for a push that must
-        stage (``activate=False``) on an engine that cannot stage now and for bytes that never
-        came; either way the push is dropped.
+        shape) and for bytes that differ from their digest (the push is dropped); ConflictError
+        for a push that must stage (``activate=False``) on an engine that cannot stage now.
         """
         if request.expected_checksum is not None and request.weight_version is None:
             raise InvalidRequestError(
@@ -198,10 +196,12 @@ class WeightChanges:
                 target = Target(request.weight_version, request.expected_checksum, source=source, mismatch=missing)
             timings: dict[str, float] = {}
             try:
-                await asyncio.to_thread(bucket.prepare, in_place=change.stage.in_place)
+                if change.stage.in_place:
+                    # Checked before anything is copied: a bad tensor must never reach the live weights.
+                    await asyncio.to_thread(bucket.verify)
                 outcome = await self._run(
                     change,
-                    bucket.write,
+                    lambda stage: stage.write_bucket(bucket),
                     target=target,
                     what=f"{len(bucket.entries)} tensors",
                     timings=timings,
@@ -209,7 +209,7 @@ class WeightChanges:
                     source=source,
                     activate=request.activate,
                 )
-            except (InvalidRequestError, ConflictError):
+            except InvalidRequestError:
                 self._drop()
                 raise
             return self._answer(outcome, timings)

@@ -21,7 +21,7 @@ from miles.weights.checksum import (
     combine_digests,
     digest_tensor,
 )
-from miles.weights.digest import TensorHasher, chunk_digest
+from miles.weights.digest import CHUNK_BYTES, TensorHasher, chunk_digest
 
 
 def test_state_dict_module_single_file_and_shards_agree(tiny_model: PreTrainedModel, tmp_path: Path) -> None:
@@ -111,7 +111,7 @@ def test_order_of_the_mapping_does_not_matter() -> None:
 
 def chunked_xxh3(raw: bytes) -> str:
     """The digest as the module docstring defines it, written out independently of the code."""
-    chunks = [raw[i : i + 65536] for i in range(0, len(raw), 65536)]
+    chunks = [raw[i : i + CHUNK_BYTES] for i in range(0, len(raw), CHUNK_BYTES)]
     return xxhash.xxh3_128(b"".join(xxhash.xxh3_128(c).digest() for c in chunks)).hexdigest()
 
 
@@ -123,7 +123,7 @@ def test_digest_is_xxh3_128_of_the_raw_bytes_chunk_digests_for_any_dtype() -> No
         "float8": torch.tensor([0.5, 1.0], dtype=torch.float8_e4m3fn),
         "int64": torch.arange(5),
         "empty": torch.empty(0, 3),
-        "three chunks, the last short": torch.arange(40000, dtype=torch.float32),
+        "three chunks, the last short": torch.arange(150_000, dtype=torch.float32),
     }
     for name, tensor in cases.items():
         # Read the bytes straight from memory, independently of the code under test.
@@ -139,16 +139,17 @@ def test_digest_is_xxh3_128_of_the_raw_bytes_chunk_digests_for_any_dtype() -> No
 def test_a_digest_is_the_same_whatever_pieces_the_bytes_come_in() -> None:
     """What lets the ranks of a sharded trainer each hash their own rows: any split of the bytes,
     and chunk digests computed elsewhere, give the digest of the whole."""
-    raw = torch.randint(0, 256, (300_001,), dtype=torch.uint8).numpy().tobytes()
+    c = CHUNK_BYTES
+    raw = torch.randint(0, 256, (4 * c + 7,), dtype=torch.uint8).numpy().tobytes()
     whole = chunked_xxh3(raw)
-    for cuts in ([1], [65536], [65535, 65537], [100, 200_000], [131072, 262144]):
+    for cuts in ([1], [c], [c - 1, c + 1], [100, 3 * c - 5], [2 * c, 4 * c]):
         hasher = TensorHasher()
         for start, end in zip([0, *cuts], [*cuts, len(raw)], strict=True):
             hasher.update(raw[start:end])
         assert hasher.hexdigest() == whole, cuts
     hasher = TensorHasher()
-    hasher.update_chunks(b"".join(chunk_digest(raw[i : i + 65536]) for i in range(0, 262144, 65536)))
-    hasher.update(raw[262144:])
+    hasher.update_chunks(b"".join(chunk_digest(raw[i : i + c]) for i in range(0, 3 * c, c)))
+    hasher.update(raw[3 * c :])
     assert hasher.hexdigest() == whole
     with pytest.raises(ValueError, match="whole chunks"):
         hasher = TensorHasher()
