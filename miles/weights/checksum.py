@@ -232,6 +232,9 @@ def saved_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _view_identity(tensor: torch.Tensor) -> tuple[object, ...]:
     # Two names alias when they view exactly the same memory the same way; overlapping but
     # different views (a fused weight split in parts) are separate tensors in the files too.
+    # A sharded tensor (a DTensor: no storage of its own) is told apart by this rank's shard.
+    if hasattr(tensor, "to_local"):
+        tensor = tensor.to_local()
     return (
         tensor.device,
         tensor.dtype,

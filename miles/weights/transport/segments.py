@@ -263,3 +263,21 @@ def _check(fd: int, ref: SegmentRef, status: os.stat_result, needed: int) -> Non
             problem = f"segment {ref.name!r} holds {status.st_size} bytes, fewer than the {needed} its table describes"
     if problem is not None:
         raise InvalidRequestError(problem)
+
+
+def writable(ref: SegmentRef) -> torch.Tensor:
+    """The bytes of segment ``ref``, mapped to be written: the ranks of one trainer fill the
+    buckets of one rank's segment together. Raises as ``SegmentMaps.flat``."""
+    try:
+        fd = os.open(ref.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFoundError(f"no shared-memory segment {ref.name!r} (process {ref.pid}) on this node") from None
+    except OSError as exc:
+        raise InvalidRequestError(f"shared-memory segment {ref.name!r} cannot be opened: {exc.strerror}") from None
+    try:
+        status = os.fstat(fd)
+        _check(fd, ref, status, 1)
+        # Mapped by the path of this descriptor, which is the file just checked.
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=status.st_size, dtype=torch.uint8)
+    finally:
+        os.close(fd)

@@ -1,0 +1,577 @@
+"""Publishing the weights of a sharded trainer: ``ShardedPublisher``, called by every rank.
+
+A trainer that shards its model with FSDP2 (``fully_shard``: ``DTensor`` parameters split by rows,
+``Shard(0)``) publishes without any rank holding the whole model: ``publish(model, step=...)`` on
+every rank, in the same order, opens one window on the controller (rank 0 speaks to it and to the
+engines), and each bucket of the push is filled by the ranks that own its bytes:
+
+- **direct** (every rank and every engine on this machine): each rank writes its own rows straight
+  into rank 0's shared-memory bucket segment, at the offsets the bucket's table gives them, and
+  the engines read the bucket as any push's; no byte crosses between ranks;
+- **gathered** (otherwise): each rank's part of a bucket goes to rank 0 in one gather per bucket
+  (never one per tensor), and rank 0 pushes the bucket (shared memory or torch.distributed, as
+  ``PushPublisher`` would).
+
+A tensor's digest is taken over 256 KiB chunks of its bytes (``miles.weights.digest``), so the
+ranks that own the bytes hash them: each hashes the chunks inside its rows; rank 0 hashes the
+chunks that straddle two ranks' rows (at most one per boundary) and the tensors no rank splits by
+rows (a ``Replicate`` or ``Shard(1)`` tensor) from the bucket it sends. The checksum is the same for
+the same weights however many ranks held them, and equal to a checkpoint's of them.
+
+Every rank takes part in every collective of a publish (two per bucket and three per publish,
+whatever the number of tensors), on a gloo group of the publisher's with ``timeout_s``: a rank
+that fails says so in the next one, a rank that dies or never comes fails the others within
+``timeout_s`` (naming it), and the window is aborted or expires; the servers stay on their
+verified weights. Layouts the publisher cannot split (a mesh of more than one dimension, a
+``Partial`` tensor) are refused by name on every rank before the window opens, as are ranks that
+disagree on the step or the model's layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from miles.config import TransferPath
+from miles.controller.results import UpdateStatus, UpdateWindow
+from miles.errors import PublishError
+from miles.train.distributed_push import DistributedPush
+from miles.train.engine_calls import EngineCalls, PushStats
+from miles.train.publisher import PublishResult
+from miles.train.push import BucketSender, on_this_machine
+from miles.train.tensor_push import TensorPush
+from miles.train.windows import abort_quietly, keep_alive, window_client
+from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
+from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable
+from miles.weights.checksum import TensorDigest, checksum_from_digests, saved_state_dict
+from miles.weights.digest import CHUNK_BYTES, TensorHasher, chunk_digest, digest_buffer
+from miles.weights.safetensors_io import dtype_name
+from miles.weights.transport import segments
+from miles.weights.transport.segments import SegmentRef
+
+logger = logging.getLogger("miles.train")
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What one rank holds of one tensor of the model (by the name its checkpoints use)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]  # the whole tensor's
+    # ``rows``: rows ``[start, stop)`` of a tensor split by rows, contiguous in its bytes; ``dim``:
+    # ``[start, stop)`` along dimension ``dim`` >= 1 (not contiguous: rank 0 hashes it);
+    # ``whole``: the whole tensor, held alike by every rank (rank 0's is sent).
+    kind: str
+    dim: int = 0
+    start: int = 0
+    stop: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the whole tensor."""
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+    def byte_range(self) -> tuple[int, int]:
+        """Where a ``rows`` part lies in the whole tensor's bytes."""
+        row = math.prod(self.shape[1:]) * _itemsize(self.dtype)
+        return self.start * row, self.stop * row
+
+    def global_key(self) -> tuple[str, str, tuple[int, ...], str]:
+        return (self.name, self.dtype, self.shape, self.kind if self.kind == "whole" else f"shard{self.dim}")
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _parts(model: torch.nn.Module, world: int) -> tuple[list[_Part], dict[str, torch.Tensor]]:
+    """This rank's part of every tensor a checkpoint of ``model`` holds, and its local tensors.
+    Raises PublishError naming a tensor the publisher cannot split."""
+    parts, local = [], {}
+    for name, tensor in saved_state_dict(model).items():
+        shape, dtype = tuple(tensor.shape), dtype_name(tensor.dtype)
+        if not isinstance(tensor, DTensor):
+            parts.append(_Part(name, dtype, shape, "whole"))
+            local[name] = tensor.detach()
+            continue
+        mesh, placements = tensor.device_mesh, tensor.placements
+        if mesh.ndim != 1 or mesh.size() != world:
+            raise PublishError(
+                f"tensor {name!r} is laid out on a {mesh.ndim}-dimensional mesh of {mesh.size()} ranks; the "
+                f"publisher splits tensors over one dimension of all {world} ranks (FSDP2's fully_shard)"
+            )
+        placement = placements[0]
+        local[name] = tensor.to_local().detach()
+        if isinstance(placement, Replicate):
+            parts.append(_Part(name, dtype, shape, "whole"))
+        elif isinstance(placement, Shard) and type(placement) is Shard:
+            size, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+            dim = placement.dim
+            parts.append(
+                _Part(name, dtype, shape, "rows" if dim == 0 else "dim", dim, offset[dim], offset[dim] + size[dim])
+            )
+        else:
+            raise PublishError(
+                f"tensor {name!r} is placed {placement}, which the publisher cannot send; shard it with "
+                "fully_shard (Shard(0)), shard it on another dimension, or replicate it"
+            )
+    return parts, local
+
+
+@dataclass
+class _Layout:
+    """Every rank's parts, in the model's order: what each rank sends, and where."""
+
+    by_rank: list[dict[str, _Part]]
+    names: list[str]
+
+    def whole(self, name: str) -> _Part:
+        return self.by_rank[0][name]
+
+
+@dataclass
+class _Plan:
+    """What rank 0 tells every rank before the buckets: go or not, and where buckets go."""
+
+    error: str | None = None
+    direct: bool = False
+    segment: SegmentRef | None = None
+    tables: list[BucketTable] = field(default_factory=list)
+
+
+class ShardedPublisher:
+    """Publishes a sharded trainer's weights (module docstring). Make one on every rank, after
+    ``torch.distributed`` is initialised and at the same point on each (it forms a group of its
+    own); ``controller`` (anything ``miles.train.windows.window_client`` takes) is used by rank 0."""
+
+    def __init__(
+        self,
+        controller: object,
+        *,
+        model_name: str | None = None,
+        path: TransferPath = TransferPath.AUTO,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        master_address: str = "127.0.0.1",
+        ttl_s: float = 10.0,
+        timeout_s: float = 60.0,
+        staged: bool = True,
+    ) -> None:
+        if not dist.is_initialized():
+            raise PublishError("ShardedPublisher needs torch.distributed initialised (torchrun, init_process_group)")
+        if TransferPath(path) is TransferPath.DISK:
+            raise ValueError("ShardedPublisher pushes from memory")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.model_name, self.path, self.bucket_bytes = model_name, TransferPath(path), bucket_bytes
+        self.ttl_s, self.timeout_s, self.staged = ttl_s, timeout_s, staged
+        # Collectives of its own, bounded: a rank that dies or never comes fails the others in
+        # ``timeout_s`` instead of the default group's half an hour.
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.windows = window_client(controller) if self.rank == 0 else None
+        self._tensors = TensorPush(bucket_bytes=bucket_bytes)
+        self._broadcasts = DistributedPush(
+            master_address=master_address, timeout_s=timeout_s, bucket_bytes=bucket_bytes
+        )
+        self._mapped: tuple[SegmentRef, torch.Tensor] | None = None  # rank 0's segment, on other ranks
+        self._http: Any = None
+        self.last: PushStats | None = None
+
+    async def close(self) -> None:
+        await self._tensors.close()
+        self._broadcasts.close()
+        self._mapped = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def publish(self, model: torch.nn.Module, tokenizer: object = None, *, step: int) -> PublishResult:
+        """Return, on every rank, once the servers serve the weights of ``model`` (this rank's
+        shards of it) as version ``step``, verified. Raises PublishError on every rank when any
+        rank, the push or the commit failed; the servers then serve their previous weights."""
+        started = time.perf_counter()
+        try:
+            parts, local = _parts(model, self.world)
+            refused = None
+        except PublishError as exc:
+            parts, local, refused = [], {}, exc.message
+        layout = await self._agree(parts, step=step, refused=refused)
+        if self.rank == 0:
+            return await self._lead(layout, local, step=step, started=started)
+        return await self._follow(layout, local, step=step)
+
+    # --- every rank ------------------------------------------------------------------------
+
+    async def _collective(self, what: str, call: Callable[[], Any]) -> Any:
+        """A collective of the publisher's group, off the loop; a rank that failed or never came
+        makes it a PublishError saying so."""
+        try:
+            return await asyncio.to_thread(call)
+        except (RuntimeError, dist.DistError) as exc:
+            raise PublishError(
+                f"rank {self.rank}: the trainer's ranks did not all take part in {what} within {self.timeout_s:g}s "
+                f"(a rank died, or never called publish): {exc}"
+            ) from None
+
+    async def _agree(self, parts: list[_Part], *, step: int, refused: str | None) -> _Layout:
+        """Every rank's parts, once all of them called publish for the same step with the same
+        model layout; raises PublishError naming the ranks missing or disagreeing."""
+
+        def barrier() -> None:
+            dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+
+        await self._collective("publish (every rank must call it)", barrier)
+        mine = (step, refused, parts, socket.gethostname(), os.getpid())
+        gathered: list[Any] = [None] * self.world
+
+        def gather() -> None:
+            dist.all_gather_object(gathered, mine, group=self._group)
+
+        await self._collective("agreeing on the layout", gather)
+        problems = [f"rank {r}: {g[1]}" for r, g in enumerate(gathered) if g[1] is not None]
+        steps = {g[0] for g in gathered}
+        if len(steps) > 1:
+            problems.append(
+                "the ranks publish different steps: " + ", ".join(f"rank {r} {g[0]}" for r, g in enumerate(gathered))
+            )
+        keys = [[p.global_key() for p in g[2]] for g in gathered]
+        disagreeing = [r for r, k in enumerate(keys) if k != keys[0]]
+        if not problems and disagreeing:
+            problems.append(
+                f"ranks {disagreeing} hold a model laid out otherwise than rank 0's (other names, dtypes, "
+                "shapes or placements); every rank must publish the same model"
+            )
+        if problems:
+            raise PublishError("the sharded publish was refused before its window opened: " + "; ".join(problems))
+        self._peers = [(g[3], g[4]) for g in gathered]
+        return _Layout(by_rank=[{p.name: p for p in g[2]} for g in gathered], names=[p.name for p in gathered[0][2]])
+
+    async def _bcast(self, what: str, obj: Any) -> Any:
+        box = [obj]
+
+        def call() -> None:
+            dist.broadcast_object_list(box, src=0, group=self._group)
+
+        await self._collective(what, call)
+        return box[0]
+
+    async def _gather(self, what: str, obj: Any) -> list[Any] | None:
+        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+
+        def call() -> None:
+            dist.gather_object(obj, gathered, dst=0, group=self._group)
+
+        await self._collective(what, call)
+        return gathered
+
+    def _contribute(
+        self, layout: _Layout, local: dict[str, torch.Tensor], table: BucketTable, into: torch.Tensor | None
+    ) -> dict[str, Any]:
+        """Write this rank's part of bucket ``table`` into ``into`` (rank 0's bucket buffer, mapped
+        here: direct) and hash the 256 KiB chunks inside this rank's rows; returns what rank 0
+        needs: the chunk digests by tensor, and (gathered, ``into`` None) this rank's bytes."""
+        digests: dict[str, tuple[int, bytes]] = {}
+        payload: dict[str, torch.Tensor] = {}
+        for entry in table.entries:
+            part = layout.by_rank[self.rank][entry.name]
+            mine = local[entry.name]
+            if part.kind == "whole" and self.rank != 0:
+                continue  # rank 0's copy is sent
+            if into is None:
+                payload[entry.name] = mine.contiguous()
+            else:
+                _place(into, entry.offset, part, mine)
+            if part.kind == "rows":
+                digests[entry.name] = _chunk_digests(part, mine)
+        return {"digests": digests, "payload": payload}
+
+    # --- rank 0 ----------------------------------------------------------------------------
+
+    async def _lead(
+        self, layout: _Layout, local: dict[str, torch.Tensor], *, step: int, started: float
+    ) -> PublishResult:
+        """Rank 0: open the window, lead every bucket, commit; whatever fails, the other ranks are
+        told at the collective they wait in (``_Steps``), and the window is aborted."""
+        assert self.windows is not None
+        if self._http is None:
+            self._http = httpx.AsyncClient(trust_env=False, timeout=self.timeout_s * 2 + 30)
+        version = str(step)
+        steps = _Steps(self)
+        stats = PushStats(path="sharded")
+        window: UpdateWindow | None = None
+        renewing: asyncio.Task[None] | None = None
+        checksum = ""
+        try:
+            window = await self.windows.open(model_name=self.model_name, ttl_s=self.ttl_s, staged=self.staged)
+            renewing = asyncio.create_task(keep_alive(self.windows, window), name=f"renew-window-{window.token}")
+            # Looks at /proc and resolves this machine's addresses: off the loop.
+            local_engines = await asyncio.to_thread(
+                lambda: segments.available() and all(on_this_machine(s.url) for s in window.servers)
+            )
+            shm = self.path is TransferPath.SHM or (self.path is TransferPath.AUTO and local_engines)
+            direct = shm and all(host == self._peers[0][0] for host, _ in self._peers)
+            stats.path = f"{'shm' if shm else 'distributed'}, {'direct shards' if direct else 'gathered per bucket'}"
+            meta = {name: _meta(layout.whole(name)) for name in layout.names}
+            calls = EngineCalls(http=self._http, window=window, version=version, stats=stats)
+            async with self._sender(meta, calls, shm=shm) as sender:
+                segment = getattr(sender, "segment", None) if direct else None
+                plan = _Plan(
+                    direct=direct, segment=segment.ref if segment is not None else None, tables=list(sender.tables)
+                )
+                await steps.plan(plan)
+                checksum = await self._buckets(layout, local, sender, plan, steps, stats)
+            await self.windows.publish(
+                InferenceEngineWeightChecksumEvent(
+                    model_name=window.model_name, checksum=checksum, step=step, weight_version=version
+                )
+            )
+            ended = await self.windows.end(window, checksum=checksum, step=step, weight_version=version)
+        except BaseException as exc:
+            if window is not None:
+                await abort_quietly(self.windows, window, reason=f"the sharded push failed: {exc}")
+            with contextlib.suppress(PublishError):
+                await steps.give_up(str(exc) or type(exc).__name__)
+            if isinstance(exc, PublishError | asyncio.CancelledError):
+                raise
+            raise PublishError(f"publishing step {step} failed: {exc}") from exc
+        finally:
+            if renewing is not None:
+                renewing.cancel()
+                await asyncio.gather(renewing, return_exceptions=True)
+        if ended.status is not UpdateStatus.COMMITTED:
+            # The commit rolled the servers back itself: only the other ranks are left to tell.
+            reason = f"the controller did not commit step {step}: {ended.status.value}: {ended.message}"
+            with contextlib.suppress(PublishError):
+                await steps.give_up(reason)
+            raise PublishError(reason)
+        result = _result(step, checksum, stats, started)
+        await steps.outcome(result)
+        self.last = stats
+        return result
+
+    @contextlib.asynccontextmanager
+    async def _sender(
+        self, meta: dict[str, torch.Tensor], calls: EngineCalls, *, shm: bool
+    ) -> AsyncIterator[BucketSender]:
+        if shm:
+            async with self._tensors.push(meta, calls, shared=None) as buckets:
+                yield buckets
+        else:
+            async with self._broadcasts.push(meta, calls) as broadcasts:
+                yield broadcasts
+
+    async def _buckets(
+        self,
+        layout: _Layout,
+        local: dict[str, torch.Tensor],
+        sender: BucketSender,
+        plan: _Plan,
+        steps: _Steps,
+        stats: PushStats,
+    ) -> str:
+        """Rank 0's side of every bucket: start it, contribute, gather the ranks' digests, finish
+        them, send; the next bucket is filled while the engines take this one."""
+        digests: list[TensorDigest] = []
+        sending: asyncio.Task[Awaitable[None]] | None = None
+        answers: collections.deque[Awaitable[None]] = collections.deque()
+        checksum = ""
+        try:
+            for index, table in enumerate(plan.tables):
+                if sending is not None:
+                    answers.append(await sending)  # the region this bucket goes into is free again
+                while len(answers) > 1:
+                    await answers.popleft()
+                into = sender.into(index)
+                assert into is not None
+                await steps.start_bucket()
+                mine = await asyncio.to_thread(self._contribute, layout, local, table, into if plan.direct else None)
+                gathered = await steps.gather(mine)
+                failed = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g.get("error")]
+                if failed:
+                    raise PublishError("a rank could not contribute its shards: " + "; ".join(failed))
+                packed = await asyncio.to_thread(_finish, layout, table, into, gathered, direct=plan.direct)
+                digests += [e.tensor_digest() for e in packed.entries]
+                if index == len(plan.tables) - 1:
+                    checksum = checksum_from_digests(digests, num_bytes=0).checksum
+                sending = asyncio.create_task(sender.send(index, packed, checksum=checksum or None))
+                stats.buckets += 1
+                stats.bytes += packed.nbytes
+                stats.tensors += len(packed.entries)
+            if sending is not None:
+                answers.append(await sending)
+            while answers:
+                await answers.popleft()
+        finally:
+            left = [a for a in (sending, *answers) if isinstance(a, asyncio.Future) and not a.done()]
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+        return checksum
+
+    # --- other ranks -----------------------------------------------------------------------
+
+    async def _follow(self, layout: _Layout, local: dict[str, torch.Tensor], *, step: int) -> PublishResult:
+        """Every rank but 0: fill each bucket as rank 0 says, until it says how the publish ended."""
+
+        def refused(reason: str) -> PublishError:
+            return PublishError(f"rank 0 could not publish step {step}: {reason}")
+
+        plan = await self._bcast("the plan", None)
+        if isinstance(plan, str):
+            raise refused(plan)
+        into = await asyncio.to_thread(self._map, plan.segment) if plan.direct and plan.segment else None
+        for table in plan.tables:
+            start = await self._bcast("a bucket's start", None)
+            if isinstance(start, str):
+                raise refused(start)
+            try:
+                mine = await asyncio.to_thread(self._contribute, layout, local, table, into)
+            except Exception as exc:  # noqa: BLE001  # told to rank 0, which aborts the publish for every rank
+                mine = {"error": f"{type(exc).__name__}: {exc}"}
+            await self._gather("a bucket's digests", mine)
+        outcome = await self._bcast("the outcome", None)
+        if isinstance(outcome, str):
+            raise refused(outcome)
+        return outcome
+
+    def _map(self, ref: SegmentRef) -> torch.Tensor:
+        """Rank 0's bucket segment, mapped here to write this rank's rows into (kept while rank 0
+        keeps the segment)."""
+        if self._mapped is None or self._mapped[0] != ref:
+            self._mapped = (ref, segments.writable(ref))
+        return self._mapped[1]
+
+
+class _Steps:
+    """Rank 0's side of the collectives every publish goes through, in order: the plan; per
+    bucket, its start and the gather of the ranks' digests; the outcome. Whatever fails on rank 0,
+    ``give_up`` completes the collective the other ranks wait in with the reason, so each of them
+    raises it instead of waiting out its timeout."""
+
+    def __init__(self, publisher: ShardedPublisher) -> None:
+        self._publisher = publisher
+        self._next = "plan"  # the collective the other ranks wait in now
+
+    async def plan(self, plan: _Plan) -> None:
+        await self._publisher._bcast("the plan", plan)
+        self._next = "start"
+
+    async def start_bucket(self) -> None:
+        await self._publisher._bcast("a bucket's start", None)
+        self._next = "gather"
+
+    async def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        gathered = await self._publisher._gather("a bucket's digests", mine)
+        self._next = "start"
+        assert gathered is not None
+        return gathered
+
+    async def outcome(self, result: PublishResult) -> None:
+        await self._publisher._bcast("the outcome", result)
+        self._next = "done"
+
+    async def give_up(self, reason: str) -> None:
+        if self._next == "gather":
+            await self._publisher._gather("a bucket's digests", {"error": None})
+        if self._next in ("plan", "start", "gather"):
+            # The others wait for the plan or the next bucket's start, or, past the last bucket,
+            # for the outcome: each is a broadcast from rank 0, which the reason answers.
+            await self._publisher._bcast("the plan" if self._next == "plan" else "a bucket's start", reason)
+        self._next = "done"
+
+
+def _meta(part: _Part) -> torch.Tensor:
+    """A tensor of the whole's dtype and shape and no bytes: what buckets are planned from."""
+    return torch.empty(part.shape, dtype=getattr(torch, part.dtype), device="meta")
+
+
+def _place(into: torch.Tensor, offset: int, part: _Part, mine: torch.Tensor) -> None:
+    """Write this rank's part of one tensor where the whole tensor lies in a bucket at ``offset``."""
+    dtype = getattr(torch, part.dtype)
+    whole = into[offset : offset + part.nbytes].view(dtype).view(part.shape)
+    with torch.no_grad():
+        if part.kind == "whole":
+            whole.copy_(mine)
+        else:
+            whole.narrow(part.dim, part.start, part.stop - part.start).copy_(mine)
+
+
+def _chunk_digests(part: _Part, mine: torch.Tensor) -> tuple[int, bytes]:
+    """The digests of the 256 KiB chunks of the whole tensor that lie inside this rank's rows:
+    the index of the first, and the digests back to back."""
+    begin, end = part.byte_range()
+    raw = memoryview(mine.contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    total = part.nbytes
+    first = -(-begin // CHUNK_BYTES)
+    out = []
+    k = first
+    while k * CHUNK_BYTES < end and min((k + 1) * CHUNK_BYTES, total) <= end:
+        lo = k * CHUNK_BYTES - begin
+        out.append(chunk_digest(raw[lo : lo + min(CHUNK_BYTES, total - k * CHUNK_BYTES)]))
+        k += 1
+    return first, b"".join(out)
+
+
+def _finish(
+    layout: _Layout, table: BucketTable, into: torch.Tensor, gathered: list[dict[str, Any]], *, direct: bool
+) -> BucketTable:
+    """Rank 0: the bucket with every rank's bytes in place (placed here when gathered) and each
+    tensor's digest: from its owners' chunk digests, and the chunks no rank hashed (straddling two
+    ranks' rows, or of a tensor no rank splits by rows) hashed here from the bucket's bytes."""
+    if not direct:
+        for rank, contribution in enumerate(gathered):
+            for name, mine in contribution["payload"].items():
+                entry = next(e for e in table.entries if e.name == name)
+                _place(into, entry.offset, layout.by_rank[rank][name], mine)
+    raw = into.numpy()
+    entries = []
+    for entry in table.entries:
+        part = layout.whole(entry.name)
+        chunks = max(-(-part.nbytes // CHUNK_BYTES), 0)
+        known: dict[int, bytes] = {}
+        for contribution in gathered:
+            first, blob = contribution["digests"].get(entry.name, (0, b""))
+            for i in range(len(blob) // 16):
+                known[first + i] = blob[16 * i : 16 * i + 16]
+        if part.kind == "rows" and chunks:
+            hasher = TensorHasher()
+            for k in range(chunks):
+                lo = entry.offset + k * CHUNK_BYTES
+                hasher.update_chunks(
+                    known.get(k) or chunk_digest(raw[lo : lo + min(CHUNK_BYTES, part.nbytes - k * CHUNK_BYTES)])
+                )
+            digest = hasher.hexdigest()
+        else:
+            digest = digest_buffer(raw[entry.offset : entry.offset + entry.nbytes])
+        entries.append(entry.model_copy(update={"digest": digest}))
+    return BucketTable(entries=tuple(entries))
+
+
+def _result(step: int, checksum: str, stats: PushStats, started: float) -> PublishResult:
+    total = time.perf_counter() - started
+    return PublishResult(
+        step=step,
+        weight_version=str(step),
+        checksum=checksum,
+        checkpoint_dir=None,
+        save_s=0.0,
+        ready_wait_s=0.0,
+        apply_s=total,
+        latency_s=total,
+        path=stats.path,
+    )
