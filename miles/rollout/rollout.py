@@ -1,20 +1,13 @@
 """Rollout: the servers of one model, run by one server type, each an explicit state machine.
 
-A Rollout launches its servers' engines, confirms the weights each one holds by checksum before it
-serves, and stops everything it started; its ``Supervisor`` probes them and restarts, rolls back or
-recovers them. It knows nothing of the update protocol: the controller's ``WeightUpdate`` drives
-updates through ``begin_update``, ``pause``, ``load``, ``confirm``, ``admit``, ``quarantine`` and
-``rollback``, each engine call carrying the update's fencing token; the state machine refuses any
-step out of order.
-
-Verified weights are recorded with the checkpoint they can be reloaded from. Weights that exist on
-no disk (a training window pushed them) are recovered from a serving peer holding the same
-checksum, which writes them out for the restarted server (``export``).
-
-A server type says what an engine is (``engine_command``); the spec's runtime
-(``miles.rollout.runtime``: local processes or Ray actors) says where it runs, launches and stops
-it, and makes checkpoints readable on its node. Everything else speaks SGLang's HTTP API through
-``EngineClient``.
+A Rollout launches its servers' engines (the server type says what an engine is, the spec's
+runtime where it runs: ``miles.rollout.runtime``), confirms the weights each holds by checksum
+before it serves, and stops everything it started; its ``Supervisor`` probes, restarts, rolls back
+and recovers them. The controller's ``WeightUpdate`` drives updates through ``begin_update``,
+``pause``, ``load``, ``confirm``, ``admit``, ``quarantine`` and ``rollback``, each engine call
+carrying the update's fencing token; the state machine refuses any step out of order. Verified
+weights are recorded with the checkpoint they reload from; weights on no disk (a window pushed
+them) are written out by a serving peer holding them (``export``) when a server must restart.
 """
 
 from __future__ import annotations
@@ -22,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -233,20 +225,10 @@ class Rollout(ABC):
             f"({reported.checksum}), verified was {verified.weight_version} ({verified.checksum})",
         )
 
-    async def died(self, server_id: str, *, within_s: float = DEATH_NOTICE_S) -> bool:
-        """Whether the server's engine process has ended, after a call to it found nobody there:
-        the runtime may learn of the exit a moment after the socket closed, so it is given
-        ``within_s`` to. False at once for servers whose processes the runtime cannot see
-        (attached ones: their probes tell)."""
-        cell = self.cell(server_id)
-        if not self.runtime.sees_processes:
-            return False
-        deadline = time.monotonic() + within_s
-        while self.alive(cell):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.02)
-        return True
+    async def died(self, server_id: str) -> bool:
+        """Whether the server's engine process has ended, after a call to it found nobody there."""
+        self.cell(server_id)  # raises for an id that is not ours
+        return await self.runtime.ended(server_id, within_s=DEATH_NOTICE_S)
 
     def lost(self, server_id: str, *, reason: str) -> None:
         """The server's engine died: out of routing until it is restarted and verified again."""

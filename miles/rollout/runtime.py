@@ -148,6 +148,20 @@ class EngineRuntime(ABC):
     def alive(self, server_id: str) -> bool:
         """Whether the server's engine is still running, as far as the runtime knows now."""
 
+    async def ended(self, server_id: str, *, within_s: float) -> bool:
+        """Whether the server's engine process has ended, after a call to it found nobody there:
+        the runtime may learn of the exit a moment after the socket closed, so it is given
+        ``within_s`` to. False at once where the runtime cannot see the processes (attached
+        servers: their probes tell)."""
+        if not self.sees_processes:
+            return False
+        deadline = time.monotonic() + within_s
+        while self.alive(server_id):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
     async def readable(self, server_id: str, checkpoint: Path, *, expected_checksum: str | None = None) -> Path:
         """A path at which the server's engine can read ``checkpoint`` (shipped there if needed)."""
         return checkpoint
