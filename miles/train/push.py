@@ -87,6 +87,36 @@ class BucketSender(Protocol):
         ...
 
 
+def check_push_settings(*, path: TransferPath, ttl_s: float, timeout_s: float, bucket_bytes: int) -> None:
+    """Raise ValueError for a publisher setting no push could honour: refused when the publisher
+    is made, rather than by the controller or every engine in the middle of a push."""
+    if TransferPath(path) is TransferPath.DISK:
+        raise ValueError("a push goes from memory; publish through disk with DiskPublisher")
+    try:
+        check_seconds(ttl_s, name="ttl_s", low=LEASE_TTL_MIN_S, high=LEASE_TTL_MAX_S)
+        check_seconds(timeout_s, name="timeout_s", low=0.1, high=PUSH_TIMEOUT_MAX_S)
+    except InvalidRequestError as exc:
+        raise ValueError(exc.message) from None
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive number of bytes, not {bucket_bytes!r}")
+
+
+def push_result(step: int, *, checksum: str, path: str, started: float) -> PublishResult:
+    """What a push of ``step`` that began at ``started`` (``time.perf_counter()``) published."""
+    total = time.perf_counter() - started
+    return PublishResult(
+        step=step,
+        weight_version=str(step),
+        checksum=checksum,
+        checkpoint_dir=None,
+        save_s=0.0,
+        ready_wait_s=0.0,
+        apply_s=total,
+        latency_s=total,
+        path=path,
+    )
+
+
 def on_this_machine(url: str) -> bool:
     """Whether the engine at ``url`` runs on this machine (its shared memory is ours)."""
     host = urlsplit(url).hostname or ""
@@ -116,17 +146,7 @@ class PushPublisher:
         staged: bool = True,
         share_weights: bool = True,
     ) -> None:
-        if TransferPath(path) is TransferPath.DISK:
-            raise ValueError("PushPublisher pushes from memory; publish through disk with DiskPublisher")
-        # Refused here (a bad argument: ValueError) rather than by the controller or every engine
-        # in the middle of a push.
-        try:
-            check_seconds(ttl_s, name="ttl_s", low=LEASE_TTL_MIN_S, high=LEASE_TTL_MAX_S)
-            check_seconds(timeout_s, name="timeout_s", low=0.1, high=PUSH_TIMEOUT_MAX_S)
-        except InvalidRequestError as exc:
-            raise ValueError(exc.message) from None
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be a positive number of bytes, not {bucket_bytes!r}")
+        check_push_settings(path=path, ttl_s=ttl_s, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
         self.windows = window_client(controller)
         self.model_name = model_name
         self.path = TransferPath(path)
@@ -287,18 +307,7 @@ class PushPublisher:
         self.last = stats
         if self.delta:
             self._held = {**(digests or {}), **stats.digests}
-        total = time.perf_counter() - started
-        return PublishResult(
-            step=step,
-            weight_version=version,
-            checksum=checksum,
-            checkpoint_dir=None,
-            save_s=0.0,
-            ready_wait_s=0.0,
-            apply_s=total,
-            latency_s=total,
-            path=path.value,
-        )
+        return push_result(step, checksum=checksum, path=path.value, started=started)
 
     async def _delta(
         self, named: Mapping[str, torch.Tensor], held: dict[str, str] | None

@@ -54,7 +54,7 @@ from miles.errors import PublishError
 from miles.train.distributed_push import DistributedPush
 from miles.train.engine_calls import EngineCalls, PushStats
 from miles.train.publisher import PublishResult
-from miles.train.push import BucketSender, on_this_machine
+from miles.train.push import BucketSender, check_push_settings, on_this_machine, push_result
 from miles.train.tensor_push import TensorPush
 from miles.train.windows import abort_quietly, keep_alive, window_client
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
@@ -175,8 +175,7 @@ class ShardedPublisher:
     ) -> None:
         if not dist.is_initialized():
             raise PublishError("ShardedPublisher needs torch.distributed initialised (torchrun, init_process_group)")
-        if TransferPath(path) is TransferPath.DISK:
-            raise ValueError("ShardedPublisher pushes from memory")
+        check_push_settings(path=path, ttl_s=ttl_s, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.model_name, self.path, self.bucket_bytes = model_name, TransferPath(path), bucket_bytes
         self.ttl_s, self.timeout_s, self.staged = ttl_s, timeout_s, staged
@@ -359,7 +358,7 @@ class ShardedPublisher:
             with contextlib.suppress(PublishError):
                 await steps.give_up(reason)
             raise PublishError(reason)
-        result = _result(step, checksum, stats, started)
+        result = push_result(step, checksum=checksum, path=stats.path, started=started)
         await steps.outcome(result)
         self.last = stats
         return result
@@ -560,18 +559,3 @@ def _finish(
             digest = digest_buffer(raw[entry.offset : entry.offset + entry.nbytes])
         entries.append(entry.model_copy(update={"digest": digest}))
     return BucketTable(entries=tuple(entries))
-
-
-def _result(step: int, checksum: str, stats: PushStats, started: float) -> PublishResult:
-    total = time.perf_counter() - started
-    return PublishResult(
-        step=step,
-        weight_version=str(step),
-        checksum=checksum,
-        checkpoint_dir=None,
-        save_s=0.0,
-        ready_wait_s=0.0,
-        apply_s=total,
-        latency_s=total,
-        path=stats.path,
-    )
