@@ -173,9 +173,9 @@ class ShardedPublisher:
         timeout_s: float = 60.0,
         staged: bool = True,
     ) -> None:
+        check_push_settings(path=path, ttl_s=ttl_s, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
         if not dist.is_initialized():
             raise PublishError("ShardedPublisher needs torch.distributed initialised (torchrun, init_process_group)")
-        check_push_settings(path=path, ttl_s=ttl_s, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.model_name, self.path, self.bucket_bytes = model_name, TransferPath(path), bucket_bytes
         self.ttl_s, self.timeout_s, self.staged = ttl_s, timeout_s, staged

@@ -1,5 +1,6 @@
-"""PushPublisher refuses settings the controller or the engines would refuse in the middle of a
-push, when it is built (the pushes themselves are tested in tests/train/test_push.py)."""
+"""PushPublisher and ShardedPublisher refuse settings the controller or the engines would refuse
+in the middle of a push, when they are built (the pushes themselves are tested in
+tests/train/test_push.py and tests/train/test_sharded_publish.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import math
 
 import pytest
 
+from miles.errors import PublishError
 from miles.train.push import PushPublisher
+from miles.train.sharded import ShardedPublisher
 
 
 @pytest.mark.parametrize(
@@ -29,8 +32,14 @@ from miles.train.push import PushPublisher
 def test_settings_no_push_could_use_are_refused_when_the_publisher_is_built(
     settings: dict[str, object], says: str
 ) -> None:
-    with pytest.raises(ValueError, match=says):
-        PushPublisher("http://127.0.0.1:1", **settings)  # type: ignore[arg-type]
+    for publisher in (PushPublisher, ShardedPublisher):
+        with pytest.raises(ValueError, match=says):
+            publisher("http://127.0.0.1:1", **settings)  # type: ignore[arg-type]
+
+
+def test_a_sharded_publisher_needs_torch_distributed() -> None:
+    with pytest.raises(PublishError, match="needs torch.distributed initialised"):
+        ShardedPublisher("http://127.0.0.1:1")
 
 
 def test_the_defaults_and_the_bounds_are_accepted() -> None:
