@@ -45,6 +45,8 @@ NAME = re.compile(r"miles-[A-Za-z0-9_.-]{1,200}")
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # Where a process's descriptors are reachable by other processes of the same user.
 PROC = Path("/proc")
+# Segments an engine keeps mapped at once (``SegmentMaps``).
+MAX_MAPPED = 8
 
 
 def available() -> bool:
@@ -208,6 +210,11 @@ class SegmentMaps:
             os.close(fd)
         with self._lock:
             self._maps[ref] = _Mapped(ref, inode, flat)
+            # A push names one segment or two (its buckets', its model's): a sender naming ever new
+            # ones must not leave a mapping (and a descriptor) behind for each. The oldest goes;
+            # a bucket still being copied from it keeps its memory until it is done.
+            while len(self._maps) > MAX_MAPPED:
+                del self._maps[next(iter(self._maps))]
         return flat
 
     def forget_gone(self) -> list[str]:

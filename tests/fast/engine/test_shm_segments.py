@@ -14,7 +14,7 @@ import torch
 
 from miles.errors import InvalidRequestError, NotFoundError
 from miles.weights.buckets import layout, pack, unpack
-from miles.weights.transport.segments import Segment, SegmentMaps, SegmentRef
+from miles.weights.transport.segments import MAX_MAPPED, Segment, SegmentMaps, SegmentRef
 
 
 def test_a_segment_is_mapped_and_its_bytes_read() -> None:
@@ -104,3 +104,18 @@ def test_a_mapping_is_kept_while_its_maker_holds_the_segment_and_forgotten_after
     # Its descriptor number may now name something else: that is refused, never read.
     with pytest.raises((NotFoundError, InvalidRequestError)):
         maps.flat(segment.ref, 64)
+
+
+def test_an_engine_keeps_a_few_segments_mapped_whoever_names_many() -> None:
+    """A sender naming a new segment at every push leaves no mapping (nor descriptor) behind for
+    each: the oldest goes, and a bucket still viewing it keeps its bytes."""
+    maps = SegmentMaps()
+    made = [Segment(64) for _ in range(MAX_MAPPED + 4)]
+    held = maps.flat(made[0].ref, 64)
+    made[0].flat.fill_(9)
+    for segment in made[1:]:
+        maps.flat(segment.ref, 64)
+    assert len(maps._maps) == MAX_MAPPED
+    assert held.tolist() == [9] * 64  # unmapped from the cache, still readable by its viewer
+    for segment in made:
+        segment.close()
