@@ -292,7 +292,7 @@ class ShardedPublisher:
             if part.kind == "whole" and self.rank != 0:
                 continue  # rank 0's copy is sent
             if into is None:
-                payload[entry.name] = mine.contiguous()
+                payload[entry.name] = mine.contiguous().cpu()  # a GPU shard travels through the host
             else:
                 _place(into, entry.offset, part, mine)
             if part.kind == "rows":
@@ -514,7 +514,7 @@ def _chunk_digests(part: _Part, mine: torch.Tensor) -> tuple[int, bytes]:
     """The digests of the 256 KiB chunks of the whole tensor that lie inside this rank's rows:
     the index of the first, and the digests back to back."""
     begin, end = part.byte_range()
-    raw = memoryview(mine.contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    raw = memoryview(mine.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())  # type: ignore[arg-type]
     total = part.nbytes
     first = -(-begin // CHUNK_BYTES)
     out = []
