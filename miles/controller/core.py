@@ -55,7 +55,7 @@ from miles.controller.windows import (
 from miles.controller.write_outs import WriteOuts
 from miles.errors import LockTimeoutError, MilesError
 from miles.protocol.auth import window_credential
-from miles.rollout.rollout import Rollout
+from miles.rollout.mixed import ModelRollout
 from miles.utils.audit_utils.event_logger.logger import EventLogger
 from miles.utils.context_lock import ContextLock, enforce_lock_discipline, lock_exempt, requires_lock, with_lock
 from miles.utils.weight_version import version_number
@@ -179,7 +179,7 @@ class AsyncInferenceController:
                 "%s resumes from its event log: version %s at %s%s",
                 name,
                 resumed.weight_version or "(start checkpoint)",
-                resumed.checkpoint or rollout.spec.checkpoint,
+                resumed.checkpoint or rollout.start_checkpoint,
                 f" ({resumed.note})" if resumed.note else "",
             )
 
@@ -266,7 +266,7 @@ class AsyncInferenceController:
     @with_lock
     async def _update_from_disk(
         self,
-        rollout: Rollout,
+        rollout: ModelRollout,
         checkpoint: Path,
         *,
         mode: UpdateMode,
@@ -289,7 +289,7 @@ class AsyncInferenceController:
                 published=self.published,
                 weight_version=weight_version,
                 serving_version=update.version_to_beat,
-                start_checkpoint=rollout.spec.checkpoint,
+                start_checkpoint=rollout.start_checkpoint,
             )
         except CheckpointRejected as rejected:
             timings["validate"] = time.monotonic() - started - timings["lock_wait"]
@@ -372,7 +372,7 @@ class AsyncInferenceController:
     @with_lock
     async def _hold_window(
         self,
-        rollout: Rollout,
+        rollout: ModelRollout,
         *,
         ttl_s: float,
         pause_mode: UpdatePauseMode,
@@ -509,7 +509,7 @@ class AsyncInferenceController:
 
     @requires_lock
     def _new_update(
-        self, rollout: Rollout, *, mode: UpdateMode, pause_mode: UpdatePauseMode, started: float | None = None
+        self, rollout: ModelRollout, *, mode: UpdateMode, pause_mode: UpdatePauseMode, started: float | None = None
     ) -> WeightUpdate:
         """The transaction of one update, created under the lock: its token is the lock's grant."""
         assert self.router is not None, "the controller was not started"

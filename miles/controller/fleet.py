@@ -1,8 +1,10 @@
-"""The fleet: one Rollout per served model, built from specs the controller was given.
+"""The fleet: the servers of every served model, built from the specs the controller was given.
 
 ``rollout_server_cls`` (the seed's argument) may be a dotted path, a class, or a mapping of names to
 specs for several models and server types under one controller; this module turns any of those
-into ``ModelServerSpec``s and RolloutServers.
+into ``ModelServerSpec``s and one ``Rollout`` per spec. Specs that name one model (one checkpoint,
+several server types: embedded engines beside vLLM servers) become one ``MixedRollout``, so the
+model still has one update transaction, one gate at the router and one entry in ``/health``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from miles.config import DEFAULT_CPUS_PER_ENGINE, ControllerSettings, PlacementStrategy, RuntimeKind
-from miles.errors import CheckpointError, InvalidRequestError, MilesError, NotFoundError
+from miles.errors import CheckpointError, InvalidRequestError, NotFoundError
+from miles.rollout.mixed import MixedRollout, ModelRollout
 from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutObserver
 from miles.rollout.spec import EngineUrls, HealthSettings, RolloutSpec, SGLangServerArgs, VLLMServerArgs
 from miles.rollout.state import ServerSnapshot
@@ -38,11 +41,13 @@ SERVER_CLASSES = {
 
 
 class ModelServerSpec(BaseModel):
-    """One served model: which server type runs it, on which checkpoint, with how many servers.
+    """Servers of one model: which server type runs them, on which checkpoint, how many.
 
     ``cls`` is accepted for ``server_cls``. ``urls`` attaches servers someone else runs (server
-    types that can: ``SGLangRollout``), one server per URL; ``sglang`` is what launched SGLang
-    servers are given (``engine_args``: further flags, passed through).
+    types that can: ``SGLangRollout``, ``VLLMRollout``), one server per URL; ``sglang`` and
+    ``vllm`` are what launched SGLang and vLLM servers are given (``engine_args``: further flags,
+    passed through). Several specs may serve one model (the same ``model_name``, the same
+    ``checkpoint``), each with its own server type: their servers are named after the specs.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True, populate_by_name=True)
@@ -102,8 +107,33 @@ def normalize_specs(
     }
 
 
+def models_of(specs: Mapping[str, ModelServerSpec]) -> dict[str, dict[str, ModelServerSpec]]:
+    """The specs of each served model (model name -> spec name -> spec), in the order given.
+
+    A model is named by its spec's ``model_name``, else by its checkpoint's manifest. Several specs
+    may serve one model, each with its own server type, only on one checkpoint: the servers of one
+    model hold one set of weights, confirmed against one checksum. Raises InvalidRequestError
+    naming the specs that cannot serve one model together.
+    """
+    models: dict[str, dict[str, ModelServerSpec]] = {}
+    for name, spec in specs.items():
+        model_name = spec.model_name or _model_name(spec.checkpoint, fallback=name)
+        group = models.setdefault(model_name, {})
+        for other_name, other in group.items():
+            if other.checkpoint.resolve() != spec.checkpoint.resolve():
+                raise InvalidRequestError(
+                    f"server specs {other_name!r} and {name!r} both serve model {model_name!r} but start on "
+                    f"different checkpoints ({other.checkpoint}, {spec.checkpoint}); the servers of one model "
+                    "hold one set of weights: start every spec of the model on one checkpoint, or give each "
+                    "spec its own model_name"
+                )
+        group[name] = spec
+    return models
+
+
 class Fleet:
-    """Every Rollout of the controller, by model name."""
+    """Every model's servers: one Rollout per spec, and per model the Rollout or the MixedRollout
+    of the specs that serve it."""
 
     def __init__(
         self,
@@ -114,7 +144,9 @@ class Fleet:
         observer: RolloutObserver,
         engine_secret: str | None = None,
     ) -> None:
-        self._servers: dict[str, Rollout] = {}
+        self._servers: dict[str, ModelRollout] = {}
+        # Every spec's rollout, in the order given: what is started and stopped.
+        self._rollouts: list[Rollout] = []
         self._attached_urls: set[str] = set()
         self._engine_secret = engine_secret
         self._gated = settings.gated_launch
@@ -124,22 +156,70 @@ class Fleet:
         self.state_dir = settings.state_dir or self._owned_state_dir
         assert self.state_dir is not None
         try:
-            for name, spec in specs.items():
-                self._add(name, spec, settings=settings, exclusive=exclusive, observer=observer)
+            for model_name, named in models_of(specs).items():
+                self._add_model(model_name, named, settings=settings, exclusive=exclusive, observer=observer)
         except BaseException:
             self._remove_state_dir()
             raise
 
-    def _add(
+    def _add_model(
         self,
-        name: str,
-        spec: ModelServerSpec,
+        model_name: str,
+        named: Mapping[str, ModelServerSpec],
         *,
         settings: ControllerSettings,
         exclusive: ExclusiveSection,
         observer: RolloutObserver,
     ) -> None:
-        """Build the Rollout of one spec (its logs and weight copies under the state dir)."""
+        """Build the rollouts of one model's specs (``models_of`` checked they can serve it together)."""
+        # A model's servers are named after it; when several specs serve it, after each spec.
+        mixed = len(named) > 1
+        folder = _server_prefix(model_name)
+        rollouts = []
+        for name, spec in named.items():
+            prefix = _server_prefix(name) if mixed else folder
+            rollout = self._rollout(
+                name,
+                spec,
+                model_name=model_name,
+                prefix=prefix,
+                folder=folder,
+                settings=settings,
+                exclusive=exclusive,
+                observer=observer,
+            )
+            rollouts.append(rollout)
+            self._attached_urls |= set(spec.urls)
+        self._check_ids(rollouts, named)
+        self._servers[model_name] = MixedRollout(rollouts, observer=observer) if mixed else rollouts[0]
+        self._rollouts += rollouts
+
+    def _check_ids(self, rollouts: list[Rollout], named: Mapping[str, ModelServerSpec]) -> None:
+        """Server ids are unique in the fleet: the router, events and /health name servers by them."""
+        taken = {server_id for rollout in self._rollouts for server_id in rollout.server_ids}
+        for rollout, name in zip(rollouts, named, strict=True):
+            for server_id in rollout.server_ids:
+                if server_id in taken:
+                    raise InvalidRequestError(
+                        f"server spec {name!r} would name a server {server_id!r}, as another spec does; "
+                        "rename the spec (a model served by several specs names its servers after them) or the model"
+                    )
+                taken.add(server_id)
+
+    def _rollout(
+        self,
+        name: str,
+        spec: ModelServerSpec,
+        *,
+        model_name: str,
+        prefix: str,
+        folder: str,
+        settings: ControllerSettings,
+        exclusive: ExclusiveSection,
+        observer: RolloutObserver,
+    ) -> Rollout:
+        """Build the Rollout of one spec (its logs and weight copies under the state dir; the
+        copies in the model's ``folder``, which every server of the model may read)."""
         assert self.state_dir is not None
         server_cls = resolve_server_cls(spec.server_cls)
         if spec.urls and not server_cls.can_attach:
@@ -160,19 +240,13 @@ class Fleet:
             # Two rollouts driving one server would each load their own weights into it.
             raise InvalidRequestError(
                 f"server spec {name!r} attaches {', '.join(taken)}, which another spec attaches too; "
-                "give each server to one model"
+                "give each server to one spec"
             )
         if spec.urls and spec.num_servers not in (None, len(spec.urls)):
             raise InvalidRequestError(
                 f"server spec {name!r} lists {len(spec.urls)} urls but num_servers is {spec.num_servers}; "
                 "attach mode has one server per URL (leave num_servers out)"
             )
-        model_name = spec.model_name or _model_name(spec.checkpoint, fallback=name)
-        if model_name in self._servers:
-            raise InvalidRequestError(
-                f"two server specs serve the same model {model_name!r}; give each its own model_name"
-            )
-        prefix = _server_prefix(model_name)
         rollout_spec = RolloutSpec(
             name=prefix,
             checkpoint=spec.checkpoint.resolve(),
@@ -186,7 +260,7 @@ class Fleet:
             max_running_requests=spec.max_running_requests,
             num_threads=spec.num_threads,
             log_dir=settings.log_dir or self.state_dir / "logs",
-            snapshot_dir=self.state_dir / "snapshots" / prefix,
+            snapshot_dir=self.state_dir / "snapshots" / folder,
             engine_secret=None if self._engine_secret is None else SecretStr(self._engine_secret),
             guard_inference=settings.api_key is not None,
             allowed_checkpoint_roots=settings.allowed_checkpoint_roots,
@@ -205,15 +279,15 @@ class Fleet:
             sglang=spec.sglang or SGLangServerArgs(),
             vllm=spec.vllm or VLLMServerArgs(),
         )
-        self._servers[model_name] = server_cls(rollout_spec, exclusive=exclusive, observer=observer)
-        self._attached_urls |= set(rollout_spec.urls)
+        return server_cls(rollout_spec, exclusive=exclusive, observer=observer)
 
     @property
     def model_names(self) -> list[str]:
         return list(self._servers)
 
-    def rollout(self, model_name: str | None) -> Rollout:
-        """The Rollout for ``model_name`` (optional when there is only one model)."""
+    def rollout(self, model_name: str | None) -> ModelRollout:
+        """The servers of ``model_name`` (optional when there is only one model): its Rollout, or
+        the MixedRollout of the several specs that serve it."""
         if model_name is None:
             if len(self._servers) == 1:
                 return next(iter(self._servers.values()))
@@ -229,23 +303,24 @@ class Fleet:
         server = self._servers.get(model_name)
         return server.snapshot() if server else []
 
-    def all(self) -> list[Rollout]:
+    def all(self) -> list[ModelRollout]:
+        """Every model's servers, one entry per model."""
         return list(self._servers.values())
 
     async def start(self) -> None:
-        """Start every Rollout (one at a time with gated launch); stop all if one fails."""
+        """Start every spec's Rollout (one at a time with gated launch); stop all if one fails."""
         try:
             if self._gated:
-                for server in self._servers.values():
-                    await server.start()
+                for rollout in self._rollouts:
+                    await rollout.start()
             else:
-                await asyncio.gather(*(server.start() for server in self._servers.values()))
+                await asyncio.gather(*(rollout.start() for rollout in self._rollouts))
         except BaseException:
             await self.stop()
             raise
 
     async def stop(self) -> None:
-        await asyncio.gather(*(server.stop() for server in self._servers.values()), return_exceptions=True)
+        await asyncio.gather(*(rollout.stop() for rollout in self._rollouts), return_exceptions=True)
         # Logs and exported weights: possibly gigabytes to unlink, off the loop.
         await asyncio.to_thread(self._remove_state_dir)
 
@@ -259,8 +334,8 @@ class Fleet:
             logger.warning("could not remove the controller's state directory %s", self._owned_state_dir)
 
     def set_health(self, health: HealthSettings) -> None:
-        for server in self._servers.values():
-            server.set_health(health)
+        for rollout in self._rollouts:
+            rollout.set_health(health)
 
 
 def health_from(settings: ControllerSettings) -> HealthSettings:
@@ -282,8 +357,11 @@ def _model_name(checkpoint: Path, *, fallback: str) -> str:
         return fallback if fallback != "default" else checkpoint.name
 
 
-def _server_prefix(model_name: str) -> str:
-    prefix = re.sub(r"[^A-Za-z0-9_.-]+", "-", model_name).strip("-")
+def _server_prefix(name: str) -> str:
+    """``name`` (a model's, or a spec's) as the start of server ids."""
+    prefix = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
     if not prefix:
-        raise MilesError("model name has no usable characters for server ids", model=model_name)
+        raise InvalidRequestError(
+            f"{name!r} has no character a server id can use (letters, digits, '_', '.', '-'); rename it"
+        )
     return prefix

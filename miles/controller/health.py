@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from miles.controller.results import UpdateResult
-from miles.rollout.state import ServerSnapshot, ServerState, VerifiedWeights
+from miles.rollout.state import EngineApi, ServerSnapshot, ServerState, VerifiedWeights
 from miles.utils.context_lock import LockStatistics
 
 
@@ -27,6 +27,10 @@ class ServerHealth(BaseModel):
 
     server_id: str
     model_name: str
+    # The server type that runs it (``SFTRollout``, ``VLLMRollout`` ...): a model may be served by
+    # several at once. ``engine``: the API its engine speaks ("sglang" or "vllm").
+    server_type: str
+    engine: EngineApi
     url: str | None
     device: str
     # Where the engine runs and the GPUs its runtime gave it (None before its first launch).
@@ -134,6 +138,8 @@ def server_health(snapshot: ServerSnapshot, *, in_flight: int, now: float) -> Se
     return ServerHealth(
         server_id=snapshot.server_id,
         model_name=snapshot.model_name,
+        server_type=snapshot.server_type,
+        engine=snapshot.engine,
         url=snapshot.url,
         device=placement.device if placement else snapshot.device,
         node_id=placement.node_id if placement else None,

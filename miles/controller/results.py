@@ -6,13 +6,12 @@ import time
 import uuid
 from datetime import datetime
 from enum import StrEnum
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from miles.config import UpdatePauseMode
 from miles.errors import MilesError
-from miles.rollout.state import ServerSnapshot, ServerState
+from miles.rollout.state import EngineApi, ServerSnapshot, ServerState
 
 
 class UpdateStatus(StrEnum):
@@ -140,7 +139,7 @@ class WindowServer(BaseModel):
     weight_version: str | None
     # The HTTP API the server's engine takes pushes through: "sglang" (embedded engines, SGLang's
     # /update_weights_from_tensor) or "vllm" (vLLM's native weight transfer, miles' backend).
-    engine: Literal["sglang", "vllm"] = "sglang"
+    engine: EngineApi = "sglang"
 
 
 class UpdateWindow(BaseModel):

@@ -19,7 +19,7 @@ from pathlib import Path
 from miles.controller.gate import restart_point_problem, roots_problem
 from miles.controller.health import ResumedFrom
 from miles.errors import CheckpointError, EventLogError, MilesError
-from miles.rollout.rollout import Rollout
+from miles.rollout.mixed import ModelRollout
 from miles.utils.audit_utils.event_logger.logger import read_events
 from miles.utils.audit_utils.event_logger.models import (
     ChecksumRole,
@@ -99,7 +99,7 @@ class Resumption:
     models: dict[str, tuple[ResumedFrom, int | None]]
 
 
-def resume_fleet(directory: Path, rollouts: Iterable[Rollout], *, readable_roots: tuple[Path, ...]) -> Resumption:
+def resume_fleet(directory: Path, rollouts: Iterable[ModelRollout], *, readable_roots: tuple[Path, ...]) -> Resumption:
     """Read the event log in ``directory`` and find where each rollout's model resumes. Blocking:
     reads the log and hashes checkpoints. Raises MilesError when the log cannot be read: not
     knowing what was committed, starting anyway could serve older weights than the log's, or
@@ -116,7 +116,7 @@ def resume_fleet(directory: Path, rollouts: Iterable[Rollout], *, readable_roots
         model = past.models.get(rollout.model_name)
         if model is None:
             continue
-        resumed = resume_point(model, start_checkpoint=rollout.spec.checkpoint, readable_roots=readable_roots)
+        resumed = resume_point(model, start_checkpoint=rollout.start_checkpoint, readable_roots=readable_roots)
         if resumed is not None:
             models[rollout.model_name] = (resumed, model.committed_high)
     return Resumption(published=past.published, models=models)

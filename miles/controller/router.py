@@ -10,8 +10,10 @@ that server serves.
 A request that could not reach a server excludes that server's *incarnation* (one launch of its
 process), not the server: the same server, restarted, is a new incarnation and takes the retry,
 and the excluded incarnation itself becomes eligible again once a health probe newer than the
-exclusion found it answering (the failure was a dropped connection, not a dead process). Every
-state change and probe result wakes waiting requests; ``close`` ends them all. At most
+exclusion found it answering (the failure was a dropped connection, not a dead process). A
+request shaped for one engine API (SGLang's native ``/generate`` as it came, or translated for
+vLLM) goes only to servers whose engines speak it (``engine``): a model may have servers of both.
+Every state change and probe result wakes waiting requests; ``close`` ends them all. At most
 ``max_waiting`` requests wait at once (each holds its body and a connection): one more is refused
 with 429 rather than queued without bound.
 """
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 from miles.config import RoutingPolicy
 from miles.errors import ControllerBusyError, InvalidRequestError, UnavailableError
-from miles.rollout.state import ServerSnapshot, ServerState
+from miles.rollout.state import EngineApi, ServerSnapshot, ServerState
 from miles.utils.weight_version import at_least, comparable
 
 _MAX_SESSIONS = 10_000
@@ -48,6 +50,8 @@ class RouteLease:
     weight_version: str | None
     # Someone else runs the server: it is sent nothing of the controller's own credentials.
     attached: bool = False
+    # The API its engine speaks: what shape the request must take for it.
+    engine: EngineApi = "sglang"
 
 
 @dataclass(frozen=True)
@@ -151,8 +155,10 @@ class Router:
         session_id: str | None = None,
         min_weight_version: str | None = None,
         exclude: tuple[Exclusion, ...] = (),
+        engine: EngineApi | None = None,
     ) -> RouteLease:
-        """Wait (up to ``timeout_s``) for a serving server that may take the request, and claim it.
+        """Wait (up to ``timeout_s``) for a serving server that may take the request (one whose
+        engine speaks ``engine``, when given), and claim it.
 
         Raises NoServerAvailableError when none became available in time, or the router closed,
         and ControllerBusyError when the request would have to wait and ``max_waiting`` already do.
@@ -167,14 +173,14 @@ class Router:
                     self._check_reachable(model_name, min_weight_version)
                 gate = self._gate(model_name)
                 if gate.is_set():
-                    lease = self._pick(model_name, session_id, min_weight_version, exclude)
+                    lease = self._pick(model_name, session_id, min_weight_version, exclude, engine)
                     if lease is not None:
                         self._outstanding[lease.server_id] = self._outstanding.get(lease.server_id, 0) + 1
                         return lease
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise NoServerAvailableError(
-                        self._why_none(model_name, min_weight_version, gate.is_set()),
+                        self._why_none(model_name, min_weight_version, gate.is_set(), engine),
                         model=model_name,
                         min_weight_version=min_weight_version,
                     )
@@ -196,12 +202,18 @@ class Router:
                 self._waiting -= 1
 
     def try_acquire(
-        self, model_name: str, *, session_id: str | None, min_weight_version: str | None, exclude: tuple[Exclusion, ...]
+        self,
+        model_name: str,
+        *,
+        session_id: str | None,
+        min_weight_version: str | None,
+        exclude: tuple[Exclusion, ...],
+        engine: EngineApi | None = None,
     ) -> RouteLease | None:
         """A server that may take the request right now, claimed; None when none may (no waiting)."""
         if self._closed is not None or not self._gate(model_name).is_set():
             return None
-        lease = self._pick(model_name, session_id, min_weight_version, exclude)
+        lease = self._pick(model_name, session_id, min_weight_version, exclude, engine)
         if lease is not None:
             self._outstanding[lease.server_id] = self._outstanding.get(lease.server_id, 0) + 1
         return lease
@@ -223,13 +235,19 @@ class Router:
         return gate
 
     def _pick(
-        self, model_name: str, session_id: str | None, min_version: str | None, exclude: tuple[Exclusion, ...]
+        self,
+        model_name: str,
+        session_id: str | None,
+        min_version: str | None,
+        exclude: tuple[Exclusion, ...],
+        engine: EngineApi | None,
     ) -> RouteLease | None:
         candidates = [
             s
             for s in self._servers(model_name)
             if s.state is ServerState.SERVING
             and s.url is not None
+            and (engine is None or s.engine == engine)
             and not any(e.excludes(s) for e in exclude)
             and (min_version is None or at_least(s.weight_version, min_version))
         ]
@@ -260,6 +278,7 @@ class Router:
             url=chosen.url,
             weight_version=chosen.weight_version,
             attached=chosen.placement is not None and chosen.placement.attached,
+            engine=chosen.engine,
         )
 
     def _bind(self, model_name: str, session_id: str, server_id: str) -> None:
@@ -290,12 +309,12 @@ class Router:
                 min_weight_version=min_version,
             )
 
-    def _why_none(self, model_name: str, min_version: str | None, gate_open: bool) -> str:
+    def _why_none(self, model_name: str, min_version: str | None, gate_open: bool, engine: EngineApi | None) -> str:
         if not gate_open:
             return f"model {model_name!r} is being updated and the update did not finish in time; retry later"
-        servers = self._servers(model_name)
+        servers = [s for s in self._servers(model_name) if engine is None or s.engine == engine]
         if not servers:
-            return f"no servers for model {model_name!r}"
+            return f"no servers for model {model_name!r}" + (f" whose engines speak {engine}'s API" if engine else "")
         states = ", ".join(f"{s.server_id}={s.state.value}@{s.weight_version}" for s in servers)
         if min_version is not None:
             return f"no serving server of {model_name!r} has weight version >= {min_version} ({states})"

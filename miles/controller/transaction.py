@@ -42,7 +42,7 @@ from miles.errors import MilesError
 from miles.protocol.sglang import PauseMode
 from miles.protocol.sglang_weights import UpdateWeightsResponse
 from miles.rollout.engine_client import EngineCallError, WeightsChecksum
-from miles.rollout.rollout import Rollout
+from miles.rollout.mixed import ModelRollout
 from miles.rollout.state import ServerState, VerifiedWeights
 from miles.utils.weight_version import newest, version_number
 from miles.weights.checksum import ALGORITHM
@@ -109,7 +109,7 @@ class WeightUpdate:
         self,
         *,
         token: int,
-        rollout: Rollout,
+        rollout: ModelRollout,
         router: Router,
         events: UpdateEvents,
         mode: UpdateMode,
@@ -549,7 +549,7 @@ def _to_beat(serving: str | None, committed_high: int | None) -> str | None:
     return str(max(numbers)) if numbers else serving
 
 
-def _verified_version(rollout: Rollout) -> str | None:
+def _verified_version(rollout: ModelRollout) -> str | None:
     """The newest version any server of the rollout was verified on (the version updates must beat)."""
     versions = [s.verified.weight_version for s in rollout.snapshot() if s.verified is not None]
     return newest(versions) or (versions[0] if len(set(versions)) == 1 else None)

@@ -217,7 +217,7 @@ def describe(
                 server_id=s.server_id,
                 url=s.url or "",
                 weight_version=s.weight_version,
-                engine=update.rollout.engine_api,
+                engine=s.engine,
             )
             for s in update.rollout.snapshot()
             if s.server_id in live
@@ -252,7 +252,7 @@ async def window_target(update: WeightUpdate, ending: Commit, *, roots: tuple[Pa
     """The window's target: the weights training says its servers now hold (or stage)."""
     # Reads the checkpoint's manifest: off the loop.
     holding = await asyncio.to_thread(
-        _checkpoint_holding, ending.checkpoint, ending.checksum, update.rollout.spec.checkpoint, roots
+        _checkpoint_holding, ending.checkpoint, ending.checksum, update.rollout.start_checkpoint, roots
     )
     return Target(
         weight_version=ending.weight_version or str(ending.step),

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from miles.rollout.engine_client import EngineCallError
-from miles.rollout.rollout import Rollout
+from miles.rollout.mixed import ModelRollout
 from miles.rollout.state import ServerState
 
 logger = logging.getLogger("miles.controller")
@@ -36,12 +36,12 @@ class WriteOuts:
         self._interval_s = interval_s
         # Per model: the newest weights to write (and the attempt it would be), and when the next
         # write-out may start.
-        self._newest: dict[str, tuple[Rollout, str, int, int]] = {}
+        self._newest: dict[str, tuple[ModelRollout, str, int, int]] = {}
         self._not_before: dict[str, float] = {}
         self._writers: dict[str, asyncio.Task[None]] = {}
         self._hurry: dict[str, asyncio.Event] = {}
 
-    def start(self, rollout: Rollout, *, checksum: str, step: int) -> None:
+    def start(self, rollout: ModelRollout, *, checksum: str, step: int) -> None:
         """Write these weights out, or newer ones committed before the next write-out starts."""
         model = rollout.model_name
         self._newest[model] = (rollout, checksum, step, 1)
@@ -92,7 +92,7 @@ _WRITE_OUT_ATTEMPTS = 5
 _WRITE_OUT_RETRY_S = 0.25
 
 
-async def _write_out(rollout: Rollout, *, checksum: str, step: int, warn: bool) -> bool:
+async def _write_out(rollout: ModelRollout, *, checksum: str, step: int, warn: bool) -> bool:
     """Have one server holding ``checksum`` write it out and record the copy; whether it did."""
     # An update that commits while the engine copies its weights ends the export (409, and the
     # next holder is asked), and the copy is only recorded for servers still verified on the same

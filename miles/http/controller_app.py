@@ -16,13 +16,10 @@ at ``/`` (and its JSON at ``/status``),
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -48,25 +45,21 @@ from miles.config import (
 from miles.controller.core import AsyncInferenceController
 from miles.errors import ConflictError, EventLogError, InvalidRequestError, NotFoundError
 from miles.http.auth import Access, Credentials
+from miles.http.inference import Inference, generate_request, openai_request
 from miles.http.metrics import CONTENT_TYPE, NO_REQUEST_METRICS, ControllerMetrics
-from miles.http.proxy import HeldBodies, Proxy, RouteOptions, new_session
+from miles.http.proxy import HeldBodies, Proxy, new_session
 from miles.http.status import add_status_page
-from miles.protocol.generate_completions import completion_body, generate_answers, parse_generate
-from miles.rollout.rollout import Rollout
+from miles.protocol.base import Label
 from miles.utils.audit_utils.event_logger.models import (
     EVENT_ADAPTER,
     EVENT_TYPES,
     ChecksumRole,
     InferenceEngineWeightChecksumEvent,
 )
-from miles.utils.http import MIB, BodyLimit, CheckFirst, error_response, install_error_handlers, until_disconnected
+from miles.utils.http import MIB, BodyLimit, CheckFirst, install_error_handlers, until_disconnected
 from miles.weights.paths import path_text_problem
 
 logger = logging.getLogger("miles.controller")
-
-_EXTENSIONS = ("model", "min_weight_version")
-# Request bodies from this size on are parsed and re-encoded on a worker thread.
-_PREPARE_OFF_LOOP_BYTES = 1 << 20
 
 
 class _Strict(BaseModel):
@@ -81,9 +74,6 @@ def _usable_path(value: str) -> str:
 
 
 PathText = Annotated[str, AfterValidator(_usable_path)]
-# One line of a sensible length: names, versions and checksums reach logs, tables and answers as
-# they are (a newline in one would forge a log line).
-Label = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 # Steps are 64-bit wherever they are stored or compared.
 Step = Annotated[int, Field(ge=0, lt=2**63, strict=True)]
 _LABEL: TypeAdapter[str] = TypeAdapter(Label)
@@ -222,101 +212,26 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
             )
         return proxies[0]
 
-    def options(model: str | None, session_id: str | None, min_version: str | None) -> RouteOptions:
-        return RouteOptions(
-            model_name=controller.fleet.rollout(model).model_name,
-            session_id=session_id,
-            min_weight_version=min_version,
-            timeout_s=controller.settings.request_timeout_s,
-        )
+    inference = Inference(
+        proxy=proxy, fleet=controller.fleet, bodies=bodies, timeout_s=lambda: controller.settings.request_timeout_s
+    )
 
-    # --- inference -----------------------------------------------------------------------------
-    # The body is routed as it came, without a second validation here: the server validates it
-    # and its 400 (with the same message) comes back unchanged. Only the extension fields are
-    # read and removed.
+    # --- inference (miles.http.inference) ------------------------------------------------------
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         credentials.check(request, Access.READ)
-        return await _route("/generate", request, _generate_request)
+        return await inference.route("/generate", request, generate_request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         credentials.check(request, Access.READ)
-        return await _route("/v1/completions", request, _openai_request)
+        return await inference.route("/v1/completions", request, openai_request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         credentials.check(request, Access.READ)
-        return await _route("/v1/chat/completions", request, _openai_request)
-
-    def _translated(model: str | None) -> Rollout | None:
-        """The rollout of ``model`` when its servers do not answer SGLang's native /generate (vLLM)."""
-        try:
-            rollout = controller.fleet.rollout(model)
-        except (InvalidRequestError, NotFoundError):
-            return None  # the router answers for a model it cannot pick
-        return None if rollout.serves_generate else rollout
-
-    async def _generate_by_completions(routed: _Routed, rollout: Rollout) -> Response:
-        """``/generate`` for a model whose servers answer only ``/v1/completions``: one completions
-        request per prompt, each answer turned into SGLang's (``miles.protocol.generate_completions``)."""
-        # As for every routed body: a large one is parsed off the serving loop.
-        if len(routed.payload) < _PREPARE_OFF_LOOP_BYTES:
-            generate = parse_generate(_json_object(routed.payload))
-        else:
-            generate = await asyncio.to_thread(lambda: parse_generate(_json_object(routed.payload)))
-        route = options(routed.model, routed.session_id, routed.min_weight_version)
-        started = time.perf_counter()
-
-        def versions() -> dict[str, str]:
-            return {s.server_id: s.weight_version or "" for s in rollout.snapshot()}
-
-        async def one(index: int) -> tuple[Response, list[dict[str, Any]] | None]:
-            sent = versions()
-            answer = await proxy().forward("/v1/completions", _encoded(completion_body(generate, index)), route)
-            if answer.status_code != 200:
-                return answer, None
-            server = answer.headers.get("x-miles-server", "")
-            end = versions().get(server, "")
-            try:
-                translated = generate_answers(
-                    generate,
-                    index,
-                    bytes(answer.body),
-                    versions=(sent.get(server, end), end),
-                    latency_s=time.perf_counter() - started,
-                )
-            except ValueError as exc:
-                message = f"{server} answered /v1/completions with what is not a completions answer: {exc}"
-                return error_response(message, code=502, kind="bad_gateway"), None
-            return answer, translated
-
-        results = await asyncio.gather(*(one(index) for index in range(generate.batch_size)))
-        answers: list[dict[str, Any]] = []
-        for answer, translated in results:
-            if translated is None:
-                return answer
-            answers += translated
-        served_by = ",".join(dict.fromkeys(answer.headers.get("x-miles-server", "") for answer, _ in results))
-        body = answers[0] if not generate.is_batch and len(answers) == 1 else answers
-        return JSONResponse(body, headers={"x-miles-server": served_by})
-
-    async def _route(path: str, request: Request, prepare: Callable[[bytes], _Routed]) -> Response:
-        # The body is held (request.body() keeps it) until the answer: its bytes count against
-        # the budget from before it is parsed; the parsed JSON is dropped once the payload is built.
-        raw = await request.body()
-        with bodies.hold(len(raw)):
-            # Parsing and encoding a body of megabytes takes a while: not on the serving loop.
-            routed = prepare(raw) if len(raw) < _PREPARE_OFF_LOOP_BYTES else await asyncio.to_thread(prepare, raw)
-            if path == "/generate" and (rollout := _translated(routed.model)) is not None:
-                return await until_disconnected(request, _generate_by_completions(routed, rollout))
-            route = options(routed.model, routed.session_id, routed.min_weight_version)
-            payload = routed.payload
-            with bodies.hold(0 if payload is raw else len(payload), refusable=False):
-                if routed.stream:
-                    return await until_disconnected(request, proxy().stream(path, payload, route))
-                return await until_disconnected(request, proxy().forward(path, payload, route))
+        return await inference.route("/v1/chat/completions", request, openai_request)
 
     @app.get("/v1/models", dependencies=as_reader)
     async def models() -> dict[str, Any]:
@@ -488,97 +403,3 @@ def _check_json_types(patch: dict[str, Any]) -> None:
             problems.append(f"{name}: {exc.errors()[0]['msg']}")
     if problems:
         raise InvalidRequestError(f"invalid settings: {'; '.join(problems)}")
-
-
-@dataclass(frozen=True)
-class _Routed:
-    """What routing an inference request needs of its body: the payload sent on, and how to route it."""
-
-    payload: bytes
-    model: str | None
-    session_id: str | None
-    min_weight_version: str | None
-    stream: bool
-
-
-def _generate_request(raw: bytes) -> _Routed:
-    """``/generate``: sent on as it came, unless it names the controller's extension fields
-    (removed: the engine does not take them)."""
-    body = _json_object(raw)
-    ext = {k: body.pop(k) for k in _EXTENSIONS if k in body}
-    return _Routed(
-        payload=raw if not ext else _encoded(body),
-        model=_text(ext.get("model")),
-        session_id=_text(body.get("session_id")),
-        min_weight_version=_version(ext.get("min_weight_version")),
-        stream=_streams(body.get("stream")),
-    )
-
-
-def _openai_request(raw: bytes) -> _Routed:
-    """``/v1/*``: ``model`` picks the fleet's model (the engine serves one and answers under its
-    name); ``session_id`` and ``min_weight_version`` are the controller's."""
-    body = _json_object(raw)
-    model = _text(body.pop("model", None))
-    session_id = _text(body.pop("session_id", None))
-    min_weight_version = _version(body.pop("min_weight_version", None))
-    return _Routed(
-        payload=_encoded(body),
-        model=model,
-        session_id=session_id,
-        min_weight_version=min_weight_version,
-        stream=_streams(body.get("stream")),
-    )
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
-    except RecursionError:
-        raise InvalidRequestError("the request body nests JSON too deeply to parse") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    return body
-
-
-def _encoded(body: dict[str, Any]) -> bytes:
-    """``body`` as JSON for the engine: compact and UTF-8, so never larger than what was sent
-    (Python's default separators and ASCII escapes could push a body past the engine's limit).
-    Text with a lone surrogate cannot be UTF-8: it goes escaped, for the engine to refuse by name."""
-    try:
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return json.dumps(body, separators=(",", ":")).encode()
-
-
-_STREAM: TypeAdapter[bool] = TypeAdapter(bool)
-
-
-def _streams(value: object) -> bool:
-    """Whether the engine will stream its answer: ``stream`` read as the engine reads it (true,
-    1, "yes" ...), so the controller relays a stream as one; a value the engine refuses is not."""
-    try:
-        return value is not None and _STREAM.validate_python(value)
-    except ValidationError:
-        return False
-
-
-def _version(value: object) -> str | None:
-    """``min_weight_version``: a version label (1-256 characters, no control characters)."""
-    text = _text(value)
-    if text is None:
-        return None
-    try:
-        return _LABEL.validate_python(text)
-    except ValidationError as exc:
-        raise InvalidRequestError(f"min_weight_version: {exc.errors()[0]['msg']}") from None
-
-
-def _text(value: object) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    raise InvalidRequestError(f"expected a string, got {value!r}")

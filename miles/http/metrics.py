@@ -102,6 +102,7 @@ class _FleetCollector(Collector):
                 [server.model_name, server.server_id],
                 {
                     "state": server.state.value,
+                    "server_type": server.server_type,
                     "weight_version": server.weight_version or "",
                     "checksum": server.checksum or "",
                     "verified_weight_version": server.verified_weight_version or "",

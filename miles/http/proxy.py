@@ -33,6 +33,7 @@ from fastapi.responses import Response, StreamingResponse
 from miles.controller.router import Exclusion, NoServerAvailableError, RouteLease, Router
 from miles.errors import ControllerBusyError
 from miles.http.metrics import RequestMetrics, outcome_of
+from miles.rollout.state import EngineApi
 from miles.utils.http import MIB
 
 logger = logging.getLogger("miles.router")
@@ -52,6 +53,8 @@ class RouteOptions:
     session_id: str | None
     min_weight_version: str | None
     timeout_s: float
+    # Only servers whose engines speak this API (the request was shaped for it); None: any.
+    engine: EngineApi | None = None
 
 
 def new_session() -> aiohttp.ClientSession:
@@ -134,10 +137,22 @@ class Proxy:
         # (model_name, server_id): a request could not reach that server; probe it now.
         self._on_unreachable = on_unreachable
 
-    async def forward(self, path: str, payload: bytes, options: RouteOptions) -> Response:
-        """Send the JSON ``payload`` to ``path`` on a routed server and return its answer unchanged."""
+    async def lease(self, options: RouteOptions) -> RouteLease:
+        """Claim the server the router picks for a request (waiting as ``forward`` does), to shape
+        the request for it; ``forward`` or ``stream`` given it sends there first and releases it."""
+        return await self._lease(_Attempts(options, max_attempts=self._max_attempts))
+
+    def release(self, lease: RouteLease) -> None:
+        """Give back a lease claimed with ``lease`` that will not be sent (the request was refused)."""
+        self._router.release(lease)
+
+    async def forward(
+        self, path: str, payload: bytes, options: RouteOptions, *, lease: RouteLease | None = None
+    ) -> Response:
+        """Send the JSON ``payload`` to ``path`` on a routed server (first on ``lease``'s, when
+        given) and return its answer unchanged."""
         tries = _Attempts(options, max_attempts=self._max_attempts)
-        lease = await self._lease(tries)
+        lease = lease or await self._lease(tries)
         while True:
             tries.left -= 1
             try:
@@ -185,14 +200,17 @@ class Proxy:
                 headers["retry-after"] = retry_after
             return Response(content=content, status_code=status, media_type=media_type, headers=headers)
 
-    async def stream(self, path: str, payload: bytes, options: RouteOptions) -> StreamingResponse:
-        """Stream a server's server-sent events through; retried until the first byte arrives.
+    async def stream(
+        self, path: str, payload: bytes, options: RouteOptions, *, lease: RouteLease | None = None
+    ) -> StreamingResponse:
+        """Stream a server's server-sent events through (first ``lease``'s server's, when given);
+        retried until the first byte arrives.
 
         The first chunk is read before the response starts, so a server that dies before sending
         anything costs a retry, not a broken stream.
         """
         tries = _Attempts(options, max_attempts=self._max_attempts)
-        lease = await self._lease(tries)
+        lease = lease or await self._lease(tries)
         while True:
             tries.left -= 1
             upstream: aiohttp.ClientResponse | None = None
@@ -272,6 +290,7 @@ class Proxy:
             session_id=None,
             min_weight_version=options.min_weight_version,
             exclude=(*tries.excluded, Exclusion.of(failed)),
+            engine=options.engine,
         )
         if other is not None:
             tries.exclude(failed)
@@ -286,6 +305,7 @@ class Proxy:
                 session_id=options.session_id,
                 min_weight_version=options.min_weight_version,
                 exclude=tries.excluded,
+                engine=options.engine,
             )
         except NoServerAvailableError:
             self._metrics.request_done(options.model_name, server="", outcome="unavailable", started=tries.started)

@@ -117,6 +117,9 @@ Temperature = Annotated[StrictFloat, Field(ge=0.0)]
 TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
 WeightVersion = Annotated[str, Field(min_length=1, max_length=MAX_VERSION_CHARS)]
+# One line of a sensible length: names, versions and checksums the controller's API takes reach
+# logs, tables and answers as they are (a newline in one would forge a log line).
+Label = Annotated[str, Field(min_length=1, max_length=MAX_VERSION_CHARS, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
 
 def sample_seed(seed: int, sample: int) -> int:

@@ -19,13 +19,14 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import httpx
 
 from miles.errors import MilesError
 from miles.protocol.sglang import PauseMode
 from miles.protocol.sglang_weights import ActivateWeightsRequest, UpdateWeightsFromDiskRequest, UpdateWeightsResponse
+from miles.rollout.copies import ModelServers, peer_holding, source_of
 from miles.rollout.engine_client import (
     EngineCallError,
     EngineClient,
@@ -36,6 +37,7 @@ from miles.rollout.engine_client import (
 from miles.rollout.runtime import EngineCommand, runtime_for
 from miles.rollout.spec import HealthSettings, RolloutSpec
 from miles.rollout.state import (
+    EngineApi,
     ProbeResult,
     RolloutError,
     RolloutObserver,
@@ -72,11 +74,10 @@ class Rollout(ABC):
     can_attach: ClassVar[bool] = False
     takes_sglang_args: ClassVar[bool] = False
     takes_vllm_args: ClassVar[bool] = False
-    # Whether its servers answer SGLang's native /generate, and can stage a window's pushes while
-    # they serve; the API their engines take pushes through (``WindowServer.engine``).
-    serves_generate: ClassVar[bool] = True
+    # Whether its servers can stage a window's pushes while they serve; the API their engines
+    # speak (a vLLM server answers no native /generate and takes pushes its own way).
     stages_pushes: ClassVar[bool] = True
-    engine_api: ClassVar[Literal["sglang", "vllm"]] = "sglang"
+    engine_api: ClassVar[EngineApi] = "sglang"
 
     def __init__(
         self,
@@ -93,7 +94,7 @@ class Rollout(ABC):
         manifest = manifest_or_none(spec.checkpoint)
         self.model_name = spec.model_name or (manifest.model_name if manifest else spec.checkpoint.name)
         self._cells = [
-            ServerCell(server_id=f"{spec.name}-{i}", model_name=self.model_name, device=device)
+            ServerCell(f"{spec.name}-{i}", self.model_name, device, type(self).__name__, self.engine_api)
             for i, device in enumerate(spec.resolved_devices())
         ]
         self._clients: dict[str, EngineClient] = {}
@@ -104,6 +105,9 @@ class Rollout(ABC):
         # The weights to start every server on instead of the spec's checkpoint: what a controller
         # started again on its event log resumes (miles.controller.resume). Set before ``start``.
         self.resume_from: VerifiedWeights | None = None
+        # All servers of the model, where peers holding the same weights are looked for and
+        # written-out copies recorded: this rollout, or the MixedRollout it is part of.
+        self.model_servers: ModelServers = self
         self._supervisor = Supervisor(self)
         self._supervising: asyncio.Task[None] | None = None
         # Where the engines run (local processes or Ray actors); an engine that ends wakes the
@@ -135,6 +139,10 @@ class Rollout(ABC):
         cell.pid = None
 
     # --- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def start_checkpoint(self) -> Path:
+        return self.spec.checkpoint
 
     @property
     def attached(self) -> bool:
@@ -350,16 +358,21 @@ class Rollout(ABC):
 
     def remember_checkpoint(self, checksum: str, checkpoint: Path) -> list[str]:
         """Record ``checkpoint`` (which holds weights with ``checksum``) as the place to reload
-        them from, for every server verified on those weights that had no checkpoint; returns
-        those servers' ids."""
+        them from (``record_copy``) and report it; returns the servers' ids it was recorded for."""
+        changed = self.record_copy(checksum, checkpoint)
+        if self.observer is not None:
+            self.observer.weights_written_out(self.model_name, checksum, checkpoint)
+        return changed
+
+    def record_copy(self, checksum: str, checkpoint: Path) -> list[str]:
+        """``checkpoint`` is where every server verified on ``checksum`` without a checkpoint
+        reloads those weights from; returns those servers' ids."""
         changed = []
         for cell in self._cells:
             verified = cell.verified
             if verified is not None and verified.checkpoint is None and verified.checksum == checksum:
                 cell.verified = dataclasses.replace(verified, checkpoint=checkpoint)
                 changed.append(cell.server_id)
-        if self.observer is not None:
-            self.observer.weights_written_out(self.model_name, checksum, checkpoint)
         return changed
 
     def admit(self, server_id: str, verified: VerifiedWeights, *, reason: str) -> None:
@@ -388,7 +401,7 @@ class Rollout(ABC):
         try:
             confirmed: WeightsChecksum | None = await self.confirm(server_id, fence=fence)
             if confirmed is not None and confirmed.checksum != verified.checksum:
-                source = await self._source_of(cell, fence=fence)
+                source = await source_of(self.model_servers, verified, besides=server_id, fence=fence)
                 if source is None:
                     self.transition(
                         cell, ServerState.QUARANTINED, "its verified weights are on no disk and no peer holds them"
@@ -439,7 +452,7 @@ class Rollout(ABC):
         # Where the verified weights can be read from; without any, the engine starts on the
         # spec's checkpoint and is quarantined by _bring_up (it holds other weights), never
         # admitted.
-        source = await self._source_of(cell, fence=fence) if cell.verified else None
+        source = await source_of(self.model_servers, cell.verified, besides=server_id, fence=fence)
         await self._bring_up(cell, source or self.spec.checkpoint, restart=True, fence=fence)
 
     # --- internals -------------------------------------------------------------------------
@@ -557,44 +570,6 @@ class Rollout(ABC):
         self.cell(server_id)  # raises for an id that is not ours
         self._supervisor.wake()
 
-    def peer_holding(self, cell: ServerCell) -> ServerCell | None:
-        """A serving peer verified on the same weights as ``cell`` (same checksum)."""
-        verified = cell.verified
-        if verified is None:
-            return None
-        for peer in self._cells:
-            if (
-                peer is not cell
-                and peer.state is ServerState.SERVING
-                and peer.verified is not None
-                and peer.verified.checksum == verified.checksum
-            ):
-                return peer
-        return None
-
-    async def _source_of(self, cell: ServerCell, *, fence: int | None) -> Path | None:
-        """A checkpoint directory holding ``cell``'s verified weights, or None if there is none.
-
-        Its own verified checkpoint when it has one; otherwise a serving peer holding the same
-        checksum writes them out (and every server verified on them remembers that checkpoint).
-        """
-        verified = cell.verified
-        if verified is None:
-            return None
-        if verified.checkpoint is not None:
-            return verified.checkpoint
-        peer = self.peer_holding(cell)
-        if peer is None:
-            return None
-        try:
-            exported = await self.export(peer.server_id, step=verified.step or 0, fence=fence)
-        except EngineCallError as exc:
-            logger.warning("%s could not write out its weights for %s: %s", peer.server_id, cell.server_id, exc)
-            return None
-        if exported.checksum != verified.checksum:
-            logger.warning(
-                "%s wrote weights %s, not the verified %s", peer.server_id, exported.checksum, verified.checksum
-            )
-            return None
-        self.remember_checkpoint(verified.checksum, exported.path)
-        return exported.path
+    def peer_holding(self, cell: ServerCell) -> ServerSnapshot | None:
+        """A serving server of the model (of any server type) verified on the same weights as ``cell``."""
+        return peer_holding(self.model_servers, cell.verified, besides=cell.server_id)

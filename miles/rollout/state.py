@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from miles.errors import CheckpointError, MilesError
 from miles.rollout.engine_client import WeightsIdentity
@@ -19,6 +19,11 @@ from miles.rollout.runtime import Placement
 from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import model_checksum
 from miles.weights.manifest import Manifest
+
+# The HTTP API a server's engine speaks: SGLang's (embedded engines, SGLang servers: native
+# /generate, pushes through /update_weights_from_tensor) or vLLM's (OpenAI routes only, pushes
+# through its weight transfer). A model may have servers of both (miles.rollout.mixed).
+EngineApi = Literal["sglang", "vllm"]
 
 
 class ServerState(StrEnum):
@@ -106,6 +111,9 @@ class ServerSnapshot:
     # Which launch of the server's process this is: a restart makes a new incarnation, so a
     # request that could not reach the old one may take the new one.
     incarnation: int = 0
+    # The server type that runs it (``SFTRollout`` ...) and the API its engine speaks.
+    server_type: str = ""
+    engine: EngineApi = "sglang"
 
 
 @dataclass(eq=False)
@@ -115,6 +123,8 @@ class ServerCell:
     server_id: str
     model_name: str
     device: str
+    server_type: str = ""
+    engine: EngineApi = "sglang"
     state: ServerState = ServerState.STOPPED
     state_since: float = field(default_factory=time.time)
     url: str | None = None

@@ -21,7 +21,7 @@ from typing import Protocol
 from miles.errors import MilesError
 from miles.rollout.engine_client import EngineCallError, WeightsIdentity
 from miles.rollout.spec import HealthSettings
-from miles.rollout.state import ProbeResult, ServerCell, ServerState, VerifiedWeights
+from miles.rollout.state import ProbeResult, ServerCell, ServerSnapshot, ServerState, VerifiedWeights
 
 logger = logging.getLogger("miles.rollout")
 
@@ -47,7 +47,7 @@ class Supervised(Protocol):
 
     async def rollback(self, server_id: str, *, reason: str, fence: int | None = None) -> None: ...
 
-    def peer_holding(self, cell: ServerCell) -> ServerCell | None: ...
+    def peer_holding(self, cell: ServerCell) -> ServerSnapshot | None: ...
 
     def probed(self, cell: ServerCell, result: ProbeResult) -> None:
         """Record a probe's result on the server."""

@@ -34,7 +34,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import httpx
 
@@ -43,7 +43,7 @@ from miles.rollout.engine_client import EngineClient
 from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutError, RolloutObserver
 from miles.rollout.runtime import EngineCommand, EngineReport, LaunchSlot
 from miles.rollout.spec import RolloutSpec, VLLMServerArgs
-from miles.rollout.state import ServerCell
+from miles.rollout.state import EngineApi, ServerCell
 from miles.rollout.vllm_client import VLLMClient
 
 VLLM_PYTHON_ENV = "MILES_VLLM_PYTHON"
@@ -198,9 +198,8 @@ class VLLMRollout(Rollout):
 
     can_attach: ClassVar[bool] = True
     takes_vllm_args: ClassVar[bool] = True
-    serves_generate: ClassVar[bool] = False
     stages_pushes: ClassVar[bool] = False
-    engine_api: ClassVar[Literal["sglang", "vllm"]] = "vllm"
+    engine_api: ClassVar[EngineApi] = "vllm"
 
     def __init__(
         self,

@@ -146,7 +146,7 @@ async def test_updates_by_phase_blocked_time_bytes_and_failures(fleet, checkpoin
         shown = info[server["server_id"]]
         assert shown["weight_version"] == server["weight_version"] == "3"
         assert shown["checksum"] == server["checksum"] == read_manifest(checkpoints["v3"]).checksum
-        assert shown["state"] == "serving"
+        assert shown["state"] == "serving" and shown["server_type"] == server["server_type"] != ""
         assert total(samples, "miles_server_restarts_total", server=server["server_id"]) == 0
     assert total(samples, "miles_servers", model="tiny", state="serving") == 2
     assert total(samples, "miles_fleet_ok") == 1

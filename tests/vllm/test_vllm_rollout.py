@@ -15,12 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from vllm_fleet import VLLM_MODEL, complete, greedy, update, versions, vllm_server, wait_serving_again
+from vllm_fleet import VLLM_MODEL, complete, corrupted, greedy, update, versions, vllm_server, wait_serving_again
 
 from miles.controller.results import UpdateStatus
 from miles.rollout.state import ServerState
 from miles.rollout.vllm_rollout import PROJECT_VLLM_PYTHON, VLLM_PYTHON_ENV
-from miles.testing import copy_checkpoint, descendants, process_alive, wait_until
+from miles.testing import descendants, process_alive, wait_until
 from miles.utils.audit_utils.event_logger.models import InferenceEngineWeightChecksumEvent
 from miles.weights.checkpoint import read_manifest
 
@@ -31,17 +31,6 @@ pytestmark = [
         reason="vLLM is not installed: `make vllm` builds it (make test does)",
     ),
 ]
-
-
-def corrupted(source: Path, target: Path) -> Path:
-    """A copy of ``source`` with one bit of its last tensor flipped (its manifest unchanged)."""
-    copy_checkpoint(source, target)
-    with open(target / "model.safetensors", "r+b") as file:
-        file.seek(-64, os.SEEK_END)
-        byte = file.read(1)
-        file.seek(-64, os.SEEK_END)
-        file.write(bytes([byte[0] ^ 0x40]))
-    return target
 
 
 async def test_a_started_vllm_server_serves_the_checksum_its_worker_holds(fleet, small) -> None:

@@ -5,6 +5,7 @@ its processes."""
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from miles.controller.results import UpdateStatus
 from miles.ray.rollout.inference_controller import AsyncInferenceController
 from miles.rollout.state import ServerState
-from miles.testing import descendants, wait_until
+from miles.testing import copy_checkpoint, descendants, wait_until
 from miles.weights.checksum import saved_state_dict
 
 VLLM_MODEL = "small"
@@ -40,6 +41,17 @@ async def greedy(url: str, prompt: str) -> str:
 async def update(ctl: AsyncInferenceController, checkpoint: Path) -> UpdateStatus:
     result = await ctl.update_rollout_weights(checkpoint, model_name=VLLM_MODEL, weight_version=str(next(versions)))
     return result.status
+
+
+def corrupted(source: Path, target: Path) -> Path:
+    """A copy of ``source`` with one bit of its last tensor flipped (its manifest unchanged)."""
+    copy_checkpoint(source, target)
+    with open(target / "model.safetensors", "r+b") as file:
+        file.seek(-64, os.SEEK_END)
+        byte = file.read(1)
+        file.seek(-64, os.SEEK_END)
+        file.write(bytes([byte[0] ^ 0x40]))
+    return target
 
 
 def weights_of(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,250 @@
+"""The data path's requests: what routing needs of each body, and each request sent to the server
+the router picks in the shape that server's engine takes.
+
+``/generate``, ``/v1/completions`` and ``/v1/chat/completions`` are routed as they came, without a
+second validation here: the server validates them and its 400 (with the same message) comes back
+unchanged; only the controller's extension fields are read and removed. vLLM answers no SGLang
+``/generate``: for its servers the controller translates one into completions
+(``miles.protocol.generate_completions``). A model served by both kinds of engine
+(``miles.rollout.mixed``) has the router pick the server first and the request shaped for it after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import TypeAdapter, ValidationError
+
+from miles.controller.fleet import Fleet
+from miles.controller.router import RouteLease
+from miles.errors import InvalidRequestError, NotFoundError
+from miles.http.proxy import HeldBodies, Proxy, RouteOptions
+from miles.protocol.base import Label
+from miles.protocol.generate_completions import completion_body, generate_answers, parse_generate
+from miles.rollout.state import EngineApi
+from miles.utils.http import error_response, until_disconnected
+
+_EXTENSIONS = ("model", "min_weight_version")
+# Request bodies from this size on are parsed and re-encoded on a worker thread.
+PREPARE_OFF_LOOP_BYTES = 1 << 20
+_LABEL: TypeAdapter[str] = TypeAdapter(Label)
+
+
+class Inference:
+    """Routes one controller's inference requests (its proxy, fleet and budget of held bodies)."""
+
+    def __init__(
+        self, *, proxy: Callable[[], Proxy], fleet: Fleet, bodies: HeldBodies, timeout_s: Callable[[], float]
+    ) -> None:
+        self._proxy = proxy
+        self._fleet = fleet
+        self._bodies = bodies
+        self._timeout_s = timeout_s
+
+    async def route(self, path: str, request: Request, prepare: Callable[[bytes], Routed]) -> Response:
+        """Answer ``request`` to ``path`` from a server of its model (``prepare`` reads its body:
+        ``generate_request`` or ``openai_request``); refusals are raised as the errors they are."""
+        # The body is held (request.body() keeps it) until the answer: its bytes count against
+        # the budget from before it is parsed; the parsed JSON is dropped once the payload is built.
+        raw = await request.body()
+        with self._bodies.hold(len(raw)):
+            # Parsing and encoding a body of megabytes takes a while: not on the serving loop.
+            routed = prepare(raw) if len(raw) < PREPARE_OFF_LOOP_BYTES else await asyncio.to_thread(prepare, raw)
+            route = self._options(routed)
+            with self._bodies.hold(0 if routed.payload is raw else len(routed.payload), refusable=False):
+                return await until_disconnected(request, self._send(path, routed, route))
+
+    def _options(self, routed: Routed) -> RouteOptions:
+        return RouteOptions(
+            model_name=self._fleet.rollout(routed.model).model_name,
+            session_id=routed.session_id,
+            min_weight_version=routed.min_weight_version,
+            timeout_s=self._timeout_s(),
+        )
+
+    def _engines(self, model: str | None) -> set[EngineApi]:
+        """The APIs the engines of ``model``'s servers speak (none for a model the router refuses)."""
+        try:
+            return {s.engine for s in self._fleet.rollout(model).snapshot()}
+        except (InvalidRequestError, NotFoundError):
+            return set()  # the router answers for a model it cannot pick
+
+    async def _generate_on_either(self, routed: Routed, route: RouteOptions) -> Response:
+        """``/generate`` for a model served by engines that answer it and by vLLM servers, which do
+        not: the router picks the server first, then the request goes to it as it came, or
+        translated into completions for a vLLM server; a retry stays with engines of that API."""
+        started = time.perf_counter()
+        lease = await self._proxy().lease(route)
+        # The request's deadline counts from its arrival: the wait for the server is spent.
+        route = replace(route, engine=lease.engine, timeout_s=max(route.timeout_s - (time.perf_counter() - started), 0))
+        if lease.engine == "vllm":
+            return await self._generate_by_completions(routed, route, first=lease)
+        return await self._proxy().forward("/generate", routed.payload, route, lease=lease)
+
+    async def _generate_by_completions(
+        self, routed: Routed, route: RouteOptions, *, first: RouteLease | None = None
+    ) -> Response:
+        """``/generate`` for servers that answer only ``/v1/completions`` (vLLM): one completions
+        request per prompt, each answer turned into SGLang's (``miles.protocol.generate_completions``);
+        the first prompt goes to ``first``'s server when the router already picked one."""
+        try:
+            # As for every routed body: a large one is parsed off the serving loop.
+            if len(routed.payload) < PREPARE_OFF_LOOP_BYTES:
+                generate = parse_generate(json_object(routed.payload))
+            else:
+                generate = await asyncio.to_thread(lambda: parse_generate(json_object(routed.payload)))
+        except BaseException:
+            if first is not None:
+                self._proxy().release(first)
+            raise
+        started = time.perf_counter()
+
+        def versions() -> dict[str, str]:
+            return {s.server_id: s.weight_version or "" for s in self._fleet.snapshots(route.model_name)}
+
+        async def one(index: int) -> tuple[Response, list[dict[str, Any]] | None]:
+            sent = versions()
+            body = encoded(completion_body(generate, index))
+            answer = await self._proxy().forward("/v1/completions", body, route, lease=first if index == 0 else None)
+            if answer.status_code != 200:
+                return answer, None
+            server = answer.headers.get("x-miles-server", "")
+            end = versions().get(server, "")
+            try:
+                translated = generate_answers(
+                    generate,
+                    index,
+                    bytes(answer.body),
+                    versions=(sent.get(server, end), end),
+                    latency_s=time.perf_counter() - started,
+                )
+            except ValueError as exc:
+                message = f"{server} answered /v1/completions with what is not a completions answer: {exc}"
+                return error_response(message, code=502, kind="bad_gateway"), None
+            return answer, translated
+
+        results = await asyncio.gather(*(one(index) for index in range(generate.batch_size)))
+        answers: list[dict[str, Any]] = []
+        for answer, translated in results:
+            if translated is None:
+                return answer
+            answers += translated
+        served_by = ",".join(dict.fromkeys(answer.headers.get("x-miles-server", "") for answer, _ in results))
+        body = answers[0] if not generate.is_batch and len(answers) == 1 else answers
+        return JSONResponse(body, headers={"x-miles-server": served_by})
+
+    async def _send(self, path: str, routed: Routed, route: RouteOptions) -> Response:
+        """Route the request, in the shape the engine of the server it goes to takes."""
+        engines = self._engines(routed.model) if path == "/generate" else set()
+        if engines == {"vllm"}:
+            return await self._generate_by_completions(routed, route)
+        if "vllm" in engines:
+            if not routed.stream:
+                return await self._generate_on_either(routed, route)
+            # vLLM's answers are not streamed as SGLang's: a streamed /generate goes to the
+            # servers that answer /generate themselves.
+            route = replace(route, engine="sglang")
+        if routed.stream:
+            return await self._proxy().stream(path, routed.payload, route)
+        return await self._proxy().forward(path, routed.payload, route)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """What routing an inference request needs of its body: the payload sent on, and how to route it."""
+
+    payload: bytes
+    model: str | None
+    session_id: str | None
+    min_weight_version: str | None
+    stream: bool
+
+
+def generate_request(raw: bytes) -> Routed:
+    """``/generate``: sent on as it came, unless it names the controller's extension fields
+    (removed: the engine does not take them)."""
+    body = json_object(raw)
+    ext = {k: body.pop(k) for k in _EXTENSIONS if k in body}
+    return Routed(
+        payload=raw if not ext else encoded(body),
+        model=_text(ext.get("model")),
+        session_id=_text(body.get("session_id")),
+        min_weight_version=_version(ext.get("min_weight_version")),
+        stream=_streams(body.get("stream")),
+    )
+
+
+def openai_request(raw: bytes) -> Routed:
+    """``/v1/*``: ``model`` picks the fleet's model (the engine serves one and answers under its
+    name); ``session_id`` and ``min_weight_version`` are the controller's."""
+    body = json_object(raw)
+    model = _text(body.pop("model", None))
+    session_id = _text(body.pop("session_id", None))
+    min_weight_version = _version(body.pop("min_weight_version", None))
+    return Routed(
+        payload=encoded(body),
+        model=model,
+        session_id=session_id,
+        min_weight_version=min_weight_version,
+        stream=_streams(body.get("stream")),
+    )
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise InvalidRequestError("the request body nests JSON too deeply to parse") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    return body
+
+
+def encoded(body: dict[str, Any]) -> bytes:
+    """``body`` as JSON for the engine: compact and UTF-8, so never larger than what was sent
+    (Python's default separators and ASCII escapes could push a body past the engine's limit).
+    Text with a lone surrogate cannot be UTF-8: it goes escaped, for the engine to refuse by name."""
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
+_STREAM: TypeAdapter[bool] = TypeAdapter(bool)
+
+
+def _streams(value: object) -> bool:
+    """Whether the engine will stream its answer: ``stream`` read as the engine reads it (true,
+    1, "yes" ...), so the controller relays a stream as one; a value the engine refuses is not."""
+    try:
+        return value is not None and _STREAM.validate_python(value)
+    except ValidationError:
+        return False
+
+
+def _version(value: object) -> str | None:
+    """``min_weight_version``: a version label (1-256 characters, no control characters)."""
+    text = _text(value)
+    if text is None:
+        return None
+    try:
+        return _LABEL.validate_python(text)
+    except ValidationError as exc:
+        raise InvalidRequestError(f"min_weight_version: {exc.errors()[0]['msg']}") from None
+
+
+def _text(value: object) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise InvalidRequestError(f"expected a string, got {value!r}")
