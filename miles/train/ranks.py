@@ -105,7 +105,10 @@ class _Rank:
     def how_it_ended(self) -> str:
         code = self.process.returncode
         if code is not None and code < 0:
-            return f"was killed by {signal.Signals(-code).name}"
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
         return f"exited with code {code}"
 
     def log_tail(self) -> str:
