@@ -10,7 +10,7 @@ gives it: ``on_step`` per step and the ``TrainingSummary``.
 The ranks never outlive the run: they are ended (by their process ids, SIGTERM then SIGKILL)
 when training ends, fails or is cancelled, and each rank ends itself if this process dies. A rank
 that exits with an error or dies fails the run at once, naming it, how it ended and the end of
-its log; the other ranks are not waited for.
+its log; the others get ``grace_s`` for rank 0 to say why, then are stopped.
 """
 
 from __future__ import annotations
