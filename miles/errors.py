@@ -198,6 +198,11 @@ class TrainerError(MilesError):
     """The reference trainer (``miles.train``) could not carry on."""
 
 
+class TrainerRankError(TrainerError):
+    """A rank of a trainer split over processes failed, died or could not start; the message
+    names the rank, how it ended and its log."""
+
+
 class RolloutRequestError(TrainerError):
     """A ``/generate`` call for training samples failed or answered something unusable."""
 

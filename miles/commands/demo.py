@@ -85,8 +85,18 @@ def demo(
     preset: Annotated[
         str | None, typer.Option(help="The model preset trained and served (default: tiny; small on vLLM).")
     ] = None,
+    trainer_ranks: Annotated[
+        int,
+        typer.Option(
+            help="Trainer processes: 1 trains in this process; N > 1 starts N FSDP2 ranks over gloo, each training "
+            "its share of every batch and publishing its own shards (ShardedPublisher; not with --transfer disk "
+            "or --async)."
+        ),
+    ] = 1,
 ) -> None:
     """Train while serving: a controller, 2 rollout servers, a GRPO trainer and user traffic.
+
+    With --trainer-ranks 2 the trainer is two FSDP2 rank processes (gloo), started and ended here.
 
     Exits 1 if any user request failed, any checksum mismatched, or the event audit found a problem.
     """
@@ -113,6 +123,7 @@ def demo(
         transfer=transfer,
         server_cls=server_cls.value,
         preset=preset,
+        trainer_ranks=trainer_ranks,
     )
     if ray:
         with _local_ray_cluster(servers, console):

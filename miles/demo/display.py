@@ -110,13 +110,17 @@ class LiveDisplay:
         table.add_column("value", justify="right")
         rows = [
             ("rollout servers", f"{summary.servers} {summary.server_cls}"),
+            ("trainer", summary.trainer),
             ("trainer steps", f"{summary.steps}"),
             ("updates committed / not", f"{summary.updates_committed} / {summary.updates_failed}"),
             (
                 "update latency p50 / p95",
                 f"{summary.update_latency_p50_s * 1e3:.1f} / {summary.update_latency_p95_s * 1e3:.1f} ms",
             ),
-            (f"publish over {summary.transfer_path} p50", f"{summary.publish_latency_p50_s * 1e3:.1f} ms"),
+            (
+                f"publish over {summary.transfer_path} p50 / p95",
+                f"{summary.publish_latency_p50_s * 1e3:.1f} / {summary.publish_latency_p95_s * 1e3:.1f} ms",
+            ),
             ("user requests served / failed", f"{summary.requests_served} / {summary.requests_failed}"),
             (
                 "request latency p50 / p95",

@@ -39,8 +39,12 @@ class DemoSummary(BaseModel):
     update_latency_p50_s: float
     update_latency_p95_s: float
     publish_latency_p50_s: float
-    # How the weights went: "disk", "shm" or "distributed".
+    publish_latency_p95_s: float = 0.0
+    # How the weights went: "disk", "shm" or "distributed"; from sharded ranks, also whether each
+    # rank wrote its own shards ("shm, direct shards") or each bucket was gathered to rank 0.
     transfer_path: str
+    # Who trained: "in this process", or "N FSDP2 ranks (gloo)".
+    trainer: str = "in this process"
     requests_served: int
     requests_failed: int
     request_latency_p50_s: float
@@ -89,6 +93,7 @@ def summarize(
     wall_s: float,
     server_cls: str = "SFTRollout",
     loop: str = "sync",
+    trainer: str = "in this process",
 ) -> DemoSummary:
     events = read_events(events_dir)
     analysis = analyze_events(events)
@@ -104,7 +109,9 @@ def summarize(
         update_latency_p50_s=_quantile(latencies, 0.5),
         update_latency_p95_s=_quantile(latencies, 0.95),
         publish_latency_p50_s=_quantile(publishes, 0.5),
+        publish_latency_p95_s=_quantile(publishes, 0.95),
         transfer_path=next((s.publish.path for s in training.steps if s.publish is not None), "none"),
+        trainer=trainer,
         requests_served=traffic.served,
         requests_failed=traffic.failed,
         request_latency_p50_s=_quantile(request_latencies, 0.5),
@@ -271,7 +278,7 @@ def _markdown(summary: DemoSummary, training: TrainingSummary, updates: list[Upd
         f"mismatches, event audit {'passed' if summary.events_check_passed else 'FAILED'}.",
         "",
         f"{summary.servers} {summary.server_cls} rollout servers, strategy `{summary.strategy}`, "
-        f"pause mode `{summary.pause_mode}`, "
+        f"pause mode `{summary.pause_mode}`, trainer {summary.trainer}, "
         f"{summary.wall_s:.0f} s wall time.",
         "",
         "| figure | value |",
@@ -280,8 +287,9 @@ def _markdown(summary: DemoSummary, training: TrainingSummary, updates: list[Upd
         f"| updates committed / not committed | {summary.updates_committed} / {summary.updates_failed} |",
         f"| update latency p50 / p95 | {summary.update_latency_p50_s * 1e3:.1f} ms"
         f" / {summary.update_latency_p95_s * 1e3:.1f} ms |",
-        f"| publish latency p50 over {summary.transfer_path} (checksum, transfer, verified update)"
-        f" | {summary.publish_latency_p50_s * 1e3:.1f} ms |",
+        f"| trainer | {summary.trainer} |",
+        f"| publish latency p50 / p95 over {summary.transfer_path} (checksum, transfer, verified update)"
+        f" | {summary.publish_latency_p50_s * 1e3:.1f} ms / {summary.publish_latency_p95_s * 1e3:.1f} ms |",
         f"| user requests served / failed | {summary.requests_served} / {summary.requests_failed} |",
         f"| request latency p50 / p95 | {summary.request_latency_p50_s * 1e3:.1f} ms"
         f" / {summary.request_latency_p95_s * 1e3:.1f} ms |",

@@ -2,8 +2,14 @@
 
 One process hosts the controller (and its HTTP API on a free port), the trainer and the user
 traffic; the rollout servers are real engine processes. The trainer samples from the servers
-through the controller, publishes a checkpoint after every step (checksum event, then
-``update_rollout_weights``), and the users keep getting answers throughout.
+through the controller, publishes its weights after every step (pushed from memory through an
+update window, or a checkpoint and ``update_rollout_weights``), and the users keep getting
+answers throughout.
+
+With ``trainer_ranks`` > 1 the trainer is that many FSDP2 rank processes instead
+(``miles.train.ranks.TrainerRanks``), each sampling its share of every batch through the
+controller's HTTP API and publishing its own shards (``ShardedPublisher``); rank 0 reports each
+step back here, so the display and the report are the same.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 import httpx
 import transformers
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.console import Console
 
 from miles.config import TransferPath, UpdatePauseMode, UpdateStrategy
@@ -31,6 +37,7 @@ from miles.http.runner import HttpServer
 from miles.train.config import LoopMode, TrainerConfig
 from miles.train.publisher import DiskPublisher, Publisher
 from miles.train.push import PushPublisher
+from miles.train.ranks import RankSpec, TrainerRanks
 from miles.train.sampling import HttpSampler
 from miles.train.trainer import Trainer, write_initial_checkpoint
 from miles.weights.checkpoint import Manifest
@@ -66,6 +73,29 @@ class DemoConfig(BaseModel):
     # The model trained and served; default: the ``tiny`` preset, ``small`` on vLLM (whose CPU
     # attention refuses tiny's head size).
     preset: str | None = None
+    # Trainer processes: 1 trains in this process; N > 1 starts N FSDP2 ranks over gloo.
+    trainer_ranks: Annotated[int, Field(ge=1, le=8)] = 1
+
+    @model_validator(mode="after")
+    def _ranks_can_train(self) -> DemoConfig:
+        if self.trainer_ranks == 1:
+            return self
+        if self.transfer is TransferPath.DISK:
+            raise ValueError(
+                "--trainer-ranks above 1 publishes each rank's own shards from memory, and --transfer disk writes "
+                "one checkpoint from one process: use --transfer auto, shm or distributed, or --trainer-ranks 1"
+            )
+        if self.loop is LoopMode.ASYNC:
+            raise ValueError(
+                "--async publishes from a copy of the whole model, which ranks that each hold a shard of it do "
+                "not make: drop --async, or use --trainer-ranks 1"
+            )
+        return self
+
+    @property
+    def trainer_description(self) -> str:
+        """Who trains, as the summary says it."""
+        return "in this process" if self.trainer_ranks == 1 else f"{self.trainer_ranks} FSDP2 ranks (gloo)"
 
     @property
     def model_preset(self) -> str:
@@ -162,6 +192,7 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         console.print(
             f"controller at {url}; training {trainer_config.sft_steps} SFT + {trainer_config.grpo_steps} GRPO steps"
             + (f" (async, max staleness {config.max_staleness})" if config.loop is LoopMode.ASYNC else "")
+            + (f" on {config.trainer_description}" if config.trainer_ranks > 1 else "")
         )
         console.print(f"status page: {url}/ (open it in a browser while the demo runs)")
         display.link(f"{url}/")
@@ -169,38 +200,27 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         token = controller.settings.api_key or controller.settings.admin_token
         headers = {"authorization": f"Bearer {token.get_secret_value()}"} if token else None
         async with httpx.AsyncClient(trust_env=False, timeout=300.0, headers=headers) as http:
-
-            async def ready() -> bool:
-                # The seed's discipline: poll /health before pushing a checkpoint.
-                return (await http.get(f"{url}/health")).status_code == 200
-
-            async def apply(checkpoint_dir: Path, manifest: Manifest) -> None:
-                result = await controller.update_rollout_weights(checkpoint_dir)
-                result.raise_for_status()
-
-            publisher: Publisher
-            if config.transfer is TransferPath.DISK:
-                publisher = DiskPublisher(
-                    checkpoints,
-                    model_name=trainer_config.model_name,
-                    event_logger=controller.event_logger,
-                    apply=apply,
-                    ready=ready,
-                )
-            else:
-                # Straight from the trainer's memory into the engines' (no checkpoint on disk),
-                # committed through a window: the same checksum gate as a checkpoint.
-                publisher = PushPublisher(controller, model_name=trainer_config.model_name, path=config.transfer)
             traffic = UserTraffic(
                 url, clients=config.users, think_s=config.user_think_s, t0=t0, seed=config.seed, headers=headers
             )
             display.attach_traffic(traffic.stats)
-            trainer = Trainer(
-                trainer_config,
-                sampler=HttpSampler([url], http=http, timeout_s=300.0),
-                publisher=publisher,
-                on_step=display.step,
-            )
+            trainer: Trainer | TrainerRanks
+            if config.trainer_ranks > 1:
+                trainer = TrainerRanks(
+                    RankSpec(trainer=trainer_config, controller_url=url, transfer=config.transfer),
+                    world_size=config.trainer_ranks,
+                    log_dir=run_dir / "logs",
+                    on_step=display.step,
+                )
+            else:
+                trainer = Trainer(
+                    trainer_config,
+                    sampler=HttpSampler([url], http=http, timeout_s=300.0),
+                    publisher=_publisher(
+                        config, trainer_config, controller, http=http, url=url, checkpoints=checkpoints
+                    ),
+                    on_step=display.step,
+                )
             traffic.start()
             with display:
                 training = await trainer.run()
@@ -227,12 +247,45 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         pause_mode=config.pause_mode.value,
         wall_s=time.monotonic() - t0,
         loop=config.loop.value,
+        trainer=config.trainer_description,
     )
     await asyncio.to_thread(
         functools.partial(write_report, run_dir, summary, training=training, updates=updates, traffic=traffic_stats)
     )
     display.final(summary)
     return summary
+
+
+def _publisher(
+    config: DemoConfig,
+    trainer_config: TrainerConfig,
+    controller: AsyncInferenceController,
+    *,
+    http: httpx.AsyncClient,
+    url: str,
+    checkpoints: Path,
+) -> Publisher:
+    """How the in-process trainer publishes: a checkpoint per step (``--transfer disk``), or
+    straight from its memory into the engines' (no checkpoint on disk), committed through a
+    window: the same checksum gate as a checkpoint."""
+    if config.transfer is not TransferPath.DISK:
+        return PushPublisher(controller, model_name=trainer_config.model_name, path=config.transfer)
+
+    async def ready() -> bool:
+        # The seed's discipline: poll /health before pushing a checkpoint.
+        return (await http.get(f"{url}/health")).status_code == 200
+
+    async def apply(checkpoint_dir: Path, manifest: Manifest) -> None:
+        result = await controller.update_rollout_weights(checkpoint_dir)
+        result.raise_for_status()
+
+    return DiskPublisher(
+        checkpoints,
+        model_name=trainer_config.model_name,
+        event_logger=controller.event_logger,
+        apply=apply,
+        ready=ready,
+    )
 
 
 def quiet_logs() -> None:

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -27,6 +24,7 @@ from miles.engine.settings import (
 )
 from miles.utils.connections import ConnectionLimits, guarded_http
 from miles.utils.http import DEFAULT_MAX_REQUEST_MIB
+from miles.utils.lifetime import exit_when_gone
 from miles.utils.progress_bars import disable_library_progress_bars
 
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -34,35 +32,19 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
-def _exit_with_parent(poll_s: float = 1.0) -> None:
+def _exit_with_parent() -> None:
     """End this process when the process that started it dies, so no engine is ever orphaned.
 
     An engine forked by the forkserver was started by the forkserver's launcher, named in
-    ``MILES_ENGINE_LAUNCHER_PID``: it watches that process (through a pidfd, which becomes
-    readable when it exits), so it outlives a forkserver that dies but never its launcher.
+    ``MILES_ENGINE_LAUNCHER_PID``: it watches that process, so it outlives a forkserver that dies
+    but never its launcher.
     """
     launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher:
-        try:
-            pidfd = os.pidfd_open(int(launcher))
-        except (ProcessLookupError, ValueError):
-            os._exit(0)  # the launcher is already gone (or named wrongly: nothing to answer to)
-
-        def watch_launcher() -> None:
-            select.select([pidfd], [], [])
-            os._exit(0)
-
-        threading.Thread(target=watch_launcher, name="miles-launcher-watch", daemon=True).start()
-        return
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent:
-                os._exit(0)
-
-    threading.Thread(target=watch, name="miles-parent-watch", daemon=True).start()
+    try:
+        watched = int(launcher) if launcher else os.getppid()
+    except ValueError:
+        os._exit(0)  # the launcher is named wrongly: nothing to answer to
+    exit_when_gone(watched)
 
 
 def _gpu_ids(raw: str) -> tuple[int, ...]:

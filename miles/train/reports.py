@@ -7,7 +7,7 @@ model), so the curve shows what serving actually delivered, version by version.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Annotated
 
@@ -69,6 +69,25 @@ class Staleness(_Frozen):
             counts[max(gap, 0)] += 1
         return cls(min=min(gaps), max=max(gaps), mean=sum(gaps) / len(gaps), counts=tuple(counts), unparsed=unparsed)
 
+    @classmethod
+    def combined(cls, parts: Sequence[Staleness]) -> Staleness:
+        """The staleness of all the samples ``parts`` describe (each over its own samples)."""
+        measured = [p for p in parts if p.counts]
+        unparsed = sum(p.unparsed for p in parts)
+        if not measured:
+            return cls(unparsed=unparsed)
+        counts = [0] * max(len(p.counts) for p in measured)
+        for part in measured:
+            for gap, count in enumerate(part.counts):
+                counts[gap] += count
+        return cls(
+            min=min(p.min for p in measured),
+            max=max(p.max for p in measured),
+            mean=sum(p.mean * sum(p.counts) for p in measured) / sum(counts),
+            counts=tuple(counts),
+            unparsed=unparsed,
+        )
+
 
 def rewards_by_version(versions: Sequence[str], rewards: Sequence[float]) -> tuple[VersionReward, ...]:
     """Group ``rewards`` by the version that produced each, in order of first appearance."""
@@ -109,6 +128,54 @@ class StepReport(_Frozen):
     # trainer's (idle for training; it may serve users meanwhile).
     trainer_idle_s: Annotated[float, Field(ge=0)] = 0.0
     fleet_idle_s: Annotated[float, Field(ge=0)] = 0.0
+
+    @classmethod
+    def combined(cls, parts: Sequence[StepReport]) -> StepReport:
+        """One step trained by several data-parallel ranks, from each rank's report of its share
+        (rank 0's first): sample figures over all the samples, the loss and the policy figures
+        averaged over the ranks (as their gradients are), the publish rank 0's, the step as long
+        as its slowest rank's and the idle times the ranks' mean.
+
+        Raises:
+            ValueError: no reports, or reports of different steps.
+        """
+        if not parts or len({(p.step, p.phase) for p in parts}) != 1:
+            raise ValueError(f"combine the reports of one step, got {[(p.step, p.phase.value) for p in parts]}")
+        first = parts[0]
+        samples = sum(p.num_samples for p in parts)
+
+        def by_samples(value: Callable[[StepReport], float]) -> float:
+            return sum(value(p) * p.num_samples for p in parts) / samples if samples else 0.0
+
+        def mean(value: Callable[[StepReport], float]) -> float:
+            return sum(value(p) for p in parts) / len(parts)
+
+        by_version: dict[str, tuple[float, int]] = {}  # a version's reward total and sample count
+        for part in parts:
+            for v in part.rewards_by_version:
+                total, count = by_version.get(v.weight_version, (0.0, 0))
+                by_version[v.weight_version] = (total + v.mean_reward * v.num_samples, count + v.num_samples)
+        return first.model_copy(
+            update={
+                "loss": mean(lambda p: p.loss),
+                "mean_reward": by_samples(lambda p: p.mean_reward),
+                "exact_rate": by_samples(lambda p: p.exact_rate),
+                "rewards_by_version": tuple(
+                    VersionReward(weight_version=version, mean_reward=total / count, num_samples=count)
+                    for version, (total, count) in by_version.items()
+                ),
+                "num_samples": samples,
+                "num_interrupted": sum(p.num_interrupted for p in parts),
+                "staleness": Staleness.combined([p.staleness for p in parts]),
+                "num_flat_groups": sum(p.num_flat_groups for p in parts),
+                "clip_fraction": mean(lambda p: p.clip_fraction),
+                "mean_ratio": mean(lambda p: p.mean_ratio),
+                "behaviour_kl": mean(lambda p: p.behaviour_kl),
+                "step_s": max(p.step_s for p in parts),
+                "trainer_idle_s": mean(lambda p: p.trainer_idle_s),
+                "fleet_idle_s": mean(lambda p: p.fleet_idle_s),
+            }
+        )
 
     @property
     def published_version(self) -> str | None:

@@ -20,6 +20,10 @@ GRPO runs in one of two loops (``TrainerConfig.loop``):
   copy while the trainer trains the next step, so publishing overlaps training too (one publish at
   a time, in step order); with 1, the next batch generates while the trainer trains and publishes.
 
+The trainer may be one of several data-parallel ranks (``parallel``: ``miles.train.parallel``):
+each rank then trains its share of every batch on its shard of the model, draws its own problems,
+and rank 0 reports each whole step. Only the sync loop runs on several ranks.
+
 Torch work runs in a worker thread so the event loop (which may also run a controller or a UI)
 stays responsive.
 """
@@ -38,10 +42,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.errors import TrainerError
 from miles.models.presets import build_model
 from miles.models.tokenizer import build_tokenizer
 from miles.train.config import LoopMode, TrainerConfig
 from miles.train.grpo import clipped_policy_loss, group_advantages
+from miles.train.parallel import Parallelism, SingleProcess, share
 from miles.train.policy import completion_logprobs, encode_answer, encode_prompt, pack, sft_loss
 from miles.train.publisher import Publisher, PublishResult
 from miles.train.reports import Phase, Staleness, StepReport, TrainingSummary, rewards_by_version
@@ -105,21 +111,35 @@ class Trainer:
         sampler: Sampler,
         publisher: Publisher,
         on_step: OnStep | None = None,
+        parallel: Parallelism | None = None,
     ) -> None:
-        """Build the model (seeded, as ``write_initial_checkpoint`` does) and the tokenizer.
+        """Build the model (seeded, as ``write_initial_checkpoint`` does, then sharded by
+        ``parallel``) and the tokenizer. With ``parallel`` of several ranks, every rank makes its
+        ``Trainer`` with the same ``config``, and ``on_step`` sees whole steps on rank 0.
 
         Raises:
             UnknownPresetError: ``config.preset`` is not a preset.
+            TrainerError: ``config`` cannot be split over ``parallel``'s ranks.
         """
         self.config = config
+        self._parallel = parallel or SingleProcess()
+        rank, world = self._parallel.rank, self._parallel.world_size
+        if world > 1:
+            _check_splittable(config, world)
+        # This rank's share of each batch (all of it in one process).
+        self._prompts_per_step = share(config.prompts_per_step, rank=rank, world_size=world)
+        self._sft_batch_size = share(config.sft_batch_size, rank=rank, world_size=world)
+        self._sft_eval_prompts = share(config.sft_eval_prompts, rank=rank, world_size=world)
         self.tokenizer = build_tokenizer()
-        self.model = build_model(config.preset, seed=config.seed).train()
+        self.model = self._parallel.shard(build_model(config.preset, seed=config.seed).train())
         self._sampler = sampler
         self._publisher = publisher
         self._on_step = on_step
         # Separate streams: how many problems measuring takes must not change what training sees.
-        self._train_rng = random.Random(f"{config.seed}/train")
-        self._eval_rng = random.Random(f"{config.seed}/eval")
+        # Each rank draws its own problems; rank 0 draws what a single process does.
+        stream = f"{config.seed}" if rank == 0 else f"{config.seed}/rank-{rank}"
+        self._train_rng = random.Random(f"{stream}/train")
+        self._eval_rng = random.Random(f"{stream}/eval")
         self._steps_done = 0
         # The last step published (0: the initial checkpoint, which the servers start on).
         self._published = 0
@@ -153,7 +173,8 @@ class Trainer:
             )
             # Closed on the way out whatever happens: the async loop's producer stops with it.
             async with aclosing(steps):
-                async for report in steps:
+                async for mine in steps:
+                    report = await self._parallel.combine(mine)
                     reports.append(report)
                     if self._on_step is not None:
                         self._on_step(report)
@@ -166,15 +187,15 @@ class Trainer:
             idle_before = self._fleet.idle_s()
             waited = 0.0
             if phase is Phase.SFT:
-                measured = [cfg.task.sample(self._eval_rng) for _ in range(cfg.sft_eval_prompts)]
-                lesson = [cfg.task.sample(self._train_rng) for _ in range(cfg.sft_batch_size)]
+                measured = [cfg.task.sample(self._eval_rng) for _ in range(self._sft_eval_prompts)]
+                lesson = [cfg.task.sample(self._train_rng) for _ in range(self._sft_batch_size)]
                 # Measuring and training overlap: the samples come from the weights already served.
                 groups, update = await asyncio.gather(
                     self._sample(measured), asyncio.to_thread(self._sft_update, lesson, optimizer)
                 )
                 scored = self._score(measured, groups)
             else:
-                problems = [cfg.task.sample(self._train_rng) for _ in range(cfg.prompts_per_step)]
+                problems = [cfg.task.sample(self._train_rng) for _ in range(self._prompts_per_step)]
                 waiting = time.monotonic()
                 groups = await self._sample(problems)
                 waited = time.monotonic() - waiting
@@ -195,7 +216,7 @@ class Trainer:
         published from a copy while the trainer goes on to the next step; its report comes once
         that publish is done."""
         cfg = self.config
-        per_step = cfg.prompts_per_step
+        per_step = self._prompts_per_step
         first = self._steps_done
         started_groups: list[tuple[Problem, asyncio.Task[Group]]] = []
         changed = asyncio.Condition()
@@ -424,6 +445,8 @@ class Trainer:
             advantages.append(group_advantages(rewards, eps=self.config.advantage_eps)[0])
             rows.extend(group)
         if not rows:
+            if self._parallel.world_size > 1:
+                self._apply_gradients(self._nothing_learned(), optimizer)
             return _Update(loss=0.0)
         batch = pack(
             [r.prompt_ids for r in rows],
@@ -448,11 +471,35 @@ class Trainer:
             behaviour_kl=result.behaviour_kl,
         )
 
+    def _nothing_learned(self) -> torch.Tensor:
+        """A loss of 0 with the model in its graph, for a rank whose share of a step left nothing
+        to train on: every rank takes part in every step's collectives (FSDP2's gathers and
+        reduce-scatters, the gradient norm's all-reduce), so it contributes a zero gradient."""
+        batch = pack(
+            [[self.tokenizer.bos_token_id]], [[self.tokenizer.eos_token_id]], pad_token_id=self.tokenizer.pad_token_id
+        )
+        return completion_logprobs(self.model, batch).sum() * 0.0
+
     def _apply_gradients(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         optimizer.step()
+
+
+def _check_splittable(config: TrainerConfig, world: int) -> None:
+    """Raises TrainerError when ``config`` cannot be trained by ``world`` data-parallel ranks."""
+    if config.loop is not LoopMode.SYNC:
+        raise TrainerError(
+            f"the {config.loop.value} loop publishes from a copy of the whole model, which ranks that each hold "
+            f"a shard of it do not make; train {world} ranks with loop='sync'"
+        )
+    for name in ("prompts_per_step", "sft_batch_size"):
+        if getattr(config, name) < world:
+            raise TrainerError(
+                f"{name} ({getattr(config, name)}) is below the number of ranks ({world}): each rank trains its "
+                f"share of every batch; raise {name} to at least {world} or use fewer ranks"
+            )
 
 
 @dataclass

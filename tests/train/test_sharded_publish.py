@@ -52,6 +52,10 @@ if scenario == "disagree" and rank == 1:
 if scenario == "absent" and rank == 1:
     time.sleep(60)  # never calls publish; rank 0 must not wait for it past its timeout
     sys.exit(0)
+if scenario == "dies" and rank == 0:
+    # torchrun stops the other ranks (SIGTERM) as soon as one dies; rank 0 must live on to see
+    # its publish fail and say so, which it otherwise only did when it was quicker than torchrun.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if scenario == "dies" and rank == 1:
     import miles.train.sharded as sharded
     contribute = sharded.ShardedPublisher._contribute
