@@ -391,10 +391,11 @@ class ShardedPublisher:
         checksum = ""
         try:
             for index, table in enumerate(plan.tables):
-                if sending is not None:
-                    answers.append(await sending)  # the region this bucket goes into is free again
-                while len(answers) > 1:
-                    await answers.popleft()
+                # Bucket ``index`` goes into the region of bucket ``index - 2``, free since that
+                # bucket's send ended (awaited before bucket ``index - 1`` was sent): the ranks
+                # fill it while the engines still take bucket ``index - 1``. Waiting for that
+                # send first would leave the ranks idle during every send, and the engines
+                # during every fill.
                 into = sender.into(index)
                 assert into is not None
                 await steps.start_bucket()
@@ -407,6 +408,10 @@ class ShardedPublisher:
                 digests += [e.tensor_digest() for e in packed.entries]
                 if index == len(plan.tables) - 1:
                     checksum = checksum_from_digests(digests, num_bytes=0).checksum
+                if sending is not None:
+                    answers.append(await sending)  # bucket ``index - 1`` is sent; one send at a time
+                while len(answers) > 1:
+                    await answers.popleft()
                 sending = asyncio.create_task(sender.send(index, packed, checksum=checksum or None))
                 stats.buckets += 1
                 stats.bytes += packed.nbytes
