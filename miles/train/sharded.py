@@ -129,8 +129,8 @@ def _parts(model: torch.nn.Module, world: int) -> tuple[list[_Part], dict[str, t
             )
         else:
             raise PublishError(
-                f"tensor {name!r} is placed {placement}, which the publisher cannot send; shard it with "
-                "fully_shard (Shard(0)), shard it on another dimension, or replicate it"
+                f"tensor {name!r} is placed {type(placement).__name__} ({placement}), which the publisher cannot "
+                "send; shard it with fully_shard (Shard(0)), shard it on another dimension, or replicate it"
             )
     return parts, local
 

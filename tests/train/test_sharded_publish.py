@@ -8,6 +8,7 @@ bounded time on every rank, with serving on verified weights."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -39,12 +40,39 @@ url, out, scenario, path = sys.argv[1:5]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 model = build_model("small", seed=0)
-for layer in model.model.layers:
-    fully_shard(layer)
-fully_shard(model)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits.sum().backward()
-optimizer.step()
+if scenario in ("placements", "refused"):
+    # Tensor-parallel style placements FSDP2 does not make: MLP matrices split by columns
+    # (Shard(1)), other matrices by rows, vectors replicated; rank 0 saves the same weights whole.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    if rank == 0:
+        model.save_pretrained(os.path.join(out, "full"))
+        build_tokenizer().save_pretrained(os.path.join(out, "full"))
+    mesh, square = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (1, 2))
+    made = {}
+    for module_name, module in list(model.named_modules()):
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in made:
+                placement = (Shard(1) if ".mlp." in module_name else Shard(0)) if p.ndim == 2 else Replicate()
+                made[id(p)] = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [placement]), requires_grad=False)
+            module.register_parameter(name, made[id(p)])
+    if scenario == "refused":  # a layout no publisher can split: rank 0 a Partial, rank 1 a 2-D mesh
+        local = model.model.norm.weight.to_local()
+        if rank == 0:
+            odd = DTensor.from_local(local, mesh, [Partial()])
+        else:
+            odd = DTensor.from_local(local, square, [Replicate(), Replicate()])
+        model.model.norm.weight = torch.nn.Parameter(odd, requires_grad=False)
+else:
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits.sum().backward()
+    optimizer.step()
 publisher = ShardedPublisher(url, path=path, bucket_bytes=256 * 1024, timeout_s=15, ttl_s=5)
 seen = {"rank": rank}
 step = 7
@@ -138,6 +166,18 @@ async def run_ranks(url: str, out: Path, scenario: str, *, path: str = "auto") -
     return seen
 
 
+async def answers_until_done(http: httpx.AsyncClient, url: str, prompt: dict) -> list[str]:
+    """Greedy answers to ``prompt``, one request after another, until cancelled; every one must
+    succeed."""
+    answers: list[str] = []
+    with contextlib.suppress(asyncio.CancelledError):
+        while True:
+            answer = await http.post(url, json=prompt)
+            assert answer.status_code == 200, answer.text
+            answers.append(answer.json()["text"])
+    return answers
+
+
 def greedy_from(checkpoint: Path, prompt: dict, log_dir: Path) -> str:
     """What a fresh engine on ``checkpoint`` answers ``prompt``."""
     with running_engine(checkpoint, log_dir=log_dir) as engine_url:
@@ -154,9 +194,19 @@ def _port() -> int:
 async def test_two_fsdp2_ranks_publish_what_an_unsharded_checkpoint_of_them_holds(
     small: dict[str, Path], tmp_path: Path, path: str
 ) -> None:
+    prompt = {"text": "sharded weights", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
     async with running_controller(model_checkpoint=small["s0"], num_servers=2) as (ctl, url):
         assert url is not None
-        seen = await run_ranks(url, tmp_path, "commits", path=path)
+        async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+            old = (await http.post(f"{url}/generate", json=prompt)).json()["text"]
+            # Requests in flight the whole time the ranks publish: each is answered by the old
+            # weights or by the new ones, never by a mix of them.
+            during = asyncio.create_task(answers_until_done(http, f"{url}/generate", prompt))
+            try:
+                seen = await run_ranks(url, tmp_path, "commits", path=path)
+            finally:
+                during.cancel()
+            answers = await during
         assert [s.get("error") for s in seen] == [None, None], seen
         published = seen[0]["checksum"]
         assert seen[1]["checksum"] == published
@@ -165,11 +215,39 @@ async def test_two_fsdp2_ranks_publish_what_an_unsharded_checkpoint_of_them_hold
         assert all(s.state is ServerState.SERVING and s.checksum == published for s in servers), servers
         # The same weights, saved whole by one process: the same checksum, the same answers.
         assert model_checksum(tmp_path / "full") == published
-        prompt = {"text": "sharded weights", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
         async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
             pushed = {(await http.post(f"{url}/generate", json=prompt)).json()["text"] for _ in range(4)}
         fresh = await asyncio.to_thread(greedy_from, tmp_path / "full", prompt, tmp_path / "logs")
         assert pushed == {fresh}
+        assert fresh != old  # one AdamW step changes what the model answers: the check below can fail
+        assert len(answers) >= 3 and set(answers) <= {old, fresh}, answers
+
+
+async def test_tensors_split_by_columns_or_replicated_publish_as_a_checkpoint_of_them_does(
+    small: dict[str, Path], tmp_path: Path
+) -> None:
+    async with running_controller(model_checkpoint=small["s0"], num_servers=1) as (ctl, url):
+        assert url is not None
+        seen = await run_ranks(url, tmp_path, "placements")
+        assert [s.get("error") for s in seen] == [None, None], seen
+        assert seen[0]["checksum"] == seen[1]["checksum"] == model_checksum(tmp_path / "full")
+        assert [s.checksum for s in ctl.health().servers] == [seen[0]["checksum"]]
+
+
+async def test_a_layout_the_publisher_cannot_split_is_refused_by_name_before_the_window_opens(
+    small: dict[str, Path], tmp_path: Path
+) -> None:
+    async with running_controller(model_checkpoint=small["s0"], num_servers=1) as (ctl, url):
+        assert url is not None
+        before = [(s.checksum, s.state) for s in ctl.health().servers]
+        seen = await run_ranks(url, tmp_path, "refused")
+        for rank in seen:
+            assert "before its window opened" in rank["error"], seen
+            assert "rank 0: tensor 'model.norm.weight' is placed Partial" in rank["error"], seen
+            assert "rank 1: tensor 'model.norm.weight' is laid out on a 2-dimensional mesh" in rank["error"], seen
+        assert len(seen) == 2
+        assert ctl.last_update is None  # no window was opened, so none was aborted either
+        assert [(s.checksum, s.state) for s in ctl.health().servers] == before
 
 
 async def test_the_ranks_fill_the_next_bucket_while_the_engines_take_the_one_before(
