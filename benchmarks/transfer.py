@@ -7,6 +7,9 @@ On one preset (default the ~500M bfloat16 one), with 1 and then 2 engines behind
   into shared memory (``share_memory``: the engines read them where they lie);
 - torch.distributed, gloo (``path="distributed"``) vs a bare gloo broadcast of the same bytes
   from this process to as many helper processes as engines (measured in this run);
+- each path against its verified floor too: the same floor plus one hash pass over the bytes by
+  the sender and by each engine (the digest's own rate, measured in this run), the least a
+  transfer that verifies what it moves does;
 - the calls each update made per engine (constant in the number of tensors);
 - the time generation was blocked per update (what each engine waited for and held its weights'
   write lock for, reported by the engine), with requests in flight;
@@ -48,6 +51,7 @@ from miles.train.engine_calls import PushStats
 from miles.train.push import PushPublisher
 from miles.utils.progress_bars import disable_library_progress_bars
 from miles.weights.checksum import saved_state_dict
+from miles.weights.digest import digest_buffer
 
 # Seconds between two pushes measured alone (see ``one_fleet``).
 QUIET_GAP_S = 4.0
@@ -59,6 +63,14 @@ def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in first
     best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return nbytes / best
+
+
+def hash_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of one pass of the weights' digest (xxh3 over 256 KiB chunks, one
+    thread) over ``nbytes`` in memory (the best of ``repeats``)."""
+    data = torch.ones(nbytes, dtype=torch.uint8).numpy()
+    best = min(_timed(lambda: digest_buffer(data)) for _ in range(repeats))
     return nbytes / best
 
 
@@ -270,6 +282,9 @@ async def one_fleet(
         finally:
             await publisher.close()
     figures["memcpy_floor_s"] = total_bytes * engines / memcpy_bandwidth(total_bytes)
+    # What verifying adds at the least: one hash pass over the bytes on each side, the sender
+    # and every engine (each on its own core, at best).
+    figures["hash_s"] = total_bytes / hash_bandwidth(total_bytes)
     figures["gloo_floor_s"] = bare_gloo_broadcast(total_bytes, engines, repeats=args.repeats)
     return figures
 
@@ -279,7 +294,12 @@ def report(results: list[dict[str, Any]]) -> None:
         gib = r["bytes"] / 2**30
         print(f"\n{r['engines']} engine(s), {r['tensors']} tensors, {gib:.2f} GiB per push")
         memcpy, gloo_floor = r["memcpy_floor_s"], r["gloo_floor_s"]
-        print(f"  floors: memcpy {memcpy:.3f} s, bare gloo broadcast {gloo_floor:.3f} s")
+        hashed = r["hash_s"] * (1 + r["engines"])
+        print(
+            f"  floors: memcpy {memcpy:.3f} s, bare gloo broadcast {gloo_floor:.3f} s; one hash pass "
+            f"{r['hash_s']:.3f} s, so verified (plus a hash by the sender and by each engine): memcpy "
+            f"{memcpy + hashed:.3f} s, gloo {gloo_floor + hashed:.3f} s"
+        )
         for name, label in (
             ("shm", "shared memory"),
             ("shm_shared", "shared memory, shared weights"),
@@ -288,10 +308,12 @@ def report(results: list[dict[str, Any]]) -> None:
             f = r[name]
             if name == "distributed":
                 alone, loaded = gloo_floor / f["quiet_transfer_s"], gloo_floor / f["transfer_s"]
-                ratio = f"floor/transfer {alone:.2f}x alone, {loaded:.2f}x loaded"
+                verified = f["quiet_transfer_s"] / (gloo_floor + hashed)
+                ratio = f"floor/transfer {alone:.2f}x alone, {loaded:.2f}x loaded; x verified floor {verified:.2f}"
             else:
                 alone, loaded = f["quiet_transfer_s"] / memcpy, f["transfer_s"] / memcpy
-                ratio = f"transfer/floor {alone:.2f}x alone, {loaded:.2f}x loaded"
+                verified = f["quiet_transfer_s"] / (memcpy + hashed)
+                ratio = f"transfer/floor {alone:.2f}x alone, {loaded:.2f}x loaded; x verified floor {verified:.2f}"
             print(
                 f"  {label:30s} transfer {f['quiet_transfer_s']:.3f} s alone, {f['transfer_s']:.3f} s with requests "
                 f"(whole update {f['update_s']:.3f} s)  {ratio}  calls/engine {f['calls_per_engine']}"

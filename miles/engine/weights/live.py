@@ -35,6 +35,9 @@ from miles.weights.safetensors_io import dtype_name
 
 logger = logging.getLogger("miles.engine")
 
+# How long an export waits for a change that opened its stage to swap or be dropped.
+EXPORT_WAITS_FOR_CHANGE_S = 2.0
+
 # Passes of a sectioned checksum that changes may end before it hashes in one section.
 _SECTIONED_TRIES = 3
 
@@ -188,7 +191,9 @@ class LiveWeights:
 
         def export() -> ExportWeightsResponse:
             # A copy of the weights and their record, then written to disk without any lock (see
-            # ``copy_weights``). A worker thread, not the scheduler's.
+            # ``copy_weights``). A worker thread, not the scheduler's. Not while a change is about
+            # to swap (a little while at most): its swap would wait for the copy's read section.
+            self.lock.wait_for_no_change(EXPORT_WAITS_FOR_CHANGE_S)
             with self.lock.read():
                 self.require_verified("exporting")
                 held = self._held

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,3 +115,37 @@ def test_a_checksum_is_hashed_in_sections_a_write_waits_for_one_and_the_hash_sta
         next(model.parameters()).copy_(changed)
     hasher.join(timeout=60)
     assert hashed["checksum"] == checksum_module(model).checksum == weights.held.checksum
+
+
+def test_a_change_that_opens_its_stage_ends_a_copy_at_its_next_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy ends when a change begins, not at the change's swap: the swap then finds no reader
+    in a section to wait for."""
+    monkeypatch.setattr("miles.engine.weights.lock.READ_SECTION_BYTES", 64)
+    model = build_model("tiny", seed=3)
+    lock = WeightsLock()
+    writes = lock.writes
+    lock.announce()
+    with pytest.raises(ConflictError, match="changed while they were read"):
+        copy_weights(model, lock, writes=writes, what="weights 1")
+
+
+def test_a_long_read_starts_once_the_announced_change_swapped_or_was_withdrawn() -> None:
+    lock = WeightsLock()
+    assert lock.wait_for_no_change(0.0)
+    lock.announce()
+    started = time.monotonic()
+    assert not lock.wait_for_no_change(0.2)  # bounded: a change left open does not stop reads for good
+    assert time.monotonic() - started >= 0.2
+
+    def swap_soon() -> None:
+        time.sleep(0.1)
+        with lock.write():
+            pass
+
+    for end in (swap_soon, lambda: (time.sleep(0.1), lock.withdraw())):
+        lock.announce()
+        ender = threading.Thread(target=end)
+        ender.start()
+        assert lock.wait_for_no_change(30)
+        ender.join()
+    assert lock.wait_for_no_change(0.0)
