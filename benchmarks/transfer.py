@@ -21,7 +21,8 @@ push before done), as its floor is, and then with requests in flight. Every push
 verified update: window, transfer, per-tensor digests, the engines'
 checksum of their live weights, the controller's commit.
 
-    .venv/bin/python benchmarks/transfer.py [--preset 500m] [--engines 1 2] [--repeats 3] [--json]
+    .venv/bin/python benchmarks/transfer.py [--preset 500m] [--engines 1 2] [--repeats 3]
+        [--loaded-repeats N] [--json]
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def hash_bandwidth(nbytes: int, repeats: int = 5) -> float:
     data = torch.ones(nbytes, dtype=torch.uint8).numpy()
     best = min(_timed(lambda: digest_buffer(data)) for _ in range(repeats))
     return nbytes / best
+
+
+def _p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
 
 
 def _timed(job: Any) -> float:
@@ -215,7 +220,7 @@ async def one_fleet(
             stop = asyncio.Event()
             users = asyncio.create_task(traffic(url, stop))
             try:
-                for _ in range(args.repeats):
+                for _ in range(args.loaded_repeats or args.repeats):
                     step += 1
                     took, last = await one_push(step)
                     times.append(took)
@@ -236,7 +241,9 @@ async def one_fleet(
                 "transfer_s": statistics.median(transfers),
                 "calls_per_engine": calls[-1],
                 "blocked_p50_ms": statistics.median(blocked) * 1e3,
-                "blocked_p99_ms": max(blocked) * 1e3,
+                "blocked_p99_ms": _p99(blocked) * 1e3,
+                "blocked_max_ms": max(blocked) * 1e3,
+                "swaps": len(blocked),
                 "requests_served_meanwhile": served,
                 # Where the transfer's time went (medians, seconds): the sender's phases summed over
                 # buckets, and each engine's (as it reported them) summed over its calls.
@@ -319,7 +326,8 @@ def report(results: list[dict[str, Any]]) -> None:
                 f"(whole update {f['update_s']:.3f} s)  {ratio}  calls/engine {f['calls_per_engine']}"
             )
             print(
-                f"    blocked per update: p50 {f['blocked_p50_ms']:.2f} ms, max {f['blocked_p99_ms']:.2f} ms; "
+                f"    blocked per update ({f['swaps']} engine updates): p50 {f['blocked_p50_ms']:.2f} ms, "
+                f"p99 {f['blocked_p99_ms']:.2f} ms, max {f['blocked_max_ms']:.2f} ms; "
                 f"requests served meanwhile {f['requests_served_meanwhile']}"
             )
             print(
@@ -339,6 +347,13 @@ def main() -> None:
     parser.add_argument("--preset", default="500m")
     parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--loaded-repeats",
+        type=int,
+        default=0,
+        help="pushes per path with requests in flight, back to back (default: --repeats); more give the "
+        "blocked time's tail",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="miles-bench-transfer-") as tmp:

@@ -192,8 +192,12 @@ class LiveWeights:
         def export() -> ExportWeightsResponse:
             # A copy of the weights and their record, then written to disk without any lock (see
             # ``copy_weights``). A worker thread, not the scheduler's. Not while a change is about
-            # to swap (a little while at most): its swap would wait for the copy's read section.
-            self.lock.wait_for_no_change(EXPORT_WAITS_FOR_CHANGE_S)
+            # to swap: its swap would wait for the copy's read section, and end the copy.
+            if not self.lock.wait_for_no_change(EXPORT_WAITS_FOR_CHANGE_S):
+                raise ConflictError(
+                    f"a weight change has been under way on this engine for over {EXPORT_WAITS_FOR_CHANGE_S:g}s "
+                    "(its stage is open); ask again once it has been swapped in or dropped"
+                )
             with self.lock.read():
                 self.require_verified("exporting")
                 held = self._held

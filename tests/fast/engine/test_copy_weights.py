@@ -17,7 +17,9 @@ from miles.engine.weights.export import copy_weights
 from miles.engine.weights.live import LiveWeights
 from miles.engine.weights.lock import WeightsLock
 from miles.errors import ConflictError
+from miles.models import build_tokenizer
 from miles.models.presets import build_model
+from miles.protocol.sglang_weights import ExportWeightsRequest
 from miles.weights.checksum import checksum_module
 
 
@@ -149,3 +151,38 @@ def test_a_long_read_starts_once_the_announced_change_swapped_or_was_withdrawn()
         assert lock.wait_for_no_change(30)
         ender.join()
     assert lock.wait_for_no_change(0.0)
+
+
+async def test_an_export_waits_for_a_change_under_way_and_refuses_one_left_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An export asked while a change's stage is open starts once the change swapped (so that the
+    swap never waits for the export's reads); a change left open longer gets a 409 that says so."""
+    monkeypatch.setattr("miles.engine.weights.live.EXPORT_WAITS_FOR_CHANGE_S", 0.5)
+    model = build_model("tiny", seed=3)
+    lock = WeightsLock()
+    weights = LiveWeights(
+        lock=lock,
+        model=lambda: model,
+        tokenizer=build_tokenizer(),
+        served_model_name="tiny",
+        snapshot_dir=tmp_path,
+        version="1",
+        loaded_from=Path("."),
+        manifest_checksum=None,
+    )
+    await weights.checksum()  # recorded, as an engine records it before it serves
+    lock.announce()
+    with pytest.raises(ConflictError, match="weight change has been under way"):
+        await weights.export(ExportWeightsRequest(step=1))
+
+    def swap_soon() -> None:
+        time.sleep(0.2)
+        with lock.write():
+            pass
+
+    swapper = threading.Thread(target=swap_soon)
+    swapper.start()
+    exported = await weights.export(ExportWeightsRequest(step=1))
+    swapper.join()
+    assert exported.success and exported.checksum == checksum_module(model).checksum
