@@ -59,14 +59,13 @@ class WeightsLock:
         finally:
             with self._cond:
                 self._writing = False
-                self._changing = False
                 self._cond.notify_all()
 
     def announce(self) -> None:
         """A change begins that will write the weights (it opened its stage): counted as a write,
         so that a long read in sections (an export, a checksum) ends at its next section instead
-        of at the change's swap, where it would end torn anyway. Until the change writes or is
-        withdrawn, ``wait_for_no_change`` holds back the start of a new long read. A swap then
+        of at the change's swap, where it would end torn anyway. Until the change is withdrawn
+        (its stage closed), ``wait_for_no_change`` holds back the start of a new long read. A swap then
         waits for no reader (an export's copy of one slice, preempted on a busy machine, stalled
         swaps, and generation with them, for 1-10 ms on two cores)."""
         with self._cond:
@@ -74,7 +73,7 @@ class WeightsLock:
             self._changing = True
 
     def withdraw(self) -> None:
-        """The change announced last was dropped without writing the live weights."""
+        """The change announced last ended: its stage was swapped in or dropped."""
         with self._cond:
             self._changing = False
             self._cond.notify_all()

@@ -43,6 +43,7 @@ class Stage:
         self._state = StageState.OPEN
         self._digests: dict[str, str] = {}
         self._checksum: ModelChecksum | None = None
+        self._on_close: Callable[[], None] | None = None
 
     @property
     def is_open(self) -> bool:
@@ -164,6 +165,10 @@ class Stage:
         if self.is_open:
             self._close(StageState.DISCARDED)
 
+    def when_closed(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the stage is activated or discarded, however that comes."""
+        self._on_close = callback
+
     def _target(self, name: str) -> torch.Tensor:
         """The tensor a write of ``name`` fills."""
         raise NotImplementedError
@@ -177,6 +182,9 @@ class Stage:
 
     def _close(self, state: StageState) -> None:
         self._state = state
+        callback, self._on_close = self._on_close, None
+        if callback is not None:
+            callback()
 
     def _require_open(self) -> None:
         if self._state is not StageState.OPEN:

@@ -462,16 +462,20 @@ class WeightChanges:
 
     def _open_stage(self, model: torch.nn.Module) -> Stage:
         """The stage of a change beginning now, announced to long reads of the weights (they end
-        at their next section rather than hold up the change's swap)."""
+        at their next section rather than hold up the change's swap) until it is closed."""
         self._weights.lock.announce()
-        return self._staging.open_stage(model)
+        try:
+            stage = self._staging.open_stage(model)
+        except BaseException:
+            self._weights.lock.withdraw()
+            raise
+        stage.when_closed(self._weights.lock.withdraw)
+        return stage
 
     def _drop(self, change: _Change | None = None) -> None:
         """Discard the stage of ``change`` (by default the one left unfinished) and forget it."""
         change = change or self._change
         if change is not None:
-            if change.stage.is_open:
-                self._weights.lock.withdraw()
             change.stage.discard()
         if change is self._change:
             self._change = None

@@ -16,6 +16,7 @@ import torch
 from miles.engine.weights.export import copy_weights
 from miles.engine.weights.live import LiveWeights
 from miles.engine.weights.lock import WeightsLock
+from miles.engine.weights.stage import LiveStage
 from miles.errors import ConflictError
 from miles.models import build_tokenizer
 from miles.models.presets import build_model
@@ -131,22 +132,36 @@ def test_a_change_that_opens_its_stage_ends_a_copy_at_its_next_slice(monkeypatch
         copy_weights(model, lock, writes=writes, what="weights 1")
 
 
+def announced_stage(lock: WeightsLock, model: torch.nn.Module) -> LiveStage:
+    """A change's stage as the engine opens one: announced, withdrawn once it is closed."""
+    lock.announce()
+    stage = LiveStage(model)
+    stage.when_closed(lock.withdraw)
+    return stage
+
+
+def swap_soon(lock: WeightsLock, stage: LiveStage) -> None:
+    """Activate ``stage`` under the write lock a little later, as a change's swap does."""
+    time.sleep(0.1)
+    stage.checksum()
+    with lock.write():
+        stage.activate()
+
+
 def test_a_long_read_starts_once_the_announced_change_swapped_or_was_withdrawn() -> None:
+    model = build_model("tiny", seed=3)
     lock = WeightsLock()
     assert lock.wait_for_no_change(0.0)
-    lock.announce()
+    stage = announced_stage(lock, model)
     started = time.monotonic()
     assert not lock.wait_for_no_change(0.2)  # bounded: a change left open does not stop reads for good
     assert time.monotonic() - started >= 0.2
+    stage.discard()
+    assert lock.wait_for_no_change(0.0)
 
-    def swap_soon() -> None:
-        time.sleep(0.1)
-        with lock.write():
-            pass
-
-    for end in (swap_soon, lambda: (time.sleep(0.1), lock.withdraw())):
-        lock.announce()
-        ender = threading.Thread(target=end)
+    for end in (swap_soon, lambda lock, stage: (time.sleep(0.1), stage.discard())):
+        stage = announced_stage(lock, model)
+        ender = threading.Thread(target=end, args=(lock, stage))
         ender.start()
         assert lock.wait_for_no_change(30)
         ender.join()
@@ -172,16 +187,11 @@ async def test_an_export_waits_for_a_change_under_way_and_refuses_one_left_open(
         manifest_checksum=None,
     )
     await weights.checksum()  # recorded, as an engine records it before it serves
-    lock.announce()
+    stage = announced_stage(lock, model)
     with pytest.raises(ConflictError, match="weight change has been under way"):
         await weights.export(ExportWeightsRequest(step=1))
 
-    def swap_soon() -> None:
-        time.sleep(0.2)
-        with lock.write():
-            pass
-
-    swapper = threading.Thread(target=swap_soon)
+    swapper = threading.Thread(target=swap_soon, args=(lock, stage))
     swapper.start()
     exported = await weights.export(ExportWeightsRequest(step=1))
     swapper.join()
