@@ -1,8 +1,6 @@
-"""Weights pushed from a trainer's memory, received: buckets handed over in memory (a mapped
-shared-memory segment, a CUDA IPC handle) and buckets broadcast to the torch.distributed groups this engine
-joined. Both produce one bucket of named tensors with the digests they were sent with
-(``Received``), for ``WeightChanges.apply_pushed``; nothing here touches the live weights. How the
-bytes travel is ``miles.weights.transport``, shared with the trainer.
+"""Weights pushed from a trainer, received: buckets handed over in memory (a shared-memory segment,
+a CUDA IPC handle) or broadcast to the torch.distributed groups this engine joined, each as one
+``Received`` bucket for ``WeightChanges.apply_pushed``; nothing here touches the live weights.
 """
 
 from __future__ import annotations
@@ -44,22 +42,22 @@ def tensor_bucket(
     refuses the table before any byte is mapped."""
     document = decode(request.load_format, request.serialized_named_tensors)
     table = document.table
-    if isinstance(document, CudaIpcDocument):
-        if device.type != "cuda":
-            raise InvalidRequestError(
-                f"load_format {CUDA_IPC_LOAD_FORMAT!r} needs an engine on a GPU; this one runs on {device}: "
-                f"push over shared memory ({SHM_LOAD_FORMAT!r}) from CPU tensors"
-            )
-        check(table)
-        return unpack(table, open_shared(document.cuda_ipc, table.total_bytes))
+    ipc = isinstance(document, CudaIpcDocument)
+    if ipc and device.type != "cuda":
+        raise InvalidRequestError(
+            f"load_format {CUDA_IPC_LOAD_FORMAT!r} needs an engine on a GPU; this one runs on {device}: "
+            f"push over shared memory ({SHM_LOAD_FORMAT!r}) from CPU tensors"
+        )
     check(table)
+    if isinstance(document, CudaIpcDocument):
+        return unpack(table, open_shared(document.cuda_ipc, table.total_bytes))
     return unpack(table, segments.flat(document.shm, table.total_bytes))
 
 
 @dataclass
 class _Buffer:
-    """One receive buffer of a group: kept from one bucket to the next (its pages faulted in once),
-    grown when a bucket is bigger; held from a broadcast into it until its tensors are copied out."""
+    """One receive buffer of a group, kept from one bucket to the next (its pages faulted in once);
+    held from a broadcast into it until its tensors are copied out."""
 
     device: torch.device
     memory: torch.Tensor | None = None
@@ -74,32 +72,28 @@ class _Buffer:
 @dataclass
 class _Group:
     joined: groups.Joined
-    # The fencing token of the call that joined it (None: an unfenced call); the group lasts as
-    # long as that token's window (``WeightGroups.follow``).
+    # The fencing token of the call that joined it (None: unfenced): the group lasts its window.
     owner: int | None
-    # Where broadcasts land: the engine's GPU with NCCL, the CPU with gloo.
-    device: torch.device
-    # Two, taken in turn: the next bucket is received into one while the last one's tensors are
-    # copied out of the other (a sender broadcasts it as soon as the last broadcast is done).
+    device: torch.device  # where broadcasts land: the GPU with NCCL, the CPU with gloo
+    # Taken in turn: the next bucket is received into one while the last one's tensors are copied
+    # out of the other (a sender broadcasts it as soon as the last broadcast is done).
     buffers: tuple[_Buffer, _Buffer]
     # Held while a bucket is received: broadcasts land in the order their calls came.
     receiving: asyncio.Lock = field(default_factory=asyncio.Lock)
     turn: int = 0
 
 
-# Joins that may still run at once (each on a thread of its own); how long past its ``timeout_s``
-# a join is waited for is ``groups.JOIN_GRACE_S``.
+# Joins that may still run at once (each on a thread of its own).
 MAX_PENDING_JOINS = 4
 JOIN_GRACE_S = groups.JOIN_GRACE_S
 
 
 @dataclass
 class _JoinState:
-    """Where one join is (for the message when it is given up), and whether it was."""
+    """Where one join is (for the message when it is given up), whether it was, and its owner."""
 
     phase: str = "starting"
     abandoned: threading.Event = field(default_factory=threading.Event)
-    # The fencing token of the call that asked for it (see ``_Group.owner``).
     owner: int | None = None
 
     def at(self, phase: str) -> None:
@@ -107,17 +101,14 @@ class _JoinState:
 
 
 class WeightGroups:
-    """The torch.distributed groups this engine joined to receive weights, by name.
-
-    A group joined by a fenced call (a training window's pusher) belongs to that call's window
-    and is left when the window closes, however it closes (``follow``, then ``leave``): a pusher that died
-    mid-push never destroys its group, and the next window's pusher forms one of the same name."""
+    """The torch.distributed groups this engine joined to receive weights, by name. A group joined
+    by a fenced call belongs to that call's window and is left when the window closes, however it
+    closes (``follow``, then ``leave``): a pusher that died mid-push never destroys its group."""
 
     def __init__(self, *, device: torch.device) -> None:
         self._device = device
         self._groups: dict[str, _Group] = {}
-        # The engine's fence as ``follow`` last saw it: a join whose window closed meanwhile
-        # keeps no group when it forms.
+        # The fence as ``follow`` last saw it: a join whose window closed meanwhile keeps no group.
         self._fence = FenceState(fence=0, window_open=False)
         # Groups being joined, by name and rank 0's address: the same join twice is refused, while a
         # new group of a name whose last join is still waiting on a rank 0 that gave up may form.
@@ -126,7 +117,6 @@ class WeightGroups:
         # The receive buffers of the last group left, by device, for the next group that joins:
         # a pusher forms a group per update, and a fresh buffer faults every page in again.
         self._spare: dict[torch.device, list[torch.Tensor]] = {}
-        # Joins whose thread still runs, given up on or not.
         self._pending = 0
 
     @property
@@ -136,9 +126,8 @@ class WeightGroups:
             return self._pending
 
     def follow(self, fence: FenceState) -> list[str]:
-        """The engine's fence moved to ``fence``: the names of the groups whose window is over
-        (joined under a lower token, or under this one once its window closed), for ``leave``.
-        Never blocks: it runs on the event loop at every fence move."""
+        """The engine's fence moved to ``fence``: the names of the groups whose window is over, for
+        ``leave``. Never blocks (it runs on the event loop)."""
         with self._lock:
             # Fences only move forward, and a window that closed never opens again: a call that
             # reports an older fence changes nothing.
@@ -165,10 +154,9 @@ class WeightGroups:
 
     async def join_within(self, request: InitWeightsUpdateGroupRequest, *, owner: int | None = None) -> str:
         """``join`` on a thread of its own, answered within ``timeout_s`` (and a grace) whatever
-        rank 0 does: torch's store handshake has no time limit of its own, and a rank 0 that never
-        answers would hold a thread of the shared pool (which pauses, loads and checksums need).
-        A join given up on keeps no group should it form later; at most ``MAX_PENDING_JOINS`` may
-        still run (ConflictError past that). ``owner``: the fencing token whose window it lasts."""
+        rank 0 does: torch's store handshake has no time limit, and a silent rank 0 would hold a
+        thread of the shared pool. A join given up on keeps no group should it form later; past
+        ``MAX_PENDING_JOINS`` still running, ConflictError. ``owner``: the fencing token."""
         state = _JoinState(owner=owner)
         with self._lock:
             if self._pending >= MAX_PENDING_JOINS:
@@ -201,9 +189,8 @@ class WeightGroups:
             raise
 
     def join(self, request: InitWeightsUpdateGroupRequest, *, state: _JoinState | None = None) -> str:
-        """Join the group (blocking: call off the loop); returns a message. Raises ConflictError
-        naming the ranks that did not join within ``timeout_s``. ``state`` reports the phase the
-        join is in, and says whether its caller gave up (the group is then not kept)."""
+        """Join the group (blocking); returns a message. Raises ConflictError naming the ranks that
+        did not join within ``timeout_s``. ``state`` tracks the phase and whether its caller gave up."""
         state = state or _JoinState()
         name, rank, world = request.group_name, request.rank_offset, request.world_size
         backend, device = groups.member_device(request.backend, rank=rank, world=world, device=self._device)
@@ -254,12 +241,11 @@ class WeightGroups:
         self, request: UpdateWeightsFromDistributedRequest, check: Callable[[BucketTable], None]
     ) -> AsyncIterator[Received]:
         """One bucket by broadcast from rank 0 (as SGLang: one broadcast of a flattened bucket, else
-        one per tensor), held until the block ends: its buffer is neither overwritten by a later
-        broadcast nor handed to another group while the tensors viewing it are copied out; the
-        next bucket is received into the group's other buffer meanwhile.
-        Raises NotFoundError for an unknown group, InvalidRequestError for a table the model
-        refuses (``check``, before a byte is allocated), ConflictError when the broadcast does not
-        finish within ``timeout_s`` (the sender died or never sent)."""
+        one per tensor), its buffer held until the block ends (the next bucket is received into
+        the group's other buffer meanwhile). Raises NotFoundError for an unknown group,
+        InvalidRequestError for a table the model refuses (``check``, before a byte is allocated)
+        or that names a tensor twice or an unknown dtype, ConflictError when the broadcast does not
+        finish within ``timeout_s``."""
         flattened = request.flattened()
         with self._lock:
             member = self._groups.get(request.group_name)
@@ -267,14 +253,27 @@ class WeightGroups:
             raise NotFoundError(
                 f"this engine is in no group {request.group_name!r}; join it first (/init_weights_update_group)"
             )
-        table = table_of(request, flattened=flattened)
-        check(table)  # names, dtypes and shapes the model has, before a byte is allocated
+        table = groups.broadcast_table(
+            request.names, request.dtypes, request.shapes, request.digests, flattened=flattened
+        )
+        check(table)
+
+        def receive(buffer: _Buffer) -> Received:
+            return groups.receive(
+                member.joined.group,
+                table,
+                buffer.flat(table.total_bytes),
+                flattened=flattened,
+                group_name=request.group_name,
+                timeout_s=request.timeout_s,
+            )
+
         async with member.receiving:
             buffer = member.buffers[member.turn]
             member.turn ^= 1
             await buffer.in_use.acquire()
             try:
-                received = await asyncio.to_thread(_receive, member, buffer, request, table)
+                received = await asyncio.to_thread(receive, buffer)
             except BaseException:
                 buffer.in_use.release()
                 raise
@@ -294,23 +293,3 @@ class WeightGroups:
         if member is None:
             raise NotFoundError(f"this engine is in no group {name!r}")
         return f"left group {name!r}"
-
-
-def _receive(
-    member: _Group, buffer: _Buffer, request: UpdateWeightsFromDistributedRequest, table: BucketTable
-) -> Received:
-    """The bucket, received into ``buffer``."""
-    return groups.receive(
-        member.joined.group,
-        table,
-        buffer.flat(table.total_bytes),
-        flattened=request.flattened(),
-        group_name=request.group_name,
-        timeout_s=request.timeout_s,
-    )
-
-
-def table_of(request: UpdateWeightsFromDistributedRequest, *, flattened: bool) -> BucketTable:
-    """The bucket a broadcast will carry (``groups.broadcast_table``), refused before any byte
-    arrives when it names a tensor twice or a dtype torch does not know."""
-    return groups.broadcast_table(request.names, request.dtypes, request.shapes, request.digests, flattened=flattened)

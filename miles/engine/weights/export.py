@@ -1,6 +1,4 @@
-"""Exporting the weights an engine holds as a sealed miles checkpoint (``POST /export_weights``),
-so a restarted peer loads exactly these weights. They are copied a slice at a time, so updates
-and generation go on while the copy is written."""
+"""Exporting the weights an engine holds as a sealed miles checkpoint (``POST /export_weights``)."""
 
 from __future__ import annotations
 
@@ -31,16 +29,11 @@ def export_snapshot(
     checksum: str,
     step: int,
 ) -> Path:
-    """Write ``model`` (whose checksum is ``checksum``) under ``snapshot_dir`` and return the path;
-    an existing snapshot of the same name and checksum is reused as it is.
-
-    Raises:
-        ChecksumMismatchError: the written checkpoint does not hash to ``checksum`` (the caller's
-            record of the weights is wrong); nothing is left at the path.
-        CheckpointError / OSError: the snapshot could not be written (permissions, disk space).
-    """
-    # ``<model>-<version>-<checksum[:16]>``, unsafe characters replaced: the same weights under the
-    # same name map to the same path.
+    """Write ``model`` (whose checksum is ``checksum``) under ``snapshot_dir`` as
+    ``<model>-<version>-<checksum[:16]>`` and return the path; an existing snapshot of the same
+    checksum there is reused. Raises ChecksumMismatchError when the written checkpoint does not
+    hash to ``checksum`` (nothing is left at the path), CheckpointError / OSError when it could not
+    be written."""
     parts = [re.sub(r"[^A-Za-z0-9._-]", "_", part)[:_MAX_PART_CHARS] or "_" for part in (model_name, weight_version)]
     target = snapshot_dir / "-".join([*parts, checksum[:16]])
     if target.is_dir():
@@ -72,13 +65,9 @@ def export_snapshot(
 
 
 def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what: str) -> PreTrainedModel:
-    """A copy of ``model``, read in short sections of ``lock`` (``read_in_sections``): an update
-    that commits meanwhile waits for one slice, not for the whole copy (its swap runs between two
-    generation steps, which would wait with it), and ends the copy, whose weights are no longer
-    the ones served.
-
-    Raises ConflictError: the weights changed since (and the copy is dropped).
-    """
+    """A copy of ``model``, read in short sections of ``lock`` (``read_in_sections``): a change
+    waits for one slice, not for the whole copy, and ends it. Raises ConflictError: the weights
+    changed since ``writes``."""
     copied, pairs = _empty_copy(model)
     targets = [target.reshape(-1).view(torch.uint8) for _, target in pairs]
 
@@ -91,9 +80,8 @@ def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what
 
 
 def _empty_copy(model: PreTrainedModel) -> tuple[PreTrainedModel, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A copy of ``model`` whose parameters and buffers are new, unfilled tensors (tied ones stay
-    tied), and the (live, copy) pairs to fill them from: the model's own tensor objects, so that
-    holding them adds no view of the live memory."""
+    """A copy of ``model`` with new, unfilled parameters and buffers (tied ones stay tied), and the
+    (live, copy) pairs to fill: the model's own tensor objects, which add no view of live memory."""
     memo: dict[int, Any] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for tensor in [*model.parameters(), *model.buffers()]:

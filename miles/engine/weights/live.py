@@ -1,7 +1,6 @@
-"""The live record: what the served weights are, and the operations that read them whole.
-``HeldWeights`` is replaced whole under the write lock whenever the weights or their name change,
-so a probe never reads a version paired with another version's checksum; every change, start-up
-and ``/weights_checker`` record the checksum of what the weights hold.
+"""The live record (what the served weights are) and the operations that read them whole.
+``HeldWeights`` is replaced whole under the write lock, so a probe never reads a version paired
+with another version's checksum.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ class WeightsStatus(Enum):
     """Whether the live weights are known to equal a verified checkpoint."""
 
     VERIFIED = "verified"
-    # Written in place but not (yet) hashing to what was expected: generation stays paused until
-    # good weights are loaded or pushed.
+    # Written in place but not hashing to what was expected (yet): generation stays paused.
     UNVERIFIED = "unverified"
 
 
@@ -56,13 +54,12 @@ class HeldWeights:
     """The identity of the weights the engine holds now (replaced whole, never torn)."""
 
     version: str
-    # The model checksum of the weights held now; None only until the model has loaded.
-    checksum: str | None
+    checksum: str | None  # the model checksum; None only until the model has loaded
     status: WeightsStatus
 
 
 class LiveWeights:
-    """The served weights' record and the operations that read them; coroutines run on the event loop."""
+    """The served weights' record and the operations that read them."""
 
     def __init__(
         self,
@@ -104,15 +101,13 @@ class LiveWeights:
         return WeightVersionResponse(weight_version=held.version, checksum=held.checksum, instance_id=self._instance_id)
 
     def record(self, held: HeldWeights, *, loaded_from: Path | None = None) -> None:
-        """Record what the weights are now (and the checkpoint they came from); the caller holds
-        the write side of the lock, under which the weights changed."""
+        """Record what the weights are now (and the checkpoint they came from); write lock held."""
         self._held = held
         if loaded_from is not None:
             self._loaded_from = loaded_from
 
     def record_loaded(self) -> None:
-        """Record the checksum of the weights just loaded at start-up, before serving begins, so
-        the identity probes read is never without one (a hash pass at memory speed)."""
+        """Record the checksum of the weights loaded at start-up, before serving begins."""
         checksum = checksum_module(self.model()).checksum
         self._held = replace(self._held, checksum=checksum)
         if self._start_manifest_checksum not in (None, checksum):
@@ -132,10 +127,9 @@ class LiveWeights:
             )
 
     async def checksum(self) -> ModelChecksum:
-        """The checksum of the weights held right now (recomputed, and recorded as theirs). Hashed
-        in short read sections (``read_in_sections``), so a change never waits for a whole pass;
-        a change that commits meanwhile makes it hash again, and after ``_SECTIONED_TRIES`` such
-        passes it hashes in one section."""
+        """The checksum of the weights held now, recomputed and recorded. Hashed in read sections
+        (``read_in_sections``); a change that commits meanwhile makes it hash again, and after
+        ``_SECTIONED_TRIES`` such passes it hashes in one section."""
 
         def compute() -> ModelChecksum:
             for _ in range(_SECTIONED_TRIES):
@@ -150,13 +144,12 @@ class LiveWeights:
         return await asyncio.to_thread(compute)
 
     def _hash_in_sections(self) -> ModelChecksum:
-        """The checksum of the live weights, each slice hashed in a read section of its own, and
-        recorded unless a change committed meanwhile (ConflictError)."""
+        """The checksum of the live weights, hashed in read sections, recorded unless a change
+        committed meanwhile (ConflictError)."""
         model = self.model()
         writes = self.lock.writes
         with self.lock.read():
-            # The names and layout a checkpoint of the model has, and the model's own tensor
-            # objects behind them (no view of the live memory is held between sections).
+            # The model's own tensor objects, not views: none is held between sections.
             layout = {name: (t.dtype, tuple(t.shape)) for name, t in saved_state_dict(model).items()}
         tensors = [_own_tensor(model, name) for name in layout]
         hashers = [TensorHasher() for _ in layout]
@@ -177,11 +170,9 @@ class LiveWeights:
         return result
 
     async def export(self, request: ExportWeightsRequest) -> ExportWeightsResponse:
-        """Write the weights held now as a sealed checkpoint under ``--snapshot-dir``.
-
-        Raises ConflictError (409) when export is not enabled, the weights are unverified, or
-        they changed while they were read.
-        """
+        """Write the weights held now as a sealed checkpoint under ``--snapshot-dir``. Raises
+        ConflictError when export is not enabled, a change is under way, the weights are
+        unverified, or they changed while they were read."""
         snapshot_dir = self._snapshot_dir
         if snapshot_dir is None:
             raise ConflictError(
@@ -190,9 +181,8 @@ class LiveWeights:
             )
 
         def export() -> ExportWeightsResponse:
-            # A copy of the weights and their record, then written to disk without any lock (see
-            # ``copy_weights``). A worker thread, not the scheduler's. Not while a change is about
-            # to swap: its swap would wait for the copy's read section, and end the copy.
+            # Copied in sections, then written without any lock. Not while a change is about to
+            # swap: its swap would wait for the copy's read section, and end the copy.
             if not self.lock.wait_for_no_change(EXPORT_WAITS_FOR_CHANGE_S):
                 raise ConflictError(
                     f"a weight change has been under way on this engine for over {EXPORT_WAITS_FOR_CHANGE_S:g}s "

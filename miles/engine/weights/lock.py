@@ -1,7 +1,5 @@
-"""A writer-preferring reader-writer lock for the live weights.
-
-Generation steps and checksum reads share the weights (read side); copying a new checkpoint into
-them is exclusive (write side). A waiting writer blocks new readers, so a steady stream of
+"""A writer-preferring reader-writer lock for the live weights: generation steps and long reads
+share them, a change writes them alone; a waiting writer blocks new readers, so a steady stream of
 generation steps can never starve a weight update.
 """
 
@@ -15,8 +13,7 @@ import torch
 
 from miles.errors import ConflictError
 
-# What one read section of a long read (an export, a checksum) takes of the weights: what a
-# change's swap may wait for (about half a millisecond here).
+# What one section of a long read (an export, a checksum) reads: what a swap may wait for (~0.5 ms).
 READ_SECTION_BYTES = 4 * 1024 * 1024
 
 
@@ -62,12 +59,11 @@ class WeightsLock:
                 self._cond.notify_all()
 
     def announce(self) -> None:
-        """A change begins that will write the weights (it opened its stage): counted as a write,
-        so that a long read in sections (an export, a checksum) ends at its next section instead
-        of at the change's swap, where it would end torn anyway. Until the change is withdrawn
-        (its stage closed), ``wait_for_no_change`` holds back the start of a new long read. A swap then
-        waits for no reader (an export's copy of one slice, preempted on a busy machine, stalled
-        swaps, and generation with them, for 1-10 ms on two cores)."""
+        """A change opened its stage: counted as a write, so that a long read in sections ends at
+        its next section instead of at the swap, where it would end torn anyway; until
+        ``withdraw``, ``wait_for_no_change`` holds back new long reads. A swap then waits for no
+        reader (an export's copy of one slice, preempted on a busy machine, stalled swaps, and
+        generation with them, for 1-10 ms on two cores)."""
         with self._cond:
             self._writes += 1
             self._changing = True
@@ -85,8 +81,8 @@ class WeightsLock:
 
     @property
     def writes(self) -> int:
-        """How many write sections have begun or been announced: a reader that sees the same
-        count in two read sections knows nothing was written between them."""
+        """Write sections begun or announced: the same count in two read sections means nothing
+        was written between them."""
         with self._cond:
             return self._writes
 
@@ -100,14 +96,11 @@ def read_in_sections(
     each: Callable[[int, int, torch.Tensor], None],
 ) -> None:
     """Call ``each(index, start, chunk)`` for every slice of each tensor's bytes (``chunk`` a flat
-    uint8 view of the live bytes from ``start``), each call in a read section of its own: a change
-    waits for one slice, never for the whole read. Between sections nothing here views the live
-    weights (a staged swap refuses to leave a tensor it does not know on the old ones), so
-    ``each`` must not keep ``chunk``. ``tensors`` are the model's own tensor objects, which a swap
-    re-points: a write between two sections would make a torn read, so the read ends instead.
-
-    ``writes``: ``lock.writes`` when the caller read the record of the weights (``what``).
-    Raises ConflictError: the weights changed since.
+    uint8 view of the live bytes from ``start``), each in a read section of its own: a change
+    waits for one slice, never for the whole read. ``each`` must not keep ``chunk`` (a swap
+    refuses to leave a viewer it does not know on the old weights). ``tensors`` are the model's
+    own tensor objects, which a swap re-points: a write between two sections would tear the read.
+    Raises ConflictError when ``lock.writes`` is no longer ``writes`` (read with ``what``).
     """
     for index, live in enumerate(tensors):
         nbytes = live.numel() * live.element_size()

@@ -1,8 +1,7 @@
 """Where the live weights lie: the storages behind a checkpoint's tensors, every tensor object that
 views them (fused q/k/v views, tied embeddings, the runner's ``weight_views``), and their twins.
-A buffer stage swaps whole storages, so this map must be complete: a viewer missing here would
-go on reading the old storage. Every tensor object holds one reference to the storage it views,
-so a storage's reference count shows a viewer nobody listed.
+A swap trades whole storages, so a viewer missing here would go on reading the old one; each
+tensor object holds one reference to its storage, so a reference count shows one nobody listed.
 """
 
 from __future__ import annotations
@@ -77,9 +76,8 @@ class WeightMemory:
 
     @staticmethod
     def of(model: torch.nn.Module, *, runner_tensors: Iterable[torch.Tensor] = ()) -> WeightMemory:
-        """The map of ``model``'s weights (``runner_tensors``: the runner's besides the model's).
-        Raises StagingUnsupportedError for a tensor that is not dense, tensors that overlap
-        without being the same view, or a viewer neither the model nor the runner lists."""
+        """The map of ``model``'s weights and ``runner_tensors``. Raises StagingUnsupportedError for
+        a tensor that is not dense, overlapping tensors, or a viewer neither of them lists."""
         storages, slots = _checkpoint_slots(model)
         index_of = {s.live._cdata: i for i, s in enumerate(storages)}
         canonical = {(s.storage, s.dtype, s.spec) for s in slots.values()}
@@ -121,8 +119,7 @@ class WeightMemory:
         return sum(s.live.nbytes() for s in self.storages)
 
     def unknown_viewers(self) -> list[str]:
-        """Storages with more references than their known viewers hold, plus one: the storage
-        object this map keeps (any other Python object wrapping the same storage is that one)."""
+        """Storages with more references than their known viewers, plus the storage object kept here."""
         return [
             f"{s.names[:3]}: {references(s.live) - 1} references, {len(s.viewers)} known"
             for s in self.storages
@@ -139,8 +136,8 @@ class WeightMemory:
         ]
 
     def _check_layout(self) -> None:
-        """Refuse tensors that overlap without being the same view: staging could not say which
-        bytes belong to which name, nor copy one without changing the other."""
+        """Refuse tensors that overlap without being the same view: staging could not copy one
+        without changing the other."""
         spans: dict[int, list[tuple[int, int, str]]] = {}
         for name, slot in self.slots.items():
             spans.setdefault(slot.storage, []).append((*slot.spec.byte_span(slot.dtype.itemsize), name))
@@ -157,15 +154,13 @@ class WeightMemory:
 
 
 def references(storage: torch.UntypedStorage) -> int:
-    """How many references the storage has: one per tensor object viewing it, one per Python
-    storage object wrapping it."""
+    """References to the storage: one per tensor object viewing it or Python object wrapping it."""
     return int(torch._C._storage_Use_Count(storage._cdata))
 
 
 def _checkpoint_slots(model: torch.nn.Module) -> tuple[list[StorageViews], dict[str, Slot]]:
-    """The storages holding the tensors a checkpoint of ``model`` holds, and where each lies.
-    A function of its own so that the state dict's tensors (detached views, each one more
-    reference to its storage) are gone when the caller counts references."""
+    """The storages of a checkpoint of ``model``'s tensors and where each lies; a function of its
+    own so that the state dict's views (references to the storages) are gone when counted."""
     storages: list[StorageViews] = []
     index_of: dict[int, int] = {}
     slots: dict[str, Slot] = {}

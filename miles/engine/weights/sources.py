@@ -1,8 +1,7 @@
-"""Where a change's bytes come from, checked before any of them is written: a checkpoint
-verified whole and matched against the live model while generation goes on (a refused one never
-touches the weights), or pushed buckets whose tensors the model has. Files are read, never
-memory-mapped (a mapped file cut short kills the process with SIGBUS): one that changes after the
-verification makes a stage whose checksum cannot match, never a crash.
+"""Where a change's bytes come from, checked before any of them is written: a verified checkpoint
+matched against the live model, or pushed buckets whose tensors the model has. Files are read,
+never memory-mapped (a mapped file cut short kills the process with SIGBUS): one that changes
+after the verification makes a stage whose checksum cannot match, never a crash.
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ class IncompatibleCheckpointError(CheckpointError):
 
 
 class UnexpectedChecksumError(CheckpointError):
-    """The checkpoint is not the one the caller expects: its checksum differs from
-    ``expected_checksum``. ``computed`` is the checksum hashed from its files, when that was done."""
+    """The checkpoint's checksum differs from ``expected_checksum``; ``computed``: hashed from its
+    files, when that was done."""
 
     def __init__(self, message: str, *, computed: str | None, **context: object) -> None:
         self.computed = computed
@@ -47,18 +46,16 @@ class UnexpectedChecksumError(CheckpointError):
 
 
 def signature(model: torch.nn.Module) -> Signature:
-    """The (dtype, shape) of every tensor a checkpoint of ``model`` holds. Not the tensors: a held
-    view of the live weights would keep their memory alive past a staged swap."""
+    """The (dtype, shape) of every tensor a checkpoint of ``model`` holds (not the tensors: a held
+    view of the live weights would keep their memory alive past a staged swap)."""
     return {name: (t.dtype, tuple(t.shape)) for name, t in saved_state_dict(model).items()}
 
 
 def checkpoint_path(raw: str, *, roots: tuple[Path, ...]) -> Path:
     """The checkpoint directory ``raw`` names, checked before any filesystem call sees the text.
-
     Raises InvalidRequestError for bad text or an unreadable path, PermissionDeniedError for a
-    directory outside ``roots`` (when there are any) or holding entries that resolve outside them,
-    NotFoundError for a path that is not a directory.
-    """
+    directory outside ``roots`` or holding entries that resolve outside them, NotFoundError for a
+    path that is not a directory."""
     path = checked_path(raw, field="model_path")
     if not inside_roots(path, roots):
         raise PermissionDeniedError(
@@ -87,10 +84,9 @@ def checkpoint_path(raw: str, *, roots: tuple[Path, ...]) -> Path:
 
 @dataclass
 class VerifiedCheckpoint:
-    """A checkpoint matched against the live model: what a load writes. Its bytes were verified
-    whole as it was opened, or (``deferred``) are verified tensor by tensor as they are staged:
-    a stage beside the live weights can be written before its bytes are known good, so a staged
-    load reads the checkpoint once instead of twice."""
+    """A checkpoint matched against the live model. Its bytes were verified whole as it was opened,
+    or (``deferred``) are verified as they are staged beside the live weights: a staged load reads
+    the checkpoint once instead of twice."""
 
     reader: CheckpointReader
     checkpoint_checksum: str  # the model checksum its files hash to (deferred: once staged whole)
@@ -98,8 +94,8 @@ class VerifiedCheckpoint:
     deferred: bool = False
 
     def write(self, stage: Stage) -> None:
-        """Stage every tensor; a deferred verification raises CheckpointVerificationError naming
-        the tensors whose bytes differ from the manifest."""
+        """Stage every tensor; deferred, raises CheckpointVerificationError naming those whose bytes
+        differ from the manifest."""
         digests = stage.write_checkpoint(self.reader)
         if self.deferred:
             self.reader.check_digests(digests).raise_for_problems(limit=5)
@@ -119,11 +115,10 @@ def open_verified(
     weight_version: str | None = None,
     defer: bool = False,
 ) -> VerifiedCheckpoint:
-    """Open ``checkpoint``, verify it whole (against its manifest, whose checksum must be
-    ``expected_checksum`` when given; a plain Hugging Face directory is hashed into a manifest that
-    must carry it, and needs a ``weight_version``) and match it against ``model``'s tensors. With
-    ``defer``, a sealed checkpoint's bytes are left to be verified as they are written
-    (``VerifiedCheckpoint.write``): only its structure is checked here.
+    """Open ``checkpoint``, verify it (against its manifest, whose checksum must be
+    ``expected_checksum`` when given; a plain Hugging Face directory is hashed into a manifest
+    that must carry it, and needs a ``weight_version``) and match it against ``model``'s tensors.
+    With ``defer``, a sealed checkpoint's bytes are verified as they are written.
     Raises CheckpointError naming what is wrong: UnexpectedChecksumError for another checkpoint
     than expected, IncompatibleCheckpointError for other names, shapes or dtypes than the model's.
     """
@@ -138,9 +133,7 @@ def open_verified(
         # The files could not even be opened; a full verification names every problem.
         verify_checkpoint_or_raise(checkpoint, limit=5)
         raise
-    except OSError as exc:
-        # Unreadable files (a directory where the manifest should be, no permission): the
-        # checkpoint is refused like any other bad one, never a failure of the engine.
+    except OSError as exc:  # unreadable files are refused like any other bad checkpoint
         raise _unreadable(checkpoint, exc) from exc
     opened = time.perf_counter()
     deferred = defer and not plain  # a plain directory's files were hashed as it was opened
@@ -172,8 +165,7 @@ def open_verified(
 
 
 def _open_plain(checkpoint: Path, *, expected_checksum: str | None, weight_version: str | None) -> CheckpointReader:
-    """A reader over the plain Hugging Face directory ``checkpoint``, whose manifest is hashed
-    from its files here and must carry ``expected_checksum``."""
+    """A reader over a plain Hugging Face directory, whose manifest is hashed from its files here."""
     if expected_checksum is None:
         raise CheckpointError(
             "the checkpoint has no miles manifest (miles_manifest.json) to verify it against: seal it with "
@@ -228,8 +220,7 @@ def _match(layout: Signature, reader: CheckpointReader, checkpoint: Path) -> Non
 
 def check_pushed(entries: Iterable[BucketEntry], live: Signature) -> None:
     """Raise InvalidRequestError unless every pushed entry names a live tensor of its dtype and
-    shape. Compared as numbers: a shape no tensor could have (2**40 x 2**40) is refused by the
-    comparison, never allocated, even on the meta device."""
+    shape, compared as numbers: a shape no tensor could have is never allocated, even on meta."""
     for entry in entries:
         dtype, target = entry.torch_dtype(), live.get(entry.name)
         if target is None:

@@ -1,7 +1,6 @@
-"""What a change writes into: a stage, taking tensors by name. Every write records the digest of
-the bytes it left in the stage's memory, so the stage's checksum is that of what it holds. A
-``BufferStage`` (``buffers.py``) lies beside the live weights and is swapped in; a ``LiveStage``
-is the live tensors, written under the write lock with generation paused."""
+"""What a change writes into: a stage, taking tensors by name, whose checksum is that of the bytes
+its writes left in its memory. A ``BufferStage`` (``buffers.py``) lies beside the live weights
+and is swapped in; a ``LiveStage`` is the live tensors, written under the write lock."""
 
 from __future__ import annotations
 
@@ -65,12 +64,6 @@ class Stage:
     ) -> str:
         """``write`` for a source that copies itself: ``copy(target)`` fills the staged tensor of
         ``name`` (checked first as ``write`` checks it) and returns the digest of what it wrote."""
-        return self.record(name, copy(self.target(name, dtype, shape)))
-
-    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The staged tensor of ``name``, for a source that fills it itself and then ``record``s
-        the digest of what it wrote (until then the stage knows nothing of its bytes). Raises as
-        ``write``."""
         self._require_open()
         live = self._layout.get(name)
         if live is None:
@@ -83,18 +76,13 @@ class Stage:
                 staged=f"{dtype_name(dtype)}{list(shape)}",
             )
         self._checksum = None
-        self._digests.pop(name, None)
-        return self._target(name)
-
-    def record(self, name: str, digest: str) -> str:
-        """Note that the staged tensor of ``name`` now holds bytes of digest ``digest``."""
-        self._digests[name] = digest
+        self._digests.pop(name, None)  # unknown until written (a write that fails half-way leaves it so)
+        digest = self._digests[name] = copy(self._target(name))
         return digest
 
     def write_checkpoint(self, reader: CheckpointReader) -> dict[str, str]:
-        """Stage every tensor of ``reader`` (the names ``names`` lists) and return the digests of
-        the bytes read; each tensor is read a slice at a time, each slice hashed and copied while
-        in cache."""
+        """Stage every tensor of ``reader`` and return the digests of the bytes read (each slice
+        hashed and copied while in cache)."""
         digests: dict[str, str] = {}
 
         def one(name: str, nbytes: int) -> None:
@@ -105,8 +93,7 @@ class Stage:
         return digests
 
     def write_bucket(self, bucket: Received) -> None:
-        """Stage every tensor of ``bucket``, each checked against its digest over the bytes staged
-        (InvalidRequestError)."""
+        """Stage every tensor of ``bucket``, each checked against its digest (InvalidRequestError)."""
 
         def one(name: str, nbytes: int) -> None:
             entry = bucket.entries[name]
@@ -116,8 +103,8 @@ class Stage:
         self._each([(e.name, e.nbytes) for e in bucket.entries.values()], one)
 
     def _each(self, items: list[tuple[str, int]], job: Callable[[str, int], None]) -> None:
-        """``job(name, nbytes)`` for every item: a large write on torch's number of threads (the
-        copy and the hash release the GIL), largest first; the first that fails stops the others."""
+        """``job(name, nbytes)`` for every item, largest first: a large write on torch's number of
+        threads (the copy and the hash release the GIL); the first that fails stops the others."""
         items = sorted(items, key=lambda item: item[1], reverse=True)
         threads = min(torch.get_num_threads(), len(items))
         if threads < 2 or sum(nbytes for _, nbytes in items) < _PARALLEL_WRITE_BYTES:
@@ -145,8 +132,8 @@ class Stage:
         return self._checksum
 
     def prepare_activation(self) -> None:
-        """Check before the write lock is taken what ``activate`` checks again under it (nothing,
-        for most stages); raises as ``activate`` does, and the stage stays open."""
+        """Check before the write lock what ``activate`` checks again under it; raises as
+        ``activate`` does, and the stage stays open."""
         self._require_open()
 
     def activate(self) -> ModelChecksum:
@@ -170,7 +157,7 @@ class Stage:
         self._on_close = callback
 
     def _target(self, name: str) -> torch.Tensor:
-        """The tensor a write of ``name`` fills."""
+        """The tensor a write of ``name`` fills, once it is checked."""
         raise NotImplementedError
 
     def _keep(self, name: str) -> str:
@@ -210,6 +197,5 @@ class LiveStage(Stage):
 
     def _close(self, state: StageState) -> None:
         super()._close(state)
-        # Views of the live weights: held past the change, a buffer swap would find viewers it
-        # does not know.
+        # Views of the live weights: held past the change, a swap would find viewers it does not know.
         self._live = {}

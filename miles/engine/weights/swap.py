@@ -1,9 +1,5 @@
 """Every change of the live weights, one sequence: stage, verify, swap (docs/ENGINE.md, "Staged
-activation"). A load and a push differ only in where the bytes come from (``sources.py``); the
-staging policy picks the stage (``buffers.py``). A buffer stage is written and hashed while the
-engine serves, then swapped in under the write lock with generation paused; the live stage is
-written and hashed in that locked section itself. A swap the buffers refuse gives staging up: a
-load then copies in place under the same lock, a push is refused. One change at a time.
+activation"); a load and a push differ only in where the bytes come from (``sources.py``).
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ from miles.weights.checksum import ModelChecksum
 logger = logging.getLogger("miles.engine")
 
 T = TypeVar("T")
-# The GIL switch interval while a change holds (or waits for) the write lock, seconds: see
-# ``_prompt_gil``.
+# The GIL switch interval while a change holds (or waits for) the write lock (``_prompt_gil``).
 SWAP_SWITCH_INTERVAL_S = 0.0005
 
 PushRequest = UpdateWeightsFromTensorRequest | UpdateWeightsFromDistributedRequest
@@ -87,8 +82,7 @@ class _Change:
 
 
 class WeightChanges:
-    """Every change of the served weights: loads, pushes and their activation, renames.
-    Coroutines run on the event loop."""
+    """Every change of the served weights: loads, pushes and their activation, renames."""
 
     def __init__(
         self, *, weights: LiveWeights, scheduler: Scheduler, staging: StagingPolicy, roots: tuple[Path, ...]
@@ -103,9 +97,8 @@ class WeightChanges:
         self._loads: set[asyncio.Future[UpdateWeightsResponse]] = set()
 
     async def update_from_disk(self, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
-        """Load a checkpoint into the live weights. Raises as ``checkpoint_path`` for a path that
-        is not allowed or not a directory; a checkpoint that fails validation is answered with
-        ``success=False`` and leaves the old weights serving."""
+        """Load a checkpoint into the live weights. Raises as ``checkpoint_path``; a checkpoint that
+        fails validation is answered with ``success=False`` and leaves the old weights serving."""
         path = await asyncio.to_thread(checkpoint_path, request.model_path, roots=self._roots)
         # Once started, a load runs to its end even if its caller goes away: a worker thread still
         # writing a stage (or copying) for a cancelled task would race the next load for its memory.
@@ -165,18 +158,16 @@ class WeightChanges:
             return self._answer(outcome, timings, checkpoint_checksum=checkpoint.checkpoint_checksum)
 
     def check_table(self, table: BucketTable) -> None:
-        """Raise InvalidRequestError unless every tensor of ``table`` is one the model holds, with
-        its dtype and shape (checked before anything is received or allocated)."""
+        """Raise InvalidRequestError unless the model holds every tensor of ``table`` as it is."""
         check_pushed(table.entries, self._signature)
 
     async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
         """Take one bucket of pushed tensors into the stage of its change; the last one
         (``expected_checksum`` given) is confirmed over the whole model before the weights serve.
-        In place, generation stays paused, the weights unverified, until a last bucket matches.
 
-        Raises InvalidRequestError for a tensor the model does not have (or not of that dtype and
-        shape) and for bytes that differ from their digest (the push is dropped); ConflictError
-        for a push that must stage (``activate=False``) on an engine that cannot stage now.
+        Raises InvalidRequestError for a tensor the model does not hold as pushed and for bytes
+        that differ from their digest (the push is dropped); ConflictError for a push that must
+        stage (``activate=False``) on an engine that cannot stage now.
         """
         if request.expected_checksum is not None and request.weight_version is None:
             raise InvalidRequestError(
@@ -199,8 +190,9 @@ class WeightChanges:
                 )
             target = None
             if request.expected_checksum is not None and request.weight_version is not None:
-                missing = "a tensor is missing or differs"
-                target = Target(request.weight_version, request.expected_checksum, source=source, mismatch=missing)
+                target = Target(
+                    request.weight_version, request.expected_checksum, source, "a tensor is missing or differs"
+                )
             timings: dict[str, float] = {}
             try:
                 if change.stage.in_place:
@@ -222,9 +214,8 @@ class WeightChanges:
             return self._answer(outcome, timings)
 
     async def activate_staged(self, request: ActivateWeightsRequest) -> UpdateWeightsResponse:
-        """Serve the pushed weights staged and verified earlier (``activate=False``): pause running
-        requests as asked, swap, resume. Raises ConflictError when no staged weights hash to
-        ``expected_checksum``."""
+        """Swap in the pushed weights staged and verified earlier (``activate=False``). Raises
+        ConflictError when no staged weights hash to ``expected_checksum``."""
         async with self._lock:
             change = self._change
             staged = change.verified if change is not None else None
@@ -242,9 +233,8 @@ class WeightChanges:
             return self._answer(outcome, timings)
 
     async def discard_push(self) -> None:
-        """Drop a push that never reached its last bucket (its window ended); copied in place, the
-        weights stay unverified. Staged and verified weights stay until activated or superseded
-        (the window's commit activates them after closing it)."""
+        """Drop a push that never reached its last bucket (its window ended); staged and verified
+        weights stay until activated or superseded (the window's commit activates them)."""
         async with self._lock:
             if self._change is not None and self._change.verified is None:
                 self._drop()
@@ -259,8 +249,6 @@ class WeightChanges:
                 self._weights.record(replace(self._weights.held, version=request.new_version))
 
         await asyncio.to_thread(rename)
-
-    # --- the sequence ----------------------------------------------------------------------
 
     async def _run(
         self,
@@ -277,14 +265,15 @@ class WeightChanges:
         again: Write | None = None,
     ) -> Outcome:
         """Write ``what`` into the change's stage; for its last write (``target``), hash it, refuse
-        a mismatch and swap it in, generation paused in ``mode`` (``source`` asks; ``keep`` leaves
-        it paused), unless it waits for /activate_weights. ``again`` writes every byte once more,
-        where the source can (a load): a refused swap then copies in place."""
+        a mismatch and swap it in, generation paused in ``mode`` (``keep`` leaves it paused),
+        unless it waits for /activate_weights. ``again`` writes every byte once more where the
+        source can (a load): a refused swap then copies in place."""
         stage = change.stage
         if not stage.in_place:
             try:
-                hashed = target is not None
-                checksum = await asyncio.to_thread(self._write, stage, write, hashed=hashed, timings=timings)
+                checksum = await asyncio.to_thread(
+                    self._write, stage, write, hashed=target is not None, timings=timings
+                )
             except (OSError, CheckpointError) as exc:
                 # Bytes that differ from the manifest (verified as they were staged), or files that
                 # became unreadable after they were opened: the live weights never changed.
@@ -319,7 +308,6 @@ class WeightChanges:
         return replace(outcome, requests=requests)
 
     def _write(self, stage: Stage, write: Write, *, hashed: bool, timings: dict[str, float]) -> ModelChecksum | None:
-        """Write into ``stage`` and, with ``hashed``, hash it: one thread hop."""
         started = time.perf_counter()
         write(stage)
         written = time.perf_counter()
@@ -356,9 +344,8 @@ class WeightChanges:
     async def _swap(
         self, change: _Change, target: Target, *, timings: dict[str, float], again: Write | None
     ) -> Outcome:
-        """Swap a verified buffer stage in, generation paused (``activate`` in the timings: what
-        generation waited for). A swap the buffers refuse (some tensor would keep the old
-        weights) gives staging up; ``again`` then copies in place under the same lock."""
+        """Swap a verified buffer stage in, generation paused. A swap the buffers refuse gives
+        staging up; ``again`` then copies in place under the same lock."""
         stage = change.stage
 
         def prepare() -> None:
@@ -397,14 +384,11 @@ class WeightChanges:
         assert checksum is not None
         return self._judge(checksum, target, in_place=True)
 
-    def _serve(self, target: Target, checksum: ModelChecksum) -> None:
-        """Record the weights, which hash to ``target``, as serving it (write lock held)."""
+    def _serve(self, target: Target, checksum: ModelChecksum) -> None:  # write lock held
         held = HeldWeights(version=target.version, checksum=checksum.checksum, status=WeightsStatus.VERIFIED)
         self._weights.record(held, loaded_from=target.loaded_from)
 
     def _judge(self, checksum: ModelChecksum, target: Target, *, in_place: bool) -> Outcome:
-        """A last write's stage hashed to ``checksum``: served if that is the target's, else
-        refused (in place: generation stays paused on unverified weights)."""
         if checksum.checksum == target.checksum:
             return Outcome(True, f"Succeeded to update model weights from {target.source}.", checksum.checksum)
         then = "generation stays paused until good weights are loaded"
@@ -420,9 +404,9 @@ class WeightChanges:
     async def _locked(
         self, job: Callable[[], T], timings: dict[str, float], *, before: Callable[[], None] | None = None
     ) -> T:
-        """Run ``job`` on the scheduler thread between two steps (the one torch thread), under the
-        write side of the weights lock; ``before`` first on the same thread, outside the lock (a
-        swap's warm-up: the cache it warms is that core's)."""
+        """Run ``job`` on the scheduler thread between two steps, under the write lock; ``before``
+        first on the same thread, outside the lock (a swap's warm-up: the cache it warms is that
+        core's)."""
 
         def run() -> T:
             if before is not None:
@@ -439,10 +423,9 @@ class WeightChanges:
     async def _paused(
         self, mode: PauseMode, *, source: str, timings: dict[str, float], keep: bool = False
     ) -> AsyncIterator[int]:
-        """Generation paused for a change in ``mode`` (yields the requests in flight then), given
-        back after it only if the weights are verified, or by the caller with ``keep``
-        (``keep_pause``). Generation the caller had paused stays paused; an aborting mode then
-        only aborts what is queued."""
+        """Generation paused for a change in ``mode`` (yields the requests in flight), resumed after
+        it only if the weights are verified and not ``keep`` (``keep_pause``). Generation the
+        caller had paused stays paused; an aborting mode then only aborts what is queued."""
         message, requests, started = f"aborted by {source}", 0, time.perf_counter()
         if self._scheduler.state is GenerationState.SERVING:
             by = Pauser.CALLER if keep else Pauser.UPDATE
@@ -461,8 +444,8 @@ class WeightChanges:
         return signature(self._weights.model())  # the model never changes shape
 
     def _open_stage(self, model: torch.nn.Module) -> Stage:
-        """The stage of a change beginning now, announced to long reads of the weights (they end
-        at their next section rather than hold up the change's swap) until it is closed."""
+        """The stage of a change beginning now, announced to long reads (``WeightsLock.announce``)
+        until it is closed."""
         self._weights.lock.announce()
         try:
             stage = self._staging.open_stage(model)
@@ -473,7 +456,7 @@ class WeightChanges:
         return stage
 
     def _drop(self, change: _Change | None = None) -> None:
-        """Discard the stage of ``change`` (by default the one left unfinished) and forget it."""
+        """Discard the stage of ``change`` (by default the unfinished one) and forget it."""
         change = change or self._change
         if change is not None:
             change.stage.discard()
@@ -483,8 +466,6 @@ class WeightChanges:
     def _answer(
         self, outcome: Outcome, timings: dict[str, float], *, checkpoint_checksum: str | None = None
     ) -> UpdateWeightsResponse:
-        """The answer to one call of a change: its ``weight_version`` is the one served now (the
-        new one once swapped in, else the old)."""
         return UpdateWeightsResponse(
             success=outcome.success,
             message=outcome.message,
@@ -498,10 +479,9 @@ class WeightChanges:
 
 @contextmanager
 def _prompt_gil() -> Iterator[None]:
-    """Python's GIL switch interval lowered to ``SWAP_SWITCH_INTERVAL_S`` meanwhile. A swap holds
-    the GIL for a fraction of a millisecond, but a thread that asks for it then (the event loop)
-    takes it after the switch interval and may keep it as long: at the default 5 ms, a swap that
-    met one took 3-5 ms instead of 0.3. Lowered for good, it cost generation of a small model
+    """The GIL switch interval lowered to ``SWAP_SWITCH_INTERVAL_S`` meanwhile. A thread that asks
+    for the GIL during a swap (the event loop) takes it after the interval and may keep it as long:
+    at the default 5 ms a swap took 3-5 ms instead of 0.3. Lowered for good, it cost a small model
     5-10% of its tokens per second."""
     before = sys.getswitchinterval()
     sys.setswitchinterval(SWAP_SWITCH_INTERVAL_S)
