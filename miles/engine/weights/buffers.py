@@ -175,8 +175,7 @@ class BufferStage(Stage):
         if live is not None and self._buffers.twin_digests.get(name) == live:
             return live  # the twin holds these bytes already
         slot = self._slots[name]
-        source = self._buffers.view(slot.storage, slot.spec, dtype=slot.dtype, twin=False)
-        return self.write_with(name, slot.dtype, slot.spec.size, lambda target: copy_and_digest(target, source))
+        return self.write(name, self._buffers.view(slot.storage, slot.spec, dtype=slot.dtype, twin=False))
 
     def _swap(self) -> None:
         """Re-point every viewer at its twin, then trade live and twin storages; all or nothing."""

@@ -82,18 +82,13 @@ class LiveWeights:
         # This process's identity in every report of the weights: a restart makes a new one.
         self._instance_id = uuid.uuid4().hex
         self._start_manifest_checksum = manifest_checksum
-        self._loaded_from = loaded_from
+        self.loaded_from = loaded_from  # the checkpoint directory the weights were last loaded from
         # One export at a time: two writing the same snapshot would race for its directory.
         self._export_lock = asyncio.Lock()
 
     @property
     def held(self) -> HeldWeights:
         return self._held
-
-    @property
-    def loaded_from(self) -> Path:
-        """The checkpoint directory the weights were last loaded from."""
-        return self._loaded_from
 
     def identity(self) -> WeightVersionResponse:
         """What the weights held now are (version and checksum), from one consistent record."""
@@ -104,7 +99,7 @@ class LiveWeights:
         """Record what the weights are now (and the checkpoint they came from); write lock held."""
         self._held = held
         if loaded_from is not None:
-            self._loaded_from = loaded_from
+            self.loaded_from = loaded_from
 
     def record_loaded(self) -> None:
         """Record the checksum of the weights loaded at start-up, before serving begins."""
@@ -113,7 +108,7 @@ class LiveWeights:
         if self._start_manifest_checksum not in (None, checksum):
             logger.warning(
                 "the weights loaded from %s hash to %s but its manifest says %s; the engine reports what it holds",
-                self._loaded_from,
+                self.loaded_from,
                 checksum,
                 self._start_manifest_checksum,
             )

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
@@ -54,12 +54,12 @@ Write = Callable[[Stage], None]  # writes a change's bytes into a stage
 
 @dataclass(frozen=True)
 class Outcome:
-    """How one call of a change ended: what its answer says."""
+    """How one call of a change ended: the fields of its answer that the change decides."""
 
     success: bool
     message: str
     checksum: str | None = None  # what the stage hashed to, when it was hashed
-    requests: int = 0  # in flight when generation paused for it
+    num_paused_requests: int = 0  # in flight when generation paused for it
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class WeightChanges:
                     defer=not change.stage.in_place,
                 )
             except CheckpointError as exc:
-                self._drop(change)
+                change.stage.discard()
                 logger.warning("refused checkpoint %s: %s", path, exc)
                 computed = exc.computed if isinstance(exc, UnexpectedChecksumError) else None
                 return self._answer(Outcome(False, str(exc)), {}, checkpoint_checksum=computed)
@@ -163,12 +163,10 @@ class WeightChanges:
 
     async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
         """Take one bucket of pushed tensors into the stage of its change; the last one
-        (``expected_checksum`` given) is confirmed over the whole model before the weights serve.
-
-        Raises InvalidRequestError for a tensor the model does not hold as pushed and for bytes
-        that differ from their digest (the push is dropped); ConflictError for a push that must
-        stage (``activate=False``) on an engine that cannot stage now.
-        """
+        (``expected_checksum`` given) is verified over the whole model before the weights serve.
+        Raises InvalidRequestError for a tensor the model does not hold as pushed or bytes that
+        differ from their digest (the push is dropped), ConflictError for ``activate=False`` on an
+        engine that cannot stage now."""
         if request.expected_checksum is not None and request.weight_version is None:
             raise InvalidRequestError(
                 "the last push of an update (with expected_checksum) must name its weight_version"
@@ -190,9 +188,8 @@ class WeightChanges:
                 )
             target = None
             if request.expected_checksum is not None and request.weight_version is not None:
-                target = Target(
-                    request.weight_version, request.expected_checksum, source, "a tensor is missing or differs"
-                )
+                missing = "a tensor is missing or differs"
+                target = Target(request.weight_version, request.expected_checksum, source=source, mismatch=missing)
             timings: dict[str, float] = {}
             try:
                 if change.stage.in_place:
@@ -229,7 +226,8 @@ class WeightChanges:
             timings: dict[str, float] = {}
             mode = request.pause_mode or _mode(abort=request.abort_all_requests)
             async with self._paused(mode, source=target.source, timings=timings) as requests:
-                outcome = replace(await self._swap(change, target, timings=timings, again=None), requests=requests)
+                outcome = await self._swap(change, target, timings=timings, again=None)
+                outcome = replace(outcome, num_paused_requests=requests)
             return self._answer(outcome, timings)
 
     async def discard_push(self) -> None:
@@ -271,9 +269,8 @@ class WeightChanges:
         stage = change.stage
         if not stage.in_place:
             try:
-                checksum = await asyncio.to_thread(
-                    self._write, stage, write, hashed=target is not None, timings=timings
-                )
+                hashed = target is not None
+                checksum = await asyncio.to_thread(self._write, stage, write, hashed=hashed, timings=timings)
             except (OSError, CheckpointError) as exc:
                 # Bytes that differ from the manifest (verified as they were staged), or files that
                 # became unreadable after they were opened: the live weights never changed.
@@ -302,10 +299,10 @@ class WeightChanges:
                 )
                 if target is None or checksum is None:
                     waits = "generation stays paused until the last push is verified"
-                    return Outcome(True, f"received {what}; {waits}", requests=requests)
+                    return Outcome(True, f"received {what}; {waits}", num_paused_requests=requests)
                 self._drop(change)
                 outcome = self._judge(checksum, target, in_place=True)
-        return replace(outcome, requests=requests)
+        return replace(outcome, num_paused_requests=requests)
 
     def _write(self, stage: Stage, write: Write, *, hashed: bool, timings: dict[str, float]) -> ModelChecksum | None:
         started = time.perf_counter()
@@ -321,16 +318,16 @@ class WeightChanges:
     def _write_in_place(
         self, stage: Stage, write: Write, *, target: Target | None, timings: dict[str, float]
     ) -> ModelChecksum | None:
-        """Write into the live weights (write lock held) and, for the last write, hash them. The
-        record says what they hash to whatever the outcome (a drift probe must see an unverified
-        copy for what it is); the version moves only with a match."""
+        """Write into the live weights (write lock held) and, for the last write, hash them and
+        record what they hash to whatever the outcome (a drift probe must see an unverified copy
+        for what it is); the version moves only with a match."""
         held = self._weights.held
         self._weights.record(replace(held, status=WeightsStatus.UNVERIFIED))
         try:
             checksum = self._write(stage, write, hashed=target is not None, timings=timings)
         except (OSError, CheckpointError) as exc:
-            # The files became unreadable (cut, rewritten) after they were verified, part of the
-            # way through the copy: what the model holds now is hashed, and cannot match.
+            # The files became unreadable after they were verified, part of the way through the
+            # copy: what the model holds now is hashed, and cannot match.
             logger.error("copying into the live weights failed part of the way: %s", exc)  # noqa: TRY400
             checksum = stage.checksum() if target is not None else None
         if checksum is None or target is None:
@@ -352,8 +349,8 @@ class WeightChanges:
             try:
                 stage.prepare_activation()
             except StagingRefusedError as exc:
-                # Maybe a reader holding the weights for a moment (an export, a checksum): checked
-                # again under the write lock, once every reader is gone; only a refusal there is final.
+                # Maybe a reader holding the weights for a moment: checked again under the write
+                # lock, once every reader is gone; only a refusal there is final.
                 logger.info("the swap's check before the lock was refused (checked again under it): %s", exc)
 
         def swap() -> ModelChecksum | None:
@@ -467,11 +464,8 @@ class WeightChanges:
         self, outcome: Outcome, timings: dict[str, float], *, checkpoint_checksum: str | None = None
     ) -> UpdateWeightsResponse:
         return UpdateWeightsResponse(
-            success=outcome.success,
-            message=outcome.message,
-            num_paused_requests=outcome.requests,
+            **asdict(outcome),
             weight_version=self._weights.held.version,
-            checksum=outcome.checksum,
             checkpoint_checksum=checkpoint_checksum,
             timings=timings,
         )
