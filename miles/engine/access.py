@@ -1,21 +1,13 @@
 """Who may call which engine endpoint, and the fence that keeps superseded updates out (adapter).
 
-Three kinds of endpoint (``ENDPOINTS``): ``/health`` is open (load balancers and SGLang's router
-probe it); *control* endpoints change or hold the weights and need the engine secret
-(``MILES_ENGINE_SECRET``) or a valid window credential (``miles.protocol.auth``); every other
-path (inference, read-only info, the OpenAPI schema) needs the API key (``MILES_API_KEY``), or the
-secret, when an API key is set, and is open otherwise. A credential that is not configured is not
-required; with only an API key, control
-endpoints take the API key, so setting a key never leaves the weights open to callers it keeps
-out of inference (the controller's HTTP API does the same).
+Endpoints are open, inference or control (``ENDPOINTS``; the credentials each takes are in
+docs/ENGINE.md). With only an API key, control endpoints take the API key, so setting a key never
+leaves the weights open to callers it keeps out of inference.
 
-Fencing: a control call may carry ``X-Miles-Fence: <int>``. The engine remembers the highest
-token it has seen; a call with a lower one is refused (409) and a higher one raises it. A window
-credential fences its call at its window's token. The check runs before the body is read
-(``check_first``, run by ``miles.utils.http.CheckFirst``); the fence moves only once the handler
-runs (``admit``), so a call refused for its body changes nothing either. Everything here runs on
-the event loop, one coroutine at a time, and no check awaits between reading and writing the
-fence.
+Fencing: the check runs before the body is read (``check_first``, run by
+``miles.utils.http.CheckFirst``); the fence moves only once the handler runs (``admit``), so a
+call refused for its body changes nothing either. Everything here runs on the event loop, and no
+check awaits between reading and writing the fence.
 """
 
 from __future__ import annotations

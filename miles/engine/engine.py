@@ -1,11 +1,9 @@
 """The embedded inference engine: one Hugging Face causal LM served with continuous batching.
 
 ``Engine`` is the asyncio-facing core behind the HTTP server: it turns requests into scheduler
-sequences (after checking everything they carry against the model, so nothing a client sends can
-fail inside a step), bridges results back from the scheduler thread, and answers for health and
-info. The served weights' record, checksums and exports live in ``Engine.weights``
-(``miles.engine.weights.live``), every change to them (loads, pushes, renames) in
-``Engine.changes`` (``miles.engine.weights.swap``).
+sequences (checking everything they carry against the model first, so nothing a client sends can
+fail inside a step), and bridges results back from the scheduler thread. The weights live in
+``Engine.weights`` (``weights.live``), every change to them in ``Engine.changes`` (``weights.swap``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The engine's HTTP API: SGLang's native endpoints plus OpenAI-compatible ones (thin adapter).
 
-Every handler parses a typed request, calls ``Engine``, and shapes the answer; no logic lives
-here. Bad input is answered with a 4xx and a message (``{"error": {"message", "type", "code"}}``),
-never a 500: malformed JSON and unknown or invalid fields are 400, like SGLang. Every other error
-is answered in the same shape too (an unknown path is a 404 with a message, and a bug a logged
-JSON 500), so a client never meets an HTML page or a dropped connection.
+Every handler parses a typed request, calls ``Engine``, and shapes the answer. Every error is
+answered as ``{"error": {"message", "type", "code"}}`` (bad input a 4xx, like SGLang), so a client
+never meets an HTML page or a dropped connection.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -69,8 +67,6 @@ from miles.weights.transport.documents import CUDA_IPC_LOAD_FORMAT
 from miles.weights.transport.segments import SegmentMaps
 
 logger = logging.getLogger("miles.engine")
-
-T = TypeVar("T")
 
 
 def create_app(engine: Engine) -> FastAPI:

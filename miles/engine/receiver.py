@@ -42,8 +42,7 @@ def tensor_bucket(
     refuses the table before any byte is mapped."""
     document = decode(request.load_format, request.serialized_named_tensors)
     table = document.table
-    ipc = isinstance(document, CudaIpcDocument)
-    if ipc and device.type != "cuda":
+    if isinstance(document, CudaIpcDocument) and device.type != "cuda":
         raise InvalidRequestError(
             f"load_format {CUDA_IPC_LOAD_FORMAT!r} needs an engine on a GPU; this one runs on {device}: "
             f"push over shared memory ({SHM_LOAD_FORMAT!r}) from CPU tensors"

@@ -6,11 +6,6 @@ the ``WeightsLock``, the only code that runs the model. Other threads talk to it
 variable; actions on running sequences (abort, retract) are carried out by the scheduler thread at
 the top of its next iteration, because it alone owns the batch.
 
-New requests join the running batch at the next step (their prompts are prefilled as a group and
-the KV caches merged), and finished requests leave it at once. A retracted request leaves the batch
-for the front of the queue with what it generated, and joins again later by prefilling its whole
-history (prompt + output so far).
-
 One request must never cost the others their generations. A failure inside a step fails only the
 rows that cause it: a group prefill that raises is retried one request at a time; a batched
 selection that raises is retried row by row (``sampling.sample_rows``); a decode, select or merge
