@@ -85,7 +85,7 @@ class Stage:
         hashed and copied while in cache)."""
         digests: dict[str, str] = {}
 
-        def one(name: str, nbytes: int) -> None:
+        def one(name: str) -> None:
             info = reader.info(name)
             digests[name] = self.write_with(name, info.dtype, info.shape, functools.partial(reader.copy_into, name))
 
@@ -95,24 +95,25 @@ class Stage:
     def write_bucket(self, bucket: Received) -> None:
         """Stage every tensor of ``bucket``, each checked against its digest (InvalidRequestError)."""
 
-        def one(name: str, nbytes: int) -> None:
+        def one(name: str) -> None:
             entry = bucket.entries[name]
             copy = functools.partial(bucket.copy_into, name)
             bucket.check(name, self.write_with(name, entry.torch_dtype(), entry.shape, copy))
 
         self._each([(e.name, e.nbytes) for e in bucket.entries.values()], one)
 
-    def _each(self, items: list[tuple[str, int]], job: Callable[[str, int], None]) -> None:
-        """``job(name, nbytes)`` for every item, largest first: a large write on torch's number of
-        threads (the copy and the hash release the GIL); the first that fails stops the others."""
+    def _each(self, items: list[tuple[str, int]], job: Callable[[str], None]) -> None:
+        """``job(name)`` for every (name, nbytes) item, largest first: a large write on torch's
+        number of threads (the copy and the hash release the GIL); the first that fails stops the
+        others."""
         items = sorted(items, key=lambda item: item[1], reverse=True)
         threads = min(torch.get_num_threads(), len(items))
         if threads < 2 or sum(nbytes for _, nbytes in items) < _PARALLEL_WRITE_BYTES:
-            for name, nbytes in items:
-                job(name, nbytes)
+            for name, _ in items:
+                job(name)
             return
         with ThreadPoolExecutor(threads, thread_name_prefix="miles-stage") as pool:
-            writes = [pool.submit(job, name, nbytes) for name, nbytes in items]
+            writes = [pool.submit(job, name) for name, _ in items]
             try:
                 for done in writes:
                     done.result()
