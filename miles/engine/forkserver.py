@@ -17,6 +17,7 @@ killing the forkserver leaves the fleet serving.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -74,10 +75,8 @@ def _run_engine(args: list[str], env: dict[str, str], cwd: str, log: str, *, clo
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-            except (OSError, ValueError):
-                pass
         os._exit(code)
 
 
@@ -121,19 +120,15 @@ class _Server:
 
     def kill_all(self) -> None:
         for pid in list(self.children):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         for pid in list(self.children):
             try:
                 _, status = os.waitpid(pid, 0)
             except ChildProcessError:
                 continue
-            try:
+            with contextlib.suppress(OSError):  # the parent is gone
                 _write(self.out, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
-            except OSError:
-                pass  # the parent is gone
         self.children.clear()
 
 

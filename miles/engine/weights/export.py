@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import shutil
@@ -37,11 +38,10 @@ def export_snapshot(
     parts = [re.sub(r"[^A-Za-z0-9._-]", "_", part)[:_MAX_PART_CHARS] or "_" for part in (model_name, weight_version)]
     target = snapshot_dir / "-".join([*parts, checksum[:16]])
     if target.is_dir():
-        try:
+        # Not a sealed snapshot (a leftover of something else) is written again below.
+        with contextlib.suppress(CheckpointError):
             if read_manifest(target).checksum == checksum:
                 return target
-        except CheckpointError:
-            pass  # not a sealed snapshot (a leftover of something else): written again below
     manifest = save_checkpoint(
         target,
         model=model,
