@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -45,9 +44,6 @@ from miles.weights.checksum import ModelChecksum
 logger = logging.getLogger("miles.engine")
 
 T = TypeVar("T")
-# The GIL switch interval while a change holds (or waits for) the write lock (``_prompt_gil``).
-SWAP_SWITCH_INTERVAL_S = 0.0005
-
 PushRequest = UpdateWeightsFromTensorRequest | UpdateWeightsFromDistributedRequest
 Write = Callable[[Stage], None]  # writes a change's bytes into a stage
 
@@ -413,8 +409,7 @@ class WeightChanges:
                 timings["write_lock_wait"] = time.perf_counter() - waiting
                 return job()
 
-        with _prompt_gil():
-            return await asyncio.to_thread(self._scheduler.call, run)
+        return await asyncio.to_thread(self._scheduler.call, run)
 
     @asynccontextmanager
     async def _paused(
@@ -469,20 +464,6 @@ class WeightChanges:
             checkpoint_checksum=checkpoint_checksum,
             timings=timings,
         )
-
-
-@contextmanager
-def _prompt_gil() -> Iterator[None]:
-    """The GIL switch interval lowered to ``SWAP_SWITCH_INTERVAL_S`` meanwhile. A thread that asks
-    for the GIL during a swap (the event loop) takes it after the interval and may keep it as long:
-    at the default 5 ms a swap took 3-5 ms instead of 0.3. Lowered for good, it cost a small model
-    5-10% of its tokens per second."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(SWAP_SWITCH_INTERVAL_S)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
 
 
 def _mode(*, abort: bool) -> PauseMode:
