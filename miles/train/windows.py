@@ -3,7 +3,7 @@ way a controller is reached (``window_client``: ``LocalWindows`` in this process
 over HTTP, ``RayWindows`` through Ray).
 
 A push opens a window, renews its lease while it pushes (``keep_alive``), publishes the model
-checksum, and ends or aborts the window.
+checksum, and ends or aborts the window (``push_in_window``).
 """
 
 from __future__ import annotations
@@ -11,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Coroutine
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from miles.controller.core import AsyncInferenceController
-from miles.controller.results import UpdateResult, UpdateWindow
+from miles.controller.results import UpdateResult, UpdateStatus, UpdateWindow
+from miles.errors import PublishError
 from miles.http.windows import HttpWindows
 from miles.inference_controller import InferenceController
 from miles.ray.windows import RayWindows, is_actor_handle
+from miles.train.engine_calls import PushStats
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
 
 logger = logging.getLogger("miles.train")
@@ -123,3 +126,34 @@ async def abort_quietly(client: WindowClient, window: UpdateWindow, *, reason: s
         await client.abort(window, reason=reason)
     except Exception as exc:  # noqa: BLE001  # best effort, see above
         logger.warning("could not abort window %d: %s", window.token, exc)
+
+
+async def push_in_window(
+    client: WindowClient, window: UpdateWindow, push: Callable[[], Awaitable[str]], *, step: int, stats: PushStats
+) -> str:
+    """Run ``push`` (it returns the model checksum) while the window's lease is renewed, publish
+    that checksum and end the window; returns the checksum, with the "push" and "commit" seconds in
+    ``stats``. Whatever fails aborts the window and is raised as it is; a window the controller
+    did not commit (it rolled the servers back itself) raises PublishError."""
+    began = time.perf_counter()
+    version = str(step)
+    renewing = asyncio.create_task(keep_alive(client, window), name=f"renew-window-{window.token}")
+    try:
+        checksum = await push()
+        pushed = time.perf_counter()
+        await client.publish(
+            InferenceEngineWeightChecksumEvent(
+                model_name=window.model_name, checksum=checksum, step=step, weight_version=version
+            )
+        )
+        ended = await client.end(window, checksum=checksum, step=step, weight_version=version)
+    except BaseException as exc:
+        await abort_quietly(client, window, reason=f"the push failed: {exc}")
+        raise
+    finally:
+        renewing.cancel()
+        await asyncio.gather(renewing, return_exceptions=True)
+    if ended.status is not UpdateStatus.COMMITTED:
+        raise PublishError(f"the controller did not commit step {step}: {ended.status.value}: {ended.message}")
+    stats.timings |= {"push": pushed - began, "commit": time.perf_counter() - pushed}
+    return checksum
