@@ -135,14 +135,9 @@ def manifest_from_files(
     weight_version: str | None = None,
     threads: int | None = None,
 ) -> Manifest:
-    """A manifest for the Hugging Face model in ``directory``, every digest hashed from its files.
-
-    The files are those ``from_pretrained`` would load (the index's, else all ``*.safetensors``).
-
-    Raises:
-        CheckpointFileMissingError: no safetensors file, or one the index names is missing.
-        CheckpointFileTruncatedError / CheckpointFileInvalidError: a file is cut or malformed.
-    """
+    """A manifest for the Hugging Face model in ``directory``, hashed from the files
+    ``from_pretrained`` would load. Raises CheckpointFileMissingError (no safetensors file, or one
+    the index names is missing), CheckpointFileTruncatedError or CheckpointFileInvalidError."""
     directory = Path(directory)
     paths = index_files(directory)
     if not paths:
@@ -171,12 +166,8 @@ MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
-    """Read and validate ``directory/miles_manifest.json``.
-
-    Raises:
-        ManifestMissingError: the directory or the manifest file does not exist.
-        ManifestInvalidError: the file is not JSON or its fields are invalid (each one named).
-    """
+    """``directory/miles_manifest.json``, validated. Raises ManifestMissingError (no directory or
+    file), ManifestInvalidError (not JSON, or invalid fields, each named)."""
     path = Path(directory) / MANIFEST_NAME
     try:
         with open_regular(path) as f:
@@ -208,11 +199,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
 
 
 def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> Path:
-    """Write ``manifest`` into ``directory`` atomically (temp file, fsync, rename, fsync dir).
-
-    Raises:
-        CheckpointFileMissingError: ``directory`` does not exist.
-    """
+    """Write ``manifest`` into ``directory`` atomically; CheckpointFileMissingError if there is none."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointFileMissingError("checkpoint directory does not exist", path=str(directory))
