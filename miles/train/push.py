@@ -1,19 +1,16 @@
 """Pushing weights from the trainer's memory, no disk: ``PushPublisher``, a ``Publisher``.
 
-``publish`` runs the training side of a window (docs/ARCHITECTURE.md, "Pushing weights from memory"): open the
-update window on the controller, stream the model's tensors to every engine of the window in
-buckets (a constant number of calls per update, whatever the number of tensors), computing each
-tensor's digest while it is packed and the model checksum from those digests, publish that
-checksum (``InferenceEngineWeightChecksumEvent``), and end the window, so the controller confirms
-every engine's checksum against the published one and admits, quarantines or rolls back exactly
-as for a checkpoint on disk. Anything that fails aborts the window: the servers go back to their
-verified weights.
+``publish`` runs the training side of a window (docs/ARCHITECTURE.md, "Pushing weights from
+memory"): it streams the model's tensors to every engine of the window in buckets (a constant
+number of calls per update), digesting each tensor as it is packed, and ends the window with the
+checksum those digests combine to, which the controller confirms on every engine as for a
+checkpoint on disk. Anything that fails aborts the window: the servers go back to their verified
+weights.
 
 One bucket loop (``send_buckets``) whatever the path; the path's ``BucketSender`` says where each
-bucket is packed and how it reaches the engines: ``shm`` (``miles.train.tensor_push``, every
-engine on this node), ``distributed`` (``miles.train.distributed_push``, engines anywhere), or
-``auto``: ``shm`` when every engine's address is this machine's, else ``distributed``. The
-controller is given as anything ``miles.train.windows.window_client`` takes.
+bucket is packed and how it reaches the engines: ``shm`` (``miles.train.tensor_push``, engines on
+this node), ``distributed`` (``miles.train.distributed_push``, anywhere), or ``auto``
+(``choose_path``).
 """
 
 from __future__ import annotations
@@ -87,8 +84,8 @@ class BucketSender(Protocol):
 
 
 def check_push_settings(*, path: TransferPath, ttl_s: float, timeout_s: float, bucket_bytes: int) -> None:
-    """Raise ValueError for a publisher setting no push could honour: refused when the publisher
-    is made, rather than by the controller or every engine in the middle of a push."""
+    """Raise ValueError for a publisher setting no push could honour (refused when the publisher is
+    made, not by the controller or every engine in the middle of a push)."""
     if TransferPath(path) is TransferPath.DISK:
         raise ValueError("a push goes from memory; publish through disk with DiskPublisher")
     try:
@@ -140,7 +137,6 @@ class Transports:
         self._http: httpx.AsyncClient | None = None
 
     def calls(self, window: UpdateWindow, *, step: int, stats: PushStats) -> EngineCalls:
-        """The calls of one push of ``step`` to the engines of ``window``."""
         if self._http is None:
             self._http = httpx.AsyncClient(trust_env=False, timeout=self.timeout_s * 2 + 30)
         return EngineCalls(http=self._http, window=window, version=str(step), stats=stats)
@@ -148,13 +144,11 @@ class Transports:
     def sender(
         self, named: Mapping[str, torch.Tensor], calls: EngineCalls, *, path: TransferPath, shared: Segment | None
     ) -> AbstractAsyncContextManager[BucketSender]:
-        """The buckets of one push of ``named`` over ``path`` (shm or distributed)."""
         if path is TransferPath.SHM:
             return self.tensors.push(named, calls, shared=shared)
         return self.broadcasts.push(named, calls)
 
     async def close(self) -> None:
-        """Free the kept buffers and close the connections; they are made again when needed."""
         await self.tensors.close()
         self.broadcasts.close()
         if self._http is not None:
@@ -164,7 +158,7 @@ class Transports:
 
 def choose_path(path: TransferPath, window: UpdateWindow) -> TransferPath:
     """``path``, or for ``auto``: shm when this machine makes segments and every engine of
-    ``window`` runs on it, else distributed. Looks at /proc and resolves this machine's addresses."""
+    ``window`` runs on it, else distributed (looks at /proc, resolves this machine's addresses)."""
     if path is not TransferPath.AUTO:
         return path
     local = segments.available() and all(on_this_machine(s.url) for s in window.servers)
@@ -211,15 +205,11 @@ class PushPublisher:
         return self._shared
 
     def share_memory(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Move ``module``'s weights (its CPU parameters and buffers) into a shared-memory segment
-        of this publisher's, as ``torch.nn.Module.share_memory`` does into its own: the tensors stay
-        the same objects with the same values, their memory moves. Engines on this machine then read
-        each tensor where it lies, so a push over shared memory copies nothing on this side (it only
-        hashes). The module trains on as before; pushing while it changes fails the push (a digest
-        no longer matches), as it would with any copy. Returns ``module``.
-
-        Called again (the module's tensors were replaced since), it moves them into a new segment.
-        Raises PublishError when the memory for them cannot be had.
+        """Move ``module``'s CPU parameters and buffers into a shared-memory segment of this
+        publisher's (the tensors stay the same objects with the same values), so engines on this
+        machine read each where it lies and a push copies nothing on this side (it only hashes).
+        Called again, it moves them into a new segment. Returns ``module``; raises PublishError
+        when the memory for them cannot be had.
         """
         segment = _share(module)
         if segment is not None:
@@ -234,22 +224,17 @@ class PushPublisher:
         return shared is not None and all(shared.holds(t) for t in _shareable(module))
 
     async def close(self) -> None:
-        """Remove the shared-memory segments, free the broadcast buffers and close the connections;
-        the publisher can be used again."""
+        """Free the segments, buffers and connections; the publisher can be used again."""
         await self._transports.close()
         if self._shared is not None:
             shared, self._shared = self._shared, None
             await asyncio.to_thread(shared.close)  # its file; the model keeps its memory
 
     async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
-        """Return once the servers serve ``model``'s weights as version ``step``, verified.
-
-        Raises PublishError when the push or the commit failed; the servers then serve their
-        previous verified weights.
-
-        With ``share_weights`` (the default) and a path that may be shared memory, the model's
-        weights are first moved there (``share_memory``, once unless its tensors are replaced);
-        when the memory for them cannot be had, they stay where they are and every push copies them.
+        """Return once the servers serve ``model``'s weights as version ``step``, verified; raises
+        PublishError when the push or the commit failed (the servers keep their verified weights).
+        With ``share_weights`` and a path that may be shared memory, the weights are first moved
+        there (``share_memory``); when that memory cannot be had, every push copies them.
         """
         if self.share_weights and self.path is not TransferPath.DISTRIBUTED and not self._shares(model):
             try:

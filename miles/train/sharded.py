@@ -1,30 +1,25 @@
 """Publishing the weights of a sharded trainer: ``ShardedPublisher``, called by every rank.
 
-A trainer that shards its model with FSDP2 (``fully_shard``: ``DTensor`` parameters split by rows,
-``Shard(0)``) publishes without any rank holding the whole model: ``publish(model, step=...)`` on
-every rank, in the same order, opens one window on the controller (rank 0 speaks to it and to the
-engines), and each bucket of the push is filled by the ranks that own its bytes:
+A trainer that shards its model with FSDP2 (``fully_shard``: ``DTensor`` parameters split by rows)
+publishes without any rank holding the whole model: ``publish`` on every rank opens one window
+(rank 0 speaks to the controller and the engines), and each bucket is filled by the ranks that own
+its bytes:
 
-- **direct** (every rank and every engine on this machine): each rank writes its own rows straight
-  into rank 0's shared-memory bucket segment, at the offsets the bucket's table gives them, and
-  the engines read the bucket as any push's; no byte crosses between ranks;
-- **gathered** (otherwise): each rank's part of a bucket goes to rank 0 in one gather per bucket
-  (never one per tensor), and rank 0 pushes the bucket (shared memory or torch.distributed, as
-  ``PushPublisher`` would).
+- **direct** (every rank and every engine on this machine): each rank writes its rows straight into
+  rank 0's shared-memory bucket segment at the table's offsets; no byte crosses between ranks;
+- **gathered** (otherwise): each rank's part of a bucket goes to rank 0 in one gather per bucket,
+  and rank 0 pushes the bucket as ``PushPublisher`` would.
 
-A tensor's digest is taken over 256 KiB chunks of its bytes (``miles.weights.digest``), so the
-ranks that own the bytes hash them: each hashes the chunks inside its rows; rank 0 hashes the
-chunks that straddle two ranks' rows (at most one per boundary) and the tensors no rank splits by
-rows (a ``Replicate`` or ``Shard(1)`` tensor) from the bucket it sends. The checksum is the same for
-the same weights however many ranks held them, and equal to a checkpoint's of them.
+A tensor's digest is taken over 256 KiB chunks (``miles.weights.digest``), so each rank hashes the
+chunks inside its rows; rank 0 hashes the chunks that straddle two ranks' rows and the tensors no
+rank splits by rows. The checksum is a checkpoint's of the same weights, however they were split.
 
-Every rank takes part in every collective of a publish (two per bucket and three per publish,
-whatever the number of tensors), on a gloo group of the publisher's with ``timeout_s``: a rank
-that fails says so in the next one, a rank that dies or never comes fails the others within
-``timeout_s`` (naming it), and the window is aborted or expires; the servers stay on their
-verified weights. Layouts the publisher cannot split (a mesh of more than one dimension, a
-``Partial`` tensor) are refused by name on every rank before the window opens, as are ranks that
-disagree on the step or the model's layout.
+Every rank takes part in every collective of a publish (two per bucket, three per publish) on a
+gloo group of the publisher's with ``timeout_s``: a rank that fails says so in the next one, a rank
+that dies or never comes fails the others within ``timeout_s``, naming it, and the window is
+aborted or expires. Layouts the publisher cannot split (a mesh of more than one dimension, a
+``Partial`` tensor) and ranks that disagree on the step or the layout are refused on every rank
+before the window opens.
 """
 
 from __future__ import annotations
@@ -50,7 +45,7 @@ from miles.config import TransferPath
 from miles.errors import PublishError
 from miles.train.engine_calls import PushStats
 from miles.train.publisher import PublishResult
-from miles.train.push import BucketSender, Transports, check_push_settings, choose_path, push_result, send_buckets
+from miles.train.push import Transports, check_push_settings, choose_path, push_result, send_buckets
 from miles.train.windows import push_in_window, window_client
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable
 from miles.weights.checksum import saved_state_dict
@@ -297,6 +292,24 @@ class ShardedPublisher:
         stats = PushStats(path="sharded")
 
         async def push() -> str:
+            async def fill(index: int, table: BucketTable) -> BucketTable:
+                # Bucket ``index`` goes into the region of bucket ``index - 2``, free since that
+                # bucket's send ended (awaited before bucket ``index - 1`` was sent): the ranks
+                # fill it while the engines still take bucket ``index - 1``. Waiting for that
+                # send first would leave the ranks idle during every send, and the engines
+                # during every fill.
+                into = sender.into(index)
+                assert into is not None
+                await steps.start_bucket()
+                mine = await asyncio.to_thread(self._contribute, layout, local, table, into if plan.direct else None)
+                gathered = await steps.gather(mine)
+                failed = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g.get("error")]
+                if failed:
+                    raise PublishError("a rank could not contribute its shards: " + "; ".join(failed))
+                packed = await asyncio.to_thread(_finish, layout, table, into, gathered, direct=plan.direct)
+                stats.tensors += len(packed.entries)
+                return packed
+
             # Looks at /proc and resolves this machine's addresses: off the loop.
             path = await asyncio.to_thread(choose_path, self.path, window)
             shm = path is TransferPath.SHM
@@ -310,7 +323,7 @@ class ShardedPublisher:
                     direct=direct, segment=segment.ref if segment is not None else None, tables=list(sender.tables)
                 )
                 await steps.plan(plan)
-                return await self._buckets(layout, local, sender, plan, steps, stats)
+                return await send_buckets(sender, fill, stats=stats)
 
         try:
             window = await self.windows.open(model_name=self.model_name, ttl_s=self.ttl_s, staged=self.staged)
@@ -327,38 +340,6 @@ class ShardedPublisher:
         await steps.outcome(result)
         self.last = stats
         return result
-
-    async def _buckets(
-        self,
-        layout: _Layout,
-        local: dict[str, torch.Tensor],
-        sender: BucketSender,
-        plan: _Plan,
-        steps: _Steps,
-        stats: PushStats,
-    ) -> str:
-        """Rank 0's side of every bucket: start it, contribute, gather the ranks' digests, finish
-        them (``send_buckets`` sends each while the next is filled)."""
-
-        async def fill(index: int, table: BucketTable) -> BucketTable:
-            # Bucket ``index`` goes into the region of bucket ``index - 2``, free since that
-            # bucket's send ended (awaited before bucket ``index - 1`` was sent): the ranks
-            # fill it while the engines still take bucket ``index - 1``. Waiting for that
-            # send first would leave the ranks idle during every send, and the engines
-            # during every fill.
-            into = sender.into(index)
-            assert into is not None
-            await steps.start_bucket()
-            mine = await asyncio.to_thread(self._contribute, layout, local, table, into if plan.direct else None)
-            gathered = await steps.gather(mine)
-            failed = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g.get("error")]
-            if failed:
-                raise PublishError("a rank could not contribute its shards: " + "; ".join(failed))
-            packed = await asyncio.to_thread(_finish, layout, table, into, gathered, direct=plan.direct)
-            stats.tensors += len(packed.entries)
-            return packed
-
-        return await send_buckets(sender, fill, stats=stats)
 
     # --- other ranks -----------------------------------------------------------------------
 

@@ -96,7 +96,6 @@ def within(fn: Callable[[], T], *, timeout_s: float, name: str) -> T:
 
 
 def _joined_key(rank: int) -> str:
-    """The key each member of a group sets in the group's store once it is there."""
     return f"joined/{rank}"
 
 
@@ -107,7 +106,7 @@ def _missing(store: dist.Store, ranks: Iterable[int]) -> list[int]:
 
 def _process_group(backend: str, store: dist.Store, *, rank: int, world: int, timeout_s: float) -> Any:
     """This process as ``rank`` of a group of ``world`` formed through ``store`` (blocking until
-    every rank is there, or ``timeout_s``): NCCL between GPUs, gloo between CPUs."""
+    every rank is there, or ``timeout_s``)."""
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world, dist.ProcessGroupNCCL.Options())
     return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
@@ -118,17 +117,11 @@ def broadcast(group: Any, tensors: Sequence[torch.Tensor], *, timeout_s: float) 
     others), all queued before the first wait. The first broadcast still waiting bounds the whole:
     a sender that stops stops them all. Raises RuntimeError or ``dist.DistError`` when one does
     not complete within ``timeout_s``."""
-    for work in start_broadcasts(group, tensors, timeout_s=timeout_s):
-        work.wait(timedelta(seconds=timeout_s))
-
-
-def start_broadcasts(group: Any, tensors: Sequence[torch.Tensor], *, timeout_s: float) -> list[Any]:
-    """Queue a broadcast from rank 0 of each of ``tensors``, in order; one work per tensor to
-    ``wait(timedelta(seconds=timeout_s))`` on (its tensor holds the bytes once it returns)."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
     options.timeout = timedelta(seconds=timeout_s)
-    return [group.broadcast([tensor], options) for tensor in tensors]
+    for work in [group.broadcast([tensor], options) for tensor in tensors]:
+        work.wait(timedelta(seconds=timeout_s))
 
 
 # Where each tensor broadcast on its own is received in a bucket's buffer: a multiple of this, so
@@ -214,15 +207,14 @@ class Rank0:
         self._store.set(_joined_key(0), "1")
 
     def form(self, backend: str) -> asyncio.Future[Any]:
-        """The group, formed on a daemon thread (``miles-push-group``) once every other rank has
-        joined; the future fails when they have not within ``timeout_s``, or soon after ``close``."""
+        """The group, formed on a daemon thread (``miles-push-group``) once every other rank joined;
+        it fails when they have not within ``timeout_s``, or soon after ``close``."""
         return in_daemon_thread(
             lambda: _process_group(backend, self._store, rank=0, world=self.world, timeout_s=self.timeout_s),
             name="miles-push-group",
         )
 
     def missing(self) -> list[int]:
-        """The ranks that have not joined (yet)."""
         return _missing(self._store, range(1, self.world))
 
     def close(self) -> None:

@@ -181,16 +181,7 @@ class SegmentMaps:
         """The bytes of segment ``ref`` (read-only), refused unless it is a sealed memory file of
         miles' holding at least ``needed`` bytes. Raises NotFoundError when no such process or
         descriptor exists on this node, InvalidRequestError for anything else."""
-        try:
-            # Non-blocking: opening a FIFO for reading would wait for a writer that may never come.
-            fd = os.open(ref.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise NotFoundError(
-                f"no shared-memory segment {ref.name!r} (process {ref.pid}, descriptor {ref.fd}) on this node: "
-                "the sender must run on the engine's node, in its process namespace"
-            ) from None
-        except OSError as exc:
-            raise InvalidRequestError(f"shared-memory segment {ref.name!r} cannot be opened: {exc.strerror}") from None
+        fd = _open(ref, where="the sender must run on the engine's node, in its process namespace")
         try:
             status = os.fstat(fd)
             inode = (status.st_dev, status.st_ino)
@@ -239,6 +230,20 @@ class SegmentMaps:
             self._maps.clear()
 
 
+def _open(ref: SegmentRef, *, where: str) -> int:
+    """A descriptor of segment ``ref``'s file; NotFoundError (saying ``where`` its maker must run)
+    when there is none on this node, InvalidRequestError when it cannot be opened."""
+    try:
+        # Non-blocking: opening a FIFO for reading would wait for a writer that may never come.
+        return os.open(ref.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFoundError(
+            f"no shared-memory segment {ref.name!r} (process {ref.pid}, descriptor {ref.fd}) on this node: {where}"
+        ) from None
+    except OSError as exc:
+        raise InvalidRequestError(f"shared-memory segment {ref.name!r} cannot be opened: {exc.strerror}") from None
+
+
 def _inode(ref: SegmentRef) -> tuple[int, int] | None:
     try:
         status = os.stat(ref.path)
@@ -275,12 +280,7 @@ def _check(fd: int, ref: SegmentRef, status: os.stat_result, needed: int) -> Non
 def writable(ref: SegmentRef) -> torch.Tensor:
     """The bytes of segment ``ref``, mapped to be written: the ranks of one trainer fill the
     buckets of one rank's segment together. Raises as ``SegmentMaps.flat``."""
-    try:
-        fd = os.open(ref.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise NotFoundError(f"no shared-memory segment {ref.name!r} (process {ref.pid}) on this node") from None
-    except OSError as exc:
-        raise InvalidRequestError(f"shared-memory segment {ref.name!r} cannot be opened: {exc.strerror}") from None
+    fd = _open(ref, where="the ranks must run on one node")
     try:
         status = os.fstat(fd)
         _check(fd, ref, status, 1)
