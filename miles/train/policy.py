@@ -32,11 +32,6 @@ class PackedBatch:
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor  # [N, T] bool
 
-    @property
-    def num_completion_tokens(self) -> int:
-        """How many real completion tokens the batch holds (the token-mean denominator)."""
-        return int(self.completion_mask.sum())
-
 
 def encode_prompt(problem: Problem, *, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """BOS then the prompt's tokens: what the servers are sent and what the trainer conditions on."""
@@ -98,4 +93,4 @@ def completion_logprobs(model: PreTrainedModel, batch: PackedBatch) -> torch.Ten
 def sft_loss(model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
     """Token-mean negative log-likelihood of the completions (teacher forcing)."""
     logprobs = completion_logprobs(model, batch)
-    return -logprobs.sum() / max(1, batch.num_completion_tokens)
+    return -logprobs.sum() / max(1, int(batch.completion_mask.sum()))

@@ -28,7 +28,6 @@ import typer
 
 from miles.train.parallel import FSDP2DataParallel
 from miles.train.ranks import RankFailed, RankSpec, RankStep, TrainingDone
-from miles.train.reports import StepReport
 from miles.train.sampling import HttpSampler
 from miles.train.sharded import ShardedPublisher
 from miles.train.trainer import Trainer
@@ -65,9 +64,6 @@ class _ReportPipe:
     def send(self, message: RankStep | TrainingDone | RankFailed) -> None:
         assert self._writer is not None, "connect first"
         self._writer.write(message.model_dump_json().encode() + b"\n")
-
-    def step(self, report: StepReport) -> None:
-        self.send(RankStep(report=report))
 
     async def close(self) -> None:
         if self._writer is not None:
@@ -126,7 +122,7 @@ def main(
         config.trainer,
         sampler=HttpSampler([config.controller_url], http=http, timeout_s=config.request_timeout_s),
         publisher=publisher,
-        on_step=None if report is None else report.step,
+        on_step=None if report is None else lambda step: report.send(RankStep(report=step)),
         parallel=parallel,
     )
     try:

@@ -177,16 +177,6 @@ class StepReport(_Frozen):
             }
         )
 
-    @property
-    def published_version(self) -> str | None:
-        """The weight version this step published, or None when it did not publish."""
-        return None if self.publish is None else self.publish.weight_version
-
-    @property
-    def publish_latency_s(self) -> float:
-        """Seconds the publish took (0 when the step did not publish)."""
-        return 0.0 if self.publish is None else self.publish.latency_s
-
 
 class TrainingSummary(_Frozen):
     """A whole run: reward at the start and the end (means over ``window`` steps), every step."""

@@ -76,11 +76,6 @@ class ReverseTask(BaseModel):
             raise ValueError("alphabet must hold printable ASCII characters other than whitespace")
         return self
 
-    @property
-    def max_answer_chars(self) -> int:
-        """The longest expected answer, in characters (= byte tokens)."""
-        return self.max_length
-
     def sample(self, rng: random.Random) -> Problem:
         """One problem drawn from ``rng`` (the same RNG state gives the same problem)."""
         length = rng.randint(self.min_length, self.max_length)

@@ -110,18 +110,18 @@ class _Buckets:
     def into(self, index: int) -> torch.Tensor | None:
         return None if index < self.in_place else self.buffers[(index - self.in_place) % len(self.buffers)]
 
-    def _document(self, index: int, packed: BucketTable) -> BucketDocument:
+    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> Awaitable[None]:
         into = self.into(index)
         segment = self.shared if into is None else self.segment
-        if segment is not None:
-            return ShmDocument(shm=segment.ref, table=packed)
-        assert into is not None
-        # A handle of its own per engine: each engine's release counts against its own.
-        return CudaIpcDocument(cuda_ipc=share(into), table=packed)
 
-    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> Awaitable[None]:
         def request(_: int) -> UpdateWeightsFromTensorRequest:
-            document = self._document(index, packed)
+            document: BucketDocument
+            if segment is not None:
+                document = ShmDocument(shm=segment.ref, table=packed)
+            else:
+                assert into is not None
+                # A handle of its own per engine: each engine's release counts against its own.
+                document = CudaIpcDocument(cuda_ipc=share(into), table=packed)
             return UpdateWeightsFromTensorRequest(
                 serialized_named_tensors=[document.encode()],
                 load_format=document.load_format,

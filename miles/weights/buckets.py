@@ -200,12 +200,8 @@ def unpack(table: BucketTable, flat: torch.Tensor) -> Received:
     does not match its dtype and shape, or that appears twice.
     """
     flat = flat.reshape(-1).view(torch.uint8)
-    entries = _checked(table, flat.numel())
-    return Received(entries, tensors=_views(entries, flat))
-
-
-def _checked(table: BucketTable, size: int) -> list[BucketEntry]:
-    seen: set[str] = set()
+    size = flat.numel()
+    tensors: dict[str, torch.Tensor] = {}
     for entry in table.entries:
         dtype = entry.torch_dtype()
         expected = math.prod(entry.shape) * torch.empty((), dtype=dtype).element_size()
@@ -218,21 +214,13 @@ def _checked(table: BucketTable, size: int) -> list[BucketEntry]:
             raise InvalidRequestError(
                 f"tensor {entry.name!r} ends at byte {entry.offset + entry.nbytes}, past the bucket's {size} bytes"
             )
-        if entry.name in seen:
+        if entry.name in tensors:
             raise InvalidRequestError(f"tensor {entry.name!r} appears twice in one bucket")
-        seen.add(entry.name)
-    return list(table.entries)
-
-
-def _views(entries: Iterable[BucketEntry], flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for entry in entries:
-        dtype = entry.torch_dtype()
         raw = flat[entry.offset : entry.offset + entry.nbytes]
         if (flat.storage_offset() + entry.offset) % dtype.itemsize:
             # Packed back to back after a tensor of a smaller dtype: torch views only aligned bytes.
             raw = raw.clone()
-        out[entry.name] = (
+        tensors[entry.name] = (
             raw.view(dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=dtype)
         )
-    return out
+    return Received(table.entries, tensors=tensors)

@@ -256,11 +256,17 @@ def checksum_safetensors(
     CheckpointFileTruncatedError or CheckpointFileInvalidError (a file cut or malformed, or a
     tensor name in two files).
     """
-    paths = _expand_paths(paths_or_dir)
+    return checksum_files(_expand_paths(paths_or_dir), threads=threads)[0]
+
+
+def checksum_files(paths: Sequence[Path], *, threads: int | None = None) -> tuple[ModelChecksum, dict[str, Path]]:
+    """The checksum of the tensors in the safetensors files ``paths``, and the file of each tensor;
+    raises as ``checksum_safetensors``."""
     with ExitStack() as stack:
         slots = collect_slots([stack.enter_context(SafetensorsFile(p)) for p in paths])
         digests = digest_files(slots, threads=threads)
-    return checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots))
+    owners = {slot.name: mapped.path for mapped, slot in slots}
+    return checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots)), owners
 
 
 def model_checksum(source: torch.nn.Module | str | os.PathLike[str], *, threads: int | None = None) -> str:

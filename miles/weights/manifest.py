@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Literal
@@ -22,15 +21,8 @@ from miles.errors import (
     ManifestInvalidError,
     ManifestMissingError,
 )
-from miles.weights.checksum import (
-    ALGORITHM,
-    TensorDigest,
-    checksum_from_digests,
-    collect_slots,
-    combine_digests,
-    digest_files,
-)
-from miles.weights.safetensors_io import SafetensorsFile, index_files, open_regular
+from miles.weights.checksum import ALGORITHM, TensorDigest, checksum_files, combine_digests
+from miles.weights.safetensors_io import index_files, open_regular
 
 MANIFEST_NAME = "miles_manifest.json"
 FORMAT_VERSION = 1
@@ -115,16 +107,12 @@ class Manifest(BaseModel):
             raise ValueError(f"tensor entries name files missing from 'files': {unlisted}; re-seal the checkpoint")
         return self
 
-    def tensor_digests(self) -> list[TensorDigest]:
-        """The manifest's tensor entries as digests (the input of its model checksum)."""
-        return [
-            TensorDigest(name=name, dtype=entry.dtype, shape=entry.shape, digest=entry.digest)
-            for name, entry in self.tensors.items()
-        ]
-
     def combined_checksum(self) -> str:
         """The model checksum its tensor entries combine to (equals ``checksum`` when consistent)."""
-        return combine_digests(self.tensor_digests())
+        return combine_digests(
+            TensorDigest(name=name, dtype=entry.dtype, shape=entry.shape, digest=entry.digest)
+            for name, entry in self.tensors.items()
+        )
 
 
 def manifest_from_files(
@@ -142,11 +130,7 @@ def manifest_from_files(
     paths = index_files(directory)
     if not paths:
         raise CheckpointFileMissingError("directory holds no safetensors files", path=str(directory))
-    with ExitStack() as stack:
-        slots = collect_slots([stack.enter_context(SafetensorsFile(p)) for p in paths])
-        digests = digest_files(slots, threads=threads)
-        owners = {slot.name: mapped.path.relative_to(directory).as_posix() for mapped, slot in slots}
-    checksum = checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots))
+    checksum, owners = checksum_files(paths, threads=threads)
     return Manifest(
         model_name=model_name,
         step=step,
@@ -154,7 +138,9 @@ def manifest_from_files(
         checksum=checksum.checksum,
         num_bytes=checksum.num_bytes,
         tensors={
-            name: TensorEntry(dtype=d.dtype, shape=d.shape, digest=d.digest, file=owners[name])
+            name: TensorEntry(
+                dtype=d.dtype, shape=d.shape, digest=d.digest, file=owners[name].relative_to(directory).as_posix()
+            )
             for name, d in checksum.tensors.items()
         },
         files={p.relative_to(directory).as_posix(): p.stat().st_size for p in paths},

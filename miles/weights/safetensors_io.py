@@ -95,9 +95,7 @@ class SafetensorsHeader:
 
     path: Path
     size: int
-    data_start: int
     tensors: Mapping[str, TensorSlot]
-    metadata: Mapping[str, str]
 
 
 def open_regular(path: Path) -> BinaryIO:
@@ -176,13 +174,7 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
                 size=size,
                 needed=slot.end,
             )
-    return SafetensorsHeader(
-        path=path,
-        size=size,
-        data_start=data_start,
-        tensors=MappingProxyType(tensors),
-        metadata=MappingProxyType(dict(metadata)),
-    )
+    return SafetensorsHeader(path=path, size=size, tensors=MappingProxyType(tensors))
 
 
 def _parse_entry(path: Path, name: str, entry: object, data_start: int) -> TensorSlot:
