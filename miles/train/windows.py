@@ -55,16 +55,14 @@ class WindowClient(Protocol):
 
 
 class LocalWindows:
-    """The window API of a controller in this process: an ``AsyncInferenceController`` running on
-    this event loop, or the blocking ``InferenceController``, whose core's coroutines run on the
-    controller's own loop (another thread), waited for on a thread of this loop's."""
+    """The window API of a controller in this process: an ``AsyncInferenceController`` on this
+    loop, or the blocking ``InferenceController``, whose coroutines run on its own loop."""
 
     def __init__(self, controller: AsyncInferenceController | InferenceController) -> None:
         self._blocking = controller if isinstance(controller, InferenceController) else None
         self.controller = controller.core if isinstance(controller, InferenceController) else controller
 
     async def _run(self, call: Coroutine[Any, Any, T]) -> T:
-        """Run one of the controller's coroutines on the loop the controller runs on."""
         return await (call if self._blocking is None else asyncio.to_thread(self._blocking.run, call))
 
     async def open(self, *, model_name: str | None, ttl_s: float, staged: bool) -> UpdateWindow:
@@ -88,10 +86,8 @@ class LocalWindows:
 
 
 def window_client(controller: object) -> WindowClient:
-    """The client of ``controller``: an ``AsyncInferenceController``, the blocking
-    ``InferenceController``, the URL of a controller's HTTP API (with ``MILES_ADMIN_TOKEN`` from
-    the environment when it is set), the named controller's Ray actor handle, or a
-    ``WindowClient``. Raises TypeError for anything else."""
+    """The client of ``controller`` (any of the message below; a URL with ``MILES_ADMIN_TOKEN``
+    from the environment when it is set); TypeError for anything else."""
     if isinstance(controller, str):
         return HttpWindows(controller, admin_token=os.environ.get("MILES_ADMIN_TOKEN", "").strip() or None)
     if isinstance(controller, AsyncInferenceController | InferenceController):
@@ -108,9 +104,8 @@ def window_client(controller: object) -> WindowClient:
 
 
 async def keep_alive(client: WindowClient, window: UpdateWindow) -> None:
-    """Renew the window's lease every third of it until cancelled: the lease stays short (a
-    trainer that dies holds the fleet for one lease) however long the push takes. A renewal
-    that fails is logged and retried; the push itself fails if the window is gone."""
+    """Renew the window's lease every third of it until cancelled, so the lease stays short (a
+    trainer that dies holds the fleet for one lease) however long the push takes."""
     while True:
         await asyncio.sleep(window.ttl_s / 3)
         try:
@@ -120,8 +115,8 @@ async def keep_alive(client: WindowClient, window: UpdateWindow) -> None:
 
 
 async def abort_quietly(client: WindowClient, window: UpdateWindow, *, reason: str) -> None:
-    """Abort the window, logging (not raising) a failure: the window also ends when its lease
-    runs out, and the error that made the push abort is the one to report."""
+    """Abort the window, logging a failure: the window also ends with its lease, and the error
+    that made the push abort is the one to report."""
     try:
         await client.abort(window, reason=reason)
     except Exception as exc:  # noqa: BLE001  # best effort, see above

@@ -1,13 +1,10 @@
 """The torch.distributed group of a push across nodes: formed by the trainer, joined by engines.
 
-A group of its own per push, never the process's default group: the trainer is rank 0 and serves
-the group's ``TCPStore`` (``Rank0``); each engine connects to it and joins as rank N (``join``).
-Every member sets its key in the store once it is there (``joined/<rank>``), so a group that
-does not form names the ranks that never came. Each bucket is then one broadcast from rank 0
-(``broadcast``, the same call on both sides; a receiver lays the bucket out with
-``broadcast_table`` and takes it with ``receive``). Forming and joining block in torch for as long
-as the store's timeout, so both run on a daemon thread (``in_daemon_thread`` on a loop,
-``within`` off one) that never holds up a loop's shutdown or the interpreter's exit.
+A group of its own per push: the trainer is rank 0 and serves the group's ``TCPStore`` (``Rank0``);
+each engine joins as rank N (``join``), setting its key in the store, so a group that does not
+form names the ranks that never came. Each bucket is then one ``broadcast`` from rank 0. Forming
+and joining block in torch for the store's timeout, so both run on a daemon thread
+(``in_daemon_thread``, ``within``) that never holds up a loop's shutdown or the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -165,11 +162,9 @@ def broadcast_table(
 def receive(
     group: Any, table: BucketTable, flat: torch.Tensor, *, flattened: bool, group_name: str, timeout_s: float
 ) -> Received:
-    """The bucket of ``table`` (laid out by ``broadcast_table``) broadcast by rank 0 into ``flat``
-    (a uint8 buffer of ``table.total_bytes``, on the device the group's backend receives on), as
-    tensors with the digests they were sent with; nothing has checked them yet. Raises
-    ConflictError when the broadcast does not complete within ``timeout_s`` (the sender died or
-    never sent): the group is then of no more use."""
+    """The bucket of ``table`` broadcast by rank 0 into ``flat`` (on the device the group receives
+    on), unchecked. Raises ConflictError when the broadcast does not complete within
+    ``timeout_s``: the group is then of no more use."""
     tensors = [flat]
     if not flattened:
         tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape) for e in table.entries]

@@ -1,17 +1,14 @@
 """Shared-memory segments: the memory pushes on one node carry weights in.
 
-Both ends use this module: the trainer makes a segment (``Segment``) and writes buckets (or its
-model's weights) into it; an engine maps it read-only (``SegmentMaps``) and copies the tensors
-out at memory speed.
+The trainer makes a segment (``Segment``) and writes buckets (or its model's weights) into it; an
+engine maps it read-only (``SegmentMaps``) and copies the tensors out.
 
 A segment is an anonymous memory file (``memfd_create``) sealed against shrinking and growing
 before anyone else sees it, named on the wire by its maker's process id and descriptor
-(``SegmentRef``) and opened through ``/proc/<pid>/fd/<fd>``. The seal is what lets an engine map
-it: a mapped file cut short kills its reader (SIGBUS) at the first touch of a page past the new
-end, and a sealed segment can never be cut; an unsealed one is refused. Memory files have no name
-in any directory, so nothing outlives its users: the memory goes back to the system once the
-maker's descriptor and every mapping of it are gone, however the maker died (kill -9 included),
-and engines let go of the mappings whose maker is gone each time a training window ends.
+(``SegmentRef``: ``/proc/<pid>/fd/<fd>``). The seal is what lets an engine map it: a mapped file
+cut short kills its reader (SIGBUS), and a sealed one can never be cut; an unsealed one is refused.
+Memory files have no name in any directory, so their memory goes back to the system once the
+maker's descriptor and every mapping are gone, however the maker died.
 """
 
 from __future__ import annotations
@@ -69,12 +66,9 @@ class SegmentRef(BaseModel):
 
 
 class Segment:
-    """A shared-memory segment of this process's, sealed at ``size`` bytes; ``close`` (or the
-    segment's collection) drops this process's descriptor, and the memory goes once no mapping of
-    it is left (a tensor viewing ``flat`` keeps it, as an engine's mapping does).
-
-    Its pages are reserved when it is made: memory that cannot be had is a PublishError here,
-    not a SIGBUS at the first write past what the system can give."""
+    """A shared-memory segment of this process's, sealed at ``size`` bytes, its memory kept while a
+    tensor viewing ``flat`` or a mapping is left. Its pages are reserved when it is made: memory
+    that cannot be had is a PublishError here, not a SIGBUS at the first write past it."""
 
     def __init__(self, size: int) -> None:
         self.size = size
