@@ -1,11 +1,8 @@
-"""The trainer's end of a torch.distributed push: a group of its own with this process as rank 0
-(``miles.weights.transport.groups``), joined by every engine of the window
-(``/init_weights_update_group``), one flat broadcast per bucket
-(``/update_weights_from_distributed``), left when the push ends (``/destroy_weights_update_group``).
+"""The trainer's end of a torch.distributed push: a group of its own with this process as rank 0,
+joined by every engine of the window, one flat broadcast per bucket, left when the push ends.
 
 A group whose other side never joins fails on both sides within ``timeout_s``, naming the engines
-that are missing; an engine that refuses to join or does not answer (it died) fails the push at
-once, naming it.
+missing; an engine that refuses to join or does not answer fails the push at once, naming it.
 """
 
 from __future__ import annotations

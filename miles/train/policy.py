@@ -44,11 +44,8 @@ def encode_answer(problem: Problem, *, tokenizer: PreTrainedTokenizerBase) -> li
 
 
 def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, pad_token_id: int) -> PackedBatch:
-    """Pack ``prompts[i] + completions[i]`` for every i into one right-padded batch.
-
-    Raises:
-        ValueError: the lists differ in length, are empty, or a prompt is empty.
-    """
+    """Pack ``prompts[i] + completions[i]`` for every i into one right-padded batch; ValueError
+    when the lists differ in length or are empty, or a prompt is empty."""
     if len(prompts) != len(completions) or not prompts:
         raise ValueError(f"need as many completions as prompts, and at least one: {len(prompts)} vs {len(completions)}")
     if any(len(p) == 0 for p in prompts):

@@ -1,10 +1,8 @@
 """The trainer's end of ``/update_weights_from_tensor``: buckets handed in memory to every engine
-on this machine.
-
-Host tensors are written once into a shared-memory segment every engine reads (or read where
-they lie, in the segment ``share_memory`` moved the model into); GPU tensors are packed in the
-trainer's GPU memory and handed over as CUDA IPC handles (no copy through the host). Two regions
-either way: the next bucket is packed into one while the engines read the other.
+on this machine: host tensors in a shared-memory segment every engine reads (or where they lie,
+in the segment ``share_memory`` moved the model into), GPU tensors in the trainer's GPU memory as
+CUDA IPC handles. Two regions either way: the next bucket is packed into one while the engines
+read the other.
 """
 
 from __future__ import annotations
@@ -96,9 +94,8 @@ class TensorPush:
 
 @dataclass(frozen=True)
 class _Buckets:
-    """One push's buckets: the first ``in_place`` are read where they lie in ``shared``, the
-    others packed in turn into ``buffers``: the whole of ``segment`` (their offsets say which
-    region), or, without a segment, one buffer of GPU memory per region."""
+    """One push's buckets: the first ``in_place`` read where they lie in ``shared``, the others
+    packed in turn into ``buffers`` (``segment``, or a buffer of GPU memory per region)."""
 
     calls: EngineCalls
     tables: list[BucketTable]

@@ -1,11 +1,8 @@
 """Canonical weight checksums: the same weights give the same checksum from every representation.
 
-Per tensor, the digest is ``miles.weights.digest``'s: xxh3-128 over the xxh3-128 digests of the
-tensor's raw bytes taken 256 KiB at a time (row-major, native little-endian, exactly what
-``tensor.reshape(-1).view(torch.uint8)`` holds and exactly the bytes a safetensors file stores),
-so that it can be computed from any split of the bytes (the ranks of a sharded trainer each hash
-their own). Any dtype hashes (bfloat16, float8, bool, ...), 0-d tensors hash their one element,
-empty tensors hash zero bytes. Digests are 32 lowercase hex characters.
+Per tensor, the digest is ``miles.weights.digest``'s, over the tensor's raw row-major bytes (what
+``tensor.reshape(-1).view(torch.uint8)`` holds and a safetensors file stores), whatever its dtype:
+32 lowercase hex characters.
 
 The model checksum is xxh3-128 over this UTF-8 text, with nothing before or after it::
 
@@ -17,11 +14,7 @@ joined by commas without spaces in brackets (``[]`` for a 0-d tensor). Example l
 ``model.norm.weight\\tfloat32\\t[64]\\t3f1c...\\n``. Because name, dtype and shape are part of each
 line, changing an element, a dtype, a shape (even with the same bytes) or which name holds which
 bytes changes the checksum. Names holding a tab or newline are refused (TensorNameError): they
-would make the listing ambiguous.
-
-Tensors in memory are hashed zero-copy (a memoryview of the tensor's memory); files are read a
-slice at a time and each slice hashed while in cache. xxhash releases the GIL, so large models
-hash on several threads.
+would make the listing ambiguous. xxhash releases the GIL, so large models hash on several threads.
 """
 
 from __future__ import annotations
