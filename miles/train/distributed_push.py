@@ -34,8 +34,7 @@ _THREAD_END_S = 5.0
 
 
 class DistributedPush:
-    """Pushes by broadcast for one publisher: the host buffers buckets are packed into are kept
-    from one push to the next (their pages are faulted in once)."""
+    """Pushes by broadcast, keeping the host buffers buckets are packed into (faulted in once)."""
 
     def __init__(self, *, master_address: str, timeout_s: float, bucket_bytes: int) -> None:
         self.master_address, self.timeout_s, self.bucket_bytes = master_address, timeout_s, bucket_bytes

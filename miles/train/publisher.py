@@ -87,7 +87,7 @@ class DiskPublisher:
             raise ValueError(f"keep_last must be at least 2 (serving + rollback target), got {keep_last}")
         if ready_timeout_s <= 0 or ready_poll_s <= 0:
             raise ValueError("ready_timeout_s and ready_poll_s must be positive")
-        self._root = Path(root)
+        self.root = Path(root)
         self._model_name = model_name
         self._events = event_logger
         self._apply = apply
@@ -97,12 +97,8 @@ class DiskPublisher:
         self._ready_poll_s = ready_poll_s
         self._written: deque[Path] = deque()
 
-    @property
-    def root(self) -> Path:
-        return self._root
-
     def checkpoint_dir(self, step: int) -> Path:
-        return self._root / f"step-{step:06d}"
+        return self.root / f"step-{step:06d}"
 
     async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
         """Write, announce, wait for ready, apply, prune. Raises PublishError when the checkpoint

@@ -84,8 +84,7 @@ class BucketSender(Protocol):
 
 
 def check_push_settings(*, path: TransferPath, ttl_s: float, timeout_s: float, bucket_bytes: int) -> None:
-    """Raise ValueError for a publisher setting no push could honour (refused when the publisher is
-    made, not by the controller or every engine in the middle of a push)."""
+    """Raise ValueError, when the publisher is made, for a setting no push could honour."""
     if TransferPath(path) is TransferPath.DISK:
         raise ValueError("a push goes from memory; publish through disk with DiskPublisher")
     try:
@@ -420,8 +419,7 @@ def _digested(named: Mapping[str, torch.Tensor], table: BucketTable, *, known: M
 
 
 def _shareable(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    """The parameters and buffers of ``module`` that ``_share`` moves: dense CPU tensors holding
-    any bytes."""
+    """What ``_share`` moves: the dense CPU parameters and buffers of ``module`` holding bytes."""
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
             continue

@@ -160,8 +160,7 @@ class _Launch:
 
 
 class TrainerRanks:
-    """``world_size`` rank processes training ``spec.trainer`` together (module docstring); its
-    ``run`` is ``Trainer.run``'s for a trainer split over processes."""
+    """``world_size`` rank processes training ``spec.trainer`` together; ``run`` as ``Trainer.run``."""
 
     def __init__(
         self,

@@ -192,8 +192,7 @@ class TrainingSummary(_Frozen):
         return max((s.staleness.max for s in self.steps), default=0)
 
     def idle_fractions(self, phase: Phase = Phase.GRPO) -> tuple[float, float]:
-        """The shares of ``phase``'s time the trainer waited for samples and the fleet generated
-        none of the trainer's."""
+        """The shares of ``phase``'s time the trainer waited for samples and the fleet idled."""
         steps = [s for s in self.steps if s.phase is phase]
         total = sum(s.step_s for s in steps)
         if total <= 0:

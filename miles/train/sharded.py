@@ -32,7 +32,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -137,12 +137,11 @@ class _Layout:
 
 @dataclass
 class _Plan:
-    """What rank 0 tells every rank before the buckets: go or not, and where buckets go."""
+    """What rank 0 tells every rank before the buckets (a reason instead when it gives up)."""
 
-    error: str | None = None
-    direct: bool = False
-    segment: SegmentRef | None = None
-    tables: list[BucketTable] = field(default_factory=list)
+    direct: bool
+    segment: SegmentRef | None
+    tables: list[BucketTable]
 
 
 class ShardedPublisher:
@@ -198,8 +197,7 @@ class ShardedPublisher:
     # --- every rank ------------------------------------------------------------------------
 
     async def _collective(self, what: str, call: Callable[[], Any]) -> Any:
-        """A collective of the publisher's group, off the loop; a rank that failed or never came
-        makes it a PublishError saying so."""
+        """A collective of the publisher's group, off the loop; PublishError when a rank never came."""
         try:
             return await asyncio.to_thread(call)
         except (RuntimeError, dist.DistError) as exc:
@@ -368,8 +366,7 @@ class ShardedPublisher:
         return outcome
 
     def _map(self, ref: SegmentRef) -> torch.Tensor:
-        """Rank 0's bucket segment, mapped here to write this rank's rows into (kept while rank 0
-        keeps the segment)."""
+        """Rank 0's bucket segment, mapped here for this rank's rows (kept while rank 0 keeps it)."""
         if self._mapped is None or self._mapped[0] != ref:
             self._mapped = (ref, segments.writable(ref))
         return self._mapped[1]

@@ -24,8 +24,8 @@ from miles.weights.transport.segments import Segment
 
 
 class TensorPush:
-    """Pushes through ``/update_weights_from_tensor`` for one publisher: the segment buckets are
-    written into is kept from one push to the next (its pages are faulted in once, not per push)."""
+    """Pushes through ``/update_weights_from_tensor``, keeping the segment buckets are written
+    into from one push to the next (its pages are faulted in once, not per push)."""
 
     def __init__(self, *, bucket_bytes: int) -> None:
         self.bucket_bytes = bucket_bytes

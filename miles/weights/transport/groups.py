@@ -10,6 +10,7 @@ and joining block in torch for the store's timeout, so both run on a daemon thre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import queue
 import socket
@@ -55,16 +56,13 @@ def in_daemon_thread(fn: Callable[[], T], *, name: str) -> asyncio.Future[T]:
             future.set_result(result)
 
     def run() -> None:
-        result: Any = None
-        error: BaseException | None = None
+        outcome: tuple[Any, BaseException | None]
         try:
-            result = fn()
+            outcome = (fn(), None)
         except BaseException as exc:  # noqa: BLE001  # handed to the awaiting task, whatever it is
-            error = exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:
-            pass  # the loop is closed: nobody waits any more
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
