@@ -9,6 +9,7 @@ server still batches them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -94,19 +95,11 @@ class HttpSampler:
     ) -> list[Group]:
         """``min_weight_version`` needs a controller's URL (an engine would refuse the field)."""
         targets = [self._urls[next(self._next_url)] for _ in prompts]
+        one = functools.partial(
+            self._one, group_size=group_size, max_new_tokens=max_new_tokens, min_weight_version=min_weight_version
+        )
         return list(
-            await asyncio.gather(
-                *(
-                    self._one(
-                        url,
-                        list(prompt),
-                        group_size=group_size,
-                        max_new_tokens=max_new_tokens,
-                        min_weight_version=min_weight_version,
-                    )
-                    for url, prompt in zip(targets, prompts, strict=True)
-                )
-            )
+            await asyncio.gather(*(one(url, list(prompt)) for url, prompt in zip(targets, prompts, strict=True)))
         )
 
     async def _one(
