@@ -125,9 +125,8 @@ def on_this_machine(url: str) -> bool:
 
 
 class Transports:
-    """A publisher's ways to the engines, each keeping its buffers from one push to the next (shared
-    memory or CUDA IPC: ``TensorPush``; a broadcast: ``DistributedPush``), and one connection pool
-    for every push (a new client costs more than a small push)."""
+    """A publisher's two transports, each keeping its buffers from one push to the next, and one
+    connection pool for every push (a new client costs more than a small push)."""
 
     def __init__(self, *, master_address: str, timeout_s: float, bucket_bytes: int) -> None:
         self.timeout_s = timeout_s
@@ -335,12 +334,11 @@ async def send_buckets(
     stats: PushStats,
     digests: Sequence[TensorDigest] = (),
 ) -> str:
-    """Fill each bucket of ``sender`` (``fill`` returns its table with the digests), then send it,
-    with the last one the model checksum over ``digests`` and every bucket's; returns the checksum.
-    The next bucket is filled while the engines take the one before; a bucket is sent only once
-    the buffer of the one before it may be filled again (the engines read it, or it was
-    broadcast), so a filler writing into two buffers in turn never writes into one still in use;
-    a broadcast bucket's engines copy it out while the next one is broadcast."""
+    """Fill each bucket of ``sender`` (``fill`` returns its table with the digests) and send it, the
+    last with the model checksum over ``digests`` and every bucket's; returns the checksum. The next
+    bucket is filled while the engines take the one before, which is sent only once the buffer of
+    the one before it is free again (read, or broadcast), so a filler writing into two buffers in
+    turn never writes into one still in use."""
     tables = sender.tables
     digests = list(digests)
     sending: asyncio.Task[Awaitable[None]] | None = None

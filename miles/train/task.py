@@ -82,11 +82,6 @@ class ReverseTask(BaseModel):
         letters = "".join(rng.choice(self.alphabet) for _ in range(length))
         return Problem(prompt=f"{PROMPT_PREFIX}{letters}\n", answer=letters[::-1])
 
-    def problems(self, *, seed: int, count: int) -> list[Problem]:
-        """``count`` problems from a fresh RNG seeded with ``seed``: the same list on every call."""
-        rng = random.Random(seed)
-        return [self.sample(rng) for _ in range(count)]
-
 
 def score(problem: Problem, completion: Completion) -> float:
     """The reward of ``completion`` for ``problem``, in ``[0, 1]`` (rules in the module docstring)."""
