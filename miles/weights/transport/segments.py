@@ -151,7 +151,6 @@ def _close(fd: int) -> None:
 
 @dataclass(frozen=True)
 class _Mapped:
-    ref: SegmentRef
     inode: tuple[int, int]  # (device, inode): the same memory file, whatever descriptor names it
     flat: torch.Tensor  # the whole segment, read-only (a write would fault, never reach the maker)
 
@@ -194,7 +193,7 @@ class SegmentMaps:
         finally:
             os.close(fd)
         with self._lock:
-            self._maps[ref] = _Mapped(ref, inode, flat)
+            self._maps[ref] = _Mapped(inode, flat)
             # A push names one segment or two (its buckets', its model's): a sender naming ever new
             # ones must not leave a mapping (and a descriptor) behind for each. The oldest goes;
             # a bucket still being copied from it keeps its memory until it is done.
