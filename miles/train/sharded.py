@@ -75,19 +75,15 @@ class _Part:
     @property
     def nbytes(self) -> int:
         """The bytes of the whole tensor."""
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
     def byte_range(self) -> tuple[int, int]:
         """Where a ``rows`` part lies in the whole tensor's bytes."""
-        row = math.prod(self.shape[1:]) * _itemsize(self.dtype)
+        row = math.prod(self.shape[1:]) * getattr(torch, self.dtype).itemsize
         return self.start * row, self.stop * row
 
     def global_key(self) -> tuple[str, str, tuple[int, ...], str]:
         return (self.name, self.dtype, self.shape, self.kind if self.kind == "whole" else f"shard{self.dim}")
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _parts(model: torch.nn.Module, world: int) -> tuple[list[_Part], dict[str, torch.Tensor]]:
