@@ -96,7 +96,7 @@ class TrainerConfig(BaseModel):
                 f"({self.max_staleness + 1}): samples for a step could otherwise never be admitted; publish "
                 "more often or raise max_staleness"
             )
-        needed = self.task.max_answer_chars + 1
+        needed = self.task.max_length + 1  # the longest answer (a token per character) and its end
         if self.max_new_tokens < needed:
             raise ValueError(
                 f"max_new_tokens ({self.max_new_tokens}) cannot fit the longest answer plus its terminator; "

@@ -1,11 +1,8 @@
-"""The trainer's end of a torch.distributed push: a group of its own with this process as rank 0
-(``miles.weights.transport.groups``), joined by every engine of the window
-(``/init_weights_update_group``), one flat broadcast per bucket
-(``/update_weights_from_distributed``), left when the push ends (``/destroy_weights_update_group``).
+"""The trainer's end of a torch.distributed push: a group of its own with this process as rank 0,
+joined by every engine of the window, one flat broadcast per bucket, left when the push ends.
 
 A group whose other side never joins fails on both sides within ``timeout_s``, naming the engines
-that are missing; an engine that refuses to join or does not answer (it died) fails the push at
-once, naming it.
+missing; an engine that refuses to join or does not answer fails the push at once, naming it.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ _THREAD_END_S = 5.0
 
 
 class DistributedPush:
-    """Pushes by broadcast for one publisher: the host buffers buckets are packed into are kept
-    from one push to the next (their pages are faulted in once)."""
+    """Pushes by broadcast, keeping the host buffers buckets are packed into (faulted in once)."""
 
     def __init__(self, *, master_address: str, timeout_s: float, bucket_bytes: int) -> None:
         self.master_address, self.timeout_s, self.bucket_bytes = master_address, timeout_s, bucket_bytes

@@ -1,8 +1,6 @@
 """One call to every engine of a window at once (``post_all``; ``EngineCalls`` for one push's),
-and what a push's calls cost (``PushStats``): the bodies are the protocol's request models, the answers are read as its
-response models, and a refusal is a PublishError naming each engine that refused (and the
-``Refusal`` an engine named, for the pusher to act on). A vLLM server takes the same requests
-through vLLM's weight-transfer routes (``miles.train.vllm_calls``)."""
+and what a push's calls cost (``PushStats``). A refusal is a PublishError naming each engine that
+refused (and the ``Refusal`` one named); a vLLM server is called through ``miles.train.vllm_calls``."""
 
 from __future__ import annotations
 
@@ -58,8 +56,7 @@ class PushStats:
 
 @dataclass(frozen=True)
 class EngineCalls:
-    """One push's calls to the engines of ``window`` over ``http``, pushing weight version
-    ``version``, counted in ``stats``."""
+    """One push's calls of weight version ``version`` to the engines of ``window``."""
 
     http: httpx.AsyncClient
     window: UpdateWindow
@@ -69,7 +66,6 @@ class EngineCalls:
     vllm_sessions: set[str] = field(default_factory=set)
 
     async def post(self, path: str, body: Callable[[int], BaseModel], *, fail_fast: bool = False) -> None:
-        """``post_all`` to this push's engines."""
         await post_all(
             self.http,
             self.window,
@@ -97,10 +93,9 @@ async def post_all(
     fail_fast: bool = False,
     vllm_sessions: set[str] | None = None,
 ) -> None:
-    """POST ``body(i)`` to the ``i``-th engine of the window, all at once, with the window's
-    credential. Raises PublishError naming each engine that refused or did not answer (with
-    ``fail_fast``, the first one, as soon as it does: the calls still waiting are dropped); its
-    ``refusal`` is the one an engine named, if any."""
+    """POST ``body(i)`` to the ``i``-th engine of the window, all at once, with its credential.
+    Raises PublishError naming each engine that refused or did not answer (with ``fail_fast``,
+    the first, at once), its ``refusal`` the one an engine named."""
     headers = {"authorization": f"Bearer {window.credential}"} if window.credential else {}
     expected = _ANSWERS[path]
 
@@ -144,8 +139,7 @@ async def post_all(
 
 
 def _refused(server: WindowServer, answer: httpx.Response) -> _Failure:
-    """An answer other than the success the call expects: the engine's error, or (an answer that
-    is no answer of its API) what it said, quoted."""
+    """An answer other than success: the engine's error, or what it said, quoted."""
     try:
         error = ErrorAnswer.model_validate_json(answer.content).error
     except ValidationError:
@@ -157,7 +151,7 @@ def _refused(server: WindowServer, answer: httpx.Response) -> _Failure:
 
 
 def answered() -> asyncio.Future[None]:
-    """A send's answers when there is nothing left to wait for (``BucketSender.send``)."""
+    """A send's answers when there is nothing left to wait for."""
     done = asyncio.get_running_loop().create_future()
     done.set_result(None)
     return done

@@ -1,15 +1,13 @@
 """How one trainer's work is split over processes: ``Parallelism``, which ``Trainer`` is given.
 
 - ``SingleProcess`` (the default): one process trains every batch on the whole model.
-- ``FSDP2DataParallel``: this process is one rank of several (``torch.distributed`` initialised,
-  gloo on CPU). The model is sharded by FSDP2 (``fully_shard`` per decoder layer and on the whole
-  model: parameters become ``DTensor``s split by rows), each rank trains its own share of every
-  batch on problems it draws with its own seed, and FSDP2's reduce-scatter averages the gradients
-  over the ranks, so every rank steps its shard with the gradient of the whole batch. Each step's
-  reports are combined on rank 0 (one small gather per step), which reports the whole step.
+- ``FSDP2DataParallel``: this process is one rank of several (gloo on CPU). FSDP2 shards the
+  model (``fully_shard`` per decoder layer and on the whole model), each rank trains its own share
+  of every batch, and FSDP2's reduce-scatter averages the gradients over the ranks, so every rank
+  steps its shard with the gradient of the whole batch. Rank 0 reports each whole step.
 
-Every rank must run the same steps in the same order: FSDP2's gathers in forward and backward,
-the gradient norm's all-reduce and the publisher's collectives all wait for every rank.
+Every rank must run the same steps in the same order: FSDP2's gathers, the gradient norm's
+all-reduce and the publisher's collectives all wait for every rank.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ class Parallelism(Protocol):
 
     @property
     def rank(self) -> int:
-        """This process's index, 0 to ``world_size - 1``; rank 0 reports the steps."""
+        """This process's index; rank 0 reports the steps."""
         ...
 
     @property
@@ -47,12 +45,8 @@ class Parallelism(Protocol):
         ...
 
     async def combine(self, report: StepReport) -> StepReport:
-        """On rank 0, the report of the whole step from every rank's report of its share; on
-        the others, their own. Called by every rank after every step.
-
-        Raises:
-            TrainerError: a rank did not take part in time.
-        """
+        """On rank 0, the whole step's report from every rank's; on the others, their own. Called
+        by every rank after every step; TrainerError when a rank did not take part in time."""
         ...
 
 
@@ -77,10 +71,9 @@ class SingleProcess:
 
 
 class FSDP2DataParallel:
-    """This process is one FSDP2 data-parallel rank (module docstring). Make it on every rank after
-    ``torch.distributed`` is initialised, at the same point on each (it forms a group of its own
-    for the reports, bounded by ``timeout_s``: a rank that died fails the others in that time
-    rather than the default group's half an hour)."""
+    """This process is one FSDP2 data-parallel rank. Make it on every rank, at the same point,
+    after ``torch.distributed`` is initialised: it forms a group of its own for the reports,
+    bounded by ``timeout_s`` rather than the default group's half an hour."""
 
     def __init__(self, *, timeout_s: float = 120.0) -> None:
         if not dist.is_initialized():

@@ -32,11 +32,6 @@ class PackedBatch:
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor  # [N, T] bool
 
-    @property
-    def num_completion_tokens(self) -> int:
-        """How many real completion tokens the batch holds (the token-mean denominator)."""
-        return int(self.completion_mask.sum())
-
 
 def encode_prompt(problem: Problem, *, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """BOS then the prompt's tokens: what the servers are sent and what the trainer conditions on."""
@@ -49,11 +44,8 @@ def encode_answer(problem: Problem, *, tokenizer: PreTrainedTokenizerBase) -> li
 
 
 def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, pad_token_id: int) -> PackedBatch:
-    """Pack ``prompts[i] + completions[i]`` for every i into one right-padded batch.
-
-    Raises:
-        ValueError: the lists differ in length, are empty, or a prompt is empty.
-    """
+    """Pack ``prompts[i] + completions[i]`` for every i into one right-padded batch; ValueError
+    when the lists differ in length or are empty, or a prompt is empty."""
     if len(prompts) != len(completions) or not prompts:
         raise ValueError(f"need as many completions as prompts, and at least one: {len(prompts)} vs {len(completions)}")
     if any(len(p) == 0 for p in prompts):
@@ -98,4 +90,4 @@ def completion_logprobs(model: PreTrainedModel, batch: PackedBatch) -> torch.Ten
 def sft_loss(model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
     """Token-mean negative log-likelihood of the completions (teacher forcing)."""
     logprobs = completion_logprobs(model, batch)
-    return -logprobs.sum() / max(1, batch.num_completion_tokens)
+    return -logprobs.sum() / max(1, int(batch.completion_mask.sum()))

@@ -1,11 +1,9 @@
 """Publishing trained weights: the ``Publisher`` protocol and ``DiskPublisher``, its disk reference.
 
-``DiskPublisher.publish`` runs the training side of the weight-update protocol
-(docs/ARCHITECTURE.md, "The life of an update"): write the checkpoint (its manifest carries the
-checksum), announce the checksum as an ``InferenceEngineWeightChecksumEvent``, wait until the
-serving side says it is ready, then hand the checkpoint to an injected ``apply`` (the demo passes
-the controller's ``update_rollout_weights``; tests pass ``EngineDiskApply``), which must not
-return before the servers hold the new weights, verified.
+``DiskPublisher.publish`` runs the training side of an update (docs/ARCHITECTURE.md, "The life
+of an update"): write the checkpoint, announce its checksum, wait until the serving side is
+ready, then hand the checkpoint to an injected ``apply`` (the demo passes the controller's
+``update_rollout_weights``), which returns once the servers hold the new weights, verified.
 """
 
 from __future__ import annotations
@@ -56,18 +54,12 @@ class Publisher(Protocol):
     """Makes the trainer's current weights the ones the servers serve."""
 
     async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
-        """Return once the servers serve ``model``'s weights as version ``step``.
-
-        The model must not change while this runs.
-
-        Raises:
-            PublishError: anything went wrong; the servers may still serve the previous version.
-        """
+        """Return once the servers serve ``model``'s weights (unchanged meanwhile) as version
+        ``step``; PublishError when anything went wrong (they may serve the previous version)."""
         ...
 
 
 async def always_ready() -> bool:
-    """A ``ReadyFn`` for setups without a readiness signal."""
     return True
 
 
@@ -95,7 +87,7 @@ class DiskPublisher:
             raise ValueError(f"keep_last must be at least 2 (serving + rollback target), got {keep_last}")
         if ready_timeout_s <= 0 or ready_poll_s <= 0:
             raise ValueError("ready_timeout_s and ready_poll_s must be positive")
-        self._root = Path(root)
+        self.root = Path(root)
         self._model_name = model_name
         self._events = event_logger
         self._apply = apply
@@ -105,22 +97,13 @@ class DiskPublisher:
         self._ready_poll_s = ready_poll_s
         self._written: deque[Path] = deque()
 
-    @property
-    def root(self) -> Path:
-        """The directory the checkpoints are written under."""
-        return self._root
-
     def checkpoint_dir(self, step: int) -> Path:
-        """Where the checkpoint of ``step`` is written."""
-        return self._root / f"step-{step:06d}"
+        return self.root / f"step-{step:06d}"
 
     async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
-        """Write, announce, wait for ready, apply, prune (see the class and module docstrings).
-
-        Raises:
-            PublishError: the checkpoint could not be written, or ``apply`` failed.
-            PublishNotReadyError: ``ready()`` never said yes within ``ready_timeout_s``.
-        """
+        """Write, announce, wait for ready, apply, prune. Raises PublishError when the checkpoint
+        could not be written or ``apply`` failed, PublishNotReadyError when ``ready()`` never said
+        yes within ``ready_timeout_s``."""
         started = time.monotonic()
         target = self.checkpoint_dir(step)
         try:

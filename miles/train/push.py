@@ -1,19 +1,16 @@
 """Pushing weights from the trainer's memory, no disk: ``PushPublisher``, a ``Publisher``.
 
-``publish`` runs the training side of a window (docs/ARCHITECTURE.md, "Pushing weights from memory"): open the
-update window on the controller, stream the model's tensors to every engine of the window in
-buckets (a constant number of calls per update, whatever the number of tensors), computing each
-tensor's digest while it is packed and the model checksum from those digests, publish that
-checksum (``InferenceEngineWeightChecksumEvent``), and end the window, so the controller confirms
-every engine's checksum against the published one and admits, quarantines or rolls back exactly
-as for a checkpoint on disk. Anything that fails aborts the window: the servers go back to their
-verified weights.
+``publish`` runs the training side of a window (docs/ARCHITECTURE.md, "Pushing weights from
+memory"): it streams the model's tensors to every engine of the window in buckets (a constant
+number of calls per update), digesting each tensor as it is packed, and ends the window with the
+checksum those digests combine to, which the controller confirms on every engine as for a
+checkpoint on disk. Anything that fails aborts the window: the servers go back to their verified
+weights.
 
-One bucket loop (``_stream``) whatever the path; the path's ``BucketSender`` says where each
-bucket is packed and how it reaches the engines: ``shm`` (``miles.train.tensor_push``, every
-engine on this node), ``distributed`` (``miles.train.distributed_push``, engines anywhere), or
-``auto``: ``shm`` when every engine's address is this machine's, else ``distributed``. The
-controller is given as anything ``miles.train.windows.window_client`` takes.
+One bucket loop (``send_buckets``) whatever the path; the path's ``BucketSender`` says where each
+bucket is packed and how it reaches the engines: ``shm`` (``miles.train.tensor_push``, engines on
+this node), ``distributed`` (``miles.train.distributed_push``, anywhere), or ``auto``
+(``choose_path``).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import itertools
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
@@ -35,15 +32,14 @@ import httpx
 import torch
 
 from miles.config import LEASE_TTL_MAX_S, LEASE_TTL_MIN_S, TransferPath, check_seconds
-from miles.controller.results import UpdateStatus, UpdateWindow
+from miles.controller.results import UpdateWindow
 from miles.errors import InvalidRequestError, PublishError, Refusal
 from miles.protocol.sglang_weights import PUSH_TIMEOUT_MAX_S
 from miles.train.distributed_push import DistributedPush
 from miles.train.engine_calls import EngineCalls, PushStats
 from miles.train.publisher import PublishResult
 from miles.train.tensor_push import TensorPush
-from miles.train.windows import abort_quietly, keep_alive, window_client
-from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
+from miles.train.windows import abort_quietly, push_in_window, window_client
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable, pack
 from miles.weights.checksum import (
     TensorDigest,
@@ -88,8 +84,7 @@ class BucketSender(Protocol):
 
 
 def check_push_settings(*, path: TransferPath, ttl_s: float, timeout_s: float, bucket_bytes: int) -> None:
-    """Raise ValueError for a publisher setting no push could honour: refused when the publisher
-    is made, rather than by the controller or every engine in the middle of a push."""
+    """Raise ValueError, when the publisher is made, for a setting no push could honour."""
     if TransferPath(path) is TransferPath.DISK:
         raise ValueError("a push goes from memory; publish through disk with DiskPublisher")
     try:
@@ -129,6 +124,45 @@ def on_this_machine(url: str) -> bool:
     return host in ours
 
 
+class Transports:
+    """A publisher's two transports, each keeping its buffers from one push to the next, and one
+    connection pool for every push (a new client costs more than a small push)."""
+
+    def __init__(self, *, master_address: str, timeout_s: float, bucket_bytes: int) -> None:
+        self.timeout_s = timeout_s
+        self.tensors = TensorPush(bucket_bytes=bucket_bytes)
+        self.broadcasts = DistributedPush(master_address=master_address, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+        self._http: httpx.AsyncClient | None = None
+
+    def calls(self, window: UpdateWindow, *, step: int, stats: PushStats) -> EngineCalls:
+        if self._http is None:
+            self._http = httpx.AsyncClient(trust_env=False, timeout=self.timeout_s * 2 + 30)
+        return EngineCalls(http=self._http, window=window, version=str(step), stats=stats)
+
+    def sender(
+        self, named: Mapping[str, torch.Tensor], calls: EngineCalls, *, path: TransferPath, shared: Segment | None
+    ) -> AbstractAsyncContextManager[BucketSender]:
+        if path is TransferPath.SHM:
+            return self.tensors.push(named, calls, shared=shared)
+        return self.broadcasts.push(named, calls)
+
+    async def close(self) -> None:
+        await self.tensors.close()
+        self.broadcasts.close()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+def choose_path(path: TransferPath, window: UpdateWindow) -> TransferPath:
+    """``path``, or for ``auto``: shm when this machine makes segments and every engine of
+    ``window`` runs on it, else distributed (looks at /proc, resolves this machine's addresses)."""
+    if path is not TransferPath.AUTO:
+        return path
+    local = segments.available() and all(on_this_machine(s.url) for s in window.servers)
+    return TransferPath.SHM if local else TransferPath.DISTRIBUTED
+
+
 class PushPublisher:
     """Publishes the trainer's weights by pushing them into the servers' memory (module docstring)."""
 
@@ -150,10 +184,7 @@ class PushPublisher:
         self.windows = window_client(controller)
         self.model_name = model_name
         self.path = TransferPath(path)
-        self.bucket_bytes = bucket_bytes
-        self.master_address = master_address
         self.ttl_s = ttl_s
-        self.timeout_s = timeout_s
         self.delta = delta
         # Push into the engines' staging buffers while they serve (a staged window).
         self.staged = staged
@@ -164,19 +195,7 @@ class PushPublisher:
         # The digest of every tensor the servers were last committed on (delta pushes).
         self._held: dict[str, str] | None = None
         self.last: PushStats | None = None
-        self._http: httpx.AsyncClient | None = None
-        # The two transports, each keeping its buffers from one push to the next.
-        self._tensors = TensorPush(bucket_bytes=bucket_bytes)
-        self._broadcasts = DistributedPush(
-            master_address=master_address, timeout_s=timeout_s, bucket_bytes=bucket_bytes
-        )
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        """One connection pool for every push (a new client costs more than a small push)."""
-        if self._http is None:
-            self._http = httpx.AsyncClient(trust_env=False, timeout=self.timeout_s * 2 + 30)
-        return self._http
+        self._transports = Transports(master_address=master_address, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
 
     @property
     def shared_segment(self) -> Segment | None:
@@ -184,15 +203,11 @@ class PushPublisher:
         return self._shared
 
     def share_memory(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Move ``module``'s weights (its CPU parameters and buffers) into a shared-memory segment
-        of this publisher's, as ``torch.nn.Module.share_memory`` does into its own: the tensors stay
-        the same objects with the same values, their memory moves. Engines on this machine then read
-        each tensor where it lies, so a push over shared memory copies nothing on this side (it only
-        hashes). The module trains on as before; pushing while it changes fails the push (a digest
-        no longer matches), as it would with any copy. Returns ``module``.
-
-        Called again (the module's tensors were replaced since), it moves them into a new segment.
-        Raises PublishError when the memory for them cannot be had.
+        """Move ``module``'s CPU parameters and buffers into a shared-memory segment of this
+        publisher's (the tensors stay the same objects with the same values), so engines on this
+        machine read each where it lies and a push copies nothing on this side (it only hashes).
+        Called again, it moves them into a new segment. Returns ``module``; raises PublishError
+        when the memory for them cannot be had.
         """
         segment = _share(module)
         if segment is not None:
@@ -207,26 +222,17 @@ class PushPublisher:
         return shared is not None and all(shared.holds(t) for t in _shareable(module))
 
     async def close(self) -> None:
-        """Remove the shared-memory segments, free the broadcast buffers and close the connections;
-        the publisher can be used again."""
-        await self._tensors.close()
+        """Free the segments, buffers and connections; the publisher can be used again."""
+        await self._transports.close()
         if self._shared is not None:
             shared, self._shared = self._shared, None
             await asyncio.to_thread(shared.close)  # its file; the model keeps its memory
-        self._broadcasts.close()
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
 
     async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
-        """Return once the servers serve ``model``'s weights as version ``step``, verified.
-
-        Raises PublishError when the push or the commit failed; the servers then serve their
-        previous verified weights.
-
-        With ``share_weights`` (the default) and a path that may be shared memory, the model's
-        weights are first moved there (``share_memory``, once unless its tensors are replaced);
-        when the memory for them cannot be had, they stay where they are and every push copies them.
+        """Return once the servers serve ``model``'s weights as version ``step``, verified; raises
+        PublishError when the push or the commit failed (the servers keep their verified weights).
+        With ``share_weights`` and a path that may be shared memory, the weights are first moved
+        there (``share_memory``); when that memory cannot be had, every push copies them.
         """
         if self.share_weights and self.path is not TransferPath.DISTRIBUTED and not self._shares(model):
             try:
@@ -261,7 +267,6 @@ class PushPublisher:
         self, named: Mapping[str, torch.Tensor], *, step: int, held: dict[str, str] | None, staged: bool
     ) -> PublishResult:
         started = time.perf_counter()
-        version = str(step)
         # The window opens while a delta push hashes every tensor to find what changed.
         opening = asyncio.ensure_future(self.windows.open(model_name=self.model_name, ttl_s=self.ttl_s, staged=staged))
         try:
@@ -273,41 +278,27 @@ class PushPublisher:
             raise
         window = await opening
         opened = time.perf_counter()
-        renewing = asyncio.create_task(keep_alive(self.windows, window), name=f"renew-window-{window.token}")
-        try:
+        stats = PushStats(path=self.path.value, tensors=len(sending), skipped=len(unchanged))
+
+        async def stream() -> str:
             # Looks at /proc and resolves this machine's addresses: off the loop.
             path = await asyncio.to_thread(self._choose, window)
-            stats = PushStats(path=path.value, tensors=len(sending), skipped=len(unchanged))
-            calls = EngineCalls(http=self.http, window=window, version=version, stats=stats)
-            sender: AbstractAsyncContextManager[BucketSender] = (
-                self._tensors.push(sending, calls, shared=self._shared)
-                if path is TransferPath.SHM
-                else self._broadcasts.push(sending, calls)
-            )
-            async with sender as buckets:
-                checksum = await _stream(buckets, sending, stats=stats, unchanged=unchanged, known=digests or {})
-            pushed = time.perf_counter()
-            await self.windows.publish(
-                InferenceEngineWeightChecksumEvent(
-                    model_name=window.model_name, checksum=checksum, step=step, weight_version=version
-                )
-            )
-            ended = await self.windows.end(window, checksum=checksum, step=step, weight_version=version)
+            stats.path = path.value
+            calls = self._transports.calls(window, step=step, stats=stats)
+            async with self._transports.sender(sending, calls, path=path, shared=self._shared) as sender:
+                return await _stream(sender, sending, stats=stats, unchanged=unchanged, known=digests or {})
+
+        try:
+            checksum = await push_in_window(self.windows, window, stream, step=step, stats=stats)
         except BaseException as exc:
-            await abort_quietly(self.windows, window, reason=f"the push failed: {exc}")
             if isinstance(exc, PublishError | asyncio.CancelledError):
                 raise
             raise PublishError(f"pushing step {step} failed: {exc}") from exc
-        finally:
-            renewing.cancel()
-            await asyncio.gather(renewing, return_exceptions=True)
-        if ended.status is not UpdateStatus.COMMITTED:
-            raise PublishError(f"the controller did not commit step {step}: {ended.status.value}: {ended.message}")
-        stats.timings |= {"open": opened - started, "push": pushed - opened, "commit": time.perf_counter() - pushed}
+        stats.timings["open"] = opened - started
         self.last = stats
         if self.delta:
             self._held = {**(digests or {}), **stats.digests}
-        return push_result(step, checksum=checksum, path=path.value, started=started)
+        return push_result(step, checksum=checksum, path=stats.path, started=started)
 
     async def _delta(
         self, named: Mapping[str, torch.Tensor], held: dict[str, str] | None
@@ -333,29 +324,23 @@ class PushPublisher:
         return changed, unchanged, now
 
     def _choose(self, window: UpdateWindow) -> TransferPath:
-        if self.path is not TransferPath.AUTO:
-            return self.path
-        local = segments.available() and all(on_this_machine(s.url) for s in window.servers)
-        return TransferPath.SHM if local else TransferPath.DISTRIBUTED
+        return choose_path(self.path, window)
 
 
-async def _stream(
+async def send_buckets(
     sender: BucketSender,
-    named: Mapping[str, torch.Tensor],
+    fill: Callable[[int, BucketTable], Awaitable[BucketTable]],
     *,
     stats: PushStats,
-    unchanged: list[TensorDigest],
-    known: Mapping[str, str],
+    digests: Sequence[TensorDigest] = (),
 ) -> str:
-    """Pack each bucket of ``sender`` (copied into its buffer and digested, or digested where its
-    tensors lie, from ``known`` digests when they have not changed since), then send it, the model
-    checksum with the last one; returns the checksum. The next bucket is packed while the engines
-    take the one before; a bucket is sent only once the buffer of the one before it may be packed
-    again (the engines read it, or it was broadcast), so a packer writing into two buffers in turn
-    never writes into one still in use; a broadcast bucket's engines copy it out while the next
-    one is broadcast."""
+    """Fill each bucket of ``sender`` (``fill`` returns its table with the digests) and send it, the
+    last with the model checksum over ``digests`` and every bucket's; returns the checksum. The next
+    bucket is filled while the engines take the one before, which is sent only once the buffer of
+    the one before it is free again (read, or broadcast), so a filler writing into two buffers in
+    turn never writes into one still in use."""
     tables = sender.tables
-    digests: list[TensorDigest] = list(unchanged)
+    digests = list(digests)
     sending: asyncio.Task[Awaitable[None]] | None = None
     # Answers still to come, oldest first: at most the last two buckets', since an engine has two
     # buffers to receive into (a refusal surfaces within two buckets).
@@ -363,19 +348,8 @@ async def _stream(
     checksum: str | None = None
     try:
         for index, table in enumerate(tables):
-            packing = time.perf_counter()
-            into = sender.into(index)
-            if into is None:
-                stats.in_place += table.nbytes
-            work = (
-                functools.partial(_digested, named, table, known=known)
-                if into is None
-                else functools.partial(pack, named, table, into)
-            )
-            packed = work() if table.nbytes <= _INLINE_PACK_BYTES else await asyncio.to_thread(work)
-            stats.spent("pack", packing)
+            packed = await fill(index, table)
             digests += [e.tensor_digest() for e in packed.entries]
-            stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
             if index == len(tables) - 1:
                 checksum = checksum_from_digests(digests, num_bytes=0).checksum
             if sending is not None:
@@ -398,6 +372,35 @@ async def _stream(
     return checksum
 
 
+async def _stream(
+    sender: BucketSender,
+    named: Mapping[str, torch.Tensor],
+    *,
+    stats: PushStats,
+    unchanged: list[TensorDigest],
+    known: Mapping[str, str],
+) -> str:
+    """``send_buckets`` of ``named``: each bucket copied into its buffer and digested, or digested
+    where its tensors lie (from ``known`` digests when they have not changed since)."""
+
+    async def fill(index: int, table: BucketTable) -> BucketTable:
+        packing = time.perf_counter()
+        into = sender.into(index)
+        if into is None:
+            stats.in_place += table.nbytes
+        work = (
+            functools.partial(_digested, named, table, known=known)
+            if into is None
+            else functools.partial(pack, named, table, into)
+        )
+        packed = work() if table.nbytes <= _INLINE_PACK_BYTES else await asyncio.to_thread(work)
+        stats.spent("pack", packing)
+        stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
+        return packed
+
+    return await send_buckets(sender, fill, stats=stats, digests=unchanged)
+
+
 async def _answered(answer: Awaitable[None], stats: PushStats) -> None:
     waiting = time.perf_counter()
     await answer
@@ -414,8 +417,7 @@ def _digested(named: Mapping[str, torch.Tensor], table: BucketTable, *, known: M
 
 
 def _shareable(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    """The parameters and buffers of ``module`` that ``_share`` moves: dense CPU tensors holding
-    any bytes."""
+    """What ``_share`` moves: the dense CPU parameters and buffers of ``module`` holding bytes."""
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
             continue

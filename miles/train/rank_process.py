@@ -1,14 +1,9 @@
 """``python -m miles.train.rank_process``: one rank of a trainer split over processes.
 
 Every rank runs the same ``Trainer`` loop on its share of each batch (``FSDP2DataParallel``),
-samples from the controller's HTTP API, and publishes each step's weights through
-``ShardedPublisher`` (its own shards; rank 0 speaks to the controller). It finds its peers the
-way ``torchrun`` tells them (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), so
-``torchrun --nproc-per-node N -m miles.train.rank_process --spec ...`` runs it too;
-``miles.train.ranks.TrainerRanks`` starts it that way from a process that wants its reports.
-
-Rank 0 writes one JSON line per message (``RankMessage``: each step's report, then the summary or
-the failure) to ``--report-fd``. With ``--parent-pid`` the rank ends when that process does.
+samples from the controller's HTTP API, and publishes its shards through ``ShardedPublisher``. It
+finds its peers as ``torchrun`` tells them, so ``torchrun`` runs it too; ``TrainerRanks`` starts
+it from a process that wants its reports (rank 0 writes them to ``--report-fd``).
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ import typer
 
 from miles.train.parallel import FSDP2DataParallel
 from miles.train.ranks import RankFailed, RankSpec, RankStep, TrainingDone
-from miles.train.reports import StepReport
 from miles.train.sampling import HttpSampler
 from miles.train.sharded import ShardedPublisher
 from miles.train.trainer import Trainer
@@ -41,15 +35,14 @@ cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
 def _client_headers() -> dict[str, str] | None:
-    """The credential the controller's inference routes ask for, when it has one: its API key,
-    else its admin token (the controller reads both from this environment too)."""
+    """The controller's API key, else its admin token (it reads both from this environment too)."""
     token = os.environ.get("MILES_API_KEY", "").strip() or os.environ.get("MILES_ADMIN_TOKEN", "").strip()
     return {"authorization": f"Bearer {token}"} if token else None
 
 
 class _ReportPipe:
-    """Rank 0's end of the report pipe: one JSON line per message, written by the event loop
-    without blocking it (a full pipe buffers here until the reader takes it)."""
+    """Rank 0's end of the report pipe: one JSON line per message, written without blocking the
+    loop (a full pipe buffers here until the reader takes it)."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
@@ -66,9 +59,6 @@ class _ReportPipe:
         assert self._writer is not None, "connect first"
         self._writer.write(message.model_dump_json().encode() + b"\n")
 
-    def step(self, report: StepReport) -> None:
-        self.send(RankStep(report=report))
-
     async def close(self) -> None:
         if self._writer is not None:
             with contextlib.suppress(ConnectionError):
@@ -79,8 +69,7 @@ class _ReportPipe:
 async def _train(
     trainer: Trainer, *, http: httpx.AsyncClient, publisher: ShardedPublisher, report: _ReportPipe | None
 ) -> None:
-    """Train to the end; rank 0 (given ``report``) reports every step, then the summary or why
-    it failed."""
+    """Train to the end; rank 0 (given ``report``) reports the summary or why it failed."""
     if report is not None:
         await report.connect()
     try:
@@ -126,7 +115,7 @@ def main(
         config.trainer,
         sampler=HttpSampler([config.controller_url], http=http, timeout_s=config.request_timeout_s),
         publisher=publisher,
-        on_step=None if report is None else report.step,
+        on_step=None if report is None else lambda step: report.send(RankStep(report=step)),
         parallel=parallel,
     )
     try:

@@ -1,16 +1,14 @@
 """A trainer split over rank processes on this machine: ``TrainerRanks`` starts them, relays what
 rank 0 reports, and ends them.
 
-Each rank is ``python -m miles.train.rank_process`` (FSDP2 data parallel over gloo on loopback;
-see ``miles.train.parallel``), found by its peers through ``MASTER_ADDR``/``MASTER_PORT`` as under
-``torchrun``. Rank 0 writes each step's report, then the run's summary (or why it failed), as
-JSON lines (``RankMessage``) to a pipe of this process's, so a caller gets what ``Trainer.run``
-gives it: ``on_step`` per step and the ``TrainingSummary``.
+Each rank is ``python -m miles.train.rank_process``, found by its peers as under ``torchrun``.
+Rank 0 writes each step's report, then the summary (or why it failed), as JSON lines
+(``RankMessage``) to a pipe of this process's, so a caller gets what ``Trainer.run`` gives it.
 
-The ranks never outlive the run: they are ended (by their process ids, SIGTERM then SIGKILL)
-when training ends, fails or is cancelled, and each rank ends itself if this process dies. A rank
-that exits with an error or dies fails the run at once, naming it, how it ended and the end of
-its log; the others get ``grace_s`` for rank 0 to say why, then are stopped.
+The ranks never outlive the run: they are ended (SIGTERM then SIGKILL) when training ends, fails
+or is cancelled, and each ends itself if this process dies. A rank that fails or dies fails the
+run at once, naming it, how it ended and the end of its log; the others get ``grace_s`` for rank
+0 to say why, then are stopped.
 """
 
 from __future__ import annotations
@@ -121,9 +119,8 @@ class _Rank:
 
 @dataclass
 class _Launch:
-    """What starting the ranks needs from the file system and the network: the rendezvous port,
-    the report pipe and each rank's log (descriptors this process closes once the ranks have
-    theirs)."""
+    """The rendezvous port, the report pipe and each rank's log (descriptors this process closes
+    once the ranks have theirs)."""
 
     port: int
     read_end: int
@@ -163,8 +160,7 @@ class _Launch:
 
 
 class TrainerRanks:
-    """``world_size`` rank processes training ``spec.trainer`` together (module docstring); its
-    ``run`` is ``Trainer.run``'s for a trainer split over processes."""
+    """``world_size`` rank processes training ``spec.trainer`` together; ``run`` as ``Trainer.run``."""
 
     def __init__(
         self,
@@ -175,13 +171,8 @@ class TrainerRanks:
         on_step: OnStep | None = None,
         grace_s: float = 5.0,
     ) -> None:
-        """``log_dir`` gets each rank's output (``trainer-rank-N.log``); ``grace_s``: how long a
-        rank has to end on SIGTERM before it is killed, and how long a failure waits for rank 0
-        to say why.
-
-        Raises:
-            ValueError: fewer than 2 ranks (one process trains with ``Trainer`` itself).
-        """
+        """``log_dir`` gets each rank's output; ``grace_s``: how long a rank has to end on SIGTERM,
+        and a failure waits for rank 0 to say why. Raises ValueError for fewer than 2 ranks."""
         if world_size < 2:
             raise ValueError(f"TrainerRanks runs 2 or more ranks, got {world_size}; train in this process instead")
         self.spec, self.world_size, self.log_dir = spec, world_size, log_dir
@@ -190,11 +181,8 @@ class TrainerRanks:
 
     async def run(self) -> TrainingSummary:
         """Train to the end and return rank 0's summary, with ``on_step`` called for each step as
-        rank 0 reports it. Every rank has ended when this returns or raises, cancelled included.
-
-        Raises:
-            TrainerRankError: a rank could not start, failed or died, or rank 0 ended without a
-                summary.
+        rank 0 reports it; every rank has ended when this returns or raises. Raises
+        TrainerRankError when a rank could not start, failed or died, or rank 0 gave no summary.
         """
         launch = await asyncio.to_thread(_Launch.prepare, self.log_dir, self.world_size)
         ranks: list[_Rank] = []
@@ -295,9 +283,8 @@ class TrainerRanks:
         return done.summary
 
     def _failure(self, ranks: list[_Rank], failed: RankFailed | None, *, first: _Rank) -> TrainerRankError:
-        """Why the run failed, ``first`` being the first rank seen to end badly. A rank killed
-        by a signal is the cause (the others fail because it left their collectives); otherwise
-        rank 0 says why when it could (the others stop on its error)."""
+        """Why the run failed, ``first`` being the first rank seen to end badly: a rank killed by a
+        signal (the others fail because it left their collectives), else rank 0 when it said why."""
         ended = [r for r in ranks if r.process.returncode not in (None, 0)]
         killed = [r for r in ended if (r.process.returncode or 0) < 0]
         if killed:

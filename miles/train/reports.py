@@ -36,14 +36,9 @@ class VersionReward(_Frozen):
 
 
 class Staleness(_Frozen):
-    """How many published versions the weights that produced the samples' first tokens were behind
-    the weights the step trained.
-
-    ``staleness = steps the trainer had taken when it trained on the sample - int(version of the
-    sample's first token)``. ``counts[k]`` is how many samples were ``k`` versions behind. Samples
-    whose version is not a step number are counted in ``unparsed`` and left out of the figures;
-    with no parsed sample every figure is 0.
-    """
+    """How many versions the samples' first tokens were behind the weights the step trained:
+    ``steps taken when training on the sample - int(its first token's version)``; ``counts[k]``
+    samples were ``k`` behind. Versions that are no step number count in ``unparsed`` only."""
 
     min: int = 0
     max: int = 0
@@ -53,8 +48,7 @@ class Staleness(_Frozen):
 
     @classmethod
     def of(cls, versions: Sequence[str], *, trainer_step: int) -> Staleness:
-        """The staleness of samples whose first tokens came from ``versions``, trained on after
-        ``trainer_step`` steps."""
+        """Of samples first generated on ``versions``, trained on after ``trainer_step`` steps."""
         gaps: list[int] = []
         unparsed = 0
         for version in versions:
@@ -71,7 +65,7 @@ class Staleness(_Frozen):
 
     @classmethod
     def combined(cls, parts: Sequence[Staleness]) -> Staleness:
-        """The staleness of all the samples ``parts`` describe (each over its own samples)."""
+        """Of all the samples ``parts`` describe."""
         measured = [p for p in parts if p.counts]
         unparsed = sum(p.unparsed for p in parts)
         if not measured:
@@ -131,14 +125,10 @@ class StepReport(_Frozen):
 
     @classmethod
     def combined(cls, parts: Sequence[StepReport]) -> StepReport:
-        """One step trained by several data-parallel ranks, from each rank's report of its share
-        (rank 0's first): sample figures over all the samples, the loss and the policy figures
-        averaged over the ranks (as their gradients are), the publish rank 0's, the step as long
-        as its slowest rank's and the idle times the ranks' mean.
-
-        Raises:
-            ValueError: no reports, or reports of different steps.
-        """
+        """One step from each data-parallel rank's report of its share (rank 0's first): sample
+        figures over all the samples, the loss and policy figures averaged over the ranks (as their
+        gradients are), rank 0's publish, the slowest rank's time, the mean idle times. Raises
+        ValueError for no reports, or reports of different steps."""
         if not parts or len({(p.step, p.phase) for p in parts}) != 1:
             raise ValueError(f"combine the reports of one step, got {[(p.step, p.phase.value) for p in parts]}")
         first = parts[0]
@@ -177,16 +167,6 @@ class StepReport(_Frozen):
             }
         )
 
-    @property
-    def published_version(self) -> str | None:
-        """The weight version this step published, or None when it did not publish."""
-        return None if self.publish is None else self.publish.weight_version
-
-    @property
-    def publish_latency_s(self) -> float:
-        """Seconds the publish took (0 when the step did not publish)."""
-        return 0.0 if self.publish is None else self.publish.latency_s
-
 
 class TrainingSummary(_Frozen):
     """A whole run: reward at the start and the end (means over ``window`` steps), every step."""
@@ -212,8 +192,7 @@ class TrainingSummary(_Frozen):
         return max((s.staleness.max for s in self.steps), default=0)
 
     def idle_fractions(self, phase: Phase = Phase.GRPO) -> tuple[float, float]:
-        """The shares of ``phase``'s time the trainer waited for samples and the fleet generated
-        none of the trainer's (0 when the run had no such step)."""
+        """The shares of ``phase``'s time the trainer waited for samples and the fleet idled."""
         steps = [s for s in self.steps if s.phase is phase]
         total = sum(s.step_s for s in steps)
         if total <= 0:

@@ -1,16 +1,15 @@
 """Sampling groups of completions from SGLang-compatible ``/generate`` endpoints (adapter).
 
-The trainer asks a ``Sampler`` for G completions per prompt; ``HttpSampler`` sends one
-``/generate`` request per prompt (``sampling_params.n = G``, temperature 1, ``return_logprob``)
-and spreads the prompts round-robin over its URLs: one URL for a controller (which routes), or
-several engines directly. One request per prompt (not a batch) because it keeps the G answers of
-a prompt together without relying on how a server orders a batch with ``n > 1``; the requests run
-concurrently, so the server still batches them.
+``HttpSampler`` sends one ``/generate`` request per prompt (``n = G``, temperature 1, logprobs),
+round-robin over its URLs (a controller's, or engines'). One request per prompt keeps a prompt's
+G answers together whatever order a server gives a batch; the requests run concurrently, so the
+server still batches them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,9 +60,7 @@ class Sampler(Protocol):
     ) -> list[Group]:
         """One ``Group`` of ``group_size`` samples per prompt, in prompt order, generated on
         ``min_weight_version`` or a later version when given (the controller routes them so).
-
-        Raises:
-            RolloutRequestError: a request failed or its answer was unusable.
+        Raises RolloutRequestError when a request failed or its answer was unusable.
         """
         ...
 
@@ -78,12 +75,7 @@ class HttpSampler:
         http: httpx.AsyncClient,
         timeout_s: float = 120.0,
     ) -> None:
-        """``http`` is owned by the caller (closed by it); ``urls`` are base URLs like
-        ``http://127.0.0.1:8000``.
-
-        Raises:
-            ValueError: no URL given.
-        """
+        """``http`` is the caller's to close; ValueError when no URL is given."""
         if not urls:
             raise ValueError("give at least one /generate base URL")
         self._urls = tuple(u.rstrip("/") for u in urls)
@@ -101,22 +93,13 @@ class HttpSampler:
         max_new_tokens: int,
         min_weight_version: str | None = None,
     ) -> list[Group]:
-        """See ``Sampler.sample``; ``min_weight_version`` needs a controller's URL (an engine has
-        one version and would refuse the field)."""
+        """``min_weight_version`` needs a controller's URL (an engine would refuse the field)."""
         targets = [self._urls[next(self._next_url)] for _ in prompts]
+        one = functools.partial(
+            self._one, group_size=group_size, max_new_tokens=max_new_tokens, min_weight_version=min_weight_version
+        )
         return list(
-            await asyncio.gather(
-                *(
-                    self._one(
-                        url,
-                        list(prompt),
-                        group_size=group_size,
-                        max_new_tokens=max_new_tokens,
-                        min_weight_version=min_weight_version,
-                    )
-                    for url, prompt in zip(targets, prompts, strict=True)
-                )
-            )
+            await asyncio.gather(*(one(url, list(prompt)) for url, prompt in zip(targets, prompts, strict=True)))
         )
 
     async def _one(

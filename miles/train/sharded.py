@@ -1,65 +1,54 @@
 """Publishing the weights of a sharded trainer: ``ShardedPublisher``, called by every rank.
 
-A trainer that shards its model with FSDP2 (``fully_shard``: ``DTensor`` parameters split by rows,
-``Shard(0)``) publishes without any rank holding the whole model: ``publish(model, step=...)`` on
-every rank, in the same order, opens one window on the controller (rank 0 speaks to it and to the
-engines), and each bucket of the push is filled by the ranks that own its bytes:
+A trainer that shards its model with FSDP2 (``fully_shard``: ``DTensor`` parameters split by rows)
+publishes without any rank holding the whole model: ``publish`` on every rank opens one window
+(rank 0 speaks to the controller and the engines), and each bucket is filled by the ranks that own
+its bytes:
 
-- **direct** (every rank and every engine on this machine): each rank writes its own rows straight
-  into rank 0's shared-memory bucket segment, at the offsets the bucket's table gives them, and
-  the engines read the bucket as any push's; no byte crosses between ranks;
-- **gathered** (otherwise): each rank's part of a bucket goes to rank 0 in one gather per bucket
-  (never one per tensor), and rank 0 pushes the bucket (shared memory or torch.distributed, as
-  ``PushPublisher`` would).
+- **direct** (every rank and every engine on this machine): each rank writes its rows straight into
+  rank 0's shared-memory bucket segment at the table's offsets; no byte crosses between ranks;
+- **gathered** (otherwise): each rank's part of a bucket goes to rank 0 in one gather per bucket,
+  and rank 0 pushes the bucket as ``PushPublisher`` would.
 
-A tensor's digest is taken over 256 KiB chunks of its bytes (``miles.weights.digest``), so the
-ranks that own the bytes hash them: each hashes the chunks inside its rows; rank 0 hashes the
-chunks that straddle two ranks' rows (at most one per boundary) and the tensors no rank splits by
-rows (a ``Replicate`` or ``Shard(1)`` tensor) from the bucket it sends. The checksum is the same for
-the same weights however many ranks held them, and equal to a checkpoint's of them.
+A tensor's digest is taken over 256 KiB chunks (``miles.weights.digest``), so each rank hashes the
+chunks inside its rows; rank 0 hashes the chunks that straddle two ranks' rows and the tensors no
+rank splits by rows. The checksum is a checkpoint's of the same weights, however they were split.
 
-Every rank takes part in every collective of a publish (two per bucket and three per publish,
-whatever the number of tensors), on a gloo group of the publisher's with ``timeout_s``: a rank
-that fails says so in the next one, a rank that dies or never comes fails the others within
-``timeout_s`` (naming it), and the window is aborted or expires; the servers stay on their
-verified weights. Layouts the publisher cannot split (a mesh of more than one dimension, a
-``Partial`` tensor) are refused by name on every rank before the window opens, as are ranks that
-disagree on the step or the model's layout.
+Every rank takes part in every collective of a publish (two per bucket, three per publish) on a
+gloo group of the publisher's with ``timeout_s``: a rank that fails says so in the next one, a rank
+that dies or never comes fails the others within ``timeout_s``, naming it, and the window is
+aborted or expires. Layouts the publisher cannot split (a mesh of more than one dimension, a
+``Partial`` tensor) and ranks that disagree on the step or the layout are refused on every rank
+before the window opens.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import math
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import httpx
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from miles.config import TransferPath
-from miles.controller.results import UpdateStatus, UpdateWindow
 from miles.errors import PublishError
-from miles.train.distributed_push import DistributedPush
-from miles.train.engine_calls import EngineCalls, PushStats
+from miles.train.engine_calls import PushStats
 from miles.train.publisher import PublishResult
-from miles.train.push import BucketSender, check_push_settings, on_this_machine, push_result
-from miles.train.tensor_push import TensorPush
-from miles.train.windows import abort_quietly, keep_alive, window_client
-from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
+from miles.train.push import Transports, check_push_settings, choose_path, push_result, send_buckets
+from miles.train.windows import push_in_window, window_client
 from miles.weights.buckets import DEFAULT_BUCKET_BYTES, BucketTable
-from miles.weights.checksum import TensorDigest, checksum_from_digests, saved_state_dict
+from miles.weights.checksum import saved_state_dict
 from miles.weights.digest import CHUNK_BYTES, TensorHasher, chunk_digest, digest_buffer
 from miles.weights.safetensors_io import dtype_name
 from miles.weights.transport import segments
@@ -86,19 +75,15 @@ class _Part:
     @property
     def nbytes(self) -> int:
         """The bytes of the whole tensor."""
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
     def byte_range(self) -> tuple[int, int]:
         """Where a ``rows`` part lies in the whole tensor's bytes."""
-        row = math.prod(self.shape[1:]) * _itemsize(self.dtype)
+        row = math.prod(self.shape[1:]) * getattr(torch, self.dtype).itemsize
         return self.start * row, self.stop * row
 
     def global_key(self) -> tuple[str, str, tuple[int, ...], str]:
         return (self.name, self.dtype, self.shape, self.kind if self.kind == "whole" else f"shard{self.dim}")
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _parts(model: torch.nn.Module, world: int) -> tuple[list[_Part], dict[str, torch.Tensor]]:
@@ -148,12 +133,11 @@ class _Layout:
 
 @dataclass
 class _Plan:
-    """What rank 0 tells every rank before the buckets: go or not, and where buckets go."""
+    """What rank 0 tells every rank before the buckets (a reason instead when it gives up)."""
 
-    error: str | None = None
-    direct: bool = False
-    segment: SegmentRef | None = None
-    tables: list[BucketTable] = field(default_factory=list)
+    direct: bool
+    segment: SegmentRef | None
+    tables: list[BucketTable]
 
 
 class ShardedPublisher:
@@ -177,27 +161,19 @@ class ShardedPublisher:
         if not dist.is_initialized():
             raise PublishError("ShardedPublisher needs torch.distributed initialised (torchrun, init_process_group)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.model_name, self.path, self.bucket_bytes = model_name, TransferPath(path), bucket_bytes
+        self.model_name, self.path = model_name, TransferPath(path)
         self.ttl_s, self.timeout_s, self.staged = ttl_s, timeout_s, staged
         # Collectives of its own, bounded: a rank that dies or never comes fails the others in
         # ``timeout_s`` instead of the default group's half an hour.
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.windows = window_client(controller) if self.rank == 0 else None
-        self._tensors = TensorPush(bucket_bytes=bucket_bytes)
-        self._broadcasts = DistributedPush(
-            master_address=master_address, timeout_s=timeout_s, bucket_bytes=bucket_bytes
-        )
+        self._transports = Transports(master_address=master_address, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
         self._mapped: tuple[SegmentRef, torch.Tensor] | None = None  # rank 0's segment, on other ranks
-        self._http: Any = None
         self.last: PushStats | None = None
 
     async def close(self) -> None:
-        await self._tensors.close()
-        self._broadcasts.close()
+        await self._transports.close()
         self._mapped = None
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
 
     async def publish(self, model: torch.nn.Module, tokenizer: object = None, *, step: int) -> PublishResult:
         """Return, on every rank, once the servers serve the weights of ``model`` (this rank's
@@ -217,8 +193,7 @@ class ShardedPublisher:
     # --- every rank ------------------------------------------------------------------------
 
     async def _collective(self, what: str, call: Callable[[], Any]) -> Any:
-        """A collective of the publisher's group, off the loop; a rank that failed or never came
-        makes it a PublishError saying so."""
+        """A collective of the publisher's group, off the loop; PublishError when a rank never came."""
         try:
             return await asyncio.to_thread(call)
         except (RuntimeError, dist.DistError) as exc:
@@ -307,90 +282,11 @@ class ShardedPublisher:
         """Rank 0: open the window, lead every bucket, commit; whatever fails, the other ranks are
         told at the collective they wait in (``_Steps``), and the window is aborted."""
         assert self.windows is not None
-        if self._http is None:
-            self._http = httpx.AsyncClient(trust_env=False, timeout=self.timeout_s * 2 + 30)
-        version = str(step)
         steps = _Steps(self)
         stats = PushStats(path="sharded")
-        window: UpdateWindow | None = None
-        renewing: asyncio.Task[None] | None = None
-        checksum = ""
-        try:
-            window = await self.windows.open(model_name=self.model_name, ttl_s=self.ttl_s, staged=self.staged)
-            renewing = asyncio.create_task(keep_alive(self.windows, window), name=f"renew-window-{window.token}")
-            # Looks at /proc and resolves this machine's addresses: off the loop.
-            local_engines = await asyncio.to_thread(
-                lambda: segments.available() and all(on_this_machine(s.url) for s in window.servers)
-            )
-            shm = self.path is TransferPath.SHM or (self.path is TransferPath.AUTO and local_engines)
-            direct = shm and all(host == self._peers[0][0] for host, _ in self._peers)
-            stats.path = f"{'shm' if shm else 'distributed'}, {'direct shards' if direct else 'gathered per bucket'}"
-            meta = {name: _meta(layout.whole(name)) for name in layout.names}
-            calls = EngineCalls(http=self._http, window=window, version=version, stats=stats)
-            async with self._sender(meta, calls, shm=shm) as sender:
-                segment = getattr(sender, "segment", None) if direct else None
-                plan = _Plan(
-                    direct=direct, segment=segment.ref if segment is not None else None, tables=list(sender.tables)
-                )
-                await steps.plan(plan)
-                checksum = await self._buckets(layout, local, sender, plan, steps, stats)
-            await self.windows.publish(
-                InferenceEngineWeightChecksumEvent(
-                    model_name=window.model_name, checksum=checksum, step=step, weight_version=version
-                )
-            )
-            ended = await self.windows.end(window, checksum=checksum, step=step, weight_version=version)
-        except BaseException as exc:
-            if window is not None:
-                await abort_quietly(self.windows, window, reason=f"the sharded push failed: {exc}")
-            with contextlib.suppress(PublishError):
-                await steps.give_up(str(exc) or type(exc).__name__)
-            if isinstance(exc, PublishError | asyncio.CancelledError):
-                raise
-            raise PublishError(f"publishing step {step} failed: {exc}") from exc
-        finally:
-            if renewing is not None:
-                renewing.cancel()
-                await asyncio.gather(renewing, return_exceptions=True)
-        if ended.status is not UpdateStatus.COMMITTED:
-            # The commit rolled the servers back itself: only the other ranks are left to tell.
-            reason = f"the controller did not commit step {step}: {ended.status.value}: {ended.message}"
-            with contextlib.suppress(PublishError):
-                await steps.give_up(reason)
-            raise PublishError(reason)
-        result = push_result(step, checksum=checksum, path=stats.path, started=started)
-        await steps.outcome(result)
-        self.last = stats
-        return result
 
-    @contextlib.asynccontextmanager
-    async def _sender(
-        self, meta: dict[str, torch.Tensor], calls: EngineCalls, *, shm: bool
-    ) -> AsyncIterator[BucketSender]:
-        if shm:
-            async with self._tensors.push(meta, calls, shared=None) as buckets:
-                yield buckets
-        else:
-            async with self._broadcasts.push(meta, calls) as broadcasts:
-                yield broadcasts
-
-    async def _buckets(
-        self,
-        layout: _Layout,
-        local: dict[str, torch.Tensor],
-        sender: BucketSender,
-        plan: _Plan,
-        steps: _Steps,
-        stats: PushStats,
-    ) -> str:
-        """Rank 0's side of every bucket: start it, contribute, gather the ranks' digests, finish
-        them, send; the next bucket is filled while the engines take this one."""
-        digests: list[TensorDigest] = []
-        sending: asyncio.Task[Awaitable[None]] | None = None
-        answers: collections.deque[Awaitable[None]] = collections.deque()
-        checksum = ""
-        try:
-            for index, table in enumerate(plan.tables):
+        async def push() -> str:
+            async def fill(index: int, table: BucketTable) -> BucketTable:
                 # Bucket ``index`` goes into the region of bucket ``index - 2``, free since that
                 # bucket's send ended (awaited before bucket ``index - 1`` was sent): the ranks
                 # fill it while the engines still take bucket ``index - 1``. Waiting for that
@@ -405,27 +301,39 @@ class ShardedPublisher:
                 if failed:
                     raise PublishError("a rank could not contribute its shards: " + "; ".join(failed))
                 packed = await asyncio.to_thread(_finish, layout, table, into, gathered, direct=plan.direct)
-                digests += [e.tensor_digest() for e in packed.entries]
-                if index == len(plan.tables) - 1:
-                    checksum = checksum_from_digests(digests, num_bytes=0).checksum
-                if sending is not None:
-                    answers.append(await sending)  # bucket ``index - 1`` is sent; one send at a time
-                while len(answers) > 1:
-                    await answers.popleft()
-                sending = asyncio.create_task(sender.send(index, packed, checksum=checksum or None))
-                stats.buckets += 1
-                stats.bytes += packed.nbytes
                 stats.tensors += len(packed.entries)
-            if sending is not None:
-                answers.append(await sending)
-            while answers:
-                await answers.popleft()
-        finally:
-            left = [a for a in (sending, *answers) if isinstance(a, asyncio.Future) and not a.done()]
-            for task in left:
-                task.cancel()
-            await asyncio.gather(*left, return_exceptions=True)
-        return checksum
+                return packed
+
+            # Looks at /proc and resolves this machine's addresses: off the loop.
+            path = await asyncio.to_thread(choose_path, self.path, window)
+            shm = path is TransferPath.SHM
+            direct = shm and all(host == self._peers[0][0] for host, _ in self._peers)
+            stats.path = f"{'shm' if shm else 'distributed'}, {'direct shards' if direct else 'gathered per bucket'}"
+            meta = {name: _meta(layout.whole(name)) for name in layout.names}
+            calls = self._transports.calls(window, step=step, stats=stats)
+            async with self._transports.sender(meta, calls, path=path, shared=None) as sender:
+                segment = getattr(sender, "segment", None) if direct else None
+                plan = _Plan(
+                    direct=direct, segment=segment.ref if segment is not None else None, tables=list(sender.tables)
+                )
+                await steps.plan(plan)
+                return await send_buckets(sender, fill, stats=stats)
+
+        try:
+            window = await self.windows.open(model_name=self.model_name, ttl_s=self.ttl_s, staged=self.staged)
+            checksum = await push_in_window(self.windows, window, push, step=step, stats=stats)
+        except BaseException as exc:
+            # The window is aborted, or was not committed (which rolled the servers back itself):
+            # only the other ranks are left to tell.
+            with contextlib.suppress(PublishError):
+                await steps.give_up(str(exc) or type(exc).__name__)
+            if isinstance(exc, PublishError | asyncio.CancelledError):
+                raise
+            raise PublishError(f"publishing step {step} failed: {exc}") from exc
+        result = push_result(step, checksum=checksum, path=stats.path, started=started)
+        await steps.outcome(result)
+        self.last = stats
+        return result
 
     # --- other ranks -----------------------------------------------------------------------
 
@@ -454,8 +362,7 @@ class ShardedPublisher:
         return outcome
 
     def _map(self, ref: SegmentRef) -> torch.Tensor:
-        """Rank 0's bucket segment, mapped here to write this rank's rows into (kept while rank 0
-        keeps the segment)."""
+        """Rank 0's bucket segment, mapped here for this rank's rows (kept while rank 0 keeps it)."""
         if self._mapped is None or self._mapped[0] != ref:
             self._mapped = (ref, segments.writable(ref))
         return self._mapped[1]

@@ -76,21 +76,11 @@ class ReverseTask(BaseModel):
             raise ValueError("alphabet must hold printable ASCII characters other than whitespace")
         return self
 
-    @property
-    def max_answer_chars(self) -> int:
-        """The longest expected answer, in characters (= byte tokens)."""
-        return self.max_length
-
     def sample(self, rng: random.Random) -> Problem:
         """One problem drawn from ``rng`` (the same RNG state gives the same problem)."""
         length = rng.randint(self.min_length, self.max_length)
         letters = "".join(rng.choice(self.alphabet) for _ in range(length))
         return Problem(prompt=f"{PROMPT_PREFIX}{letters}\n", answer=letters[::-1])
-
-    def problems(self, *, seed: int, count: int) -> list[Problem]:
-        """``count`` problems from a fresh RNG seeded with ``seed``: the same list on every call."""
-        rng = random.Random(seed)
-        return [self.sample(rng) for _ in range(count)]
 
 
 def score(problem: Problem, completion: Completion) -> float:

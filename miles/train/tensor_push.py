@@ -1,10 +1,8 @@
 """The trainer's end of ``/update_weights_from_tensor``: buckets handed in memory to every engine
-on this machine.
-
-Host tensors are written once into a shared-memory segment every engine reads (or read where
-they lie, in the segment ``share_memory`` moved the model into); GPU tensors are packed in the
-trainer's GPU memory and handed over as CUDA IPC handles (no copy through the host). Two regions
-either way: the next bucket is packed into one while the engines read the other.
+on this machine: host tensors in a shared-memory segment every engine reads (or where they lie,
+in the segment ``share_memory`` moved the model into), GPU tensors in the trainer's GPU memory as
+CUDA IPC handles. Two regions either way: the next bucket is packed into one while the engines
+read the other.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ from miles.weights.transport.segments import Segment
 
 
 class TensorPush:
-    """Pushes through ``/update_weights_from_tensor`` for one publisher: the segment buckets are
-    written into is kept from one push to the next (its pages are faulted in once, not per push)."""
+    """Pushes through ``/update_weights_from_tensor``, keeping the segment buckets are written
+    into from one push to the next (its pages are faulted in once, not per push)."""
 
     def __init__(self, *, bucket_bytes: int) -> None:
         self.bucket_bytes = bucket_bytes
@@ -96,9 +94,8 @@ class TensorPush:
 
 @dataclass(frozen=True)
 class _Buckets:
-    """One push's buckets: the first ``in_place`` are read where they lie in ``shared``, the
-    others packed in turn into ``buffers``: the whole of ``segment`` (their offsets say which
-    region), or, without a segment, one buffer of GPU memory per region."""
+    """One push's buckets: the first ``in_place`` read where they lie in ``shared``, the others
+    packed in turn into ``buffers`` (``segment``, or a buffer of GPU memory per region)."""
 
     calls: EngineCalls
     tables: list[BucketTable]
@@ -110,18 +107,18 @@ class _Buckets:
     def into(self, index: int) -> torch.Tensor | None:
         return None if index < self.in_place else self.buffers[(index - self.in_place) % len(self.buffers)]
 
-    def _document(self, index: int, packed: BucketTable) -> BucketDocument:
+    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> Awaitable[None]:
         into = self.into(index)
         segment = self.shared if into is None else self.segment
-        if segment is not None:
-            return ShmDocument(shm=segment.ref, table=packed)
-        assert into is not None
-        # A handle of its own per engine: each engine's release counts against its own.
-        return CudaIpcDocument(cuda_ipc=share(into), table=packed)
 
-    async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> Awaitable[None]:
         def request(_: int) -> UpdateWeightsFromTensorRequest:
-            document = self._document(index, packed)
+            document: BucketDocument
+            if segment is not None:
+                document = ShmDocument(shm=segment.ref, table=packed)
+            else:
+                assert into is not None
+                # A handle of its own per engine: each engine's release counts against its own.
+                document = CudaIpcDocument(cuda_ipc=share(into), table=packed)
             return UpdateWeightsFromTensorRequest(
                 serialized_named_tensors=[document.encode()],
                 load_format=document.load_format,

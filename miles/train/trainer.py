@@ -1,12 +1,11 @@
 """The training loop: an SFT warm-up, then GRPO on completions sampled from the servers.
 
-Every step is one optimizer step. An SFT step trains on correct answers (teacher forcing) while,
-concurrently, a few prompts are sampled from the servers to measure reward. A GRPO step trains on
-``prompts_per_step`` groups of ``group_size`` completions sampled from the servers, scored, with
-the clipped policy-gradient loss against the servers' logprobs (each token's own: the weights
-that generated it, so the ratio is the importance ratio against the behaviour policy even when
-an update came mid-answer). After every ``publish_every`` steps (and after the last) the weights
-are published, so the next samples come from the new version.
+Every step is one optimizer step. An SFT step trains on correct answers (teacher forcing) while a
+few prompts are sampled from the servers to measure reward. A GRPO step trains on
+``prompts_per_step`` groups of ``group_size`` sampled completions with the clipped policy-gradient
+loss against each token's server logprob (from the weights that generated it, so the ratio is the
+importance ratio even when an update came mid-answer). Every ``publish_every`` steps (and after
+the last) the weights are published.
 
 GRPO runs in one of two loops (``TrainerConfig.loop``):
 - sync: sample a batch, train on it, publish, repeat; the fleet idles while the trainer trains.
@@ -20,10 +19,8 @@ GRPO runs in one of two loops (``TrainerConfig.loop``):
   copy while the trainer trains the next step, so publishing overlaps training too (one publish at
   a time, in step order); with 1, the next batch generates while the trainer trains and publishes.
 
-The trainer may be one of several data-parallel ranks (``parallel``: ``miles.train.parallel``):
-each rank then trains its share of every batch on its shard of the model, draws its own problems,
-and rank 0 reports each whole step. Only the sync loop runs on several ranks.
-
+The trainer may be one of several data-parallel ranks (``miles.train.parallel``), each training
+its share of every batch on its shard of the model; only the sync loop runs on several ranks.
 Torch work runs in a worker thread so the event loop (which may also run a controller or a UI)
 stays responsive.
 """
@@ -62,14 +59,10 @@ OnStep = Callable[[StepReport], None]
 def write_initial_checkpoint(
     out_dir: str | os.PathLike[str], config: TrainerConfig, *, overwrite: bool = False
 ) -> Manifest:
-    """Write the untrained model a ``Trainer(config)`` starts from, as the step-0 checkpoint.
-
-    Serve this checkpoint before training starts: the servers and the trainer then begin from
-    identical weights (same preset, same seed), which the importance ratios rely on.
-
-    Raises:
-        UnknownPresetError: ``config.preset`` is not a preset.
-        CheckpointExistsError: ``out_dir`` exists and ``overwrite`` is False.
+    """Write the untrained model a ``Trainer(config)`` starts from, as the step-0 checkpoint: served
+    before training starts, the servers and the trainer begin from identical weights, which the
+    importance ratios rely on. Raises UnknownPresetError for an unknown ``config.preset``,
+    CheckpointExistsError when ``out_dir`` exists and ``overwrite`` is False.
     """
     return save_checkpoint(
         out_dir,
@@ -113,13 +106,10 @@ class Trainer:
         on_step: OnStep | None = None,
         parallel: Parallelism | None = None,
     ) -> None:
-        """Build the model (seeded, as ``write_initial_checkpoint`` does, then sharded by
-        ``parallel``) and the tokenizer. With ``parallel`` of several ranks, every rank makes its
-        ``Trainer`` with the same ``config``, and ``on_step`` sees whole steps on rank 0.
-
-        Raises:
-            UnknownPresetError: ``config.preset`` is not a preset.
-            TrainerError: ``config`` cannot be split over ``parallel``'s ranks.
+        """Build the model (seeded as ``write_initial_checkpoint`` does, sharded by ``parallel``:
+        every rank makes its ``Trainer`` with the same ``config``; ``on_step`` sees whole steps on
+        rank 0). Raises UnknownPresetError for an unknown ``config.preset``, TrainerError when
+        ``config`` cannot be split over ``parallel``'s ranks.
         """
         self.config = config
         self._parallel = parallel or SingleProcess()
@@ -146,13 +136,9 @@ class Trainer:
         self._fleet = _FleetClock()
 
     async def run(self) -> TrainingSummary:
-        """Run every SFT step, then every GRPO step; return the summary.
-
-        Sets torch's intra-op threads to ``config.num_threads`` for the whole process.
-
-        Raises:
-            RolloutRequestError: sampling failed.
-            PublishError: publishing failed (the servers may serve an older version).
+        """Run every SFT step, then every GRPO step (with torch's intra-op threads of the whole
+        process set to ``config.num_threads``); return the summary. Raises RolloutRequestError when
+        sampling failed, PublishError when publishing did (the servers may serve an older version).
         """
         torch.set_num_threads(self.config.num_threads)
         started = time.monotonic()
@@ -201,14 +187,21 @@ class Trainer:
                 waited = time.monotonic() - waiting
                 scored = self._score(problems, groups)
                 update = await asyncio.to_thread(self._grpo_update, scored, optimizer)
-            yield await self._finish(
+            step = self._count_step()
+            publish = None
+            if self._due(step):
+                publish = await self._publisher.publish(self.model, self.tokenizer, step=step)
+                self._published = step
+            yield self._report(
                 phase,
+                step,
                 groups,
                 scored,
                 update,
-                started=started,
+                publish=publish,
+                step_s=time.monotonic() - started,
                 trainer_idle_s=waited,
-                fleet_idle_before=idle_before,
+                fleet_idle_s=self._fleet.idle_s() - idle_before,
             )
 
     async def _grpo_async(self, count: int, optimizer: torch.optim.Optimizer) -> AsyncGenerator[StepReport]:
@@ -218,7 +211,7 @@ class Trainer:
         cfg = self.config
         per_step = self._prompts_per_step
         first = self._steps_done
-        started_groups: list[tuple[Problem, asyncio.Task[Group]]] = []
+        started_groups: list[tuple[Problem, asyncio.Task[list[Group]]]] = []
         changed = asyncio.Condition()
         stopped = asyncio.Event()
         # What a publish reads while the model trains on (allocated once, refreshed per publish).
@@ -241,7 +234,7 @@ class Trainer:
                         await changed.wait_for(admitted(first + index // per_step))
                         floor = self._published
                     problem = cfg.task.sample(self._train_rng)
-                    task = asyncio.create_task(self._sample_group(problem, min_weight_version=str(floor)))
+                    task = asyncio.create_task(self._sample([problem], min_weight_version=str(floor)))
                     async with changed:
                         started_groups.append((problem, task))
                         changed.notify_all()
@@ -276,7 +269,7 @@ class Trainer:
                 if len(started_groups) < needed:
                     await producer  # raises what stopped it
                 batch = started_groups[step_index * per_step : needed]
-                groups = list(await asyncio.gather(*(task for _, task in batch)))
+                groups = [group for sampled in await asyncio.gather(*(task for _, task in batch)) for group in sampled]
                 waited = time.monotonic() - waiting
                 scored = self._score([problem for problem, _ in batch], groups)
                 update = await asyncio.to_thread(self._grpo_update, scored, optimizer)
@@ -322,35 +315,6 @@ class Trainer:
                 task.cancel()
             await asyncio.gather(producer, *tasks, return_exceptions=True)
 
-    async def _finish(
-        self,
-        phase: Phase,
-        groups: Sequence[Group],
-        scored: Sequence[Sequence[_Scored]],
-        update: _Update,
-        *,
-        started: float,
-        trainer_idle_s: float,
-        fleet_idle_before: float,
-    ) -> StepReport:
-        """Count the step, publish when due, and report it."""
-        step = self._count_step()
-        publish = None
-        if self._due(step):
-            publish = await self._publisher.publish(self.model, self.tokenizer, step=step)
-            self._published = step
-        return self._report(
-            phase,
-            step,
-            groups,
-            scored,
-            update,
-            publish=publish,
-            step_s=time.monotonic() - started,
-            trainer_idle_s=trainer_idle_s,
-            fleet_idle_s=self._fleet.idle_s() - fleet_idle_before,
-        )
-
     def _count_step(self) -> int:
         self._steps_done += 1
         return self._steps_done
@@ -394,23 +358,15 @@ class Trainer:
             fleet_idle_s=fleet_idle_s,
         )
 
-    async def _sample(self, problems: Sequence[Problem]) -> list[Group]:
+    async def _sample(self, problems: Sequence[Problem], *, min_weight_version: str | None = None) -> list[Group]:
         prompts = [encode_prompt(p, tokenizer=self.tokenizer) for p in problems]
         with self._fleet.busy():
             return await self._sampler.sample(
-                prompts, group_size=self.config.group_size, max_new_tokens=self.config.max_new_tokens
-            )
-
-    async def _sample_group(self, problem: Problem, *, min_weight_version: str) -> Group:
-        prompt = encode_prompt(problem, tokenizer=self.tokenizer)
-        with self._fleet.busy():
-            (group,) = await self._sampler.sample(
-                [prompt],
+                prompts,
                 group_size=self.config.group_size,
                 max_new_tokens=self.config.max_new_tokens,
                 min_weight_version=min_weight_version,
             )
-        return group
 
     def _score(self, problems: Sequence[Problem], groups: Sequence[Group]) -> list[list[_Scored]]:
         scored: list[list[_Scored]] = []

@@ -1,8 +1,5 @@
-"""A push's calls to a vLLM server, made with vLLM's native weight-transfer routes.
-
-A push speaks SGLang's routes to every engine (``miles.train.engine_calls``); a vLLM server (a
-window's ``WindowServer.engine == "vllm"``) takes the same requests through vLLM's weight-transfer
-API, where miles' backend in its worker (``miles.vllm.transfer``) reads them:
+"""A push's calls to a vLLM server (``WindowServer.engine == "vllm"``), made with vLLM's native
+weight-transfer routes, which miles' backend in its worker (``miles.vllm.transfer``) reads:
 
 | the push calls                          | the vLLM server is called                                 |
 |-----------------------------------------|-----------------------------------------------------------|
@@ -11,11 +8,9 @@ API, where miles' backend in its worker (``miles.vllm.transfer``) reads them:
 | ``/update_weights_from_distributed``    | ``/update_weights {"update_info": {"distributed": request}}`` |
 | ``/destroy_weights_update_group``       | ``/shutdown_weight_transfer_engine``                      |
 
-The first bucket of a push begins vLLM's session (``/start_weight_update``); the last (the one
-carrying the expected checksum) finishes it under the push's weight version and drops the prefix
-cache (``/finish_weight_update``, ``/reset_prefix_cache``). The controller confirms what the worker
-then holds, as after every push. CUDA IPC handles are refused by name: the backend reads shared
-memory and broadcasts only.
+The first bucket of a push begins vLLM's session (``/start_weight_update``); the last (with the
+expected checksum) finishes it under the push's weight version and drops the prefix cache. CUDA
+IPC handles are refused by name: the backend reads shared memory and broadcasts only.
 """
 
 from __future__ import annotations
@@ -42,9 +37,8 @@ QUOTED_CHARS = 500
 async def post_to_vllm(
     http: httpx.AsyncClient, server: WindowServer, request: BaseModel, *, sessions: set[str] | None
 ) -> None:
-    """Make the vLLM calls that stand for ``request`` (see the module docstring) on ``server``;
-    ``sessions`` holds the servers whose weight-transfer session this push has begun. Raises
-    PublishError naming the call that failed and what the server said."""
+    """Make the vLLM calls that stand for ``request`` on ``server`` (``sessions``: the servers whose
+    session this push has begun); PublishError naming the call that failed and what it said."""
     for route, body in _calls(server, request, began=sessions is not None and server.server_id in sessions):
         try:
             answer = await http.post(f"{server.url}{route}", json=body)

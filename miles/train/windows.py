@@ -3,7 +3,7 @@ way a controller is reached (``window_client``: ``LocalWindows`` in this process
 over HTTP, ``RayWindows`` through Ray).
 
 A push opens a window, renews its lease while it pushes (``keep_alive``), publishes the model
-checksum, and ends or aborts the window.
+checksum, and ends or aborts the window (``push_in_window``).
 """
 
 from __future__ import annotations
@@ -11,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Coroutine
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from miles.controller.core import AsyncInferenceController
-from miles.controller.results import UpdateResult, UpdateWindow
+from miles.controller.results import UpdateResult, UpdateStatus, UpdateWindow
+from miles.errors import PublishError
 from miles.http.windows import HttpWindows
 from miles.inference_controller import InferenceController
 from miles.ray.windows import RayWindows, is_actor_handle
+from miles.train.engine_calls import PushStats
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
 
 logger = logging.getLogger("miles.train")
@@ -52,16 +55,14 @@ class WindowClient(Protocol):
 
 
 class LocalWindows:
-    """The window API of a controller in this process: an ``AsyncInferenceController`` running on
-    this event loop, or the blocking ``InferenceController``, whose core's coroutines run on the
-    controller's own loop (another thread), waited for on a thread of this loop's."""
+    """The window API of a controller in this process: an ``AsyncInferenceController`` on this
+    loop, or the blocking ``InferenceController``, whose coroutines run on its own loop."""
 
     def __init__(self, controller: AsyncInferenceController | InferenceController) -> None:
         self._blocking = controller if isinstance(controller, InferenceController) else None
         self.controller = controller.core if isinstance(controller, InferenceController) else controller
 
     async def _run(self, call: Coroutine[Any, Any, T]) -> T:
-        """Run one of the controller's coroutines on the loop the controller runs on."""
         return await (call if self._blocking is None else asyncio.to_thread(self._blocking.run, call))
 
     async def open(self, *, model_name: str | None, ttl_s: float, staged: bool) -> UpdateWindow:
@@ -85,10 +86,8 @@ class LocalWindows:
 
 
 def window_client(controller: object) -> WindowClient:
-    """The client of ``controller``: an ``AsyncInferenceController``, the blocking
-    ``InferenceController``, the URL of a controller's HTTP API (with ``MILES_ADMIN_TOKEN`` from
-    the environment when it is set), the named controller's Ray actor handle, or a
-    ``WindowClient``. Raises TypeError for anything else."""
+    """The client of ``controller`` (any of the message below; a URL with ``MILES_ADMIN_TOKEN``
+    from the environment when it is set); TypeError for anything else."""
     if isinstance(controller, str):
         return HttpWindows(controller, admin_token=os.environ.get("MILES_ADMIN_TOKEN", "").strip() or None)
     if isinstance(controller, AsyncInferenceController | InferenceController):
@@ -105,9 +104,8 @@ def window_client(controller: object) -> WindowClient:
 
 
 async def keep_alive(client: WindowClient, window: UpdateWindow) -> None:
-    """Renew the window's lease every third of it until cancelled: the lease stays short (a
-    trainer that dies holds the fleet for one lease) however long the push takes. A renewal
-    that fails is logged and retried; the push itself fails if the window is gone."""
+    """Renew the window's lease every third of it until cancelled, so the lease stays short (a
+    trainer that dies holds the fleet for one lease) however long the push takes."""
     while True:
         await asyncio.sleep(window.ttl_s / 3)
         try:
@@ -117,9 +115,40 @@ async def keep_alive(client: WindowClient, window: UpdateWindow) -> None:
 
 
 async def abort_quietly(client: WindowClient, window: UpdateWindow, *, reason: str) -> None:
-    """Abort the window, logging (not raising) a failure: the window also ends when its lease
-    runs out, and the error that made the push abort is the one to report."""
+    """Abort the window, logging a failure: the window also ends with its lease, and the error
+    that made the push abort is the one to report."""
     try:
         await client.abort(window, reason=reason)
     except Exception as exc:  # noqa: BLE001  # best effort, see above
         logger.warning("could not abort window %d: %s", window.token, exc)
+
+
+async def push_in_window(
+    client: WindowClient, window: UpdateWindow, push: Callable[[], Awaitable[str]], *, step: int, stats: PushStats
+) -> str:
+    """Run ``push`` (it returns the model checksum) while the window's lease is renewed, publish
+    that checksum and end the window; returns the checksum, with the "push" and "commit" seconds in
+    ``stats``. Whatever fails aborts the window and is raised as it is; a window the controller
+    did not commit (it rolled the servers back itself) raises PublishError."""
+    began = time.perf_counter()
+    version = str(step)
+    renewing = asyncio.create_task(keep_alive(client, window), name=f"renew-window-{window.token}")
+    try:
+        checksum = await push()
+        pushed = time.perf_counter()
+        await client.publish(
+            InferenceEngineWeightChecksumEvent(
+                model_name=window.model_name, checksum=checksum, step=step, weight_version=version
+            )
+        )
+        ended = await client.end(window, checksum=checksum, step=step, weight_version=version)
+    except BaseException as exc:
+        await abort_quietly(client, window, reason=f"the push failed: {exc}")
+        raise
+    finally:
+        renewing.cancel()
+        await asyncio.gather(renewing, return_exceptions=True)
+    if ended.status is not UpdateStatus.COMMITTED:
+        raise PublishError(f"the controller did not commit step {step}: {ended.status.value}: {ended.message}")
+    stats.timings |= {"push": pushed - began, "commit": time.perf_counter() - pushed}
+    return checksum

@@ -1,13 +1,10 @@
 """Buckets: many named tensors moved as one flat run of bytes, so that an update takes a number of
 calls that does not grow with the number of tensors.
 
-A bucket's ``BucketTable`` says where each tensor lies in the flat bytes (name, dtype, shape,
-offset, size) and carries its digest (``miles.weights.digest``: the digest the model checksum
-combines), so a receiver checks every tensor it takes: over the bytes it copied, in the same pass
-(``Received.check``), or before it copies (``Received.verify``). Packing computes the digests
-while it copies (the slice just written is still in cache). The same table travels
-with a shared-memory segment (``/update_weights_from_tensor``) and, as SGLang's ``names``,
-``dtypes`` and ``shapes`` plus our ``digests``, with a torch.distributed broadcast.
+A bucket's ``BucketTable`` says where each tensor lies in the flat bytes and carries its digest
+(the one the model checksum combines), computed as it is packed, so a receiver checks every tensor
+it takes (``Received``). The table travels with a shared-memory segment and, as SGLang's
+``names``, ``dtypes`` and ``shapes`` plus our ``digests``, with a torch.distributed broadcast.
 """
 
 from __future__ import annotations
@@ -17,13 +14,12 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles.errors import InvalidRequestError
 from miles.weights.checksum import TensorDigest, digest_tensor
-from miles.weights.digest import COPY_SLICE_BYTES, TensorHasher, copy_and_digest
+from miles.weights.digest import copy_and_digest, copy_digesting
 from miles.weights.safetensors_io import SAFETENSORS_DTYPES, dtype_name
 
 # Default bucket size: large enough that per-call costs vanish, small enough to stage twice.
@@ -127,13 +123,8 @@ def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tens
         source = named[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
         if source.device.type != "cpu":
             source = source.cpu()
-        raw = source.numpy()
-        hasher = TensorHasher()
-        for start in range(0, entry.nbytes, COPY_SLICE_BYTES):
-            end = min(start + COPY_SLICE_BYTES, entry.nbytes)
-            np.copyto(target[entry.offset + start : entry.offset + end], raw[start:end])
-            hasher.update(target[entry.offset + start : entry.offset + end])
-        return entry.model_copy(update={"digest": hasher.hexdigest()})
+        digest = copy_digesting(target[entry.offset : entry.offset + entry.nbytes], source.numpy())
+        return entry.model_copy(update={"digest": digest})
 
     threads = min(torch.get_num_threads(), len(table.entries))
     if threads < 2 or table.nbytes < _PARALLEL_PACK_BYTES:
@@ -145,10 +136,9 @@ def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tens
 
 
 class Received:
-    """One bucket's tensors as they arrived (views of a receive buffer or of a mapped segment),
-    with the digests they were sent with. Nothing has checked them yet: whoever copies them out
-    checks each digest over the bytes it copied (one pass: ``copy_into`` then ``check``), or calls
-    ``verify`` before it copies."""
+    """One bucket's tensors as they arrived, with the digests they were sent with, unchecked: whoever
+    copies them out checks each over the bytes it copied (``copy_into``, ``check``) or first
+    calls ``verify``."""
 
     def __init__(self, entries: Iterable[BucketEntry], *, tensors: Mapping[str, torch.Tensor]) -> None:
         self.entries: Mapping[str, BucketEntry] = {e.name: e for e in entries}
@@ -193,19 +183,12 @@ def _pack_on_device(named: Mapping[str, torch.Tensor], table: BucketTable, flat:
 
 
 def unpack(table: BucketTable, flat: torch.Tensor) -> Received:
-    """Views of each tensor of ``table`` in the flat uint8 tensor ``flat``, with their digests (a
-    copy for a tensor whose offset is not a multiple of its element size).
-
+    """Views of each tensor of ``table`` in the flat uint8 tensor ``flat``, with their digests.
     Raises InvalidRequestError naming the first tensor that lies outside the bytes, whose size
-    does not match its dtype and shape, or that appears twice.
-    """
+    does not match its dtype and shape, or that appears twice."""
     flat = flat.reshape(-1).view(torch.uint8)
-    entries = _checked(table, flat.numel())
-    return Received(entries, tensors=_views(entries, flat))
-
-
-def _checked(table: BucketTable, size: int) -> list[BucketEntry]:
-    seen: set[str] = set()
+    size = flat.numel()
+    tensors: dict[str, torch.Tensor] = {}
     for entry in table.entries:
         dtype = entry.torch_dtype()
         expected = math.prod(entry.shape) * torch.empty((), dtype=dtype).element_size()
@@ -218,21 +201,13 @@ def _checked(table: BucketTable, size: int) -> list[BucketEntry]:
             raise InvalidRequestError(
                 f"tensor {entry.name!r} ends at byte {entry.offset + entry.nbytes}, past the bucket's {size} bytes"
             )
-        if entry.name in seen:
+        if entry.name in tensors:
             raise InvalidRequestError(f"tensor {entry.name!r} appears twice in one bucket")
-        seen.add(entry.name)
-    return list(table.entries)
-
-
-def _views(entries: Iterable[BucketEntry], flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for entry in entries:
-        dtype = entry.torch_dtype()
         raw = flat[entry.offset : entry.offset + entry.nbytes]
         if (flat.storage_offset() + entry.offset) % dtype.itemsize:
             # Packed back to back after a tensor of a smaller dtype: torch views only aligned bytes.
             raw = raw.clone()
-        out[entry.name] = (
+        tensors[entry.name] = (
             raw.view(dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=dtype)
         )
-    return out
+    return Received(table.entries, tensors=tensors)

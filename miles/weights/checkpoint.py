@@ -1,13 +1,8 @@
 """Checkpoints: a Hugging Face model directory plus ``miles_manifest.json``, written atomically.
 
-Layout: ``config.json``, ``model.safetensors`` (or ``model-0000x-of-0000y.safetensors`` shards and
-``model.safetensors.index.json``), tokenizer files, ``generation_config.json``, and the manifest
-(see ``miles.weights.manifest``). ``save_checkpoint`` builds all of it in a temp directory next to
-the target and renames it into place, so a reader never sees a half-written checkpoint at the
-target path, and a crash leaves nothing there.
-
-This module is the public face of checkpoints: it also re-exports the manifest, verification and
-reader APIs, which live in their own modules.
+``save_checkpoint`` builds it in a temp directory next to the target and renames it into place,
+so a reader never sees a half-written checkpoint, and a crash leaves nothing there. The public face
+of checkpoints: it re-exports the manifest, verification and reader APIs.
 """
 
 from __future__ import annotations
@@ -77,19 +72,12 @@ def save_checkpoint(
     max_shard_size: str | int | None = None,
     overwrite: bool = False,
 ) -> Manifest:
-    """Write ``model`` (and ``tokenizer``) as a checkpoint at ``out_dir``, atomically, and return its manifest.
-
-    The manifest is computed from the written files and must equal the checksum of the model in
-    memory. Every file and directory is fsynced before the directory is renamed into place. With
-    ``overwrite``, an existing ``out_dir`` is swapped out in one rename where the filesystem
-    allows it (else moved aside first), never left half-written. On any failure the temp
-    directory is removed and ``out_dir`` is as it was.
-
-    Raises:
-        CheckpointExistsError: ``out_dir`` exists (or appears meanwhile) and ``overwrite`` is False,
-            or it exists and is not a directory.
-        ChecksumMismatchError: the written files do not hash to the in-memory model's checksum.
-        CheckpointError: the written files cannot be read back.
+    """Write ``model`` (and ``tokenizer``) as a checkpoint at ``out_dir``, atomically (fsynced,
+    then renamed into place; with ``overwrite``, swapped for the old one in one rename where the
+    filesystem allows it), and return its manifest, hashed from the written files. On any failure
+    ``out_dir`` is as it was. Raises CheckpointExistsError when ``out_dir`` exists (or appears
+    meanwhile) and ``overwrite`` is False, or is not a directory; ChecksumMismatchError when the
+    written files do not hash to the model's checksum; CheckpointError when they cannot be read.
     """
     target = Path(out_dir).absolute()
     if target.exists() and (not overwrite or not target.is_dir()):
@@ -130,15 +118,8 @@ def save_checkpoint(
 def seal_checkpoint(
     directory: str | os.PathLike[str], *, model_name: str, step: int, weight_version: str | None = None
 ) -> Manifest:
-    """Write a manifest for an existing Hugging Face model directory (atomic file replace).
-
-    Digests are computed from the directory's safetensors files as they are now; an existing
-    manifest is replaced.
-
-    Raises:
-        CheckpointFileMissingError: the directory does not exist or holds no safetensors file.
-        CheckpointFileTruncatedError / CheckpointFileInvalidError: a weights file is cut or malformed.
-    """
+    """Write (or replace, atomically) the manifest of a Hugging Face model directory, hashed from
+    its files; raises as ``manifest_from_files``."""
     directory = Path(directory)
     manifest = manifest_from_files(directory, model_name=model_name, step=step, weight_version=weight_version)
     write_manifest(directory, manifest)
@@ -177,11 +158,7 @@ def _move_into_place(tmp: Path, target: Path, *, overwrite: bool) -> None:
 
 def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     """Linux ``renameat2``: True when done, False when this system or filesystem lacks it.
-
-    Raises:
-        CheckpointExistsError: RENAME_NOREPLACE and ``dst`` exists.
-        CheckpointError: any other failure.
-    """
+    Raises CheckpointExistsError (RENAME_NOREPLACE and ``dst`` exists), else CheckpointError."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2

@@ -1,11 +1,8 @@
 """Canonical weight checksums: the same weights give the same checksum from every representation.
 
-Per tensor, the digest is ``miles.weights.digest``'s: xxh3-128 over the xxh3-128 digests of the
-tensor's raw bytes taken 256 KiB at a time (row-major, native little-endian, exactly what
-``tensor.reshape(-1).view(torch.uint8)`` holds and exactly the bytes a safetensors file stores),
-so that it can be computed from any split of the bytes (the ranks of a sharded trainer each hash
-their own). Any dtype hashes (bfloat16, float8, bool, ...), 0-d tensors hash their one element,
-empty tensors hash zero bytes. Digests are 32 lowercase hex characters.
+Per tensor, the digest is ``miles.weights.digest``'s, over the tensor's raw row-major bytes (what
+``tensor.reshape(-1).view(torch.uint8)`` holds and a safetensors file stores), whatever its dtype:
+32 lowercase hex characters.
 
 The model checksum is xxh3-128 over this UTF-8 text, with nothing before or after it::
 
@@ -17,11 +14,7 @@ joined by commas without spaces in brackets (``[]`` for a 0-d tensor). Example l
 ``model.norm.weight\\tfloat32\\t[64]\\t3f1c...\\n``. Because name, dtype and shape are part of each
 line, changing an element, a dtype, a shape (even with the same bytes) or which name holds which
 bytes changes the checksum. Names holding a tab or newline are refused (TensorNameError): they
-would make the listing ambiguous.
-
-Tensors in memory are hashed zero-copy (a memoryview of the tensor's memory); files are read a
-slice at a time and each slice hashed while in cache. xxhash releases the GIL, so large models
-hash on several threads.
+would make the listing ambiguous. xxhash releases the GIL, so large models hash on several threads.
 """
 
 from __future__ import annotations
@@ -84,23 +77,12 @@ class ModelChecksum:
 
 
 def default_threads() -> int:
-    """The default hashing parallelism: ``min(8, os.cpu_count())``."""
     return min(8, os.cpu_count() or 1)
 
 
 def digest_tensor(tensor: torch.Tensor) -> str:
-    """The digest of ``tensor``'s raw bytes (see the module docstring).
-
-    Zero-copy for a contiguous CPU tensor; a non-contiguous or non-CPU tensor is first made
-    contiguous / copied to CPU.
-
-    Raises:
-        UnsupportedTensorError: the tensor is not a dense strided tensor, or is on the meta device.
-    """
-    return digest_buffer(_raw_bytes(tensor))
-
-
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The digest of ``tensor``'s raw bytes, zero-copy for a contiguous CPU tensor. Raises
+    UnsupportedTensorError for a tensor that is not dense and strided, or on the meta device."""
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
         raise UnsupportedTensorError(
             "only dense strided tensors have a canonical byte layout", layout=str(tensor.layout)
@@ -113,17 +95,13 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     # Lazy conjugation / negation bits are not in the bytes; materialise them.
     t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
-        return memoryview(b"")
-    # An ndarray has the buffer protocol on every Python; numpy's stub declares it for 3.12+ only.
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        return digest_buffer(b"")
+    return digest_buffer(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def combine_digests(digests: Iterable[TensorDigest]) -> str:
-    """The model checksum of ``digests``: xxh3-128 over their canonical listing, sorted by name.
-
-    Raises:
-        TensorNameError: a name is empty, holds a tab or newline, or appears twice.
-    """
+    """The model checksum of ``digests`` (their canonical listing, sorted by name). Raises
+    TensorNameError for a name that is empty, holds a tab or newline, or appears twice."""
     ordered = sorted(digests, key=lambda d: d.name)
     hasher = xxhash.xxh3_128()
     previous: str | None = None
@@ -159,11 +137,7 @@ def _run_digests(jobs: Sequence[tuple[int, Callable[[], str]]], threads: int) ->
 
 
 def checksum_from_digests(digests: Sequence[TensorDigest], *, num_bytes: int) -> ModelChecksum:
-    """Combine per-tensor digests (already computed) into a ModelChecksum.
-
-    Raises:
-        TensorNameError: as ``combine_digests``.
-    """
+    """``digests`` combined into a ModelChecksum; raises as ``combine_digests``."""
     return ModelChecksum(
         checksum=combine_digests(digests),
         tensors=MappingProxyType({d.name: d for d in sorted(digests, key=lambda d: d.name)}),
@@ -172,16 +146,10 @@ def checksum_from_digests(digests: Sequence[TensorDigest], *, num_bytes: int) ->
 
 
 def checksum_state_dict(state: Mapping[str, torch.Tensor], *, threads: int | None = None) -> ModelChecksum:
-    """The checksum of every tensor in ``state``, under the names it has there.
-
-    Aliased entries are hashed once per name (a state dict has no way to say which alias a file
-    keeps); use ``checksum_module`` for a live model with tied weights.
-
-    Raises:
-        TensorNameError: a name cannot be encoded (see the module docstring).
-        UnsupportedTensorError: a value is not a dense strided tensor.
-        ValueError: ``threads`` < 1.
-    """
+    """The checksum of every tensor in ``state`` under its name there (an alias once per name:
+    ``checksum_module`` drops the aliases a checkpoint drops). Raises TensorNameError for a name
+    the listing cannot hold, UnsupportedTensorError for a value that is not a dense strided
+    tensor, ValueError for ``threads`` < 1."""
     n_threads = _resolve_threads(threads)
     items = list(state.items())
     for name, tensor in items:
@@ -204,10 +172,7 @@ def checksum_module(module: torch.nn.Module, *, threads: int | None = None) -> M
     matching a ``_tied_weights_keys`` target of the module or a submodule are dropped (keeping at
     least one, the last in sorted order); of several left, the first in state-dict order stays.
     Keys in ``_keys_to_ignore_on_save`` are left out. So a live model and its saved checkpoint
-    give the same checksum.
-
-    Raises:
-        as ``checksum_state_dict``.
+    give the same checksum. Raises as ``checksum_state_dict``.
     """
     return checksum_state_dict(saved_state_dict(module), threads=threads)
 
@@ -266,17 +231,8 @@ def _aliases_to_drop(names: list[str], patterns: list[str]) -> list[str]:
 def digest_files(
     slots: Sequence[tuple[SafetensorsFile, TensorSlot]], *, threads: int | None = None
 ) -> list[TensorDigest]:
-    """The digests of tensors in safetensors files, read and hashed a slice at a time.
-
-    Raises:
-        ValueError: ``threads`` < 1.
-    """
-    n_threads = _resolve_threads(threads)
-
-    def job(mapped: SafetensorsFile, slot: TensorSlot) -> str:
-        return mapped.digest(slot)
-
-    hexes = _run_digests([(slot.nbytes, partial(job, m, slot)) for m, slot in slots], n_threads)
+    """The digests of tensors in safetensors files; raises ValueError for ``threads`` < 1."""
+    hexes = _run_digests([(slot.nbytes, partial(m.digest, slot)) for m, slot in slots], _resolve_threads(threads))
     return [
         TensorDigest(name=slot.name, dtype=dtype_name(slot.dtype), shape=slot.shape, digest=h)
         for (_, slot), h in zip(slots, hexes, strict=True)
@@ -286,45 +242,37 @@ def digest_files(
 def checksum_safetensors(
     paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], *, threads: int | None = None
 ) -> ModelChecksum:
-    """The checksum of the tensors stored in one or more safetensors files.
+    """The checksum of the tensors in a safetensors file, several, or a directory (the files
+    ``from_pretrained`` would load): ``checksum_module`` of the loaded model, however sharded.
 
-    ``paths_or_dir`` is a file, several files, or a directory (the files its
-    ``model.safetensors.index.json`` names, else all its ``*.safetensors``). The result does not
-    depend on how the tensors are sharded and equals ``checksum_module`` of the loaded model.
-
-    Raises:
-        CheckpointFileMissingError: no file, or a named file does not exist.
-        CheckpointFileTruncatedError / CheckpointFileInvalidError: a file is cut or malformed,
-            or one tensor name appears in two files.
+    Raises CheckpointFileMissingError (no file, or a named one missing),
+    CheckpointFileTruncatedError or CheckpointFileInvalidError (a file cut or malformed, or a
+    tensor name in two files).
     """
-    paths = _expand_paths(paths_or_dir)
+    return checksum_files(_expand_paths(paths_or_dir), threads=threads)[0]
+
+
+def checksum_files(paths: Sequence[Path], *, threads: int | None = None) -> tuple[ModelChecksum, dict[str, Path]]:
+    """The checksum of the tensors in the safetensors files ``paths``, and the file of each tensor;
+    raises as ``checksum_safetensors``."""
     with ExitStack() as stack:
         slots = collect_slots([stack.enter_context(SafetensorsFile(p)) for p in paths])
         digests = digest_files(slots, threads=threads)
-    return checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots))
+    owners = {slot.name: mapped.path for mapped, slot in slots}
+    return checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots)), owners
 
 
 def model_checksum(source: torch.nn.Module | str | os.PathLike[str], *, threads: int | None = None) -> str:
-    """The canonical checksum of a model in memory or of a checkpoint directory, as a string.
-
-    The one line a trainer needs for the seed's flow: save the model (``save_pretrained`` is
-    enough), compute this, publish it in an ``InferenceEngineWeightChecksumEvent``. Both forms give
-    the same value for the same weights, and equal what every server computes over the weights it
-    holds after loading them.
-
-    Raises what ``checksum_module`` / ``checksum_safetensors`` raise.
-    """
+    """The checksum of a model in memory or of a checkpoint directory (the same for the same
+    weights, and what a server computes over them once loaded). Raises what
+    ``checksum_module`` and ``checksum_safetensors`` raise."""
     if isinstance(source, torch.nn.Module):
         return checksum_module(source, threads=threads).checksum
     return checksum_safetensors(source, threads=threads).checksum
 
 
 def collect_slots(files: Iterable[SafetensorsFile]) -> list[tuple[SafetensorsFile, TensorSlot]]:
-    """Every tensor of ``files`` with the file holding it.
-
-    Raises:
-        CheckpointFileInvalidError: one tensor name appears in two files.
-    """
+    """Every tensor of ``files`` with its file; CheckpointFileInvalidError for a name in two files."""
     slots: list[tuple[SafetensorsFile, TensorSlot]] = []
     owner: dict[str, Path] = {}
     for mapped in files:

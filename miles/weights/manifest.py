@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Literal
@@ -22,15 +21,8 @@ from miles.errors import (
     ManifestInvalidError,
     ManifestMissingError,
 )
-from miles.weights.checksum import (
-    ALGORITHM,
-    TensorDigest,
-    checksum_from_digests,
-    collect_slots,
-    combine_digests,
-    digest_files,
-)
-from miles.weights.safetensors_io import SafetensorsFile, index_files, open_regular
+from miles.weights.checksum import ALGORITHM, TensorDigest, checksum_files, combine_digests
+from miles.weights.safetensors_io import index_files, open_regular
 
 MANIFEST_NAME = "miles_manifest.json"
 FORMAT_VERSION = 1
@@ -115,16 +107,12 @@ class Manifest(BaseModel):
             raise ValueError(f"tensor entries name files missing from 'files': {unlisted}; re-seal the checkpoint")
         return self
 
-    def tensor_digests(self) -> list[TensorDigest]:
-        """The manifest's tensor entries as digests (the input of its model checksum)."""
-        return [
-            TensorDigest(name=name, dtype=entry.dtype, shape=entry.shape, digest=entry.digest)
-            for name, entry in self.tensors.items()
-        ]
-
     def combined_checksum(self) -> str:
         """The model checksum its tensor entries combine to (equals ``checksum`` when consistent)."""
-        return combine_digests(self.tensor_digests())
+        return combine_digests(
+            TensorDigest(name=name, dtype=entry.dtype, shape=entry.shape, digest=entry.digest)
+            for name, entry in self.tensors.items()
+        )
 
 
 def manifest_from_files(
@@ -135,23 +123,14 @@ def manifest_from_files(
     weight_version: str | None = None,
     threads: int | None = None,
 ) -> Manifest:
-    """A manifest for the Hugging Face model in ``directory``, every digest hashed from its files.
-
-    The files are those ``from_pretrained`` would load (the index's, else all ``*.safetensors``).
-
-    Raises:
-        CheckpointFileMissingError: no safetensors file, or one the index names is missing.
-        CheckpointFileTruncatedError / CheckpointFileInvalidError: a file is cut or malformed.
-    """
+    """A manifest for the Hugging Face model in ``directory``, hashed from the files
+    ``from_pretrained`` would load. Raises CheckpointFileMissingError (no safetensors file, or one
+    the index names is missing), CheckpointFileTruncatedError or CheckpointFileInvalidError."""
     directory = Path(directory)
     paths = index_files(directory)
     if not paths:
         raise CheckpointFileMissingError("directory holds no safetensors files", path=str(directory))
-    with ExitStack() as stack:
-        slots = collect_slots([stack.enter_context(SafetensorsFile(p)) for p in paths])
-        digests = digest_files(slots, threads=threads)
-        owners = {slot.name: mapped.path.relative_to(directory).as_posix() for mapped, slot in slots}
-    checksum = checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots))
+    checksum, owners = checksum_files(paths, threads=threads)
     return Manifest(
         model_name=model_name,
         step=step,
@@ -159,7 +138,9 @@ def manifest_from_files(
         checksum=checksum.checksum,
         num_bytes=checksum.num_bytes,
         tensors={
-            name: TensorEntry(dtype=d.dtype, shape=d.shape, digest=d.digest, file=owners[name])
+            name: TensorEntry(
+                dtype=d.dtype, shape=d.shape, digest=d.digest, file=owners[name].relative_to(directory).as_posix()
+            )
             for name, d in checksum.tensors.items()
         },
         files={p.relative_to(directory).as_posix(): p.stat().st_size for p in paths},
@@ -171,12 +152,8 @@ MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
-    """Read and validate ``directory/miles_manifest.json``.
-
-    Raises:
-        ManifestMissingError: the directory or the manifest file does not exist.
-        ManifestInvalidError: the file is not JSON or its fields are invalid (each one named).
-    """
+    """``directory/miles_manifest.json``, validated. Raises ManifestMissingError (no directory or
+    file), ManifestInvalidError (not JSON, or invalid fields, each named)."""
     path = Path(directory) / MANIFEST_NAME
     try:
         with open_regular(path) as f:
@@ -208,11 +185,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
 
 
 def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> Path:
-    """Write ``manifest`` into ``directory`` atomically (temp file, fsync, rename, fsync dir).
-
-    Raises:
-        CheckpointFileMissingError: ``directory`` does not exist.
-    """
+    """Write ``manifest`` into ``directory`` atomically; CheckpointFileMissingError if there is none."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointFileMissingError("checkpoint directory does not exist", path=str(directory))

@@ -1,9 +1,7 @@
 """CheckpointReader: how an inference server loads an update from a checkpoint's files.
 
-The intended path: ``open_checkpoint`` -> ``verify()`` (refuse on any problem) -> compare names,
-shapes and dtypes with the live model -> ``param.copy_(reader.tensor(name))`` for each ->
-``checksum_module(model)`` to confirm. ``tensor()`` reads one tensor from its file (never a memory
-map: a file cut short while mapped kills the process); a file that changed meanwhile is an error.
+``open_checkpoint`` -> ``verify()`` (refuse on any problem) -> compare names, shapes and dtypes
+with the live model -> copy each tensor in (``copy_into``: its digest as it is read) -> confirm.
 """
 
 from __future__ import annotations
@@ -16,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from miles.errors import CheckpointError, CheckpointFileInvalidError
+from miles.errors import CheckpointError
+from miles.weights.checksum import collect_slots
 from miles.weights.manifest import Manifest, read_manifest
 from miles.weights.safetensors_io import SafetensorsFile, TensorSlot
 from miles.weights.verification import VerificationReport, compare_with_manifest, digest_problems
@@ -40,35 +39,20 @@ class CheckpointReader:
         self.directory = directory
         self.manifest = manifest
         self._files = files
-        self._index: dict[str, tuple[str, TensorSlot]] = {}
-        for file_name, mapped in sorted(files.items()):
-            for name, slot in mapped.tensors.items():
-                if name in self._index:
-                    raise CheckpointFileInvalidError(
-                        "tensor appears in two safetensors files",
-                        tensor=name,
-                        first=self._index[name][0],
-                        second=file_name,
-                    )
-                self._index[name] = (file_name, slot)
+        names = {mapped.path: file_name for file_name, mapped in files.items()}
+        self._index = {
+            slot.name: (names[mapped.path], slot) for mapped, slot in collect_slots(f for _, f in sorted(files.items()))
+        }
         self.tensor_names: tuple[str, ...] = tuple(sorted(self._index))
 
     def info(self, name: str) -> TensorInfo:
-        """Dtype, shape, file and size of tensor ``name`` (from the file, not the manifest).
-
-        Raises:
-            CheckpointError: no tensor of that name.
-        """
+        """Tensor ``name`` as its file's header describes it; CheckpointError if there is none."""
         file_name, slot = self._lookup(name)
         return TensorInfo(name=name, dtype=slot.dtype, shape=slot.shape, file=file_name, nbytes=slot.nbytes)
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name``, read from its file into a new CPU tensor (valid after ``close()``).
-
-        Raises:
-            CheckpointError: no tensor of that name, the reader is closed, or the file ended
-                before the tensor's bytes (it was cut or rewritten after it was opened).
-        """
+        """Tensor ``name``, read from its file into a new CPU tensor. Raises CheckpointError for no
+        such tensor, a closed reader, or a file cut or rewritten since it was opened."""
         file_name, slot = self._lookup(name)
         return self._files[file_name].tensor(slot)
 
@@ -115,16 +99,10 @@ class CheckpointReader:
 
 
 def open_checkpoint(directory: str | os.PathLike[str], *, manifest: Manifest | None = None) -> CheckpointReader:
-    """Open the checkpoint in ``directory``: read its manifest (unless given: one hashed from a
-    plain directory's files) and headers, open its weight files.
-
-    Nothing is hashed here; call ``verify()`` before trusting the bytes.
-
-    Raises:
-        ManifestMissingError / ManifestInvalidError: the manifest is missing or invalid.
-        CheckpointFileMissingError / CheckpointFileTruncatedError / CheckpointFileInvalidError:
-            a weight file named by the manifest is missing, cut, or malformed.
-    """
+    """The checkpoint in ``directory`` with its manifest (unless given) and weight files open;
+    nothing is hashed: ``verify()`` before trusting the bytes. Raises ManifestMissingError or
+    ManifestInvalidError, and CheckpointFileMissingError, CheckpointFileTruncatedError or
+    CheckpointFileInvalidError for a weight file the manifest names."""
     directory = Path(directory)
     manifest = read_manifest(directory) if manifest is None else manifest
     with ExitStack() as stack:

@@ -1,11 +1,8 @@
 """Read safetensors files ourselves: parse the header, read each tensor's byte range.
 
-We parse the header instead of using ``safetensors.safe_open`` because the checksum and the
-verifier need each tensor's *byte offsets* in the file: they hash its bytes a slice at a time,
-without materialising a tensor, and a reader hands out each tensor read on its own.
-``safe_open`` only gives tensors or slices, never offsets, and it cannot tell a truncated file
-from a malformed one, which the verifier must name apart. Files are read, never memory-mapped: a
-mapped file cut short while in use kills the process (SIGBUS).
+Not ``safetensors.safe_open``: the checksum and the verifier hash each tensor's bytes a slice at a
+time by their offsets in the file, which ``safe_open`` never gives, and the verifier must tell a
+truncated file from a malformed one, which it cannot.
 
 The format: 8 bytes little-endian unsigned header length ``N``, then ``N`` bytes of UTF-8 JSON
 (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``), then
@@ -98,20 +95,17 @@ class SafetensorsHeader:
 
     path: Path
     size: int
-    data_start: int
     tensors: Mapping[str, TensorSlot]
-    metadata: Mapping[str, str]
 
 
 def open_regular(path: Path) -> BinaryIO:
-    """Open ``path`` for reading if it is a regular file; CheckpointFileInvalidError otherwise.
+    """Open ``path`` for reading if it is a regular file; CheckpointFileInvalidError otherwise
+    (with the system's reason when it cannot be opened), FileNotFoundError and NotADirectoryError
+    passed through for the caller to say what is missing.
 
     A checkpoint is data an attacker may shape: a FIFO in place of a weights file would block a
-    plain ``open`` forever, and a device file would be read as weights. O_NONBLOCK makes the open
-    of a FIFO return at once, so its type can be checked; it changes nothing for regular files.
-    A path that cannot be opened for another reason than being absent (a symlink loop, no
-    permission, a name too long) is invalid too, with the system's reason; FileNotFoundError and
-    NotADirectoryError pass through, for the caller to say what is missing.
+    plain ``open`` forever (O_NONBLOCK returns at once, so its type can be checked), and a device
+    file would be read as weights.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -130,15 +124,11 @@ def open_regular(path: Path) -> BinaryIO:
 
 
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
-    """Parse and validate the header of the safetensors file at ``path``.
+    """The header of the safetensors file at ``path``, each tensor's bytes checked to lie in the
+    file and to match its dtype and shape.
 
-    Reads only the header bytes. Every tensor's byte range is checked to lie inside the file and
-    to match its dtype and shape.
-
-    Raises:
-        CheckpointFileMissingError: the file does not exist.
-        CheckpointFileTruncatedError: the file ends before the header or a tensor's bytes do.
-        CheckpointFileInvalidError: the header is malformed (length, JSON, dtype, shape, offsets).
+    Raises CheckpointFileMissingError (no file), CheckpointFileTruncatedError (the file ends
+    before the header or a tensor's bytes), CheckpointFileInvalidError (a malformed header).
     """
     path = Path(path)
     try:
@@ -184,13 +174,7 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
                 size=size,
                 needed=slot.end,
             )
-    return SafetensorsHeader(
-        path=path,
-        size=size,
-        data_start=data_start,
-        tensors=MappingProxyType(tensors),
-        metadata=MappingProxyType(dict(metadata)),
-    )
+    return SafetensorsHeader(path=path, size=size, tensors=MappingProxyType(tensors))
 
 
 def _parse_entry(path: Path, name: str, entry: object, data_start: int) -> TensorSlot:
@@ -222,7 +206,8 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int) -> Tenso
 
 
 class SafetensorsFile:
-    """One safetensors file: its header parsed, its tensors' bytes read with ``pread``.
+    """One safetensors file, open: its header parsed (raises as ``read_header``), its tensors'
+    bytes read with ``pread``.
 
     Never memory-mapped: a file cut short while it is read (a trainer saving a checkpoint again
     in place while a server verifies the last one) would kill a process touching a mapped page
@@ -230,12 +215,6 @@ class SafetensorsFile:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        """Parse the header and keep the file open.
-
-        Raises:
-            CheckpointFileMissingError, CheckpointFileTruncatedError, CheckpointFileInvalidError:
-                as ``read_header``.
-        """
         self.header = read_header(path)
         self._file: BinaryIO | None = open_regular(self.header.path) if self.header.size > 0 else None
 
@@ -248,8 +227,7 @@ class SafetensorsFile:
         return self.header.tensors
 
     def digest(self, slot: TensorSlot) -> str:
-        """The digest of ``slot``'s bytes (``miles.weights.digest``), read a slice at a time (hashed
-        while in cache)."""
+        """The digest of ``slot``'s bytes, read a slice at a time (hashed while in cache)."""
         hasher = TensorHasher()
         buffer = _read_buffer()
         offset = slot.begin
@@ -333,15 +311,11 @@ def _read_buffer() -> memoryview:
 
 
 def index_files(directory: Path) -> list[Path]:
-    """The safetensors files that make up the Hugging Face model in ``directory``.
-
-    With ``model.safetensors.index.json`` these are the files its weight map names (so a stale
-    shard left beside them is ignored, as ``from_pretrained`` ignores it); otherwise every
-    ``*.safetensors`` file in the directory, sorted by name.
-
-    Raises:
-        CheckpointFileInvalidError: the index file is not JSON or has no ``weight_map``.
-    """
+    """The safetensors files of the Hugging Face model in ``directory``: those its
+    ``model.safetensors.index.json`` names (a stale shard beside them is ignored, as
+    ``from_pretrained`` ignores it), else every ``*.safetensors``, sorted. Raises
+    CheckpointFileInvalidError for an index that is not JSON, has no ``weight_map`` or names files
+    outside the directory."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:

@@ -56,11 +56,8 @@ class CheckpointProblem:
 
 @dataclass(frozen=True, slots=True)
 class VerificationReport:
-    """The outcome of verifying a checkpoint.
-
-    ``checksum`` is the model checksum recomputed from the files (None when a file could not be
-    read or a tensor name is duplicated, so no complete checksum exists).
-    """
+    """The outcome of verifying a checkpoint; ``checksum``: the model checksum recomputed from the
+    files (None when a file could not be read or a tensor name is duplicated)."""
 
     directory: Path
     manifest: Manifest | None
@@ -89,13 +86,9 @@ class VerificationReport:
 def verify_checkpoint(
     directory: str | os.PathLike[str], *, threads: int | None = None, digests: bool = True
 ) -> VerificationReport:
-    """Check the checkpoint in ``directory`` against its manifest, hashing every tensor from disk.
-
-    With ``digests=False`` only the structure is checked (manifest, files and their sizes,
-    headers, tensor names, dtypes and shapes, the manifest's own consistency) and no tensor byte
-    is read: what a coordinator checks before servers that verify the bytes themselves load it.
-    The report's ``checksum`` is then None. Never raises for a broken checkpoint: every problem
-    found is in the report.
+    """Check the checkpoint in ``directory`` against its manifest, hashing every tensor from disk
+    (with ``digests=False`` only its structure: no tensor byte is read, and the report's
+    ``checksum`` is None). Never raises for a broken checkpoint: every problem is in the report.
     """
     directory = Path(directory)
     try:
@@ -132,10 +125,8 @@ def verify_checkpoint(
 def verify_checkpoint_or_raise(
     directory: str | os.PathLike[str], *, threads: int | None = None, limit: int | None = None
 ) -> Manifest:
-    """Verify the checkpoint in ``directory`` and return its manifest. Raises
-    CheckpointVerificationError as ``VerificationReport.raise_for_problems`` does, CheckpointError
-    for files that cannot be read (``OSError``: no permission, a directory where a file should be).
-    """
+    """The manifest of the checkpoint in ``directory``, verified. Raises as
+    ``VerificationReport.raise_for_problems``, and CheckpointError for files that cannot be read."""
     try:
         report = verify_checkpoint(directory, threads=threads)
     except OSError as exc:
@@ -172,12 +163,9 @@ def file_problem(file_name: str, exc: CheckpointFileError) -> CheckpointProblem:
 def compare_with_manifest(
     manifest: Manifest, opened: Mapping[str, SafetensorsFile], *, threads: int | None = None, digests: bool = True
 ) -> tuple[list[CheckpointProblem], str | None]:
-    """Compare the tensors of the readable files with the manifest, hashing each from its file.
-
-    ``opened`` maps the manifest's file names to the files that could be opened; tensors of the
-    others are not reported again (their file's problem already covers them). Returns the
-    problems and the model checksum of the tensors found (None if a name is duplicated).
-    """
+    """The problems of the tensors in ``opened`` (the manifest's files that could be opened: the
+    others' tensors are covered by their file's problem) against the manifest, and the model
+    checksum of the tensors found (None if a name is duplicated)."""
     problems: list[CheckpointProblem] = []
     combined = manifest.combined_checksum()
     if combined != manifest.checksum:
@@ -252,8 +240,7 @@ def compare_with_manifest(
 
 
 def digest_problems(manifest: Manifest, digests: Mapping[str, str]) -> list[CheckpointProblem]:
-    """The tensors whose bytes, hashed to ``digests`` as they were read, differ from the manifest
-    (their dtype and shape already checked against it)."""
+    """The tensors whose bytes, hashed to ``digests`` as they were read, differ from the manifest."""
     return [
         _digest_problem(name, entry, digests[name])
         for name, entry in sorted(manifest.tensors.items())
@@ -310,9 +297,8 @@ def _str_or_none(value: object) -> str | None:
 
 
 def plain_checkpoint_problems(directory: Path) -> list[str]:
-    """What keeps ``directory`` from being a loadable Hugging Face checkpoint without a manifest:
-    no ``config.json``, no safetensors files, a file whose header is unreadable, or a tensor name
-    that appears in two files. Reads only headers; the tensors are hashed by whoever loads them."""
+    """What keeps ``directory`` from being a loadable Hugging Face checkpoint without a manifest,
+    from its headers only (whoever loads it hashes the tensors)."""
     problems = []
     if not (directory / "config.json").is_file():
         problems.append("config.json is missing: this is not a Hugging Face model directory")

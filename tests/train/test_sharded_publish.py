@@ -116,12 +116,12 @@ if scenario == "pipelined":
             if index == 0:
                 seen["filled_next_while_sending"] = await asyncio.to_thread(filling.wait, 10)
             return await self.buckets.send(index, packed, checksum=checksum)
-    open_sender = publisher._sender
+    open_sender = publisher._transports.sender
     @contextlib.asynccontextmanager
     async def held_sender(*args, **kwargs):
         async with open_sender(*args, **kwargs) as buckets:
             yield HeldFirst(buckets)
-    publisher._sender = held_sender
+    publisher._transports.sender = held_sender
 started = time.monotonic()
 try:
     result = asyncio.run(publisher.publish(model, step=step))

@@ -95,8 +95,8 @@ async def test_short_run_publishes_verified_checkpoints(engine_url: str, initial
         assert report.step == reports.index(report) + 1
         assert report.num_samples == 8 and report.num_interrupted == 0
         assert 0.0 <= report.mean_reward <= 1.0
-        assert report.publish is not None and report.published_version == str(report.step)
-        assert report.publish_latency_s > 0
+        assert report.publish is not None and report.publish.weight_version == str(report.step)
+        assert report.publish.latency_s > 0
         # Published after every step: samples came from the version the step before published.
         assert [v.weight_version for v in report.rewards_by_version] == [str(report.step - 1)]
         assert report.staleness.max == 0 and report.staleness.unparsed == 0
@@ -125,7 +125,7 @@ async def test_publishing_every_two_steps_reports_staleness(engine_url: str, ini
         trainer = Trainer(config, sampler=sampler, publisher=publisher, on_step=reports.append)
         await trainer.run()
 
-    assert [r.published_version for r in reports] == [None, "2", None, "4"]
+    assert [r.publish and r.publish.weight_version for r in reports] == [None, "2", None, "4"]
     assert [v for _, _, v in apply.checks] == ["2", "4"]
     assert [[v.weight_version for v in r.rewards_by_version] for r in reports] == [["0"], ["0"], ["2"], ["2"]]
     assert [r.staleness.max for r in reports] == [0, 1, 0, 1]

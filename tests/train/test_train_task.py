@@ -24,9 +24,14 @@ def tokenizer():
 
 def test_generator_is_seeded_and_follows_its_settings() -> None:
     task = ReverseTask(alphabet="xyz", min_length=2, max_length=4)
-    first = task.problems(seed=7, count=50)
-    assert first == task.problems(seed=7, count=50)
-    assert first != task.problems(seed=8, count=50)
+
+    def problems(seed: int) -> list[Problem]:
+        rng = random.Random(seed)
+        return [task.sample(rng) for _ in range(50)]
+
+    first = problems(7)
+    assert first == problems(7)
+    assert first != problems(8)
     for problem in first:
         letters = problem.prompt.removeprefix("rev ").removesuffix("\n")
         assert problem.prompt == f"rev {letters}\n"

@@ -1,18 +1,16 @@
 """The torch.distributed group of a push across nodes: formed by the trainer, joined by engines.
 
-A group of its own per push, never the process's default group: the trainer is rank 0 and serves
-the group's ``TCPStore`` (``Rank0``); each engine connects to it and joins as rank N (``join``).
-Every member sets its key in the store once it is there (``joined/<rank>``), so a group that
-does not form names the ranks that never came. Each bucket is then one broadcast from rank 0
-(``broadcast``, the same call on both sides; a receiver lays the bucket out with
-``broadcast_table`` and takes it with ``receive``). Forming and joining block in torch for as long
-as the store's timeout, so both run on a daemon thread (``in_daemon_thread`` on a loop,
-``within`` off one) that never holds up a loop's shutdown or the interpreter's exit.
+A group of its own per push: the trainer is rank 0 and serves the group's ``TCPStore`` (``Rank0``);
+each engine joins as rank N (``join``), setting its key in the store, so a group that does not
+form names the ranks that never came. Each bucket is then one ``broadcast`` from rank 0. Forming
+and joining block in torch for the store's timeout, so both run on a daemon thread
+(``in_daemon_thread``, ``within``) that never holds up a loop's shutdown or the interpreter's exit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import queue
 import socket
@@ -58,16 +56,13 @@ def in_daemon_thread(fn: Callable[[], T], *, name: str) -> asyncio.Future[T]:
             future.set_result(result)
 
     def run() -> None:
-        result: Any = None
-        error: BaseException | None = None
+        outcome: tuple[Any, BaseException | None]
         try:
-            result = fn()
+            outcome = (fn(), None)
         except BaseException as exc:  # noqa: BLE001  # handed to the awaiting task, whatever it is
-            error = exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:
-            pass  # the loop is closed: nobody waits any more
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
@@ -96,7 +91,6 @@ def within(fn: Callable[[], T], *, timeout_s: float, name: str) -> T:
 
 
 def _joined_key(rank: int) -> str:
-    """The key each member of a group sets in the group's store once it is there."""
     return f"joined/{rank}"
 
 
@@ -107,7 +101,7 @@ def _missing(store: dist.Store, ranks: Iterable[int]) -> list[int]:
 
 def _process_group(backend: str, store: dist.Store, *, rank: int, world: int, timeout_s: float) -> Any:
     """This process as ``rank`` of a group of ``world`` formed through ``store`` (blocking until
-    every rank is there, or ``timeout_s``): NCCL between GPUs, gloo between CPUs."""
+    every rank is there, or ``timeout_s``)."""
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world, dist.ProcessGroupNCCL.Options())
     return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
@@ -118,17 +112,11 @@ def broadcast(group: Any, tensors: Sequence[torch.Tensor], *, timeout_s: float) 
     others), all queued before the first wait. The first broadcast still waiting bounds the whole:
     a sender that stops stops them all. Raises RuntimeError or ``dist.DistError`` when one does
     not complete within ``timeout_s``."""
-    for work in start_broadcasts(group, tensors, timeout_s=timeout_s):
-        work.wait(timedelta(seconds=timeout_s))
-
-
-def start_broadcasts(group: Any, tensors: Sequence[torch.Tensor], *, timeout_s: float) -> list[Any]:
-    """Queue a broadcast from rank 0 of each of ``tensors``, in order; one work per tensor to
-    ``wait(timedelta(seconds=timeout_s))`` on (its tensor holds the bytes once it returns)."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
     options.timeout = timedelta(seconds=timeout_s)
-    return [group.broadcast([tensor], options) for tensor in tensors]
+    for work in [group.broadcast([tensor], options) for tensor in tensors]:
+        work.wait(timedelta(seconds=timeout_s))
 
 
 # Where each tensor broadcast on its own is received in a bucket's buffer: a multiple of this, so
@@ -172,11 +160,9 @@ def broadcast_table(
 def receive(
     group: Any, table: BucketTable, flat: torch.Tensor, *, flattened: bool, group_name: str, timeout_s: float
 ) -> Received:
-    """The bucket of ``table`` (laid out by ``broadcast_table``) broadcast by rank 0 into ``flat``
-    (a uint8 buffer of ``table.total_bytes``, on the device the group's backend receives on), as
-    tensors with the digests they were sent with; nothing has checked them yet. Raises
-    ConflictError when the broadcast does not complete within ``timeout_s`` (the sender died or
-    never sent): the group is then of no more use."""
+    """The bucket of ``table`` broadcast by rank 0 into ``flat`` (on the device the group receives
+    on), unchecked. Raises ConflictError when the broadcast does not complete within
+    ``timeout_s``: the group is then of no more use."""
     tensors = [flat]
     if not flattened:
         tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape) for e in table.entries]
@@ -214,15 +200,14 @@ class Rank0:
         self._store.set(_joined_key(0), "1")
 
     def form(self, backend: str) -> asyncio.Future[Any]:
-        """The group, formed on a daemon thread (``miles-push-group``) once every other rank has
-        joined; the future fails when they have not within ``timeout_s``, or soon after ``close``."""
+        """The group, formed on a daemon thread (``miles-push-group``) once every other rank joined;
+        it fails when they have not within ``timeout_s``, or soon after ``close``."""
         return in_daemon_thread(
             lambda: _process_group(backend, self._store, rank=0, world=self.world, timeout_s=self.timeout_s),
             name="miles-push-group",
         )
 
     def missing(self) -> list[int]:
-        """The ranks that have not joined (yet)."""
         return _missing(self._store, range(1, self.world))
 
     def close(self) -> None:

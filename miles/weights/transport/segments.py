@@ -1,17 +1,14 @@
 """Shared-memory segments: the memory pushes on one node carry weights in.
 
-Both ends use this module: the trainer makes a segment (``Segment``) and writes buckets (or its
-model's weights) into it; an engine maps it read-only (``SegmentMaps``) and copies the tensors
-out at memory speed.
+The trainer makes a segment (``Segment``) and writes buckets (or its model's weights) into it; an
+engine maps it read-only (``SegmentMaps``) and copies the tensors out.
 
 A segment is an anonymous memory file (``memfd_create``) sealed against shrinking and growing
 before anyone else sees it, named on the wire by its maker's process id and descriptor
-(``SegmentRef``) and opened through ``/proc/<pid>/fd/<fd>``. The seal is what lets an engine map
-it: a mapped file cut short kills its reader (SIGBUS) at the first touch of a page past the new
-end, and a sealed segment can never be cut; an unsealed one is refused. Memory files have no name
-in any directory, so nothing outlives its users: the memory goes back to the system once the
-maker's descriptor and every mapping of it are gone, however the maker died (kill -9 included),
-and engines let go of the mappings whose maker is gone each time a training window ends.
+(``SegmentRef``: ``/proc/<pid>/fd/<fd>``). The seal is what lets an engine map it: a mapped file
+cut short kills its reader (SIGBUS), and a sealed one can never be cut; an unsealed one is refused.
+Memory files have no name in any directory, so their memory goes back to the system once the
+maker's descriptor and every mapping are gone, however the maker died.
 """
 
 from __future__ import annotations
@@ -69,12 +66,9 @@ class SegmentRef(BaseModel):
 
 
 class Segment:
-    """A shared-memory segment of this process's, sealed at ``size`` bytes; ``close`` (or the
-    segment's collection) drops this process's descriptor, and the memory goes once no mapping of
-    it is left (a tensor viewing ``flat`` keeps it, as an engine's mapping does).
-
-    Its pages are reserved when it is made: memory that cannot be had is a PublishError here,
-    not a SIGBUS at the first write past what the system can give."""
+    """A shared-memory segment of this process's, sealed at ``size`` bytes, its memory kept while a
+    tensor viewing ``flat`` or a mapping is left. Its pages are reserved when it is made: memory
+    that cannot be had is a PublishError here, not a SIGBUS at the first write past it."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -157,7 +151,6 @@ def _close(fd: int) -> None:
 
 @dataclass(frozen=True)
 class _Mapped:
-    ref: SegmentRef
     inode: tuple[int, int]  # (device, inode): the same memory file, whatever descriptor names it
     flat: torch.Tensor  # the whole segment, read-only (a write would fault, never reach the maker)
 
@@ -181,16 +174,7 @@ class SegmentMaps:
         """The bytes of segment ``ref`` (read-only), refused unless it is a sealed memory file of
         miles' holding at least ``needed`` bytes. Raises NotFoundError when no such process or
         descriptor exists on this node, InvalidRequestError for anything else."""
-        try:
-            # Non-blocking: opening a FIFO for reading would wait for a writer that may never come.
-            fd = os.open(ref.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise NotFoundError(
-                f"no shared-memory segment {ref.name!r} (process {ref.pid}, descriptor {ref.fd}) on this node: "
-                "the sender must run on the engine's node, in its process namespace"
-            ) from None
-        except OSError as exc:
-            raise InvalidRequestError(f"shared-memory segment {ref.name!r} cannot be opened: {exc.strerror}") from None
+        fd = _open(ref, where="the sender must run on the engine's node, in its process namespace")
         try:
             status = os.fstat(fd)
             inode = (status.st_dev, status.st_ino)
@@ -209,7 +193,7 @@ class SegmentMaps:
         finally:
             os.close(fd)
         with self._lock:
-            self._maps[ref] = _Mapped(ref, inode, flat)
+            self._maps[ref] = _Mapped(inode, flat)
             # A push names one segment or two (its buckets', its model's): a sender naming ever new
             # ones must not leave a mapping (and a descriptor) behind for each. The oldest goes;
             # a bucket still being copied from it keeps its memory until it is done.
@@ -237,6 +221,20 @@ class SegmentMaps:
     def clear(self) -> None:
         with self._lock:
             self._maps.clear()
+
+
+def _open(ref: SegmentRef, *, where: str) -> int:
+    """A descriptor of segment ``ref``'s file; NotFoundError (saying ``where`` its maker must run)
+    when there is none on this node, InvalidRequestError when it cannot be opened."""
+    try:
+        # Non-blocking: opening a FIFO for reading would wait for a writer that may never come.
+        return os.open(ref.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFoundError(
+            f"no shared-memory segment {ref.name!r} (process {ref.pid}, descriptor {ref.fd}) on this node: {where}"
+        ) from None
+    except OSError as exc:
+        raise InvalidRequestError(f"shared-memory segment {ref.name!r} cannot be opened: {exc.strerror}") from None
 
 
 def _inode(ref: SegmentRef) -> tuple[int, int] | None:
@@ -275,12 +273,7 @@ def _check(fd: int, ref: SegmentRef, status: os.stat_result, needed: int) -> Non
 def writable(ref: SegmentRef) -> torch.Tensor:
     """The bytes of segment ``ref``, mapped to be written: the ranks of one trainer fill the
     buckets of one rank's segment together. Raises as ``SegmentMaps.flat``."""
-    try:
-        fd = os.open(ref.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise NotFoundError(f"no shared-memory segment {ref.name!r} (process {ref.pid}) on this node") from None
-    except OSError as exc:
-        raise InvalidRequestError(f"shared-memory segment {ref.name!r} cannot be opened: {exc.strerror}") from None
+    fd = _open(ref, where="the ranks must run on one node")
     try:
         status = os.fstat(fd)
         _check(fd, ref, status, 1)
