@@ -150,9 +150,7 @@ class VLLMClient(EngineClient):
             ) from exc
 
     async def _weight_version(self, *, timeout: float | None = None) -> str:
-        response = await self._call("GET", "/weight_info", timeout=timeout)
-        if response.status_code >= 400:
-            raise self._refused("GET /weight_info", response)
+        response = await self._checked("GET", "/weight_info", timeout=timeout)
         return str(response.json().get("weight_version"))
 
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
@@ -217,7 +215,7 @@ class VLLMClient(EngineClient):
         )
 
     async def update_weight_version(self, new_version: str, *, fence: int | None = None) -> None:
-        await self._call_ok("POST", "/update_weight_version", json={"new_version": new_version}, fence=fence)
+        await self._checked("POST", "/update_weight_version", json={"new_version": new_version}, fence=fence)
 
     async def pause_generation(self, mode: PauseMode, *, timeout: float | None = None, fence: int | None = None) -> int:
         response = await self._call("POST", f"/pause?mode={VLLM_PAUSE_MODES[mode]}", timeout=timeout, fence=fence)
@@ -226,16 +224,16 @@ class VLLMClient(EngineClient):
         return 0  # vLLM does not say how many requests it held
 
     async def continue_generation(self, *, fence: int | None = None) -> None:
-        await self._call_ok("POST", "/resume", fence=fence)
+        await self._checked("POST", "/resume", fence=fence)
 
     async def flush_cache(self, *, fence: int | None = None) -> None:
-        await self._call_ok("POST", "/reset_prefix_cache", fence=fence)
+        await self._checked("POST", "/reset_prefix_cache", fence=fence)
 
     async def abort_request(
         self, rid: str = "", *, abort_all: bool = False, abort_message: str | None = None, fence: int | None = None
     ) -> None:
         body = {"request_ids": [] if abort_all else [rid]}
-        await self._call_ok("POST", "/abort_requests", json=body, fence=fence)
+        await self._checked("POST", "/abort_requests", json=body, fence=fence)
 
     async def health_generate(self, *, timeout: float = 30.0) -> bool:
         """One token generated now, through the OpenAI completions route."""
@@ -258,9 +256,7 @@ class VLLMClient(EngineClient):
                 raise self._refused("POST /v1/completions (warming up)", response)
 
     async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
-        response = await self._call("GET", "/v1/models", timeout=timeout)
-        if response.status_code >= 400:
-            raise self._refused("GET /v1/models", response)
+        response = await self._checked("GET", "/v1/models", timeout=timeout)
         return {"models": response.json().get("data", []), "weight_version": await self._weight_version()}
 
     async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
