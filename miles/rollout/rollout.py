@@ -131,7 +131,13 @@ class Rollout(ABC):
         )
         cell.pid = launched.pid
         cell.placement = launched.placement
+        # A launched server holds its start checkpoint; an attached one holds whatever it holds.
+        self._holds_files(cell.server_id, None if self.attached else checkpoint)
         return launched.url
+
+    def _holds_files(self, server_id: str, checkpoint: Path | None) -> None:  # noqa: B027  # an optional hook
+        """The server's engine now holds ``checkpoint``'s weights (None: unknown); a server type
+        whose engine does not check what it loads ties its next checksum to those files."""
 
     async def _terminate(self, cell: ServerCell) -> None:
         """Stop ``cell``'s engine (and reap it); does not raise if it already died."""
@@ -291,23 +297,25 @@ class Rollout(ABC):
         *,
         weight_version: str,
         expected_checksum: str,
-        abort_all_requests: bool = False,
         fence: int | None = None,
     ) -> UpdateWeightsResponse:
         """Ask the engine to load ``checkpoint``, whose weights must hash to ``expected_checksum``
         (the engine checks before it touches its weights; a plain Hugging Face directory has no
         manifest to check against otherwise); a refusal is returned with ``success=False``."""
+        self._holds_files(server_id, None)
         # Where the engine can read it: in place, or shipped to its node (the Ray runtime).
         readable = await self.runtime.readable(server_id, checkpoint, expected_checksum=expected_checksum)
         request = UpdateWeightsFromDiskRequest(
             model_path=str(readable),
             weight_version=weight_version,
             expected_checksum=expected_checksum,
-            abort_all_requests=abort_all_requests,
         )
-        return await self.client(server_id).update_weights_from_disk(
+        response = await self.client(server_id).update_weights_from_disk(
             request, timeout=self.spec.update_timeout_s, fence=fence
         )
+        if response.success:
+            self._holds_files(server_id, checkpoint)
+        return response
 
     async def activate(
         self,

@@ -28,13 +28,11 @@ from pathlib import Path
 from miles.config import RuntimeKind
 from miles.errors import CheckpointError
 from miles.protocol.sglang import PauseMode
-from miles.protocol.sglang_weights import UpdateWeightsResponse
 from miles.rollout.engine_client import SGLANG_ENGINE_DIGEST, EngineCallError, WeightsChecksum
 from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutError, RolloutObserver
 from miles.rollout.runtime import EngineCommand, LaunchSlot
 from miles.rollout.sglang_digests import DigestBook
 from miles.rollout.spec import RolloutSpec, SGLangServerArgs
-from miles.rollout.state import ServerCell
 from miles.weights.checksum import ALGORITHM, model_checksum
 
 logger = logging.getLogger("miles.rollout")
@@ -152,36 +150,10 @@ class SGLangRollout(Rollout):
             extra_args=self.spec.engine_args,
         )
 
-    async def _launch(self, cell: ServerCell, checkpoint: Path) -> str:
-        url = await super()._launch(cell, checkpoint)
-        # A launched server holds its start checkpoint; an attached one holds whatever it holds.
-        self._given[cell.server_id] = None if self.attached else checkpoint
-        return url
-
-    async def load(
-        self,
-        server_id: str,
-        checkpoint: Path,
-        *,
-        weight_version: str,
-        expected_checksum: str,
-        abort_all_requests: bool = False,
-        fence: int | None = None,
-    ) -> UpdateWeightsResponse:
-        """As the base, and the checkpoint noted: SGLang loads without checking the files against
-        ``expected_checksum``, so the digest it reports next is tied to the files' own checksum."""
-        self._given[server_id] = None
-        response = await super().load(
-            server_id,
-            checkpoint,
-            weight_version=weight_version,
-            expected_checksum=expected_checksum,
-            abort_all_requests=abort_all_requests,
-            fence=fence,
-        )
-        if response.success:
-            self._given[server_id] = checkpoint
-        return response
+    def _holds_files(self, server_id: str, checkpoint: Path | None) -> None:
+        # SGLang loads without checking the files against the expected checksum: the digest it
+        # reports next is tied to the files' own checksum.
+        self._given[server_id] = checkpoint
 
     async def confirm(self, server_id: str, *, fence: int | None = None) -> WeightsChecksum:
         """The canonical checksum of what the server holds: its own report when it gives one (the
