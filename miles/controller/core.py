@@ -441,8 +441,8 @@ class AsyncInferenceController:
         published = self.published.expected(update.model_name, ending.step)
         refused = refusal(update, ending, published_checksum=published.checksum if published else None)
         if refused is not None:
-            await close_window(update, reason=refused.reason)
-            return update.result(UpdateStatus.ROLLED_BACK, message=refused.message)
+            await close_window(update, reason=refused)
+            return update.result(UpdateStatus.ROLLED_BACK, message=refused)
         update.set_target(await window_target(update, ending, roots=self._settings.allowed_checkpoint_roots))
 
         async def close(server_ids: list[str]) -> None:

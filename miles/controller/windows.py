@@ -63,15 +63,6 @@ class Abort:
     reason: str
 
 
-@dataclass(frozen=True)
-class Refused:
-    """Why a window's commit admitted nothing: ``reason`` for the rollback, ``message`` for the
-    result (empty: the result lists each server's failure)."""
-
-    reason: str
-    message: str
-
-
 @dataclass(eq=False)
 class OpenWindow:
     """A window held open: what training was told, and the way training ends it.
@@ -92,10 +83,7 @@ class OpenWindow:
 
         Raises ConflictError when the window is already ending or expired.
         """
-        if self._closing is not None:
-            raise ConflictError(
-                f"window {self.public.window_id} is {self._closing}; start a new window", token=self.public.token
-            )
+        self._refuse_if_closing()
         self._closing = "ending"
         result: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
         self._endings.put_nowait((ending, result))
@@ -106,15 +94,18 @@ class OpenWindow:
 
         Raises ConflictError when the window is already ending or expired.
         """
-        if self._closing is not None:
-            raise ConflictError(
-                f"window {self.public.window_id} is {self._closing}; start a new window", token=self.public.token
-            )
+        self._refuse_if_closing()
         self._deadline = time.monotonic() + ttl_s
         self.public = self.public.model_copy(
             update={"ttl_s": ttl_s, "expires_at": datetime.now(UTC) + timedelta(seconds=ttl_s)}
         )
         return self.public
+
+    def _refuse_if_closing(self) -> None:
+        if self._closing is not None:
+            raise ConflictError(
+                f"window {self.public.window_id} is {self._closing}; start a new window", token=self.public.token
+            )
 
     async def wait(self) -> tuple[Commit | Abort, asyncio.Future[UpdateResult] | None]:
         """The ending training sends; once the lease runs out without one (renewals extend it),
@@ -227,24 +218,22 @@ def describe(
     )
 
 
-def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | None) -> Refused | None:
+def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | None) -> str | None:
     """Why ``ending`` may not commit at all (checked before any server is touched), or None.
 
     ``published_checksum`` is what training published for that step, if it did.
     """
     version = ending.weight_version or str(ending.step)
     if is_newer(version, update.version_to_beat) is False:
-        reason = (
+        return (
             f"weight version {version} is not newer than the newest version the fleet has served "
             f"({update.version_to_beat}); serving versions never go back"
         )
-        return Refused(reason=reason, message=reason)
     if published_checksum is not None and published_checksum != ending.checksum:
-        reason = (
+        return (
             f"the window's checksum {ending.checksum} differs from the one published for step {ending.step} "
             f"({published_checksum}); nothing was admitted"
         )
-        return Refused(reason=reason, message=reason)
     return None
 
 
