@@ -93,10 +93,10 @@ def history(events: Iterable[Event]) -> History:
 @dataclass(frozen=True)
 class Resumption:
     """What a controller starting again on its event log takes from it: what training published,
-    and per model where it resumes (with the highest integer version it committed)."""
+    and per model where it resumes."""
 
     published: tuple[InferenceEngineWeightChecksumEvent, ...]
-    models: dict[str, tuple[ResumedFrom, int | None]]
+    models: dict[str, ResumedFrom]
 
 
 def resume_fleet(directory: Path, rollouts: Iterable[ModelRollout], *, readable_roots: tuple[Path, ...]) -> Resumption:
@@ -118,7 +118,7 @@ def resume_fleet(directory: Path, rollouts: Iterable[ModelRollout], *, readable_
             continue
         resumed = resume_point(model, start_checkpoint=rollout.start_checkpoint, readable_roots=readable_roots)
         if resumed is not None:
-            models[rollout.model_name] = (resumed, model.committed_high)
+            models[rollout.model_name] = resumed
     return Resumption(published=past.published, models=models)
 
 
