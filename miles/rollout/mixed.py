@@ -1,16 +1,11 @@
 """MixedRollout: one model served by several server types at once, seen by the controller as one.
 
-A model whose specs name several server types (embedded engines and vLLM servers on one
-checkpoint) gets one ``Rollout`` per spec, each launching and supervising its own servers, and one
-``MixedRollout`` over them: the controller's update transaction, windows, router and health drive
-it exactly as they drive a single ``Rollout`` (``ModelRollout`` is either), so the model has one
-lock, one ``WeightUpdate`` and one gate at the router whatever runs its servers. Each call about
-one server goes to the rollout that owns that server id (ids are unique across the fleet); what is
-asked of the model as a whole is answered for the mix: it stages a window's pushes only if every
-server type can, and each server says which API its engine speaks (``ServerSnapshot.engine``).
-Weights written out by any server are recorded for all, and a restarted server copies pushed
-weights from a peer of either type (``miles.rollout.copies``). The fleet starts and stops the
-rollouts themselves.
+A model whose specs name several server types gets one ``Rollout`` per spec, each launching and
+supervising its own servers, and one ``MixedRollout`` over them that the controller drives exactly
+as a single ``Rollout`` (``ModelRollout`` is either): one lock, one ``WeightUpdate`` and one gate
+per model. Each call about one server goes to the rollout that owns that server id; what is asked
+of the model as a whole is answered for the mix. Weights written out by any server are recorded
+for all. The fleet starts and stops the rollouts themselves.
 """
 
 from __future__ import annotations

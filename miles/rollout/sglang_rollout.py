@@ -9,12 +9,10 @@
   restart waits until the server answers again and verifies it (``AttachedRuntime``), and a
   server found holding other weights than verified is told to load them.
 
-Everything else is the base ``Rollout`` over SGLang's native HTTP API (``EngineClient``): the same
-state machine, updates, windows, probes and restarts as ``SFTRollout``. What differs is the
-confirmation: a real SGLang server's weights checker reports SGLang's own digest, which
-``DigestBook`` maps onto miles' canonical checksum (see ``sglang_digests``), so the controller's
-gate compares canonical checksums whichever server type answers. The embedded engine answers the
-canonical checksum itself, and is what attach mode is tested against on a machine without GPUs.
+Everything else is the base ``Rollout`` over SGLang's native HTTP API, but the confirmation: a
+real SGLang server's weights checker reports SGLang's own digest, which ``DigestBook`` maps onto
+miles' canonical checksum (``sglang_digests``), so the gate compares canonical checksums whichever
+server type answers.
 """
 
 from __future__ import annotations
