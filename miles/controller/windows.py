@@ -65,11 +65,8 @@ class Abort:
 
 @dataclass(eq=False)
 class OpenWindow:
-    """A window held open: what training was told, and the way training ends it.
-
-    Its lease runs ``public.ttl_s`` from when it opened and from each ``renew``: training renews it
-    while it works, so a trainer that dies costs one short lease, not the longest push it could
-    ever make."""
+    """A window held open: what training was told, and the way training ends it. Its lease runs
+    ``public.ttl_s`` from when it opened and from each ``renew``."""
 
     update: WeightUpdate
     public: UpdateWindow
@@ -304,12 +301,9 @@ def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ..
 def _checkpoint_holding(
     checkpoint: str | Path | None, checksum: str, start_checkpoint: Path, roots: tuple[Path, ...]
 ) -> Path | None:
-    """``checkpoint`` when its manifest says it holds weights with ``checksum`` and servers could
-    restart from it as they run now; else None (an engine then writes the weights out).
-
-    A window's checkpoint is where restarts reload its weights from, so a directory that holds
-    other weights (a stale path, a later save over it), that an engine could not start from, or
-    that lies (or links) outside the allowed roots, must not be recorded as theirs.
+    """``checkpoint`` when its manifest says it holds weights with ``checksum``, inside the roots,
+    and servers could restart from it as they run now; else None (an engine then writes the
+    weights out): restarts reload the window's weights from it.
     """
     if checkpoint is None:
         return None

@@ -422,14 +422,7 @@ class Rollout(ABC):
                         expected=verified.checksum,
                         actual=confirmed.checksum,
                     )
-                response = await self.load(
-                    server_id,
-                    source,
-                    weight_version=verified.weight_version,
-                    expected_checksum=verified.checksum,
-                    fence=fence,
-                )
-                confirmed = await self.confirm(server_id, fence=fence) if response.success else None
+                confirmed = await self._reload(server_id, source, verified, fence=fence)
             elif confirmed is not None and confirmed.weight_version != verified.weight_version:
                 # Never loaded the new weights (or loaded and restored them): only the label moved.
                 await self.client(server_id).update_weight_version(verified.weight_version, fence=fence)
@@ -541,18 +534,21 @@ class Rollout(ABC):
             expected.weight_version,
             expected.checkpoint,
         )
+        # A load pauses nothing it has to resume here; the confirmation decides.
+        return await self._reload(cell.server_id, expected.checkpoint, expected, fence=fence) or confirmed
+
+    async def _reload(
+        self, server_id: str, source: Path, verified: VerifiedWeights, *, fence: int | None
+    ) -> WeightsChecksum | None:
+        """Load ``verified`` from ``source`` and confirm what the engine then holds; None when it
+        refused them."""
         response = await self.load(
-            cell.server_id,
-            expected.checkpoint,
-            weight_version=expected.weight_version,
-            expected_checksum=expected.checksum,
-            fence=fence,
+            server_id, source, weight_version=verified.weight_version, expected_checksum=verified.checksum, fence=fence
         )
         if not response.success:
-            logger.warning("%s refused the verified weights: %s", cell.server_id, response.message)
-            return confirmed
-        # A load pauses nothing it has to resume here; the confirmation decides.
-        return await self.confirm(cell.server_id, fence=fence)
+            logger.warning("%s refused the verified weights: %s", server_id, response.message)
+            return None
+        return await self.confirm(server_id, fence=fence)
 
     def _restored(self, cell: ServerCell, verified: VerifiedWeights) -> None:
         if self.observer is not None:

@@ -114,12 +114,9 @@ class VLLMClient(EngineClient):
         self._busy_since: float | None = None
 
     async def _rpc(self, method: str, answer: type[_Answer], *, timeout: float | None = None, **kwargs: str) -> Any:
-        """``/collective_rpc``: the extension's answer on the (one) worker.
-
-        Watched while it runs (every ``cadence.watch_s``): when a worker dies, vLLM's API server
-        may hang in its shutdown with the call unanswered (a load's timeout is minutes). A server
-        whose ``/health`` fails twice in a row meanwhile has lost its engine: the call fails then,
-        naming that."""
+        """``/collective_rpc``: the extension's answer on the (one) worker. Watched every
+        ``cadence.watch_s`` while it runs: a server whose ``/health`` fails twice in a row
+        meanwhile has lost its engine, and the call fails then, naming that."""
         if method != "miles_identity":
             self._identity = None  # what the worker holds may change: ask it again next time
         body = {"method": method, "kwargs": kwargs, "timeout": timeout}
@@ -154,14 +151,10 @@ class VLLMClient(EngineClient):
         return str(response.json().get("weight_version"))
 
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
-        """The worker's identity (checksum, process), the API server's version.
-
-        The worker is asked at most every ``cadence.identity_every_s`` (and after every change of
-        its weights); between, ``/health`` answers for it: after each call it is sent, a vLLM
-        worker busy-polls for a second, so probes every two seconds kept a core busy. A worker busy
-        with one long step (a batch of many sequences, a kernel compiled on first use) answers
-        nothing until it ends while its server is well: as long as ``/health`` answers 200, and
-        for at most ``cadence.busy_grace_s``, the identity it last gave stands in."""
+        """The worker's identity (checksum, process), the API server's version. The worker is asked
+        as ``cadence`` says (between, ``/health`` answers for it); a worker busy with one long step
+        answers nothing until it ends: while ``/health`` answers 200 (for at most
+        ``cadence.busy_grace_s``) its last identity stands in."""
         now = self._clock()
         if self._identity is None or now - self._identity_at >= self.cadence.identity_every_s:
             try:
