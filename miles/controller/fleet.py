@@ -46,8 +46,7 @@ class ModelServerSpec(BaseModel):
     ``cls`` is accepted for ``server_cls``. ``urls`` attaches servers someone else runs (server
     types that can: ``SGLangRollout``, ``VLLMRollout``), one server per URL; ``sglang`` and
     ``vllm`` are what launched SGLang and vLLM servers are given (``engine_args``: further flags,
-    passed through). Several specs may serve one model (the same ``model_name``, the same
-    ``checkpoint``), each with its own server type: their servers are named after the specs.
+    passed through). Several specs may serve one model (``models_of``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True, populate_by_name=True)
@@ -91,10 +90,10 @@ def normalize_specs(
     if isinstance(rollout_server_cls, Mapping):
         if model_checkpoint is not None:
             raise InvalidRequestError("give checkpoints inside the mapping of server specs, not as model_checkpoint")
-        specs = {}
-        for name, raw in rollout_server_cls.items():
-            spec = raw if isinstance(raw, ModelServerSpec) else ModelServerSpec.model_validate(raw)
-            specs[str(name)] = spec
+        specs = {
+            str(name): raw if isinstance(raw, ModelServerSpec) else ModelServerSpec.model_validate(raw)
+            for name, raw in rollout_server_cls.items()
+        }
         if not specs:
             raise InvalidRequestError("the mapping of server specs is empty")
         return specs
@@ -111,9 +110,8 @@ def models_of(specs: Mapping[str, ModelServerSpec]) -> dict[str, dict[str, Model
     """The specs of each served model (model name -> spec name -> spec), in the order given.
 
     A model is named by its spec's ``model_name``, else by its checkpoint's manifest. Several specs
-    may serve one model, each with its own server type, only on one checkpoint: the servers of one
-    model hold one set of weights, confirmed against one checksum. Raises InvalidRequestError
-    naming the specs that cannot serve one model together.
+    may serve one model, each with its own server type (their servers are named after the specs),
+    only on one checkpoint. Raises InvalidRequestError naming the specs that cannot.
     """
     models: dict[str, dict[str, ModelServerSpec]] = {}
     for name, spec in specs.items():

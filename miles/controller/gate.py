@@ -6,11 +6,7 @@ the checkpoint is well-formed and for this model, its weights are the ones train
 serving. A checkpoint an update loads also becomes its servers' restart point (an update replaces
 weights only; a server that crashes starts again on the checkpoint it last verified), so one no
 engine could start from (no readable config, no tokenizer) or one whose config describes another
-model is refused too.
-
-It does not hash the tensors: every server hashes the bytes before it touches its own weights,
-against the manifest of a sealed checkpoint, or against the published checksum for a plain
-Hugging Face directory (``save_pretrained`` output, no manifest).
+model is refused too. It does not hash the tensors: every server does, before it touches its own.
 """
 
 from __future__ import annotations

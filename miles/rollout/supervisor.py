@@ -1,12 +1,9 @@
 """The supervisor of a rollout's servers: health probes, restarts, drift and recovery.
 
-Every ``health_interval_s`` (sooner when woken: a changed interval, a request that could not reach
-a server) it probes each server. A dead process, or ``failure_threshold`` failed probes in a row,
-is restarted on its last verified weights, and so is one whose process was replaced from outside
-(another engine instance answers at its address). A serving engine that reports weights other than the
-ones verified on it (changed behind the controller's back) is quarantined, reported and rolled
-back. A server quarantined outside an update recovers as soon as its verified weights can be found
-again. Restarts, rollbacks and recoveries run inside the rollout's exclusive section (the
+Every ``health_interval_s`` (sooner when woken) it probes each server: a dead, failing or
+replaced one is restarted on its last verified weights, one whose weights changed behind the
+controller's back is quarantined and rolled back, and a quarantined one recovers once its verified
+weights can be found again. Those repairs run inside the rollout's exclusive section (the
 controller's lock), so they never interleave with an update, and re-check the server there.
 """
 
