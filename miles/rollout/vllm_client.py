@@ -230,13 +230,9 @@ class VLLMClient(EngineClient):
 
     async def health_generate(self, *, timeout: float = 30.0) -> bool:
         """One token generated now, through the OpenAI completions route."""
-        try:
-            response = await self._call(
-                "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=timeout
-            )
-        except EngineCallError:
-            return False
-        return response.status_code == 200
+        return await self._answers_200(
+            "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=timeout
+        )
 
     async def warm_up(self, *, timeout: float) -> None:
         """Tokens with their logprobs, for one sequence and then several at once (what vLLM
