@@ -1,13 +1,10 @@
 """Rollout: the servers of one model, run by one server type, each an explicit state machine.
 
 A Rollout launches its servers' engines (the server type says what an engine is, the spec's
-runtime where it runs: ``miles.rollout.runtime``), confirms the weights each holds by checksum
-before it serves, and stops everything it started; its ``Supervisor`` probes, restarts, rolls back
-and recovers them. The controller's ``WeightUpdate`` drives updates through ``begin_update``,
-``pause``, ``load``, ``confirm``, ``admit``, ``quarantine`` and ``rollback``, each engine call
-carrying the update's fencing token; the state machine refuses any step out of order. Verified
-weights are recorded with the checkpoint they reload from; weights on no disk (a window pushed
-them) are written out by a serving peer holding them (``export``) when a server must restart.
+runtime where it runs), confirms the weights each holds by checksum before it serves, and stops
+everything it started; its ``Supervisor`` probes, restarts, rolls back and recovers them. The
+controller's ``WeightUpdate`` drives its update steps, each engine call carrying the update's
+fencing token; the state machine refuses any step out of order.
 """
 
 from __future__ import annotations
@@ -208,7 +205,6 @@ class Rollout(ABC):
 
     @property
     def probe_rounds(self) -> int:
-        """How many rounds of health probes the supervisor has completed."""
         return self._supervisor.rounds
 
     def alive(self, cell: ServerCell) -> bool:
@@ -216,11 +212,9 @@ class Rollout(ABC):
 
     @property
     def health(self) -> HealthSettings:
-        """How the supervisor probes the servers."""
         return self.spec.health
 
     def probed(self, cell: ServerCell, result: ProbeResult) -> None:
-        """Record a health probe's result on the server (and count failures in a row)."""
         cell.last_probe = result
         cell.consecutive_failures = 0 if result.ok else cell.consecutive_failures + 1
         if self.observer is not None:
@@ -365,8 +359,7 @@ class Rollout(ABC):
         return await self.client(server_id).export_weights(step=step, timeout=self.spec.update_timeout_s, fence=fence)
 
     def remember_checkpoint(self, checksum: str, checkpoint: Path) -> list[str]:
-        """Record ``checkpoint`` (which holds weights with ``checksum``) as the place to reload
-        them from (``record_copy``) and report it; returns the servers' ids it was recorded for."""
+        """``record_copy``, and report the copy."""
         changed = self.record_copy(checksum, checkpoint)
         if self.observer is not None:
             self.observer.weights_written_out(self.model_name, checksum, checkpoint)
