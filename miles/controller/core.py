@@ -242,16 +242,14 @@ class AsyncInferenceController:
                 started=started,
             )
         except LockTimeoutError as exc:
-            message = f"the lock was not granted within {self.lock_timeout_s}s: {exc}"
-            snapshots = rollout.snapshot()
             return self._remember(
                 unlocked_result(
-                    snapshots,
+                    rollout.snapshot(),
                     model_name=rollout.model_name,
                     mode=mode,
                     pause_mode=pause,
                     started=started,
-                    message=message,
+                    message=f"the lock was not granted within {self.lock_timeout_s}s: {exc}",
                 )
             )
 
