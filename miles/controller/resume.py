@@ -100,10 +100,9 @@ class Resumption:
 
 
 def resume_fleet(directory: Path, rollouts: Iterable[ModelRollout], *, readable_roots: tuple[Path, ...]) -> Resumption:
-    """Read the event log in ``directory`` and find where each rollout's model resumes. Blocking:
-    reads the log and hashes checkpoints. Raises MilesError when the log cannot be read: not
-    knowing what was committed, starting anyway could serve older weights than the log's, or
-    commit a version it already committed."""
+    """Read the event log in ``directory`` and find where each rollout's model resumes (blocking).
+    Raises MilesError when the log cannot be read: starting anyway could serve older weights than
+    the log's, or commit a version it already committed."""
     try:
         past = history(read_events(directory))
     except EventLogError as exc:
@@ -127,9 +126,8 @@ def resume_point(
 ) -> ResumedFrom | None:
     """The newest committed weights of ``model`` that a copy on disk still holds (hashed to
     check), which servers started from ``start_checkpoint`` could restart from and may read under
-    ``readable_roots``. Without any such copy the servers start on ``start_checkpoint`` (updates
-    still have to beat ``committed_high``), and the answer says so (``weights()`` is None). None
-    when the log committed nothing for the model. Blocking: hashes checkpoints."""
+    ``readable_roots``; without one, ``weights()`` is None (the start checkpoint). None when the
+    log committed nothing for the model. Blocking: hashes checkpoints."""
     if not model.commits:
         return None
     last = model.commits[-1]

@@ -80,10 +80,9 @@ class WeightsExport:
 class EngineClient:
     """Calls one engine at ``base_url`` (e.g. ``http://127.0.0.1:30001``).
 
-    Every call that changes the engine's weights or generation may carry a fencing token
-    (``fence``): the update's lock token. The engine refuses a call fenced below the highest token
-    it has seen, so an update that lost the lock (or a window whose lease expired) cannot touch a
-    server a newer update owns.
+    A call that changes the engine's weights or generation may carry the update's lock token
+    (``fence``): the engine refuses one fenced below the highest token it has seen, so an update
+    that lost the lock cannot touch a server a newer update owns.
     """
 
     def __init__(self, base_url: str, *, http: httpx.AsyncClient, server_id: str, secret: str | None = None) -> None:
