@@ -83,6 +83,7 @@ class Rollout(ABC):
         exclusive: ExclusiveSection | None = None,
         observer: RolloutObserver | None = None,
     ) -> None:
+        self._prepare(spec)
         self.spec = spec
         # Restarts triggered by the health loop run inside this section (the controller passes
         # its lock) so a restart never interleaves with an update or a training window.
@@ -112,6 +113,10 @@ class Rollout(ABC):
         self.runtime = runtime_for(spec, on_exit=self._engine_exited)
 
     # --- the server type's hook, and where its engines run --------------------------------
+
+    def _prepare(self, spec: RolloutSpec) -> None:  # noqa: B027  # an optional hook
+        """Refuse a spec this server type cannot run, and set up its own state, before anything is
+        built (no runtime, no directory yet)."""
 
     @abstractmethod
     def engine_command(self) -> EngineCommand:

@@ -27,7 +27,7 @@ from miles.config import RuntimeKind
 from miles.errors import CheckpointError
 from miles.protocol.sglang import PauseMode
 from miles.rollout.engine_client import SGLANG_ENGINE_DIGEST, EngineCallError, WeightsChecksum
-from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutError, RolloutObserver
+from miles.rollout.rollout import Rollout, RolloutError
 from miles.rollout.runtime import EngineCommand, LaunchSlot
 from miles.rollout.sglang_digests import DigestBook
 from miles.rollout.spec import RolloutSpec, SGLangServerArgs
@@ -121,18 +121,11 @@ class SGLangRollout(Rollout):
     can_attach = True
     takes_sglang_args = True
 
-    def __init__(
-        self,
-        spec: RolloutSpec,
-        *,
-        exclusive: ExclusiveSection | None = None,
-        observer: RolloutObserver | None = None,
-    ) -> None:
+    def _prepare(self, spec: RolloutSpec) -> None:
         if not spec.urls:
             check_engine_args(spec.engine_args)
         if spec.runtime is RuntimeKind.RAY and not spec.urls:
             check_ray_gpus(spec)
-        super().__init__(spec, exclusive=exclusive, observer=observer)
         self._digests = DigestBook()
         # server id -> the checkpoint it was last given (launched on, or loaded): the weights its
         # next SGLang digest is tied to, once the files are hashed (only for SGLang digests).

@@ -29,7 +29,7 @@ import httpx
 
 import miles
 from miles.rollout.engine_client import EngineClient
-from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutError, RolloutObserver
+from miles.rollout.rollout import Rollout, RolloutError
 from miles.rollout.runtime import EngineCommand, EngineReport, LaunchSlot
 from miles.rollout.spec import RolloutSpec, VLLMServerArgs
 from miles.rollout.state import EngineApi, ServerCell
@@ -190,17 +190,10 @@ class VLLMRollout(Rollout):
     stages_pushes: ClassVar[bool] = False
     engine_api: ClassVar[EngineApi] = "vllm"
 
-    def __init__(
-        self,
-        spec: RolloutSpec,
-        *,
-        exclusive: ExclusiveSection | None = None,
-        observer: RolloutObserver | None = None,
-    ) -> None:
+    def _prepare(self, spec: RolloutSpec) -> None:
         check_engine_args(spec.engine_args)
         # Attached servers run on their owner's vLLM; launching needs one here.
         self._python = None if spec.urls else vllm_python(spec.vllm)
-        super().__init__(spec, exclusive=exclusive, observer=observer)
 
     def engine_command(self) -> EngineCommand:
         return VLLMLaunchCommand(
