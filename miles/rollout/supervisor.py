@@ -126,12 +126,7 @@ class Supervisor:
                 reported.instance_id,
                 cell.engine_instance,
             )
-            try:
-                await self._rollout.restart(
-                    cell.server_id, reason="engine process restarted outside the controller", fence=fence
-                )
-            except MilesError as exc:
-                logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)  # noqa: TRY400
+            await self._restart(cell, reason="engine process restarted outside the controller", fence=fence)
 
     async def _drift_guarded(self, cell: ServerCell, incarnation: int) -> None:
         """Quarantine, report and roll back a server whose engine holds other weights than verified."""
@@ -204,11 +199,14 @@ class Supervisor:
                 return
             if cell.state not in (ServerState.SERVING, ServerState.PENDING_WEIGHTS, ServerState.RESTARTING):
                 return  # an update took it over while we waited; it owns the cell now
-            try:
-                await self._rollout.restart(cell.server_id, reason=reason, fence=fence)
-            except MilesError as exc:
-                # A MilesError's message carries its context; a traceback per retry would be noise.
-                logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)  # noqa: TRY400
+            await self._restart(cell, reason=reason, fence=fence)
+
+    async def _restart(self, cell: ServerCell, *, reason: str, fence: int | None) -> None:
+        try:
+            await self._rollout.restart(cell.server_id, reason=reason, fence=fence)
+        except MilesError as exc:
+            # A MilesError's message carries its context; a traceback per retry would be noise.
+            logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)  # noqa: TRY400
 
 
 def drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool:
