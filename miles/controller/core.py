@@ -3,9 +3,7 @@
 The asyncio core of the InferenceController (the blocking facade the seed uses is
 ``miles.inference_controller``). Every method declares its relation to
 ``ContextLock("InferenceController")``: updates, training windows, restarts, reconfiguration and
-shutdown take it; health, routing and event intake never wait on it. An update is a
-``WeightUpdate`` created once the lock is granted (``_new_update``); a training window is one kept
-open by a task that holds the lock until training ends it or its TTL runs out (``windows``).
+shutdown take it; health, routing and event intake never wait on it.
 """
 
 from __future__ import annotations
@@ -129,10 +127,7 @@ class AsyncInferenceController:
     @with_lock
     async def reconfigure(self, patch: dict[str, Any]) -> ControllerSettings:
         """Apply runtime-changeable settings; raises InvalidRequestError naming refused fields.
-
-        Every change is logged as a ``SettingsChangedEvent`` (printed when it touches a safety
-        setting), so the audit trail shows who could have let unverified weights through.
-        """
+        Every change is logged (printed when it touches a safety setting) for the audit trail."""
         before = self._settings
         # Validation resolves the checkpoint roots on the filesystem: off the loop.
         self._settings = await asyncio.to_thread(self._settings.changed, patch)
@@ -170,9 +165,9 @@ class AsyncInferenceController:
         resumption = await asyncio.to_thread(resume_fleet, directory, self.fleet.all(), readable_roots=readable)
         for event in resumption.published:
             self.published.observe(event)
-        for name, (resumed, committed_high) in resumption.models.items():
+        for name, resumed in resumption.models.items():
             rollout = self.fleet.rollout(name)
-            rollout.committed_high = committed_high
+            rollout.committed_high = resumed.committed_high
             rollout.resume_from = resumed.weights()
             self._resumed[name] = resumed
             logger.info(
@@ -199,11 +194,8 @@ class AsyncInferenceController:
     @lock_exempt
     def stop_routing(self) -> None:
         """End every request waiting for a server, and refuse new ones, with a 503: shutting down.
-
-        Called before the HTTP server drains its connections, so that requests waiting for a
-        server (an unsatisfiable ``min_weight_version``, a model with none serving) cannot hold
-        the shutdown up for their whole timeout.
-        """
+        Called before the HTTP server drains its connections, so waiting requests cannot hold the
+        shutdown up for their whole timeout."""
         if self.router is not None:
             self.router.close("the controller is shutting down; retry against another controller")
 
@@ -250,16 +242,14 @@ class AsyncInferenceController:
                 started=started,
             )
         except LockTimeoutError as exc:
-            message = f"the lock was not granted within {self.lock_timeout_s}s: {exc}"
-            snapshots = rollout.snapshot()
             return self._remember(
                 unlocked_result(
-                    snapshots,
+                    rollout.snapshot(),
                     model_name=rollout.model_name,
                     mode=mode,
                     pause_mode=pause,
                     started=started,
-                    message=message,
+                    message=f"the lock was not granted within {self.lock_timeout_s}s: {exc}",
                 )
             )
 
@@ -345,14 +335,12 @@ class AsyncInferenceController:
         """Open a window: hold requests, pause every server, and keep the lock for training.
 
         Training pushes weights to ``window.servers`` (with ``window.credential``), then calls
-        ``end_update_weights`` (verify and commit) or ``abort_update_weights``. If neither comes
-        within ``ttl_s`` the window is rolled back and its credential refused. Raises for invalid
-        arguments before anything is touched, and re-raises (after putting every server back) a
-        failure while the window opened.
+        ``end_update_weights`` or ``abort_update_weights``; without either within ``ttl_s`` the
+        window is rolled back. Raises for invalid arguments before anything is touched, and
+        re-raises (after putting every server back) a failure while the window opened.
 
-        ``staged``: the servers keep serving while training pushes into their engines' staging
-        buffers (``activate=false``); the commit then takes them out only to swap the verified
-        weights in (draining per ``pause_mode``), so serving stops for the swap, not the transfer.
+        ``staged``: the servers keep serving while training pushes into their engines' stages; the
+        commit takes them out only to swap the verified weights in (draining per ``pause_mode``).
         """
         rollout = self.fleet.rollout(model_name)
         # A server type that cannot stage (vLLM) gets a window with its servers out of routing;
@@ -441,8 +429,8 @@ class AsyncInferenceController:
         published = self.published.expected(update.model_name, ending.step)
         refused = refusal(update, ending, published_checksum=published.checksum if published else None)
         if refused is not None:
-            await close_window(update, reason=refused.reason)
-            return update.result(UpdateStatus.ROLLED_BACK, message=refused.message)
+            await close_window(update, reason=refused)
+            return update.result(UpdateStatus.ROLLED_BACK, message=refused)
         update.set_target(await window_target(update, ending, roots=self._settings.allowed_checkpoint_roots))
 
         async def close(server_ids: list[str]) -> None:
@@ -484,10 +472,9 @@ class AsyncInferenceController:
 
     @lock_exempt
     async def renew_update_weights(self, window: UpdateWindow | int, *, ttl_s: float | None = None) -> UpdateWindow:
-        """Extend the window's lease to ``ttl_s`` (default: the window's own) from now, and return
-        the window with its new ``expires_at``. Training renews while it pushes (``PushPublisher``
-        does, every third of the lease), so the lease can be short: a trainer that dies holds the
-        fleet for one lease, not for the longest push it might make.
+        """Extend the window's lease to ``ttl_s`` (default: the window's own) from now; the window
+        with its new ``expires_at``. Training renews while it pushes, so a trainer that dies holds
+        the fleet for one short lease.
 
         Raises InvalidRequestError for a bad ``ttl_s`` and ConflictError for a token that names no
         open window (ended, expired, or never opened).

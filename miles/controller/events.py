@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from miles.config import SAFETY_SETTINGS, ControllerSettings
 from miles.controller.results import UpdateResult
@@ -135,39 +136,28 @@ class ControllerEvents:
 
     def finished(self, result: UpdateResult) -> None:
         """A committed update, or one that ended any other way (with every server's version)."""
+        fields: dict[str, Any] = {
+            "update_id": result.update_id,
+            "model_name": result.model_name,
+            "weight_version": result.weight_version or "",
+            "step": result.step,
+            "duration_s": result.duration_s,
+            "timings": result.timings,
+            "serving_blocked_s": result.serving_blocked_s,
+        }
         if result.ok:
-            self.logger.log(
-                WeightUpdateCommittedEvent,
-                {
-                    "update_id": result.update_id,
-                    "model_name": result.model_name,
-                    "weight_version": result.weight_version or "",
-                    "step": result.step,
-                    "checksum": result.expected_checksum or "",
-                    "server_ids": tuple(o.server_id for o in result.servers),
-                    "duration_s": result.duration_s,
-                    "timings": result.timings,
-                    "serving_blocked_s": result.serving_blocked_s,
-                    "checkpoint": result.checkpoint,
-                },
-                print_log=False,
-            )
+            fields |= {
+                "checksum": result.expected_checksum or "",
+                "server_ids": tuple(o.server_id for o in result.servers),
+                "checkpoint": result.checkpoint,
+            }
+            self.logger.log(WeightUpdateCommittedEvent, fields, print_log=False)
             return
-        self.logger.log(
-            WeightUpdateAbortedEvent,
-            {
-                "update_id": result.update_id,
-                "model_name": result.model_name,
-                "weight_version": result.weight_version or "",
-                "step": result.step,
-                "reason": f"{result.status.value}: {result.message}",
-                "server_versions": {o.server_id: o.weight_version or "" for o in result.servers},
-                "duration_s": result.duration_s,
-                "timings": result.timings,
-                "serving_blocked_s": result.serving_blocked_s,
-            },
-            print_log=False,
-        )
+        fields |= {
+            "reason": f"{result.status.value}: {result.message}",
+            "server_versions": {o.server_id: o.weight_version or "" for o in result.servers},
+        }
+        self.logger.log(WeightUpdateAbortedEvent, fields, print_log=False)
 
     def settings_changed(self, before: ControllerSettings, after: ControllerSettings) -> None:
         old, new = before.model_dump(mode="json"), after.model_dump(mode="json")
@@ -185,29 +175,16 @@ class ControllerEvents:
         )
 
     def lock_transition(self, transition: LockTransition) -> None:
+        fields: dict[str, Any] = {
+            "lock_name": transition.lock_name,
+            "holder": transition.holder,
+            "token": transition.token,
+        }
         if transition.kind is LockTransitionKind.ACQUIRED:
-            self.logger.log(
-                LockAcquiredEvent,
-                {
-                    "lock_name": transition.lock_name,
-                    "holder": transition.holder,
-                    "token": transition.token,
-                    "waited_s": transition.waited_s or 0.0,
-                },
-                print_log=False,
-            )
+            self.logger.log(LockAcquiredEvent, {**fields, "waited_s": transition.waited_s or 0.0}, print_log=False)
             return
-        self.logger.log(
-            LockReleasedEvent,
-            {
-                "lock_name": transition.lock_name,
-                "holder": transition.holder,
-                "token": transition.token,
-                "held_s": transition.held_s or 0.0,
-                "reason": "released",
-            },
-            print_log=False,
-        )
+        fields |= {"held_s": transition.held_s or 0.0, "reason": "released"}
+        self.logger.log(LockReleasedEvent, fields, print_log=False)
 
     def _checksum(
         self, model_name: str, checksum: str, step: int, version: str | None, server_id: str | None, role: ChecksumRole

@@ -46,8 +46,7 @@ class ModelServerSpec(BaseModel):
     ``cls`` is accepted for ``server_cls``. ``urls`` attaches servers someone else runs (server
     types that can: ``SGLangRollout``, ``VLLMRollout``), one server per URL; ``sglang`` and
     ``vllm`` are what launched SGLang and vLLM servers are given (``engine_args``: further flags,
-    passed through). Several specs may serve one model (the same ``model_name``, the same
-    ``checkpoint``), each with its own server type: their servers are named after the specs.
+    passed through). Several specs may serve one model (``models_of``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True, populate_by_name=True)
@@ -91,10 +90,10 @@ def normalize_specs(
     if isinstance(rollout_server_cls, Mapping):
         if model_checkpoint is not None:
             raise InvalidRequestError("give checkpoints inside the mapping of server specs, not as model_checkpoint")
-        specs = {}
-        for name, raw in rollout_server_cls.items():
-            spec = raw if isinstance(raw, ModelServerSpec) else ModelServerSpec.model_validate(raw)
-            specs[str(name)] = spec
+        specs = {
+            str(name): raw if isinstance(raw, ModelServerSpec) else ModelServerSpec.model_validate(raw)
+            for name, raw in rollout_server_cls.items()
+        }
         if not specs:
             raise InvalidRequestError("the mapping of server specs is empty")
         return specs
@@ -111,9 +110,8 @@ def models_of(specs: Mapping[str, ModelServerSpec]) -> dict[str, dict[str, Model
     """The specs of each served model (model name -> spec name -> spec), in the order given.
 
     A model is named by its spec's ``model_name``, else by its checkpoint's manifest. Several specs
-    may serve one model, each with its own server type, only on one checkpoint: the servers of one
-    model hold one set of weights, confirmed against one checksum. Raises InvalidRequestError
-    naming the specs that cannot serve one model together.
+    may serve one model, each with its own server type (their servers are named after the specs),
+    only on one checkpoint. Raises InvalidRequestError naming the specs that cannot.
     """
     models: dict[str, dict[str, ModelServerSpec]] = {}
     for name, spec in specs.items():
@@ -149,7 +147,9 @@ class Fleet:
         self._rollouts: list[Rollout] = []
         self._attached_urls: set[str] = set()
         self._engine_secret = engine_secret
-        self._gated = settings.gated_launch
+        self._settings = settings
+        self._exclusive = exclusive
+        self._observer = observer
         # The controller's working files (logs, weight copies) live here; a directory we made
         # ourselves is removed by stop(), so no controller leaves files behind.
         self._owned_state_dir = None if settings.state_dir else Path(tempfile.mkdtemp(prefix="miles-controller-"))
@@ -157,20 +157,12 @@ class Fleet:
         assert self.state_dir is not None
         try:
             for model_name, named in models_of(specs).items():
-                self._add_model(model_name, named, settings=settings, exclusive=exclusive, observer=observer)
+                self._add_model(model_name, named)
         except BaseException:
             self._remove_state_dir()
             raise
 
-    def _add_model(
-        self,
-        model_name: str,
-        named: Mapping[str, ModelServerSpec],
-        *,
-        settings: ControllerSettings,
-        exclusive: ExclusiveSection,
-        observer: RolloutObserver,
-    ) -> None:
+    def _add_model(self, model_name: str, named: Mapping[str, ModelServerSpec]) -> None:
         """Build the rollouts of one model's specs (``models_of`` checked they can serve it together)."""
         # A model's servers are named after it; when several specs serve it, after each spec.
         mixed = len(named) > 1
@@ -178,20 +170,11 @@ class Fleet:
         rollouts = []
         for name, spec in named.items():
             prefix = _server_prefix(name) if mixed else folder
-            rollout = self._rollout(
-                name,
-                spec,
-                model_name=model_name,
-                prefix=prefix,
-                folder=folder,
-                settings=settings,
-                exclusive=exclusive,
-                observer=observer,
-            )
+            rollout = self._rollout(name, spec, model_name=model_name, prefix=prefix, folder=folder)
             rollouts.append(rollout)
             self._attached_urls |= set(spec.urls)
         self._check_ids(rollouts, named)
-        self._servers[model_name] = MixedRollout(rollouts, observer=observer) if mixed else rollouts[0]
+        self._servers[model_name] = MixedRollout(rollouts, observer=self._observer) if mixed else rollouts[0]
         self._rollouts += rollouts
 
     def _check_ids(self, rollouts: list[Rollout], named: Mapping[str, ModelServerSpec]) -> None:
@@ -206,21 +189,11 @@ class Fleet:
                     )
                 taken.add(server_id)
 
-    def _rollout(
-        self,
-        name: str,
-        spec: ModelServerSpec,
-        *,
-        model_name: str,
-        prefix: str,
-        folder: str,
-        settings: ControllerSettings,
-        exclusive: ExclusiveSection,
-        observer: RolloutObserver,
-    ) -> Rollout:
+    def _rollout(self, name: str, spec: ModelServerSpec, *, model_name: str, prefix: str, folder: str) -> Rollout:
         """Build the Rollout of one spec (its logs and weight copies under the state dir; the
         copies in the model's ``folder``, which every server of the model may read)."""
         assert self.state_dir is not None
+        settings = self._settings
         server_cls = resolve_server_cls(spec.server_cls)
         if spec.urls and not server_cls.can_attach:
             raise InvalidRequestError(
@@ -279,7 +252,7 @@ class Fleet:
             sglang=spec.sglang or SGLangServerArgs(),
             vllm=spec.vllm or VLLMServerArgs(),
         )
-        return server_cls(rollout_spec, exclusive=exclusive, observer=observer)
+        return server_cls(rollout_spec, exclusive=self._exclusive, observer=self._observer)
 
     @property
     def model_names(self) -> list[str]:
@@ -310,7 +283,7 @@ class Fleet:
     async def start(self) -> None:
         """Start every spec's Rollout (one at a time with gated launch); stop all if one fails."""
         try:
-            if self._gated:
+            if self._settings.gated_launch:
                 for rollout in self._rollouts:
                     await rollout.start()
             else:

@@ -6,11 +6,7 @@ the checkpoint is well-formed and for this model, its weights are the ones train
 serving. A checkpoint an update loads also becomes its servers' restart point (an update replaces
 weights only; a server that crashes starts again on the checkpoint it last verified), so one no
 engine could start from (no readable config, no tokenizer) or one whose config describes another
-model is refused too.
-
-It does not hash the tensors: every server hashes the bytes before it touches its own weights,
-against the manifest of a sealed checkpoint, or against the published checksum for a plain
-Hugging Face directory (``save_pretrained`` output, no manifest).
+model is refused too. It does not hash the tensors: every server does, before it touches its own.
 """
 
 from __future__ import annotations
@@ -65,10 +61,9 @@ def vet_checkpoint(
 ) -> VettedCheckpoint:
     """Check ``checkpoint`` for an update of ``model_name``; raises CheckpointRejected if it fails.
 
-    ``serving_version`` must be read under the controller's lock, by the update that is about
-    to run: a value read earlier may have been overtaken by an update that queued ahead.
-    ``start_checkpoint`` is the checkpoint the servers were started from: the new checkpoint must
-    be one they could restart from as they run now (``restart_point_problem``).
+    ``serving_version`` must be read under the controller's lock, by the update about to run (a
+    value read earlier may have been overtaken by an update that queued ahead). The servers
+    started from ``start_checkpoint`` must be able to restart from ``checkpoint``.
     """
     with _refused_when_unreadable(checkpoint):
         try:
@@ -160,11 +155,8 @@ def _vet_plain(
     weight_version: str | None,
     serving_version: str | None,
 ) -> VettedCheckpoint:
-    """A directory as ``save_pretrained`` writes it: accepted as the latest published step.
-
-    Its weights are identified by the checksum training published last for the model; each
-    server computes the checkpoint's checksum in the pass that verifies it before loading and
-    refuses it when they differ, so no second pass over the files is made here.
+    """A directory as ``save_pretrained`` writes it: accepted as the latest published step, whose
+    checksum each server checks in the pass that verifies the files before loading.
     """
     latest = published.latest(model_name)
     if latest is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -122,8 +123,6 @@ class FleetHealth(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    # "ok"; "updating" (a barrier update holds requests, which wait); "degraded" (some server is
-    # not serving); "unavailable" (a model has no serving server and requests would fail).
     status: FleetStatus
     ok: bool
     models: dict[str, ModelHealth]
@@ -168,10 +167,7 @@ def model_health(
     model_name: str, snapshots: list[ServerSnapshot], *, accepting: bool, resumed_from: ResumedFrom | None = None
 ) -> ModelHealth:
     serving = [s for s in snapshots if s.state is ServerState.SERVING]
-    versions: dict[str, int] = {}
-    for snap in serving:
-        key = snap.weight_version or "unknown"
-        versions[key] = versions.get(key, 0) + 1
+    versions = dict(Counter(s.weight_version or "unknown" for s in serving))
     return ModelHealth(
         model_name=model_name,
         weight_version=next(iter(versions)) if len(versions) == 1 else None,

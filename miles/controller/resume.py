@@ -93,17 +93,16 @@ def history(events: Iterable[Event]) -> History:
 @dataclass(frozen=True)
 class Resumption:
     """What a controller starting again on its event log takes from it: what training published,
-    and per model where it resumes (with the highest integer version it committed)."""
+    and per model where it resumes."""
 
     published: tuple[InferenceEngineWeightChecksumEvent, ...]
-    models: dict[str, tuple[ResumedFrom, int | None]]
+    models: dict[str, ResumedFrom]
 
 
 def resume_fleet(directory: Path, rollouts: Iterable[ModelRollout], *, readable_roots: tuple[Path, ...]) -> Resumption:
-    """Read the event log in ``directory`` and find where each rollout's model resumes. Blocking:
-    reads the log and hashes checkpoints. Raises MilesError when the log cannot be read: not
-    knowing what was committed, starting anyway could serve older weights than the log's, or
-    commit a version it already committed."""
+    """Read the event log in ``directory`` and find where each rollout's model resumes (blocking).
+    Raises MilesError when the log cannot be read: starting anyway could serve older weights than
+    the log's, or commit a version it already committed."""
     try:
         past = history(read_events(directory))
     except EventLogError as exc:
@@ -118,7 +117,7 @@ def resume_fleet(directory: Path, rollouts: Iterable[ModelRollout], *, readable_
             continue
         resumed = resume_point(model, start_checkpoint=rollout.start_checkpoint, readable_roots=readable_roots)
         if resumed is not None:
-            models[rollout.model_name] = (resumed, model.committed_high)
+            models[rollout.model_name] = resumed
     return Resumption(published=past.published, models=models)
 
 
@@ -127,9 +126,8 @@ def resume_point(
 ) -> ResumedFrom | None:
     """The newest committed weights of ``model`` that a copy on disk still holds (hashed to
     check), which servers started from ``start_checkpoint`` could restart from and may read under
-    ``readable_roots``. Without any such copy the servers start on ``start_checkpoint`` (updates
-    still have to beat ``committed_high``), and the answer says so (``weights()`` is None). None
-    when the log committed nothing for the model. Blocking: hashes checkpoints."""
+    ``readable_roots``; without one, ``weights()`` is None (the start checkpoint). None when the
+    log committed nothing for the model. Blocking: hashes checkpoints."""
     if not model.commits:
         return None
     last = model.commits[-1]

@@ -173,9 +173,8 @@ class Router:
                     self._check_reachable(model_name, min_weight_version)
                 gate = self._gate(model_name)
                 if gate.is_set():
-                    lease = self._pick(model_name, session_id, min_weight_version, exclude, engine)
+                    lease = self._claim(model_name, session_id, min_weight_version, exclude, engine)
                     if lease is not None:
-                        self._outstanding[lease.server_id] = self._outstanding.get(lease.server_id, 0) + 1
                         return lease
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -213,10 +212,7 @@ class Router:
         """A server that may take the request right now, claimed; None when none may (no waiting)."""
         if self._closed is not None or not self._gate(model_name).is_set():
             return None
-        lease = self._pick(model_name, session_id, min_weight_version, exclude, engine)
-        if lease is not None:
-            self._outstanding[lease.server_id] = self._outstanding.get(lease.server_id, 0) + 1
-        return lease
+        return self._claim(model_name, session_id, min_weight_version, exclude, engine)
 
     def release(self, lease: RouteLease) -> None:
         left = self._outstanding.get(lease.server_id, 0) - 1
@@ -234,7 +230,7 @@ class Router:
             gate.set()
         return gate
 
-    def _pick(
+    def _claim(
         self,
         model_name: str,
         session_id: str | None,
@@ -271,6 +267,7 @@ class Router:
             if session_id is not None:
                 self._bind(model_name, session_id, chosen.server_id)
         assert chosen.url is not None
+        self._outstanding[chosen.server_id] = self.outstanding(chosen.server_id) + 1
         return RouteLease(
             model_name=model_name,
             server_id=chosen.server_id,

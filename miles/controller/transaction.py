@@ -1,18 +1,13 @@
 """WeightUpdate: one update of one model's servers, the protocol's steps 4-7 written once.
 
-A WeightUpdate exists only while the controller's lock is held: the controller creates it once the
-lock is granted (``AsyncInferenceController._new_update``) and it ends with the lock. Holding one
-is holding the lock, and its ``token`` (the lock grant's fencing token) goes with every call it
-makes to an engine, so an engine refuses whatever an older update still tries. It reads, when
-created, the version the fleet was verified on, which its weights must be newer than.
+A WeightUpdate exists only while the controller's lock is held (created once it is granted:
+``AsyncInferenceController._new_update``); its ``token``, the grant's fencing token, goes with
+every engine call, so an engine refuses whatever an older update still tries.
 
 ``run(plan)`` executes every update, from a checkpoint or a training window, barrier or rolling
-(``miles.controller.plans``): per batch of the plan's schedule, ``take_out`` (stop routing to the
-servers and pause them), the source's load (``load`` from disk, ``activate`` what a window
-staged), ``confirm`` (the checksum each server computes over what it holds), then ``admit`` (serve
-the new version) or ``roll_back`` (put servers back on their last verified weights). Each server's
-progress is a ``ServerStep``; a server that fails (refuses, dies, times out) is recorded as such
-rather than raised, so one bad server cannot leave the others paused.
+(``miles.controller.plans``). Each server's progress is a ``ServerStep``; a server that fails
+(refuses, dies, times out) is recorded as such rather than raised, so one bad server cannot leave
+the others paused.
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -65,12 +60,9 @@ class ServerProgress:
     # engine taken out without a pause pauses and resumes itself around a staged swap.
     paused: bool = False
 
-    def fail(self, error: str) -> None:
-        self.step = ServerStep.FAILED
-        self.error = self.error or error
-
-    def crash(self, error: str) -> None:
-        self.step = ServerStep.CRASHED
+    def fail(self, step: ServerStep, error: str) -> None:
+        """End the server's part in the update (failed or crashed); its first error stands."""
+        self.step = step
         self.error = self.error or error
 
 
@@ -214,11 +206,8 @@ class WeightUpdate:
 
     async def activate(self, server_ids: list[str]) -> None:
         """Have each server serve the weights a window pushed into its stage (verified there).
-
-        Servers taken out without a pause are still generating: each engine pauses itself per the
-        pause mode, swaps, and resumes, in one call (and ends the window there), so generation
-        stops for the swap only, not for three round trips.
-        """
+        A server taken out without a pause pauses itself, swaps and resumes in one call (ending the
+        window there): generation stops for the swap only, not for three round trips."""
         target = self._target()
 
         async def one(server_id: str) -> None:
@@ -253,10 +242,9 @@ class WeightUpdate:
     async def confirm(self, server_ids: list[str]) -> None:
         """Get each server's checksum of what it holds; only an exact match is confirmed.
 
-        A server whose load answer carried the checksum it computed over its live weights after
-        the copy (the embedded engine does) is not asked again: hashing the whole model a second
-        time moments later would only repeat the same measurement. Others (a window's pushes, a
-        server whose load answer had none) are asked through ``/weights_checker``.
+        A server whose load answer carried the checksum of its live weights after the copy (the
+        embedded engine's does) is not asked again: hashing the model again moments later would
+        repeat the same measurement. Others are asked through ``/weights_checker``.
         """
         target = self._target()
 
@@ -355,8 +343,7 @@ class WeightUpdate:
     # --- what happened -------------------------------------------------------------------------
 
     def refused_by_all(self, server_ids: list[str]) -> bool:
-        """Whether every server that did not crash refused the weights before touching its own
-        (nothing changed)."""
+        """Whether every server that did not crash refused the weights (nothing changed)."""
         live = self.live(server_ids)
         return bool(live) and all(self.progress[sid].step is ServerStep.REFUSED for sid in live)
 
@@ -424,13 +411,13 @@ class WeightUpdate:
     # --- the one pipeline ---------------------------------------------------------------------
 
     async def run(self, plan: Plan) -> UpdateStatus:
-        """Execute ``plan``: per batch of its schedule, take the servers out, load the new weights
-        from its source, confirm each server's checksum, then admit those confirmed or roll back.
+        """Execute ``plan``: per batch of its schedule, take the servers out, load from its source,
+        confirm each server's checksum, then admit those confirmed or roll back.
 
-        A source every server refused before touching its weights changed nothing: REJECTED. An
-        all-or-nothing schedule rolls every server back on any failure (ROLLED_BACK); otherwise
-        the first failure halts, servers already moved keep the new version (PARTIAL). Servers
-        whose engines died come back on the committed weights once their peers serve them.
+        Every server refusing changed nothing: REJECTED. An all-or-nothing schedule rolls every
+        server back on any failure (ROLLED_BACK); otherwise the first failure halts and servers
+        already moved keep the new version (PARTIAL). Servers whose engines died come back on the
+        committed weights once their peers serve them.
         """
         schedule, source = plan.schedule, plan.source
         if schedule.holds_requests:
@@ -480,7 +467,7 @@ class WeightUpdate:
             if self.progress[sid].step is not ServerStep.FAILED and self.progress[sid].error is None
         ]
 
-    async def _each(self, server_ids: list[str], action: str, call: _PerServer) -> None:
+    async def _each(self, server_ids: list[str], action: str, call: Callable[[str], Awaitable[object]]) -> None:
         """Run ``call`` on every server at once; a failure is recorded on its server, not raised."""
 
         async def guarded(server_id: str) -> None:
@@ -497,14 +484,14 @@ class WeightUpdate:
         note = self.progress[server_id]
         if isinstance(exc, EngineCallError) and exc.status_code is None and await self.rollout.died(server_id):
             logger.warning("update %s: the engine of %s died (%s failed: %s)", self.update_id, server_id, action, exc)
-            note.crash(f"its engine died ({action} failed: {exc.message})")
+            note.fail(ServerStep.CRASHED, f"its engine died ({action} failed: {exc.message})")
             # Out of routing at once (a staged window's servers serve meanwhile); restarted by
             # ``restart_crashed`` on a commit, else by the supervisor once the lock is free.
             self.rollout.lost(server_id, reason=f"its engine died during update {self.update_id}")
             self.router.fleet_changed()
             return True
         logger.warning("update %s: %s failed on %s: %s", self.update_id, action, server_id, exc)
-        note.fail(f"{action} failed: {exc.message}")
+        note.fail(ServerStep.FAILED, f"{action} failed: {exc.message}")
         return False
 
     def _outcomes(self) -> tuple[ServerOutcome, ...]:
@@ -526,10 +513,6 @@ class WeightUpdate:
                 )
             )
         return tuple(outcomes)
-
-
-class _PerServer(Protocol):
-    def __call__(self, server_id: str, /) -> Awaitable[object]: ...
 
 
 _LOADED = frozenset({ServerStep.LOADED, ServerStep.CONFIRMED, ServerStep.MISMATCHED, ServerStep.ADMITTED})

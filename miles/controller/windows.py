@@ -63,22 +63,10 @@ class Abort:
     reason: str
 
 
-@dataclass(frozen=True)
-class Refused:
-    """Why a window's commit admitted nothing: ``reason`` for the rollback, ``message`` for the
-    result (empty: the result lists each server's failure)."""
-
-    reason: str
-    message: str
-
-
 @dataclass(eq=False)
 class OpenWindow:
-    """A window held open: what training was told, and the way training ends it.
-
-    Its lease runs ``public.ttl_s`` from when it opened and from each ``renew``: training renews it
-    while it works, so a trainer that dies costs one short lease, not the longest push it could
-    ever make."""
+    """A window held open: what training was told, and the way training ends it. Its lease runs
+    ``public.ttl_s`` from when it opened and from each ``renew``."""
 
     update: WeightUpdate
     public: UpdateWindow
@@ -92,10 +80,7 @@ class OpenWindow:
 
         Raises ConflictError when the window is already ending or expired.
         """
-        if self._closing is not None:
-            raise ConflictError(
-                f"window {self.public.window_id} is {self._closing}; start a new window", token=self.public.token
-            )
+        self._refuse_if_closing()
         self._closing = "ending"
         result: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
         self._endings.put_nowait((ending, result))
@@ -106,15 +91,18 @@ class OpenWindow:
 
         Raises ConflictError when the window is already ending or expired.
         """
-        if self._closing is not None:
-            raise ConflictError(
-                f"window {self.public.window_id} is {self._closing}; start a new window", token=self.public.token
-            )
+        self._refuse_if_closing()
         self._deadline = time.monotonic() + ttl_s
         self.public = self.public.model_copy(
             update={"ttl_s": ttl_s, "expires_at": datetime.now(UTC) + timedelta(seconds=ttl_s)}
         )
         return self.public
+
+    def _refuse_if_closing(self) -> None:
+        if self._closing is not None:
+            raise ConflictError(
+                f"window {self.public.window_id} is {self._closing}; start a new window", token=self.public.token
+            )
 
     async def wait(self) -> tuple[Commit | Abort, asyncio.Future[UpdateResult] | None]:
         """The ending training sends; once the lease runs out without one (renewals extend it),
@@ -227,24 +215,22 @@ def describe(
     )
 
 
-def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | None) -> Refused | None:
+def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | None) -> str | None:
     """Why ``ending`` may not commit at all (checked before any server is touched), or None.
 
     ``published_checksum`` is what training published for that step, if it did.
     """
     version = ending.weight_version or str(ending.step)
     if is_newer(version, update.version_to_beat) is False:
-        reason = (
+        return (
             f"weight version {version} is not newer than the newest version the fleet has served "
             f"({update.version_to_beat}); serving versions never go back"
         )
-        return Refused(reason=reason, message=reason)
     if published_checksum is not None and published_checksum != ending.checksum:
-        reason = (
+        return (
             f"the window's checksum {ending.checksum} differs from the one published for step {ending.step} "
             f"({published_checksum}); nothing was admitted"
         )
-        return Refused(reason=reason, message=reason)
     return None
 
 
@@ -315,12 +301,9 @@ def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ..
 def _checkpoint_holding(
     checkpoint: str | Path | None, checksum: str, start_checkpoint: Path, roots: tuple[Path, ...]
 ) -> Path | None:
-    """``checkpoint`` when its manifest says it holds weights with ``checksum`` and servers could
-    restart from it as they run now; else None (an engine then writes the weights out).
-
-    A window's checkpoint is where restarts reload its weights from, so a directory that holds
-    other weights (a stale path, a later save over it), that an engine could not start from, or
-    that lies (or links) outside the allowed roots, must not be recorded as theirs.
+    """``checkpoint`` when its manifest says it holds weights with ``checksum``, inside the roots,
+    and servers could restart from it as they run now; else None (an engine then writes the
+    weights out): restarts reload the window's weights from it.
     """
     if checkpoint is None:
         return None

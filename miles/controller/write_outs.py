@@ -1,9 +1,5 @@
-"""Write-outs: background copies, to disk, of the weights training windows pushed.
-
-Weights a window pushed exist on no disk: after such a commit one engine writes them out in the
-background (``WriteOuts``, at most one write-out per ``write_out_interval_s``), so that any
-server, even the only one, can be restarted on them.
-"""
+"""Write-outs: background copies, to disk, of the weights training windows pushed, so that any
+server, even the only one, can be restarted on them."""
 
 from __future__ import annotations
 
@@ -22,14 +18,11 @@ logger = logging.getLogger("miles.controller")
 
 
 class WriteOuts:
-    """Background copies, to disk, of weights windows pushed (see the module docstring).
-
-    Per model, one write-out runs at a time and they start at least ``interval_s()`` apart; each
-    writes the newest weights committed by then. Training that pushes every step would otherwise
-    have an engine write every step's weights to disk while it serves: a restart between two
-    write-outs copies the newer weights from a peer that holds them. An update about to change
-    live weights in place (a disk update, an unstaged window) first ``flush``es: if it fails, every
-    server must be able to go back to the weights they serve now, even if it changed them all.
+    """Per model, one write-out runs at a time and they start at least ``interval_s()`` apart; each
+    writes the newest weights committed by then (rather than an engine writing every step's
+    weights while it serves: a restart between two write-outs copies them from a peer). An update
+    about to change live weights in place first ``flush``es: if it fails, every server must be able
+    to go back to the weights they serve now, even if it changed them all.
     """
 
     def __init__(self, interval_s: Callable[[], float]) -> None:

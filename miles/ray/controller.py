@@ -133,11 +133,9 @@ def serve_controller(
     otherwise) and wait until it serves; returns its handle.
 
     ``detached``: the actor outlives this driver (stop it with ``close`` and ``ray.kill``).
-    Settings are validated here, so a bad one fails in the caller, not inside the actor. On a
-    cluster this call starts itself (no ``ray_address``, not connected yet), engines without a
-    ``num_cpus_per_engine`` of their own share its CPUs, less the actor's ``num_cpus``, at most
-    one each: a fleet the machine can hold is placed. A refusal from the actor (a placement the
-    cluster cannot give) is raised as the MilesError it is, without Ray's wrapping.
+    Settings are validated here, in the caller. On a cluster this call starts itself, engines
+    without a ``num_cpus_per_engine`` share its CPUs (``_cpu_share``). A refusal from the actor is
+    raised as the MilesError it is, without Ray's wrapping.
     """
     settings.setdefault("runtime", RuntimeKind.RAY)
     validated = ControllerSettings(**settings)  # raises ValidationError naming the bad setting

@@ -22,6 +22,7 @@ the engine is told to load them (``CheckpointTransfer``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -78,11 +79,13 @@ Fingerprint = list[tuple[str, int]]
 def fingerprint(directory: Path) -> Fingerprint:
     """Every regular file under ``directory`` with its size, sorted: equal on two nodes when they
     see the same checkpoint (the engine still checks every byte against the checksum it loads)."""
-    files = []
-    for path in sorted(directory.rglob("*")):
-        if path.is_file() and not path.is_symlink():
-            files.append((path.relative_to(directory).as_posix(), path.stat().st_size))
-    return files
+    return [(name, path.stat().st_size) for name, path in _files(directory)]
+
+
+def _files(directory: Path) -> list[tuple[str, Path]]:
+    """Every regular file under ``directory`` (links left out), sorted, by its relative name."""
+    paths = sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
+    return [(path.relative_to(directory).as_posix(), path) for path in paths]
 
 
 @ray.remote
@@ -215,16 +218,14 @@ def _append(path: Path, data: bytes) -> None:
 
 def _pack(directory: Path) -> list[tuple[str, list[ray.ObjectRef]]]:
     files = []
-    for path in sorted(directory.rglob("*")):
-        if not path.is_file() or path.is_symlink():
-            continue
+    for name, path in _files(directory):
         chunks = []
         with open(path, "rb") as source:
             while data := source.read(_CHUNK_BYTES):
                 chunks.append(ray.put(data))
         if not chunks:
             chunks.append(ray.put(b""))
-        files.append((path.relative_to(directory).as_posix(), chunks))
+        files.append((name, chunks))
     return files
 
 
@@ -364,16 +365,8 @@ class RayRuntime(EngineRuntime):
         self._hosts[server_id] = host
         self._ended.discard(server_id)
         self._watchers[server_id] = asyncio.create_task(self._watch(server_id, host), name=f"watch-{server_id}")
-        return LaunchedEngine(
-            url=started["url"],
-            placement=Placement(
-                node_id=placement.node_id,
-                node_address=placement.node_address,
-                gpu_ids=placement.gpu_ids,
-                device=started["device"],
-            ),
-            pid=started["pid"],
-        )
+        placement = dataclasses.replace(placement, device=started["device"])
+        return LaunchedEngine(url=started["url"], placement=placement, pid=started["pid"])
 
     async def _watch(self, server_id: str, host: Any) -> None:
         try:

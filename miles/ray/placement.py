@@ -7,11 +7,7 @@ controller's actor keeps its CPU share while it waits): ``IMPOSSIBLE`` fails at 
 setting to lower and a value that would fit; ``SHORT_NOW`` (enough in all, but held by someone
 who may release it) is worth the bounded wait; ``FITS`` is placed right away.
 
-``engine_cpu_share`` is the default CPUs per engine on a cluster miles starts itself: an equal
-share of its CPUs, at most one each.
-
-The arithmetic is pure (``ClusterView`` in, ``Verdict`` out, tested from tables); ``cluster_view``
-is the one function here that asks Ray.
+The arithmetic is pure (tested from tables); ``cluster_view`` is the one function that asks Ray.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEv
 
 
 def is_actor_handle(value: object) -> bool:
-    """Whether ``value`` is a Ray actor handle."""
     ray = sys.modules.get("ray")
     return ray is not None and isinstance(value, ray.actor.ActorHandle)
 

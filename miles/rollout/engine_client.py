@@ -80,10 +80,9 @@ class WeightsExport:
 class EngineClient:
     """Calls one engine at ``base_url`` (e.g. ``http://127.0.0.1:30001``).
 
-    Every call that changes the engine's weights or generation may carry a fencing token
-    (``fence``): the update's lock token. The engine refuses a call fenced below the highest token
-    it has seen, so an update that lost the lock (or a window whose lease expired) cannot touch a
-    server a newer update owns.
+    A call that changes the engine's weights or generation may carry the update's lock token
+    (``fence``): the engine refuses one fenced below the highest token it has seen, so an update
+    that lost the lock cannot touch a server a newer update owns.
     """
 
     def __init__(self, base_url: str, *, http: httpx.AsyncClient, server_id: str, secret: str | None = None) -> None:
@@ -113,18 +112,26 @@ class EngineClient:
             ) from exc
         return response
 
-    async def _ok(
+    async def _post(
         self,
-        method: str,
         path: str,
+        request: BaseModel,
         answer: type[ModelT],
         *,
-        json: Any = None,
         timeout: float | None = None,
         fence: int | None = None,
     ) -> ModelT:
+        response = await self._call("POST", path, json=request.model_dump(mode="json"), timeout=timeout, fence=fence)
+        return self._answer("POST", path, response, answer)
+
+    async def _checked(
+        self, method: str, path: str, *, json: Any = None, timeout: float | None = None, fence: int | None = None
+    ) -> httpx.Response:
+        """A call's answer, which must be a success (EngineCallError otherwise)."""
         response = await self._call(method, path, json=json, timeout=timeout, fence=fence)
-        return await self._answer(method, path, response, answer)
+        if response.status_code >= 400:
+            raise self._refused(f"{method} {path}", response)
+        return response
 
     def _refused(self, what: str, response: httpx.Response) -> EngineCallError:
         """The error for an answer that is not a success (``what``: the call, as the message names it)."""
@@ -134,7 +141,7 @@ class EngineClient:
             server_id=self.server_id,
         )
 
-    async def _answer(self, method: str, path: str, response: httpx.Response, answer: type[ModelT]) -> ModelT:
+    def _answer(self, method: str, path: str, response: httpx.Response, answer: type[ModelT]) -> ModelT:
         if response.status_code >= 400:
             raise self._refused(f"{method} {path}", response)
         try:
@@ -146,8 +153,11 @@ class EngineClient:
 
     async def health(self, *, timeout: float = 5.0) -> bool:
         """True when ``/health`` answers 200 (the process is up and its HTTP loop responsive)."""
+        return await self._answers_200("GET", "/health", timeout=timeout)
+
+    async def _answers_200(self, method: str, path: str, *, json: Any = None, timeout: float) -> bool:
         try:
-            response = await self._call("GET", "/health", timeout=timeout)
+            response = await self._call(method, path, json=json, timeout=timeout)
         except EngineCallError:
             return False
         return response.status_code == 200
@@ -160,7 +170,7 @@ class EngineClient:
         if not self._model_info_versions:
             response = await self._call("GET", "/get_weight_version", timeout=timeout)
             if response.status_code != 404:
-                body = await self._answer("GET", "/get_weight_version", response, WeightVersionResponse)
+                body = self._answer("GET", "/get_weight_version", response, WeightVersionResponse)
                 return WeightsIdentity(
                     weight_version=body.weight_version, checksum=body.checksum, instance_id=body.instance_id
                 )
@@ -173,21 +183,14 @@ class EngineClient:
         accepts the credential of window ``token`` while ``window_open`` (only to stage weights
         when ``staged``)."""
         request = FenceRequest(token=token, window_open=window_open, staged=staged)
-        return await self._ok("POST", "/fence", FenceState, json=request.model_dump(mode="json"))
+        return await self._post("/fence", request, FenceState)
 
     async def export_weights(
         self, *, step: int, timeout: float | None = None, fence: int | None = None
     ) -> WeightsExport:
         """``/export_weights``: the engine writes the weights it holds as a sealed checkpoint."""
         request = ExportWeightsRequest(step=step)
-        body = await self._ok(
-            "POST",
-            "/export_weights",
-            ExportWeightsResponse,
-            json=request.model_dump(mode="json"),
-            timeout=timeout,
-            fence=fence,
-        )
+        body = await self._post("/export_weights", request, ExportWeightsResponse, timeout=timeout, fence=fence)
         return WeightsExport(path=Path(body.path), checksum=body.checksum, weight_version=body.weight_version)
 
     async def activate_weights(
@@ -217,22 +220,15 @@ class EngineClient:
 
     async def update_weight_version(self, new_version: str, *, fence: int | None = None) -> None:
         request = UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=False)
-        await self._call_ok("POST", "/update_weight_version", json=request.model_dump(mode="json"), fence=fence)
+        await self._checked("POST", "/update_weight_version", json=request.model_dump(mode="json"), fence=fence)
 
     async def pause_generation(self, mode: PauseMode, *, timeout: float | None = None, fence: int | None = None) -> int:
         request = PauseGenerationRequest(mode=mode)
-        body = await self._ok(
-            "POST",
-            "/pause_generation",
-            PauseGenerationResponse,
-            json=request.model_dump(mode="json"),
-            timeout=timeout,
-            fence=fence,
-        )
+        body = await self._post("/pause_generation", request, PauseGenerationResponse, timeout=timeout, fence=fence)
         return body.num_paused_requests
 
     async def continue_generation(self, *, fence: int | None = None) -> None:
-        await self._call_ok("POST", "/continue_generation", json={}, fence=fence)
+        await self._checked("POST", "/continue_generation", json={}, fence=fence)
 
     async def weights_checksum(self, *, timeout: float | None = None, fence: int | None = None) -> WeightsChecksum:
         """The checksum the engine computes now over the weights it holds (``/weights_checker``).
@@ -241,14 +237,7 @@ class EngineClient:
         own ``per_engine_checksum`` (``algorithm`` says which; ``SGLangRollout`` maps the latter
         onto the canonical one)."""
         request = WeightsCheckerRequest(action="checksum")
-        body = await self._ok(
-            "POST",
-            "/weights_checker",
-            SGLangWeightsCheckerResponse,
-            json=request.model_dump(mode="json"),
-            timeout=timeout,
-            fence=fence,
-        )
+        body = await self._post("/weights_checker", request, SGLangWeightsCheckerResponse, timeout=timeout, fence=fence)
         if body.success and body.payload is not None:
             return WeightsChecksum(
                 checksum=body.payload.checksum,
@@ -267,11 +256,7 @@ class EngineClient:
 
     async def health_generate(self, *, timeout: float = 30.0) -> bool:
         """True when ``/health_generate`` answers 200: the server generated a token just now."""
-        try:
-            response = await self._call("GET", "/health_generate", timeout=timeout)
-        except EngineCallError:
-            return False
-        return response.status_code == 200
+        return await self._answers_200("GET", "/health_generate", timeout=timeout)
 
     async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
         """``/model_info`` (SGLang's newer name), or ``/get_model_info`` on servers without it."""
@@ -297,17 +282,11 @@ class EngineClient:
     ) -> None:
         """``/abort_request``: end the request ``rid``, or every request with ``abort_all``."""
         request = AbortRequest(rid=rid, abort_all=abort_all, abort_message=abort_message)
-        await self._call_ok("POST", "/abort_request", json=request.model_dump(mode="json"), fence=fence)
+        await self._checked("POST", "/abort_request", json=request.model_dump(mode="json"), fence=fence)
 
     async def flush_cache(self, *, fence: int | None = None) -> None:
         """``/flush_cache``: drop the server's prefix cache (SGLang refuses while requests run)."""
-        await self._call_ok("POST", "/flush_cache", fence=fence)
-
-    async def _call_ok(self, method: str, path: str, *, json: Any = None, fence: int | None = None) -> None:
-        """A call whose answer carries nothing the caller uses: only its success matters."""
-        response = await self._call(method, path, json=json, fence=fence)
-        if response.status_code >= 400:
-            raise self._refused(f"{method} {path}", response)
+        await self._checked("POST", "/flush_cache", fence=fence)
 
 
 def _error_text(response: httpx.Response) -> str:

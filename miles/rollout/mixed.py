@@ -1,29 +1,37 @@
 """MixedRollout: one model served by several server types at once, seen by the controller as one.
 
-A model whose specs name several server types (embedded engines and vLLM servers on one
-checkpoint) gets one ``Rollout`` per spec, each launching and supervising its own servers, and one
-``MixedRollout`` over them: the controller's update transaction, windows, router and health drive
-it exactly as they drive a single ``Rollout`` (``ModelRollout`` is either), so the model has one
-lock, one ``WeightUpdate`` and one gate at the router whatever runs its servers. Each call about
-one server goes to the rollout that owns that server id (ids are unique across the fleet); what is
-asked of the model as a whole is answered for the mix: it stages a window's pushes only if every
-server type can, and each server says which API its engine speaks (``ServerSnapshot.engine``).
-Weights written out by any server are recorded for all, and a restarted server copies pushed
-weights from a peer of either type (``miles.rollout.copies``). The fleet starts and stops the
-rollouts themselves.
+A model whose specs name several server types gets one ``Rollout`` per spec, each launching and
+supervising its own servers, and one ``MixedRollout`` over them that the controller drives exactly
+as a single ``Rollout`` (``ModelRollout`` is either): one lock, one ``WeightUpdate`` and one gate
+per model. Each call about one server goes to the rollout that owns that server id; what is asked
+of the model as a whole is answered for the mix. Weights written out by any server are recorded
+for all. The fleet starts and stops the rollouts themselves.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Concatenate, ParamSpec, TypeVar
 
-from miles.protocol.sglang import PauseMode
-from miles.protocol.sglang_weights import UpdateWeightsResponse
-from miles.rollout.engine_client import WeightsChecksum, WeightsExport, WeightsIdentity
 from miles.rollout.rollout import Rollout
-from miles.rollout.state import RolloutError, RolloutObserver, ServerCell, ServerSnapshot, VerifiedWeights
+from miles.rollout.state import RolloutError, RolloutObserver, ServerSnapshot, VerifiedWeights
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _to_owner(method: Callable[Concatenate[Rollout, str, P], R]) -> Callable[Concatenate[MixedRollout, str, P], R]:
+    """``method`` of the rollout that runs the server it is called about (its first argument)."""
+
+    @functools.wraps(method)
+    def forward(self: MixedRollout, server_id: str, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        result: R = getattr(self.owner(server_id), method.__name__)(server_id, *args, **kwargs)
+        return result
+
+    return forward
 
 
 class MixedRollout:
@@ -106,95 +114,26 @@ class MixedRollout:
         except KeyError:
             raise RolloutError("no such server of this model", server_id=server_id, model=self.model_name) from None
 
-    def cell(self, server_id: str) -> ServerCell:
-        return self.owner(server_id).cell(server_id)
-
-    def begin_update(self, server_id: str, *, reason: str) -> None:
-        self.owner(server_id).begin_update(server_id, reason=reason)
-
-    async def pause(self, server_id: str, mode: PauseMode, *, fence: int | None = None) -> int:
-        return await self.owner(server_id).pause(server_id, mode, fence=fence)
-
-    async def resume(self, server_id: str, *, fence: int | None = None) -> None:
-        await self.owner(server_id).resume(server_id, fence=fence)
-
-    async def load(
-        self,
-        server_id: str,
-        checkpoint: Path,
-        *,
-        weight_version: str,
-        expected_checksum: str,
-        abort_all_requests: bool = False,
-        fence: int | None = None,
-    ) -> UpdateWeightsResponse:
-        return await self.owner(server_id).load(
-            server_id,
-            checkpoint,
-            weight_version=weight_version,
-            expected_checksum=expected_checksum,
-            abort_all_requests=abort_all_requests,
-            fence=fence,
-        )
-
-    async def activate(
-        self,
-        server_id: str,
-        *,
-        weight_version: str,
-        expected_checksum: str,
-        pause_mode: PauseMode | None = None,
-        fence: int | None = None,
-    ) -> UpdateWeightsResponse:
-        return await self.owner(server_id).activate(
-            server_id,
-            weight_version=weight_version,
-            expected_checksum=expected_checksum,
-            pause_mode=pause_mode,
-            fence=fence,
-        )
-
-    async def confirm(self, server_id: str, *, fence: int | None = None) -> WeightsChecksum:
-        return await self.owner(server_id).confirm(server_id, fence=fence)
-
-    def record_checksum(self, server_id: str, reported: WeightsChecksum) -> WeightsChecksum:
-        return self.owner(server_id).record_checksum(server_id, reported)
-
-    async def fence(self, server_id: str, token: int, *, window_open: bool, staged: bool = False) -> None:
-        await self.owner(server_id).fence(server_id, token, window_open=window_open, staged=staged)
-
-    async def relabel(self, server_id: str, weight_version: str, *, fence: int | None = None) -> None:
-        await self.owner(server_id).relabel(server_id, weight_version, fence=fence)
-
-    async def identity(self, server_id: str) -> WeightsIdentity:
-        return await self.owner(server_id).identity(server_id)
-
-    async def export(self, server_id: str, *, step: int, fence: int | None = None) -> WeightsExport:
-        return await self.owner(server_id).export(server_id, step=step, fence=fence)
-
-    def admit(self, server_id: str, verified: VerifiedWeights, *, reason: str) -> None:
-        self.owner(server_id).admit(server_id, verified, reason=reason)
-
-    def quarantine(self, server_id: str, *, reason: str) -> None:
-        self.owner(server_id).quarantine(server_id, reason=reason)
-
-    async def rollback(self, server_id: str, *, reason: str, fence: int | None = None) -> None:
-        await self.owner(server_id).rollback(server_id, reason=reason, fence=fence)
-
-    async def restart(self, server_id: str, *, reason: str, fence: int | None = None) -> None:
-        await self.owner(server_id).restart(server_id, reason=reason, fence=fence)
-
-    async def restart_on(self, server_id: str, verified: VerifiedWeights, *, reason: str, fence: int | None) -> None:
-        await self.owner(server_id).restart_on(server_id, verified, reason=reason, fence=fence)
-
-    async def died(self, server_id: str) -> bool:
-        return await self.owner(server_id).died(server_id)
-
-    def lost(self, server_id: str, *, reason: str) -> None:
-        self.owner(server_id).lost(server_id, reason=reason)
-
-    def suspect(self, server_id: str) -> None:
-        self.owner(server_id).suspect(server_id)
+    cell = _to_owner(Rollout.cell)
+    begin_update = _to_owner(Rollout.begin_update)
+    pause = _to_owner(Rollout.pause)
+    resume = _to_owner(Rollout.resume)
+    load = _to_owner(Rollout.load)
+    activate = _to_owner(Rollout.activate)
+    confirm = _to_owner(Rollout.confirm)
+    record_checksum = _to_owner(Rollout.record_checksum)
+    fence = _to_owner(Rollout.fence)
+    relabel = _to_owner(Rollout.relabel)
+    identity = _to_owner(Rollout.identity)
+    export = _to_owner(Rollout.export)
+    admit = _to_owner(Rollout.admit)
+    quarantine = _to_owner(Rollout.quarantine)
+    rollback = _to_owner(Rollout.rollback)
+    restart = _to_owner(Rollout.restart)
+    restart_on = _to_owner(Rollout.restart_on)
+    died = _to_owner(Rollout.died)
+    lost = _to_owner(Rollout.lost)
+    suspect = _to_owner(Rollout.suspect)
 
 
 # What the controller drives for one model: the rollout of its one server type, or the mix.

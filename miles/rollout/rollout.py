@@ -1,13 +1,10 @@
 """Rollout: the servers of one model, run by one server type, each an explicit state machine.
 
 A Rollout launches its servers' engines (the server type says what an engine is, the spec's
-runtime where it runs: ``miles.rollout.runtime``), confirms the weights each holds by checksum
-before it serves, and stops everything it started; its ``Supervisor`` probes, restarts, rolls back
-and recovers them. The controller's ``WeightUpdate`` drives updates through ``begin_update``,
-``pause``, ``load``, ``confirm``, ``admit``, ``quarantine`` and ``rollback``, each engine call
-carrying the update's fencing token; the state machine refuses any step out of order. Verified
-weights are recorded with the checkpoint they reload from; weights on no disk (a window pushed
-them) are written out by a serving peer holding them (``export``) when a server must restart.
+runtime where it runs), confirms the weights each holds by checksum before it serves, and stops
+everything it started; its ``Supervisor`` probes, restarts, rolls back and recovers them. The
+controller's ``WeightUpdate`` drives its update steps, each engine call carrying the update's
+fencing token; the state machine refuses any step out of order.
 """
 
 from __future__ import annotations
@@ -86,6 +83,7 @@ class Rollout(ABC):
         exclusive: ExclusiveSection | None = None,
         observer: RolloutObserver | None = None,
     ) -> None:
+        self._prepare(spec)
         self.spec = spec
         # Restarts triggered by the health loop run inside this section (the controller passes
         # its lock) so a restart never interleaves with an update or a training window.
@@ -116,6 +114,10 @@ class Rollout(ABC):
 
     # --- the server type's hook, and where its engines run --------------------------------
 
+    def _prepare(self, spec: RolloutSpec) -> None:  # noqa: B027  # an optional hook
+        """Refuse a spec this server type cannot run, and set up its own state, before anything is
+        built (no runtime, no directory yet)."""
+
     @abstractmethod
     def engine_command(self) -> EngineCommand:
         """How to run one engine of this server type (the runtime decides where)."""
@@ -131,7 +133,13 @@ class Rollout(ABC):
         )
         cell.pid = launched.pid
         cell.placement = launched.placement
+        # A launched server holds its start checkpoint; an attached one holds whatever it holds.
+        self._holds_files(cell.server_id, None if self.attached else checkpoint)
         return launched.url
+
+    def _holds_files(self, server_id: str, checkpoint: Path | None) -> None:  # noqa: B027  # an optional hook
+        """The server's engine now holds ``checkpoint``'s weights (None: unknown); a server type
+        whose engine does not check what it loads ties its next checksum to those files."""
 
     async def _terminate(self, cell: ServerCell) -> None:
         """Stop ``cell``'s engine (and reap it); does not raise if it already died."""
@@ -202,7 +210,6 @@ class Rollout(ABC):
 
     @property
     def probe_rounds(self) -> int:
-        """How many rounds of health probes the supervisor has completed."""
         return self._supervisor.rounds
 
     def alive(self, cell: ServerCell) -> bool:
@@ -210,11 +217,9 @@ class Rollout(ABC):
 
     @property
     def health(self) -> HealthSettings:
-        """How the supervisor probes the servers."""
         return self.spec.health
 
     def probed(self, cell: ServerCell, result: ProbeResult) -> None:
-        """Record a health probe's result on the server (and count failures in a row)."""
         cell.last_probe = result
         cell.consecutive_failures = 0 if result.ok else cell.consecutive_failures + 1
         if self.observer is not None:
@@ -291,23 +296,25 @@ class Rollout(ABC):
         *,
         weight_version: str,
         expected_checksum: str,
-        abort_all_requests: bool = False,
         fence: int | None = None,
     ) -> UpdateWeightsResponse:
         """Ask the engine to load ``checkpoint``, whose weights must hash to ``expected_checksum``
         (the engine checks before it touches its weights; a plain Hugging Face directory has no
         manifest to check against otherwise); a refusal is returned with ``success=False``."""
+        self._holds_files(server_id, None)
         # Where the engine can read it: in place, or shipped to its node (the Ray runtime).
         readable = await self.runtime.readable(server_id, checkpoint, expected_checksum=expected_checksum)
         request = UpdateWeightsFromDiskRequest(
             model_path=str(readable),
             weight_version=weight_version,
             expected_checksum=expected_checksum,
-            abort_all_requests=abort_all_requests,
         )
-        return await self.client(server_id).update_weights_from_disk(
+        response = await self.client(server_id).update_weights_from_disk(
             request, timeout=self.spec.update_timeout_s, fence=fence
         )
+        if response.success:
+            self._holds_files(server_id, checkpoint)
+        return response
 
     async def activate(
         self,
@@ -357,8 +364,7 @@ class Rollout(ABC):
         return await self.client(server_id).export_weights(step=step, timeout=self.spec.update_timeout_s, fence=fence)
 
     def remember_checkpoint(self, checksum: str, checkpoint: Path) -> list[str]:
-        """Record ``checkpoint`` (which holds weights with ``checksum``) as the place to reload
-        them from (``record_copy``) and report it; returns the servers' ids it was recorded for."""
+        """``record_copy``, and report the copy."""
         changed = self.record_copy(checksum, checkpoint)
         if self.observer is not None:
             self.observer.weights_written_out(self.model_name, checksum, checkpoint)
@@ -414,14 +420,7 @@ class Rollout(ABC):
                         expected=verified.checksum,
                         actual=confirmed.checksum,
                     )
-                response = await self.load(
-                    server_id,
-                    source,
-                    weight_version=verified.weight_version,
-                    expected_checksum=verified.checksum,
-                    fence=fence,
-                )
-                confirmed = await self.confirm(server_id, fence=fence) if response.success else None
+                confirmed = await self._reload(server_id, source, verified, fence=fence)
             elif confirmed is not None and confirmed.weight_version != verified.weight_version:
                 # Never loaded the new weights (or loaded and restored them): only the label moved.
                 await self.client(server_id).update_weight_version(verified.weight_version, fence=fence)
@@ -533,18 +532,21 @@ class Rollout(ABC):
             expected.weight_version,
             expected.checkpoint,
         )
+        # A load pauses nothing it has to resume here; the confirmation decides.
+        return await self._reload(cell.server_id, expected.checkpoint, expected, fence=fence) or confirmed
+
+    async def _reload(
+        self, server_id: str, source: Path, verified: VerifiedWeights, *, fence: int | None
+    ) -> WeightsChecksum | None:
+        """Load ``verified`` from ``source`` and confirm what the engine then holds; None when it
+        refused them."""
         response = await self.load(
-            cell.server_id,
-            expected.checkpoint,
-            weight_version=expected.weight_version,
-            expected_checksum=expected.checksum,
-            fence=fence,
+            server_id, source, weight_version=verified.weight_version, expected_checksum=verified.checksum, fence=fence
         )
         if not response.success:
-            logger.warning("%s refused the verified weights: %s", cell.server_id, response.message)
-            return confirmed
-        # A load pauses nothing it has to resume here; the confirmation decides.
-        return await self.confirm(cell.server_id, fence=fence)
+            logger.warning("%s refused the verified weights: %s", server_id, response.message)
+            return None
+        return await self.confirm(server_id, fence=fence)
 
     def _restored(self, cell: ServerCell, verified: VerifiedWeights) -> None:
         if self.observer is not None:

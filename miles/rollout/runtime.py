@@ -4,11 +4,8 @@ A rollout says *what* to run for a server (its server type's ``EngineCommand``);
 *where*: it picks the node, the devices and a free port, starts the engine there and reports the
 ``Placement`` it gave it. ``LocalRuntime`` (here) runs each engine as a child process of this
 process on loopback; ``miles.ray.engines.RayRuntime`` runs each in a Ray actor pinned to a
-placement-group bundle. The state machine, the supervisor, the update transaction, the router and
-``/health`` are the same code for both.
-
-Ray is imported only under ``miles/ray/``: ``runtime_for`` loads the Ray runtime by name, so a
-machine without Ray runs the local runtime.
+placement-group bundle. Everything else is the same code for both; Ray is imported only under
+``miles/ray/`` (``runtime_for`` loads the Ray runtime by name).
 """
 
 from __future__ import annotations

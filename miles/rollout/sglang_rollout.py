@@ -9,12 +9,10 @@
   restart waits until the server answers again and verifies it (``AttachedRuntime``), and a
   server found holding other weights than verified is told to load them.
 
-Everything else is the base ``Rollout`` over SGLang's native HTTP API (``EngineClient``): the same
-state machine, updates, windows, probes and restarts as ``SFTRollout``. What differs is the
-confirmation: a real SGLang server's weights checker reports SGLang's own digest, which
-``DigestBook`` maps onto miles' canonical checksum (see ``sglang_digests``), so the controller's
-gate compares canonical checksums whichever server type answers. The embedded engine answers the
-canonical checksum itself, and is what attach mode is tested against on a machine without GPUs.
+Everything else is the base ``Rollout`` over SGLang's native HTTP API, but the confirmation: a
+real SGLang server's weights checker reports SGLang's own digest, which ``DigestBook`` maps onto
+miles' canonical checksum (``sglang_digests``), so the gate compares canonical checksums whichever
+server type answers.
 """
 
 from __future__ import annotations
@@ -28,13 +26,11 @@ from pathlib import Path
 from miles.config import RuntimeKind
 from miles.errors import CheckpointError
 from miles.protocol.sglang import PauseMode
-from miles.protocol.sglang_weights import UpdateWeightsResponse
 from miles.rollout.engine_client import SGLANG_ENGINE_DIGEST, EngineCallError, WeightsChecksum
-from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutError, RolloutObserver
+from miles.rollout.rollout import Rollout, RolloutError
 from miles.rollout.runtime import EngineCommand, LaunchSlot
 from miles.rollout.sglang_digests import DigestBook
 from miles.rollout.spec import RolloutSpec, SGLangServerArgs
-from miles.rollout.state import ServerCell
 from miles.weights.checksum import ALGORITHM, model_checksum
 
 logger = logging.getLogger("miles.rollout")
@@ -125,18 +121,11 @@ class SGLangRollout(Rollout):
     can_attach = True
     takes_sglang_args = True
 
-    def __init__(
-        self,
-        spec: RolloutSpec,
-        *,
-        exclusive: ExclusiveSection | None = None,
-        observer: RolloutObserver | None = None,
-    ) -> None:
+    def _prepare(self, spec: RolloutSpec) -> None:
         if not spec.urls:
             check_engine_args(spec.engine_args)
         if spec.runtime is RuntimeKind.RAY and not spec.urls:
             check_ray_gpus(spec)
-        super().__init__(spec, exclusive=exclusive, observer=observer)
         self._digests = DigestBook()
         # server id -> the checkpoint it was last given (launched on, or loaded): the weights its
         # next SGLang digest is tied to, once the files are hashed (only for SGLang digests).
@@ -152,36 +141,10 @@ class SGLangRollout(Rollout):
             extra_args=self.spec.engine_args,
         )
 
-    async def _launch(self, cell: ServerCell, checkpoint: Path) -> str:
-        url = await super()._launch(cell, checkpoint)
-        # A launched server holds its start checkpoint; an attached one holds whatever it holds.
-        self._given[cell.server_id] = None if self.attached else checkpoint
-        return url
-
-    async def load(
-        self,
-        server_id: str,
-        checkpoint: Path,
-        *,
-        weight_version: str,
-        expected_checksum: str,
-        abort_all_requests: bool = False,
-        fence: int | None = None,
-    ) -> UpdateWeightsResponse:
-        """As the base, and the checkpoint noted: SGLang loads without checking the files against
-        ``expected_checksum``, so the digest it reports next is tied to the files' own checksum."""
-        self._given[server_id] = None
-        response = await super().load(
-            server_id,
-            checkpoint,
-            weight_version=weight_version,
-            expected_checksum=expected_checksum,
-            abort_all_requests=abort_all_requests,
-            fence=fence,
-        )
-        if response.success:
-            self._given[server_id] = checkpoint
-        return response
+    def _holds_files(self, server_id: str, checkpoint: Path | None) -> None:
+        # SGLang loads without checking the files against the expected checksum: the digest it
+        # reports next is tied to the files' own checksum.
+        self._given[server_id] = checkpoint
 
     async def confirm(self, server_id: str, *, fence: int | None = None) -> WeightsChecksum:
         """The canonical checksum of what the server holds: its own report when it gives one (the

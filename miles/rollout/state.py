@@ -193,12 +193,9 @@ PLAIN_START_VERSION = "0"
 
 
 def start_weights(checkpoint: Path) -> VerifiedWeights:
-    """What a start checkpoint holds: its manifest's version and checksum when sealed.
-
-    A plain Hugging Face directory (a base model as downloaded, ``save_pretrained`` output) is
-    what the operator chose to start from: its checksum is computed from its files, once, and
-    it serves as version "0", so that every published step is newer. Blocking: may hash files.
-    Raises RolloutError when it has no manifest and its weights cannot be hashed.
+    """What a start checkpoint holds: its manifest's version and checksum when sealed; for a plain
+    Hugging Face directory, the checksum of its files as version "0", older than every published
+    step. Blocking: may hash files. Raises RolloutError when its weights cannot be hashed.
     """
     manifest = manifest_or_none(checkpoint)
     if manifest is not None:

@@ -1,12 +1,9 @@
 """The supervisor of a rollout's servers: health probes, restarts, drift and recovery.
 
-Every ``health_interval_s`` (sooner when woken: a changed interval, a request that could not reach
-a server) it probes each server. A dead process, or ``failure_threshold`` failed probes in a row,
-is restarted on its last verified weights, and so is one whose process was replaced from outside
-(another engine instance answers at its address). A serving engine that reports weights other than the
-ones verified on it (changed behind the controller's back) is quarantined, reported and rolled
-back. A server quarantined outside an update recovers as soon as its verified weights can be found
-again. Restarts, rollbacks and recoveries run inside the rollout's exclusive section (the
+Every ``health_interval_s`` (sooner when woken) it probes each server: a dead, failing or
+replaced one is restarted on its last verified weights, one whose weights changed behind the
+controller's back is quarantined and rolled back, and a quarantined one recovers once its verified
+weights can be found again. Those repairs run inside the rollout's exclusive section (the
 controller's lock), so they never interleave with an update, and re-check the server there.
 """
 
@@ -129,12 +126,7 @@ class Supervisor:
                 reported.instance_id,
                 cell.engine_instance,
             )
-            try:
-                await self._rollout.restart(
-                    cell.server_id, reason="engine process restarted outside the controller", fence=fence
-                )
-            except MilesError as exc:
-                logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)  # noqa: TRY400
+            await self._restart(cell, reason="engine process restarted outside the controller", fence=fence)
 
     async def _drift_guarded(self, cell: ServerCell, incarnation: int) -> None:
         """Quarantine, report and roll back a server whose engine holds other weights than verified."""
@@ -207,11 +199,14 @@ class Supervisor:
                 return
             if cell.state not in (ServerState.SERVING, ServerState.PENDING_WEIGHTS, ServerState.RESTARTING):
                 return  # an update took it over while we waited; it owns the cell now
-            try:
-                await self._rollout.restart(cell.server_id, reason=reason, fence=fence)
-            except MilesError as exc:
-                # A MilesError's message carries its context; a traceback per retry would be noise.
-                logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)  # noqa: TRY400
+            await self._restart(cell, reason=reason, fence=fence)
+
+    async def _restart(self, cell: ServerCell, *, reason: str, fence: int | None) -> None:
+        try:
+            await self._rollout.restart(cell.server_id, reason=reason, fence=fence)
+        except MilesError as exc:
+            # A MilesError's message carries its context; a traceback per retry would be noise.
+            logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)  # noqa: TRY400
 
 
 def drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool:

@@ -114,12 +114,9 @@ class VLLMClient(EngineClient):
         self._busy_since: float | None = None
 
     async def _rpc(self, method: str, answer: type[_Answer], *, timeout: float | None = None, **kwargs: str) -> Any:
-        """``/collective_rpc``: the extension's answer on the (one) worker.
-
-        Watched while it runs (every ``cadence.watch_s``): when a worker dies, vLLM's API server
-        may hang in its shutdown with the call unanswered (a load's timeout is minutes). A server
-        whose ``/health`` fails twice in a row meanwhile has lost its engine: the call fails then,
-        naming that."""
+        """``/collective_rpc``: the extension's answer on the (one) worker. Watched every
+        ``cadence.watch_s`` while it runs: a server whose ``/health`` fails twice in a row
+        meanwhile has lost its engine, and the call fails then, naming that."""
         if method != "miles_identity":
             self._identity = None  # what the worker holds may change: ask it again next time
         body = {"method": method, "kwargs": kwargs, "timeout": timeout}
@@ -150,20 +147,14 @@ class VLLMClient(EngineClient):
             ) from exc
 
     async def _weight_version(self, *, timeout: float | None = None) -> str:
-        response = await self._call("GET", "/weight_info", timeout=timeout)
-        if response.status_code >= 400:
-            raise self._refused("GET /weight_info", response)
+        response = await self._checked("GET", "/weight_info", timeout=timeout)
         return str(response.json().get("weight_version"))
 
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
-        """The worker's identity (checksum, process), the API server's version.
-
-        The worker is asked at most every ``cadence.identity_every_s`` (and after every change of
-        its weights); between, ``/health`` answers for it: after each call it is sent, a vLLM
-        worker busy-polls for a second, so probes every two seconds kept a core busy. A worker busy
-        with one long step (a batch of many sequences, a kernel compiled on first use) answers
-        nothing until it ends while its server is well: as long as ``/health`` answers 200, and
-        for at most ``cadence.busy_grace_s``, the identity it last gave stands in."""
+        """The worker's identity (checksum, process), the API server's version. The worker is asked
+        as ``cadence`` says (between, ``/health`` answers for it); a worker busy with one long step
+        answers nothing until it ends: while ``/health`` answers 200 (for at most
+        ``cadence.busy_grace_s``) its last identity stands in."""
         now = self._clock()
         if self._identity is None or now - self._identity_at >= self.cadence.identity_every_s:
             try:
@@ -217,7 +208,7 @@ class VLLMClient(EngineClient):
         )
 
     async def update_weight_version(self, new_version: str, *, fence: int | None = None) -> None:
-        await self._call_ok("POST", "/update_weight_version", json={"new_version": new_version}, fence=fence)
+        await self._checked("POST", "/update_weight_version", json={"new_version": new_version}, fence=fence)
 
     async def pause_generation(self, mode: PauseMode, *, timeout: float | None = None, fence: int | None = None) -> int:
         response = await self._call("POST", f"/pause?mode={VLLM_PAUSE_MODES[mode]}", timeout=timeout, fence=fence)
@@ -226,26 +217,22 @@ class VLLMClient(EngineClient):
         return 0  # vLLM does not say how many requests it held
 
     async def continue_generation(self, *, fence: int | None = None) -> None:
-        await self._call_ok("POST", "/resume", fence=fence)
+        await self._checked("POST", "/resume", fence=fence)
 
     async def flush_cache(self, *, fence: int | None = None) -> None:
-        await self._call_ok("POST", "/reset_prefix_cache", fence=fence)
+        await self._checked("POST", "/reset_prefix_cache", fence=fence)
 
     async def abort_request(
         self, rid: str = "", *, abort_all: bool = False, abort_message: str | None = None, fence: int | None = None
     ) -> None:
         body = {"request_ids": [] if abort_all else [rid]}
-        await self._call_ok("POST", "/abort_requests", json=body, fence=fence)
+        await self._checked("POST", "/abort_requests", json=body, fence=fence)
 
     async def health_generate(self, *, timeout: float = 30.0) -> bool:
         """One token generated now, through the OpenAI completions route."""
-        try:
-            response = await self._call(
-                "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=timeout
-            )
-        except EngineCallError:
-            return False
-        return response.status_code == 200
+        return await self._answers_200(
+            "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=timeout
+        )
 
     async def warm_up(self, *, timeout: float) -> None:
         """Tokens with their logprobs, for one sequence and then several at once (what vLLM
@@ -258,9 +245,7 @@ class VLLMClient(EngineClient):
                 raise self._refused("POST /v1/completions (warming up)", response)
 
     async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
-        response = await self._call("GET", "/v1/models", timeout=timeout)
-        if response.status_code >= 400:
-            raise self._refused("GET /v1/models", response)
+        response = await self._checked("GET", "/v1/models", timeout=timeout)
         return {"models": response.json().get("data", []), "weight_version": await self._weight_version()}
 
     async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:

@@ -1,26 +1,15 @@
 """VLLMRollout: servers that are real vLLM servers, launched by the controller.
 
-Each server is vLLM's OpenAI API server (``python -m vllm.entrypoints.openai.api_server``) run by
-vLLM's own interpreter (``vllm_python``: the project's ``.venv-vllm`` that ``make vllm`` builds,
-or one given), on the host and port its runtime gave it (local processes, or Ray actors), wrapped
-by ``miles.rollout.with_parent`` so that nothing it started outlives the controller. miles sets:
+Each server is vLLM's OpenAI API server run by vLLM's own interpreter (``vllm_python``), on the
+host and port its runtime gave it, wrapped by ``miles.rollout.with_parent`` so that nothing it
+started outlives the controller. miles' worker extension (``miles.vllm.extension``) verifies what
+the worker loads and hashes what it holds; dev mode gives the control routes; every cache and
+temporary directory lies under the server's work directory (``VLLMLaunchCommand``).
 
-- the model, its served name, host and port, ``--max-num-seqs`` (``max_running_requests``) and
-  ``--dtype`` (the checkpoint's own: vLLM would otherwise run a float32 model in bfloat16);
-- ``--worker-extension-cls miles.vllm.extension.MilesWorkerExtension``: the code in vLLM's workers
-  that verifies what it loads and hashes what it holds, found through a ``PYTHONPATH`` that holds
-  miles' package and nothing else;
-- ``VLLM_SERVER_DEV_MODE=1`` for the control routes (pause, reload, weight version, cache reset);
-- every cache and temporary directory under the server's work directory, and the Hugging Face
-  libraries offline, so a server reads and writes nothing outside it.
-
-Updates are the same transaction as for every server type: take out, pause, load (verified in the
-worker, then vLLM's in-place reload), confirm by miles' canonical checksum of what the worker
-holds, admit or roll back. Pushes from a training window (over shared memory or a gloo broadcast)
-arrive through vLLM's native weight transfer (``--weight-transfer-config``, miles' backend:
-``miles.vllm.transfer``), always with the servers paused (vLLM cannot stage). SGLang's native
-``/generate`` for a vLLM-served model is answered by the controller through ``/v1/completions``
-(``miles.protocol.generate_completions``).
+Updates are the same transaction as for every server type. Pushes from a training window arrive
+through vLLM's native weight transfer (miles' backend: ``miles.vllm.transfer``), always with the
+servers paused (vLLM cannot stage). SGLang's native ``/generate`` for a vLLM-served model is
+answered by the controller through ``/v1/completions`` (``miles.protocol.generate_completions``).
 """
 
 from __future__ import annotations
@@ -40,7 +29,7 @@ import httpx
 
 import miles
 from miles.rollout.engine_client import EngineClient
-from miles.rollout.rollout import ExclusiveSection, Rollout, RolloutError, RolloutObserver
+from miles.rollout.rollout import Rollout, RolloutError
 from miles.rollout.runtime import EngineCommand, EngineReport, LaunchSlot
 from miles.rollout.spec import RolloutSpec, VLLMServerArgs
 from miles.rollout.state import EngineApi, ServerCell
@@ -201,17 +190,10 @@ class VLLMRollout(Rollout):
     stages_pushes: ClassVar[bool] = False
     engine_api: ClassVar[EngineApi] = "vllm"
 
-    def __init__(
-        self,
-        spec: RolloutSpec,
-        *,
-        exclusive: ExclusiveSection | None = None,
-        observer: RolloutObserver | None = None,
-    ) -> None:
+    def _prepare(self, spec: RolloutSpec) -> None:
         check_engine_args(spec.engine_args)
         # Attached servers run on their owner's vLLM; launching needs one here.
         self._python = None if spec.urls else vllm_python(spec.vllm)
-        super().__init__(spec, exclusive=exclusive, observer=observer)
 
     def engine_command(self) -> EngineCommand:
         return VLLMLaunchCommand(
