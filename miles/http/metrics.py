@@ -189,61 +189,62 @@ class ControllerMetrics:
 
     def __init__(self, health: Callable[[], FleetHealth], *, waiting: Callable[[], int] = lambda: 0) -> None:
         self.registry = registry = CollectorRegistry()
-        self._requests = Counter(
-            names.REQUESTS, "Routed inference requests", ["model", "server", "outcome"], registry=registry
+
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, registry=registry, buckets=buckets)
+
+        self._requests = counter(names.REQUESTS, "Routed inference requests", ["model", "server", "outcome"])
+        self._latency = histogram(
+            names.REQUEST_SECONDS, "End-to-end latency of routed requests", ["model"], names.LATENCY_BUCKETS
         )
-        self._latency = Histogram(
-            names.REQUEST_SECONDS, "End-to-end latency of routed requests", ["model"],
-            registry=registry, buckets=names.LATENCY_BUCKETS,
-        )  # fmt: skip
-        self._ttft = Histogram(
-            names.TIME_TO_FIRST_TOKEN, "Time to the first streamed byte of routed streaming requests", ["model"],
-            registry=registry, buckets=names.LATENCY_BUCKETS,
-        )  # fmt: skip
-        self._tokens = Counter(
-            names.GENERATED_TOKENS, "Tokens generated for routed requests", ["model", "server"], registry=registry
+        self._ttft = histogram(
+            names.TIME_TO_FIRST_TOKEN,
+            "Time to the first streamed byte of routed streaming requests",
+            ["model"],
+            names.LATENCY_BUCKETS,
         )
-        self._staleness = Histogram(
+        self._tokens = counter(names.GENERATED_TOKENS, "Tokens generated for routed requests", ["model", "server"])
+        self._staleness = histogram(
             names.SAMPLE_STALENESS,
             "How many committed versions behind the newest the weights a response started on were",
-            ["model"], registry=registry, buckets=names.STALENESS_BUCKETS,
-        )  # fmt: skip
-        self._updates = Counter(
-            names.UPDATES, "Weight updates", ["model", "strategy", "path", "status"], registry=registry
+            ["model"],
+            names.STALENESS_BUCKETS,
         )
-        self._update_seconds = Histogram(
-            names.UPDATE_SECONDS, "Weight update duration, lock wait included", ["model", "strategy"],
-            registry=registry, buckets=names.UPDATE_BUCKETS,
-        )  # fmt: skip
-        self._phase_seconds = Histogram(
-            names.UPDATE_PHASE_SECONDS, "Seconds per phase of a weight update", ["model", "phase"],
-            registry=registry, buckets=names.UPDATE_BUCKETS,
-        )  # fmt: skip
-        self._blocked = Histogram(
-            names.UPDATE_BLOCKED_SECONDS, "Seconds an update held the model's requests at the router", ["model"],
-            registry=registry, buckets=names.UPDATE_BUCKETS,
-        )  # fmt: skip
-        self._bytes = Histogram(
-            names.UPDATE_BYTES, "Weight bytes the servers loaded per update", ["model"],
-            registry=registry, buckets=names.BYTES_BUCKETS,
-        )  # fmt: skip
-        self._mismatches = Counter(
-            names.CHECKSUM_MISMATCHES, "Servers that reported other weights than expected", ["model", "server"],
-            registry=registry,
-        )  # fmt: skip
-        self._quarantines = Counter(names.QUARANTINES, "Servers quarantined", ["model", "server"], registry=registry)
-        self._rollbacks = Counter(
-            names.ROLLBACKS, "Servers put back on their verified weights by an update", ["model", "server"],
-            registry=registry,
-        )  # fmt: skip
-        self._lock_wait = Histogram(
-            names.LOCK_WAIT_SECONDS, "Seconds waited for the controller lock", ["holder"],
-            registry=registry, buckets=names.UPDATE_BUCKETS,
-        )  # fmt: skip
-        self._lock_hold = Histogram(
-            names.LOCK_HOLD_SECONDS, "Seconds the controller lock was held", ["holder"],
-            registry=registry, buckets=names.UPDATE_BUCKETS,
-        )  # fmt: skip
+        self._updates = counter(names.UPDATES, "Weight updates", ["model", "strategy", "path", "status"])
+        self._update_seconds = histogram(
+            names.UPDATE_SECONDS,
+            "Weight update duration, lock wait included",
+            ["model", "strategy"],
+            names.UPDATE_BUCKETS,
+        )
+        self._phase_seconds = histogram(
+            names.UPDATE_PHASE_SECONDS, "Seconds per phase of a weight update", ["model", "phase"], names.UPDATE_BUCKETS
+        )
+        self._blocked = histogram(
+            names.UPDATE_BLOCKED_SECONDS,
+            "Seconds an update held the model's requests at the router",
+            ["model"],
+            names.UPDATE_BUCKETS,
+        )
+        self._bytes = histogram(
+            names.UPDATE_BYTES, "Weight bytes the servers loaded per update", ["model"], names.BYTES_BUCKETS
+        )
+        self._mismatches = counter(
+            names.CHECKSUM_MISMATCHES, "Servers that reported other weights than expected", ["model", "server"]
+        )
+        self._quarantines = counter(names.QUARANTINES, "Servers quarantined", ["model", "server"])
+        self._rollbacks = counter(
+            names.ROLLBACKS, "Servers put back on their verified weights by an update", ["model", "server"]
+        )
+        self._lock_wait = histogram(
+            names.LOCK_WAIT_SECONDS, "Seconds waited for the controller lock", ["holder"], names.UPDATE_BUCKETS
+        )
+        self._lock_hold = histogram(
+            names.LOCK_HOLD_SECONDS, "Seconds the controller lock was held", ["holder"], names.UPDATE_BUCKETS
+        )
         self.history = RequestHistory()
         self._request = _Children(self._requests)
         self._latency_of = _Children(self._latency)

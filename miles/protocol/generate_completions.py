@@ -110,9 +110,8 @@ def completion_body(request: GenerateRequest, index: int) -> dict[str, Any]:
         "return_token_ids": True,
     }
     body.update({name: getattr(sampling, name) for name in _SAME_NAME if getattr(sampling, name) is not None})
-    seed = sampling.sampling_seed if sampling.sampling_seed is not None else sampling.seed
-    if seed is not None:
-        body["seed"] = seed
+    if sampling.effective_seed is not None:
+        body["seed"] = sampling.effective_seed
     logprobs = request.logprobs_of(index)
     if logprobs.return_logprob:
         body["logprobs"] = logprobs.top_logprobs

@@ -187,14 +187,10 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not be empty")
         if isinstance(self.prompt, list) and any(isinstance(p, list) and not p for p in self.prompt):
             raise ValueError("prompt must not contain an empty list of token ids")
-        if self.stream and isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+        batch = isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
+        if self.stream and batch:
             raise ValueError("streaming supports a single prompt")
-        if (
-            self.rid is not None
-            and isinstance(self.prompt, list)
-            and self.prompt
-            and not isinstance(self.prompt[0], int)
-        ):
+        if self.rid is not None and batch:
             raise ValueError("rid names one request; a batch of prompts gets its own ids")
         return self
 
@@ -305,9 +301,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 def finish_reason(response: GenerateResponse) -> str | None:
     reason = response.meta_info.finish_reason
-    if reason is None:
-        return None
-    return {"length": "length", "stop": "stop", "abort": "abort"}[reason.type]
+    return None if reason is None else reason.type
 
 
 def new_id(prefix: str) -> str:
@@ -318,57 +312,38 @@ def completion_body(
     responses: list[GenerateResponse], *, model: str, request_id: str, with_logprobs: bool
 ) -> dict[str, Any]:
     choices = []
-    for index, response in enumerate(responses):
+    for response in responses:
+        pairs = response.meta_info.output_token_logprobs if with_logprobs else None
         logprobs = None
-        if with_logprobs and response.meta_info.output_token_logprobs is not None:
-            logprobs = {
-                "token_logprobs": [lp for lp, _, _ in response.meta_info.output_token_logprobs],
-                "tokens": [str(tok) for _, tok, _ in response.meta_info.output_token_logprobs],
-            }
-        choices.append(
-            {
-                "index": index,
-                "text": response.text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(response),
-                **versions(response),
-            }
-        )
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage_of(responses),
-    }
+        if pairs is not None:
+            logprobs = {"token_logprobs": [lp for lp, _, _ in pairs], "tokens": [str(tok) for _, tok, _ in pairs]}
+        choices.append({"text": response.text, "logprobs": logprobs})
+    return _body("text_completion", responses, choices, model=model, request_id=request_id)
 
 
 def chat_body(responses: list[GenerateResponse], *, model: str, request_id: str, with_logprobs: bool) -> dict[str, Any]:
     choices = []
-    for index, response in enumerate(responses):
+    for response in responses:
+        pairs = response.meta_info.output_token_logprobs if with_logprobs else None
         logprobs = None
-        if with_logprobs and response.meta_info.output_token_logprobs is not None:
-            logprobs = {
-                "content": [
-                    {"token": str(tok), "logprob": lp} for lp, tok, _ in response.meta_info.output_token_logprobs
-                ]
-            }
-        choices.append(
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": response.text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(response),
-                **versions(response),
-            }
-        )
+        if pairs is not None:
+            logprobs = {"content": [{"token": str(tok), "logprob": lp} for lp, tok, _ in pairs]}
+        choices.append({"message": {"role": "assistant", "content": response.text}, "logprobs": logprobs})
+    return _body("chat.completion", responses, choices, model=model, request_id=request_id)
+
+
+def _body(
+    kind: str, responses: list[GenerateResponse], choices: list[dict[str, Any]], *, model: str, request_id: str
+) -> dict[str, Any]:
     return {
         "id": request_id,
-        "object": "chat.completion",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": choices,
+        "choices": [
+            {"index": index, **choice, "finish_reason": finish_reason(response), **versions(response)}
+            for index, (response, choice) in enumerate(zip(responses, choices, strict=True))
+        ],
         "usage": usage_of(responses),
     }
 

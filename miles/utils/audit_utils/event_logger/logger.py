@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from types import TracebackType
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, Self, TypeVar
 
 from miles.errors import EventLogError, EventTypeMismatchError, EventValidationError
 from miles.utils.audit_utils.event_logger.models import (
@@ -48,7 +47,22 @@ class _LoggerState(StrEnum):
     CLOSED = "closed"
 
 
-class Subscription:
+class _ClosedOnExit:
+    """Leaving a ``with`` block calls ``close()``."""
+
+    __slots__ = ()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class Subscription(_ClosedOnExit):
     """A listener's registration with an ``EventLogger``; ``close()`` (or leaving a ``with``)
     unsubscribes it. Closing twice is harmless."""
 
@@ -61,19 +75,8 @@ class Subscription:
         """Stop delivering events to the listener (an event being delivered may still arrive)."""
         self._unsubscribe()
 
-    def __enter__(self) -> Subscription:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class EventLogger:
+class EventLogger(_ClosedOnExit):
     """Record events: one JSON line each in this logger's own file, then every listener.
 
     ``directory=None`` writes no file; events still reach listeners and ``events``. All methods are
@@ -191,17 +194,6 @@ class EventLogger:
             self._listeners.clear()
             if self._file is not None:
                 self._file.close()
-
-    def __enter__(self) -> EventLogger:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _make_source(self) -> EventSource:
         if self._source_id is None:
