@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -35,6 +35,7 @@ _EXTENSIONS = ("model", "min_weight_version")
 # Request bodies from this size on are parsed and re-encoded on a worker thread.
 PREPARE_OFF_LOOP_BYTES = 1 << 20
 _LABEL: TypeAdapter[str] = TypeAdapter(Label)
+T = TypeVar("T")
 
 
 class Inference:
@@ -55,8 +56,7 @@ class Inference:
         # the budget from before it is parsed; the parsed JSON is dropped once the payload is built.
         raw = await request.body()
         with self._bodies.hold(len(raw)):
-            # Parsing and encoding a body of megabytes takes a while: not on the serving loop.
-            routed = prepare(raw) if len(raw) < PREPARE_OFF_LOOP_BYTES else await asyncio.to_thread(prepare, raw)
+            routed = await _off_loop_if_large(prepare, raw)
             route = self._options(routed)
             with self._bodies.hold(0 if routed.payload is raw else len(routed.payload), refusable=False):
                 return await until_disconnected(request, self._send(path, routed, route))
@@ -95,11 +95,7 @@ class Inference:
         request per prompt, each answer turned into SGLang's (``miles.protocol.generate_completions``);
         the first prompt goes to ``first``'s server when the router already picked one."""
         try:
-            # As for every routed body: a large one is parsed off the serving loop.
-            if len(routed.payload) < PREPARE_OFF_LOOP_BYTES:
-                generate = parse_generate(json_object(routed.payload))
-            else:
-                generate = await asyncio.to_thread(lambda: parse_generate(json_object(routed.payload)))
+            generate = await _off_loop_if_large(lambda raw: parse_generate(json_object(raw)), routed.payload)
         except BaseException:
             if first is not None:
                 self._proxy().release(first)
@@ -154,6 +150,11 @@ class Inference:
         if routed.stream:
             return await self._proxy().stream(path, routed.payload, route)
         return await self._proxy().forward(path, routed.payload, route)
+
+
+async def _off_loop_if_large(parse: Callable[[bytes], T], raw: bytes) -> T:
+    # Parsing and encoding a body of megabytes takes a while: not on the serving loop.
+    return parse(raw) if len(raw) < PREPARE_OFF_LOOP_BYTES else await asyncio.to_thread(parse, raw)
 
 
 @dataclass(frozen=True)

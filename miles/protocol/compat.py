@@ -69,6 +69,25 @@ EXTRA_OUTPUT = "the engine does not return this extra output"
 SESSION = "SGLang sessions (continual prompting with session_params) are not supported"
 INTERNAL = "an internal SGLang field, set by SGLang itself; clients do not send it"
 
+# Fields that SGLang's native and OpenAI requests both carry, refused alike on every route.
+SHARED_UNSUPPORTED: Mapping[str, Unsupported] = {
+    "bootstrap_host": Unsupported(DISAGGREGATION),
+    "bootstrap_port": Unsupported(DISAGGREGATION),
+    "bootstrap_room": Unsupported(DISAGGREGATION),
+    "routed_dp_rank": Unsupported(DP_RANK, unset=(0,)),
+    "data_parallel_rank": Unsupported(DP_RANK, unset=(0,)),
+    "disagg_prefill_dp_rank": Unsupported(DP_RANK, unset=(0,)),
+    "return_hidden_states": Unsupported(HIDDEN, default=False),
+    "return_routed_experts": Unsupported(HIDDEN, default=False),
+    "routed_experts_start_len": Unsupported(HIDDEN, default=0),
+    "lora_path": Unsupported(LORA),
+    "session_params": Unsupported(SESSION),
+    "custom_logit_processor": Unsupported(LOGIT_PROCESSOR),
+    "watermark": Unsupported(WATERMARK),
+    "images_config": Unsupported(MULTIMODAL),
+    "mm_processor_kwargs": Unsupported(MULTIMODAL),
+}
+
 
 class SGLangFields(RequestModel):
     """Base of request models that follow an SGLang request class (see the module docstring)."""

@@ -18,17 +18,12 @@ from pydantic import Field, StrictFloat, StrictInt, ValidationError, field_valid
 
 from miles.protocol.base import Count, Penalty, RequestModel, Seed, Stop, TopK, TopP
 from miles.protocol.compat import (
-    DISAGGREGATION,
-    DP_RANK,
     EXTRA_OUTPUT,
     GRAMMAR,
-    HIDDEN,
     LOGIT_PROCESSOR,
-    LORA,
     MULTIMODAL,
     REASONING,
-    SESSION,
-    WATERMARK,
+    SHARED_UNSUPPORTED,
     SGLangFields,
     Unsupported,
     drop_nulls,
@@ -39,15 +34,7 @@ from miles.protocol.sglang import GenerateResponse, SamplingParams
 _IGNORED = frozenset({"user", "extra_key", "cache_salt", "priority"})
 # Fields of both that ask for something the engine does not do (see miles.protocol.compat).
 _UNSUPPORTED: dict[str, Unsupported] = {
-    "bootstrap_host": Unsupported(DISAGGREGATION),
-    "bootstrap_port": Unsupported(DISAGGREGATION),
-    "bootstrap_room": Unsupported(DISAGGREGATION),
-    "routed_dp_rank": Unsupported(DP_RANK, unset=(0,)),
-    "disagg_prefill_dp_rank": Unsupported(DP_RANK, unset=(0,)),
-    "data_parallel_rank": Unsupported(DP_RANK, unset=(0,)),
-    "return_hidden_states": Unsupported(HIDDEN, default=False),
-    "return_routed_experts": Unsupported(HIDDEN, default=False),
-    "routed_experts_start_len": Unsupported(HIDDEN, default=0),
+    **SHARED_UNSUPPORTED,
     "return_cached_tokens_details": Unsupported(EXTRA_OUTPUT, default=False),
     "return_spec_tokens_details": Unsupported(EXTRA_OUTPUT, default=False),
     "return_token_ids": Unsupported(EXTRA_OUTPUT, default=False),
@@ -55,13 +42,7 @@ _UNSUPPORTED: dict[str, Unsupported] = {
     "ebnf": Unsupported(GRAMMAR, unset=("",)),
     "stop_regex": Unsupported("stop regexes are not implemented; use stop strings or stop_token_ids"),
     "response_format": Unsupported(GRAMMAR + '; only {"type": "text"} is served', unset=({"type": "text"},)),
-    "lora_path": Unsupported(LORA),
-    "session_params": Unsupported(SESSION),
     "custom_params": Unsupported(LOGIT_PROCESSOR),
-    "custom_logit_processor": Unsupported(LOGIT_PROCESSOR),
-    "watermark": Unsupported(WATERMARK),
-    "images_config": Unsupported(MULTIMODAL),
-    "mm_processor_kwargs": Unsupported(MULTIMODAL),
 }
 # Fields SGLang reads null as "the default" for.
 _NULL_IS_DEFAULT = frozenset(

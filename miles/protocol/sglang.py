@@ -27,7 +27,6 @@ from miles.protocol.base import (
 )
 from miles.protocol.compat import (
     DISAGGREGATION,
-    DP_RANK,
     EXTRA_OUTPUT,
     GRAMMAR,
     HIDDEN,
@@ -36,7 +35,7 @@ from miles.protocol.compat import (
     LORA,
     MULTIMODAL,
     REASONING,
-    SESSION,
+    SHARED_UNSUPPORTED,
     WATERMARK,
     SGLangFields,
     Unsupported,
@@ -203,6 +202,7 @@ class GenerateRequest(SGLangFields):
         }
     )
     unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {
+        **SHARED_UNSUPPORTED,
         **{
             name: Unsupported(MULTIMODAL)
             for name in (
@@ -218,12 +218,9 @@ class GenerateRequest(SGLangFields):
                 "min_dynamic_patch",
                 "image_max_dynamic_patch",
                 "video_max_dynamic_patch",
-                "images_config",
-                "mm_processor_kwargs",
             )
         },
         "use_audio_in_video": Unsupported(MULTIMODAL, default=False),
-        "watermark": Unsupported(WATERMARK),
         "token_ids_logprob": Unsupported("logprobs of chosen token ids are not returned; use top_logprobs_num"),
         "return_sampling_mask": Unsupported(EXTRA_OUTPUT, default=False),
         "sampling_logprobs_mode": Unsupported(
@@ -232,26 +229,14 @@ class GenerateRequest(SGLangFields):
         "return_flat_raw_top_logprobs": Unsupported(EXTRA_OUTPUT, default=False),
         "return_flat_raw_output_top_logprobs": Unsupported(EXTRA_OUTPUT, default=False),
         "return_flat_raw_top_logprobs_b64": Unsupported(EXTRA_OUTPUT, default=False),
-        "return_hidden_states": Unsupported(HIDDEN, default=False),
-        "return_routed_experts": Unsupported(HIDDEN, default=False),
-        "routed_experts_start_len": Unsupported(HIDDEN, default=0),
         "return_indexer_topk": Unsupported(HIDDEN, default=False),
-        "session_params": Unsupported(SESSION),
-        "lora_path": Unsupported(LORA),
         "lora_id": Unsupported(LORA),
-        "custom_logit_processor": Unsupported(LOGIT_PROCESSOR),
         "positional_embed_overrides": Unsupported("embedding overrides are not supported"),
-        "bootstrap_host": Unsupported(DISAGGREGATION),
-        "bootstrap_port": Unsupported(DISAGGREGATION),
-        "bootstrap_room": Unsupported(DISAGGREGATION),
         "bootstrap_pair_key": Unsupported(DISAGGREGATION),
         "decode_tp_size": Unsupported(DISAGGREGATION),
         "need_wait_for_mm_inputs": Unsupported(DISAGGREGATION, default=False),
         "num_items_assigned": Unsupported(DISAGGREGATION),
         "encoder_urls": Unsupported(DISAGGREGATION),
-        "routed_dp_rank": Unsupported(DP_RANK, unset=(0,)),
-        "data_parallel_rank": Unsupported(DP_RANK, unset=(0,)),
-        "disagg_prefill_dp_rank": Unsupported(DP_RANK, unset=(0,)),
         "background": Unsupported("background requests (OpenAI's responses API) are not supported", default=False),
         "require_reasoning": Unsupported(REASONING, default=False),
         "max_thinking_tokens": Unsupported(REASONING),

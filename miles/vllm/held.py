@@ -1,21 +1,10 @@
 """The weights a vLLM worker holds, read back under the checkpoint's names and dtypes.
 
-vLLM does not keep a checkpoint's tensors as they were loaded:
-
-- it fuses rows: ``q_proj|k_proj|v_proj`` into ``qkv_proj`` and ``gate_proj|up_proj`` into
-  ``gate_up_proj`` (the model class's ``packed_modules_mapping``; ``output_sizes`` gives each
-  part's rows);
-- it pads the vocabulary of the embedding and the LM head to a multiple of its padding
-  (``org_vocab_size`` is the checkpoint's);
-- on CPU, it packs every linear weight into a oneDNN or sgl-kernel handle inside
-  ``layer.cpu_linear`` and leaves ``layer.weight`` empty (vLLM's own ``/weight_checker`` then
-  hashes zero bytes: it can verify nothing here).
-
-A packed weight is recovered exactly by passing the identity through the layer's own kernel:
-``cpu_linear(I, weight, None)`` is ``I @ W.T``, every output one weight times one plus zeros. The
-identity goes through in blocks of rows, so no more than a block's output is materialised at once.
-The recovered tensors are cast back to the model's dtype (the kernel may answer float32 for a
-bfloat16 model; every value it returns is one of the weights, so the cast is exact).
+vLLM fuses rows (``packed_modules_mapping``, split again by ``output_sizes``), pads the vocabulary
+(cut at ``org_vocab_size``) and, on CPU, packs linear weights into ``layer.cpu_linear``, leaving
+``layer.weight`` empty. A packed weight is recovered exactly by passing the identity through the
+layer's own kernel (``I @ W.T``), in blocks of rows, then cast back to the model's dtype (exact:
+every value is one of the weights). docs/VLLM.md, "What the worker holds".
 """
 
 from __future__ import annotations
