@@ -1,8 +1,7 @@
 """``miles checkpoint``: create a tiny checkpoint, verify one, print its checksum, seal a directory.
 
-Mounted by the ``miles`` command with ``add_typer(checkpoint.app, name="checkpoint")``. Exit status:
-0 when all went well, 1 when the checkpoint has problems (or its checksum differs from the
-manifest), 2 when the path is not a checkpoint at all or an argument is invalid.
+Exit status: 0 when all went well, 1 when the checkpoint has problems (or its checksum differs
+from the manifest), 2 when the path is not a checkpoint at all or an argument is invalid.
 """
 
 from __future__ import annotations

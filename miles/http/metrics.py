@@ -1,13 +1,10 @@
 """Prometheus metrics of one controller (its own registry, so several controllers can coexist).
 
-Three sources feed it: the proxy records every routed request (``request_done``, ``first_byte``);
-the controller's update listener and event log feed updates, mismatches, quarantines and the lock
-(``update_done``, ``event``); and the health report is read at scrape time for what is a state
-rather than an event (servers, versions, in flight, restarts). The names live in
-``miles.protocol.metrics``; docs/METRICS.md says what each answers.
-
-With ``metrics_enabled`` off the proxy records through ``NO_REQUEST_METRICS`` instead, which does
-nothing: that is the side benchmarks/controller.py compares against.
+The proxy records every routed request (``request_done``, ``first_byte``); the update listener and
+event log feed updates, mismatches, quarantines and the lock (``update_done``, ``event``); the
+health report is read at scrape time for states (servers, versions, in flight, restarts). Names:
+``miles.protocol.metrics``; meanings: docs/METRICS.md. With metrics off the proxy records through
+``NO_REQUEST_METRICS``, which does nothing (what benchmarks/controller.py compares against).
 """
 
 from __future__ import annotations
@@ -139,11 +136,8 @@ class _Children:
 
 
 class RequestHistory:
-    """Routed requests per second over the last ``seconds``: how many, how many failed, latency.
-
-    A ring of one slot per second, reused as time goes round: recording costs a few integer
-    operations, and the status page reads the last minutes at any time.
-    """
+    """Routed requests per second over the last ``seconds`` (count, failed, latency): a ring of
+    one slot per second, so recording costs a few integer operations."""
 
     def __init__(self, seconds: int = 300) -> None:
         self._size = seconds

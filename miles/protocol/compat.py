@@ -1,21 +1,12 @@
 """SGLang's request fields that the engine does not use: accepted and ignored, or refused by name.
 
-SGLang's request classes (``GenerateReqInput``, ``SamplingParams``, its OpenAI models) carry many
-fields for features the embedded engine does not have. A client written for SGLang, and SGLang's
-own router, send some of them with their default values on every request; refusing those would
-break them, and ignoring a field that asks for something (an image, a grammar, a LoRA adapter)
-would return an answer to a question nobody asked. So every such field is declared in one of two
-tables on the request model:
-
-- ``ignored_fields``: fields that only affect logging, scheduling, caching or routing; accepted
-  with any value and dropped;
-- ``unsupported_fields``: fields that ask for something; accepted while *unset* (null, SGLang's
-  default, an empty list or object, or a list of unset values for a batch) and otherwise refused
-  with a 400 that names the field and says why.
-
-A field in neither table and not declared on the model is still a typo and refused by name (the
-models forbid extra fields). ``tests/fast/engine/test_sglang_fields.py`` checks the tables against
-SGLang's own source at the pinned version, so a field SGLang adds cannot slip through unreviewed.
+SGLang's clients and router send many fields for features the embedded engine lacks, often at
+their defaults: refusing those would break them, and ignoring one that asks for something (an
+image, a grammar, a LoRA adapter) would answer a question nobody asked. So each such field is in
+one of two tables on its request model: ``ignored_fields`` (logging, scheduling, caching, routing:
+accepted with any value and dropped) or ``unsupported_fields`` (accepted while unset, otherwise a
+400 naming the field and why). Any other unknown field is a typo, refused by name.
+``tests/fast/engine/test_sglang_fields.py`` checks the tables against SGLang's pinned source.
 """
 
 from __future__ import annotations

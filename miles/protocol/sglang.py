@@ -1,9 +1,8 @@
 """Typed requests and responses of SGLang's native HTTP API (the subset miles serves and uses).
 
-Field names and defaults follow SGLang's ``GenerateReqInput``, ``SamplingParams`` and the weight
-update request structs, so a client written for SGLang works unchanged. Differences are listed in
-``docs/ENGINE.md``. Requests are strict: an unknown field is an error naming the field, never
-silently ignored, because a typo in a sampling parameter would otherwise change results quietly.
+Names and defaults follow SGLang's ``GenerateReqInput`` and ``SamplingParams`` (differences:
+docs/ENGINE.md). Requests are strict: an unknown field is an error naming it, since a typo in a
+sampling parameter would otherwise change results quietly.
 """
 
 from __future__ import annotations
@@ -76,11 +75,8 @@ def _logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
 
 
 class SamplingParams(SGLangFields):
-    """Per-request decoding settings, with SGLang's names and defaults.
-
-    Token ids (``stop_token_ids``, ``logit_bias`` keys) are checked against the model's vocabulary
-    by the engine, which knows it, before the request joins the batch.
-    """
+    """Per-request decoding settings, with SGLang's names and defaults (token ids are checked
+    against the vocabulary by the engine)."""
 
     ignored_fields: ClassVar[frozenset[str]] = frozenset({"stream_interval"})
     unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {
@@ -157,8 +153,7 @@ class SamplingParams(SGLangFields):
         return self.model_copy(update={"max_new_tokens": budget})
 
     def for_sample(self, sample: int) -> SamplingParams:
-        """The settings of sample ``sample`` of ``n``: sample *i* of a seeded request draws with
-        seed + *i* (wrapped into the seed range), so the samples differ but reproduce."""
+        """The settings of sample ``sample`` of ``n``: seeded, it draws with ``sample_seed``."""
         seed = self.effective_seed
         if seed is None or sample == 0:
             return self
@@ -179,10 +174,8 @@ TopLogprobs = Annotated[StrictInt, Field(ge=0, le=20)]
 
 
 class GenerateRequest(SGLangFields):
-    """``POST /generate``: one prompt or a batch (lists), as text or token ids.
-
-    The logprob settings may be one value or one per prompt, as in SGLang.
-    """
+    """``POST /generate``: one prompt or a batch (lists), as text or token ids; settings may be
+    one value or one per prompt, as in SGLang."""
 
     ignored_fields: ClassVar[frozenset[str]] = frozenset(
         {
@@ -381,16 +374,10 @@ class GenerateResponse(BaseModel):
 
 
 class PauseMode(StrEnum):
-    """What happens to in-flight requests when generation pauses.
-
-    ``drain``: requests already running finish on the current weights; new ones wait.
-    ``abort``: running and queued requests end at once with an ``abort`` finish reason.
-    ``retract``: running requests leave the batch and go back to the front of the queue with the
-    tokens they produced; when generation continues they are prefilled again (prompt + output so
-    far, on the weights then current) and finish normally. Queued requests wait.
-    ``in_place``: running requests stay where they are and continue after the pause, possibly on
-    new weights (their ``weight_version_start`` and ``weight_version_end`` then differ).
-    """
+    """What happens to in-flight requests when generation pauses: ``drain`` (running ones finish on
+    the current weights), ``abort`` (running and queued ones end at once), ``retract`` (running
+    ones return to the front of the queue with their tokens, to be prefilled again on the weights
+    then current), ``in_place`` (they continue after the pause, possibly on new weights)."""
 
     DRAIN = "drain"
     ABORT = "abort"

@@ -1,7 +1,6 @@
 """The invariants an event log must satisfy, one small rule each, and the registry that lists them.
 
-A rule reads events in timestamp order and yields a ``Finding`` per violation. To add one, write a
-function with that shape and append a ``Rule`` to ``RULES``.
+A rule reads events in timestamp order and yields a ``Finding`` per violation; add one to ``RULES``.
 """
 
 from __future__ import annotations
@@ -40,12 +39,8 @@ WEIGHT_VERSION_ORDER = "weight_version_order"
 
 
 def check_checksum_consistency(events: Sequence[Event]) -> Iterator[Finding]:
-    """Yield a finding for each server report (confirmed or restored) whose checksum differs
-    from the latest checksum training published before it for the same model and step.
-
-    A report with no earlier published checksum for its model and step cannot be judged and is
-    not a finding.
-    """
+    """Yield a finding for each server report (confirmed or restored) whose checksum differs from
+    the latest one published before it for its model and step (none published: not judged)."""
     published: dict[tuple[str, int], InferenceEngineWeightChecksumEvent] = {}
     for event in events:
         if not isinstance(event, InferenceEngineWeightChecksumEvent):
@@ -73,14 +68,9 @@ def check_checksum_consistency(events: Sequence[Event]) -> Iterator[Finding]:
 
 
 def check_weight_version_order(events: Sequence[Event]) -> Iterator[Finding]:
-    """Yield a finding when versions go backwards where they must only move forward.
-
-    Per model, each committed update's version must be greater than every integer version
-    committed before it. Per server, each confirmed checksum's version must not be below the
-    highest version the server confirmed before. Restored checksums (rollbacks, restarts) may go
-    back and are not checked, but they do not lower the bar for later confirmations. Versions that
-    are not base-10 integers are not compared.
-    """
+    """Yield a finding when integer versions go backwards: a model's committed versions must
+    strictly increase, and a server's confirmed ones never fall below its highest before.
+    Restored checksums (rollbacks, restarts) may go back and do not lower the bar."""
     committed: dict[str, tuple[int, WeightUpdateCommittedEvent]] = {}
     confirmed: dict[tuple[str, str], tuple[int, InferenceEngineWeightChecksumEvent]] = {}
     for event in events:

@@ -1,9 +1,7 @@
 """Weight updates read back from an event log as timelines: phases, server steps, outcome.
 
-An update's events run from its ``weight_update_started`` to its ``weight_update_committed`` or
-``weight_update_aborted`` (matched by ``update_id``); between them, the state changes, confirmed
-checksums and mismatches of its servers are its steps, timed from its start. ``miles events DIR
---timeline`` prints them and the controller's status page draws them.
+An update runs from its ``weight_update_started`` to its committed or aborted event (by
+``update_id``); its servers' state changes, confirmations and mismatches between are its steps.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The typed events miles records: one frozen pydantic model per event type, and their union.
 
-Every event serialises to one JSON object whose ``type`` field names its model, so a log line can be
-parsed back without knowing in advance what it holds (``parse_event``). Models are strict: unknown
-fields are refused, timestamps must carry a time zone (they are normalised to UTC), and sequences
-are tuples so an event cannot change after it was logged.
+Each serialises to a JSON object whose ``type`` names its model (``parse_event`` reads it back).
+Models refuse unknown fields and naive timestamps (normalised to UTC); sequences are tuples.
 """
 
 from __future__ import annotations
@@ -166,9 +164,8 @@ class WeightUpdateCommittedEvent(_UpdateEvent):
 
 
 class WeightsWrittenOutEvent(BaseEvent):
-    """Weights that existed on no disk (pushed from a trainer's memory) were written to
-    ``checkpoint`` by an engine holding them: where restarts, and a controller started again on
-    this log, read them from."""
+    """Weights pushed from memory were written to ``checkpoint`` by an engine holding them: where
+    restarts, and a controller started again on this log, read them from."""
 
     type: Literal["weights_written_out"] = "weights_written_out"
     model_name: str
@@ -308,12 +305,8 @@ EVENT_TYPES: tuple[str, ...] = tuple(cls.model_fields["type"].default for cls in
 
 
 def parse_event(data: str | bytes | Mapping[str, Any]) -> Event:
-    """Build the event that ``data`` (a JSON document or an already decoded dict) describes.
-
-    Raises:
-        EventValidationError: ``data`` is not valid JSON, names no known event type, or does not
-            fit that type's model (missing, extra or ill-typed fields).
-    """
+    """The event ``data`` (JSON or a decoded dict) describes; EventValidationError when it is not
+    JSON, names no known type, or does not fit that type's model."""
     try:
         if isinstance(data, (str, bytes)):
             return EVENT_ADAPTER.validate_json(data)
@@ -323,12 +316,8 @@ def parse_event(data: str | bytes | Mapping[str, Any]) -> Event:
 
 
 def build_event(event_cls: type[_E], fields: Mapping[str, Any]) -> _E:
-    """Validate ``fields`` as an ``event_cls`` (its ``type`` may be omitted).
-
-    Raises:
-        EventValidationError: the fields do not fit ``event_cls``: missing, extra or ill-typed
-            fields, or a ``type`` naming another event.
-    """
+    """``fields`` as an ``event_cls`` (``type`` may be omitted); EventValidationError when they
+    do not fit it."""
     try:
         return event_cls.model_validate(fields)
     except ValidationError as exc:
