@@ -55,17 +55,14 @@ class Inference:
         raw = await request.body()
         with self._bodies.hold(len(raw)):
             routed = await _off_loop_if_large(prepare, raw)
-            route = self._options(routed)
+            route = RouteOptions(
+                model_name=self._fleet.rollout(routed.model).model_name,
+                session_id=routed.session_id,
+                min_weight_version=routed.min_weight_version,
+                timeout_s=self._timeout_s(),
+            )
             with self._bodies.hold(0 if routed.payload is raw else len(routed.payload), refusable=False):
                 return await until_disconnected(request, self._send(path, routed, route))
-
-    def _options(self, routed: Routed) -> RouteOptions:
-        return RouteOptions(
-            model_name=self._fleet.rollout(routed.model).model_name,
-            session_id=routed.session_id,
-            min_weight_version=routed.min_weight_version,
-            timeout_s=self._timeout_s(),
-        )
 
     def _engines(self, model: str | None) -> set[EngineApi]:
         """The APIs the engines of ``model``'s servers speak (none for a model the router refuses)."""

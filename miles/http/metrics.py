@@ -9,11 +9,12 @@ health report is read at scrape time for states (servers, versions, in flight, r
 
 from __future__ import annotations
 
+import collections
 import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -40,17 +41,9 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 _VERSION_START = re.compile(rb'"weight_version_start":\s*"([^"]{0,256})"')
 
 
-class RequestMetrics(Protocol):
-    """What the proxy records per routed request."""
+class RequestMetrics:
+    """What the proxy records per routed request; this base records nothing."""
 
-    def first_byte(self, model: str, *, started: float) -> None: ...
-
-    def request_done(
-        self, model: str, *, server: str, outcome: str, started: float, content: bytes | None = None
-    ) -> None: ...
-
-
-class _NoRequestMetrics:
     def first_byte(self, model: str, *, started: float) -> None:
         return None
 
@@ -60,7 +53,7 @@ class _NoRequestMetrics:
         return None
 
 
-NO_REQUEST_METRICS: RequestMetrics = _NoRequestMetrics()
+NO_REQUEST_METRICS = RequestMetrics()
 
 
 def outcome_of(status: int) -> str:
@@ -80,10 +73,7 @@ class _FleetCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         report = self._health()
         states = GaugeMetricFamily(names.SERVERS, "Servers by model and state", labels=["model", "state"])
-        counts: dict[tuple[str, str], int] = {}
-        for server in report.servers:
-            key = (server.model_name, server.state.value)
-            counts[key] = counts.get(key, 0) + 1
+        counts = collections.Counter((server.model_name, server.state.value) for server in report.servers)
         for (model, state), count in sorted(counts.items()):
             states.add_metric([model, state], count)
         yield states
@@ -178,7 +168,7 @@ class RequestWindow:
     mean_latency_ms: list[float | None]
 
 
-class ControllerMetrics:
+class ControllerMetrics(RequestMetrics):
     """The controller's series; see the module docstring for what feeds each."""
 
     def __init__(self, health: Callable[[], FleetHealth], *, waiting: Callable[[], int] = lambda: 0) -> None:

@@ -9,21 +9,19 @@ from __future__ import annotations
 from typing import TypeVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from miles.controller.results import UpdateResult, UpdateWindow
 from miles.errors import PublishError
 from miles.http.controller_app import AbortWindowRequest, EndWindowRequest, RenewWindowRequest, StartWindowRequest
-from miles.protocol.base import ErrorAnswer
+from miles.protocol.base import ErrorAnswer, ResponseModel
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
 
 M = TypeVar("M", bound=BaseModel)
 
 
-class _Logged(BaseModel):
+class _Logged(ResponseModel):
     """What ``POST /events`` answers."""
-
-    model_config = ConfigDict(frozen=True)
 
     event_id: str
     type: str

@@ -12,9 +12,9 @@ import hashlib
 import hmac
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import Field, StrictBool, StrictInt
 
-from miles.protocol.base import RequestModel
+from miles.protocol.base import RequestModel, ResponseModel
 
 FENCE_HEADER = "X-Miles-Fence"
 WINDOW_CREDENTIAL_VERSION = "mw1"
@@ -70,10 +70,8 @@ class FenceRequest(RequestModel):
     staged: StrictBool = False
 
 
-class FenceState(BaseModel):
+class FenceState(ResponseModel):
     """The highest fencing token the engine has seen, and whether that token's window is open."""
-
-    model_config = ConfigDict(frozen=True)
 
     fence: int
     window_open: bool

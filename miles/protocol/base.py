@@ -124,9 +124,13 @@ def sample_seed(seed: int, sample: int) -> int:
     return derived - 2**64 if derived > MAX_SEED else derived
 
 
-class ErrorDetail(BaseModel):
+class ResponseModel(BaseModel):
+    """Base of what the APIs answer: frozen."""
+
     model_config = ConfigDict(frozen=True)
 
+
+class ErrorDetail(ResponseModel):
     message: str
     type: str
     code: int
@@ -134,9 +138,7 @@ class ErrorDetail(BaseModel):
     refusal: Refusal | None = None
 
 
-class ErrorAnswer(BaseModel):
+class ErrorAnswer(ResponseModel):
     """How both miles APIs answer a failure (``miles.utils.http``)."""
-
-    model_config = ConfigDict(frozen=True)
 
     error: ErrorDetail

@@ -11,12 +11,13 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
+from pydantic import AfterValidator, Field, StrictFloat, StrictInt, model_validator
 
 from miles.protocol.base import (
     Count,
     Penalty,
     RequestModel,
+    ResponseModel,
     Seed,
     Stop,
     Temperature,
@@ -293,11 +294,7 @@ class GenerateRequest(SGLangFields):
 
     @property
     def batch_size(self) -> int:
-        if isinstance(self.text, list):
-            return len(self.text)
-        if self.input_ids and isinstance(self.input_ids[0], list):
-            return len(self.input_ids)
-        return 1
+        return len(self.text or self.input_ids or ()) if self.is_batch else 1
 
     def logprobs_of(self, prompt: int) -> LogprobSettings:
         """What prompt ``prompt`` of the batch asked for in logprobs (null: SGLang's defaults)."""
@@ -307,19 +304,15 @@ class GenerateRequest(SGLangFields):
         return LogprobSettings(return_logprob=wanted, top_logprobs=(top or 0) if wanted else 0)
 
 
-class LogprobSettings(BaseModel):
+class LogprobSettings(ResponseModel):
     """The logprobs one prompt of a request asked for."""
-
-    model_config = ConfigDict(frozen=True)
 
     return_logprob: bool
     top_logprobs: int
 
 
-class FinishReason(BaseModel):
+class FinishReason(ResponseModel):
     """Why a generation ended: ``length``, ``stop`` (with what matched) or ``abort``."""
-
-    model_config = ConfigDict(frozen=True)
 
     type: Literal["length", "stop", "abort"]
     length: int | None = None
@@ -327,21 +320,17 @@ class FinishReason(BaseModel):
     message: str | None = None
 
 
-class WeightVersionSpan(BaseModel):
+class WeightVersionSpan(ResponseModel):
     """Output tokens ``[start, end)`` (indices into ``output_ids``) were sampled from logits that
     the weights of ``weight_version`` computed."""
-
-    model_config = ConfigDict(frozen=True)
 
     weight_version: str
     start: int
     end: int
 
 
-class GenerateMetaInfo(BaseModel):
+class GenerateMetaInfo(ResponseModel):
     """``meta_info`` of a generation response; ``weight_version`` is the version at the end."""
-
-    model_config = ConfigDict(frozen=True)
 
     id: str
     finish_reason: FinishReason | None
@@ -365,9 +354,7 @@ class GenerateMetaInfo(BaseModel):
     output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
 
 
-class GenerateResponse(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
+class GenerateResponse(ResponseModel):
     text: str
     output_ids: list[int]
     meta_info: GenerateMetaInfo

@@ -12,10 +12,10 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import AfterValidator, BaseModel, Field, StrictBool, StrictInt, model_validator
 
 from miles.errors import InvalidRequestError
-from miles.protocol.base import RequestModel, WeightVersion
+from miles.protocol.base import RequestModel, ResponseModel, WeightVersion
 from miles.protocol.compat import SGLangFields, Unsupported
 from miles.protocol.sglang import PauseMode
 
@@ -46,9 +46,7 @@ class UpdateWeightsFromDiskRequest(RequestModel):
         return data
 
 
-class UpdateWeightsResponse(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
+class UpdateWeightsResponse(ResponseModel):
     success: bool
     message: str
     num_paused_requests: int = 0
@@ -74,10 +72,8 @@ class WeightsCheckerRequest(RequestModel):
     action: Literal["checksum"] = "checksum"
 
 
-class WeightsChecksumPayload(BaseModel):
+class WeightsChecksumPayload(ResponseModel):
     """The ``payload`` of ``/weights_checker`` with action ``checksum`` (miles' canonical checksum)."""
-
-    model_config = ConfigDict(frozen=True)
 
     action: str = "checksum"
     checksum: str
@@ -88,9 +84,7 @@ class WeightsChecksumPayload(BaseModel):
     weights_status: str
 
 
-class WeightsCheckerResponse(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
+class WeightsCheckerResponse(ResponseModel):
     success: bool
     message: str
     payload: WeightsChecksumPayload | None = None
@@ -105,9 +99,7 @@ class SGLangWeightsCheckerResponse(WeightsCheckerResponse):
     per_engine_checksum: str | None = None
 
 
-class PauseGenerationResponse(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
+class PauseGenerationResponse(ResponseModel):
     status: str
     message: str
     # The embedded engine's additions; SGLang answers only ``status`` and ``message``.
@@ -115,10 +107,8 @@ class PauseGenerationResponse(BaseModel):
     num_paused_requests: int = 0
 
 
-class WeightVersionResponse(BaseModel):
+class WeightVersionResponse(ResponseModel):
     """``GET /get_weight_version``: the identity of the weights held now, for drift detection."""
-
-    model_config = ConfigDict(frozen=True)
 
     weight_version: str
     # The model checksum of the weights held now (miles extension; None only before the model
@@ -136,9 +126,7 @@ class ExportWeightsRequest(RequestModel):
     step: Annotated[StrictInt, Field(ge=0, lt=2**63)]
 
 
-class ExportWeightsResponse(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
+class ExportWeightsResponse(ResponseModel):
     success: bool
     path: str
     checksum: str

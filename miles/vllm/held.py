@@ -59,7 +59,9 @@ def _recovered(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
 def _identity_through(module: torch.nn.Module, in_features: int) -> Iterator[torch.Tensor]:
     """``cpu_linear`` applied to the identity, a block of rows at a time (each ``rows x out``)."""
     kernel: Any = getattr(module, "cpu_linear")  # noqa: B009  # vLLM's, untyped
-    dtype = _input_dtype(module)
+    # The activation dtype the layer's kernel expects: its parameters'.
+    dtype = getattr(module, "params_dtype", None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
     with torch.inference_mode():
         for start in range(0, in_features, _IDENTITY_BLOCK):
             stop = min(start + _IDENTITY_BLOCK, in_features)
@@ -67,9 +69,3 @@ def _identity_through(module: torch.nn.Module, in_features: int) -> Iterator[tor
             rows = torch.arange(stop - start)
             block[rows, rows + start] = 1
             yield kernel(block, module.weight, None)
-
-
-def _input_dtype(module: torch.nn.Module) -> torch.dtype:
-    """The activation dtype the layer's kernel expects (its parameters' dtype)."""
-    dtype = getattr(module, "params_dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()

@@ -70,7 +70,7 @@ def add_status_page(
         async def serve() -> Response:
             body = loaded.get(path)
             if body is None:
-                body = loaded[path] = await asyncio.to_thread(_read, name)
+                body = loaded[path] = await asyncio.to_thread(files(__name__).joinpath(name).read_bytes)
             return Response(body, media_type=kind, headers={"cache-control": "no-cache"})
 
         return serve
@@ -81,7 +81,3 @@ def add_status_page(
     @app.get("/status", dependencies=[Depends(reader)])
     async def status() -> dict[str, Any]:
         return status_report(controller, metrics)
-
-
-def _read(name: str) -> bytes:
-    return files(__name__).joinpath(name).read_bytes()

@@ -341,15 +341,22 @@ def _read_file(path: Path) -> Iterator[LoggedEvent]:
     except OSError as exc:
         raise EventLogError("cannot read event log file", path=str(path), error=str(exc)) from exc
     lines = data.split(b"\n")
-    # After the final newline comes either b"" (the file ends cleanly) or the unterminated tail
-    # of a write that a crash cut short.
-    tail = lines.pop()
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         try:
             event = parse_event(raw)
         except EventValidationError as exc:
+            # After the final newline comes either b"" (the file ends cleanly) or the unterminated
+            # tail of a write that a crash cut short.
+            if number == len(lines):
+                _LOG.warning(
+                    "skipping torn last line %s:%d (%d bytes without a newline; a write cut short)",
+                    path,
+                    number,
+                    len(raw),
+                )
+                return
             raise EventLogError(
                 f"corrupt event log line {path}:{number}",
                 path=str(path),
@@ -357,17 +364,3 @@ def _read_file(path: Path) -> Iterator[LoggedEvent]:
                 errors=exc.context.get("errors"),
             ) from exc
         yield LoggedEvent(event, path, number)
-    if not tail.strip():
-        return
-    number = len(lines) + 1
-    try:
-        event = parse_event(tail)
-    except EventValidationError:
-        _LOG.warning(
-            "skipping torn last line %s:%d (%d bytes without a newline; a write cut short)",
-            path,
-            number,
-            len(tail),
-        )
-        return
-    yield LoggedEvent(event, path, number)
