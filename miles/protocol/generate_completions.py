@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles.errors import InvalidRequestError
 from miles.protocol.sglang import (
+    OPENAI_SAME_NAME,
     FinishReason,
     GenerateMetaInfo,
     GenerateRequest,
@@ -24,22 +25,6 @@ from miles.protocol.sglang import (
     WeightVersionSpan,
 )
 
-# SamplingParams fields vLLM's completions request takes under the same name.
-_SAME_NAME = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "n",
-    "logit_bias",
-)
 _TOKEN_ID = "token_id:"
 # SGLang's (logprob, token id, token text): the text is never given here.
 Logprob = tuple[float, int, str | None]
@@ -90,7 +75,7 @@ def completion_body(request: GenerateRequest, index: int) -> dict[str, Any]:
         "include_stop_str_in_output": sampling.no_stop_trim,
         "return_token_ids": True,
     }
-    body.update({name: getattr(sampling, name) for name in _SAME_NAME if getattr(sampling, name) is not None})
+    body.update({name: getattr(sampling, name) for name in OPENAI_SAME_NAME if getattr(sampling, name) is not None})
     if sampling.effective_seed is not None:
         body["seed"] = sampling.effective_seed
     logprobs = request.logprobs_of(index)

@@ -28,7 +28,7 @@ from miles.protocol.compat import (
     Unsupported,
     drop_nulls,
 )
-from miles.protocol.sglang import GenerateResponse, SamplingParams
+from miles.protocol.sglang import OPENAI_SAME_NAME, GenerateResponse, SamplingParams
 
 # Fields of both SGLang OpenAI requests that only affect logging, scheduling or caching.
 _IGNORED = frozenset({"user", "extra_key", "cache_salt", "priority"})
@@ -107,21 +107,9 @@ class _SamplingFields(SGLangFields):
         return SamplingParams(
             max_new_tokens=self.token_budget,
             min_new_tokens=self.min_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            n=self.n,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
             sampling_seed=self.seed,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=self.logit_bias,
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
             no_stop_trim=self.no_stop_trim,
+            **{name: getattr(self, name) for name in OPENAI_SAME_NAME},
         )
 
     @model_validator(mode="after")

@@ -60,6 +60,22 @@ _NULL_IS_DEFAULT = frozenset(
         "spaces_between_special_tokens",
     }
 )
+# SamplingParams fields that OpenAI's completion requests (vLLM's and miles' own) take by the same name.
+OPENAI_SAME_NAME = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "n",
+    "logit_bias",
+)
 # OpenAI's bound on a logit bias, which SGLang forwards unchanged.
 MAX_LOGIT_BIAS = 100.0
 

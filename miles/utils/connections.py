@@ -327,16 +327,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Write a whole JSON error response in the API's shape, outside any request cycle."""
         body = json.dumps(error_body(message, code=status, kind=kind)).encode()
         default = b"".join(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
-        self.transport.write(
-            STATUS_LINE[status]
-            + default
-            + b"content-type: application/json\r\ncontent-length: "
-            + str(len(body)).encode()
-            + b"\r\nconnection: close\r\n"
-            + headers
-            + b"\r\n"
-            + body
-        )
+        head = f"content-type: application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n"
+        self.transport.write(STATUS_LINE[status] + default + head.encode() + headers + b"\r\n" + body)
 
     def _move(self, to: Phase) -> None:
         self._table.move(self, to)
