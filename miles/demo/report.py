@@ -177,7 +177,7 @@ def write_report(
         _plot_updates(run_dir / "updates.png", updates),
         _plot_requests(run_dir / "requests.png", traffic, updates),
     ]
-    written[2].write_text(_markdown(summary, training, updates, plots))
+    written[2].write_text(_markdown(summary, updates, plots))
     return written + plots
 
 
@@ -260,7 +260,7 @@ def _saved(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _markdown(summary: DemoSummary, training: TrainingSummary, updates: list[UpdateRecord], plots: list[Path]) -> str:
+def _markdown(summary: DemoSummary, updates: list[UpdateRecord], plots: list[Path]) -> str:
     verdict = "PASS" if summary.passed else "ATTENTION"
     lines = [
         "# miles demo run",
