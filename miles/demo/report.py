@@ -167,8 +167,7 @@ def write_report(
     updates: list[UpdateRecord],
     traffic: TrafficStats,
 ) -> list[Path]:
-    """Write summary.json, training.json (every step's report), report.md and the plots; return
-    the files written."""
+    """Write summary.json, training.json, report.md and the plots; returns the files written."""
     written = [run_dir / "summary.json", run_dir / "training.json", run_dir / "report.md"]
     written[0].write_text(summary.model_dump_json(indent=2) + "\n")
     written[1].write_text(training.model_dump_json() + "\n")

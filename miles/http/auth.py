@@ -29,8 +29,7 @@ class Credentials:
     api_key: SecretStr | None
 
     def check(self, request: Request, access: Access) -> None:
-        """Return if the request may have ``access``; raise AuthenticationError (401) or
-        PermissionDeniedError (403) otherwise."""
+        """Return if the request may have ``access``; else AuthenticationError or PermissionDeniedError."""
         self.check_header(request.url.path, request.headers.get("authorization"), access)
 
     def check_header(self, path: str, authorization: str | None, access: Access) -> None:

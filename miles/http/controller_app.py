@@ -39,10 +39,11 @@ from miles.controller.core import AsyncInferenceController
 from miles.errors import ConflictError, EventLogError, InvalidRequestError, NotFoundError
 from miles.http.auth import Access, Credentials
 from miles.http.inference import Inference, generate_request, openai_request
-from miles.http.metrics import CONTENT_TYPE, NO_REQUEST_METRICS, ControllerMetrics
+from miles.http.metrics import NO_REQUEST_METRICS, ControllerMetrics
 from miles.http.proxy import HeldBodies, Proxy, new_session
 from miles.http.status import add_status_page
 from miles.protocol.base import Label
+from miles.protocol.metrics import CONTENT_TYPE
 from miles.utils.audit_utils.event_logger.models import (
     EVENT_ADAPTER,
     EVENT_TYPES,

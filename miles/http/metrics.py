@@ -32,8 +32,6 @@ from miles.utils.audit_utils.event_logger.models import (
     ServerStateChangedEvent,
 )
 
-CONTENT_TYPE = names.CONTENT_TYPE
-
 # Read from the answer's bytes rather than by parsing it: a routed answer is passed through as it
 # came, and a search costs microseconds where a parse of a long answer costs more. SGLang's
 # ``meta_info`` and the OpenAI ``usage`` both name completion_tokens; a batch answer has several.

@@ -139,8 +139,7 @@ class Proxy:
     async def forward(
         self, path: str, payload: bytes, options: RouteOptions, *, lease: RouteLease | None = None
     ) -> Response:
-        """Send the JSON ``payload`` to ``path`` on a routed server (first on ``lease``'s, when
-        given) and return its answer unchanged."""
+        """Send ``payload`` to ``path`` on a routed server (``lease``'s first); its answer unchanged."""
         tries = _Attempts(options, max_attempts=self._max_attempts)
         lease = lease or await self._lease(tries)
         while True:

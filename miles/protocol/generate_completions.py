@@ -31,8 +31,7 @@ Logprob = tuple[float, int, str | None]
 
 
 def parse_generate(body: dict[str, Any]) -> GenerateRequest:
-    """``body`` as SGLang's request, refused (InvalidRequestError) where it is invalid or asks
-    for what a completions server cannot give."""
+    """``body`` as SGLang's request; InvalidRequestError where a completions server cannot serve it."""
     try:
         request = GenerateRequest.model_validate(body)
     except ValidationError as exc:

@@ -92,8 +92,7 @@ def _logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
 
 
 class SamplingParams(SGLangFields):
-    """Per-request decoding settings, with SGLang's names and defaults (token ids are checked
-    against the vocabulary by the engine)."""
+    """Per-request decoding settings, with SGLang's names and defaults (the engine checks token ids)."""
 
     ignored_fields: ClassVar[frozenset[str]] = frozenset({"stream_interval"})
     unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {
@@ -337,8 +336,7 @@ class FinishReason(ResponseModel):
 
 
 class WeightVersionSpan(ResponseModel):
-    """Output tokens ``[start, end)`` (indices into ``output_ids``) were sampled from logits that
-    the weights of ``weight_version`` computed."""
+    """Output tokens ``[start, end)`` of ``output_ids`` were sampled from ``weight_version``'s logits."""
 
     weight_version: str
     start: int

@@ -146,8 +146,7 @@ class ConnectionTable(Generic[T]):
         self._enter(member, to)
 
     def closing(self, member: T) -> Eviction[T] | None:
-        """Move ``member`` (held or new) to CLOSING; returns the oldest closing connection to close
-        at once when that passes ``max_closing``."""
+        """Move ``member`` to CLOSING; returns the oldest closing one to close past ``max_closing``."""
         if member in self._phase:
             del self._members[self._phase.pop(member)][member]
         self._enter(member, Phase.CLOSING)

@@ -68,8 +68,7 @@ class LockTransitionKind(Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LockTransition:
-    """One change of holder, passed to ``on_transition``: ``waited_s`` for ACQUIRED, ``held_s``
-    for RELEASED."""
+    """One change of holder, for ``on_transition``: ``waited_s`` if ACQUIRED, ``held_s`` if RELEASED."""
 
     kind: LockTransitionKind
     lock_name: str
@@ -367,8 +366,7 @@ def with_lock(func: FuncT) -> FuncT:
 
 
 def requires_lock(func: FuncT) -> FuncT:
-    """Let the method (sync or async) run only when the calling context holds the lock; raises
-    LockNotHeldError otherwise."""
+    """Let the method (sync or async) run only when its context holds the lock (LockNotHeldError)."""
     declaration = _declare(func, LockRole.REQUIRES)
 
     if inspect.iscoroutinefunction(func):

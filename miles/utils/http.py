@@ -344,8 +344,7 @@ async def answer_unread(answer: Response, scope: Scope, receive: Receive, send: 
 
 
 async def drain(receive: Receive, budget: int) -> None:
-    """Read and drop the rest of a request's body, at most ``budget`` bytes, until it stops
-    arriving for ``BODY_IDLE_TIMEOUT_S``."""
+    """Read and drop the rest of a body: at most ``budget`` bytes, until ``BODY_IDLE_TIMEOUT_S`` idle."""
     while budget > 0:
         try:
             message = await asyncio.wait_for(receive(), BODY_IDLE_TIMEOUT_S)

@@ -96,8 +96,7 @@ class EventLogger(_ClosedOnExit):
         fsync: bool = False,
         memory_limit: int = 10_000,
     ) -> None:
-        """Open a new log file in ``directory`` (created when missing); ``memory_limit`` bounds
-        ``events``. Raises EventLogError when the directory or the file cannot be created."""
+        """Open a new log file in ``directory`` (EventLogError if it cannot); ``memory_limit`` bounds ``events``."""
         self._component = component
         self._source_id = source_id
         self._source = self._make_source()
@@ -315,8 +314,7 @@ def iter_events(directory: str | Path) -> Iterator[Event]:
 
 
 def read_events(directory: str | Path) -> list[Event]:
-    """Every event logged in ``directory``, by timestamp (ties by file name, then line); raises
-    as ``iter_logged_events``."""
+    """Every event in ``directory`` by timestamp, then file and line; raises as ``iter_logged_events``."""
     logged = sorted(
         iter_logged_events(directory),
         key=lambda item: (item.event.timestamp, item.path.name, item.line),

@@ -316,8 +316,7 @@ def parse_event(data: str | bytes | Mapping[str, Any]) -> Event:
 
 
 def build_event(event_cls: type[_E], fields: Mapping[str, Any]) -> _E:
-    """``fields`` as an ``event_cls`` (``type`` may be omitted); EventValidationError when they
-    do not fit it."""
+    """``fields`` as an ``event_cls`` (``type`` may be omitted); EventValidationError if they do not fit."""
     try:
         return event_cls.model_validate(fields)
     except ValidationError as exc:
