@@ -121,10 +121,7 @@ def _posted_checksum_problems(event: InferenceEngineWeightChecksumEvent) -> list
         ("model_name", event.model_name, _LABEL),
         ("checksum", event.checksum, _LABEL),
         ("step", event.step, _STEP),
-    ]
-    if event.weight_version is not None:
-        fields.append(("weight_version", event.weight_version, _LABEL))
-    fields += [
+        ("weight_version", event.weight_version, _LABEL),
         ("event_id", event.event_id, _EVENT_ID),
         ("source.component", event.source.component, _LABEL),
         ("source.id", event.source.id, _LABEL),
@@ -141,6 +138,8 @@ def _posted_checksum_problems(event: InferenceEngineWeightChecksumEvent) -> list
             f"(at most {MAX_POSTED_CLOCK_SKEW_S}s); leave it out to have the controller stamp the event"
         )
     for name, value, adapter in fields:
+        if value is None:
+            continue
         try:
             adapter.validate_python(value)
         except ValidationError as exc:

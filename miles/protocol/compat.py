@@ -87,10 +87,13 @@ class SGLangFields(RequestModel):
     unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {}
     # Fields of this model that SGLang's class lacks, each documented in docs/ENGINE.md.
     extension_fields: ClassVar[frozenset[str]] = frozenset()
+    # Fields whose null SGLang reads as "the default", so a client may send it.
+    null_is_default: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _sglang_fields(cls, data: Any) -> Any:
+        data = _drop_nulls(data, cls.null_is_default)
         if not isinstance(data, dict):
             return data
         refused = [
@@ -108,7 +111,7 @@ class SGLangFields(RequestModel):
         return {k: v for k, v in data.items() if k not in cls.ignored_fields and k not in cls.unsupported_fields}
 
 
-def drop_nulls(data: Any, fields: frozenset[str]) -> Any:
+def _drop_nulls(data: Any, fields: frozenset[str]) -> Any:
     """``data`` without the keys in ``fields`` whose value is null (SGLang reads it as the default)."""
     if not isinstance(data, dict) or not any(data.get(k, 0) is None for k in fields):
         return data

@@ -26,7 +26,6 @@ from miles.protocol.compat import (
     SHARED_UNSUPPORTED,
     SGLangFields,
     Unsupported,
-    drop_nulls,
 )
 from miles.protocol.sglang import OPENAI_SAME_NAME, GenerateResponse, SamplingParams
 
@@ -64,6 +63,7 @@ class StreamOptions(RequestModel):
 
 
 class _SamplingFields(SGLangFields):
+    null_is_default: ClassVar[frozenset[str]] = _NULL_IS_DEFAULT
     model: str | None = None
     temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] = 1.0
     top_p: TopP = 1.0
@@ -87,11 +87,6 @@ class _SamplingFields(SGLangFields):
     session_id: str | None = None
     # miles extension: a minimum weight version, honoured by the controller's router.
     min_weight_version: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        return drop_nulls(data, _NULL_IS_DEFAULT)
 
     @property
     def token_budget(self) -> int:
@@ -135,16 +130,12 @@ class CompletionRequest(_SamplingFields):
         "suffix": Unsupported("insertion (suffix) is not supported", unset=("",)),
     }
     extension_fields: ClassVar[frozenset[str]] = frozenset({"min_weight_version"})
+    null_is_default: ClassVar[frozenset[str]] = _NULL_IS_DEFAULT | {"max_tokens"}
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: Count = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     echo: Literal[False] = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_max_tokens(cls, data: Any) -> Any:
-        return drop_nulls(data, frozenset({"max_tokens"}))
 
     @property
     def token_budget(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, StrictFloat, StrictInt, model_validator
 
@@ -39,7 +39,6 @@ from miles.protocol.compat import (
     WATERMARK,
     SGLangFields,
     Unsupported,
-    drop_nulls,
 )
 
 # SamplingParams fields whose null SGLang reads as "the default" (its __post_init__).
@@ -115,6 +114,7 @@ class SamplingParams(SGLangFields):
         "ebnf_full_assistant": Unsupported(INTERNAL, default=False),
     }
     extension_fields: ClassVar[frozenset[str]] = frozenset({"seed"})
+    null_is_default: ClassVar[frozenset[str]] = _NULL_IS_DEFAULT
 
     # null: as many tokens as the context length leaves after the prompt (SGLang's meaning).
     max_new_tokens: Count | None = 128
@@ -140,11 +140,6 @@ class SamplingParams(SGLangFields):
     sampling_seed: Seed | None = None
     # Accepted as a shorter alias of ``sampling_seed`` (OpenAI's name for the same thing).
     seed: Seed | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        return drop_nulls(data, _NULL_IS_DEFAULT)
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
