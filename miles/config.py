@@ -1,14 +1,13 @@
 """The controller's settings: typed, read from ``MILES_*`` environment variables once at start-up.
 
-Constructor arguments override the environment, which overrides the defaults. A subset can be
-changed at runtime (``PATCH /config``); the rest is fixed for the controller's lifetime, and
-changing it is refused with the reason.
+Constructor arguments override the environment, which overrides the defaults. ``PATCH /config``
+may change a subset at runtime; changing the rest is refused with the reason.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,12 +21,9 @@ from miles.utils.http import DEFAULT_MAX_REQUEST_MIB
 
 
 class UpdateStrategy(StrEnum):
-    """How a weight update moves through the fleet.
-
-    ``barrier``: requests wait at the router and every server switches together.
-    ``rolling``: at most ``rolling_batch_size`` servers leave the router at a time, so serving
-    never stops (the fleet holds two versions while the update moves through it).
-    """
+    """How a weight update moves through the fleet: ``barrier`` (requests wait at the router and
+    every server switches together) or ``rolling`` (``rolling_batch_size`` servers at a time leave
+    the router, so serving never stops)."""
 
     BARRIER = "barrier"
     ROLLING = "rolling"
@@ -268,14 +264,12 @@ class ControllerSettings(BaseSettings):
         return value
 
     def changed(self, patch: dict[str, Any]) -> ControllerSettings:
-        """A copy with ``patch`` applied, validated; refuses fields that cannot change at runtime.
-
-        Raises InvalidRequestError naming each refused field and why, or the invalid values.
-        """
+        """A copy with ``patch`` applied, validated. Raises InvalidRequestError for unknown names or
+        invalid values, ConflictError naming each setting fixed at start and why."""
         unknown = sorted(set(patch) - set(type(self).model_fields))
         if unknown:
             raise InvalidRequestError(f"unknown settings: {', '.join(unknown)}")
-        fixed = {name: FIXED_REASONS.get(name, "fixed at start") for name in patch if name not in RUNTIME_CHANGEABLE}
+        fixed = _fixed(patch)
         if fixed:
             reasons = "; ".join(f"{name}: {why}" for name, why in sorted(fixed.items()))
             raise ConflictError(f"these settings cannot change at runtime: {reasons}")
@@ -292,10 +286,13 @@ class ControllerSettings(BaseSettings):
         return {
             "settings": values,
             "runtime_changeable": sorted(RUNTIME_CHANGEABLE),
-            "fixed": {
-                name: FIXED_REASONS.get(name, "fixed at start") for name in values if name not in RUNTIME_CHANGEABLE
-            },
+            "fixed": _fixed(values),
         }
+
+
+def _fixed(names: Iterable[str]) -> dict[str, str]:
+    """Each of ``names`` that cannot change at runtime, with why."""
+    return {name: FIXED_REASONS.get(name, "fixed at start") for name in names if name not in RUNTIME_CHANGEABLE}
 
 
 ENV_PREFIX = "MILES_"
@@ -304,14 +301,13 @@ _CREDENTIAL_WORDS = ("token", "key", "secret", "password")
 
 
 class SettingsError(MilesError):
-    """A setting has a value miles cannot use; the message is one line that names where the value
-    came from (a flag, a ``MILES_*`` variable), what is wrong with it and so how to fix it."""
+    """A setting has a value miles cannot use; one line names where it came from (a flag, a
+    ``MILES_*`` variable) and what is wrong with it."""
 
     @classmethod
     def from_validation(cls, exc: ValidationError, *, flags: Mapping[str, str] | None = None) -> SettingsError:
-        """Every problem ``exc`` lists, each named as the user gave the value: ``flags[field]`` (the
-        flag a command turned into that field), else the field's ``MILES_*`` variable when it is
-        set (ControllerSettings), else the field's name (or the model's, for a whole-model check)."""
+        """Every problem ``exc`` lists, each named as the user gave it: ``flags[field]``, else its
+        ``MILES_*`` variable when set (ControllerSettings), else the field's (or model's) name."""
         from_env = exc.title == ControllerSettings.__name__
         problems = [_problem(error, title=exc.title, flags=flags or {}, from_env=from_env) for error in exc.errors()]
         return cls("; ".join(problems))

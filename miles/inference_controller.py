@@ -1,8 +1,7 @@
 """The InferenceController: the blocking facade over ``AsyncInferenceController``.
 
-This is the seed's API, usable from a plain script (no ``await``), the way httpx offers
-``Client`` beside ``AsyncClient``: it runs the asyncio core and the controller's HTTP API on an
-event loop in a background thread. asyncio code uses ``AsyncInferenceController`` directly.
+The seed's API, usable from a plain script (httpx's ``Client`` beside ``AsyncClient``): it runs
+the asyncio core and its HTTP API on an event loop in a background thread.
 """
 
 from __future__ import annotations

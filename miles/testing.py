@@ -60,8 +60,8 @@ def running_engine(
 async def wait_until(
     predicate: Callable[[], bool], *, what: str, timeout: float = 60.0, interval: float = 0.02
 ) -> None:
-    """Return once ``predicate()`` holds, checking every ``interval`` seconds (0: every loop turn);
-    AssertionError naming ``what`` after ``timeout`` seconds."""
+    """Return once ``predicate()`` holds, checked every ``interval`` s; AssertionError naming
+    ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     # Polling, not an Event: tests watch state (lock waiters, router queues, a fleet's health)
     # that the product exposes for reading but signals to no one.
@@ -75,8 +75,8 @@ def wait_serving(
     url: str, process: subprocess.Popen[Any], *, timeout: float = 120.0, output: Callable[[], str] | None = None
 ) -> None:
     """Return once ``url/health`` answers 200 (a `miles serve` starting in ``process``);
-    AssertionError when ``process`` exits first (with ``output()``, by default its stderr) or
-    after ``timeout`` seconds. Polls: a separate process starting signals nothing but its answer."""
+    AssertionError when ``process`` exits first (with ``output()``, default its stderr) or after
+    ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:
         if process.poll() is not None:
@@ -93,8 +93,7 @@ def wait_serving(
 
 
 def weights_held(http: httpx.Client) -> dict[str, Any]:
-    """An engine's ``/get_weight_version`` without ``instance_id`` (which names the process, not
-    its weights): the version and checksum it says it holds."""
+    """An engine's ``/get_weight_version`` without ``instance_id`` (the process, not its weights)."""
     body = dict(http.get("/get_weight_version").json())
     body.pop("instance_id", None)
     return body
@@ -148,8 +147,8 @@ def process_alive(pid: int) -> bool:
 
 @contextmanager
 def app_on_loopback(app: Any, *, timeout_s: float = 30.0) -> Iterator[int]:
-    """Serve the ASGI ``app`` with uvicorn on a free loopback port, on a thread of its own, until
-    the block ends; yields the port. Call it off any event loop (it waits for the server)."""
+    """Serve the ASGI ``app`` on a free loopback port, on a thread of its own, until the block
+    ends; yields the port. Call it off any event loop."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
     thread = threading.Thread(target=server.run, name=f"app-on-{port}", daemon=True)
@@ -184,8 +183,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def listening(pids: Iterable[int]) -> list[tuple[str, int]]:
-    """The TCP addresses (host, port) the processes ``pids`` listen on: the sockets each holds, in
-    LISTEN, from /proc."""
+    """The TCP addresses (host, port) the processes ``pids`` listen on, from /proc."""
     inodes = set()
     for pid in pids:
         try:
@@ -217,9 +215,8 @@ def on_loopback(host: str) -> bool:
 
 
 def bucket_segment(named: dict[str, torch.Tensor], names: list[str] | None = None) -> tuple[Segment, BucketTable]:
-    """``names`` (default: all) of ``named`` packed back to back into a new shared-memory segment
-    (its bytes are ``segment.flat``: a byte changed there is changed for every reader), with the
-    packed table and its digests."""
+    """``names`` (default: all) of ``named`` packed into a new shared-memory segment (a byte
+    changed in ``segment.flat`` is changed for every reader), with the packed table."""
     table = layout(named, names if names is not None else list(named))
     segment = Segment(table.total_bytes)
     return segment, pack(named, table, segment.flat)

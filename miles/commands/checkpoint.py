@@ -1,8 +1,7 @@
 """``miles checkpoint``: create a tiny checkpoint, verify one, print its checksum, seal a directory.
 
-Mounted by the ``miles`` command with ``add_typer(checkpoint.app, name="checkpoint")``. Exit status:
-0 when all went well, 1 when the checkpoint has problems (or its checksum differs from the
-manifest), 2 when the path is not a checkpoint at all or an argument is invalid.
+Exit status: 0 when all went well, 1 when the checkpoint has problems (or its checksum differs
+from the manifest), 2 when the path is not a checkpoint at all or an argument is invalid.
 """
 
 from __future__ import annotations
@@ -58,8 +57,11 @@ def _fail(message: str, code: ExitCode) -> typer.Exit:
     return typer.Exit(int(code))
 
 
-def _is_checkpoint_at_all(directory: Path) -> bool:
-    return directory.is_dir() and ((directory / "miles_manifest.json").exists() or any(directory.glob("*.safetensors")))
+def _require_checkpoint(directory: Path) -> None:
+    if not (
+        directory.is_dir() and ((directory / "miles_manifest.json").exists() or any(directory.glob("*.safetensors")))
+    ):
+        raise _fail(f"{directory} is not a checkpoint (no manifest, no safetensors files)", ExitCode.NOT_A_CHECKPOINT)
 
 
 @app.command("init")
@@ -90,8 +92,7 @@ def init(
 @app.command("verify")
 def verify(directory: DirArg) -> None:
     """Recompute every digest from the files and compare with the manifest."""
-    if not _is_checkpoint_at_all(directory):
-        raise _fail(f"{directory} is not a checkpoint (no manifest, no safetensors files)", ExitCode.NOT_A_CHECKPOINT)
+    _require_checkpoint(directory)
     from miles.weights.checkpoint import verify_checkpoint
 
     report = verify_checkpoint(directory)
@@ -114,8 +115,7 @@ def _problem_table(report: VerificationReport) -> Table:
 @app.command("checksum")
 def checksum(directory: DirArg) -> None:
     """Print the model checksum recomputed from the weight files (exit 1 if it differs from the manifest)."""
-    if not _is_checkpoint_at_all(directory):
-        raise _fail(f"{directory} is not a checkpoint (no manifest, no safetensors files)", ExitCode.NOT_A_CHECKPOINT)
+    _require_checkpoint(directory)
     from miles.weights.checkpoint import read_manifest
     from miles.weights.checksum import checksum_safetensors
 

@@ -100,16 +100,13 @@ def serve(
     """Start a controller with SERVERS rollout servers on CHECKPOINT (or attached to the --attach
     URLs, or the --fleet of several models) and serve until interrupted."""
     console = Console(stderr=True)
-    overrides: dict[str, Any] = {}
-    if host is not None:
-        overrides["host"] = host
-    if port is not None:
-        overrides["port"] = port
-    if events_dir is not None:
-        overrides["events_dir"] = events_dir
-    if allowed_checkpoint_root:
-        overrides["allowed_checkpoint_roots"] = tuple(allowed_checkpoint_root)
-    ray_options = {
+    given: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "events_dir": events_dir,
+        "allowed_checkpoint_roots": tuple(allowed_checkpoint_root) if allowed_checkpoint_root else None,
+    }
+    ray_options: dict[str, Any] = {
         "ray_address": address,
         "num_gpus_per_engine": gpus_per_engine,
         "num_cpus_per_engine": cpus_per_engine,
@@ -117,7 +114,7 @@ def serve(
     }
     if not ray and any(v is not None for v in ray_options.values()):
         raise typer.BadParameter("--address and the placement options need --ray")
-    overrides |= {k: v for k, v in ray_options.items() if v is not None}
+    overrides = {k: v for k, v in (given | ray_options).items() if v is not None}
     if ray:
         overrides["runtime"] = "ray"
     # Every setting checked before anything starts (flags and MILES_* variables alike), and a
@@ -256,8 +253,8 @@ def health(
     body = _call("GET", f"{url}/health", timeout=10)
     if as_json:
         typer.echo(json.dumps(body, indent=2))
-        raise typer.Exit(0 if body["ok"] else 1)
-    Console().print(health_view(body))
+    else:
+        Console().print(health_view(body))
     raise typer.Exit(0 if body["ok"] else 1)
 
 
@@ -286,10 +283,8 @@ class _Unreachable(Exception):
 
 
 def _get(url: str, *, timeout: float) -> dict[str, Any]:
-    token = _credential()
-    headers = {"authorization": f"Bearer {token}"} if token else None
     try:
-        response = httpx.get(url, headers=headers, timeout=timeout, trust_env=False)
+        response = httpx.get(url, headers=_headers(), timeout=timeout, trust_env=False)
         body = response.json()
     except (httpx.HTTPError, ValueError) as exc:
         raise _Unreachable(str(exc) or type(exc).__name__) from exc
@@ -298,20 +293,18 @@ def _get(url: str, *, timeout: float) -> dict[str, Any]:
     return body
 
 
-def _credential() -> str | None:
+def _headers() -> dict[str, str] | None:
     """The token the CLI presents: the admin token, else the API key (read from the environment)."""
     for name in ("MILES_ADMIN_TOKEN", "MILES_API_KEY"):
         value = os.environ.get(name, "").strip()
         if value:
-            return value
+            return {"authorization": f"Bearer {value}"}
     return None
 
 
 def _call(method: str, url: str, *, json: dict[str, Any] | None = None, timeout: float | None) -> dict[str, Any]:
-    token = _credential()
-    headers = {"authorization": f"Bearer {token}"} if token else None
     try:
-        response = httpx.request(method, url, json=json, headers=headers, timeout=timeout, trust_env=False)
+        response = httpx.request(method, url, json=json, headers=_headers(), timeout=timeout, trust_env=False)
     except httpx.HTTPError as exc:
         typer.echo(f"cannot reach the controller at {url}: {exc}; is `miles serve` running?", err=True)
         raise typer.Exit(2) from exc

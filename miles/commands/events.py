@@ -1,9 +1,7 @@
 """``miles events DIR``: show an event log as a table, JSON lines or update timelines; check it.
 
-``--timeline`` prints one block per weight update (its phases as bars, its servers' steps), read
-back from the log by ``event_analyzer.timeline``. Mounted by the ``miles`` command with
-``add_typer(events.app, name="events")``. Exit status: 0 when all went well, 1 when ``--check``
-found violations, 2 when the log could not be read or an option is invalid.
+Exit status: 0 when all went well, 1 when ``--check`` found violations, 2 when the log could not
+be read or an option is invalid.
 """
 
 from __future__ import annotations

@@ -6,12 +6,15 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only; the demo runs on machines without a display
 
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 from pydantic import BaseModel, ConfigDict
 
 from miles.controller.results import UpdateResult, UpdateStatus
@@ -71,6 +74,11 @@ class DemoSummary(BaseModel):
     samples_dropped: int = 0
     wall_s: float
     run_dir: str
+
+    @property
+    def passed(self) -> bool:
+        """No user request failed, no checksum mismatched, and the event audit found nothing."""
+        return self.requests_failed == 0 and self.checksum_mismatches == 0 and self.events_check_passed
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -159,8 +167,7 @@ def write_report(
     updates: list[UpdateRecord],
     traffic: TrafficStats,
 ) -> list[Path]:
-    """Write summary.json, training.json (every step's report), report.md and the plots; return
-    the files written."""
+    """Write summary.json, training.json, report.md and the plots; returns the files written."""
     written = [run_dir / "summary.json", run_dir / "training.json", run_dir / "report.md"]
     written[0].write_text(summary.model_dump_json(indent=2) + "\n")
     written[1].write_text(training.model_dump_json() + "\n")
@@ -169,7 +176,7 @@ def write_report(
         _plot_updates(run_dir / "updates.png", updates),
         _plot_requests(run_dir / "requests.png", traffic, updates),
     ]
-    written[2].write_text(_markdown(summary, training, updates, plots))
+    written[2].write_text(_markdown(summary, updates, plots))
     return written + plots
 
 
@@ -200,28 +207,16 @@ def _plot_rewards(path: Path, training: TrainingSummary) -> Path:
         title="Reward by weight version",
         ylim=(0, 1.05),
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def _plot_updates(path: Path, updates: list[UpdateRecord]) -> Path:
     fig, ax = plt.subplots(figsize=(11, 3.5))
-    good = [u for u in updates if u.result.status is UpdateStatus.COMMITTED]
-    bad = [u for u in updates if u.result.status is not UpdateStatus.COMMITTED]
-    ax.scatter(
-        [u.at for u in good], [u.result.duration_s * 1e3 for u in good], s=8, color="tab:green", label="committed"
-    )
+    good = [(u.at, u.result.duration_s) for u in updates if u.result.status is UpdateStatus.COMMITTED]
+    bad = [(u.at, u.result.duration_s) for u in updates if u.result.status is not UpdateStatus.COMMITTED]
+    _scatter_ms(ax, good, s=8, color="tab:green", label="committed")
     if bad:
-        ax.scatter(
-            [u.at for u in bad],
-            [u.result.duration_s * 1e3 for u in bad],
-            s=20,
-            marker="x",
-            color="tab:red",
-            label="not committed",
-        )
+        _scatter_ms(ax, bad, s=20, marker="x", color="tab:red", label="not committed")
     ax.set(
         xlabel="seconds since start (when the update finished)",
         ylabel="update latency (ms)",
@@ -229,26 +224,16 @@ def _plot_updates(path: Path, updates: list[UpdateRecord]) -> Path:
     )
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def _plot_requests(path: Path, traffic: TrafficStats, updates: list[UpdateRecord]) -> Path:
     fig, ax = plt.subplots(figsize=(11, 3.5))
-    ok = [r for r in traffic.records if r.ok]
-    bad = [r for r in traffic.records if not r.ok]
-    ax.scatter([r.started for r in ok], [r.latency_s * 1e3 for r in ok], s=6, color="tab:blue", label="served")
+    ok = [(r.started, r.latency_s) for r in traffic.records if r.ok]
+    bad = [(r.started, r.latency_s) for r in traffic.records if not r.ok]
+    _scatter_ms(ax, ok, s=6, color="tab:blue", label="served")
     if bad:
-        ax.scatter(
-            [r.started for r in bad],
-            [r.latency_s * 1e3 for r in bad],
-            s=14,
-            color="tab:red",
-            marker="x",
-            label="failed",
-        )
+        _scatter_ms(ax, bad, s=14, color="tab:red", marker="x", label="failed")
     for record in updates:
         ax.axvline(record.at, color="tab:green", alpha=0.15, lw=1)
     ax.set(
@@ -259,18 +244,23 @@ def _plot_requests(path: Path, traffic: TrafficStats, updates: list[UpdateRecord
     if traffic.records:
         ax.set_yscale("log")  # a log scale of nothing fails (a run without users)
     ax.legend(loc="upper right")
+    return _saved(fig, path)
+
+
+def _scatter_ms(ax: Axes, points: list[tuple[float, float]], **style: Any) -> None:
+    """``(x, seconds)`` points, drawn in milliseconds."""
+    ax.scatter([x for x, _ in points], [seconds * 1e3 for _, seconds in points], **style)
+
+
+def _saved(fig: Figure, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def _markdown(summary: DemoSummary, training: TrainingSummary, updates: list[UpdateRecord], plots: list[Path]) -> str:
-    verdict = (
-        "PASS"
-        if summary.requests_failed == 0 and summary.checksum_mismatches == 0 and summary.events_check_passed
-        else "ATTENTION"
-    )
+def _markdown(summary: DemoSummary, updates: list[UpdateRecord], plots: list[Path]) -> str:
+    verdict = "PASS" if summary.passed else "ATTENTION"
     lines = [
         "# miles demo run",
         "",

@@ -1,15 +1,10 @@
 """``miles demo``: train a tiny model with GRPO while a controller serves it to simulated users.
 
-One process hosts the controller (and its HTTP API on a free port), the trainer and the user
-traffic; the rollout servers are real engine processes. The trainer samples from the servers
-through the controller, publishes its weights after every step (pushed from memory through an
-update window, or a checkpoint and ``update_rollout_weights``), and the users keep getting
-answers throughout.
-
-With ``trainer_ranks`` > 1 the trainer is that many FSDP2 rank processes instead
-(``miles.train.ranks.TrainerRanks``), each sampling its share of every batch through the
-controller's HTTP API and publishing its own shards (``ShardedPublisher``); rank 0 reports each
-step back here, so the display and the report are the same.
+One process hosts the controller and its HTTP API, the trainer and the user traffic; the rollout
+servers are real engine processes. The trainer samples through the controller and publishes after
+every step (pushed from memory, or a checkpoint). With ``trainer_ranks`` > 1 the trainer is that
+many FSDP2 rank processes (``TrainerRanks``), each publishing its own shards; rank 0 reports each
+step back here.
 """
 
 from __future__ import annotations
@@ -130,9 +125,9 @@ _RAY_PLACEMENT: dict[str, Any] = {
 
 
 def _servers(config: DemoConfig, checkpoint: Path, model_name: str) -> dict[str, Any]:
-    """The controller's servers: of the demo's type on ``checkpoint``; vLLM's run eagerly (on a
+    """The controller's servers, of the demo's type, on ``checkpoint``. vLLM's run eagerly: on a
     few cores torch.compile's warm-up is most of a start, and a recompile can stall a worker past
-    its health checks)."""
+    its health checks."""
     if config.server_cls != "VLLMRollout":
         return {"rollout_server_cls": config.server_cls, "model_checkpoint": checkpoint, "num_servers": config.servers}
     spec = {
@@ -266,8 +261,7 @@ def _publisher(
     checkpoints: Path,
 ) -> Publisher:
     """How the in-process trainer publishes: a checkpoint per step (``--transfer disk``), or
-    straight from its memory into the engines' (no checkpoint on disk), committed through a
-    window: the same checksum gate as a checkpoint."""
+    pushed from memory through a window (the same checksum gate)."""
     if config.transfer is not TransferPath.DISK:
         return PushPublisher(controller, model_name=trainer_config.model_name, path=config.transfer)
 

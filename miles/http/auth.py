@@ -1,15 +1,9 @@
 """Who may call the controller's HTTP API: bearer tokens checked at the edge (adapter).
 
-Two credentials, both optional and read once at start-up (docs/SECURITY.md):
-- the admin token (``MILES_ADMIN_TOKEN``) guards everything that changes weights, settings or
-  the event log: updates, training windows, ``POST /events``, ``PATCH /config``;
-- the API key (``MILES_API_KEY``) guards inference and the read-only endpoints, OpenAI-style
-  (``Authorization: Bearer <key>``); the admin token is accepted there too.
-``GET /health`` stays open: orchestrators and load balancers probe it without credentials.
-A route that declares its credential is refused before its body is read
-(``miles.utils.http.CheckFirst``).
-Without an admin token, the changing endpoints fall back to the API key, so that setting only a
-key never leaves weights open to callers the key shuts out of inference.
+The admin token (``MILES_ADMIN_TOKEN``) guards what changes weights, settings or the event log;
+the API key (``MILES_API_KEY``) guards inference and the read-only endpoints (the admin token is
+accepted there too); ``GET /health`` stays open. Without an admin token, the changing endpoints
+fall back to the API key. docs/SECURITY.md.
 """
 
 from __future__ import annotations
@@ -35,8 +29,7 @@ class Credentials:
     api_key: SecretStr | None
 
     def check(self, request: Request, access: Access) -> None:
-        """Return if the request may have ``access``; raise AuthenticationError (401) or
-        PermissionDeniedError (403) otherwise."""
+        """Return if the request may have ``access``; else AuthenticationError or PermissionDeniedError."""
         self.check_header(request.url.path, request.headers.get("authorization"), access)
 
     def check_header(self, path: str, authorization: str | None, access: Access) -> None:

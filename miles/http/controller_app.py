@@ -1,17 +1,10 @@
 """The controller's HTTP API (port 8000 by default): a thin adapter over AsyncInferenceController.
 
-Inference: ``/generate`` (SGLang native) and ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models`` (OpenAI), routed to a serving server (``/generate`` to a model served by vLLM goes
-as ``/v1/completions``, its answer turned into SGLang's: ``miles.protocol.generate_completions``).
-Three request fields are miles extensions and are removed before forwarding: ``model`` on
-``/generate`` (which model, when several are served), ``min_weight_version`` (wait for a server at
-that version or later) and, on the OpenAI endpoints, ``session_id`` (keep a conversation on one
-server; SGLang's ``/generate`` has it natively).
-
-Operations: ``GET /health`` (200 while the fleet can serve, else 503), ``/metrics``, the status page
-at ``/`` (and its JSON at ``/status``),
-``POST /update_weights`` (+ ``/start``, ``/renew``, ``/end``, ``/abort`` for training-driven windows),
-``POST/GET /events``, ``GET/PATCH /config``.
+Inference (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) is routed
+to a serving server; ``model`` (on ``/generate``), ``min_weight_version`` and, on the OpenAI
+endpoints, ``session_id`` are the controller's extensions, removed before forwarding. Operations:
+``/health``, ``/metrics``, the status page (``/``, ``/status``), ``/update_weights`` (and
+``/start``, ``/renew``, ``/end``, ``/abort`` for training windows), ``/events``, ``/config``.
 """
 
 from __future__ import annotations
@@ -46,10 +39,11 @@ from miles.controller.core import AsyncInferenceController
 from miles.errors import ConflictError, EventLogError, InvalidRequestError, NotFoundError
 from miles.http.auth import Access, Credentials
 from miles.http.inference import Inference, generate_request, openai_request
-from miles.http.metrics import CONTENT_TYPE, NO_REQUEST_METRICS, ControllerMetrics
+from miles.http.metrics import NO_REQUEST_METRICS, ControllerMetrics
 from miles.http.proxy import HeldBodies, Proxy, new_session
 from miles.http.status import add_status_page
 from miles.protocol.base import Label
+from miles.protocol.metrics import CONTENT_TYPE
 from miles.utils.audit_utils.event_logger.models import (
     EVENT_ADAPTER,
     EVENT_TYPES,
@@ -121,16 +115,13 @@ class AbortWindowRequest(_Strict):
 
 
 def _posted_checksum_problems(event: InferenceEngineWeightChecksumEvent) -> list[str]:
-    """What a checksum posted by another process may not hold, by the bounds of this API's own
-    requests (the event model itself also records what servers report, unbounded)."""
+    """What a checksum posted by another process breaks of this API's own bounds (the event model
+    also records what servers report, unbounded)."""
     fields: list[tuple[str, Any, TypeAdapter[Any]]] = [
         ("model_name", event.model_name, _LABEL),
         ("checksum", event.checksum, _LABEL),
         ("step", event.step, _STEP),
-    ]
-    if event.weight_version is not None:
-        fields.append(("weight_version", event.weight_version, _LABEL))
-    fields += [
+        ("weight_version", event.weight_version, _LABEL),
         ("event_id", event.event_id, _EVENT_ID),
         ("source.component", event.source.component, _LABEL),
         ("source.id", event.source.id, _LABEL),
@@ -147,6 +138,8 @@ def _posted_checksum_problems(event: InferenceEngineWeightChecksumEvent) -> list
             f"(at most {MAX_POSTED_CLOCK_SKEW_S}s); leave it out to have the controller stamp the event"
         )
     for name, value, adapter in fields:
+        if value is None:
+            continue
         try:
             adapter.validate_python(value)
         except ValidationError as exc:
@@ -390,7 +383,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
 def _check_json_types(patch: dict[str, Any]) -> None:
     """Refuse a setting sent as another JSON type than its own: ``true`` is no 1, ``"5"`` no 5,
-    and ``"yes"`` does not switch a safety setting on. (Names and values are checked after.)"""
+    and ``"yes"`` does not switch a safety setting on."""
     problems = []
     for name, value in patch.items():
         info = ControllerSettings.model_fields.get(name)

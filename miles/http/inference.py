@@ -1,12 +1,10 @@
 """The data path's requests: what routing needs of each body, and each request sent to the server
 the router picks in the shape that server's engine takes.
 
-``/generate``, ``/v1/completions`` and ``/v1/chat/completions`` are routed as they came, without a
-second validation here: the server validates them and its 400 (with the same message) comes back
-unchanged; only the controller's extension fields are read and removed. vLLM answers no SGLang
-``/generate``: for its servers the controller translates one into completions
-(``miles.protocol.generate_completions``). A model served by both kinds of engine
-(``miles.rollout.mixed``) has the router pick the server first and the request shaped for it after.
+Requests are routed as they came (the server validates them); only the controller's extension
+fields are read and removed. For vLLM servers a ``/generate`` is translated into completions
+(``miles.protocol.generate_completions``); on a model served by both engine kinds the router picks
+the server first and the request is shaped for it after.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -35,6 +33,7 @@ _EXTENSIONS = ("model", "min_weight_version")
 # Request bodies from this size on are parsed and re-encoded on a worker thread.
 PREPARE_OFF_LOOP_BYTES = 1 << 20
 _LABEL: TypeAdapter[str] = TypeAdapter(Label)
+T = TypeVar("T")
 
 
 class Inference:
@@ -55,19 +54,15 @@ class Inference:
         # the budget from before it is parsed; the parsed JSON is dropped once the payload is built.
         raw = await request.body()
         with self._bodies.hold(len(raw)):
-            # Parsing and encoding a body of megabytes takes a while: not on the serving loop.
-            routed = prepare(raw) if len(raw) < PREPARE_OFF_LOOP_BYTES else await asyncio.to_thread(prepare, raw)
-            route = self._options(routed)
+            routed = await _off_loop_if_large(prepare, raw)
+            route = RouteOptions(
+                model_name=self._fleet.rollout(routed.model).model_name,
+                session_id=routed.session_id,
+                min_weight_version=routed.min_weight_version,
+                timeout_s=self._timeout_s(),
+            )
             with self._bodies.hold(0 if routed.payload is raw else len(routed.payload), refusable=False):
                 return await until_disconnected(request, self._send(path, routed, route))
-
-    def _options(self, routed: Routed) -> RouteOptions:
-        return RouteOptions(
-            model_name=self._fleet.rollout(routed.model).model_name,
-            session_id=routed.session_id,
-            min_weight_version=routed.min_weight_version,
-            timeout_s=self._timeout_s(),
-        )
 
     def _engines(self, model: str | None) -> set[EngineApi]:
         """The APIs the engines of ``model``'s servers speak (none for a model the router refuses)."""
@@ -77,9 +72,8 @@ class Inference:
             return set()  # the router answers for a model it cannot pick
 
     async def _generate_on_either(self, routed: Routed, route: RouteOptions) -> Response:
-        """``/generate`` for a model served by engines that answer it and by vLLM servers, which do
-        not: the router picks the server first, then the request goes to it as it came, or
-        translated into completions for a vLLM server; a retry stays with engines of that API."""
+        """``/generate`` for a model served by vLLM servers and engines that answer it: the router
+        picks the server, then the request is shaped for it; a retry stays with that API."""
         started = time.perf_counter()
         lease = await self._proxy().lease(route)
         # The request's deadline counts from its arrival: the wait for the server is spent.
@@ -91,15 +85,10 @@ class Inference:
     async def _generate_by_completions(
         self, routed: Routed, route: RouteOptions, *, first: RouteLease | None = None
     ) -> Response:
-        """``/generate`` for servers that answer only ``/v1/completions`` (vLLM): one completions
-        request per prompt, each answer turned into SGLang's (``miles.protocol.generate_completions``);
-        the first prompt goes to ``first``'s server when the router already picked one."""
+        """``/generate`` as one completions request per prompt (vLLM), each answer turned into
+        SGLang's; the first goes to ``first``'s server when the router already picked one."""
         try:
-            # As for every routed body: a large one is parsed off the serving loop.
-            if len(routed.payload) < PREPARE_OFF_LOOP_BYTES:
-                generate = parse_generate(json_object(routed.payload))
-            else:
-                generate = await asyncio.to_thread(lambda: parse_generate(json_object(routed.payload)))
+            generate = await _off_loop_if_large(lambda raw: parse_generate(json_object(raw)), routed.payload)
         except BaseException:
             if first is not None:
                 self._proxy().release(first)
@@ -156,6 +145,11 @@ class Inference:
         return await self._proxy().forward(path, routed.payload, route)
 
 
+async def _off_loop_if_large(parse: Callable[[bytes], T], raw: bytes) -> T:
+    # Parsing and encoding a body of megabytes takes a while: not on the serving loop.
+    return parse(raw) if len(raw) < PREPARE_OFF_LOOP_BYTES else await asyncio.to_thread(parse, raw)
+
+
 @dataclass(frozen=True)
 class Routed:
     """What routing an inference request needs of its body: the payload sent on, and how to route it."""
@@ -168,8 +162,7 @@ class Routed:
 
 
 def generate_request(raw: bytes) -> Routed:
-    """``/generate``: sent on as it came, unless it names the controller's extension fields
-    (removed: the engine does not take them)."""
+    """``/generate``: sent on as it came, less the controller's extension fields."""
     body = json_object(raw)
     ext = {k: body.pop(k) for k in _EXTENSIONS if k in body}
     return Routed(
@@ -210,9 +203,9 @@ def json_object(raw: bytes) -> dict[str, Any]:
 
 
 def encoded(body: dict[str, Any]) -> bytes:
-    """``body`` as JSON for the engine: compact and UTF-8, so never larger than what was sent
-    (Python's default separators and ASCII escapes could push a body past the engine's limit).
-    Text with a lone surrogate cannot be UTF-8: it goes escaped, for the engine to refuse by name."""
+    """``body`` as compact UTF-8 JSON, never larger than what was sent (default separators and
+    ASCII escapes could pass the engine's limit); a lone surrogate goes escaped, for the engine
+    to refuse by name."""
     try:
         return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
     except UnicodeEncodeError:
@@ -223,8 +216,7 @@ _STREAM: TypeAdapter[bool] = TypeAdapter(bool)
 
 
 def _streams(value: object) -> bool:
-    """Whether the engine will stream its answer: ``stream`` read as the engine reads it (true,
-    1, "yes" ...), so the controller relays a stream as one; a value the engine refuses is not."""
+    """Whether the engine will stream: ``stream`` read as the engine reads it (true, 1, "yes" ...)."""
     try:
         return value is not None and _STREAM.validate_python(value)
     except ValidationError:

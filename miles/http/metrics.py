@@ -1,22 +1,20 @@
 """Prometheus metrics of one controller (its own registry, so several controllers can coexist).
 
-Three sources feed it: the proxy records every routed request (``request_done``, ``first_byte``);
-the controller's update listener and event log feed updates, mismatches, quarantines and the lock
-(``update_done``, ``event``); and the health report is read at scrape time for what is a state
-rather than an event (servers, versions, in flight, restarts). The names live in
-``miles.protocol.metrics``; docs/METRICS.md says what each answers.
-
-With ``metrics_enabled`` off the proxy records through ``NO_REQUEST_METRICS`` instead, which does
-nothing: that is the side benchmarks/controller.py compares against.
+The proxy records every routed request (``request_done``, ``first_byte``); the update listener and
+event log feed updates, mismatches, quarantines and the lock (``update_done``, ``event``); the
+health report is read at scrape time for states (servers, versions, in flight, restarts). Names:
+``miles.protocol.metrics``; meanings: docs/METRICS.md. With metrics off the proxy records through
+``NO_REQUEST_METRICS``, which does nothing (what benchmarks/controller.py compares against).
 """
 
 from __future__ import annotations
 
+import collections
 import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -34,8 +32,6 @@ from miles.utils.audit_utils.event_logger.models import (
     ServerStateChangedEvent,
 )
 
-CONTENT_TYPE = names.CONTENT_TYPE
-
 # Read from the answer's bytes rather than by parsing it: a routed answer is passed through as it
 # came, and a search costs microseconds where a parse of a long answer costs more. SGLang's
 # ``meta_info`` and the OpenAI ``usage`` both name completion_tokens; a batch answer has several.
@@ -43,17 +39,9 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 _VERSION_START = re.compile(rb'"weight_version_start":\s*"([^"]{0,256})"')
 
 
-class RequestMetrics(Protocol):
-    """What the proxy records per routed request."""
+class RequestMetrics:
+    """What the proxy records per routed request; this base records nothing."""
 
-    def first_byte(self, model: str, *, started: float) -> None: ...
-
-    def request_done(
-        self, model: str, *, server: str, outcome: str, started: float, content: bytes | None = None
-    ) -> None: ...
-
-
-class _NoRequestMetrics:
     def first_byte(self, model: str, *, started: float) -> None:
         return None
 
@@ -63,7 +51,7 @@ class _NoRequestMetrics:
         return None
 
 
-NO_REQUEST_METRICS: RequestMetrics = _NoRequestMetrics()
+NO_REQUEST_METRICS = RequestMetrics()
 
 
 def outcome_of(status: int) -> str:
@@ -83,10 +71,7 @@ class _FleetCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         report = self._health()
         states = GaugeMetricFamily(names.SERVERS, "Servers by model and state", labels=["model", "state"])
-        counts: dict[tuple[str, str], int] = {}
-        for server in report.servers:
-            key = (server.model_name, server.state.value)
-            counts[key] = counts.get(key, 0) + 1
+        counts = collections.Counter((server.model_name, server.state.value) for server in report.servers)
         for (model, state), count in sorted(counts.items()):
             states.add_metric([model, state], count)
         yield states
@@ -139,11 +124,8 @@ class _Children:
 
 
 class RequestHistory:
-    """Routed requests per second over the last ``seconds``: how many, how many failed, latency.
-
-    A ring of one slot per second, reused as time goes round: recording costs a few integer
-    operations, and the status page reads the last minutes at any time.
-    """
+    """Routed requests per second over the last ``seconds`` (count, failed, latency): a ring of
+    one slot per second, so recording costs a few integer operations."""
 
     def __init__(self, seconds: int = 300) -> None:
         self._size = seconds
@@ -184,66 +166,67 @@ class RequestWindow:
     mean_latency_ms: list[float | None]
 
 
-class ControllerMetrics:
+class ControllerMetrics(RequestMetrics):
     """The controller's series; see the module docstring for what feeds each."""
 
     def __init__(self, health: Callable[[], FleetHealth], *, waiting: Callable[[], int] = lambda: 0) -> None:
         self.registry = registry = CollectorRegistry()
-        self._requests = Counter(
-            names.REQUESTS, "Routed inference requests", ["model", "server", "outcome"], registry=registry
+
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, registry=registry, buckets=buckets)
+
+        self._requests = counter(names.REQUESTS, "Routed inference requests", ["model", "server", "outcome"])
+        self._latency = histogram(
+            names.REQUEST_SECONDS, "End-to-end latency of routed requests", ["model"], names.LATENCY_BUCKETS
         )
-        self._latency = Histogram(
-            names.REQUEST_SECONDS, "End-to-end latency of routed requests", ["model"],
-            registry=registry, buckets=names.LATENCY_BUCKETS,
-        )  # fmt: skip
-        self._ttft = Histogram(
-            names.TIME_TO_FIRST_TOKEN, "Time to the first streamed byte of routed streaming requests", ["model"],
-            registry=registry, buckets=names.LATENCY_BUCKETS,
-        )  # fmt: skip
-        self._tokens = Counter(
-            names.GENERATED_TOKENS, "Tokens generated for routed requests", ["model", "server"], registry=registry
+        self._ttft = histogram(
+            names.TIME_TO_FIRST_TOKEN,
+            "Time to the first streamed byte of routed streaming requests",
+            ["model"],
+            names.LATENCY_BUCKETS,
         )
-        self._staleness = Histogram(
+        self._tokens = counter(names.GENERATED_TOKENS, "Tokens generated for routed requests", ["model", "server"])
+        self._staleness = histogram(
             names.SAMPLE_STALENESS,
             "How many committed versions behind the newest the weights a response started on were",
-            ["model"], registry=registry, buckets=names.STALENESS_BUCKETS,
-        )  # fmt: skip
-        self._updates = Counter(
-            names.UPDATES, "Weight updates", ["model", "strategy", "path", "status"], registry=registry
+            ["model"],
+            names.STALENESS_BUCKETS,
         )
-        self._update_seconds = Histogram(
-            names.UPDATE_SECONDS, "Weight update duration, lock wait included", ["model", "strategy"],
-            registry=registry, buckets=names.UPDATE_BUCKETS,
-        )  # fmt: skip
-        self._phase_seconds = Histogram(
-            names.UPDATE_PHASE_SECONDS, "Seconds per phase of a weight update", ["model", "phase"],
-            registry=registry, buckets=names.UPDATE_BUCKETS,
-        )  # fmt: skip
-        self._blocked = Histogram(
-            names.UPDATE_BLOCKED_SECONDS, "Seconds an update held the model's requests at the router", ["model"],
-            registry=registry, buckets=names.UPDATE_BUCKETS,
-        )  # fmt: skip
-        self._bytes = Histogram(
-            names.UPDATE_BYTES, "Weight bytes the servers loaded per update", ["model"],
-            registry=registry, buckets=names.BYTES_BUCKETS,
-        )  # fmt: skip
-        self._mismatches = Counter(
-            names.CHECKSUM_MISMATCHES, "Servers that reported other weights than expected", ["model", "server"],
-            registry=registry,
-        )  # fmt: skip
-        self._quarantines = Counter(names.QUARANTINES, "Servers quarantined", ["model", "server"], registry=registry)
-        self._rollbacks = Counter(
-            names.ROLLBACKS, "Servers put back on their verified weights by an update", ["model", "server"],
-            registry=registry,
-        )  # fmt: skip
-        self._lock_wait = Histogram(
-            names.LOCK_WAIT_SECONDS, "Seconds waited for the controller lock", ["holder"],
-            registry=registry, buckets=names.UPDATE_BUCKETS,
-        )  # fmt: skip
-        self._lock_hold = Histogram(
-            names.LOCK_HOLD_SECONDS, "Seconds the controller lock was held", ["holder"],
-            registry=registry, buckets=names.UPDATE_BUCKETS,
-        )  # fmt: skip
+        self._updates = counter(names.UPDATES, "Weight updates", ["model", "strategy", "path", "status"])
+        self._update_seconds = histogram(
+            names.UPDATE_SECONDS,
+            "Weight update duration, lock wait included",
+            ["model", "strategy"],
+            names.UPDATE_BUCKETS,
+        )
+        self._phase_seconds = histogram(
+            names.UPDATE_PHASE_SECONDS, "Seconds per phase of a weight update", ["model", "phase"], names.UPDATE_BUCKETS
+        )
+        self._blocked = histogram(
+            names.UPDATE_BLOCKED_SECONDS,
+            "Seconds an update held the model's requests at the router",
+            ["model"],
+            names.UPDATE_BUCKETS,
+        )
+        self._bytes = histogram(
+            names.UPDATE_BYTES, "Weight bytes the servers loaded per update", ["model"], names.BYTES_BUCKETS
+        )
+        self._mismatches = counter(
+            names.CHECKSUM_MISMATCHES, "Servers that reported other weights than expected", ["model", "server"]
+        )
+        self._quarantines = counter(names.QUARANTINES, "Servers quarantined", ["model", "server"])
+        self._rollbacks = counter(
+            names.ROLLBACKS, "Servers put back on their verified weights by an update", ["model", "server"]
+        )
+        self._lock_wait = histogram(
+            names.LOCK_WAIT_SECONDS, "Seconds waited for the controller lock", ["holder"], names.UPDATE_BUCKETS
+        )
+        self._lock_hold = histogram(
+            names.LOCK_HOLD_SECONDS, "Seconds the controller lock was held", ["holder"], names.UPDATE_BUCKETS
+        )
         self.history = RequestHistory()
         self._request = _Children(self._requests)
         self._latency_of = _Children(self._latency)

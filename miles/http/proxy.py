@@ -1,21 +1,14 @@
 """Forwarding inference requests to the server the router picks (adapter: the data path's HTTP).
 
-A request the chosen server never answered (connection refused or reset: the server died or is
-restarting) is retried, until the request's deadline: on another serving server, or on the same
-server once it runs again, which the router tells apart by the server's incarnation (a restarted
-process is a new one). The failed server is probed at once rather than at its next health tick,
-so a dead process is replaced, and a live one (the connection dropped, the process is fine)
-cleared, without waiting. A server error (5xx) is retried once on another server that can take
-the request right away, else passed through. Anything else the server answered is passed through
-as it is. A stream is retried the same way until its first byte reaches the client.
+A request the chosen server never answered (connection refused or reset) is retried until its
+deadline, on another server or on the same one restarted (the router tells incarnations apart);
+the failed server is probed at once. A 5xx or 429 is retried once on another server that can take
+the request right away, else passed through; a stream is retried until its first byte. Bodies
+being routed are held within a budget (``HeldBodies``; 429 past it).
 
-The bodies of the requests being routed are held in memory until they are answered (a retry sends
-them again): ``HeldBodies`` keeps their bytes within a budget, and refuses one more with 429
-rather than letting a burst of large requests exhaust the controller.
-
-The data path uses aiohttp's client rather than httpx (which the control path uses): it sends a
-request's headers and body in one write and costs ~0.35 ms less per routed request on this
-machine, which is most of the routing budget (docs/PERFORMANCE.md, "Routing").
+The data path uses aiohttp's client rather than httpx: it sends a request's headers and body in
+one write and costs ~0.35 ms less per routed request on this machine, most of the routing budget
+(docs/PERFORMANCE.md, "Routing").
 """
 
 from __future__ import annotations
@@ -59,10 +52,8 @@ class RouteOptions:
 
 def new_session() -> aiohttp.ClientSession:
     """A connection pool for loopback calls to our own servers (no proxies from the environment).
-
     Idle connections are kept 30 s, less than engines keep them (75 s): a pooled connection the
-    server already closed would fail the next request sent on it.
-    """
+    server already closed would fail the next request sent on it."""
     connector = aiohttp.TCPConnector(limit=512, limit_per_host=256, keepalive_timeout=30)
     return aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False)
 
@@ -76,10 +67,9 @@ class HeldBodies:
 
     @contextmanager
     def hold(self, size: int, *, refusable: bool = True) -> Iterator[None]:
-        """Count ``size`` bytes as held until the block ends; ControllerBusyError if they would
-        pass the budget (one request alone always fits: each body is bounded on its own).
-        ``refusable=False`` counts more bytes of a request already let in (its payload, built
-        from its body), which are never refused: retrying would not make them fit."""
+        """Count ``size`` bytes as held until the block ends; ControllerBusyError past the budget
+        (one request alone always fits). ``refusable=False``: more bytes of a request already let
+        in, never refused (retrying would not make them fit)."""
         limit = self._limit()
         if refusable and self.held and self.held + size > limit:
             raise ControllerBusyError(
@@ -149,8 +139,7 @@ class Proxy:
     async def forward(
         self, path: str, payload: bytes, options: RouteOptions, *, lease: RouteLease | None = None
     ) -> Response:
-        """Send the JSON ``payload`` to ``path`` on a routed server (first on ``lease``'s, when
-        given) and return its answer unchanged."""
+        """Send ``payload`` to ``path`` on a routed server (``lease``'s first); its answer unchanged."""
         tries = _Attempts(options, max_attempts=self._max_attempts)
         lease = lease or await self._lease(tries)
         while True:
@@ -203,12 +192,9 @@ class Proxy:
     async def stream(
         self, path: str, payload: bytes, options: RouteOptions, *, lease: RouteLease | None = None
     ) -> StreamingResponse:
-        """Stream a server's server-sent events through (first ``lease``'s server's, when given);
-        retried until the first byte arrives.
-
-        The first chunk is read before the response starts, so a server that dies before sending
-        anything costs a retry, not a broken stream.
-        """
+        """Stream a server's server-sent events through (first ``lease``'s server's, when given).
+        The first chunk is read before the response starts: a server that dies before sending
+        anything costs a retry, not a broken stream."""
         tries = _Attempts(options, max_attempts=self._max_attempts)
         lease = lease or await self._lease(tries)
         while True:
@@ -307,11 +293,9 @@ class Proxy:
                 exclude=tries.excluded,
                 engine=options.engine,
             )
-        except NoServerAvailableError:
-            self._metrics.request_done(options.model_name, server="", outcome="unavailable", started=tries.started)
-            raise
-        except ControllerBusyError:
-            self._metrics.request_done(options.model_name, server="", outcome="busy", started=tries.started)
+        except (NoServerAvailableError, ControllerBusyError) as exc:
+            outcome = "busy" if isinstance(exc, ControllerBusyError) else "unavailable"
+            self._metrics.request_done(options.model_name, server="", outcome=outcome, started=tries.started)
             raise
 
 

@@ -1,9 +1,7 @@
 """The controller's window API over its HTTP API, for a trainer in another process.
 
-``HttpWindows`` sends the requests ``controller_app`` reads (``/update_weights/start``, ``renew``,
-``end``, ``abort``, ``POST /events``) and parses the answers into the controller's own results; a
-refusal is a PublishError with the controller's message, an answer it cannot read one naming the
-controller. A controller that does not answer raises httpx's error as it is.
+A refusal is a PublishError with the controller's message; a controller that does not answer
+raises httpx's error.
 """
 
 from __future__ import annotations
@@ -11,21 +9,19 @@ from __future__ import annotations
 from typing import TypeVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from miles.controller.results import UpdateResult, UpdateWindow
 from miles.errors import PublishError
 from miles.http.controller_app import AbortWindowRequest, EndWindowRequest, RenewWindowRequest, StartWindowRequest
-from miles.protocol.base import ErrorAnswer
+from miles.protocol.base import ErrorAnswer, ResponseModel
 from miles.utils.audit_utils.event_logger import InferenceEngineWeightChecksumEvent
 
 M = TypeVar("M", bound=BaseModel)
 
 
-class _Logged(BaseModel):
+class _Logged(ResponseModel):
     """What ``POST /events`` answers."""
-
-    model_config = ConfigDict(frozen=True)
 
     event_id: str
     type: str
@@ -40,9 +36,7 @@ class HttpWindows:
         self._headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
 
     async def _post(self, path: str, body: BaseModel, *, answer: type[M]) -> M:
-        """POST ``body`` to ``path`` and read the answer as ``answer``. Raises PublishError with
-        the controller's message when it refused, naming the controller when the answer is
-        neither."""
+        """POST ``body`` to ``path``, read the answer as ``answer``; PublishError otherwise."""
         async with httpx.AsyncClient(trust_env=False, timeout=None, headers=self._headers) as http:
             response = await http.post(f"{self.url}{path}", json=body.model_dump(mode="json"))
         try:

@@ -102,11 +102,7 @@ PRESETS: Mapping[str, ModelPreset] = MappingProxyType(
 
 
 def get_preset(name: str) -> ModelPreset:
-    """The preset called ``name``.
-
-    Raises:
-        UnknownPresetError: no such preset (the message lists the known ones).
-    """
+    """The preset called ``name``; UnknownPresetError (listing the known ones) when none is."""
     try:
         return PRESETS[name]
     except KeyError:
@@ -114,13 +110,8 @@ def get_preset(name: str) -> ModelPreset:
 
 
 def build_model(preset: str, *, seed: int) -> PreTrainedModel:
-    """A freshly initialised model of ``preset`` in eval mode, weights fixed by ``seed``.
-
-    The caller's global RNG state is left untouched.
-
-    Raises:
-        UnknownPresetError: no such preset.
-    """
+    """A freshly initialised model of ``preset`` in eval mode, weights fixed by ``seed`` (the
+    caller's RNG state untouched); UnknownPresetError for no such preset."""
     spec = get_preset(preset)
     config = spec.build_config()
     # fork_rng: seed the init without disturbing the caller's random stream.
@@ -141,10 +132,8 @@ def init_checkpoint(
     step: int = 0,
     overwrite: bool = False,
 ) -> Manifest:
-    """Build ``preset`` with ``seed`` and save it with the tokenizer as a checkpoint at ``out_dir``.
-
-    Written atomically by ``save_checkpoint``; loads with ``AutoModelForCausalLM`` /
-    ``AutoTokenizer.from_pretrained``.
+    """Build ``preset`` with ``seed`` and save it with the tokenizer as a checkpoint at ``out_dir``
+    (atomically, loadable with ``from_pretrained``).
 
     Raises:
         UnknownPresetError: no such preset.

@@ -42,10 +42,7 @@ def _byte_to_unicode() -> dict[int, str]:
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The miles byte-level tokenizer, identical on every call (same vocabulary, same files).
-
-    ``bos_token_id`` = 256, ``eos_token_id`` = 257, ``pad_token_id`` = 258, ``len()`` = 259.
-    """
+    """The miles byte-level tokenizer, identical on every call: bos 256, eos 257, pad 258, 259 ids."""
     vocab = {char: byte for byte, char in _byte_to_unicode().items()}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     # No regex split and no prefix space: the text maps byte for byte onto ids, nothing added.

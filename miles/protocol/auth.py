@@ -1,12 +1,9 @@
 """Engine credentials and fencing on the wire: the headers, the window credential, ``POST /fence``.
 
-An engine launched by a controller holds a secret (``MILES_ENGINE_SECRET``). Control calls carry
-``Authorization: Bearer <secret>``, or a *window credential* that the controller mints for a
-training window it opened: ``mw1.<T>.<hex>``, where ``<hex>`` is HMAC-SHA256 over
-``miles-window:<T>`` keyed with the secret. The credential is only worth something while the
-engine's fence is ``T`` and its window ``T`` is open, so a trainer whose window was closed or
-superseded cannot change the weights any more, whatever it kept. Both sides import the two
-functions below, so the format lives in one place.
+A launched engine holds a secret (``MILES_ENGINE_SECRET``). Control calls carry it as a bearer
+token, or a *window credential* the controller mints for a training window: ``mw1.<T>.<hex>``,
+``<hex>`` being HMAC-SHA256 over ``miles-window:<T>`` keyed with the secret, worth something only
+while the engine's fence is ``T`` and window ``T`` is open. Both sides import the functions below.
 """
 
 from __future__ import annotations
@@ -15,9 +12,9 @@ import hashlib
 import hmac
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import Field, StrictBool, StrictInt
 
-from miles.protocol.base import RequestModel
+from miles.protocol.base import RequestModel, ResponseModel
 
 FENCE_HEADER = "X-Miles-Fence"
 WINDOW_CREDENTIAL_VERSION = "mw1"
@@ -38,8 +35,7 @@ def window_credential(secret: str, token: int) -> str:
 
 
 def window_token(secret: str, credential: str) -> int | None:
-    """The window token ``credential`` was minted for with ``secret``, or None when it is not a
-    valid window credential for this secret (malformed, other secret, altered token)."""
+    """The window token ``credential`` was minted for with ``secret``; None when it is not one."""
     parts = credential.split(".")
     if len(parts) != 3 or parts[0] != WINDOW_CREDENTIAL_VERSION:
         return None
@@ -65,21 +61,17 @@ def _window_digest(secret: str, token: int) -> str:
 
 
 class FenceRequest(RequestModel):
-    """``POST /fence`` (secret only): raise the engine's fence to ``token`` and record whether the
-    training window with that token is open. A ``staged`` window's servers keep serving while it is
-    open, so its credential may only stage weights (``activate=false``) and read their checksum:
-    the controller's commit activates them."""
+    """``POST /fence`` (secret only): raise the engine's fence to ``token`` and record whether its
+    window is open. A ``staged`` window's credential may only stage weights and read their
+    checksum (its servers keep serving; the controller's commit activates them)."""
 
     token: Annotated[StrictInt, Field(ge=0, le=MAX_FENCE)]
     window_open: StrictBool
     staged: StrictBool = False
 
 
-class FenceState(BaseModel):
-    """The engine's fence: the highest fencing token it has seen, and whether that token's
-    training window is open (only then do its window credentials work)."""
-
-    model_config = ConfigDict(frozen=True)
+class FenceState(ResponseModel):
+    """The highest fencing token the engine has seen, and whether that token's window is open."""
 
     fence: int
     window_open: bool

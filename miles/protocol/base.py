@@ -1,12 +1,10 @@
 """What every request on the wire shares: a strict base model and the value types both APIs use,
 and the shape both answer a failure in (``ErrorAnswer``).
 
-A request is refused at validation, with a message naming the field, for anything the engine
-could not honour later: an unknown field, a bool where a number is expected (pydantic would read
-``true`` as 1), a NaN or infinite float (Python's ``json`` accepts the ``NaN`` and ``Infinity``
-literals), and text that is not valid Unicode (a JSON ``"\\ud800"`` escape decodes to a lone
-surrogate, which no response can encode back to UTF-8 and no path can name). Failing here, before
-the request reaches the engine, is what keeps bad input from ever causing a 500.
+A request is refused at validation, naming the field, for anything the engine could not honour
+later: an unknown field, a bool for a number, a NaN or infinite float (``json`` accepts them), text
+that is not valid Unicode (a ``"\\ud800"`` escape decodes to a lone surrogate no response can
+encode). Failing here is what keeps bad input from ever causing a 500.
 """
 
 from __future__ import annotations
@@ -69,10 +67,8 @@ def _fail_fast(schema: Any) -> None:
 
 class RequestModel(BaseModel):
     """Base of every request model: unknown fields, non-finite floats and broken text are refused.
-
-    Every list, tuple, set and dict stops at its first invalid item: a request whose list holds
-    millions of wrong values gets one error for it, not millions (building and formatting those
-    took FastAPI seconds per hundred thousand, on the event loop)."""
+    Every sequence stops at its first invalid item: millions of errors took FastAPI seconds per
+    hundred thousand to build and format, on the event loop."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -123,15 +119,18 @@ Label = Annotated[str, Field(min_length=1, max_length=MAX_VERSION_CHARS, pattern
 
 
 def sample_seed(seed: int, sample: int) -> int:
-    """The seed of sample ``sample`` of a request seeded with ``seed``: ``seed + sample``, wrapped
-    back into the range ``torch.Generator.manual_seed`` accepts when it would leave it."""
+    """``seed + sample``, wrapped back into the range ``torch.Generator.manual_seed`` accepts."""
     derived = seed + sample
     return derived - 2**64 if derived > MAX_SEED else derived
 
 
-class ErrorDetail(BaseModel):
+class ResponseModel(BaseModel):
+    """Base of what the APIs answer: frozen."""
+
     model_config = ConfigDict(frozen=True)
 
+
+class ErrorDetail(ResponseModel):
     message: str
     type: str
     code: int
@@ -139,10 +138,7 @@ class ErrorDetail(BaseModel):
     refusal: Refusal | None = None
 
 
-class ErrorAnswer(BaseModel):
-    """How both miles APIs answer a failure (``miles.utils.http``): ``{"error": {"message",
-    "type", "code"}}``, with ``"refusal"`` when the error names one."""
-
-    model_config = ConfigDict(frozen=True)
+class ErrorAnswer(ResponseModel):
+    """How both miles APIs answer a failure (``miles.utils.http``)."""
 
     error: ErrorDetail

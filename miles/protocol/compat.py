@@ -1,21 +1,12 @@
 """SGLang's request fields that the engine does not use: accepted and ignored, or refused by name.
 
-SGLang's request classes (``GenerateReqInput``, ``SamplingParams``, its OpenAI models) carry many
-fields for features the embedded engine does not have. A client written for SGLang, and SGLang's
-own router, send some of them with their default values on every request; refusing those would
-break them, and ignoring a field that asks for something (an image, a grammar, a LoRA adapter)
-would return an answer to a question nobody asked. So every such field is declared in one of two
-tables on the request model:
-
-- ``ignored_fields``: fields that only affect logging, scheduling, caching or routing; accepted
-  with any value and dropped;
-- ``unsupported_fields``: fields that ask for something; accepted while *unset* (null, SGLang's
-  default, an empty list or object, or a list of unset values for a batch) and otherwise refused
-  with a 400 that names the field and says why.
-
-A field in neither table and not declared on the model is still a typo and refused by name (the
-models forbid extra fields). ``tests/fast/engine/test_sglang_fields.py`` checks the tables against
-SGLang's own source at the pinned version, so a field SGLang adds cannot slip through unreviewed.
+SGLang's clients and router send many fields for features the embedded engine lacks, often at
+their defaults: refusing those would break them, and ignoring one that asks for something (an
+image, a grammar, a LoRA adapter) would answer a question nobody asked. So each such field is in
+one of two tables on its request model: ``ignored_fields`` (logging, scheduling, caching, routing:
+accepted with any value and dropped) or ``unsupported_fields`` (accepted while unset, otherwise a
+400 naming the field and why). Any other unknown field is a typo, refused by name.
+``tests/fast/engine/test_sglang_fields.py`` checks the tables against SGLang's pinned source.
 """
 
 from __future__ import annotations
@@ -69,6 +60,25 @@ EXTRA_OUTPUT = "the engine does not return this extra output"
 SESSION = "SGLang sessions (continual prompting with session_params) are not supported"
 INTERNAL = "an internal SGLang field, set by SGLang itself; clients do not send it"
 
+# Fields that SGLang's native and OpenAI requests both carry, refused alike on every route.
+SHARED_UNSUPPORTED: Mapping[str, Unsupported] = {
+    "bootstrap_host": Unsupported(DISAGGREGATION),
+    "bootstrap_port": Unsupported(DISAGGREGATION),
+    "bootstrap_room": Unsupported(DISAGGREGATION),
+    "routed_dp_rank": Unsupported(DP_RANK, unset=(0,)),
+    "data_parallel_rank": Unsupported(DP_RANK, unset=(0,)),
+    "disagg_prefill_dp_rank": Unsupported(DP_RANK, unset=(0,)),
+    "return_hidden_states": Unsupported(HIDDEN, default=False),
+    "return_routed_experts": Unsupported(HIDDEN, default=False),
+    "routed_experts_start_len": Unsupported(HIDDEN, default=0),
+    "lora_path": Unsupported(LORA),
+    "session_params": Unsupported(SESSION),
+    "custom_logit_processor": Unsupported(LOGIT_PROCESSOR),
+    "watermark": Unsupported(WATERMARK),
+    "images_config": Unsupported(MULTIMODAL),
+    "mm_processor_kwargs": Unsupported(MULTIMODAL),
+}
+
 
 class SGLangFields(RequestModel):
     """Base of request models that follow an SGLang request class (see the module docstring)."""
@@ -77,10 +87,13 @@ class SGLangFields(RequestModel):
     unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {}
     # Fields of this model that SGLang's class lacks, each documented in docs/ENGINE.md.
     extension_fields: ClassVar[frozenset[str]] = frozenset()
+    # Fields whose null SGLang reads as "the default", so a client may send it.
+    null_is_default: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _sglang_fields(cls, data: Any) -> Any:
+        data = _drop_nulls(data, cls.null_is_default)
         if not isinstance(data, dict):
             return data
         refused = [
@@ -98,9 +111,8 @@ class SGLangFields(RequestModel):
         return {k: v for k, v in data.items() if k not in cls.ignored_fields and k not in cls.unsupported_fields}
 
 
-def drop_nulls(data: Any, fields: frozenset[str]) -> Any:
-    """``data`` without the keys in ``fields`` whose value is null: SGLang reads null as "the
-    default" for these, so a client may send it."""
+def _drop_nulls(data: Any, fields: frozenset[str]) -> Any:
+    """``data`` without the keys in ``fields`` whose value is null (SGLang reads it as the default)."""
     if not isinstance(data, dict) or not any(data.get(k, 0) is None for k in fields):
         return data
     return {k: v for k, v in data.items() if not (k in fields and v is None)}

@@ -1,30 +1,11 @@
 """SGLang's native ``/generate``, spoken to a server that answers only OpenAI's ``/v1/completions``
 (vLLM): the request as one completions request per prompt, each answer as SGLang's.
 
-The request is validated as SGLang's ``GenerateReqInput`` first (``GenerateRequest``: the same
-refusals by name as an embedded engine's), then translated field by field:
-
-| SGLang                                  | vLLM's ``/v1/completions``                           |
-|-----------------------------------------|------------------------------------------------------|
-| ``text`` / ``input_ids`` (one prompt)   | ``prompt`` (text or token ids)                       |
-| ``max_new_tokens`` (null: what fits)    | ``max_tokens`` (null: what fits)                     |
-| ``min_new_tokens``                      | ``min_tokens``                                       |
-| ``no_stop_trim``                        | ``include_stop_str_in_output``                       |
-| ``sampling_seed`` / ``seed``            | ``seed``                                             |
-| ``return_logprob``, ``top_logprobs_num``| ``logprobs`` (k; 0: the sampled token's only), with  |
-|                                         | ``return_tokens_as_token_ids`` (logprobs by token id)|
-| every other sampling field              | the field of the same name                           |
-
-Every answer carries ``return_token_ids`` (``output_ids``). Logprobs are the model's raw
-distribution in both (vLLM's default ``--logprobs-mode``), as SGLang's are.
-
-What cannot be translated is refused by name (400): ``stream`` (stream from ``/v1/completions``)
-and ``return_text_in_logprobs`` (the controller has no tokenizer to name the tokens).
-
-A vLLM server does not say which weights produced which tokens. Each answer carries the version
-of the server that answered, as it was when the request was sent and when the answer came; when
-they differ (an update with ``retract`` pause mode let the request go on across it),
-``weight_version_spans`` is empty: which tokens came from which weights is not known.
+The request is validated as SGLang's ``GenerateRequest`` first, then translated field by field
+(docs/VLLM.md, "SGLang's /generate for a model served by vLLM"). ``stream`` and
+``return_text_in_logprobs`` cannot be translated and are refused by name. Each answer carries the
+answering server's version when the request was sent and when it came back; when they differ,
+``weight_version_spans`` is empty (vLLM does not say which tokens came from which weights).
 """
 
 from __future__ import annotations
@@ -35,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles.errors import InvalidRequestError
 from miles.protocol.sglang import (
+    OPENAI_SAME_NAME,
     FinishReason,
     GenerateMetaInfo,
     GenerateRequest,
@@ -43,30 +25,13 @@ from miles.protocol.sglang import (
     WeightVersionSpan,
 )
 
-# SamplingParams fields vLLM's completions request takes under the same name.
-_SAME_NAME = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "n",
-    "logit_bias",
-)
 _TOKEN_ID = "token_id:"
 # SGLang's (logprob, token id, token text): the text is never given here.
 Logprob = tuple[float, int, str | None]
 
 
 def parse_generate(body: dict[str, Any]) -> GenerateRequest:
-    """``body`` as SGLang's request, refused (InvalidRequestError) where it is invalid or asks
-    for what a completions server cannot give."""
+    """``body`` as SGLang's request; InvalidRequestError where a completions server cannot serve it."""
     try:
         request = GenerateRequest.model_validate(body)
     except ValidationError as exc:
@@ -109,10 +74,9 @@ def completion_body(request: GenerateRequest, index: int) -> dict[str, Any]:
         "include_stop_str_in_output": sampling.no_stop_trim,
         "return_token_ids": True,
     }
-    body.update({name: getattr(sampling, name) for name in _SAME_NAME if getattr(sampling, name) is not None})
-    seed = sampling.sampling_seed if sampling.sampling_seed is not None else sampling.seed
-    if seed is not None:
-        body["seed"] = seed
+    body.update({name: getattr(sampling, name) for name in OPENAI_SAME_NAME if getattr(sampling, name) is not None})
+    if sampling.effective_seed is not None:
+        body["seed"] = sampling.effective_seed
     logprobs = request.logprobs_of(index)
     if logprobs.return_logprob:
         body["logprobs"] = logprobs.top_logprobs

@@ -18,36 +18,22 @@ from pydantic import Field, StrictFloat, StrictInt, ValidationError, field_valid
 
 from miles.protocol.base import Count, Penalty, RequestModel, Seed, Stop, TopK, TopP
 from miles.protocol.compat import (
-    DISAGGREGATION,
-    DP_RANK,
     EXTRA_OUTPUT,
     GRAMMAR,
-    HIDDEN,
     LOGIT_PROCESSOR,
-    LORA,
     MULTIMODAL,
     REASONING,
-    SESSION,
-    WATERMARK,
+    SHARED_UNSUPPORTED,
     SGLangFields,
     Unsupported,
-    drop_nulls,
 )
-from miles.protocol.sglang import GenerateResponse, SamplingParams
+from miles.protocol.sglang import OPENAI_SAME_NAME, GenerateResponse, SamplingParams
 
 # Fields of both SGLang OpenAI requests that only affect logging, scheduling or caching.
 _IGNORED = frozenset({"user", "extra_key", "cache_salt", "priority"})
 # Fields of both that ask for something the engine does not do (see miles.protocol.compat).
 _UNSUPPORTED: dict[str, Unsupported] = {
-    "bootstrap_host": Unsupported(DISAGGREGATION),
-    "bootstrap_port": Unsupported(DISAGGREGATION),
-    "bootstrap_room": Unsupported(DISAGGREGATION),
-    "routed_dp_rank": Unsupported(DP_RANK, unset=(0,)),
-    "disagg_prefill_dp_rank": Unsupported(DP_RANK, unset=(0,)),
-    "data_parallel_rank": Unsupported(DP_RANK, unset=(0,)),
-    "return_hidden_states": Unsupported(HIDDEN, default=False),
-    "return_routed_experts": Unsupported(HIDDEN, default=False),
-    "routed_experts_start_len": Unsupported(HIDDEN, default=0),
+    **SHARED_UNSUPPORTED,
     "return_cached_tokens_details": Unsupported(EXTRA_OUTPUT, default=False),
     "return_spec_tokens_details": Unsupported(EXTRA_OUTPUT, default=False),
     "return_token_ids": Unsupported(EXTRA_OUTPUT, default=False),
@@ -55,13 +41,7 @@ _UNSUPPORTED: dict[str, Unsupported] = {
     "ebnf": Unsupported(GRAMMAR, unset=("",)),
     "stop_regex": Unsupported("stop regexes are not implemented; use stop strings or stop_token_ids"),
     "response_format": Unsupported(GRAMMAR + '; only {"type": "text"} is served', unset=({"type": "text"},)),
-    "lora_path": Unsupported(LORA),
-    "session_params": Unsupported(SESSION),
     "custom_params": Unsupported(LOGIT_PROCESSOR),
-    "custom_logit_processor": Unsupported(LOGIT_PROCESSOR),
-    "watermark": Unsupported(WATERMARK),
-    "images_config": Unsupported(MULTIMODAL),
-    "mm_processor_kwargs": Unsupported(MULTIMODAL),
 }
 # Fields SGLang reads null as "the default" for.
 _NULL_IS_DEFAULT = frozenset(
@@ -83,6 +63,7 @@ class StreamOptions(RequestModel):
 
 
 class _SamplingFields(SGLangFields):
+    null_is_default: ClassVar[frozenset[str]] = _NULL_IS_DEFAULT
     model: str | None = None
     temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] = 1.0
     top_p: TopP = 1.0
@@ -107,11 +88,6 @@ class _SamplingFields(SGLangFields):
     # miles extension: a minimum weight version, honoured by the controller's router.
     min_weight_version: str | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        return drop_nulls(data, _NULL_IS_DEFAULT)
-
     @property
     def token_budget(self) -> int:
         raise NotImplementedError
@@ -126,21 +102,9 @@ class _SamplingFields(SGLangFields):
         return SamplingParams(
             max_new_tokens=self.token_budget,
             min_new_tokens=self.min_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            n=self.n,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
             sampling_seed=self.seed,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=self.logit_bias,
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
             no_stop_trim=self.no_stop_trim,
+            **{name: getattr(self, name) for name in OPENAI_SAME_NAME},
         )
 
     @model_validator(mode="after")
@@ -166,16 +130,12 @@ class CompletionRequest(_SamplingFields):
         "suffix": Unsupported("insertion (suffix) is not supported", unset=("",)),
     }
     extension_fields: ClassVar[frozenset[str]] = frozenset({"min_weight_version"})
+    null_is_default: ClassVar[frozenset[str]] = _NULL_IS_DEFAULT | {"max_tokens"}
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: Count = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     echo: Literal[False] = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_max_tokens(cls, data: Any) -> Any:
-        return drop_nulls(data, frozenset({"max_tokens"}))
 
     @property
     def token_budget(self) -> int:
@@ -187,14 +147,10 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not be empty")
         if isinstance(self.prompt, list) and any(isinstance(p, list) and not p for p in self.prompt):
             raise ValueError("prompt must not contain an empty list of token ids")
-        if self.stream and isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+        batch = isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
+        if self.stream and batch:
             raise ValueError("streaming supports a single prompt")
-        if (
-            self.rid is not None
-            and isinstance(self.prompt, list)
-            and self.prompt
-            and not isinstance(self.prompt[0], int)
-        ):
+        if self.rid is not None and batch:
             raise ValueError("rid names one request; a batch of prompts gets its own ids")
         return self
 
@@ -305,9 +261,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 def finish_reason(response: GenerateResponse) -> str | None:
     reason = response.meta_info.finish_reason
-    if reason is None:
-        return None
-    return {"length": "length", "stop": "stop", "abort": "abort"}[reason.type]
+    return None if reason is None else reason.type
 
 
 def new_id(prefix: str) -> str:
@@ -318,57 +272,38 @@ def completion_body(
     responses: list[GenerateResponse], *, model: str, request_id: str, with_logprobs: bool
 ) -> dict[str, Any]:
     choices = []
-    for index, response in enumerate(responses):
+    for response in responses:
+        pairs = response.meta_info.output_token_logprobs if with_logprobs else None
         logprobs = None
-        if with_logprobs and response.meta_info.output_token_logprobs is not None:
-            logprobs = {
-                "token_logprobs": [lp for lp, _, _ in response.meta_info.output_token_logprobs],
-                "tokens": [str(tok) for _, tok, _ in response.meta_info.output_token_logprobs],
-            }
-        choices.append(
-            {
-                "index": index,
-                "text": response.text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(response),
-                **versions(response),
-            }
-        )
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage_of(responses),
-    }
+        if pairs is not None:
+            logprobs = {"token_logprobs": [lp for lp, _, _ in pairs], "tokens": [str(tok) for _, tok, _ in pairs]}
+        choices.append({"text": response.text, "logprobs": logprobs})
+    return _body("text_completion", responses, choices, model=model, request_id=request_id)
 
 
 def chat_body(responses: list[GenerateResponse], *, model: str, request_id: str, with_logprobs: bool) -> dict[str, Any]:
     choices = []
-    for index, response in enumerate(responses):
+    for response in responses:
+        pairs = response.meta_info.output_token_logprobs if with_logprobs else None
         logprobs = None
-        if with_logprobs and response.meta_info.output_token_logprobs is not None:
-            logprobs = {
-                "content": [
-                    {"token": str(tok), "logprob": lp} for lp, tok, _ in response.meta_info.output_token_logprobs
-                ]
-            }
-        choices.append(
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": response.text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(response),
-                **versions(response),
-            }
-        )
+        if pairs is not None:
+            logprobs = {"content": [{"token": str(tok), "logprob": lp} for lp, tok, _ in pairs]}
+        choices.append({"message": {"role": "assistant", "content": response.text}, "logprobs": logprobs})
+    return _body("chat.completion", responses, choices, model=model, request_id=request_id)
+
+
+def _body(
+    kind: str, responses: list[GenerateResponse], choices: list[dict[str, Any]], *, model: str, request_id: str
+) -> dict[str, Any]:
     return {
         "id": request_id,
-        "object": "chat.completion",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": choices,
+        "choices": [
+            {"index": index, **choice, "finish_reason": finish_reason(response), **versions(response)}
+            for index, (response, choice) in enumerate(zip(responses, choices, strict=True))
+        ],
         "usage": usage_of(responses),
     }
 

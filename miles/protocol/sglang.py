@@ -1,23 +1,23 @@
 """Typed requests and responses of SGLang's native HTTP API (the subset miles serves and uses).
 
-Field names and defaults follow SGLang's ``GenerateReqInput``, ``SamplingParams`` and the weight
-update request structs, so a client written for SGLang works unchanged. Differences are listed in
-``docs/ENGINE.md``. Requests are strict: an unknown field is an error naming the field, never
-silently ignored, because a typo in a sampling parameter would otherwise change results quietly.
+Names and defaults follow SGLang's ``GenerateReqInput`` and ``SamplingParams`` (differences:
+docs/ENGINE.md). Requests are strict: an unknown field is an error naming it, since a typo in a
+sampling parameter would otherwise change results quietly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
+from pydantic import AfterValidator, Field, StrictFloat, StrictInt, model_validator
 
 from miles.protocol.base import (
     Count,
     Penalty,
     RequestModel,
+    ResponseModel,
     Seed,
     Stop,
     Temperature,
@@ -27,7 +27,6 @@ from miles.protocol.base import (
 )
 from miles.protocol.compat import (
     DISAGGREGATION,
-    DP_RANK,
     EXTRA_OUTPUT,
     GRAMMAR,
     HIDDEN,
@@ -36,11 +35,10 @@ from miles.protocol.compat import (
     LORA,
     MULTIMODAL,
     REASONING,
-    SESSION,
+    SHARED_UNSUPPORTED,
     WATERMARK,
     SGLangFields,
     Unsupported,
-    drop_nulls,
 )
 
 # SamplingParams fields whose null SGLang reads as "the default" (its __post_init__).
@@ -61,6 +59,22 @@ _NULL_IS_DEFAULT = frozenset(
         "spaces_between_special_tokens",
     }
 )
+# SamplingParams fields that OpenAI's completion requests (vLLM's and miles' own) take by the same name.
+OPENAI_SAME_NAME = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "n",
+    "logit_bias",
+)
 # OpenAI's bound on a logit bias, which SGLang forwards unchanged.
 MAX_LOGIT_BIAS = 100.0
 
@@ -77,11 +91,7 @@ def _logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
 
 
 class SamplingParams(SGLangFields):
-    """Per-request decoding settings, with SGLang's names and defaults.
-
-    Token ids (``stop_token_ids``, ``logit_bias`` keys) are checked against the model's vocabulary
-    by the engine, which knows it, before the request joins the batch.
-    """
+    """Per-request decoding settings, with SGLang's names and defaults (the engine checks token ids)."""
 
     ignored_fields: ClassVar[frozenset[str]] = frozenset({"stream_interval"})
     unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {
@@ -104,6 +114,7 @@ class SamplingParams(SGLangFields):
         "ebnf_full_assistant": Unsupported(INTERNAL, default=False),
     }
     extension_fields: ClassVar[frozenset[str]] = frozenset({"seed"})
+    null_is_default: ClassVar[frozenset[str]] = _NULL_IS_DEFAULT
 
     # null: as many tokens as the context length leaves after the prompt (SGLang's meaning).
     max_new_tokens: Count | None = 128
@@ -130,11 +141,6 @@ class SamplingParams(SGLangFields):
     # Accepted as a shorter alias of ``sampling_seed`` (OpenAI's name for the same thing).
     seed: Seed | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        return drop_nulls(data, _NULL_IS_DEFAULT)
-
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
@@ -158,8 +164,7 @@ class SamplingParams(SGLangFields):
         return self.model_copy(update={"max_new_tokens": budget})
 
     def for_sample(self, sample: int) -> SamplingParams:
-        """The settings of sample ``sample`` of ``n``: sample *i* of a seeded request draws with
-        seed + *i* (wrapped into the seed range), so the samples differ but reproduce."""
+        """The settings of sample ``sample`` of ``n``: seeded, it draws with ``sample_seed``."""
         seed = self.effective_seed
         if seed is None or sample == 0:
             return self
@@ -180,10 +185,8 @@ TopLogprobs = Annotated[StrictInt, Field(ge=0, le=20)]
 
 
 class GenerateRequest(SGLangFields):
-    """``POST /generate``: one prompt or a batch (lists), as text or token ids.
-
-    The logprob settings may be one value or one per prompt, as in SGLang.
-    """
+    """``POST /generate``: one prompt or a batch (lists), as text or token ids; settings may be
+    one value or one per prompt, as in SGLang."""
 
     ignored_fields: ClassVar[frozenset[str]] = frozenset(
         {
@@ -203,6 +206,7 @@ class GenerateRequest(SGLangFields):
         }
     )
     unsupported_fields: ClassVar[Mapping[str, Unsupported]] = {
+        **SHARED_UNSUPPORTED,
         **{
             name: Unsupported(MULTIMODAL)
             for name in (
@@ -218,12 +222,9 @@ class GenerateRequest(SGLangFields):
                 "min_dynamic_patch",
                 "image_max_dynamic_patch",
                 "video_max_dynamic_patch",
-                "images_config",
-                "mm_processor_kwargs",
             )
         },
         "use_audio_in_video": Unsupported(MULTIMODAL, default=False),
-        "watermark": Unsupported(WATERMARK),
         "token_ids_logprob": Unsupported("logprobs of chosen token ids are not returned; use top_logprobs_num"),
         "return_sampling_mask": Unsupported(EXTRA_OUTPUT, default=False),
         "sampling_logprobs_mode": Unsupported(
@@ -232,26 +233,14 @@ class GenerateRequest(SGLangFields):
         "return_flat_raw_top_logprobs": Unsupported(EXTRA_OUTPUT, default=False),
         "return_flat_raw_output_top_logprobs": Unsupported(EXTRA_OUTPUT, default=False),
         "return_flat_raw_top_logprobs_b64": Unsupported(EXTRA_OUTPUT, default=False),
-        "return_hidden_states": Unsupported(HIDDEN, default=False),
-        "return_routed_experts": Unsupported(HIDDEN, default=False),
-        "routed_experts_start_len": Unsupported(HIDDEN, default=0),
         "return_indexer_topk": Unsupported(HIDDEN, default=False),
-        "session_params": Unsupported(SESSION),
-        "lora_path": Unsupported(LORA),
         "lora_id": Unsupported(LORA),
-        "custom_logit_processor": Unsupported(LOGIT_PROCESSOR),
         "positional_embed_overrides": Unsupported("embedding overrides are not supported"),
-        "bootstrap_host": Unsupported(DISAGGREGATION),
-        "bootstrap_port": Unsupported(DISAGGREGATION),
-        "bootstrap_room": Unsupported(DISAGGREGATION),
         "bootstrap_pair_key": Unsupported(DISAGGREGATION),
         "decode_tp_size": Unsupported(DISAGGREGATION),
         "need_wait_for_mm_inputs": Unsupported(DISAGGREGATION, default=False),
         "num_items_assigned": Unsupported(DISAGGREGATION),
         "encoder_urls": Unsupported(DISAGGREGATION),
-        "routed_dp_rank": Unsupported(DP_RANK, unset=(0,)),
-        "data_parallel_rank": Unsupported(DP_RANK, unset=(0,)),
-        "disagg_prefill_dp_rank": Unsupported(DP_RANK, unset=(0,)),
         "background": Unsupported("background requests (OpenAI's responses API) are not supported", default=False),
         "require_reasoning": Unsupported(REASONING, default=False),
         "max_thinking_tokens": Unsupported(REASONING),
@@ -315,11 +304,7 @@ class GenerateRequest(SGLangFields):
 
     @property
     def batch_size(self) -> int:
-        if isinstance(self.text, list):
-            return len(self.text)
-        if self.input_ids and isinstance(self.input_ids[0], list):
-            return len(self.input_ids)
-        return 1
+        return len(self.text or self.input_ids or ()) if self.is_batch else 1
 
     def logprobs_of(self, prompt: int) -> LogprobSettings:
         """What prompt ``prompt`` of the batch asked for in logprobs (null: SGLang's defaults)."""
@@ -329,19 +314,15 @@ class GenerateRequest(SGLangFields):
         return LogprobSettings(return_logprob=wanted, top_logprobs=(top or 0) if wanted else 0)
 
 
-class LogprobSettings(BaseModel):
+class LogprobSettings(ResponseModel):
     """The logprobs one prompt of a request asked for."""
-
-    model_config = ConfigDict(frozen=True)
 
     return_logprob: bool
     top_logprobs: int
 
 
-class FinishReason(BaseModel):
+class FinishReason(ResponseModel):
     """Why a generation ended: ``length``, ``stop`` (with what matched) or ``abort``."""
-
-    model_config = ConfigDict(frozen=True)
 
     type: Literal["length", "stop", "abort"]
     length: int | None = None
@@ -349,21 +330,16 @@ class FinishReason(BaseModel):
     message: str | None = None
 
 
-class WeightVersionSpan(BaseModel):
-    """Output tokens ``[start, end)`` (indices into ``output_ids``) were sampled from logits that
-    the weights of ``weight_version`` computed."""
-
-    model_config = ConfigDict(frozen=True)
+class WeightVersionSpan(ResponseModel):
+    """Output tokens ``[start, end)`` of ``output_ids`` were sampled from ``weight_version``'s logits."""
 
     weight_version: str
     start: int
     end: int
 
 
-class GenerateMetaInfo(BaseModel):
+class GenerateMetaInfo(ResponseModel):
     """``meta_info`` of a generation response; ``weight_version`` is the version at the end."""
-
-    model_config = ConfigDict(frozen=True)
 
     id: str
     finish_reason: FinishReason | None
@@ -387,25 +363,17 @@ class GenerateMetaInfo(BaseModel):
     output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
 
 
-class GenerateResponse(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
+class GenerateResponse(ResponseModel):
     text: str
     output_ids: list[int]
     meta_info: GenerateMetaInfo
 
 
 class PauseMode(StrEnum):
-    """What happens to in-flight requests when generation pauses.
-
-    ``drain``: requests already running finish on the current weights; new ones wait.
-    ``abort``: running and queued requests end at once with an ``abort`` finish reason.
-    ``retract``: running requests leave the batch and go back to the front of the queue with the
-    tokens they produced; when generation continues they are prefilled again (prompt + output so
-    far, on the weights then current) and finish normally. Queued requests wait.
-    ``in_place``: running requests stay where they are and continue after the pause, possibly on
-    new weights (their ``weight_version_start`` and ``weight_version_end`` then differ).
-    """
+    """What happens to in-flight requests when generation pauses: ``drain`` (running ones finish on
+    the current weights), ``abort`` (running and queued ones end at once), ``retract`` (running
+    ones return to the front of the queue with their tokens, to be prefilled again on the weights
+    then current), ``in_place`` (they continue after the pause, possibly on new weights)."""
 
     DRAIN = "drain"
     ABORT = "abort"

@@ -1,9 +1,8 @@
 """Typed requests and responses of SGLang's weight-update HTTP API: loads from disk, pushes from a
 trainer's memory (shared memory, torch.distributed), versions, checksums and exports.
 
-Field names and defaults follow SGLang's weight update request structs (its ``io_struct.py``), so
-a client written for SGLang works unchanged; miles extensions are named as such. Requests are
-strict, as in ``miles.protocol.sglang``.
+Names and defaults follow SGLang's ``io_struct.py``; miles extensions are named as such. Requests
+are strict, as in ``miles.protocol.sglang``.
 """
 
 from __future__ import annotations
@@ -13,21 +12,18 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import AfterValidator, BaseModel, Field, StrictBool, StrictInt, model_validator
 
 from miles.errors import InvalidRequestError
-from miles.protocol.base import RequestModel, WeightVersion
+from miles.protocol.base import RequestModel, ResponseModel, WeightVersion
 from miles.protocol.compat import SGLangFields, Unsupported
 from miles.protocol.sglang import PauseMode
 
 
 class UpdateWeightsFromDiskRequest(RequestModel):
     """``POST /update_weights_from_disk``: load a checkpoint directory into the live weights.
-
-    ``model_path`` is checked as a path (``miles.weights.paths.checked_path``) by the engine.
-    ``expected_checksum`` (miles extension) is the model checksum the caller expects: with a
-    manifest, the manifest's must equal it; without one it is required, and the files must hash
-    to it (then ``weight_version`` is required too)."""
+    ``expected_checksum`` (miles extension): the manifest's must equal it; without a manifest it
+    is required (with ``weight_version``) and the files must hash to it."""
 
     model_path: str
     expected_checksum: Annotated[str, Field(min_length=1, max_length=256)] | None = None
@@ -50,9 +46,7 @@ class UpdateWeightsFromDiskRequest(RequestModel):
         return data
 
 
-class UpdateWeightsResponse(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
+class UpdateWeightsResponse(ResponseModel):
     success: bool
     message: str
     num_paused_requests: int = 0
@@ -78,10 +72,8 @@ class WeightsCheckerRequest(RequestModel):
     action: Literal["checksum"] = "checksum"
 
 
-class WeightsChecksumPayload(BaseModel):
+class WeightsChecksumPayload(ResponseModel):
     """The ``payload`` of ``/weights_checker`` with action ``checksum`` (miles' canonical checksum)."""
-
-    model_config = ConfigDict(frozen=True)
 
     action: str = "checksum"
     checksum: str
@@ -92,9 +84,7 @@ class WeightsChecksumPayload(BaseModel):
     weights_status: str
 
 
-class WeightsCheckerResponse(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
+class WeightsCheckerResponse(ResponseModel):
     success: bool
     message: str
     payload: WeightsChecksumPayload | None = None
@@ -102,17 +92,14 @@ class WeightsCheckerResponse(BaseModel):
 
 class SGLangWeightsCheckerResponse(WeightsCheckerResponse):
     """``/weights_checker`` as either server type answers it: miles' canonical ``payload``, or
-    SGLang's own fields (``sglang/srt/entrypoints/http_server.py``, ``check_weights``): one
-    ``ChecksumInfo`` per rank in ``ranks`` (per-tensor digests of SGLang's own parameters, fused
-    and sharded as it holds them) and ``per_engine_checksum``, SHA-256 over the ranks' checksums."""
+    SGLang's own (``check_weights``): a ``ChecksumInfo`` per rank in ``ranks`` and
+    ``per_engine_checksum``, SHA-256 over the ranks' checksums."""
 
     ranks: list[dict[str, Any]] | None = None
     per_engine_checksum: str | None = None
 
 
-class PauseGenerationResponse(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
+class PauseGenerationResponse(ResponseModel):
     status: str
     message: str
     # The embedded engine's additions; SGLang answers only ``status`` and ``message``.
@@ -120,10 +107,8 @@ class PauseGenerationResponse(BaseModel):
     num_paused_requests: int = 0
 
 
-class WeightVersionResponse(BaseModel):
+class WeightVersionResponse(ResponseModel):
     """``GET /get_weight_version``: the identity of the weights held now, for drift detection."""
-
-    model_config = ConfigDict(frozen=True)
 
     weight_version: str
     # The model checksum of the weights held now (miles extension; None only before the model
@@ -141,9 +126,7 @@ class ExportWeightsRequest(RequestModel):
     step: Annotated[StrictInt, Field(ge=0, lt=2**63)]
 
 
-class ExportWeightsResponse(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
+class ExportWeightsResponse(ResponseModel):
     success: bool
     path: str
     checksum: str
@@ -179,13 +162,9 @@ class _PushFields(SGLangFields):
 
 
 class UpdateWeightsFromTensorRequest(_PushFields):
-    """``POST /update_weights_from_tensor``: tensors of the trainer's, handed over in memory.
-
-    ``serialized_named_tensors`` holds one base64 document whose shape ``load_format`` names
-    (``miles.weights.transport.documents``): ``"miles_shm"``, a bucket in a shared-memory
-    segment on the engine's node; ``"miles_cuda_ipc"``, a flat bucket in GPU memory
-    of a process on the engine's node. SGLang's pickled tensors are refused. Every tensor is
-    checked against its digest."""
+    """``POST /update_weights_from_tensor``: tensors of the trainer's, handed over in memory as one
+    base64 document of the ``load_format`` (``miles.weights.transport.documents``: ``miles_shm``,
+    ``miles_cuda_ipc``); SGLang's pickled tensors are refused. Every tensor's digest is checked."""
 
     serialized_named_tensors: Annotated[list[str], Field(min_length=1, max_length=64)]
     load_format: str | None = None
@@ -225,11 +204,9 @@ class InitWeightsUpdateGroupRequest(SGLangFields):
 
 
 class UpdateWeightsFromDistributedRequest(_PushFields):
-    """``POST /update_weights_from_distributed``: receive one bucket by broadcast from rank 0.
-
-    As SGLang: without a ``load_format``, one broadcast per tensor in the order given;
-    ``load_format="flattened_bucket"``, one flat broadcast of the tensors back to back in that order.
-    ``digests`` (miles extension) lets the engine check each before use."""
+    """``POST /update_weights_from_distributed``: receive one bucket by broadcast from rank 0, one
+    broadcast per tensor or (``flattened_bucket``) one for all; ``digests`` (miles extension) are
+    checked before use."""
 
     extension_fields: ClassVar[frozenset[str]] = frozenset({"expected_checksum", "activate", "timeout_s", "digests"})
 
@@ -242,8 +219,7 @@ class UpdateWeightsFromDistributedRequest(_PushFields):
     timeout_s: Annotated[float, Field(gt=0, le=PUSH_TIMEOUT_MAX_S)] = 600.0
 
     def flattened(self) -> bool:
-        """Whether the bucket comes as one flat broadcast (``flattened_bucket``) rather than one
-        broadcast per tensor (no ``load_format``). Raises InvalidRequestError for any other."""
+        """Whether the bucket comes as one flat broadcast; InvalidRequestError for an unknown format."""
         if self.load_format not in (None, FLAT_LOAD_FORMAT):
             raise InvalidRequestError(
                 f"load_format {self.load_format!r} is not supported; send {FLAT_LOAD_FORMAT!r} "
@@ -267,14 +243,10 @@ class DestroyWeightsUpdateGroupRequest(SGLangFields):
 
 
 class ActivateWeightsRequest(RequestModel):
-    """``POST /activate_weights`` (miles extension): serve the pushed weights staged with
-    ``activate=false``, which must hash to ``expected_checksum``, as ``weight_version``.
-
-    Activation ends the window the weights were pushed in (its credential pushes no more). An
-    engine that is generating pauses itself for the swap and resumes after it, in this one call;
-    ``pause_mode`` says what happens to its running requests meanwhile (default: ``drain``, or
-    ``abort`` with ``abort_all_requests``).
-    """
+    """``POST /activate_weights`` (miles extension): serve the weights staged with
+    ``activate=false``, which must hash to ``expected_checksum``, as ``weight_version``; this ends
+    their window. A generating engine pauses for the swap (``pause_mode``: default ``drain``, or
+    ``abort`` with ``abort_all_requests``) and resumes, in this one call."""
 
     weight_version: WeightVersion
     expected_checksum: Annotated[str, Field(min_length=1, max_length=256)]

@@ -1,22 +1,14 @@
 """Bounds on an HTTP server's connections: a request head must arrive in time, and open
-connections are capped, with stalled ones closed first to make room.
+connections are capped, with stalled ones closed first to make room (docs/SECURITY.md).
 
-uvicorn (0.54, httptools) arms a timer only once a response completes (keep-alive), and any byte
-received cancels it, so a client that sends part of a head and then a byte every few seconds, or
-nothing at all, held its connection forever: 1500 such clients held 1500 descriptors after 75 s,
-and enough of them exhausted the process's descriptors. ``limit_concurrency`` does not help: it
-answers 503 only once a head is complete. ``guarded_http`` returns the protocol class a server's
-``uvicorn.Config(http=...)`` takes (the controller's and every engine's), which
-
-- gives every head ``head_timeout_s`` to complete, from the moment the connection is made or,
-  between keep-alive requests, from its first byte; one that does not is answered 408 and closed;
-- holds at most ``max_connections`` connections: one more closes the oldest connection that is
-  not running a request (a stalled head first, then an idle keep-alive one), so fresh clients
-  (``/health``) get in under a flood of stalled heads; when every connection is running a request
-  the new one is answered 503 at once.
-
-Idle keep-alive connections stay under uvicorn's own ``timeout_keep_alive``: the head deadline
-starts only when the next head does, so pooled clients are unaffected.
+uvicorn (0.54, httptools) arms a timer only once a response completes, and any byte received
+cancels it: 1500 clients sending part of a head, then a byte every few seconds, held 1500
+descriptors after 75 s. ``limit_concurrency`` answers 503 only once a head is complete.
+``guarded_http`` returns the protocol class for ``uvicorn.Config(http=...)`` (the controller's and
+every engine's): a head gets ``head_timeout_s`` (else 408), and past ``max_connections`` the oldest
+connection running no request is closed (a stalled head first, then an idle keep-alive one), or
+the newcomer gets 503 when all run one. Idle keep-alive connections stay under uvicorn's own
+``timeout_keep_alive``.
 """
 
 from __future__ import annotations
@@ -98,20 +90,16 @@ class Eviction(Generic[T]):
 
 @dataclass(frozen=True, slots=True)
 class Admission(Generic[T]):
-    """What ``ConnectionTable.admit`` decided: whether the newcomer is served (else it is refused,
-    and already CLOSING), and which connection to close for it, if any."""
+    """Whether a newcomer is served (else it is refused, already CLOSING), and whom to close for it."""
 
     admitted: bool
     evicts: Eviction[T] | None = None
 
 
 class ConnectionTable(Generic[T]):
-    """The phases of one server's connections, each phase in the order its members entered it.
-
-    Pure bookkeeping (no sockets, no clock): the protocol reports each connection's moves, and the
-    table decides whom to close. At most ``max_connections`` are HEAD, REQUEST or IDLE; at most
-    ``max_closing`` are CLOSING. Single-threaded: every call runs on the server's event loop.
-    """
+    """The phases of one server's connections, each in the order its members entered it: pure
+    bookkeeping (no sockets, no clock) that decides whom to close. At most ``max_connections`` are
+    HEAD, REQUEST or IDLE, at most ``max_closing`` CLOSING. Runs on the server's loop only."""
 
     def __init__(self, *, max_connections: int, max_closing: int = MAX_CLOSING) -> None:
         self.max_connections = max_connections
@@ -135,8 +123,7 @@ class ConnectionTable(Generic[T]):
         return self._phase.get(member, Phase.CLOSING)
 
     def admit(self, member: T) -> Admission[T]:
-        """Enter a new connection: HEAD while there is room or a connection to close for it (the
-        oldest stalled head, else the oldest idle one), else CLOSING (to be refused)."""
+        """Enter a new connection: HEAD while there is room or one to close for it, else CLOSING."""
         evicts: Eviction[T] | None = None
         if len(self) >= self.max_connections:
             victim = next((self._oldest(phase) for phase in _EVICTABLE if self._members[phase]), None)
@@ -148,9 +135,8 @@ class ConnectionTable(Generic[T]):
         return Admission(admitted=True, evicts=evicts)
 
     def move(self, member: T, to: Phase) -> None:
-        """Record ``member``'s move to ``to``. A member no longer held (closed for room, its last
-        callbacks still to come) stays out. Raises MilesError for a move the table does not allow
-        (a bug in the protocol)."""
+        """Record ``member``'s move to ``to`` (a member no longer held stays out). Raises MilesError
+        for a move the table does not allow (a bug in the protocol)."""
         was = self._phase.get(member)
         if was is None:
             return
@@ -160,8 +146,7 @@ class ConnectionTable(Generic[T]):
         self._enter(member, to)
 
     def closing(self, member: T) -> Eviction[T] | None:
-        """Move ``member`` (held or new) to CLOSING; returns the oldest closing connection to close
-        at once when that passes ``max_closing``."""
+        """Move ``member`` to CLOSING; returns the oldest closing one to close past ``max_closing``."""
         if member in self._phase:
             del self._members[self._phase.pop(member)][member]
         self._enter(member, Phase.CLOSING)
@@ -195,12 +180,9 @@ def connection_cap(requested: int, *, fd_limit: int) -> int:
 
 
 def guarded_http(limits: ConnectionLimits, *, server: str) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class for one server's ``uvicorn.Config(http=...)``: its connections share one
-    ConnectionTable. ``server`` names the server in the log (and says which setting to raise).
-
-    The cap is lowered to half the soft descriptor limit, with a warning, when it would not fit:
-    a cap above the limit would let the descriptors run out first.
-    """
+    """The protocol class for one server's ``uvicorn.Config(http=...)``, its connections sharing
+    one ConnectionTable; ``server`` names it in the log. The cap is lowered (with a warning) to
+    what ``connection_cap`` allows."""
     fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     cap = connection_cap(limits.max_connections, fd_limit=fd_limit)
     if cap < limits.max_connections:
@@ -222,11 +204,8 @@ def guarded_http(limits: ConnectionLimits, *, server: str) -> type[GuardedHttpTo
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a head deadline and a connection cap (module docstring).
-
-    Made per server by ``guarded_http``, which binds the server's table and limits. Every callback
-    runs on the server's event loop, so the table needs no lock.
-    """
+    """uvicorn's httptools protocol with a head deadline and a connection cap, bound to a server's
+    table and limits by ``guarded_http``. Callbacks run on the server's loop: the table needs no lock."""
 
     _table: ClassVar[ConnectionTable[GuardedHttpToolsProtocol]]
     _limits: ClassVar[ConnectionLimits]
@@ -347,16 +326,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Write a whole JSON error response in the API's shape, outside any request cycle."""
         body = json.dumps(error_body(message, code=status, kind=kind)).encode()
         default = b"".join(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
-        self.transport.write(
-            STATUS_LINE[status]
-            + default
-            + b"content-type: application/json\r\ncontent-length: "
-            + str(len(body)).encode()
-            + b"\r\nconnection: close\r\n"
-            + headers
-            + b"\r\n"
-            + body
-        )
+        head = f"content-type: application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n"
+        self.transport.write(STATUS_LINE[status] + default + head.encode() + headers + b"\r\n" + body)
 
     def _move(self, to: Phase) -> None:
         self._table.move(self, to)

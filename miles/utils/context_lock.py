@@ -1,18 +1,12 @@
 """ContextLock: an exclusive asyncio lock that knows which context holds it, and the decorators that
 make a class declare how each of its methods relates to its lock.
 
-Ownership follows the asyncio context: a grant is recorded in a ContextVar, so tasks spawned inside
-a held section inherit it (and see ``owned()``), while other tasks do not. The lock is not
-re-entrant (a second acquire from the owning context raises instead of deadlocking), a context
-holding one ContextLock may not take another (no lock-order deadlocks), waiters are served first
-come, first served, and a waiter logs a reminder while it waits. Every holding gets a fencing
-token that is never reused: whoever acts on the lock's behalf elsewhere (an engine) can refuse an
-older holder's calls.
-
-Lock discipline: a class that owns a ContextLock is decorated with ``@enforce_lock_discipline``;
-each function in its body carries ``@with_lock`` (runs holding the lock), ``@requires_lock``
-(runs only when the caller's context holds it) or ``@lock_exempt`` (no relation), and the class
-refuses to be defined otherwise.
+A grant is recorded in a ContextVar: tasks spawned inside a held section inherit it, other tasks
+do not. The lock is not re-entrant (a second acquire raises instead of deadlocking), a context
+holding one ContextLock may not take another, waiters are served FIFO and log a reminder while
+they wait, and every holding gets a fencing token never reused (an engine can refuse an older
+holder's calls). A class decorated ``@enforce_lock_discipline`` must mark each function
+``@with_lock``, ``@requires_lock`` or ``@lock_exempt``, or it refuses to be defined.
 """
 
 from __future__ import annotations
@@ -74,8 +68,7 @@ class LockTransitionKind(Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LockTransition:
-    """One change of holder, passed to ``on_transition``: ``waited_s`` for ACQUIRED, ``held_s``
-    for RELEASED."""
+    """One change of holder, for ``on_transition``: ``waited_s`` if ACQUIRED, ``held_s`` if RELEASED."""
 
     kind: LockTransitionKind
     lock_name: str
@@ -99,11 +92,8 @@ class _Waiter:
 
 class ContextLock:
     """An exclusive, FIFO-fair, non-re-entrant asyncio lock that knows who holds it.
-
-    ``on_transition`` is called on every acquire and release (a hook that raises is logged and
-    ignored). ``statistics`` and ``owned`` may be called from any thread; everything else runs on
-    the loop that uses the lock.
-    """
+    ``on_transition`` is called on every acquire and release (a hook that raises is logged).
+    ``statistics`` and ``owned`` may be called from any thread, the rest on the lock's loop."""
 
     def __init__(
         self,
@@ -134,14 +124,13 @@ class ContextLock:
     # --- taking and giving back --------------------------------------------------------------
 
     async def acquire(self, *, holder: str, timeout: float | None = None) -> LockGrant:
-        """Wait (first come, first served) for the lock and record it in the current context.
+        """Wait (FIFO) for the lock and record it in the current context.
 
-        Raises LockReentryError at once if this context already holds it, LockNestingError if it
-        holds another ContextLock, and LockTimeoutError (a TimeoutError) once ``timeout`` seconds
-        pass. A waiter that times out or is cancelled leaves no trace; one granted just before its
-        cancellation took effect passes the lock on. Use ``timeout`` rather than
-        ``asyncio.wait_for``: on Python 3.11 wait_for runs the acquire in a task of its own, whose
-        context (not the caller's) would receive the grant.
+        Raises LockReentryError if this context holds it already, LockNestingError if it holds
+        another ContextLock, LockTimeoutError after ``timeout`` s. A waiter that times out or is
+        cancelled leaves no trace (one granted just before passes the lock on). Use ``timeout``,
+        not ``asyncio.wait_for``: on 3.11 that runs the acquire in its own task, whose context
+        would receive the grant.
         """
         self._refuse_reentry_and_nesting(holder)
         if self._grant is None and not self._waiters:
@@ -152,8 +141,7 @@ class ContextLock:
         return grant
 
     def release(self) -> None:
-        """Give the lock back and hand it to the next waiter. Raises LockNotHeldError unless the
-        current context holds it."""
+        """Hand the lock to the next waiter; LockNotHeldError unless this context holds it."""
         grant = self.current()
         _GRANTS.set(tuple(g for g in _GRANTS.get() if g[0] is not self))
         self._grant = None
@@ -355,10 +343,8 @@ def _lock_of(instance: object, declaration: _Declaration) -> ContextLock:
 
 
 def with_lock(func: FuncT) -> FuncT:
-    """Run the async method holding the lock (holder: its qualname), released in ``finally``.
-
-    Waits at most the owner's ``timeout_attribute`` seconds (LockTimeoutError after that).
-    """
+    """Run the async method holding the lock (holder: its qualname), waiting at most the owner's
+    ``timeout_attribute`` seconds (LockTimeoutError)."""
     declaration = _declare(func, LockRole.WITH_LOCK)
     if not inspect.iscoroutinefunction(func):
         raise LockDisciplineError(
@@ -380,8 +366,7 @@ def with_lock(func: FuncT) -> FuncT:
 
 
 def requires_lock(func: FuncT) -> FuncT:
-    """Let the method (sync or async) run only when the calling context holds the lock; raises
-    LockNotHeldError otherwise."""
+    """Let the method (sync or async) run only when its context holds the lock (LockNotHeldError)."""
     declaration = _declare(func, LockRole.REQUIRES)
 
     if inspect.iscoroutinefunction(func):
@@ -428,13 +413,9 @@ def _functions_of(member: object) -> list[Callable[..., Any]]:
 def enforce_lock_discipline(
     *, lock_attribute: str = "_lock", timeout_attribute: str | None = None
 ) -> Callable[[ClassT], ClassT]:
-    """Refuse a class whose body defines a function without a lock declaration.
-
-    Checks every function in the class body (dunders, static and class methods and property
-    accessors included) and raises LockDisciplineError naming the undeclared ones. On success it
-    tells each guarded method which class owns it, where the lock lives, and which attribute
-    bounds how long ``@with_lock`` waits.
-    """
+    """Refuse (LockDisciplineError) a class whose body defines a function, dunders and accessors
+    included, without a lock declaration; bind each guarded method to the class, its lock
+    attribute and the attribute bounding how long ``@with_lock`` waits."""
 
     def check(cls: ClassT) -> ClassT:
         undeclared: list[str] = []

@@ -2,11 +2,8 @@
 a bound on the size of request bodies, bearer credentials checked before a body is read, and
 waiting on work that a departed client no longer wants.
 
-Domain code raises ``MilesError`` subclasses and never picks a status code; an app installs
-``install_error_handlers`` and answers every failure as ``{"error": {"message", "type", "code"}}``
-(plus ``"refusal"`` for an error that names one, ``miles.errors.Refusal``): validation as 400, the
-table's errors with their code, FastAPI's own refusals (an unknown path, a body it cannot decode)
-with theirs, and anything else as a logged JSON 500.
+Domain code raises ``MilesError`` subclasses and never picks a status code; ``install_error_handlers``
+answers every failure as ``{"error": {"message", "type", "code"}}`` (plus ``"refusal"``).
 """
 
 from __future__ import annotations
@@ -124,8 +121,7 @@ def validation_message(exc: RequestValidationError) -> str:
 
 
 def refusal(exc: MilesError) -> JSONResponse | None:
-    """The answer the table gives ``exc``, with the headers its status needs; None when the
-    table has no entry for it (a bug: ``internal_error``)."""
+    """The answer the table gives ``exc``; None when it has no entry for it (a bug)."""
     mapped = status_of(exc)
     if mapped is None:
         return None
@@ -137,10 +133,8 @@ def refusal(exc: MilesError) -> JSONResponse | None:
 
 
 def install_error_handlers(app: FastAPI, *, logger: logging.Logger, not_found: str) -> None:
-    """Answer every failure of ``app`` in the error shape (see the module docstring).
-
-    ``not_found`` is the message for a path the app does not serve (where to look instead).
-    """
+    """Answer every failure of ``app`` in the error shape; ``not_found`` answers an unknown path:
+    validation as 400, the table's errors with their code, anything else as a logged 500."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -166,8 +160,7 @@ def install_error_handlers(app: FastAPI, *, logger: logging.Logger, not_found: s
 
 
 def internal_error(method: str, path: str, exc: BaseException, *, logger: logging.Logger) -> JSONResponse:
-    """Last resort: nothing a client sends should get here, but a bug must still answer in the
-    API's error shape and leave its traceback in the log."""
+    """A bug's answer, in the API's error shape, with its traceback in the log."""
     logger.error("unhandled error on %s %s", method, path, exc_info=exc)
     message = f"internal error ({type(exc).__name__}: {str(exc)[:200]}); this is a bug in miles, see its log"
     return error_response(message, code=500, kind="internal_error")
@@ -224,10 +217,9 @@ BODY_IDLE_TIMEOUT_S = 30.0
 
 
 class BodyLimit:
-    """ASGI middleware: a request whose body is larger than ``max_bytes`` is refused with 413, and
-    none of it past ``max_bytes`` is kept, so no request can make an API buffer and parse
-    gigabytes; a body that stops arriving for ``idle_timeout_s`` is refused with 408. ``setting``
-    names what raises the limit, for the message."""
+    """ASGI middleware: a body larger than ``max_bytes`` is refused with 413 (none of it past
+    ``max_bytes`` kept), one that stops arriving for ``idle_timeout_s`` with 408. ``setting`` names
+    what raises the limit, for the message."""
 
     def __init__(
         self, app: ASGIApp, *, max_bytes: int, setting: str, idle_timeout_s: float = BODY_IDLE_TIMEOUT_S
@@ -294,10 +286,8 @@ class BodyLimit:
 
 
 def bearer(authorization: str | None, *, path: str, needs: str) -> str:
-    """The credential an ``Authorization: Bearer <credential>`` header presents.
-
-    Raises AuthenticationError (401) without one, naming what ``path`` ``needs``.
-    """
+    """The credential an ``Authorization: Bearer`` header presents; AuthenticationError (401)
+    without one, naming what ``path`` ``needs``."""
     if authorization is None or not authorization.strip():
         raise AuthenticationError(f"{path} needs {needs}: send `Authorization: Bearer <credential>`")
     scheme, _, presented = authorization.strip().partition(" ")
@@ -307,23 +297,18 @@ def bearer(authorization: str | None, *, path: str, needs: str) -> str:
 
 
 def presents_one_of(presented: str, accepted: Iterable[SecretStr]) -> bool:
-    """Whether ``presented`` is one of the ``accepted`` secrets. Every one is compared (no early
-    exit), in constant time, so the time a refusal takes tells nothing about which one was close.
-    Headers arrive decoded as latin-1: encoding back gives the bytes that were sent."""
+    """Whether ``presented`` is one of the ``accepted`` secrets, every one compared in constant time
+    (a refusal's timing tells nothing). Headers arrive as latin-1: encoding back gives the bytes sent."""
     offered = presented.encode("latin-1", "replace")
     results = [hmac.compare_digest(offered, secret.get_secret_value().encode()) for secret in accepted]
     return any(results)
 
 
 class CheckFirst:
-    """ASGI middleware: ``check(scope)`` runs on every HTTP request before anything reads its
-    body, and what it returns is kept in the request's state under ``key``. FastAPI parses a
-    route's body before the route's dependencies run, so a credential checked there would first
-    parse (and answer about) whatever an unauthenticated caller sent, 64 MiB of it if it liked.
-
-    A ``MilesError`` that ``check`` raises is answered here, in the API's error shape, the body
-    unread (``answer_unread``).
-    """
+    """ASGI middleware: ``check(scope)`` runs before anything reads a request's body (its result
+    kept in the request's state under ``key``; a ``MilesError`` it raises answered here, the body
+    unread). FastAPI parses a body before a route's dependencies run: a credential checked there
+    would first parse whatever an unauthenticated caller sent, 64 MiB of it if it liked."""
 
     def __init__(self, app: ASGIApp, *, check: Callable[[Scope], object], key: str) -> None:
         self.app = app
@@ -347,11 +332,9 @@ class CheckFirst:
 
 
 async def answer_unread(answer: Response, scope: Scope, receive: Receive, send: Send) -> None:
-    """Send ``answer`` to a request whose body nothing read. The body is read and dropped first
-    (never parsed, up to ``DRAIN_MAX_BYTES``): a server that closes a connection with unread input
-    resets it, and the reset can destroy the answer before the client reads it. Not when the client
-    asked to be told first (``Expect: 100-continue``): it has sent nothing yet, and reading would
-    tell it to send everything."""
+    """Send ``answer`` to a request whose body nothing read, draining the body first (see
+    ``DRAIN_MAX_BYTES``), unless the client sent ``Expect: 100-continue``: it has sent nothing yet,
+    and reading would tell it to send everything."""
     headers = Headers(scope=scope)
     declared = headers.get("content-length")
     too_large = declared is not None and declared.isdigit() and int(declared) > DRAIN_MAX_BYTES
@@ -361,9 +344,7 @@ async def answer_unread(answer: Response, scope: Scope, receive: Receive, send: 
 
 
 async def drain(receive: Receive, budget: int) -> None:
-    """Read and drop the rest of a request's body, or ``budget`` bytes of it, or what arrives until
-    the body stops arriving for ``BODY_IDLE_TIMEOUT_S`` (a refused client cannot hold the
-    connection by sending a byte a minute)."""
+    """Read and drop the rest of a body: at most ``budget`` bytes, until ``BODY_IDLE_TIMEOUT_S`` idle."""
     while budget > 0:
         try:
             message = await asyncio.wait_for(receive(), BODY_IDLE_TIMEOUT_S)
@@ -380,12 +361,8 @@ _DISCONNECT_POLL_S = 0.25
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
-    """Await ``work``, cancelling it if the client goes away meanwhile.
-
-    Starlette never cancels a handler whose client left, so a long generation would run to its
-    end for nobody; cancelling the handler's work aborts its sequences in the engine (and, in the
-    controller, closes the upstream request, which the engine sees the same way).
-    """
+    """Await ``work``, cancelling it if the client goes away meanwhile: Starlette never cancels a
+    handler whose client left, so a long generation would run to its end for nobody."""
     task = asyncio.ensure_future(work)
     try:
         while True:

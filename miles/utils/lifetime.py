@@ -13,8 +13,7 @@ import threading
 
 
 def exit_when_gone(pid: int) -> None:
-    """End this process (``os._exit(0)``) as soon as process ``pid`` has exited; at once if it
-    already has. Watches from a daemon thread and returns."""
+    """End this process (``os._exit(0)``) once ``pid`` has exited, watching from a daemon thread."""
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:

@@ -1,34 +1,10 @@
 """miles' worker extension for vLLM: verified loads, and the checksum of what a worker holds.
 
-vLLM loads it into every worker (``--worker-extension-cls
-miles.vllm.extension.MilesWorkerExtension``); the controller calls its methods through vLLM's
-``POST /collective_rpc`` (``miles.rollout.vllm_client``), which passes keyword arguments as
-strings and answers each worker's return value. Each method answers a JSON object:
-
-- ``miles_load(path, expected_checksum)``: read the checkpoint's tensors once, hash what was
-  read, and refuse it (nothing touched) unless it is the checkpoint expected; then reload them
-  through vLLM's own in-place reload (``reload_weights``, the path that keeps its layer wrappers
-  consistent) and hash what the worker holds afterwards. A reload that failed midway leaves the
-  worker holding something else: the answer says so (``changed``) and carries the checksum of what
-  it holds, which the controller's gate then refuses.
-- ``miles_checksum()``: the canonical checksum (``miles.weights.checksum``: the one manifests and
-  ``InferenceEngineWeightChecksumEvent`` carry) of the weights the worker holds now, read back
-  from vLLM's layers (``miles.vllm.held``), and what was hashed.
-- ``miles_identity()``: the checksum computed when the weights last changed, and which process
-  answers, without hashing anything (for the controller's probes).
-- ``miles_end_push()``: end a push its window closed on (the controller calls it when a window
-  closes): a reload its last bucket never finished ends (the layers it loaded keep what they got,
-  the others what they held; every read of the held weights ends such a reload first), and the
-  torch.distributed group the push formed is left. Answers what it ended and the group it left.
-- ``miles_export(step)``: write what the worker holds as a sealed checkpoint under the server's
-  snapshot directory (``MILES_SNAPSHOT_DIR``), to restart a peer on weights that were pushed and
-  lie on no disk.
-
-Importing this module also registers miles' backend for vLLM's native weight transfer
-(``miles.vllm.transfer``), through which pushes from a training window arrive.
-
-This module runs inside vLLM's worker processes, in vLLM's environment: it imports torch and
-``miles.weights`` only.
+Loaded into every worker (``--worker-extension-cls miles.vllm.extension.MilesWorkerExtension``)
+and called through vLLM's ``POST /collective_rpc`` (``miles.rollout.vllm_client``); each method
+answers a JSON object. docs/VLLM.md says what each call does. Importing this module registers
+miles' weight-transfer backend (``miles.vllm.transfer``). It runs in vLLM's worker processes and
+imports torch and ``miles.weights`` only.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The weights a vLLM worker holds, read back under the checkpoint's names and dtypes.
 
-vLLM does not keep a checkpoint's tensors as they were loaded:
-
-- it fuses rows: ``q_proj|k_proj|v_proj`` into ``qkv_proj`` and ``gate_proj|up_proj`` into
-  ``gate_up_proj`` (the model class's ``packed_modules_mapping``; ``output_sizes`` gives each
-  part's rows);
-- it pads the vocabulary of the embedding and the LM head to a multiple of its padding
-  (``org_vocab_size`` is the checkpoint's);
-- on CPU, it packs every linear weight into a oneDNN or sgl-kernel handle inside
-  ``layer.cpu_linear`` and leaves ``layer.weight`` empty (vLLM's own ``/weight_checker`` then
-  hashes zero bytes: it can verify nothing here).
-
-A packed weight is recovered exactly by passing the identity through the layer's own kernel:
-``cpu_linear(I, weight, None)`` is ``I @ W.T``, every output one weight times one plus zeros. The
-identity goes through in blocks of rows, so no more than a block's output is materialised at once.
-The recovered tensors are cast back to the model's dtype (the kernel may answer float32 for a
-bfloat16 model; every value it returns is one of the weights, so the cast is exact).
+vLLM fuses rows (``packed_modules_mapping``, split again by ``output_sizes``), pads the vocabulary
+(cut at ``org_vocab_size``) and, on CPU, packs linear weights into ``layer.cpu_linear``, leaving
+``layer.weight`` empty. A packed weight is recovered exactly by passing the identity through the
+layer's own kernel (``I @ W.T``), in blocks of rows, then cast back to the model's dtype (exact:
+every value is one of the weights). docs/VLLM.md, "What the worker holds".
 """
 
 from __future__ import annotations
@@ -70,7 +59,9 @@ def _recovered(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
 def _identity_through(module: torch.nn.Module, in_features: int) -> Iterator[torch.Tensor]:
     """``cpu_linear`` applied to the identity, a block of rows at a time (each ``rows x out``)."""
     kernel: Any = getattr(module, "cpu_linear")  # noqa: B009  # vLLM's, untyped
-    dtype = _input_dtype(module)
+    # The activation dtype the layer's kernel expects: its parameters'.
+    dtype = getattr(module, "params_dtype", None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
     with torch.inference_mode():
         for start in range(0, in_features, _IDENTITY_BLOCK):
             stop = min(start + _IDENTITY_BLOCK, in_features)
@@ -78,9 +69,3 @@ def _identity_through(module: torch.nn.Module, in_features: int) -> Iterator[tor
             rows = torch.arange(stop - start)
             block[rows, rows + start] = 1
             yield kernel(block, module.weight, None)
-
-
-def _input_dtype(module: torch.nn.Module) -> torch.dtype:
-    """The activation dtype the layer's kernel expects (its parameters' dtype)."""
-    dtype = getattr(module, "params_dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()

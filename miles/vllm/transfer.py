@@ -1,34 +1,12 @@
 """miles' backend for vLLM's native weight transfer: pushed buckets, read from shared memory on the
 server's node or broadcast over a torch.distributed group formed with the trainer.
 
-vLLM's weight-transfer API (``/init_weight_transfer_engine``, ``/start_weight_update``,
-``/update_weights``, ``/finish_weight_update``, ``/shutdown_weight_transfer_engine``, with
-``--weight-transfer-config {"backend": "miles"}``) hands each call's ``init_info`` or
-``update_info`` to the backend registered under that name in the worker. This one takes the
-requests ``PushPublisher`` sends an embedded engine, one definition for both
-(``miles.weights.transport``, ``miles.protocol.sglang_weights``):
-
-- ``init_info``: an ``InitWeightsUpdateGroupRequest``: join the trainer's group (its rank 0 serves
-  the store) as ``rank_offset``, gloo on CPU, NCCL from a GPU to a GPU; the join gives up after its
-  ``timeout_s``. The group is left by ``/shutdown_weight_transfer_engine`` (the trainer's end of a
-  push) or when the push's window closes (``leave``, through the extension's ``miles_end_push``),
-  whichever comes first.
-- ``update_info``, one bucket: ``{"document": ShmDocument.encode()}``, a bucket in a shared-memory
-  segment on this node (the document an embedded engine reads), or ``{"distributed":
-  UpdateWeightsFromDistributedRequest}``, the group's next broadcast, waited for at most its
-  ``timeout_s``.
-
-Either way each tensor is checked against the digest it was sent with before its bucket is loaded,
-then loaded through the model's ``load_weights`` inside vLLM's layerwise reload (begun by
-``start_weight_update``, completed by ``finish_weight_update``), the reload path that keeps vLLM's
-fused and packed layers consistent. What the worker holds at the end is confirmed by the
-controller through ``miles_checksum``, as after every update.
-
-A refused bucket (a digest that does not match, a broadcast whose sender died) ends vLLM's reload
-at once (``end_reload``): vLLM forgets the session on any error but leaves the layers the reload had
-emptied on the meta device, holding nothing to serve or hash. Ended, the layers already loaded keep
-what they got and the others take back the weights they held, so the controller's checksum sees a
-model that exists, and its rollback reloads it.
+It takes the requests ``PushPublisher`` sends an embedded engine (``miles.protocol.sglang_weights``):
+``init_info`` is an ``InitWeightsUpdateGroupRequest``; ``update_info`` is one bucket,
+``{"document": ShmDocument.encode()}`` or ``{"distributed": UpdateWeightsFromDistributedRequest}``.
+Each tensor is checked against its digest before its bucket is loaded inside vLLM's layerwise
+reload; a refused bucket ends that reload at once (``end_reload``). docs/VLLM.md, "Pushes from
+memory", has the calls and why.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The controller's status page: the fleet, the lock, the last updates, requests and events.
 
-``GET /`` serves the page and ``/status.js`` and ``/status.css`` its script and style (files of
-this package: no build step, nothing fetched from elsewhere). The script polls ``GET /status``,
-one JSON report assembled here from what the controller already keeps: its health report (never
-waits on the lock, so the page stays live while an update runs), the update timelines read from
-its event log, and the requests per second the metrics record.
+``GET /`` serves the page and its script and style (files of this package, no build step); the
+script polls ``GET /status``, assembled from what the controller keeps: its health report (which
+never waits on the lock), the update timelines of its event log, and the metrics' request history.
 """
 
 from __future__ import annotations
@@ -72,7 +70,7 @@ def add_status_page(
         async def serve() -> Response:
             body = loaded.get(path)
             if body is None:
-                body = loaded[path] = await asyncio.to_thread(_read, name)
+                body = loaded[path] = await asyncio.to_thread(files(__name__).joinpath(name).read_bytes)
             return Response(body, media_type=kind, headers={"cache-control": "no-cache"})
 
         return serve
@@ -83,7 +81,3 @@ def add_status_page(
     @app.get("/status", dependencies=[Depends(reader)])
     async def status() -> dict[str, Any]:
         return status_report(controller, metrics)
-
-
-def _read(name: str) -> bytes:
-    return files(__name__).joinpath(name).read_bytes()

@@ -11,15 +11,8 @@ from miles.utils.audit_utils.event_logger.models import Event
 
 
 def analyze_events(events: Iterable[Event], *, rules: Sequence[Rule] = RULES) -> AnalysisReport:
-    """Check ``events`` against ``rules`` (all registered rules by default).
-
-    Events may come in any order: they are sorted by timestamp first (stably, so events with equal
-    timestamps keep their given order, as ``read_events`` returns them). Findings are grouped by
-    rule, in the order of ``rules``, and by time within a rule.
-
-    Raises:
-        MilesError: two rules share a name (their findings could not be told apart).
-    """
+    """Check ``events`` (in any order: sorted stably by timestamp) against ``rules``; findings by
+    rule, then by time. Raises MilesError when two rules share a name."""
     names = [rule.name for rule in rules]
     if len(set(names)) != len(names):
         raise MilesError("analyzer rules must have distinct names", rules=names)

@@ -1,13 +1,13 @@
 """The invariants an event log must satisfy, one small rule each, and the registry that lists them.
 
-A rule reads events in timestamp order and yields a ``Finding`` per violation. To add one, write a
-function with that shape and append a ``Rule`` to ``RULES``.
+A rule reads events in timestamp order and yields a ``Finding`` per violation; add one to ``RULES``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from miles.utils.audit_utils.event_analyzer.report import Finding
 from miles.utils.audit_utils.event_logger.models import (
@@ -17,6 +17,9 @@ from miles.utils.audit_utils.event_logger.models import (
     WeightUpdateCommittedEvent,
 )
 from miles.utils.weight_version import version_number
+
+_K = TypeVar("_K")
+_E = TypeVar("_E", WeightUpdateCommittedEvent, InferenceEngineWeightChecksumEvent)
 
 RuleCheck = Callable[[Sequence[Event]], Iterable[Finding]]
 """Takes every event of a log in timestamp order and yields the violations it finds."""
@@ -36,12 +39,8 @@ WEIGHT_VERSION_ORDER = "weight_version_order"
 
 
 def check_checksum_consistency(events: Sequence[Event]) -> Iterator[Finding]:
-    """Yield a finding for each server report (confirmed or restored) whose checksum differs
-    from the latest checksum training published before it for the same model and step.
-
-    A report with no earlier published checksum for its model and step cannot be judged and is
-    not a finding.
-    """
+    """Yield a finding for each server report (confirmed or restored) whose checksum differs from
+    the latest one published before it for its model and step (none published: not judged)."""
     published: dict[tuple[str, int], InferenceEngineWeightChecksumEvent] = {}
     for event in events:
         if not isinstance(event, InferenceEngineWeightChecksumEvent):
@@ -69,79 +68,58 @@ def check_checksum_consistency(events: Sequence[Event]) -> Iterator[Finding]:
 
 
 def check_weight_version_order(events: Sequence[Event]) -> Iterator[Finding]:
-    """Yield a finding when versions go backwards where they must only move forward.
-
-    Per model, each committed update's version must be greater than every integer version
-    committed before it. Per server, each confirmed checksum's version must not be below the
-    highest version the server confirmed before. Restored checksums (rollbacks, restarts) may go
-    back and are not checked, but they do not lower the bar for later confirmations. Versions that
-    are not base-10 integers are not compared.
-    """
+    """Yield a finding when integer versions go backwards: a model's committed versions must
+    strictly increase, and a server's confirmed ones never fall below its highest before.
+    Restored checksums (rollbacks, restarts) may go back and do not lower the bar."""
     committed: dict[str, tuple[int, WeightUpdateCommittedEvent]] = {}
     confirmed: dict[tuple[str, str], tuple[int, InferenceEngineWeightChecksumEvent]] = {}
     for event in events:
         if isinstance(event, WeightUpdateCommittedEvent):
-            finding = _committed_in_order(event, committed)
+            earlier = _behind(committed, event.model_name, event, equal_is_behind=True)
+            if earlier is not None:
+                yield Finding(
+                    rule=WEIGHT_VERSION_ORDER,
+                    message=(
+                        f"model {event.model_name} committed weight version {event.weight_version} "
+                        f"(update {event.update_id}) after already committing version {earlier.weight_version} "
+                        f"(update {earlier.update_id}); committed versions must strictly increase"
+                    ),
+                    model_name=event.model_name,
+                    step=event.step,
+                    weight_version=event.weight_version,
+                    event_ids=(earlier.event_id, event.event_id),
+                )
         elif isinstance(event, InferenceEngineWeightChecksumEvent) and event.role is ChecksumRole.CONFIRMED:
-            finding = _confirmed_in_order(event, confirmed)
-        else:
-            continue
-        if finding is not None:
-            yield finding
+            if event.server_id is None:
+                continue
+            previous = _behind(confirmed, (event.model_name, event.server_id), event, equal_is_behind=False)
+            if previous is not None:
+                yield Finding(
+                    rule=WEIGHT_VERSION_ORDER,
+                    message=(
+                        f"server {event.server_id} confirmed weight version {event.weight_version} of model "
+                        f"{event.model_name} (step {event.step}) after having confirmed version "
+                        f"{previous.weight_version}; a server's confirmed versions must not go backwards"
+                    ),
+                    model_name=event.model_name,
+                    server_id=event.server_id,
+                    step=event.step,
+                    weight_version=event.weight_version,
+                    event_ids=(previous.event_id, event.event_id),
+                )
 
 
-def _committed_in_order(
-    event: WeightUpdateCommittedEvent,
-    highest: dict[str, tuple[int, WeightUpdateCommittedEvent]],
-) -> Finding | None:
+def _behind(highest: dict[_K, tuple[int, _E]], key: _K, event: _E, *, equal_is_behind: bool) -> _E | None:
+    """The earlier event whose integer version ``event``'s is behind, else None (and ``event``'s
+    version, when an integer, becomes ``key``'s highest)."""
     version = version_number(event.weight_version)
     if version is None:
         return None
-    previous = highest.get(event.model_name)
-    if previous is None or version > previous[0]:
-        highest[event.model_name] = (version, event)
-        return None
-    earlier = previous[1]
-    return Finding(
-        rule=WEIGHT_VERSION_ORDER,
-        message=(
-            f"model {event.model_name} committed weight version {event.weight_version} "
-            f"(update {event.update_id}) after already committing version {earlier.weight_version} "
-            f"(update {earlier.update_id}); committed versions must strictly increase"
-        ),
-        model_name=event.model_name,
-        step=event.step,
-        weight_version=event.weight_version,
-        event_ids=(earlier.event_id, event.event_id),
-    )
-
-
-def _confirmed_in_order(
-    event: InferenceEngineWeightChecksumEvent,
-    highest: dict[tuple[str, str], tuple[int, InferenceEngineWeightChecksumEvent]],
-) -> Finding | None:
-    version = version_number(event.weight_version)
-    if version is None or event.server_id is None:
-        return None
-    key = (event.model_name, event.server_id)
     previous = highest.get(key)
-    if previous is None or version >= previous[0]:
+    if previous is None or version > previous[0] or (version == previous[0] and not equal_is_behind):
         highest[key] = (version, event)
         return None
-    earlier = previous[1]
-    return Finding(
-        rule=WEIGHT_VERSION_ORDER,
-        message=(
-            f"server {event.server_id} confirmed weight version {event.weight_version} of model "
-            f"{event.model_name} (step {event.step}) after having confirmed version "
-            f"{earlier.weight_version}; a server's confirmed versions must not go backwards"
-        ),
-        model_name=event.model_name,
-        server_id=event.server_id,
-        step=event.step,
-        weight_version=event.weight_version,
-        event_ids=(earlier.event_id, event.event_id),
-    )
+    return previous[1]
 
 
 RULES: tuple[Rule, ...] = (
@@ -152,7 +130,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         name=WEIGHT_VERSION_ORDER,
-        description=("committed versions increase per model; confirmed versions never go back per server"),
+        description="committed versions increase per model; confirmed versions never go back per server",
         check=check_weight_version_order,
     ),
 )

@@ -1,9 +1,7 @@
 """Weight updates read back from an event log as timelines: phases, server steps, outcome.
 
-An update's events run from its ``weight_update_started`` to its ``weight_update_committed`` or
-``weight_update_aborted`` (matched by ``update_id``); between them, the state changes, confirmed
-checksums and mismatches of its servers are its steps, timed from its start. ``miles events DIR
---timeline`` prints them and the controller's status page draws them.
+An update runs from its ``weight_update_started`` to its committed or aborted event (by
+``update_id``); its servers' state changes, confirmations and mismatches between are its steps.
 """
 
 from __future__ import annotations
@@ -69,11 +67,11 @@ def update_timelines(events: Iterable[Event]) -> list[UpdateTimeline]:
         elif isinstance(event, WeightUpdateCommittedEvent | WeightUpdateAbortedEvent):
             building = open_.pop(event.update_id, None)
             if building is not None:
-                done.append(building.end(event))
+                done.append(building.timeline(event))
         else:
             for building in open_.values():
                 building.add(event)
-    done.extend(b.running() for b in open_.values())
+    done.extend(b.timeline() for b in open_.values())
     return sorted(done, key=lambda t: t.started_at)
 
 
@@ -94,32 +92,14 @@ class _Building:
         if step is not None:
             self.steps.append(step)
 
-    def end(self, event: WeightUpdateCommittedEvent | WeightUpdateAbortedEvent) -> UpdateTimeline:
-        if isinstance(event, WeightUpdateCommittedEvent):
-            status, message = "committed", None
-        else:
-            status, _, message = event.reason.partition(": ")
+    def timeline(self, end: WeightUpdateCommittedEvent | WeightUpdateAbortedEvent | None = None) -> UpdateTimeline:
+        """The update as told so far: ``running`` until its ``end`` event."""
+        status, message = "running", ""
+        if isinstance(end, WeightUpdateCommittedEvent):
+            status = "committed"
+        elif end is not None:
+            status, _, message = end.reason.partition(": ")
             status = status if status.isidentifier() else "aborted"
-        return self._timeline(
-            status=status,
-            duration_s=event.duration_s,
-            serving_blocked_s=event.serving_blocked_s,
-            timings=event.timings,
-            message=message or None,
-        )
-
-    def running(self) -> UpdateTimeline:
-        return self._timeline(status="running", duration_s=None, serving_blocked_s=None, timings={}, message=None)
-
-    def _timeline(
-        self,
-        *,
-        status: str,
-        duration_s: float | None,
-        serving_blocked_s: float | None,
-        timings: dict[str, float],
-        message: str | None,
-    ) -> UpdateTimeline:
         started = self.started
         return UpdateTimeline(
             update_id=started.update_id,
@@ -130,11 +110,11 @@ class _Building:
             server_ids=started.server_ids,
             started_at=started.timestamp,
             status=status,
-            duration_s=duration_s,
-            serving_blocked_s=serving_blocked_s,
-            phases=ordered_phases(timings),
+            duration_s=None if end is None else end.duration_s,
+            serving_blocked_s=None if end is None else end.serving_blocked_s,
+            phases=ordered_phases({} if end is None else end.timings),
             steps=tuple(self.steps),
-            message=message,
+            message=message or None,
         )
 
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from types import TracebackType
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, Self, TypeVar
 
 from miles.errors import EventLogError, EventTypeMismatchError, EventValidationError
 from miles.utils.audit_utils.event_logger.models import (
@@ -48,7 +47,22 @@ class _LoggerState(StrEnum):
     CLOSED = "closed"
 
 
-class Subscription:
+class _ClosedOnExit:
+    """Leaving a ``with`` block calls ``close()``."""
+
+    __slots__ = ()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class Subscription(_ClosedOnExit):
     """A listener's registration with an ``EventLogger``; ``close()`` (or leaving a ``with``)
     unsubscribes it. Closing twice is harmless."""
 
@@ -61,32 +75,16 @@ class Subscription:
         """Stop delivering events to the listener (an event being delivered may still arrive)."""
         self._unsubscribe()
 
-    def __enter__(self) -> Subscription:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+class EventLogger(_ClosedOnExit):
+    """Record events: one JSON line each in this logger's own file (none for ``directory=None``),
+    then every listener. Thread- and task-safe: lines are written whole, and listeners see events
+    in file order.
 
-
-class EventLogger:
-    """Record events: one JSON line each in this logger's own file, then every listener.
-
-    ``directory=None`` writes no file; events still reach listeners and ``events``. All methods are
-    safe to call from many threads and asyncio tasks at once: every line is written whole, and
-    listeners see events in the order they were written.
-
-    ``log`` writes on the caller's thread, the controller's event loop included, by design: one
-    line of a few hundred bytes, flushed into the page cache, costs microseconds, less than the
-    hop to a worker thread would; and writing it where the event happens keeps the file in the
-    order of the state changes, with the line on disk before ``log`` returns and listeners run.
-    ``fsync=True`` (``events_fsync``) makes each event wait for the disk as well: the durability
-    the operator asked for, paid on the loop. (The suite's blocking-call check allows exactly
-    these writes: ``tests/blocking/no_blocking.py``.)
+    ``log`` writes on the caller's thread, the controller's loop included, by design: a flushed
+    line costs microseconds, less than a hop to a worker thread, and writing it where the event
+    happens keeps the file in the order of the state changes. ``fsync=True`` (``events_fsync``)
+    waits for the disk as well, on the loop (``tests/blocking/no_blocking.py`` allows exactly these).
     """
 
     def __init__(
@@ -98,13 +96,7 @@ class EventLogger:
         fsync: bool = False,
         memory_limit: int = 10_000,
     ) -> None:
-        """Open a new log file in ``directory`` (created when missing).
-
-        ``memory_limit`` bounds how many recent events ``events`` keeps.
-
-        Raises:
-            EventLogError: the directory or the file cannot be created.
-        """
+        """Open a new log file in ``directory`` (EventLogError if it cannot); ``memory_limit`` bounds ``events``."""
         self._component = component
         self._source_id = source_id
         self._source = self._make_source()
@@ -146,15 +138,12 @@ class EventLogger:
         *,
         print_log: bool = True,
     ) -> _E:
-        """Write ``event`` (an ``event_cls`` or a dict of its fields) and hand it to every listener.
-
-        A dict may omit ``type``; its ``source`` defaults to this logger's. The line is flushed (and
-        fsynced when the logger was made with ``fsync=True``) before listeners run. Returns the
-        event as written. A listener that raises is logged and skipped; it never fails the call.
+        """Write ``event`` (an ``event_cls``, or a dict of its fields whose ``source`` defaults to
+        this logger's), flushed before listeners run; returns it as written. A listener that
+        raises is logged and skipped.
 
         Raises:
-            EventTypeMismatchError: ``event_cls`` is not an event model, or ``event`` is an
-                instance of another class.
+            EventTypeMismatchError: ``event_cls`` is not an event model, or ``event`` is not one.
             EventValidationError: the dict does not fit ``event_cls``.
             EventLogError: the logger is closed, or the line could not be written.
         """
@@ -191,17 +180,6 @@ class EventLogger:
             self._listeners.clear()
             if self._file is not None:
                 self._file.close()
-
-    def __enter__(self) -> EventLogger:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _make_source(self) -> EventSource:
         if self._source_id is None:
@@ -320,13 +298,11 @@ class LoggedEvent:
 
 def iter_logged_events(directory: str | Path) -> Iterator[LoggedEvent]:
     """Yield the events of every ``*.jsonl`` file in ``directory``: files by name, lines in order.
-
-    A file's last line that has no newline and does not parse is a write torn by a crash: it is
-    skipped with a warning. Any other line that does not parse is corruption.
+    A last line without a newline that does not parse (a write torn by a crash) is skipped.
 
     Raises:
-        EventLogError: the directory is missing or unreadable, or a line other than a torn last
-            line is not a valid event (the error names the file and the line number).
+        EventLogError: the directory is missing or unreadable, or another line is not a valid
+            event (named by file and line number).
     """
     for path in _log_files(Path(directory)):
         yield from _read_file(path)
@@ -334,19 +310,11 @@ def iter_logged_events(directory: str | Path) -> Iterator[LoggedEvent]:
 
 def iter_events(directory: str | Path) -> Iterator[Event]:
     """Yield the events of ``directory`` file by file, unsorted; see ``iter_logged_events``."""
-    for logged in iter_logged_events(directory):
-        yield logged.event
+    return (logged.event for logged in iter_logged_events(directory))
 
 
 def read_events(directory: str | Path) -> list[Event]:
-    """Return every event logged in ``directory``, ordered by timestamp.
-
-    Ties keep a stable order: by file name, then by line. Torn last lines are skipped as in
-    ``iter_logged_events``.
-
-    Raises:
-        EventLogError: as ``iter_logged_events``.
-    """
+    """Every event in ``directory`` by timestamp, then file and line; raises as ``iter_logged_events``."""
     logged = sorted(
         iter_logged_events(directory),
         key=lambda item: (item.event.timestamp, item.path.name, item.line),
@@ -371,15 +339,22 @@ def _read_file(path: Path) -> Iterator[LoggedEvent]:
     except OSError as exc:
         raise EventLogError("cannot read event log file", path=str(path), error=str(exc)) from exc
     lines = data.split(b"\n")
-    # After the final newline comes either b"" (the file ends cleanly) or the unterminated tail
-    # of a write that a crash cut short.
-    tail = lines.pop()
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         try:
             event = parse_event(raw)
         except EventValidationError as exc:
+            # After the final newline comes either b"" (the file ends cleanly) or the unterminated
+            # tail of a write that a crash cut short.
+            if number == len(lines):
+                _LOG.warning(
+                    "skipping torn last line %s:%d (%d bytes without a newline; a write cut short)",
+                    path,
+                    number,
+                    len(raw),
+                )
+                return
             raise EventLogError(
                 f"corrupt event log line {path}:{number}",
                 path=str(path),
@@ -387,17 +362,3 @@ def _read_file(path: Path) -> Iterator[LoggedEvent]:
                 errors=exc.context.get("errors"),
             ) from exc
         yield LoggedEvent(event, path, number)
-    if not tail.strip():
-        return
-    number = len(lines) + 1
-    try:
-        event = parse_event(tail)
-    except EventValidationError:
-        _LOG.warning(
-            "skipping torn last line %s:%d (%d bytes without a newline; a write cut short)",
-            path,
-            number,
-            len(tail),
-        )
-        return
-    yield LoggedEvent(event, path, number)

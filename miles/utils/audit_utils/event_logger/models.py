@@ -1,9 +1,7 @@
 """The typed events miles records: one frozen pydantic model per event type, and their union.
 
-Every event serialises to one JSON object whose ``type`` field names its model, so a log line can be
-parsed back without knowing in advance what it holds (``parse_event``). Models are strict: unknown
-fields are refused, timestamps must carry a time zone (they are normalised to UTC), and sequences
-are tuples so an event cannot change after it was logged.
+Each serialises to a JSON object whose ``type`` names its model (``parse_event`` reads it back).
+Models refuse unknown fields and naive timestamps (normalised to UTC); sequences are tuples.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
     AwareDatetime,
@@ -116,14 +114,19 @@ class InferenceEngineWeightChecksumEvent(BaseEvent):
         return f"{self.role.value} {short_checksum(self.checksum)}"
 
 
-class WeightUpdateStartedEvent(BaseEvent):
-    """The controller took the update lock and began moving servers to a new weight version."""
+class _UpdateEvent(BaseEvent):
+    """The fields every event of one weight update begins with."""
 
-    type: Literal["weight_update_started"] = "weight_update_started"
     update_id: str
     model_name: str
     weight_version: str
     step: NonNegativeInt | None = None
+
+
+class WeightUpdateStartedEvent(_UpdateEvent):
+    """The controller took the update lock and began moving servers to a new weight version."""
+
+    type: Literal["weight_update_started"] = "weight_update_started"
     checkpoint: str | None = None
     strategy: str
     pause_mode: str
@@ -137,14 +140,10 @@ class WeightUpdateStartedEvent(BaseEvent):
         return f"update {self.update_id} {self.strategy}/{self.pause_mode} on {len(self.server_ids)} server(s)"
 
 
-class WeightUpdateCommittedEvent(BaseEvent):
+class WeightUpdateCommittedEvent(_UpdateEvent):
     """Every server of an update confirmed the expected checksum; they now serve the new version."""
 
     type: Literal["weight_update_committed"] = "weight_update_committed"
-    update_id: str
-    model_name: str
-    weight_version: str
-    step: NonNegativeInt | None = None
     checksum: str = Field(min_length=1)
     server_ids: tuple[str, ...]
     duration_s: NonNegativeFloat
@@ -165,9 +164,8 @@ class WeightUpdateCommittedEvent(BaseEvent):
 
 
 class WeightsWrittenOutEvent(BaseEvent):
-    """Weights that existed on no disk (pushed from a trainer's memory) were written to
-    ``checkpoint`` by an engine holding them: where restarts, and a controller started again on
-    this log, read them from."""
+    """Weights pushed from memory were written to ``checkpoint`` by an engine holding them: where
+    restarts, and a controller started again on this log, read them from."""
 
     type: Literal["weights_written_out"] = "weights_written_out"
     model_name: str
@@ -178,21 +176,15 @@ class WeightsWrittenOutEvent(BaseEvent):
         return f"weights {short_checksum(self.checksum)} of {self.model_name} written to {self.checkpoint}"
 
 
-class WeightUpdateAbortedEvent(BaseEvent):
+class WeightUpdateAbortedEvent(_UpdateEvent):
     """An update was halted; ``server_versions`` says what each server holds afterwards."""
 
     type: Literal["weight_update_aborted"] = "weight_update_aborted"
-    update_id: str
-    model_name: str
-    weight_version: str
-    step: NonNegativeInt | None = None
     reason: str
-    # A dict, not a tuple of pairs, because that is the natural JSON shape; the model is frozen,
-    # so the mapping is only ever read.
+    # A dict, the natural JSON shape; the model is frozen, so the mapping is only ever read.
     server_versions: dict[str, str]
     duration_s: NonNegativeFloat | None = None
-    # Seconds per phase (``UpdateResult.timings``) and how long the model's requests were held at
-    # the router; absent from logs written before they were recorded.
+    # As in WeightUpdateCommittedEvent.
     timings: dict[str, NonNegativeFloat] = {}
     serving_blocked_s: NonNegativeFloat | None = None
 
@@ -241,26 +233,26 @@ class ServerStateChangedEvent(BaseEvent):
         return text if self.reason is None else f"{text} ({self.reason})"
 
 
-class LockAcquiredEvent(BaseEvent):
-    """A holder took a lock after waiting ``waited_s``; ``token`` fences out earlier holders."""
-
-    type: Literal["lock_acquired"] = "lock_acquired"
+class _LockEvent(BaseEvent):
     lock_name: str
     holder: str
     token: int
+
+
+class LockAcquiredEvent(_LockEvent):
+    """A holder took a lock after waiting ``waited_s``; ``token`` fences out earlier holders."""
+
+    type: Literal["lock_acquired"] = "lock_acquired"
     waited_s: NonNegativeFloat
 
     def summary(self) -> str:
         return f"{self.lock_name} by {self.holder} token={self.token} waited {self.waited_s:.3f}s"
 
 
-class LockReleasedEvent(BaseEvent):
+class LockReleasedEvent(_LockEvent):
     """A lock was given up, by its holder (``released``) or by its lease running out."""
 
     type: Literal["lock_released"] = "lock_released"
-    lock_name: str
-    holder: str
-    token: int
     held_s: NonNegativeFloat
     # A free string rather than an enum: the lock module owns the list of reasons
     # ("released", "lease_expired", ...), and the log must accept any it adds.
@@ -305,30 +297,16 @@ Event = Annotated[
 
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
-EVENT_CLASSES: tuple[type[BaseEvent], ...] = (
-    InferenceEngineWeightChecksumEvent,
-    WeightUpdateStartedEvent,
-    WeightUpdateCommittedEvent,
-    WeightUpdateAbortedEvent,
-    WeightsWrittenOutEvent,
-    ChecksumMismatchEvent,
-    ServerStateChangedEvent,
-    LockAcquiredEvent,
-    LockReleasedEvent,
-    SettingsChangedEvent,
-)
+# The members of ``Event``'s union, in its order.
+EVENT_CLASSES: tuple[type[BaseEvent], ...] = get_args(get_args(Event)[0])
 
 EVENT_TYPES: tuple[str, ...] = tuple(cls.model_fields["type"].default for cls in EVENT_CLASSES)
 """The ``type`` value of every event model, in the order of ``EVENT_CLASSES``."""
 
 
 def parse_event(data: str | bytes | Mapping[str, Any]) -> Event:
-    """Build the event that ``data`` (a JSON document or an already decoded dict) describes.
-
-    Raises:
-        EventValidationError: ``data`` is not valid JSON, names no known event type, or does not
-            fit that type's model (missing, extra or ill-typed fields).
-    """
+    """The event ``data`` (JSON or a decoded dict) describes; EventValidationError when it is not
+    JSON, names no known type, or does not fit that type's model."""
     try:
         if isinstance(data, (str, bytes)):
             return EVENT_ADAPTER.validate_json(data)
@@ -338,12 +316,7 @@ def parse_event(data: str | bytes | Mapping[str, Any]) -> Event:
 
 
 def build_event(event_cls: type[_E], fields: Mapping[str, Any]) -> _E:
-    """Validate ``fields`` as an ``event_cls`` (its ``type`` may be omitted).
-
-    Raises:
-        EventValidationError: the fields do not fit ``event_cls``: missing, extra or ill-typed
-            fields, or a ``type`` naming another event.
-    """
+    """``fields`` as an ``event_cls`` (``type`` may be omitted); EventValidationError if they do not fit."""
     try:
         return event_cls.model_validate(fields)
     except ValidationError as exc:
