@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Callable
 
+from miles.rollout.copies import remove_stale_copies
 from miles.rollout.engine_client import EngineCallError
 from miles.rollout.mixed import ModelRollout
 from miles.rollout.state import ServerState
@@ -31,6 +32,7 @@ class WriteOuts:
         # write-out may start.
         self._newest: dict[str, tuple[ModelRollout, str, int, int]] = {}
         self._not_before: dict[str, float] = {}
+        self._started: dict[str, float] = {}
         self._writers: dict[str, asyncio.Task[None]] = {}
         self._hurry: dict[str, asyncio.Event] = {}
 
@@ -44,14 +46,15 @@ class WriteOuts:
 
     async def _write(self, model: str) -> None:
         while model in self._newest:
-            wait = self._not_before.get(model, -math.inf) - time.monotonic()
-            if wait > 0:
+            while (wait := self._wait_s(model)) > 0:
                 hurry = self._hurry.setdefault(model, asyncio.Event())
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(hurry.wait(), timeout=wait)
+                    # In short waits: an interval lowered meanwhile (PATCH /config) holds at once.
+                    await asyncio.wait_for(hurry.wait(), timeout=min(wait, _RECHECK_S))
                 hurry.clear()
             rollout, checksum, step, attempt = self._newest.pop(model)
-            self._not_before[model] = time.monotonic() + self._interval_s()
+            self._started[model] = time.monotonic()
+            self._not_before[model] = self._started[model] + self._interval_s()
             last = attempt >= _WRITE_OUT_ATTEMPTS
             if await _write_out(rollout, checksum=checksum, step=step, warn=last) or last:
                 continue
@@ -60,6 +63,11 @@ class WriteOuts:
                 # again shortly, unless newer weights come first.
                 self._newest[model] = (rollout, checksum, step, attempt + 1)
                 self._not_before[model] = time.monotonic() + _WRITE_OUT_RETRY_S
+
+    def _wait_s(self, model: str) -> float:
+        """How long the next write-out of ``model`` must still wait, by the interval as it is now."""
+        now_due = self._started.get(model, -math.inf) + self._interval_s()
+        return min(self._not_before.get(model, -math.inf), now_due) - time.monotonic()
 
     async def flush(self, model: str) -> None:
         """Write out now the newest weights still waiting for their turn, and return once no
@@ -83,6 +91,7 @@ class WriteOuts:
 
 _WRITE_OUT_ATTEMPTS = 5
 _WRITE_OUT_RETRY_S = 0.25
+_RECHECK_S = 0.5
 
 
 async def _write_out(rollout: ModelRollout, *, checksum: str, step: int, warn: bool) -> bool:
@@ -105,6 +114,7 @@ async def _write_out(rollout: ModelRollout, *, checksum: str, step: int, warn: b
         if exported.checksum == checksum:
             recorded = rollout.remember_checkpoint(checksum, exported.path)
             logger.info("pushed weights %s written to %s for %s", checksum, exported.path, ", ".join(recorded))
+            await remove_stale_copies(rollout, newest=exported.path)
             return True
     if warn:
         logger.warning("no server could write out the pushed weights %s; restarts will copy them from a peer", checksum)

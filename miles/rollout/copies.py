@@ -9,12 +9,17 @@ holding the same weights write the same sealed checkpoint format, which either c
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Protocol
 
+from miles.errors import CheckpointError
 from miles.rollout.engine_client import EngineCallError, WeightsExport
 from miles.rollout.state import ServerSnapshot, ServerState, VerifiedWeights
+from miles.weights.checkpoint import read_manifest
 
 logger = logging.getLogger("miles.rollout")
 
@@ -28,6 +33,8 @@ class ModelServers(Protocol):
     async def export(self, server_id: str, *, step: int, fence: int | None = None) -> WeightsExport: ...
 
     def remember_checkpoint(self, checksum: str, checkpoint: Path) -> list[str]: ...
+
+    def copies_dirs(self) -> list[Path]: ...
 
 
 def peer_holding(servers: ModelServers, verified: VerifiedWeights | None, *, besides: str) -> ServerSnapshot | None:
@@ -67,3 +74,43 @@ async def source_of(
         return None
     servers.remember_checkpoint(verified.checksum, exported.path)
     return exported.path
+
+
+async def remove_stale_copies(servers: ModelServers, *, newest: Path) -> None:
+    """Remove, now that ``newest`` was recorded, the weight copies in the servers' own copies
+    directories that were written before it and hold weights no server is verified on: a write-out
+    every few seconds of training would otherwise fill the disk. A copy still being written (a
+    hidden temporary name) or written after ``newest`` (a peer's copy for a restart, not recorded
+    yet) is left alone."""
+    held = {s.verified.checksum for s in servers.snapshot() if s.verified is not None}
+    await asyncio.to_thread(_remove_stale, servers.copies_dirs(), held=held, newest=newest)
+
+
+def _remove_stale(roots: list[Path], *, held: set[str], newest: Path) -> None:
+    try:
+        written = newest.stat().st_mtime_ns
+    except OSError:
+        return
+    for root in roots:
+        try:
+            entries = [e for e in os.scandir(root) if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+        for entry in entries:
+            path = Path(entry.path)
+            try:
+                if entry.stat(follow_symlinks=False).st_mtime_ns >= written or path.samefile(newest):
+                    continue
+                if read_manifest(path).checksum in held:
+                    continue
+            except (OSError, CheckpointError):
+                continue  # not a sealed copy: not ours to remove
+            # Renamed first, at once, so that nothing finds it half removed.
+            hidden = path.with_name(f".{path.name}.removed-{os.getpid()}")
+            try:
+                path.rename(hidden)
+            except OSError as exc:
+                logger.warning("could not remove the stale weight copy %s: %s", path, exc)
+                continue
+            shutil.rmtree(hidden, ignore_errors=True)
+            logger.info("removed the stale weight copy %s", path)

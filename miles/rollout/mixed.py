@@ -105,6 +105,9 @@ class MixedRollout:
             self.observer.weights_written_out(self.model_name, checksum, checkpoint)
         return changed
 
+    def copies_dirs(self) -> list[Path]:
+        return [path for rollout in self.rollouts for path in rollout.copies_dirs()]
+
     # --- one server: the rollout that owns it ------------------------------------------------
 
     def owner(self, server_id: str) -> Rollout:

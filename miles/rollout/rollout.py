@@ -370,6 +370,10 @@ class Rollout(ABC):
             self.observer.weights_written_out(self.model_name, checksum, checkpoint)
         return changed
 
+    def copies_dirs(self) -> list[Path]:
+        """Where this rollout's engines write weight copies the controller may remove."""
+        return [] if self.runtime.copies_dir is None else [self.runtime.copies_dir]
+
     def record_copy(self, checksum: str, checkpoint: Path) -> list[str]:
         """``checkpoint`` is where every server verified on ``checksum`` without a checkpoint
         reloads those weights from; returns those servers' ids."""

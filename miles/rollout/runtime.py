@@ -163,6 +163,13 @@ class EngineRuntime(ABC):
         """A path at which the server's engine can read ``checkpoint`` (shipped there if needed)."""
         return checkpoint
 
+    @property
+    def copies_dir(self) -> Path | None:
+        """The directory on this machine the engines write their weight copies under, whose stale
+        copies the controller removes; None where they lie elsewhere (other hosts, or servers
+        someone else runs)."""
+        return None
+
     @abstractmethod
     async def close(self) -> None:
         """Stop every engine and release what ``start`` reserved; safe to call twice."""
@@ -199,6 +206,10 @@ class LocalRuntime(EngineRuntime):
             own = self._own_dir = Path(tempfile.mkdtemp(prefix=f"miles-{spec.name}-"))
             self._log_root = spec.log_dir or own / "logs"
             self._snapshot_dir = spec.snapshot_dir or own / "snapshots"
+
+    @property
+    def copies_dir(self) -> Path:
+        return self._snapshot_dir
 
     async def launch(
         self, server_id: str, command: EngineCommand, checkpoint: Path, *, device: str, http: httpx.AsyncClient

@@ -21,7 +21,7 @@ from miles.rollout.state import ServerState
 from miles.testing import running_controller
 from miles.train.push import PushPublisher
 from miles.utils.audit_utils.event_logger.models import ChecksumMismatchEvent
-from miles.weights.checkpoint import read_manifest
+from miles.weights.checkpoint import MANIFEST_NAME, read_manifest
 from miles.weights.checksum import saved_state_dict
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -201,6 +201,40 @@ async def test_a_window_that_changes_weights_in_place_first_writes_out_the_ones_
         assert report.state == "serving", report
         assert (report.weight_version, report.checksum) == ("702", read_manifest(checkpoints["v4"]).checksum)
     finally:
+        await controller.reconfigure({"write_out_interval_s": 2.0})
+
+
+async def test_older_write_outs_are_removed_once_no_server_can_go_back_to_them(
+    single, checkpoints: dict[str, Path]
+) -> None:
+    # A write-out every few seconds of training must not fill the disk: once a newer copy is
+    # recorded, the copies no server's verified weights name are removed, and the one kept restarts
+    # the server.
+    controller, _ = single
+    cell = controller.fleet.rollout(None).cell("tiny-0")
+    await controller.reconfigure({"write_out_interval_s": 0.0})
+    publisher = PushPublisher(controller, path="shm")
+    try:
+        for step, name in ((801, "v2"), (802, "v4"), (803, "v1")):
+            weights = saved_state_dict(AutoModelForCausalLM.from_pretrained(checkpoints[name]))
+            checksum = (await publisher.push(weights, step=step)).checksum
+
+            def written(checksum: str = checksum) -> bool:
+                copy = controller.health().servers[0].verified_checkpoint
+                return copy is not None and read_manifest(Path(copy)).checksum == checksum
+
+            await wait_until(written, what=f"step {step}'s weights to be written out", timeout=30)
+        kept = Path(controller.health().servers[0].verified_checkpoint or "")
+        copies = {p.parent for p in controller.fleet.state_dir.rglob(MANIFEST_NAME) if "snapshots" in p.parts}
+        assert copies == {kept}, copies
+        assert not [p for p in kept.parent.iterdir() if p.name.startswith(".")]
+        restarts = cell.restarts
+        kill(controller, "tiny-0")
+        await wait_until(lambda: cell.restarts > restarts and cell.state is ServerState.SERVING, what="the restart")
+        report = controller.health().servers[0]
+        assert (report.weight_version, report.checksum) == ("803", checksum)
+    finally:
+        await publisher.close()
         await controller.reconfigure({"write_out_interval_s": 2.0})
 
 
