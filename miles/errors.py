@@ -172,6 +172,10 @@ class ConflictError(MilesError):
         super().__init__(message, **context)
 
 
+class InsufficientStorageError(MilesError):
+    """There is not room on disk for what a request writes (an exported checkpoint): HTTP 507."""
+
+
 class UnavailableError(MilesError):
     """Nothing can serve the request now (no serving server in time, shutting down): HTTP 503."""
 

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from miles.errors import (
     AuthenticationError,
     ConflictError,
+    InsufficientStorageError,
     InvalidRequestError,
     LockError,
     LockTimeoutError,
@@ -51,6 +52,7 @@ ERROR_STATUS: tuple[tuple[type[MilesError], int, str], ...] = (
     (LockTimeoutError, 503, "timeout"),
     (LockError, 409, "lock"),
     (UnavailableError, 503, "unavailable"),
+    (InsufficientStorageError, 507, "insufficient_storage"),
 )
 
 

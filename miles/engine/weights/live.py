@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -20,7 +21,7 @@ from transformers import PreTrainedModel
 
 from miles.engine.weights.export import copy_weights, export_snapshot
 from miles.engine.weights.lock import WeightsLock, read_in_sections
-from miles.errors import ConflictError
+from miles.errors import ConflictError, InsufficientStorageError
 from miles.protocol.sglang_weights import ExportWeightsRequest, ExportWeightsResponse, WeightVersionResponse
 from miles.weights.checksum import (
     ModelChecksum,
@@ -188,6 +189,9 @@ class LiveWeights:
                 held = self._held
                 assert held.checksum is not None, "the checksum is recorded before the engine serves"
                 writes = self.lock.writes
+            tensors = self.model().state_dict().values()
+            needed = sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())  # tied once
+            _require_room(snapshot_dir, needed)
             model = copy_weights(self.model(), self.lock, writes=writes, what=f"weights {held.version}")
             try:
                 path = export_snapshot(
@@ -199,6 +203,9 @@ class LiveWeights:
                     checksum=held.checksum,
                     step=request.step,
                 )
+            except Exception:
+                _require_room(snapshot_dir, needed)  # a full disk is named as such, not as a bug
+                raise
             finally:
                 del model
             return ExportWeightsResponse(
@@ -207,6 +214,19 @@ class LiveWeights:
 
         async with self._export_lock:
             return await asyncio.to_thread(export)
+
+
+def _require_room(directory: Path, needed: int) -> None:
+    """Raises InsufficientStorageError when ``directory``'s file system has under ``needed`` bytes
+    free (a checkpoint of the weights needs about as many as they hold)."""
+    existing = next(p for p in (directory, *directory.parents) if p.exists())  # made by the write
+    free = shutil.disk_usage(existing).free
+    if free < needed:
+        raise InsufficientStorageError(
+            f"no room to write the weights ({needed / 2**20:.0f} MiB) under {directory}: {free / 2**20:.0f} MiB "
+            "free; free space there, or start the engine with another --snapshot-dir",
+            directory=str(directory),
+        )
 
 
 def _own_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:

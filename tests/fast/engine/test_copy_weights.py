@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -14,13 +15,14 @@ import pytest
 import torch
 
 from miles.engine.weights.export import copy_weights
-from miles.engine.weights.live import LiveWeights
+from miles.engine.weights.live import LiveWeights, _require_room
 from miles.engine.weights.lock import WeightsLock
 from miles.engine.weights.stage import LiveStage
-from miles.errors import ConflictError
+from miles.errors import ConflictError, InsufficientStorageError
 from miles.models import build_tokenizer
 from miles.models.presets import build_model
 from miles.protocol.sglang_weights import ExportWeightsRequest
+from miles.utils.http import status_of
 from miles.weights.checksum import checksum_module
 
 
@@ -196,3 +198,13 @@ async def test_an_export_waits_for_a_change_under_way_and_refuses_one_left_open(
     exported = await weights.export(ExportWeightsRequest(step=1))
     swapper.join()
     assert exported.success and exported.checksum == checksum_module(model).checksum
+
+
+def test_an_export_without_room_on_disk_is_refused_with_507_and_says_where(tmp_path: Path) -> None:
+    target = tmp_path / "not-made-yet" / "snapshots"  # the export makes it: its ancestor is measured
+    _require_room(target, 1)
+    with pytest.raises(InsufficientStorageError) as refused:
+        _require_room(target, shutil.disk_usage(tmp_path).free + 2**30)
+    assert str(target) in str(refused.value) and "--snapshot-dir" in str(refused.value)
+    assert status_of(refused.value) == (507, "insufficient_storage")
+    assert not target.exists()
