@@ -189,8 +189,7 @@ class LiveWeights:
                 held = self._held
                 assert held.checksum is not None, "the checksum is recorded before the engine serves"
                 writes = self.lock.writes
-            tensors = self.model().state_dict().values()
-            needed = sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())  # tied once
+            needed = _nbytes(self.model())
             _require_room(snapshot_dir, needed)
             model = copy_weights(self.model(), self.lock, writes=writes, what=f"weights {held.version}")
             try:
@@ -214,6 +213,12 @@ class LiveWeights:
 
         async with self._export_lock:
             return await asyncio.to_thread(export)
+
+
+def _nbytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s weights (tied ones once). Read from its own tensor objects: a state
+    dict's views of the live memory, alive during a swap, would make the swap refuse."""
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}.values())
 
 
 def _require_room(directory: Path, needed: int) -> None:

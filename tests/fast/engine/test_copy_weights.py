@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import itertools
 import shutil
 import threading
 import time
@@ -17,6 +19,7 @@ import torch
 from miles.engine.weights.export import copy_weights
 from miles.engine.weights.live import LiveWeights, _require_room
 from miles.engine.weights.lock import WeightsLock
+from miles.engine.weights.memory import WeightMemory
 from miles.engine.weights.stage import LiveStage
 from miles.errors import ConflictError, InsufficientStorageError
 from miles.models import build_tokenizer
@@ -208,3 +211,46 @@ def test_an_export_without_room_on_disk_is_refused_with_507_and_says_where(tmp_p
     assert str(target) in str(refused.value) and "--snapshot-dir" in str(refused.value)
     assert status_of(refused.value) == (507, "insufficient_storage")
     assert not target.exists()
+
+
+async def test_an_export_holds_no_view_of_the_live_weights_between_its_slices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A swap refuses while a tensor it does not know views the live memory (it would go on
+    serving the old weights): an export paused between two of its slices holds no such view."""
+    monkeypatch.setattr("miles.engine.weights.lock.READ_SECTION_BYTES", 4096)
+    model = build_model("tiny", seed=3)
+    memory = WeightMemory.of(model)
+    assert memory.unknown_viewers() == []
+    lock = WeightsLock()
+    weights = LiveWeights(
+        lock=lock,
+        model=lambda: model,
+        tokenizer=build_tokenizer(),
+        served_model_name="tiny",
+        snapshot_dir=tmp_path,
+        version="1",
+        loaded_from=Path("."),
+        manifest_checksum=None,
+    )
+    await weights.checksum()
+    between, go_on = threading.Event(), threading.Event()
+    read, sections = lock.read, itertools.count()
+
+    @contextlib.contextmanager
+    def pausing() -> Iterator[None]:
+        with read():
+            yield
+        if next(sections) == 3:  # inside the copy, between two slices
+            between.set()
+            go_on.wait(30)
+
+    monkeypatch.setattr(lock, "read", pausing)
+    export = asyncio.create_task(weights.export(ExportWeightsRequest(step=1)))
+    try:
+        assert await asyncio.to_thread(between.wait, 30)
+        gc.collect()
+        assert memory.unknown_viewers() == []
+    finally:
+        go_on.set()
+    assert (await export).success
