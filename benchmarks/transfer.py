@@ -162,14 +162,19 @@ def push_phases(sender: dict[str, float], engine: list[dict[str, float]], engine
 
 
 def blocked_s(bucket_timings: list[dict[str, float]], activations: list[dict[str, float]], engines: int) -> list[float]:
-    """The time one update kept each engine's generation from running: its scheduler thread waits
-    between two steps for the write side of the weights lock (while an export or a checksum
-    reads the weights) and then holds it for the swap of a staged update, else for every bucket's
-    copy and checksum in place."""
-    swaps = [t.get("write_lock_wait", 0.0) + t["activate"] for t in activations if "activate" in t]
+    """The time one update kept each engine's generation from running: its scheduler thread, between
+    two steps, checks the swap, waits for the write side of the weights lock (while an export or a
+    checksum reads the weights), swaps a staged update in and releases the lock (``generation_held``);
+    or, in place, does that for every bucket's copy and checksum. (Engines that do not report
+    ``generation_held``: the lock's wait and the swap.)"""
+
+    def held(t: dict[str, float], *, work: float) -> float:
+        return t.get("generation_held", t.get("write_lock_wait", 0.0) + work)
+
+    swaps = [held(t, work=t["activate"]) for t in activations if "activate" in t]
     if swaps:
         return swaps
-    in_place = sum(t.get("write_lock_wait", 0.0) + t.get("copy", 0.0) + t.get("checksum", 0.0) for t in bucket_timings)
+    in_place = sum(held(t, work=t.get("copy", 0.0) + t.get("checksum", 0.0)) for t in bucket_timings)
     return [in_place / engines] * engines
 
 

@@ -402,12 +402,18 @@ class WeightChanges:
         core's)."""
 
         def run() -> T:
-            if before is not None:
-                before()
-            waiting = time.perf_counter()
-            with self._weights.lock.write():
-                timings["write_lock_wait"] = time.perf_counter() - waiting
-                return job()
+            taken = time.perf_counter()
+            try:
+                if before is not None:
+                    before()
+                waiting = time.perf_counter()
+                with self._weights.lock.write():
+                    timings["write_lock_wait"] = time.perf_counter() - waiting
+                    return job()
+            finally:
+                # All the time generation waited for this change: the scheduler thread runs it
+                # between two steps, the check before the lock and the lock's release included.
+                timings["generation_held"] = time.perf_counter() - taken
 
         return await asyncio.to_thread(self._scheduler.call, run)
 
