@@ -221,9 +221,7 @@ def test_a_tensor_nobody_reported_blocks_the_swap_and_changes_nothing(
     stage.checksum()
     stray = model.model.layers[1].mlp.down_proj.weight.detach()  # a view nobody told the buffers of
     with pytest.raises(StagingRefusedError, match="do not know"):
-        stage.prepare_activation()  # before the write lock
-    with pytest.raises(StagingRefusedError, match="do not know"):
-        stage.activate()  # and under it
+        stage.activate()
     assert checksum_module(model).checksum == read_manifest(paths["v1"]).checksum
     assert _generate(runner) == before
     assert not buffers.memory.viewers_moved()

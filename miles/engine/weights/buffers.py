@@ -149,15 +149,6 @@ class BufferStage(Stage):
                 copy_and_digest(self._buffers.view(index, ViewSpec.of(tensor), dtype=tensor.dtype, twin=True), tensor)
         return super().checksum()
 
-    def prepare_activation(self) -> None:
-        """Check before the write lock what ``activate`` checks again under it, and bring the
-        tensors it moves into cache (the swap after staging 1 GB: 0.2 ms instead of 0.45)."""
-        super().prepare_activation()
-        self._buffers.check_swap()
-        for tensor, twin, _, _ in self._moves:
-            tensor.data_ptr()
-            twin.data_ptr()
-
     def write_with(
         self, name: str, dtype: torch.dtype, shape: tuple[int, ...], copy: Callable[[torch.Tensor], str]
     ) -> str:

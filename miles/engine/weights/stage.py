@@ -132,11 +132,6 @@ class Stage:
             self._checksum = checksum_from_digests(digests, num_bytes=num_bytes)
         return self._checksum
 
-    def prepare_activation(self) -> None:
-        """Check before the write lock what ``activate`` checks again under it; raises as
-        ``activate`` does, and the stage stays open."""
-        self._require_open()
-
     def activate(self) -> ModelChecksum:
         """Make the staged weights the live ones and return their checksum (write lock held).
         Raises RuntimeError when ``checksum`` was not computed after the last write, a buffer

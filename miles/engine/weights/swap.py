@@ -341,14 +341,6 @@ class WeightChanges:
         staging up; ``again`` then copies in place under the same lock."""
         stage = change.stage
 
-        def prepare() -> None:
-            try:
-                stage.prepare_activation()
-            except StagingRefusedError as exc:
-                # Maybe a reader holding the weights for a moment: checked again under the write
-                # lock, once every reader is gone; only a refusal there is final.
-                logger.info("the swap's check before the lock was refused (checked again under it): %s", exc)
-
         def swap() -> ModelChecksum | None:
             locked = time.perf_counter()
             try:
@@ -367,7 +359,7 @@ class WeightChanges:
             return checksum
 
         try:
-            checksum = await self._locked(swap, timings, before=prepare)
+            checksum = await self._locked(swap, timings)
         except StagingRefusedError as exc:
             message = f"the pushed weights could not be swapped in ({exc}); nothing changed, push them again"
             logger.warning("refused staged update: %s", message)
@@ -394,25 +386,21 @@ class WeightChanges:
         logger.warning("an update did not verify: %s", message)
         return Outcome(False, message, checksum.checksum)
 
-    async def _locked(
-        self, job: Callable[[], T], timings: dict[str, float], *, before: Callable[[], None] | None = None
-    ) -> T:
-        """Run ``job`` on the scheduler thread between two steps, under the write lock; ``before``
-        first on the same thread, outside the lock (a swap's warm-up: the cache it warms is that
-        core's)."""
+    async def _locked(self, job: Callable[[], T], timings: dict[str, float]) -> T:
+        """Run ``job`` on the scheduler thread between two steps, under the write lock. (Nothing
+        else runs there first: a pre-check and cache warm-up before the lock took 0.4 ms of
+        generation's time to save 0.2 ms of the swap's.)"""
 
         def run() -> T:
             taken = time.perf_counter()
             try:
-                if before is not None:
-                    before()
                 waiting = time.perf_counter()
                 with self._weights.lock.write():
                     timings["write_lock_wait"] = time.perf_counter() - waiting
                     return job()
             finally:
-                # All the time generation waited for this change: the scheduler thread runs it
-                # between two steps, the check before the lock and the lock's release included.
+                # All the time generation waited for this change (the scheduler thread runs it
+                # between two steps), the lock's release included.
                 timings["generation_held"] = time.perf_counter() - taken
 
         return await asyncio.to_thread(self._scheduler.call, run)
