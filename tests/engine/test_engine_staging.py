@@ -26,8 +26,9 @@ STAGED_PHASES = {
     "pause",
     "write_lock_wait",
     "activate",
+    "generation_held",
 }
-IN_PLACE_PHASES = {"open", "verify", "match", "pause", "write_lock_wait", "copy_and_checksum"}
+IN_PLACE_PHASES = {"open", "verify", "match", "pause", "write_lock_wait", "copy_and_checksum", "generation_held"}
 PROMPTS = ["a", "12+7=", "hello", "the cat", "zz top", "999"]
 
 
