@@ -173,6 +173,20 @@ def test_a_long_read_starts_once_the_announced_change_swapped_or_was_withdrawn()
     assert lock.wait_for_no_change(0.0)
 
 
+def exporting(model: torch.nn.Module, lock: WeightsLock, snapshot_dir: Path) -> LiveWeights:
+    """The live weights of ``model`` as an engine holds them, exported under ``snapshot_dir``."""
+    return LiveWeights(
+        lock=lock,
+        model=lambda: model,
+        tokenizer=build_tokenizer(),
+        served_model_name="tiny",
+        snapshot_dir=snapshot_dir,
+        version="1",
+        loaded_from=Path("."),
+        manifest_checksum=None,
+    )
+
+
 async def test_an_export_waits_for_a_change_under_way_and_refuses_one_left_open(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -181,16 +195,7 @@ async def test_an_export_waits_for_a_change_under_way_and_refuses_one_left_open(
     monkeypatch.setattr("miles.engine.weights.live.EXPORT_WAITS_FOR_CHANGE_S", 0.5)
     model = build_model("tiny", seed=3)
     lock = WeightsLock()
-    weights = LiveWeights(
-        lock=lock,
-        model=lambda: model,
-        tokenizer=build_tokenizer(),
-        served_model_name="tiny",
-        snapshot_dir=tmp_path,
-        version="1",
-        loaded_from=Path("."),
-        manifest_checksum=None,
-    )
+    weights = exporting(model, lock, tmp_path)
     await weights.checksum()  # recorded, as an engine records it before it serves
     stage = announced_stage(lock, model)
     with pytest.raises(ConflictError, match="weight change has been under way"):
@@ -223,16 +228,7 @@ async def test_an_export_holds_no_view_of_the_live_weights_between_its_slices(
     memory = WeightMemory.of(model)
     assert memory.unknown_viewers() == []
     lock = WeightsLock()
-    weights = LiveWeights(
-        lock=lock,
-        model=lambda: model,
-        tokenizer=build_tokenizer(),
-        served_model_name="tiny",
-        snapshot_dir=tmp_path,
-        version="1",
-        loaded_from=Path("."),
-        manifest_checksum=None,
-    )
+    weights = exporting(model, lock, tmp_path)
     await weights.checksum()
     between, go_on = threading.Event(), threading.Event()
     read, sections = lock.read, itertools.count()
