@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import json
 import logging
 import os
@@ -331,11 +332,35 @@ def engine_command(
     return [*command, *extra_args]
 
 
+class _Ports:
+    """Ports this interpreter handed out lately, never handed out twice while they are kept.
+
+    A port is only free until something binds it, and an engine binds its port well after the port
+    was chosen (vLLM tens of seconds later). Two launches side by side could otherwise be given the
+    same port, and the slower one's health check would be answered by the other's server."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._given: collections.deque[tuple[str, int]] = collections.deque(maxlen=keep)
+
+    def take(self, host: str) -> int:
+        with self._lock:
+            while True:
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    sock.bind((host, 0))
+                    port = int(sock.getsockname()[1])
+                if (host, port) not in self._given:
+                    self._given.append((host, port))
+                    return port
+
+
+_PORTS = _Ports()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port that is free on ``host`` right now and that this interpreter has not handed out
+    lately (the last 4096 ports)."""
+    return _PORTS.take(host)
 
 
 class EngineProcess:
