@@ -20,28 +20,32 @@ from miles.weights.checkpoint import read_manifest, save_checkpoint
 _MAX_PART_CHARS = 96
 
 
+def snapshot_path(snapshot_dir: Path, *, model_name: str, weight_version: str, checksum: str) -> Path:
+    """Where the weights of ``checksum`` are exported: ``<model>-<version>-<checksum[:16]>``."""
+    parts = [re.sub(r"[^A-Za-z0-9._-]", "_", part)[:_MAX_PART_CHARS] or "_" for part in (model_name, weight_version)]
+    return snapshot_dir / "-".join([*parts, checksum[:16]])
+
+
+def is_sealed(target: Path, checksum: str) -> bool:
+    """Whether ``target`` is a sealed checkpoint of ``checksum`` (not a leftover of something else)."""
+    with contextlib.suppress(CheckpointError):
+        return target.is_dir() and read_manifest(target).checksum == checksum
+    return False
+
+
 def export_snapshot(
     model: PreTrainedModel,
     *,
     tokenizer: Any,
-    snapshot_dir: Path,
+    target: Path,
     model_name: str,
     weight_version: str,
     checksum: str,
     step: int,
-) -> Path:
-    """Write ``model`` (whose checksum is ``checksum``) under ``snapshot_dir`` as
-    ``<model>-<version>-<checksum[:16]>`` and return the path; an existing snapshot of the same
-    checksum there is reused. Raises ChecksumMismatchError when the written checkpoint does not
-    hash to ``checksum`` (nothing is left at the path), CheckpointError / OSError when it could not
-    be written."""
-    parts = [re.sub(r"[^A-Za-z0-9._-]", "_", part)[:_MAX_PART_CHARS] or "_" for part in (model_name, weight_version)]
-    target = snapshot_dir / "-".join([*parts, checksum[:16]])
-    if target.is_dir():
-        # Not a sealed snapshot (a leftover of something else) is written again below.
-        with contextlib.suppress(CheckpointError):
-            if read_manifest(target).checksum == checksum:
-                return target
+) -> None:
+    """Write ``model`` (whose checksum is ``checksum``) at ``target`` as a sealed checkpoint. Raises
+    ChecksumMismatchError when the written checkpoint does not hash to ``checksum`` (nothing is left
+    at the path), CheckpointError / OSError when it could not be written."""
     manifest = save_checkpoint(
         target,
         model=model,
@@ -61,7 +65,6 @@ def export_snapshot(
             actual=manifest.checksum,
             path=str(target),
         )
-    return target
 
 
 def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what: str) -> PreTrainedModel:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from miles.engine.weights.export import copy_weights, export_snapshot
+from miles.engine.weights.export import copy_weights, export_snapshot, is_sealed, snapshot_path
 from miles.engine.weights.lock import WeightsLock, read_in_sections
 from miles.errors import ConflictError, InsufficientStorageError
 from miles.protocol.sglang_weights import ExportWeightsRequest, ExportWeightsResponse, WeightVersionResponse
@@ -189,14 +189,22 @@ class LiveWeights:
                 held = self._held
                 assert held.checksum is not None, "the checksum is recorded before the engine serves"
                 writes = self.lock.writes
+            target = snapshot_path(
+                snapshot_dir, model_name=self._served_model_name, weight_version=held.version, checksum=held.checksum
+            )
+            answer = ExportWeightsResponse(
+                success=True, path=str(target), checksum=held.checksum, weight_version=held.version
+            )
+            if is_sealed(target, held.checksum):
+                return answer  # exported before: nothing to copy, and no room needed
             needed = _nbytes(self.model())
             _require_room(snapshot_dir, needed)
             model = copy_weights(self.model(), self.lock, writes=writes, what=f"weights {held.version}")
             try:
-                path = export_snapshot(
+                export_snapshot(
                     model,
                     tokenizer=self._tokenizer,
-                    snapshot_dir=snapshot_dir,
+                    target=target,
                     model_name=self._served_model_name,
                     weight_version=held.version,
                     checksum=held.checksum,
@@ -207,9 +215,7 @@ class LiveWeights:
                 raise
             finally:
                 del model
-            return ExportWeightsResponse(
-                success=True, path=str(path), checksum=held.checksum, weight_version=held.version
-            )
+            return answer
 
         async with self._export_lock:
             return await asyncio.to_thread(export)

@@ -218,6 +218,34 @@ def test_an_export_without_room_on_disk_is_refused_with_507_and_says_where(tmp_p
     assert not target.exists()
 
 
+async def test_an_export_already_written_is_answered_on_a_full_disk_and_a_new_one_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sealed snapshot of the weights held is reused without a copy, so it needs no room; other
+    weights on the same full disk get the 507."""
+    model = build_model("tiny", seed=3)
+    weights = exporting(model, WeightsLock(), tmp_path)
+    await weights.checksum()
+    first = await weights.export(ExportWeightsRequest(step=1))
+    written = times_written(Path(first.path))
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: shutil._ntuple_diskusage(2**40, 2**40, 0))  # type: ignore[attr-defined]
+    again = await weights.export(ExportWeightsRequest(step=2))
+    assert again == first
+    assert times_written(Path(first.path)) == written
+
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    await weights.checksum()
+    with pytest.raises(InsufficientStorageError, match="no room to write the weights"):
+        await weights.export(ExportWeightsRequest(step=3))
+    assert list(times_written(tmp_path)) == [first.path]
+
+
+def times_written(directory: Path) -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for p in directory.iterdir()}
+
+
 async def test_an_export_holds_no_view_of_the_live_weights_between_its_slices(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
