@@ -47,14 +47,7 @@ class _LoopThread:
 
 
 class InferenceController:
-    """The blocking facade: serves the checkpoint and answers HTTP on ``port`` once constructed.
-
-    >>> controller = InferenceController(
-    ...     rollout_server_cls="miles.rollout.sft_rollout.SFTRollout",
-    ...     model_checkpoint="/path/to/checkpoint",
-    ...     port=8000,
-    ... )  # doctest: +SKIP
-    """
+    """The blocking facade: serves the checkpoint and answers HTTP on ``port`` once constructed."""
 
     def __init__(
         self,
@@ -78,7 +71,7 @@ class InferenceController:
                 self._http = HttpServer(self.core)
                 self._runner.call(self._http.start())
         except BaseException:
-            self._teardown()
+            self.close()
             raise
 
     @property
@@ -121,9 +114,6 @@ class InferenceController:
 
     def close(self) -> None:
         """Stop HTTP, abort open windows, stop every server; idempotent."""
-        self._teardown()
-
-    def _teardown(self) -> None:
         if self._runner is None:
             return
         try:

@@ -184,8 +184,7 @@ class AsyncInferenceController:
 
     @lock_exempt
     def stop_routing(self) -> None:
-        """End every request waiting for a server, and refuse new ones, with a 503. Called before
-        the HTTP server drains, so waiting requests cannot hold shutdown up for their timeout."""
+        """End waiting requests and refuse new ones with a 503, before the HTTP server drains."""
         if self.router is not None:
             self.router.close("the controller is shutting down; retry against another controller")
 
@@ -330,12 +329,7 @@ class AsyncInferenceController:
         # A server type that cannot stage (vLLM) gets a window with its servers out of routing;
         # the window's ``staged`` says which it is.
         staged = bool(staged) and rollout.stages_pushes
-        ttl = check_seconds(
-            ttl_s if ttl_s is not None else self._settings.lease_ttl_s,
-            name="ttl_s",
-            low=LEASE_TTL_MIN_S,
-            high=LEASE_TTL_MAX_S,
-        )
+        ttl = _lease_ttl(ttl_s, self._settings.lease_ttl_s)
         pause = choice(UpdatePauseMode, pause_mode or self._settings.default_pause_mode, "pause_mode")
         return await self._windows.open(
             lambda opened: self._hold_window(rollout, ttl_s=ttl, pause_mode=pause, staged=bool(staged), opened=opened)
@@ -353,7 +347,6 @@ class AsyncInferenceController:
     ) -> None:
         """The task that holds a window's lock: open it, wait for its ending, carry that out."""
         update = self._new_update(rollout, mode=UpdateMode.WINDOW, pause_mode=pause_mode)
-        assert self.router is not None
         try:
             await update.heal()
             self._events.started(update)
@@ -361,7 +354,7 @@ class AsyncInferenceController:
                 # Training will change the live weights in place: the ones served now must be on
                 # disk first, for a rollback.
                 await self._write_outs.flush(update.model_name)
-                self.router.close_gate(update.model_name)
+                update.router.close_gate(update.model_name)
                 await update.take_out(update.server_ids)
             # The engines accept the window's credential from now until it is closed again (a
             # staged window's only to stage: its servers serve meanwhile).
@@ -373,16 +366,8 @@ class AsyncInferenceController:
             self._finish(update.result(UpdateStatus.ROLLED_BACK, message=f"the window could not open: {exc}"))
             opened.set_exception(exc)
             return
-        window = OpenWindow(
-            update=update,
-            public=describe(
-                update,
-                ttl_s=ttl_s,
-                pause_mode=pause_mode,
-                staged=staged,
-                credential=window_credential(self._engine_secret, update.token),
-            ),
-        )
+        credential = window_credential(self._engine_secret, update.token)
+        window = OpenWindow(update=update, public=describe(update, ttl_s=ttl_s, staged=staged, credential=credential))
         self._windows.current = window
         opened.set_result(window.public)
         with update.timed("transfer"):  # training pushing its weights, until it ends the window
@@ -416,11 +401,8 @@ class AsyncInferenceController:
             await close_window(update, reason=refused)
             return update.result(UpdateStatus.ROLLED_BACK, message=refused)
         update.set_target(await window_target(update, ending, roots=self._settings.allowed_checkpoint_roots))
-
-        async def close(server_ids: list[str]) -> None:
-            await set_window(update, open_=False, server_ids=server_ids)
-
-        status = await update.run(Plan(source=FromWindow(staged=staged, close=close), schedule=Barrier()))
+        source = FromWindow(staged=staged, close=lambda ids: set_window(update, open_=False, server_ids=ids))
+        status = await update.run(Plan(source=source, schedule=Barrier()))
         if status is not UpdateStatus.COMMITTED:
             return update.result(status)
         if published is None:
@@ -454,13 +436,10 @@ class AsyncInferenceController:
 
     @lock_exempt
     async def renew_update_weights(self, window: UpdateWindow | int, *, ttl_s: float | None = None) -> UpdateWindow:
-        """Extend the window's lease to ``ttl_s`` (default: the window's own) from now. Training
-        renews while it pushes, so a trainer that dies holds the fleet for one short lease.
-        Raises InvalidRequestError for a bad ``ttl_s``, ConflictError for no open window."""
+        """Extend the window's lease to ``ttl_s`` (default: the window's own) from now; raises
+        InvalidRequestError for a bad ``ttl_s``, ConflictError for no open window."""
         open_window = self._windows.find(window)
-        if ttl_s is not None:
-            ttl_s = check_seconds(ttl_s, name="ttl_s", low=LEASE_TTL_MIN_S, high=LEASE_TTL_MAX_S)
-        return open_window.renew(ttl_s or open_window.public.ttl_s)
+        return open_window.renew(_lease_ttl(ttl_s, open_window.public.ttl_s))
 
     @lock_exempt
     async def abort_update_weights(
@@ -542,6 +521,10 @@ class AsyncInferenceController:
         for listener in self._update_listeners:
             listener(result)
         return result
+
+
+def _lease_ttl(ttl_s: float | None, default: float) -> float:
+    return check_seconds(default if ttl_s is None else ttl_s, name="ttl_s", low=LEASE_TTL_MIN_S, high=LEASE_TTL_MAX_S)
 
 
 def _fenced_section(lock: ContextLock) -> Callable[[str], contextlib.AbstractAsyncContextManager[int | None]]:

@@ -177,8 +177,7 @@ class Fleet:
                 taken.add(server_id)
 
     def _rollout(self, name: str, spec: ModelServerSpec, *, model_name: str, prefix: str, folder: str) -> Rollout:
-        """The Rollout of one spec; its weight copies go in the model's ``folder``, which every
-        server of the model may read."""
+        """The Rollout of one spec; its weight copies go in the model's ``folder``, read by all."""
         settings = self._settings
         server_cls = resolve_server_cls(spec.server_cls)
         if spec.urls and not server_cls.can_attach:
@@ -250,12 +249,9 @@ class Fleet:
             if len(self._servers) == 1:
                 return next(iter(self._servers.values()))
             raise InvalidRequestError(f"several models are served ({', '.join(self._servers)}); name one")
-        try:
-            return self._servers[model_name]
-        except KeyError:
-            raise NotFoundError(
-                f"no model {model_name!r} is served; served models: {', '.join(self._servers)}"
-            ) from None
+        if model_name not in self._servers:
+            raise NotFoundError(f"no model {model_name!r} is served; served models: {', '.join(self._servers)}")
+        return self._servers[model_name]
 
     def snapshots(self, model_name: str) -> list[ServerSnapshot]:
         server = self._servers.get(model_name)

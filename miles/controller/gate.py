@@ -248,10 +248,8 @@ def roots_problem(path: Path, roots: tuple[Path, ...]) -> str | None:
 
 
 def restart_point_problem(checkpoint: Path, start_checkpoint: Path | None) -> str | None:
-    """Why servers could not restart from ``checkpoint`` as they run now, or None: it has no
-    readable ``config.json``, its config disagrees with the start checkpoint's on a setting both
-    name (a setting one leaves out is its default), or it has no tokenizer where the start
-    checkpoint has one. Raises OSError when the filesystem fails under the checks."""
+    """Why servers could not restart from ``checkpoint`` as they run now (no readable config, a
+    config that disagrees with the start checkpoint's, no tokenizer), or None. Raises OSError."""
     config = _read_config(checkpoint)
     if isinstance(config, str):
         return (

@@ -43,8 +43,7 @@ class FromCheckpoint:
 class FromWindow:
     """Training pushed the weights during a window: unstaged, into the live weights of paused
     servers (nothing left to load); staged, into each engine's stage, which each engine now swaps
-    in, ending the window in the same call. The window is ended on the others (``close``) before
-    anything is rolled back."""
+    in, ending the window; it is ended on the others (``close``) before anything is rolled back."""
 
     staged: bool
     close: Callable[[list[str]], Awaitable[None]]

@@ -44,11 +44,8 @@ class ModelHistory:
     committed_high: int | None = None
 
     def copy_at(self, checksum: str, path: str) -> None:
-        paths = self.copies.setdefault(checksum, [])
         place = Path(path)
-        if place in paths:
-            paths.remove(place)
-        paths.insert(0, place)
+        self.copies[checksum] = [place, *(p for p in self.copies.get(checksum, []) if p != place)]
 
 
 @dataclass(frozen=True)
@@ -116,9 +113,8 @@ def resume_fleet(directory: Path, rollouts: Iterable[ModelRollout], *, readable_
 def resume_point(
     model: ModelHistory, *, start_checkpoint: Path, readable_roots: tuple[Path, ...]
 ) -> ResumedFrom | None:
-    """The newest committed weights of ``model`` that a readable copy on disk still holds (hashed
-    to check); without one, ``weights()`` is None (the start checkpoint). None when the log
-    committed nothing for the model."""
+    """The newest committed weights of ``model`` a readable copy on disk still holds (hashed to
+    check), else ``weights()`` is None; None when the log committed nothing for the model."""
     if not model.commits:
         return None
     last = model.commits[-1]

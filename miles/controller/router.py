@@ -108,8 +108,7 @@ class Router:
     def blocked_seconds(self, model_name: str) -> float:
         """How long requests for ``model_name`` have been held at its gate, in all, until now."""
         since = self._closed_since.get(model_name)
-        current = time.monotonic() - since if since is not None else 0.0
-        return self._blocked.get(model_name, 0.0) + current
+        return self._blocked.get(model_name, 0.0) + (time.monotonic() - since if since is not None else 0.0)
 
     def gate_open(self, model_name: str) -> bool:
         return self._gate(model_name).is_set()
@@ -147,12 +146,9 @@ class Router:
         exclude: tuple[Exclusion, ...] = (),
         engine: EngineApi | None = None,
     ) -> RouteLease:
-        """Wait (up to ``timeout_s``) for a serving server that may take the request (one whose
-        engine speaks ``engine``, when given), and claim it.
-
+        """Wait (up to ``timeout_s``) for a serving server that may take the request, and claim it.
         Raises NoServerAvailableError when none became available in time, or the router closed,
-        and ControllerBusyError when the request would have to wait and ``max_waiting`` already do.
-        """
+        and ControllerBusyError when the request would have to wait and ``max_waiting`` already do."""
         deadline = time.monotonic() + timeout_s
         waiting = False
         try:

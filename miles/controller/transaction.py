@@ -190,18 +190,16 @@ class WeightUpdate:
             await self._each(self._healthy(server_ids), "load", one)
 
     async def activate(self, server_ids: list[str]) -> None:
-        """Have each server serve the weights a window pushed into its stage (verified there).
-        A server not paused pauses, swaps and resumes in one call: generation stops for the swap
-        only, not for three round trips."""
+        """Have each server serve the weights a window pushed into its stage. A server not paused
+        pauses, swaps and resumes in one call: generation stops for the swap, not three round trips."""
         target = self._target()
 
         async def one(server_id: str) -> None:
-            generating = not self.progress[server_id].paused
             answer = await self.rollout.activate(
                 server_id,
                 weight_version=target.weight_version,
                 expected_checksum=target.checksum,
-                pause_mode=PauseMode(self.pause_mode.value) if generating else None,
+                pause_mode=None if self.progress[server_id].paused else PauseMode(self.pause_mode.value),
                 fence=self.token,
             )
             self._loaded(server_id, answer, refused="activation refused")

@@ -20,7 +20,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from miles.config import UpdatePauseMode
 from miles.controller.gate import restart_point_problem, roots_problem
 from miles.controller.results import ChecksumSource, UpdateResult, UpdateWindow, WindowServer
 from miles.controller.transaction import Target, WeightUpdate
@@ -97,8 +96,7 @@ class OpenWindow:
             )
 
     async def wait(self) -> tuple[Commit | Abort, asyncio.Future[UpdateResult] | None]:
-        """The ending training sends; once the lease runs out without one (renewals extend it),
-        an Abort of its own."""
+        """The ending training sends, or an Abort of its own once the lease runs out."""
         self._deadline = time.monotonic() + self.public.ttl_s
         while True:
             try:
@@ -113,8 +111,7 @@ class OpenWindow:
 
 
 class WindowSlot:
-    """Where the controller keeps its one training window: the task holding its lock (from the
-    start call until the window ends) and, once it opened, the window itself."""
+    """The controller's one training window: the task holding its lock, and the window once open."""
 
     def __init__(self) -> None:
         self.current: OpenWindow | None = None
@@ -173,9 +170,7 @@ class WindowSlot:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def describe(
-    update: WeightUpdate, *, ttl_s: float, pause_mode: UpdatePauseMode, staged: bool, credential: str
-) -> UpdateWindow:
+def describe(update: WeightUpdate, *, ttl_s: float, staged: bool, credential: str) -> UpdateWindow:
     """The window as training sees it: where to push, with which credential, until when."""
     live = update.live(update.server_ids)
     return UpdateWindow(
@@ -185,7 +180,7 @@ def describe(
         token=update.token,
         expires_at=datetime.now(UTC) + timedelta(seconds=ttl_s),
         ttl_s=ttl_s,
-        pause_mode=pause_mode,
+        pause_mode=update.pause_mode,
         # Servers whose engines died while the window opened are not pushed to: they restart
         # on what the window commits.
         servers=tuple(
@@ -279,9 +274,8 @@ def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ..
 def _checkpoint_holding(
     checkpoint: str | Path | None, checksum: str, start_checkpoint: Path, roots: tuple[Path, ...]
 ) -> Path | None:
-    """``checkpoint`` when restarts can reload the window's weights from it: its manifest holds
-    ``checksum``, it lies inside the roots, and servers could restart from it as they run now; else
-    None (an engine then writes the weights out)."""
+    """``checkpoint`` when restarts can reload the window's weights from it, else None (an engine
+    then writes the weights out)."""
     if checkpoint is None:
         return None
     path = checked_path(str(checkpoint), field="checkpoint")
