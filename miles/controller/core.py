@@ -506,8 +506,7 @@ class AsyncInferenceController:
 
     @lock_exempt
     def _finish(self, result: UpdateResult) -> UpdateResult:
-        number = version_number(result.weight_version) if result.status is UpdateStatus.COMMITTED else None
-        if number is not None:
+        if result.ok and (number := version_number(result.weight_version)) is not None:
             rollout = self.fleet.rollout(result.model_name)
             rollout.committed_high = max(number, rollout.committed_high or number)
         self._events.finished(result)
