@@ -1,12 +1,13 @@
 """The InferenceController: the blocking facade over ``AsyncInferenceController``.
 
-The seed's API, usable from a plain script (httpx's ``Client`` beside ``AsyncClient``): it runs
-the asyncio core and its HTTP API on an event loop in a background thread.
+The seed's API, usable from a plain script: it runs the asyncio core and its HTTP API on an event
+loop in a background thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
@@ -46,14 +47,7 @@ class _LoopThread:
 
 
 class InferenceController:
-    """The blocking facade: serves the checkpoint and answers HTTP on ``port`` once constructed.
-
-    >>> controller = InferenceController(
-    ...     rollout_server_cls="miles.rollout.sft_rollout.SFTRollout",
-    ...     model_checkpoint="/path/to/checkpoint",
-    ...     port=8000,
-    ... )  # doctest: +SKIP
-    """
+    """The blocking facade: serves the checkpoint and answers HTTP on ``port`` once constructed."""
 
     def __init__(
         self,
@@ -69,13 +63,15 @@ class InferenceController:
         self._runner = _LoopThread()
         self._http: Any = None
         try:
-            self.core = self._runner.call(_build(rollout_server_cls, model_checkpoint, kwargs))
+            # Built on the loop thread: the router and the lock bind to this loop.
+            build = functools.partial(AsyncInferenceController, rollout_server_cls, model_checkpoint, **kwargs)
+            self.core = self._runner.call(_call_sync(build))
             self._runner.call(self.core.start())
             if serve_http:
                 self._http = HttpServer(self.core)
                 self._runner.call(self._http.start())
         except BaseException:
-            self._teardown()
+            self.close()
             raise
 
     @property
@@ -118,9 +114,6 @@ class InferenceController:
 
     def close(self) -> None:
         """Stop HTTP, abort open windows, stop every server; idempotent."""
-        self._teardown()
-
-    def _teardown(self) -> None:
         if self._runner is None:
             return
         try:
@@ -138,13 +131,6 @@ class InferenceController:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-async def _build(
-    rollout_server_cls: str | type | Mapping[str, Any], model_checkpoint: str | Path | None, kwargs: dict[str, Any]
-) -> AsyncInferenceController:
-    # Built on the loop thread: the router and the lock bind to this loop.
-    return AsyncInferenceController(rollout_server_cls, model_checkpoint, **kwargs)
 
 
 async def _call_sync(func: Callable[[], T]) -> T:

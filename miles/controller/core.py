@@ -1,9 +1,7 @@
 """AsyncInferenceController: verified weight updates under one lock, routing, one health report.
 
-The asyncio core of the InferenceController (the blocking facade the seed uses is
-``miles.inference_controller``). Every method declares its relation to
-``ContextLock("InferenceController")``: updates, training windows, restarts, reconfiguration and
-shutdown take it; health, routing and event intake never wait on it.
+Updates, training windows, restarts, reconfiguration and shutdown take the controller's lock;
+health, routing and event intake never wait on it.
 """
 
 from __future__ import annotations
@@ -76,9 +74,7 @@ class AsyncInferenceController:
         event_logger: EventLogger | None = None,
         **overrides: Any,
     ) -> None:
-        self._settings = settings or ControllerSettings(**overrides)
-        if settings is not None and overrides:
-            self._settings = settings.model_copy(update=overrides)
+        self._settings = settings.model_copy(update=overrides) if settings else ControllerSettings(**overrides)
         self.event_logger = event_logger or EventLogger(
             self._settings.events_dir, component="controller", fsync=self._settings.events_fsync
         )
@@ -126,8 +122,7 @@ class AsyncInferenceController:
 
     @with_lock
     async def reconfigure(self, patch: dict[str, Any]) -> ControllerSettings:
-        """Apply runtime-changeable settings; raises InvalidRequestError naming refused fields.
-        Every change is logged (printed when it touches a safety setting) for the audit trail."""
+        """Apply runtime-changeable settings; raises InvalidRequestError naming refused fields."""
         before = self._settings
         # Validation resolves the checkpoint roots on the filesystem: off the loop.
         self._settings = await asyncio.to_thread(self._settings.changed, patch)
@@ -150,17 +145,13 @@ class AsyncInferenceController:
 
     @requires_lock
     async def _resume(self) -> None:
-        """Started again on an event log: know what training published, start each model's
-        servers on the newest weights it committed that a copy on disk still holds, and never
-        commit a version at or below one it committed (miles.controller.resume)."""
         directory = self._settings.events_dir
         if directory is None:
             return
         roots = self._settings.allowed_checkpoint_roots
         # Under roots, a copy an engine wrote out lies in the state directory (kept across
         # restarts when MILES_STATE_DIR names one), which engines may read too.
-        state_dir = self.fleet.state_dir
-        readable = (*roots, *((state_dir,) if state_dir else ())) if roots else ()
+        readable = (*roots, self.fleet.state_dir) if roots else ()
         # Reads (and for the copies, hashes) files: off the loop.
         resumption = await asyncio.to_thread(resume_fleet, directory, self.fleet.all(), readable_roots=readable)
         for event in resumption.published:
@@ -193,9 +184,7 @@ class AsyncInferenceController:
 
     @lock_exempt
     def stop_routing(self) -> None:
-        """End every request waiting for a server, and refuse new ones, with a 503: shutting down.
-        Called before the HTTP server drains its connections, so waiting requests cannot hold the
-        shutdown up for their whole timeout."""
+        """End waiting requests and refuse new ones with a 503, before the HTTP server drains."""
         if self.router is not None:
             self.router.close("the controller is shutting down; retry against another controller")
 
@@ -218,12 +207,10 @@ class AsyncInferenceController:
     ) -> UpdateResult:
         """Run the whole update transaction (protocol steps 3-7) and report what happened.
 
-        Waits at most ``lock_timeout_s`` for the lock (``timed_out`` result, nothing changed) and
-        bounds the transaction by ``timeout`` (default ``update_timeout_s``); on timeout every
-        server is put back on verified weights. Never raises for a failed update: the result says
-        ``rejected``, ``rolled_back`` or ``partial`` with every server's version. Raises
-        InvalidRequestError / NotFoundError for arguments that name nothing valid.
-        """
+        Waits at most ``lock_timeout_s`` for the lock (``timed_out``, nothing changed) and bounds
+        the transaction by ``timeout``, after which every server is put back on verified weights.
+        Never raises for a failed update; raises InvalidRequestError / NotFoundError for arguments
+        that name nothing valid."""
         started = time.monotonic()
         rollout = self.fleet.rollout(model_name)
         if timeout is not None:
@@ -334,24 +321,15 @@ class AsyncInferenceController:
     ) -> UpdateWindow:
         """Open a window: hold requests, pause every server, and keep the lock for training.
 
-        Training pushes weights to ``window.servers`` (with ``window.credential``), then calls
-        ``end_update_weights`` or ``abort_update_weights``; without either within ``ttl_s`` the
-        window is rolled back. Raises for invalid arguments before anything is touched, and
-        re-raises (after putting every server back) a failure while the window opened.
-
-        ``staged``: the servers keep serving while training pushes into their engines' stages; the
-        commit takes them out only to swap the verified weights in (draining per ``pause_mode``).
-        """
+        Training pushes weights to ``window.servers``, then ends or aborts the window; without
+        either within ``ttl_s`` it is rolled back. ``staged``: the servers keep serving while
+        training pushes into their engines' stages. Raises for invalid arguments before anything
+        is touched, and re-raises (after putting every server back) a failure while opening."""
         rollout = self.fleet.rollout(model_name)
         # A server type that cannot stage (vLLM) gets a window with its servers out of routing;
         # the window's ``staged`` says which it is.
         staged = bool(staged) and rollout.stages_pushes
-        ttl = check_seconds(
-            ttl_s if ttl_s is not None else self._settings.lease_ttl_s,
-            name="ttl_s",
-            low=LEASE_TTL_MIN_S,
-            high=LEASE_TTL_MAX_S,
-        )
+        ttl = _lease_ttl(ttl_s, self._settings.lease_ttl_s)
         pause = choice(UpdatePauseMode, pause_mode or self._settings.default_pause_mode, "pause_mode")
         return await self._windows.open(
             lambda opened: self._hold_window(rollout, ttl_s=ttl, pause_mode=pause, staged=bool(staged), opened=opened)
@@ -369,7 +347,6 @@ class AsyncInferenceController:
     ) -> None:
         """The task that holds a window's lock: open it, wait for its ending, carry that out."""
         update = self._new_update(rollout, mode=UpdateMode.WINDOW, pause_mode=pause_mode)
-        assert self.router is not None
         try:
             await update.heal()
             self._events.started(update)
@@ -377,7 +354,7 @@ class AsyncInferenceController:
                 # Training will change the live weights in place: the ones served now must be on
                 # disk first, for a rollback.
                 await self._write_outs.flush(update.model_name)
-                self.router.close_gate(update.model_name)
+                update.router.close_gate(update.model_name)
                 await update.take_out(update.server_ids)
             # The engines accept the window's credential from now until it is closed again (a
             # staged window's only to stage: its servers serve meanwhile).
@@ -389,16 +366,8 @@ class AsyncInferenceController:
             self._finish(update.result(UpdateStatus.ROLLED_BACK, message=f"the window could not open: {exc}"))
             opened.set_exception(exc)
             return
-        window = OpenWindow(
-            update=update,
-            public=describe(
-                update,
-                ttl_s=ttl_s,
-                pause_mode=pause_mode,
-                staged=staged,
-                credential=window_credential(self._engine_secret, update.token),
-            ),
-        )
+        credential = window_credential(self._engine_secret, update.token)
+        window = OpenWindow(update=update, public=describe(update, ttl_s=ttl_s, staged=staged, credential=credential))
         self._windows.current = window
         opened.set_result(window.public)
         with update.timed("transfer"):  # training pushing its weights, until it ends the window
@@ -432,11 +401,8 @@ class AsyncInferenceController:
             await close_window(update, reason=refused)
             return update.result(UpdateStatus.ROLLED_BACK, message=refused)
         update.set_target(await window_target(update, ending, roots=self._settings.allowed_checkpoint_roots))
-
-        async def close(server_ids: list[str]) -> None:
-            await set_window(update, open_=False, server_ids=server_ids)
-
-        status = await update.run(Plan(source=FromWindow(staged=staged, close=close), schedule=Barrier()))
+        source = FromWindow(staged=staged, close=lambda ids: set_window(update, open_=False, server_ids=ids))
+        status = await update.run(Plan(source=source, schedule=Barrier()))
         if status is not UpdateStatus.COMMITTED:
             return update.result(status)
         if published is None:
@@ -457,12 +423,10 @@ class AsyncInferenceController:
     ) -> UpdateResult:
         """Verify what every server of the window now holds against ``checksum`` and commit.
 
-        ``checkpoint`` (the directory training pushed from, if it pushed by disk) is recorded as
-        the servers' verified weights when its manifest holds ``checksum``, so a restart can
-        reload them; otherwise one engine writes the committed weights to disk after the commit.
-        Raises InvalidRequestError for a bad argument (the window stays open) and ConflictError
-        for a token that names no open window (ended, expired, or never opened).
-        """
+        ``checkpoint``, when its manifest holds ``checksum``, is where restarts reload the weights
+        from; otherwise one engine writes them to disk after the commit. Raises
+        InvalidRequestError for a bad argument (the window stays open) and ConflictError for a
+        token that names no open window."""
         # Commit checks its arguments, resolving the checkpoint's path on the filesystem: off the loop.
         ending = await asyncio.to_thread(
             Commit, checksum=checksum, step=step, checkpoint=checkpoint, weight_version=weight_version
@@ -472,18 +436,10 @@ class AsyncInferenceController:
 
     @lock_exempt
     async def renew_update_weights(self, window: UpdateWindow | int, *, ttl_s: float | None = None) -> UpdateWindow:
-        """Extend the window's lease to ``ttl_s`` (default: the window's own) from now; the window
-        with its new ``expires_at``. Training renews while it pushes, so a trainer that dies holds
-        the fleet for one short lease.
-
-        Raises InvalidRequestError for a bad ``ttl_s`` and ConflictError for a token that names no
-        open window (ended, expired, or never opened).
-        """
+        """Extend the window's lease to ``ttl_s`` (default: the window's own) from now; raises
+        InvalidRequestError for a bad ``ttl_s``, ConflictError for no open window."""
         open_window = self._windows.find(window)
-        ttl = open_window.public.ttl_s
-        if ttl_s is not None:
-            ttl = check_seconds(ttl_s, name="ttl_s", low=LEASE_TTL_MIN_S, high=LEASE_TTL_MAX_S)
-        return open_window.renew(ttl)
+        return open_window.renew(_lease_ttl(ttl_s, open_window.public.ttl_s))
 
     @lock_exempt
     async def abort_update_weights(
@@ -498,7 +454,6 @@ class AsyncInferenceController:
     def _new_update(
         self, rollout: ModelRollout, *, mode: UpdateMode, pause_mode: UpdatePauseMode, started: float | None = None
     ) -> WeightUpdate:
-        """The transaction of one update, created under the lock: its token is the lock's grant."""
         assert self.router is not None, "the controller was not started"
         return WeightUpdate(
             token=self._lock.current().token,
@@ -551,9 +506,7 @@ class AsyncInferenceController:
 
     @lock_exempt
     def _finish(self, result: UpdateResult) -> UpdateResult:
-        """Log the update's end, keep it as the last update, tell listeners; return it."""
-        number = version_number(result.weight_version) if result.status is UpdateStatus.COMMITTED else None
-        if number is not None:
+        if result.ok and (number := version_number(result.weight_version)) is not None:
             rollout = self.fleet.rollout(result.model_name)
             rollout.committed_high = max(number, rollout.committed_high or number)
         self._events.finished(result)
@@ -569,8 +522,12 @@ class AsyncInferenceController:
         return result
 
 
+def _lease_ttl(ttl_s: float | None, default: float) -> float:
+    return check_seconds(default if ttl_s is None else ttl_s, name="ttl_s", low=LEASE_TTL_MIN_S, high=LEASE_TTL_MAX_S)
+
+
 def _fenced_section(lock: ContextLock) -> Callable[[str], contextlib.AbstractAsyncContextManager[int | None]]:
-    """The section the rollouts' restarts run in: the controller's lock, yielding its fencing token."""
+    """The controller's lock as the section the rollouts' restarts run in, yielding its token."""
 
     @contextlib.asynccontextmanager
     async def section(holder: str) -> AsyncIterator[int | None]:

@@ -1,8 +1,4 @@
-"""The controller's typed events: what it, its lock, its servers and its updates log.
-
-``ControllerEvents`` is both the rollout servers' observer and the update runs' event sink, so
-every event the controller emits is written in one place.
-"""
+"""The controller's typed events: what it, its lock, its servers and its updates log, in one place."""
 
 from __future__ import annotations
 
@@ -175,11 +171,7 @@ class ControllerEvents:
         )
 
     def lock_transition(self, transition: LockTransition) -> None:
-        fields: dict[str, Any] = {
-            "lock_name": transition.lock_name,
-            "holder": transition.holder,
-            "token": transition.token,
-        }
+        fields = {"lock_name": transition.lock_name, "holder": transition.holder, "token": transition.token}
         if transition.kind is LockTransitionKind.ACQUIRED:
             self.logger.log(LockAcquiredEvent, {**fields, "waited_s": transition.waited_s or 0.0}, print_log=False)
             return

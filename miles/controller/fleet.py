@@ -1,10 +1,7 @@
 """The fleet: the servers of every served model, built from the specs the controller was given.
 
-``rollout_server_cls`` (the seed's argument) may be a dotted path, a class, or a mapping of names to
-specs for several models and server types under one controller; this module turns any of those
-into ``ModelServerSpec``s and one ``Rollout`` per spec. Specs that name one model (one checkpoint,
-several server types: embedded engines beside vLLM servers) become one ``MixedRollout``, so the
-model still has one update transaction, one gate at the router and one entry in ``/health``.
+Specs that name one model (one checkpoint, several server types) become one ``MixedRollout``, so
+the model still has one update transaction, one gate at the router and one entry in ``/health``.
 """
 
 from __future__ import annotations
@@ -43,11 +40,8 @@ SERVER_CLASSES = {
 class ModelServerSpec(BaseModel):
     """Servers of one model: which server type runs them, on which checkpoint, how many.
 
-    ``cls`` is accepted for ``server_cls``. ``urls`` attaches servers someone else runs (server
-    types that can: ``SGLangRollout``, ``VLLMRollout``), one server per URL; ``sglang`` and
-    ``vllm`` are what launched SGLang and vLLM servers are given (``engine_args``: further flags,
-    passed through). Several specs may serve one model (``models_of``).
-    """
+    ``urls`` attaches servers someone else runs, one server per URL; ``sglang`` and ``vllm`` are
+    what launched SGLang and vLLM servers are given (``engine_args``: further flags)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True, populate_by_name=True)
 
@@ -108,11 +102,7 @@ def normalize_specs(
 
 def models_of(specs: Mapping[str, ModelServerSpec]) -> dict[str, dict[str, ModelServerSpec]]:
     """The specs of each served model (model name -> spec name -> spec), in the order given.
-
-    A model is named by its spec's ``model_name``, else by its checkpoint's manifest. Several specs
-    may serve one model, each with its own server type (their servers are named after the specs),
-    only on one checkpoint. Raises InvalidRequestError naming the specs that cannot.
-    """
+    Several specs may serve one model only on one checkpoint; raises InvalidRequestError else."""
     models: dict[str, dict[str, ModelServerSpec]] = {}
     for name, spec in specs.items():
         model_name = spec.model_name or _model_name(spec.checkpoint, fallback=name)
@@ -130,8 +120,7 @@ def models_of(specs: Mapping[str, ModelServerSpec]) -> dict[str, dict[str, Model
 
 
 class Fleet:
-    """Every model's servers: one Rollout per spec, and per model the Rollout or the MixedRollout
-    of the specs that serve it."""
+    """Every model's servers: one Rollout per spec, one ModelRollout per model."""
 
     def __init__(
         self,
@@ -152,9 +141,8 @@ class Fleet:
         self._observer = observer
         # The controller's working files (logs, weight copies) live here; a directory we made
         # ourselves is removed by stop(), so no controller leaves files behind.
-        self._owned_state_dir = None if settings.state_dir else Path(tempfile.mkdtemp(prefix="miles-controller-"))
-        self.state_dir = settings.state_dir or self._owned_state_dir
-        assert self.state_dir is not None
+        self.state_dir = settings.state_dir or Path(tempfile.mkdtemp(prefix="miles-controller-"))
+        self._owned_state_dir = None if settings.state_dir else self.state_dir
         try:
             for model_name, named in models_of(specs).items():
                 self._add_model(model_name, named)
@@ -163,7 +151,6 @@ class Fleet:
             raise
 
     def _add_model(self, model_name: str, named: Mapping[str, ModelServerSpec]) -> None:
-        """Build the rollouts of one model's specs (``models_of`` checked they can serve it together)."""
         # A model's servers are named after it; when several specs serve it, after each spec.
         mixed = len(named) > 1
         folder = _server_prefix(model_name)
@@ -190,9 +177,7 @@ class Fleet:
                 taken.add(server_id)
 
     def _rollout(self, name: str, spec: ModelServerSpec, *, model_name: str, prefix: str, folder: str) -> Rollout:
-        """Build the Rollout of one spec (its logs and weight copies under the state dir; the
-        copies in the model's ``folder``, which every server of the model may read)."""
-        assert self.state_dir is not None
+        """The Rollout of one spec; its weight copies go in the model's ``folder``, read by all."""
         settings = self._settings
         server_cls = resolve_server_cls(spec.server_cls)
         if spec.urls and not server_cls.can_attach:
@@ -259,25 +244,20 @@ class Fleet:
         return list(self._servers)
 
     def rollout(self, model_name: str | None) -> ModelRollout:
-        """The servers of ``model_name`` (optional when there is only one model): its Rollout, or
-        the MixedRollout of the several specs that serve it."""
+        """The servers of ``model_name`` (optional when there is only one model)."""
         if model_name is None:
             if len(self._servers) == 1:
                 return next(iter(self._servers.values()))
             raise InvalidRequestError(f"several models are served ({', '.join(self._servers)}); name one")
-        try:
-            return self._servers[model_name]
-        except KeyError:
-            raise NotFoundError(
-                f"no model {model_name!r} is served; served models: {', '.join(self._servers)}"
-            ) from None
+        if model_name not in self._servers:
+            raise NotFoundError(f"no model {model_name!r} is served; served models: {', '.join(self._servers)}")
+        return self._servers[model_name]
 
     def snapshots(self, model_name: str) -> list[ServerSnapshot]:
         server = self._servers.get(model_name)
         return server.snapshot() if server else []
 
     def all(self) -> list[ModelRollout]:
-        """Every model's servers, one entry per model."""
         return list(self._servers.values())
 
     async def start(self) -> None:

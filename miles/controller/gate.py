@@ -1,12 +1,11 @@
 """Protocol step 3: decide whether a checkpoint may be loaded at all, before any server is touched.
 
-The gate checks what only the coordinator can know: the path and every file in it are allowed,
-the checkpoint is well-formed and for this model, its weights are the ones training published
-(matched by checksum, the identity of the weights), and its version is newer than the one
-serving. A checkpoint an update loads also becomes its servers' restart point (an update replaces
-weights only; a server that crashes starts again on the checkpoint it last verified), so one no
-engine could start from (no readable config, no tokenizer) or one whose config describes another
-model is refused too. It does not hash the tensors: every server does, before it touches its own.
+The gate checks what only the coordinator can know: the path and its files are allowed, the
+checkpoint is well-formed and for this model, its weights are the ones training published
+(matched by checksum), and its version is newer than the one serving. A loaded checkpoint also
+becomes its servers' restart point, so one no engine could start from (no readable config, no
+tokenizer) or whose config describes another model is refused too. It does not hash the tensors:
+every server does, before it touches its own.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.config import ControllerSettings
-from miles.controller.published import PublishedChecksum, PublishedChecksums
+from miles.controller.published import PublishedChecksums
 from miles.controller.results import ChecksumSource
 from miles.errors import CheckpointFileInvalidError, InvalidRequestError
 from miles.utils.weight_version import is_newer
@@ -62,21 +61,17 @@ def vet_checkpoint(
     """Check ``checkpoint`` for an update of ``model_name``; raises CheckpointRejected if it fails.
 
     ``serving_version`` must be read under the controller's lock, by the update about to run (a
-    value read earlier may have been overtaken by an update that queued ahead). The servers
-    started from ``start_checkpoint`` must be able to restart from ``checkpoint``.
-    """
+    value read earlier may have been overtaken by an update that queued ahead)."""
     with _refused_when_unreadable(checkpoint):
         try:
             path = checked_path(str(checkpoint), field="checkpoint")
         except InvalidRequestError as exc:
             raise CheckpointRejected(exc.message) from exc
-        problem = roots_problem(path, settings.allowed_checkpoint_roots)
-        if problem is not None:
+        if problem := roots_problem(path, settings.allowed_checkpoint_roots):
             raise CheckpointRejected(problem)
         if not path.is_dir():
             raise CheckpointRejected(f"checkpoint {path} is not a directory")
-        problem = restart_point_problem(path, start_checkpoint)
-        if problem is not None:
+        if problem := restart_point_problem(path, start_checkpoint):
             raise CheckpointRejected(problem)
         # lexists: a manifest that is there but cannot be opened (a symlink loop) is refused as such.
         if not os.path.lexists(path / MANIFEST_NAME):
@@ -118,7 +113,11 @@ def vet_checkpoint(
             # An older checkpoint is refused as such first; a newer one as weights nobody published.
             # (An explicit weight_version republishes sealed weights on purpose.)
             _check_newer(manifest.weight_version, serving_version)
-            raise _unpublished(path, model_name=model_name, checksum=manifest.checksum, latest=latest)
+            raise CheckpointRejected(
+                _unpublished_message(
+                    path, model_name=model_name, checksum=manifest.checksum, step=latest.step, latest=latest.checksum
+                )
+            )
         elif settings.require_published_checksum:
             raise CheckpointRejected(
                 f"no checksum was published for {model_name} step {manifest.step}; log an "
@@ -156,8 +155,7 @@ def _vet_plain(
     serving_version: str | None,
 ) -> VettedCheckpoint:
     """A directory as ``save_pretrained`` writes it: accepted as the latest published step, whose
-    checksum each server checks in the pass that verifies the files before loading.
-    """
+    checksum each server checks before loading."""
     latest = published.latest(model_name)
     if latest is None:
         raise CheckpointRejected(
@@ -197,12 +195,6 @@ def refused_plain_message(
     )
 
 
-def _unpublished(path: Path, *, model_name: str, checksum: str, latest: PublishedChecksum) -> CheckpointRejected:
-    return CheckpointRejected(
-        _unpublished_message(path, model_name=model_name, checksum=checksum, step=latest.step, latest=latest.checksum)
-    )
-
-
 def _unpublished_message(path: Path, *, model_name: str, checksum: str, step: int, latest: str) -> str:
     return (
         f"checkpoint {path} holds weights with checksum {checksum}, which training never published "
@@ -224,17 +216,8 @@ CONFIG_NAME = "config.json"
 # What a config says about the file or the run rather than the model: saved by other library
 # versions or settings, they differ between checkpoints of one model.
 _NOT_THE_MODEL = frozenset(
-    {
-        "transformers_version",
-        "_name_or_path",
-        "_commit_hash",
-        "torch_dtype",
-        "dtype",
-        "use_cache",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-    }
+    "transformers_version _name_or_path _commit_hash torch_dtype dtype use_cache output_attentions "
+    "output_hidden_states return_dict".split()
 )
 # Configs are a few kilobytes; this bounds what a hostile file can make the gate read.
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
@@ -249,9 +232,7 @@ VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 def roots_problem(path: Path, roots: tuple[Path, ...]) -> str | None:
     """Why checkpoint ``path`` (resolved) may not be read under the allowed checkpoint ``roots``:
     it, or a file in it, resolves outside every root; None when it may (or there are no roots).
-
-    Every path that can become a server's restart point passes this check (a disk update's
-    checkpoint, a window's), so a restart never reads outside the roots either."""
+    Every path that can become a restart point passes it, so no restart reads outside the roots."""
     if not inside_roots(path, roots):
         return (
             f"checkpoint {path} is outside the allowed checkpoint roots ({', '.join(map(str, roots))}); "
@@ -267,10 +248,8 @@ def roots_problem(path: Path, roots: tuple[Path, ...]) -> str | None:
 
 
 def restart_point_problem(checkpoint: Path, start_checkpoint: Path | None) -> str | None:
-    """Why servers could not restart from ``checkpoint`` as they run now, or None: it has no
-    readable ``config.json``, its config disagrees with the start checkpoint's on a setting both
-    name (a setting one leaves out is its default), or it has no tokenizer where the start
-    checkpoint has one. Raises OSError when the filesystem fails under the checks."""
+    """Why servers could not restart from ``checkpoint`` as they run now (no readable config, a
+    config that disagrees with the start checkpoint's, no tokenizer), or None. Raises OSError."""
     config = _read_config(checkpoint)
     if isinstance(config, str):
         return (

@@ -61,8 +61,7 @@ class ServerHealth(BaseModel):
 
 
 class ResumedFrom(BaseModel):
-    """Where a model's servers started when the controller resumed from its event log: the
-    newest committed weights a copy on disk still holds (miles.controller.resume)."""
+    """Where a model's servers started when the controller resumed from its event log."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -180,15 +179,13 @@ def model_health(
 
 
 def lock_health(stats: LockStatistics, *, window_expires_at: datetime | None) -> LockHealth:
-    held_for = None
-    if stats.held_since is not None:
-        held_for = round((datetime.now(UTC) - stats.held_since).total_seconds(), 3)
+    since = stats.held_since
     return LockHealth(
         name=stats.name,
         held=stats.held,
         holder=stats.holder,
         held_since=stats.held_since,
-        held_for_s=held_for,
+        held_for_s=round((datetime.now(UTC) - since).total_seconds(), 3) if since is not None else None,
         token=stats.token,
         waiters=stats.waiters,
         detached=window_expires_at is not None,
@@ -206,8 +203,7 @@ def fleet_health(
     last_update: UpdateResult | None,
     uptime_s: float,
 ) -> FleetHealth:
-    """The report for every model's servers (``snapshots``, by model): ``accepting`` says whether
-    a model's requests pass the router, ``in_flight`` how many requests a server has."""
+    """The report for every model's servers (``snapshots``, by model)."""
     now = time.time()
     models = {
         name: model_health(name, snaps, accepting=accepting(name), resumed_from=resumed.get(name))

@@ -1,15 +1,7 @@
 """What an update does, as data: where its weights come from (a source) and who moves when (a schedule).
 
-``WeightUpdate.run(plan)`` executes every update with the protocol's steps written once (take out,
-load, confirm, then admit or roll back); a plan only says what differs:
-
-- the **source**: ``FromCheckpoint`` (each server loads a checkpoint on disk and verifies it first)
-  or ``FromWindow`` (training pushed the weights into the servers' engines during a window: into
-  the live weights, already out of routing, or into a stage that each engine swaps in);
-- the **schedule**: ``Barrier`` (every server at once while requests wait at the router, all or
-  nothing) or ``Rolling`` (a batch at a time while the others serve; the first failure halts).
-
-A training window is a barrier plan from a window source, run when training ends the window.
+``WeightUpdate.run(plan)`` runs the protocol's steps once for every plan; a plan only says what
+differs. A training window is a barrier plan from a window source.
 """
 
 from __future__ import annotations
@@ -36,9 +28,8 @@ class Steps(Protocol):
 class FromCheckpoint:
     """Each server loads ``checkpoint`` (verifying its bytes before touching its weights).
 
-    A source says whether taking a server out pauses it (``pauses``; else its engine pauses
-    itself, only for the swap, as it loads), whether every server refusing the weights before
-    touching its own rejects the update (``refusable``), and how the weights get in (``load``)."""
+    ``pauses``: taking a server out pauses it (else its engine pauses itself, only for the swap);
+    ``refusable``: every server refusing the weights before touching its own rejects the update."""
 
     checkpoint: Path
     pauses: bool = True
@@ -50,10 +41,9 @@ class FromCheckpoint:
 
 @dataclass(frozen=True)
 class FromWindow:
-    """Training pushed the weights during a window. Unstaged, into the live weights of servers
-    already out of routing and paused: nothing is left to load. Staged, into each engine's stage
-    while it served: each engine now pauses, swaps them in and ends the window, in one call; the
-    window is ended on the others (``close``) before anything is rolled back."""
+    """Training pushed the weights during a window: unstaged, into the live weights of paused
+    servers (nothing left to load); staged, into each engine's stage, which each engine now swaps
+    in, ending the window; it is ended on the others (``close``) before anything is rolled back."""
 
     staged: bool
     close: Callable[[list[str]], Awaitable[None]]
@@ -85,8 +75,7 @@ class Barrier:
 
 @dataclass(frozen=True)
 class Rolling:
-    """At most ``batch_size`` servers out of routing at a time; the first failure halts the update
-    (servers already moved keep the new version)."""
+    """At most ``batch_size`` servers out of routing at a time; the first failure halts the update."""
 
     batch_size: int
     holds_requests: bool = False

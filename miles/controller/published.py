@@ -1,13 +1,10 @@
 """The checksums training published: the expected checksum per model and step.
 
-Filled from ``InferenceEngineWeightChecksumEvent``s with the ``published`` role, whether they were
-logged in this process or posted over HTTP by a trainer elsewhere. Safe to call from any thread
-(the seed's ``controller.event_logger.log(...)`` runs on the caller's thread).
-
+Filled from ``published``-role ``InferenceEngineWeightChecksumEvent``s, logged here or posted over
+HTTP; safe from any thread (the seed's ``event_logger.log(...)`` runs on the caller's thread).
 Bounded, since anyone allowed to post events could otherwise grow it without end: the latest
-``MAX_STEPS_PER_MODEL`` steps of each model are kept (a newly published step past that forgets the
-oldest), for at most ``MAX_MODELS`` models (the one published to least recently is forgotten). An
-update of a step forgotten this way finds no published checksum, as if none had been published.
+``MAX_STEPS_PER_MODEL`` steps of at most ``MAX_MODELS`` models (the least recently published to is
+forgotten first). A forgotten step reads as never published.
 """
 
 from __future__ import annotations

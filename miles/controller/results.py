@@ -145,11 +145,9 @@ class WindowServer(BaseModel):
 class UpdateWindow(BaseModel):
     """A training-driven update in progress: push to ``servers``, then end or abort it with ``token``.
 
-    The controller's lock is held as a lease until ``expires_at``; after that the window is rolled
-    back and its token refused. ``credential`` is what the engines of ``servers`` accept, as
-    ``Authorization: Bearer <credential>``, for pushing weights while this window is open (and
-    never after).
-    """
+    The lock is held as a lease until ``expires_at``; then the window is rolled back and its token
+    refused. The engines of ``servers`` accept ``credential`` (``Authorization: Bearer``) for pushes
+    while this window is open, and never after."""
 
     model_config = ConfigDict(frozen=True)
 

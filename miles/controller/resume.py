@@ -1,12 +1,9 @@
 """Where a controller resumes: the weights its event log says were last committed and verified.
 
-A controller killed (or stopped) and started again on the same events directory must not go back:
-its servers start on the weights its last committed update left them on, the checksums training
-published are known again, and no update may commit a version at or below one the log already
-committed (the audit's version-order rule would flag it). ``history`` reads that from the log's
-events (pure); ``resume_point`` finds which copy of those weights is still on disk and holds
-them, newest committed first: the checkpoint the update loaded (or a window named), or the copy an
-engine wrote out of pushed weights. ``/health`` says where each model resumed from.
+A controller started again on the same events directory must not go back: its servers start on
+the newest committed weights a copy on disk still holds, the checksums training published are
+known again, and no update may commit a version at or below one the log already committed (the
+audit's version-order rule would flag it).
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ logger = logging.getLogger("miles.controller")
 
 @dataclass
 class ModelHistory:
-    """What a model's log says: its commits in order, where copies of weights lie, the highest
-    integer version committed."""
+    """What a model's log says: its commits in order, where copies of weights lie."""
 
     model_name: str
     commits: list[WeightUpdateCommittedEvent] = field(default_factory=list)
@@ -48,11 +44,8 @@ class ModelHistory:
     committed_high: int | None = None
 
     def copy_at(self, checksum: str, path: str) -> None:
-        paths = self.copies.setdefault(checksum, [])
         place = Path(path)
-        if place in paths:
-            paths.remove(place)
-        paths.insert(0, place)
+        self.copies[checksum] = [place, *(p for p in self.copies.get(checksum, []) if p != place)]
 
 
 @dataclass(frozen=True)
@@ -78,10 +71,8 @@ def history(events: Iterable[Event]) -> History:
             checkpoint = event.checkpoint or started_at.get(event.update_id)
             if checkpoint:
                 model.copy_at(event.checksum, checkpoint)
-            number = version_number(event.weight_version)
-            if number is not None:
-                high = model.committed_high
-                model.committed_high = number if high is None else max(number, high)
+            if (number := version_number(event.weight_version)) is not None:
+                model.committed_high = number if model.committed_high is None else max(number, model.committed_high)
         elif isinstance(event, WeightsWrittenOutEvent):
             written = models.setdefault(event.model_name, ModelHistory(event.model_name))
             written.copy_at(event.checksum, event.checkpoint)
@@ -92,17 +83,15 @@ def history(events: Iterable[Event]) -> History:
 
 @dataclass(frozen=True)
 class Resumption:
-    """What a controller starting again on its event log takes from it: what training published,
-    and per model where it resumes."""
+    """What training published, and per model where it resumes."""
 
     published: tuple[InferenceEngineWeightChecksumEvent, ...]
     models: dict[str, ResumedFrom]
 
 
 def resume_fleet(directory: Path, rollouts: Iterable[ModelRollout], *, readable_roots: tuple[Path, ...]) -> Resumption:
-    """Read the event log in ``directory`` and find where each rollout's model resumes (blocking).
-    Raises MilesError when the log cannot be read: starting anyway could serve older weights than
-    the log's, or commit a version it already committed."""
+    """Where each rollout's model resumes, by the event log in ``directory`` (blocking). Raises
+    MilesError when the log cannot be read: starting anyway could serve older weights than its."""
     try:
         past = history(read_events(directory))
     except EventLogError as exc:
@@ -124,10 +113,8 @@ def resume_fleet(directory: Path, rollouts: Iterable[ModelRollout], *, readable_
 def resume_point(
     model: ModelHistory, *, start_checkpoint: Path, readable_roots: tuple[Path, ...]
 ) -> ResumedFrom | None:
-    """The newest committed weights of ``model`` that a copy on disk still holds (hashed to
-    check), which servers started from ``start_checkpoint`` could restart from and may read under
-    ``readable_roots``; without one, ``weights()`` is None (the start checkpoint). None when the
-    log committed nothing for the model. Blocking: hashes checkpoints."""
+    """The newest committed weights of ``model`` a readable copy on disk still holds (hashed to
+    check), else ``weights()`` is None; None when the log committed nothing for the model."""
     if not model.commits:
         return None
     last = model.commits[-1]
@@ -135,8 +122,8 @@ def resume_point(
         for path in model.copies.get(commit.checksum, []):
             problem = _copy_problem(path, commit.checksum, start_checkpoint, readable_roots)
             if problem is not None:
-                name, version = model.model_name, commit.weight_version
-                logger.warning("cannot resume %s from %s (version %s): %s", name, path, version, problem)
+                version = commit.weight_version
+                logger.warning("cannot resume %s from %s (version %s): %s", model.model_name, path, version, problem)
                 continue
             note = None
             if commit is not last:
@@ -170,12 +157,9 @@ def _copy_problem(path: Path, checksum: str, start_checkpoint: Path, roots: tupl
     """Why ``path`` cannot be resumed from as weights hashing to ``checksum``, or None."""
     if not path.is_dir():
         return "it is gone"
-    if roots:
-        outside = roots_problem(path.resolve(), roots)
-        if outside is not None:
-            return outside
-    problem = restart_point_problem(path, start_checkpoint)
-    if problem is not None:
+    if roots and (outside := roots_problem(path.resolve(), roots)):
+        return outside
+    if problem := restart_point_problem(path, start_checkpoint):
         return problem
     try:
         # The manifest first: a copy it says holds other weights is not read at all.

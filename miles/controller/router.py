@@ -1,21 +1,11 @@
 """Routing: which serving server gets a request, and waiting when none may take it yet.
 
-The router only ever hands out ``SERVING`` servers. While a barrier update holds a model's gate
-closed, requests for it wait instead of failing; a request with ``min_weight_version`` waits for a
-server at that version or later (refused at once when no server could reach it: a label that is no
-integer only matches itself). It counts outstanding requests per server (for the
-least-outstanding policy and for health) and keeps sessions on the server they started on while
-that server serves.
-
-A request that could not reach a server excludes that server's *incarnation* (one launch of its
-process), not the server: the same server, restarted, is a new incarnation and takes the retry,
-and the excluded incarnation itself becomes eligible again once a health probe newer than the
-exclusion found it answering (the failure was a dropped connection, not a dead process). A
-request shaped for one engine API (SGLang's native ``/generate`` as it came, or translated for
-vLLM) goes only to servers whose engines speak it (``engine``): a model may have servers of both.
-Every state change and probe result wakes waiting requests; ``close`` ends them all. At most
-``max_waiting`` requests wait at once (each holds its body and a connection): one more is refused
-with 429 rather than queued without bound.
+Only ``SERVING`` servers are handed out. While a barrier update holds a model's gate closed, its
+requests wait instead of failing. A request that could not reach a server excludes that server's
+*incarnation* (one launch of its process), not the server: restarted, it takes the retry, and the
+excluded incarnation is eligible again once a probe newer than the exclusion found it answering
+(a dropped connection, not a dead process). At most ``max_waiting`` requests wait at once (each
+holds its body and a connection): one more is refused with 429 rather than queued without bound.
 """
 
 from __future__ import annotations
@@ -118,8 +108,7 @@ class Router:
     def blocked_seconds(self, model_name: str) -> float:
         """How long requests for ``model_name`` have been held at its gate, in all, until now."""
         since = self._closed_since.get(model_name)
-        current = time.monotonic() - since if since is not None else 0.0
-        return self._blocked.get(model_name, 0.0) + current
+        return self._blocked.get(model_name, 0.0) + (time.monotonic() - since if since is not None else 0.0)
 
     def gate_open(self, model_name: str) -> bool:
         return self._gate(model_name).is_set()
@@ -157,12 +146,9 @@ class Router:
         exclude: tuple[Exclusion, ...] = (),
         engine: EngineApi | None = None,
     ) -> RouteLease:
-        """Wait (up to ``timeout_s``) for a serving server that may take the request (one whose
-        engine speaks ``engine``, when given), and claim it.
-
+        """Wait (up to ``timeout_s``) for a serving server that may take the request, and claim it.
         Raises NoServerAvailableError when none became available in time, or the router closed,
-        and ControllerBusyError when the request would have to wait and ``max_waiting`` already do.
-        """
+        and ControllerBusyError when the request would have to wait and ``max_waiting`` already do."""
         deadline = time.monotonic() + timeout_s
         waiting = False
         try:

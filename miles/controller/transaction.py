@@ -1,13 +1,9 @@
 """WeightUpdate: one update of one model's servers, the protocol's steps 4-7 written once.
 
-A WeightUpdate exists only while the controller's lock is held (created once it is granted:
-``AsyncInferenceController._new_update``); its ``token``, the grant's fencing token, goes with
-every engine call, so an engine refuses whatever an older update still tries.
-
-``run(plan)`` executes every update, from a checkpoint or a training window, barrier or rolling
-(``miles.controller.plans``). Each server's progress is a ``ServerStep``; a server that fails
-(refuses, dies, times out) is recorded as such rather than raised, so one bad server cannot leave
-the others paused.
+A WeightUpdate exists only while the controller's lock is held; its ``token``, the grant's fencing
+token, goes with every engine call, so an engine refuses whatever an older update still tries. A
+server that fails (refuses, dies, times out) is recorded in its ``ServerStep`` rather than raised,
+so one bad server cannot leave the others paused.
 """
 
 from __future__ import annotations
@@ -24,21 +20,14 @@ from typing import Protocol
 
 from miles.config import UpdatePauseMode
 from miles.controller.plans import Plan
-from miles.controller.results import (
-    ChecksumSource,
-    ServerOutcome,
-    ServerStep,
-    UpdateMode,
-    UpdateResult,
-    UpdateStatus,
-)
+from miles.controller.results import ChecksumSource, ServerOutcome, ServerStep, UpdateMode, UpdateResult, UpdateStatus
 from miles.controller.router import Router
 from miles.errors import MilesError
 from miles.protocol.sglang import PauseMode
 from miles.protocol.sglang_weights import UpdateWeightsResponse
 from miles.rollout.engine_client import EngineCallError, WeightsChecksum
 from miles.rollout.mixed import ModelRollout
-from miles.rollout.state import ServerState, VerifiedWeights
+from miles.rollout.state import ServerSnapshot, ServerState, VerifiedWeights
 from miles.utils.weight_version import newest, version_number
 from miles.weights.checksum import ALGORITHM
 
@@ -80,7 +69,6 @@ class Target:
     num_bytes: int | None = None
 
     def verified(self) -> VerifiedWeights:
-        """These weights as a server confirmed on them holds them."""
         return VerifiedWeights(
             checkpoint=self.checkpoint, weight_version=self.weight_version, checksum=self.checksum, step=self.step
         )
@@ -95,8 +83,6 @@ class UpdateEvents(Protocol):
 
 
 class WeightUpdate:
-    """One update of one model's servers; see the module docstring."""
-
     def __init__(
         self,
         *,
@@ -171,9 +157,8 @@ class WeightUpdate:
             self.phases[phase] = self.phases.get(phase, 0.0) + time.monotonic() - started
 
     async def take_out(self, server_ids: list[str], *, pause: bool = True) -> None:
-        """Stop routing to the servers, then pause them (in-flight work per the pause mode), unless
-        ``pause`` is False (their engines pause themselves for a staged swap: ``activate``).
-        Servers already out (a window's, taken out when it opened) or whose engines died are left."""
+        """Stop routing to the servers, then pause them unless ``pause`` is False (their engines
+        pause themselves for a staged swap). Servers already out or whose engines died are left."""
         server_ids = [sid for sid in server_ids if self.progress[sid].step is ServerStep.PENDING]
         for server_id in server_ids:
             self.rollout.begin_update(server_id, reason=f"update {self.update_id} to {self.weight_version}")
@@ -205,18 +190,16 @@ class WeightUpdate:
             await self._each(self._healthy(server_ids), "load", one)
 
     async def activate(self, server_ids: list[str]) -> None:
-        """Have each server serve the weights a window pushed into its stage (verified there).
-        A server taken out without a pause pauses itself, swaps and resumes in one call (ending the
-        window there): generation stops for the swap only, not for three round trips."""
+        """Have each server serve the weights a window pushed into its stage. A server not paused
+        pauses, swaps and resumes in one call: generation stops for the swap, not three round trips."""
         target = self._target()
 
         async def one(server_id: str) -> None:
-            generating = not self.progress[server_id].paused
             answer = await self.rollout.activate(
                 server_id,
                 weight_version=target.weight_version,
                 expected_checksum=target.checksum,
-                pause_mode=PauseMode(self.pause_mode.value) if generating else None,
+                pause_mode=None if self.progress[server_id].paused else PauseMode(self.pause_mode.value),
                 fence=self.token,
             )
             self._loaded(server_id, answer, refused="activation refused")
@@ -225,8 +208,6 @@ class WeightUpdate:
             await self._each(self._healthy(server_ids), "activate", one)
 
     def _loaded(self, server_id: str, answer: UpdateWeightsResponse, *, refused: str) -> None:
-        """Record a server's answer to a load or an activation: refused (nothing changed), or
-        loaded, with the checksum it computed over its live weights when it said."""
         note = self.progress[server_id]
         note.load_timings = dict(answer.timings)
         if not answer.success:
@@ -242,10 +223,8 @@ class WeightUpdate:
     async def confirm(self, server_ids: list[str]) -> None:
         """Get each server's checksum of what it holds; only an exact match is confirmed.
 
-        A server whose load answer carried the checksum of its live weights after the copy (the
-        embedded engine's does) is not asked again: hashing the model again moments later would
-        repeat the same measurement. Others are asked through ``/weights_checker``.
-        """
+        A server whose load answer carried the checksum of its live weights is not asked again:
+        hashing the model again moments later would repeat the same measurement."""
         target = self._target()
 
         async def one(server_id: str) -> None:
@@ -284,9 +263,8 @@ class WeightUpdate:
         self.router.fleet_changed()
 
     async def restart_crashed(self, server_ids: list[str]) -> None:
-        """Bring servers whose engines died during the update back on the weights it committed
-        (their peers were confirmed on them); a restart that fails is recorded on its server,
-        which stays out of serving until the supervisor brings it up on those weights."""
+        """Bring servers whose engines died back on the weights the update committed; a restart
+        that fails is recorded, and the supervisor brings the server up on those weights later."""
         target = self._target()
         verified = target.verified()
 
@@ -326,8 +304,7 @@ class WeightUpdate:
 
     async def heal(self) -> None:
         """Put back on verified weights any server a failed operation left updating or
-        quarantined, and let requests through again (before an update starts, and after one
-        that ended in an error nobody planned for)."""
+        quarantined, and let requests through again."""
         stuck = [
             s.server_id for s in self.rollout.snapshot() if s.state in (ServerState.UPDATING, ServerState.QUARANTINED)
         ]
@@ -348,23 +325,20 @@ class WeightUpdate:
         return bool(live) and all(self.progress[sid].step is ServerStep.REFUSED for sid in live)
 
     def loaded(self, server_id: str) -> bool:
-        """Whether the server loaded (or activated) the new weights, not yet confirmed."""
         return self.progress[server_id].step is ServerStep.LOADED
 
     def confirmed(self, server_ids: list[str]) -> list[str]:
         return [sid for sid in server_ids if self.progress[sid].step is ServerStep.CONFIRMED]
 
     def crashed(self, server_ids: list[str]) -> list[str]:
-        """The servers whose engines died during the update."""
         return [sid for sid in server_ids if self.progress[sid].step is ServerStep.CRASHED]
 
     def live(self, server_ids: list[str]) -> list[str]:
-        """The servers whose engines did not die during the update."""
         return [sid for sid in server_ids if self.progress[sid].step is not ServerStep.CRASHED]
 
     def failed(self, server_ids: list[str]) -> list[str]:
-        """The servers that did not confirm the new weights (refused, mismatched, failed), not
-        counting those that crashed: a crash fails no update, the server restarts on its outcome."""
+        """The servers that did not confirm the new weights, not counting those that crashed: a
+        crash fails no update, the server restarts on its outcome."""
         return [
             sid
             for sid in self.live(server_ids)
@@ -378,8 +352,7 @@ class WeightUpdate:
     def result(
         self, status: UpdateStatus, *, message: str = "", timings: dict[str, float] | None = None
     ) -> UpdateResult:
-        """This update's ``UpdateResult``: what it aimed at, every server's outcome, a message."""
-        outcomes = self._outcomes()
+        outcomes = tuple(self._outcome(snap) for snap in self.rollout.snapshot())
         if not message:
             message = _DEFAULT_MESSAGES[status].format(version=self.weight_version)
             failures = [f"{o.server_id}: {o.error}" for o in outcomes if o.error]
@@ -411,14 +384,12 @@ class WeightUpdate:
     # --- the one pipeline ---------------------------------------------------------------------
 
     async def run(self, plan: Plan) -> UpdateStatus:
-        """Execute ``plan``: per batch of its schedule, take the servers out, load from its source,
-        confirm each server's checksum, then admit those confirmed or roll back.
+        """Per batch of the plan's schedule: take the servers out, load, confirm, admit or roll back.
 
         Every server refusing changed nothing: REJECTED. An all-or-nothing schedule rolls every
         server back on any failure (ROLLED_BACK); otherwise the first failure halts and servers
         already moved keep the new version (PARTIAL). Servers whose engines died come back on the
-        committed weights once their peers serve them.
-        """
+        committed weights once their peers serve them."""
         schedule, source = plan.schedule, plan.source
         if schedule.holds_requests:
             self.router.close_gate(self.model_name)
@@ -494,25 +465,20 @@ class WeightUpdate:
         note.fail(ServerStep.FAILED, f"{action} failed: {exc.message}")
         return False
 
-    def _outcomes(self) -> tuple[ServerOutcome, ...]:
-        outcomes = []
-        for snap in self.rollout.snapshot():
-            note = self.progress.get(snap.server_id, ServerProgress())
-            outcomes.append(
-                ServerOutcome(
-                    server_id=snap.server_id,
-                    state=snap.state,
-                    weight_version=snap.weight_version,
-                    checksum=snap.checksum,
-                    loaded=note.step in _LOADED or note.reported is not None,
-                    confirmed_checksum=note.confirmed,
-                    matched=None if note.confirmed is None else note.confirmed == self.expected_checksum,
-                    error=note.error,
-                    load_timings=note.load_timings,
-                    progress=note.step,
-                )
-            )
-        return tuple(outcomes)
+    def _outcome(self, snap: ServerSnapshot) -> ServerOutcome:
+        note = self.progress.get(snap.server_id, ServerProgress())
+        return ServerOutcome(
+            server_id=snap.server_id,
+            state=snap.state,
+            weight_version=snap.weight_version,
+            checksum=snap.checksum,
+            loaded=note.step in _LOADED or note.reported is not None,
+            confirmed_checksum=note.confirmed,
+            matched=None if note.confirmed is None else note.confirmed == self.expected_checksum,
+            error=note.error,
+            load_timings=note.load_timings,
+            progress=note.step,
+        )
 
 
 _LOADED = frozenset({ServerStep.LOADED, ServerStep.CONFIRMED, ServerStep.MISMATCHED, ServerStep.ADMITTED})
@@ -533,6 +499,6 @@ def _to_beat(serving: str | None, committed_high: int | None) -> str | None:
 
 
 def _verified_version(rollout: ModelRollout) -> str | None:
-    """The newest version any server of the rollout was verified on (the version updates must beat)."""
+    """The newest version any server of the rollout was verified on."""
     versions = [s.verified.weight_version for s in rollout.snapshot() if s.verified is not None]
     return newest(versions) or (versions[0] if len(set(versions)) == 1 else None)

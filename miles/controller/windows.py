@@ -1,12 +1,9 @@
 """Training windows: an update kept open while training pushes the weights itself.
 
 A window is a ``WeightUpdate`` whose lock a task of the controller holds (the lock itself knows
-nothing of windows). Training reaches the window's servers with the window's credential and ends
-it with ``end_update_weights`` (verify and commit) or ``abort_update_weights``; those calls hand
-an ``Ending`` to the task holding the window, which carries it out under the lock and answers: a
-commit runs the update's plan from the window (``plans.FromWindow``), as any update runs. If no
-ending arrives within the window's lease (renewed while training works), the task rolls the
-window back itself.
+nothing of windows). Ending or aborting a window hands a ``Commit`` or ``Abort`` to that task,
+which carries it out under the lock; if none arrives within the window's lease, the task rolls
+the window back itself.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from miles.config import UpdatePauseMode
 from miles.controller.gate import restart_point_problem, roots_problem
 from miles.controller.results import ChecksumSource, UpdateResult, UpdateWindow, WindowServer
 from miles.controller.transaction import Target, WeightUpdate
@@ -65,8 +61,7 @@ class Abort:
 
 @dataclass(eq=False)
 class OpenWindow:
-    """A window held open: what training was told, and the way training ends it. Its lease runs
-    ``public.ttl_s`` from when it opened and from each ``renew``."""
+    """A window held open: what training was told, and the way training ends it."""
 
     update: WeightUpdate
     public: UpdateWindow
@@ -77,9 +72,7 @@ class OpenWindow:
 
     def end(self, ending: Commit | Abort) -> asyncio.Future[UpdateResult]:
         """Hand ``ending`` to the task holding the window; its result comes in the future.
-
-        Raises ConflictError when the window is already ending or expired.
-        """
+        Raises ConflictError when the window is already ending or expired."""
         self._refuse_if_closing()
         self._closing = "ending"
         result: asyncio.Future[UpdateResult] = asyncio.get_running_loop().create_future()
@@ -88,9 +81,7 @@ class OpenWindow:
 
     def renew(self, ttl_s: float) -> UpdateWindow:
         """Extend the lease to ``ttl_s`` from now; the window as training now sees it.
-
-        Raises ConflictError when the window is already ending or expired.
-        """
+        Raises ConflictError when the window is already ending or expired."""
         self._refuse_if_closing()
         self._deadline = time.monotonic() + ttl_s
         self.public = self.public.model_copy(
@@ -105,8 +96,7 @@ class OpenWindow:
             )
 
     async def wait(self) -> tuple[Commit | Abort, asyncio.Future[UpdateResult] | None]:
-        """The ending training sends; once the lease runs out without one (renewals extend it),
-        an Abort of its own."""
+        """The ending training sends, or an Abort of its own once the lease runs out."""
         self._deadline = time.monotonic() + self.public.ttl_s
         while True:
             try:
@@ -121,8 +111,7 @@ class OpenWindow:
 
 
 class WindowSlot:
-    """Where the controller keeps its one training window: the task holding its lock (from the
-    start call until the window ends) and, once it opened, the window itself."""
+    """The controller's one training window: the task holding its lock, and the window once open."""
 
     def __init__(self) -> None:
         self.current: OpenWindow | None = None
@@ -130,9 +119,7 @@ class WindowSlot:
 
     async def open(self, hold: Callable[[asyncio.Future[UpdateWindow]], Coroutine[Any, Any, None]]) -> UpdateWindow:
         """Start ``hold`` (the task that takes the lock, opens the window and sets the future it
-        is given) and return the window once open. Raises what ended the task first (it never
-        got the lock, or the window could not open). A caller that goes away meanwhile leaves no
-        window behind (``_abandon``)."""
+        is given) and return the window once open; raises what ended the task first."""
         opened: asyncio.Future[UpdateWindow] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(hold(opened))
         self._task = task
@@ -147,10 +134,8 @@ class WindowSlot:
         return opened.result()
 
     def _abandon(self, task: asyncio.Task[None], opened: asyncio.Future[UpdateWindow]) -> None:
-        """The caller of ``open`` went away before it got its window: nobody will push to it or
-        end it, so it must not hold the fleet for its lease. Still waiting for the lock (or
-        opening), its task is cancelled (an opening puts the servers back); already open, it is
-        aborted."""
+        """The caller of ``open`` went away: nobody will push to its window or end it, so it must
+        not hold the fleet for its lease. Not open yet, its task is cancelled; open, it is aborted."""
         if not opened.done():
             task.cancel()
             return
@@ -185,9 +170,7 @@ class WindowSlot:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def describe(
-    update: WeightUpdate, *, ttl_s: float, pause_mode: UpdatePauseMode, staged: bool, credential: str
-) -> UpdateWindow:
+def describe(update: WeightUpdate, *, ttl_s: float, staged: bool, credential: str) -> UpdateWindow:
     """The window as training sees it: where to push, with which credential, until when."""
     live = update.live(update.server_ids)
     return UpdateWindow(
@@ -197,16 +180,11 @@ def describe(
         token=update.token,
         expires_at=datetime.now(UTC) + timedelta(seconds=ttl_s),
         ttl_s=ttl_s,
-        pause_mode=pause_mode,
+        pause_mode=update.pause_mode,
         # Servers whose engines died while the window opened are not pushed to: they restart
         # on what the window commits.
         servers=tuple(
-            WindowServer(
-                server_id=s.server_id,
-                url=s.url or "",
-                weight_version=s.weight_version,
-                engine=s.engine,
-            )
+            WindowServer(server_id=s.server_id, url=s.url or "", weight_version=s.weight_version, engine=s.engine)
             for s in update.rollout.snapshot()
             if s.server_id in live
         ),
@@ -216,10 +194,7 @@ def describe(
 
 
 def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | None) -> str | None:
-    """Why ``ending`` may not commit at all (checked before any server is touched), or None.
-
-    ``published_checksum`` is what training published for that step, if it did.
-    """
+    """Why ``ending`` may not commit at all (checked before any server is touched), or None."""
     version = ending.weight_version or str(ending.step)
     if is_newer(version, update.version_to_beat) is False:
         return (
@@ -253,12 +228,10 @@ async def set_window(
     update: WeightUpdate, *, open_: bool, staged: bool = False, server_ids: list[str] | None = None
 ) -> None:
     """Tell every engine of ``update`` (or of ``server_ids``) whether its window's credential may
-    push (``/fence``); a ``staged`` window's credential may only stage (its servers serve meanwhile).
+    push; a ``staged`` window's credential may only stage (its servers serve meanwhile).
 
-    Closing cannot fail the caller: an engine that cannot be told (it died) is restarted before it
-    serves again, and a new process knows no window. Opening skips servers whose engines died
-    during the update (and records those that die now): the window is their peers'.
-    """
+    Closing cannot fail: an engine that cannot be told (it died) is restarted before it serves
+    again, and a new process knows no window. Opening skips servers whose engines died."""
 
     async def one(server_id: str) -> None:
         try:
@@ -287,7 +260,7 @@ async def close_window(update: WeightUpdate, *, reason: str) -> None:
 
 
 def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ...]) -> None:
-    """Refuse a window's ``checkpoint`` outside the allowed checkpoint roots (InvalidRequestError),
+    """Refuse (InvalidRequestError) a window's ``checkpoint`` outside the allowed checkpoint roots,
     as a disk update's is refused: it would become its servers' restart point."""
     if checkpoint is None:
         return
@@ -301,26 +274,22 @@ def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ..
 def _checkpoint_holding(
     checkpoint: str | Path | None, checksum: str, start_checkpoint: Path, roots: tuple[Path, ...]
 ) -> Path | None:
-    """``checkpoint`` when its manifest says it holds weights with ``checksum``, inside the roots,
-    and servers could restart from it as they run now; else None (an engine then writes the
-    weights out): restarts reload the window's weights from it.
-    """
+    """``checkpoint`` when restarts can reload the window's weights from it, else None (an engine
+    then writes the weights out)."""
     if checkpoint is None:
         return None
     path = checked_path(str(checkpoint), field="checkpoint")
-    outside = roots_problem(path, roots)  # checked when the window was ended; again, as it is read
-    if outside is not None:
-        logger.warning("window checkpoint %s cannot serve restarts: %s", path, outside)
-        return None
-    try:
-        manifest = read_manifest(path)
-        problem = restart_point_problem(path, start_checkpoint)
-    except (CheckpointError, OSError) as exc:
-        logger.warning("window checkpoint %s cannot serve restarts: %s", path, exc)
-        return None
-    if manifest.checksum != checksum:
-        logger.warning("window checkpoint %s holds %s, not the committed %s", path, manifest.checksum, checksum)
-        return None
+    # The roots were checked when the window was ended; again, as it is read.
+    problem = roots_problem(path, roots)
+    if problem is None:
+        try:
+            manifest = read_manifest(path)
+            problem = restart_point_problem(path, start_checkpoint)
+        except (CheckpointError, OSError) as exc:
+            problem = str(exc)
+        else:
+            if manifest.checksum != checksum:
+                problem = f"it holds {manifest.checksum}, not the committed {checksum}"
     if problem is not None:
         logger.warning("window checkpoint %s cannot serve restarts: %s", path, problem)
         return None
