@@ -508,7 +508,8 @@ class AsyncInferenceController:
     def _finish(self, result: UpdateResult) -> UpdateResult:
         if result.ok and (number := version_number(result.weight_version)) is not None:
             rollout = self.fleet.rollout(result.model_name)
-            rollout.committed_high = max(number, rollout.committed_high or number)
+            high = rollout.committed_high
+            rollout.committed_high = number if high is None else max(number, high)  # 0 is a version too
         self._events.finished(result)
         return self._remember(result)
 
