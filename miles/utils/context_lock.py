@@ -2,11 +2,7 @@
 make a class declare how each of its methods relates to its lock.
 
 A grant is recorded in a ContextVar: tasks spawned inside a held section inherit it, other tasks
-do not. The lock is not re-entrant (a second acquire raises instead of deadlocking), a context
-holding one ContextLock may not take another, waiters are served FIFO and log a reminder while
-they wait, and every holding gets a fencing token never reused (an engine can refuse an older
-holder's calls). A class decorated ``@enforce_lock_discipline`` must mark each function
-``@with_lock``, ``@requires_lock`` or ``@lock_exempt``, or it refuses to be defined.
+do not. Every holding gets a fencing token never reused (an engine can refuse an older holder's calls).
 """
 
 from __future__ import annotations
