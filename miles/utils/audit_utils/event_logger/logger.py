@@ -259,15 +259,9 @@ class EventLogger(_ClosedOnExit):
 
 def _describe(event: Event) -> str:
     """One compact line for humans: type, model, server, step, version, payload summary."""
-    parts: list[str] = [event.type]
-    for field in ("model_name", "server_id", "step", "weight_version"):
-        value = getattr(event, field, None)
-        if value is not None:
-            parts.append(f"{field}={value}")
-    summary = event.summary()
-    if summary:
-        parts.append(summary)
-    return " ".join(parts)
+    fields = ("model_name", "server_id", "step", "weight_version")
+    named = [f"{field}={value}" for field in fields if (value := getattr(event, field, None)) is not None]
+    return " ".join(filter(None, [event.type, *named, event.summary()]))
 
 
 def _fsync_directory(directory: Path) -> None:

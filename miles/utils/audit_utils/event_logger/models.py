@@ -34,9 +34,7 @@ _CHECKSUM_PREVIEW_CHARS = 12
 
 def short_checksum(checksum: str) -> str:
     """Return ``checksum`` cut to a prefix long enough to tell checksums apart in a table."""
-    if len(checksum) <= _CHECKSUM_PREVIEW_CHARS:
-        return checksum
-    return checksum[:_CHECKSUM_PREVIEW_CHARS] + "…"
+    return checksum if len(checksum) <= _CHECKSUM_PREVIEW_CHARS else checksum[:_CHECKSUM_PREVIEW_CHARS] + "…"
 
 
 class _Frozen(BaseModel):
