@@ -291,7 +291,6 @@ class ControllerSettings(BaseSettings):
 
 
 def _fixed(names: Iterable[str]) -> dict[str, str]:
-    """Each of ``names`` that cannot change at runtime, with why."""
     return {name: FIXED_REASONS.get(name, "fixed at start") for name in names if name not in RUNTIME_CHANGEABLE}
 
 

@@ -1,9 +1,7 @@
 """What ``miles health`` draws: the fleet's health report as one view that fits 80 columns.
 
-One table per model (its servers), with the columns a person scans for: state, version,
-checksum, requests in flight, probe and restarts. Server ids are never cut: the checksum and the
-version give way first, then the table wraps the rest. A pure function of the ``/health`` JSON, so
-``--watch`` redraws it in place and tests draw it without a controller.
+A pure function of the ``/health`` JSON, so ``--watch`` redraws it in place and tests draw it
+without a controller. Server ids are never cut: the checksum and the version give way first.
 """
 
 from __future__ import annotations

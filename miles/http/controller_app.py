@@ -1,10 +1,7 @@
 """The controller's HTTP API (port 8000 by default): a thin adapter over AsyncInferenceController.
 
-Inference (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) is routed
-to a serving server; ``model`` (on ``/generate``), ``min_weight_version`` and, on the OpenAI
-endpoints, ``session_id`` are the controller's extensions, removed before forwarding. Operations:
-``/health``, ``/metrics``, the status page (``/``, ``/status``), ``/update_weights`` (and
-``/start``, ``/renew``, ``/end``, ``/abort`` for training windows), ``/events``, ``/config``.
+Inference is routed to a serving server; ``model`` (on ``/generate``), ``min_weight_version`` and,
+on the OpenAI endpoints, ``session_id`` are the controller's extensions, removed before forwarding.
 """
 
 from __future__ import annotations

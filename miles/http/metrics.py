@@ -1,10 +1,8 @@
 """Prometheus metrics of one controller (its own registry, so several controllers can coexist).
 
-The proxy records every routed request (``request_done``, ``first_byte``); the update listener and
-event log feed updates, mismatches, quarantines and the lock (``update_done``, ``event``); the
-health report is read at scrape time for states (servers, versions, in flight, restarts). Names:
-``miles.protocol.metrics``; meanings: docs/METRICS.md. With metrics off the proxy records through
-``NO_REQUEST_METRICS``, which does nothing (what benchmarks/controller.py compares against).
+The proxy records every routed request, the update listener and event log feed updates, mismatches,
+quarantines and the lock, and the health report is read at scrape time. Names:
+``miles.protocol.metrics``; meanings: docs/METRICS.md.
 """
 
 from __future__ import annotations
@@ -40,7 +38,8 @@ _VERSION_START = re.compile(rb'"weight_version_start":\s*"([^"]{0,256})"')
 
 
 class RequestMetrics:
-    """What the proxy records per routed request; this base records nothing."""
+    """What the proxy records per routed request; this base records nothing (``NO_REQUEST_METRICS``,
+    with metrics off: what benchmarks/controller.py compares against)."""
 
     def first_byte(self, model: str, *, started: float) -> None:
         return None
@@ -167,7 +166,7 @@ class RequestWindow:
 
 
 class ControllerMetrics(RequestMetrics):
-    """The controller's series; see the module docstring for what feeds each."""
+    """The controller's series."""
 
     def __init__(self, health: Callable[[], FleetHealth], *, waiting: Callable[[], int] = lambda: 0) -> None:
         self.registry = registry = CollectorRegistry()

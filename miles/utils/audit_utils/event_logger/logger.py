@@ -48,8 +48,6 @@ class _LoggerState(StrEnum):
 
 
 class _ClosedOnExit:
-    """Leaving a ``with`` block calls ``close()``."""
-
     __slots__ = ()
 
     def close(self) -> None:
