@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from miles.commands import command_group
 from miles.errors import EventLogError
 from miles.utils.audit_utils.event_analyzer import AnalysisReport, analyze_events
 from miles.utils.audit_utils.event_analyzer.timeline import UpdateTimeline, update_timelines
@@ -24,13 +25,10 @@ from miles.utils.audit_utils.event_logger.models import EVENT_TYPES, Event
 
 _MAX_SERVERS_SHOWN = 3
 
-app = typer.Typer(
-    name="events",
-    help="Show and check a miles event log directory.",
-    add_completion=False,
-    no_args_is_help=True,
+app = command_group(
+    "events",
+    "Show and check a miles event log directory.",
     invoke_without_command=True,
-    pretty_exceptions_enable=False,
     # The app is a group only so that ``add_typer`` mounts its callback as ``miles events``; it has
     # no subcommands, so options may follow DIR as they would on a plain command.
     subcommand_metavar="",
