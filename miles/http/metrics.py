@@ -174,7 +174,9 @@ class ControllerMetrics(RequestMetrics):
         def counter(name: str, doc: str, labels: list[str]) -> Counter:
             return Counter(name, doc, labels, registry=registry)
 
-        def histogram(name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> Histogram:
+        def histogram(
+            name: str, doc: str, labels: list[str], buckets: tuple[float, ...] = names.UPDATE_BUCKETS
+        ) -> Histogram:
             return Histogram(name, doc, labels, registry=registry, buckets=buckets)
 
         self._requests = counter(names.REQUESTS, "Routed inference requests", ["model", "server", "outcome"])
@@ -196,19 +198,13 @@ class ControllerMetrics(RequestMetrics):
         )
         self._updates = counter(names.UPDATES, "Weight updates", ["model", "strategy", "path", "status"])
         self._update_seconds = histogram(
-            names.UPDATE_SECONDS,
-            "Weight update duration, lock wait included",
-            ["model", "strategy"],
-            names.UPDATE_BUCKETS,
+            names.UPDATE_SECONDS, "Weight update duration, lock wait included", ["model", "strategy"]
         )
         self._phase_seconds = histogram(
-            names.UPDATE_PHASE_SECONDS, "Seconds per phase of a weight update", ["model", "phase"], names.UPDATE_BUCKETS
+            names.UPDATE_PHASE_SECONDS, "Seconds per phase of a weight update", ["model", "phase"]
         )
         self._blocked = histogram(
-            names.UPDATE_BLOCKED_SECONDS,
-            "Seconds an update held the model's requests at the router",
-            ["model"],
-            names.UPDATE_BUCKETS,
+            names.UPDATE_BLOCKED_SECONDS, "Seconds an update held the model's requests at the router", ["model"]
         )
         self._bytes = histogram(
             names.UPDATE_BYTES, "Weight bytes the servers loaded per update", ["model"], names.BYTES_BUCKETS
@@ -220,12 +216,8 @@ class ControllerMetrics(RequestMetrics):
         self._rollbacks = counter(
             names.ROLLBACKS, "Servers put back on their verified weights by an update", ["model", "server"]
         )
-        self._lock_wait = histogram(
-            names.LOCK_WAIT_SECONDS, "Seconds waited for the controller lock", ["holder"], names.UPDATE_BUCKETS
-        )
-        self._lock_hold = histogram(
-            names.LOCK_HOLD_SECONDS, "Seconds the controller lock was held", ["holder"], names.UPDATE_BUCKETS
-        )
+        self._lock_wait = histogram(names.LOCK_WAIT_SECONDS, "Seconds waited for the controller lock", ["holder"])
+        self._lock_hold = histogram(names.LOCK_HOLD_SECONDS, "Seconds the controller lock was held", ["holder"])
         self.history = RequestHistory()
         self._request = _Children(self._requests)
         self._latency_of = _Children(self._latency)
