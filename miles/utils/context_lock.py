@@ -301,7 +301,6 @@ class _Declaration:
     role: LockRole
     qualname: str
     owner: type | None = None  # set by enforce_lock_discipline
-    lock_attribute: str = "_lock"
     timeout_attribute: str | None = None
 
 
@@ -329,10 +328,10 @@ def _lock_of(instance: object, declaration: _Declaration) -> ContextLock:
             "with @enforce_lock_discipline, or it was called on another class's object",
             method=declaration.qualname,
         )
-    lock = getattr(instance, declaration.lock_attribute, None)
+    lock = getattr(instance, "_lock", None)
     if not isinstance(lock, ContextLock):
         raise LockDisciplineError(
-            f"{declaration.qualname} guards self.{declaration.lock_attribute}, which is {lock!r}, not a ContextLock",
+            f"{declaration.qualname} guards self._lock, which is {lock!r}, not a ContextLock",
             method=declaration.qualname,
         )
     return lock
@@ -406,12 +405,10 @@ def _functions_of(member: object) -> list[Callable[..., Any]]:
     return []
 
 
-def enforce_lock_discipline(
-    *, lock_attribute: str = "_lock", timeout_attribute: str | None = None
-) -> Callable[[ClassT], ClassT]:
+def enforce_lock_discipline(*, timeout_attribute: str | None = None) -> Callable[[ClassT], ClassT]:
     """Refuse (LockDisciplineError) a class whose body defines a function, dunders and accessors
-    included, without a lock declaration; bind each guarded method to the class, its lock
-    attribute and the attribute bounding how long ``@with_lock`` waits."""
+    included, without a lock declaration; bind each guarded method to the class (its lock is
+    ``self._lock``) and to the attribute bounding how long ``@with_lock`` waits."""
 
     def check(cls: ClassT) -> ClassT:
         undeclared: list[str] = []
@@ -429,11 +426,10 @@ def enforce_lock_discipline(
                     )
                 if declaration.owner is None:
                     declaration.owner = cls
-                    declaration.lock_attribute = lock_attribute
                     declaration.timeout_attribute = timeout_attribute
         if undeclared:
             raise LockDisciplineError(
-                f"class {cls.__qualname__} owns a ContextLock (self.{lock_attribute}) but defines "
+                f"class {cls.__qualname__} owns a ContextLock (self._lock) but defines "
                 f"{', '.join(undeclared)} without saying how each relates to it; "
                 f"decorate each with one of {_DECORATORS}",
                 cls=cls.__qualname__,
