@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -262,20 +263,17 @@ def _watch_health(url: str, *, interval: float, count: int | None) -> None:
     """Redraw the health view every ``interval`` seconds; an unreachable controller is shown, not fatal."""
     console = Console()
     drawn = 0
-    with Live(console=console, auto_refresh=False, transient=False) as live:
-        try:
-            while count is None or drawn < count:
-                try:
-                    body = _get(f"{url}/health", timeout=min(10.0, max(interval, 1.0)))
-                    view: RenderableType = health_view(body, url=url)
-                except _Unreachable as exc:
-                    view = Text(f"cannot reach the controller at {url}: {exc}; retrying every {interval:g}s")
-                live.update(view, refresh=True)
-                drawn += 1
-                if count is None or drawn < count:
-                    time.sleep(interval)
-        except KeyboardInterrupt:
-            pass
+    with Live(console=console, auto_refresh=False, transient=False) as live, contextlib.suppress(KeyboardInterrupt):
+        while count is None or drawn < count:
+            try:
+                body = _get(f"{url}/health", timeout=min(10.0, max(interval, 1.0)))
+                view: RenderableType = health_view(body, url=url)
+            except _Unreachable as exc:
+                view = Text(f"cannot reach the controller at {url}: {exc}; retrying every {interval:g}s")
+            live.update(view, refresh=True)
+            drawn += 1
+            if count is None or drawn < count:
+                time.sleep(interval)
 
 
 class _Unreachable(Exception):
