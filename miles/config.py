@@ -283,11 +283,7 @@ class ControllerSettings(BaseSettings):
     def runtime_view(self) -> dict[str, Any]:
         """Every setting, JSON-ready, marked changeable or not (for ``GET /config``)."""
         values = self.model_dump(mode="json")
-        return {
-            "settings": values,
-            "runtime_changeable": sorted(RUNTIME_CHANGEABLE),
-            "fixed": _fixed(values),
-        }
+        return {"settings": values, "runtime_changeable": sorted(RUNTIME_CHANGEABLE), "fixed": _fixed(values)}
 
 
 def _fixed(names: Iterable[str]) -> dict[str, str]:

@@ -43,8 +43,7 @@ SERVE_FLAGS = {
 
 def serve(
     checkpoint: Annotated[
-        Path | None,
-        typer.Option(help="Checkpoint directory the servers start on (attached ones are made to hold it)."),
+        Path | None, typer.Option(help="Checkpoint directory the servers start on (attached ones are made to hold it).")
     ] = None,
     servers: Annotated[int, typer.Option(help="Rollout servers (engine processes).")] = 1,
     port: Annotated[int | None, typer.Option(help="HTTP port (default MILES_PORT or 8000).")] = None,
@@ -81,8 +80,7 @@ def serve(
         ),
     ] = False,
     address: Annotated[
-        str | None,
-        typer.Option(help="With --ray: the cluster to join, auto or HOST:PORT (default: a new local one)."),
+        str | None, typer.Option(help="With --ray: the cluster to join, auto or HOST:PORT (default: a new local one).")
     ] = None,
     gpus_per_engine: Annotated[
         float | None, typer.Option(help="With --ray: GPUs per engine (a fraction shares one).")
@@ -166,11 +164,7 @@ def _fleet_spec(
 
 
 def _serve_on_ray(
-    fleet_spec: dict[str, Any],
-    overrides: dict[str, Any],
-    *,
-    console: Console,
-    stopped: threading.Event,
+    fleet_spec: dict[str, Any], overrides: dict[str, Any], *, console: Console, stopped: threading.Event
 ) -> None:
     """The controller as the cluster's named actor, until interrupted; then stopped with its engines."""
     from miles.ray.controller import CONTROLLER_NAME, call, serve_controller, stop_controller

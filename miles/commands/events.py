@@ -47,8 +47,7 @@ class ExitCode(IntEnum):
 @app.callback(invoke_without_command=True)
 def events(
     directory: Annotated[
-        Path,
-        typer.Argument(metavar="DIR", help="Event log directory (its *.jsonl files).", show_default=False),
+        Path, typer.Argument(metavar="DIR", help="Event log directory (its *.jsonl files).", show_default=False)
     ],
     types: Annotated[
         list[str] | None,
@@ -56,16 +55,12 @@ def events(
     ] = None,
     server: Annotated[str | None, typer.Option("--server", "-s", help="Only events about this server id.")] = None,
     limit: Annotated[
-        int | None,
-        typer.Option("--limit", "-n", min=1, help="Show only the N most recent matching events."),
+        int | None, typer.Option("--limit", "-n", min=1, help="Show only the N most recent matching events.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines instead of a table.")] = False,
     check: Annotated[
         bool,
-        typer.Option(
-            "--check",
-            help="Run the analyzer over the whole log (filters do not apply); exit 1 on findings.",
-        ),
+        typer.Option("--check", help="Run the analyzer over the whole log (filters do not apply); exit 1 on findings."),
     ] = False,
     timeline: Annotated[
         bool,
@@ -123,8 +118,7 @@ def _validate_types(types: Sequence[str]) -> frozenset[str]:
     unknown = sorted(set(types) - set(EVENT_TYPES))
     if unknown:
         raise typer.BadParameter(
-            f"unknown event type(s) {', '.join(unknown)}; valid types: {', '.join(EVENT_TYPES)}",
-            param_hint="--type",
+            f"unknown event type(s) {', '.join(unknown)}; valid types: {', '.join(EVENT_TYPES)}", param_hint="--type"
         )
     return frozenset(types)
 

@@ -340,8 +340,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     @app.get("/events", dependencies=as_reader)
     async def get_events(
-        type: Annotated[str | None, Query()] = None,
-        limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
+        type: Annotated[str | None, Query()] = None, limit: Annotated[int, Query(ge=1, le=10_000)] = 200
     ) -> dict[str, Any]:
         if type is not None and type not in EVENT_TYPES:
             raise InvalidRequestError(f"unknown event type {type!r}; known types: {', '.join(EVENT_TYPES)}")

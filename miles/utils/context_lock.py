@@ -21,13 +21,7 @@ from datetime import UTC, datetime
 from enum import Enum
 from typing import Any, TypeVar
 
-from miles.errors import (
-    LockDisciplineError,
-    LockNestingError,
-    LockNotHeldError,
-    LockReentryError,
-    LockTimeoutError,
-)
+from miles.errors import LockDisciplineError, LockNestingError, LockNotHeldError, LockReentryError, LockTimeoutError
 
 _logger = logging.getLogger("miles.lock")
 

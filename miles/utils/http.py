@@ -74,12 +74,7 @@ def error_body(
 
 
 def error_response(
-    message: str,
-    *,
-    code: int,
-    kind: str,
-    headers: Mapping[str, str] | None = None,
-    refusal: Refusal | None = None,
+    message: str, *, code: int, kind: str, headers: Mapping[str, str] | None = None, refusal: Refusal | None = None
 ) -> JSONResponse:
     return JSONResponse(error_body(message, code=code, kind=kind, refusal=refusal), status_code=code, headers=headers)
 
