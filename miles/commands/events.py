@@ -187,8 +187,7 @@ def timeline_lines(update: UpdateTimeline, *, width: int = 80) -> list[str]:
     for phase, seconds in update.phases.items():
         cells = 0 if longest <= 0 else max(1 if seconds > 0 else 0, round(_BAR_WIDTH * seconds / longest))
         lines.append(f"  {phase:<10}{_seconds(seconds):>10} {'#' * cells}")
-    for step in update.steps:
-        lines.append(f"  +{step.at_s:8.3f}s {step.server_id or '':<12} {step.what}")
+    lines += [f"  +{step.at_s:8.3f}s {step.server_id or '':<12} {step.what}" for step in update.steps]
     if update.message:
         lines.append(f"  {update.message}")
     lines.append("")

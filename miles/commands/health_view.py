@@ -27,12 +27,11 @@ _FLEET_STYLE = {"ok": "green", "updating": "yellow", "degraded": "yellow"}
 
 def health_view(body: dict[str, Any], *, url: str | None = None) -> RenderableType:
     """The report ``GET /health`` answered, as a header, a table per model and the lock."""
-    parts: list[RenderableType] = []
     status = body["status"]
     header = Text.assemble(("fleet: ", ""), (status, _FLEET_STYLE.get(status, "red")), f"  up {body['uptime_s']:.0f}s")
     if url:
         header.append(f"  {url}")
-    parts.append(header)
+    parts: list[RenderableType] = [header]
     for name, model in body["models"].items():
         parts.append(_model_table(name, model, [s for s in body["servers"] if s["model_name"] == name]))
     lock = body["lock"]
