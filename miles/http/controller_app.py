@@ -6,6 +6,7 @@ on the OpenAI endpoints, ``session_id`` are the controller's extensions, removed
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -182,25 +183,21 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     as_reader = [Depends(reader)]
     as_admin = [Depends(admin)]
 
-    proxies: list[Proxy] = []
     bodies = HeldBodies(lambda: controller.settings.max_held_request_mib * MIB)
 
+    @functools.cache  # built at the first request, once the controller has started and the session exists
     def proxy() -> Proxy:
-        if not proxies:
-            assert controller.router is not None, "the controller was not started"
-            servers = sum(len(controller.fleet.snapshots(m)) for m in controller.fleet.model_names)
-            proxies.append(
-                Proxy(
-                    router=controller.router,
-                    session=sessions[0],
-                    metrics=metrics if enabled else NO_REQUEST_METRICS,
-                    # Enough for every server to fail once and each to be tried again restarted.
-                    max_attempts=2 * servers + 2,
-                    on_unreachable=controller.suspect,
-                    engine_secret=controller.engine_secret,
-                )
-            )
-        return proxies[0]
+        assert controller.router is not None, "the controller was not started"
+        servers = sum(len(controller.fleet.snapshots(m)) for m in controller.fleet.model_names)
+        return Proxy(
+            router=controller.router,
+            session=sessions[0],
+            metrics=metrics if enabled else NO_REQUEST_METRICS,
+            # Enough for every server to fail once and each to be tried again restarted.
+            max_attempts=2 * servers + 2,
+            on_unreachable=controller.suspect,
+            engine_secret=controller.engine_secret,
+        )
 
     inference = Inference(
         proxy=proxy, fleet=controller.fleet, bodies=bodies, timeout_s=lambda: controller.settings.request_timeout_s
