@@ -231,8 +231,7 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        declared = headers.get("content-length")
+        declared = Headers(scope=scope).get("content-length")
         # The HTTP layer ends a body at its declared length, so only that needs checking; a
         # chunked body has none, and is counted as it arrives.
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:

@@ -323,8 +323,5 @@ def build_event(event_cls: type[_E], fields: Mapping[str, Any]) -> _E:
 
 def _describe(exc: ValidationError) -> str:
     """Condense pydantic's errors to one line: ``loc: message; loc: message``."""
-    parts = []
-    for error in exc.errors(include_url=False):
-        location = ".".join(str(part) for part in error["loc"]) or "<event>"
-        parts.append(f"{location}: {error['msg']}")
-    return "; ".join(parts)
+    errors = exc.errors(include_url=False)
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '<event>'}: {e['msg']}" for e in errors)
