@@ -96,9 +96,7 @@ class _FleetCollector(Collector):
             )
             in_flight.add_metric([server.server_id], server.in_flight)
             restarts.add_metric([server.model_name, server.server_id], server.restarts)
-        yield info
-        yield in_flight
-        yield restarts
+        yield from (info, in_flight, restarts)
         yield GaugeMetricFamily(
             names.REQUESTS_WAITING, "Routed requests waiting for a server (held by an update)", value=self._waiting()
         )
