@@ -84,14 +84,12 @@ def events(
         for event in logged
         if (not wanted_types or event.type in wanted_types) and (server is None or server in event.involved_servers())
     ]
-    if limit is not None:
-        shown = shown[-limit:]
+    shown = shown[-limit:] if limit else shown
 
     console = Console(highlight=False)
     if timeline:
         updates = [t for t in update_timelines(logged) if server is None or server in t.server_ids]
-        if limit is not None:
-            updates = updates[-limit:]
+        updates = updates[-limit:] if limit else updates
         for update in updates:
             if as_json:
                 typer.echo(update.model_dump_json())
