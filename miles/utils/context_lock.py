@@ -81,9 +81,10 @@ class _Waiter:
 
 
 class ContextLock:
-    """An exclusive, FIFO-fair, non-re-entrant asyncio lock that knows who holds it.
-    ``on_transition`` is called on every acquire and release (a hook that raises is logged).
-    ``statistics`` and ``owned`` may be called from any thread, the rest on the lock's loop."""
+    """An exclusive, FIFO-fair, non-re-entrant asyncio lock that knows who holds it; a waiter logs a
+    reminder every ``reminder_interval_s``. ``on_transition`` is called on every acquire and release
+    (a hook that raises is logged). ``statistics`` and ``owned`` may be called from any thread, the
+    rest on the lock's loop."""
 
     def __init__(
         self,
