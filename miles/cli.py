@@ -5,18 +5,12 @@ from __future__ import annotations
 import typer
 from pydantic import ValidationError
 
-from miles.commands import checkpoint, controller, demo, events
+from miles.commands import checkpoint, command_group, controller, demo, events
 from miles.config import SettingsError
 from miles.errors import MilesError
 from miles.utils.progress_bars import disable_library_progress_bars
 
-app = typer.Typer(
-    name="miles",
-    help="Keep serving a model while you train it: verified weight updates for a rollout fleet.",
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-)
+app = command_group("miles", "Keep serving a model while you train it: verified weight updates for a rollout fleet.")
 app.add_typer(checkpoint.app, name="checkpoint")
 app.add_typer(events.app, name="events")
 app.command(name="serve")(controller.serve)

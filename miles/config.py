@@ -283,15 +283,10 @@ class ControllerSettings(BaseSettings):
     def runtime_view(self) -> dict[str, Any]:
         """Every setting, JSON-ready, marked changeable or not (for ``GET /config``)."""
         values = self.model_dump(mode="json")
-        return {
-            "settings": values,
-            "runtime_changeable": sorted(RUNTIME_CHANGEABLE),
-            "fixed": _fixed(values),
-        }
+        return {"settings": values, "runtime_changeable": sorted(RUNTIME_CHANGEABLE), "fixed": _fixed(values)}
 
 
 def _fixed(names: Iterable[str]) -> dict[str, str]:
-    """Each of ``names`` that cannot change at runtime, with why."""
     return {name: FIXED_REASONS.get(name, "fixed at start") for name in names if name not in RUNTIME_CHANGEABLE}
 
 

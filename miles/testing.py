@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +82,9 @@ def wait_serving(
         if process.poll() is not None:
             said = output() if output else (process.stderr.read() if process.stderr else "")
             raise AssertionError(f"{url} exited with {process.returncode} before it answered /health: {said}")
-        try:
+        with suppress(httpx.HTTPError):
             if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
                 return
-        except httpx.HTTPError:
-            pass
         if time.monotonic() > deadline:
             raise AssertionError(f"{url} did not answer /health within {timeout}s")
         time.sleep(0.1)

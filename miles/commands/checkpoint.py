@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from miles.commands import command_group
 from miles.errors import CheckpointError, CheckpointFileMissingError, ManifestMissingError
 
 if TYPE_CHECKING:
@@ -23,13 +24,7 @@ if TYPE_CHECKING:
 # they run, so that the ``miles`` command, which mounts this group, starts in a fraction of a
 # second for the commands that need neither (``health``, ``update``, ``events``).
 
-app = typer.Typer(
-    name="checkpoint",
-    help="Create, verify, checksum and seal miles checkpoints.",
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-)
+app = command_group("checkpoint", "Create, verify, checksum and seal miles checkpoints.")
 
 
 class ExitCode(IntEnum):

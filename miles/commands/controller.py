@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -42,8 +43,7 @@ SERVE_FLAGS = {
 
 def serve(
     checkpoint: Annotated[
-        Path | None,
-        typer.Option(help="Checkpoint directory the servers start on (attached ones are made to hold it)."),
+        Path | None, typer.Option(help="Checkpoint directory the servers start on (attached ones are made to hold it).")
     ] = None,
     servers: Annotated[int, typer.Option(help="Rollout servers (engine processes).")] = 1,
     port: Annotated[int | None, typer.Option(help="HTTP port (default MILES_PORT or 8000).")] = None,
@@ -80,8 +80,7 @@ def serve(
         ),
     ] = False,
     address: Annotated[
-        str | None,
-        typer.Option(help="With --ray: the cluster to join, auto or HOST:PORT (default: a new local one)."),
+        str | None, typer.Option(help="With --ray: the cluster to join, auto or HOST:PORT (default: a new local one).")
     ] = None,
     gpus_per_engine: Annotated[
         float | None, typer.Option(help="With --ray: GPUs per engine (a fraction shares one).")
@@ -165,11 +164,7 @@ def _fleet_spec(
 
 
 def _serve_on_ray(
-    fleet_spec: dict[str, Any],
-    overrides: dict[str, Any],
-    *,
-    console: Console,
-    stopped: threading.Event,
+    fleet_spec: dict[str, Any], overrides: dict[str, Any], *, console: Console, stopped: threading.Event
 ) -> None:
     """The controller as the cluster's named actor, until interrupted; then stopped with its engines."""
     from miles.ray.controller import CONTROLLER_NAME, call, serve_controller, stop_controller
@@ -262,20 +257,17 @@ def _watch_health(url: str, *, interval: float, count: int | None) -> None:
     """Redraw the health view every ``interval`` seconds; an unreachable controller is shown, not fatal."""
     console = Console()
     drawn = 0
-    with Live(console=console, auto_refresh=False, transient=False) as live:
-        try:
-            while count is None or drawn < count:
-                try:
-                    body = _get(f"{url}/health", timeout=min(10.0, max(interval, 1.0)))
-                    view: RenderableType = health_view(body, url=url)
-                except _Unreachable as exc:
-                    view = Text(f"cannot reach the controller at {url}: {exc}; retrying every {interval:g}s")
-                live.update(view, refresh=True)
-                drawn += 1
-                if count is None or drawn < count:
-                    time.sleep(interval)
-        except KeyboardInterrupt:
-            pass
+    with Live(console=console, auto_refresh=False, transient=False) as live, contextlib.suppress(KeyboardInterrupt):
+        while count is None or drawn < count:
+            try:
+                body = _get(f"{url}/health", timeout=min(10.0, max(interval, 1.0)))
+                view: RenderableType = health_view(body, url=url)
+            except _Unreachable as exc:
+                view = Text(f"cannot reach the controller at {url}: {exc}; retrying every {interval:g}s")
+            live.update(view, refresh=True)
+            drawn += 1
+            if count is None or drawn < count:
+                time.sleep(interval)
 
 
 class _Unreachable(Exception):

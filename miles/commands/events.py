@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from miles.commands import command_group
 from miles.errors import EventLogError
 from miles.utils.audit_utils.event_analyzer import AnalysisReport, analyze_events
 from miles.utils.audit_utils.event_analyzer.timeline import UpdateTimeline, update_timelines
@@ -24,13 +25,10 @@ from miles.utils.audit_utils.event_logger.models import EVENT_TYPES, Event
 
 _MAX_SERVERS_SHOWN = 3
 
-app = typer.Typer(
-    name="events",
-    help="Show and check a miles event log directory.",
-    add_completion=False,
-    no_args_is_help=True,
+app = command_group(
+    "events",
+    "Show and check a miles event log directory.",
     invoke_without_command=True,
-    pretty_exceptions_enable=False,
     # The app is a group only so that ``add_typer`` mounts its callback as ``miles events``; it has
     # no subcommands, so options may follow DIR as they would on a plain command.
     subcommand_metavar="",
@@ -49,8 +47,7 @@ class ExitCode(IntEnum):
 @app.callback(invoke_without_command=True)
 def events(
     directory: Annotated[
-        Path,
-        typer.Argument(metavar="DIR", help="Event log directory (its *.jsonl files).", show_default=False),
+        Path, typer.Argument(metavar="DIR", help="Event log directory (its *.jsonl files).", show_default=False)
     ],
     types: Annotated[
         list[str] | None,
@@ -58,16 +55,12 @@ def events(
     ] = None,
     server: Annotated[str | None, typer.Option("--server", "-s", help="Only events about this server id.")] = None,
     limit: Annotated[
-        int | None,
-        typer.Option("--limit", "-n", min=1, help="Show only the N most recent matching events."),
+        int | None, typer.Option("--limit", "-n", min=1, help="Show only the N most recent matching events.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines instead of a table.")] = False,
     check: Annotated[
         bool,
-        typer.Option(
-            "--check",
-            help="Run the analyzer over the whole log (filters do not apply); exit 1 on findings.",
-        ),
+        typer.Option("--check", help="Run the analyzer over the whole log (filters do not apply); exit 1 on findings."),
     ] = False,
     timeline: Annotated[
         bool,
@@ -91,14 +84,12 @@ def events(
         for event in logged
         if (not wanted_types or event.type in wanted_types) and (server is None or server in event.involved_servers())
     ]
-    if limit is not None:
-        shown = shown[-limit:]
+    shown = shown[-limit:] if limit else shown
 
     console = Console(highlight=False)
     if timeline:
         updates = [t for t in update_timelines(logged) if server is None or server in t.server_ids]
-        if limit is not None:
-            updates = updates[-limit:]
+        updates = updates[-limit:] if limit else updates
         for update in updates:
             if as_json:
                 typer.echo(update.model_dump_json())
@@ -125,8 +116,7 @@ def _validate_types(types: Sequence[str]) -> frozenset[str]:
     unknown = sorted(set(types) - set(EVENT_TYPES))
     if unknown:
         raise typer.BadParameter(
-            f"unknown event type(s) {', '.join(unknown)}; valid types: {', '.join(EVENT_TYPES)}",
-            param_hint="--type",
+            f"unknown event type(s) {', '.join(unknown)}; valid types: {', '.join(EVENT_TYPES)}", param_hint="--type"
         )
     return frozenset(types)
 
@@ -195,8 +185,7 @@ def timeline_lines(update: UpdateTimeline, *, width: int = 80) -> list[str]:
     for phase, seconds in update.phases.items():
         cells = 0 if longest <= 0 else max(1 if seconds > 0 else 0, round(_BAR_WIDTH * seconds / longest))
         lines.append(f"  {phase:<10}{_seconds(seconds):>10} {'#' * cells}")
-    for step in update.steps:
-        lines.append(f"  +{step.at_s:8.3f}s {step.server_id or '':<12} {step.what}")
+    lines += [f"  +{step.at_s:8.3f}s {step.server_id or '':<12} {step.what}" for step in update.steps]
     if update.message:
         lines.append(f"  {update.message}")
     lines.append("")

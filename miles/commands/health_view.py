@@ -1,9 +1,7 @@
 """What ``miles health`` draws: the fleet's health report as one view that fits 80 columns.
 
-One table per model (its servers), with the columns a person scans for: state, version,
-checksum, requests in flight, probe and restarts. Server ids are never cut: the checksum and the
-version give way first, then the table wraps the rest. A pure function of the ``/health`` JSON, so
-``--watch`` redraws it in place and tests draw it without a controller.
+A pure function of the ``/health`` JSON, so ``--watch`` redraws it in place and tests draw it
+without a controller. Server ids are never cut: the checksum and the version give way first.
 """
 
 from __future__ import annotations
@@ -29,12 +27,11 @@ _FLEET_STYLE = {"ok": "green", "updating": "yellow", "degraded": "yellow"}
 
 def health_view(body: dict[str, Any], *, url: str | None = None) -> RenderableType:
     """The report ``GET /health`` answered, as a header, a table per model and the lock."""
-    parts: list[RenderableType] = []
     status = body["status"]
     header = Text.assemble(("fleet: ", ""), (status, _FLEET_STYLE.get(status, "red")), f"  up {body['uptime_s']:.0f}s")
     if url:
         header.append(f"  {url}")
-    parts.append(header)
+    parts: list[RenderableType] = [header]
     for name, model in body["models"].items():
         parts.append(_model_table(name, model, [s for s in body["servers"] if s["model_name"] == name]))
     lock = body["lock"]

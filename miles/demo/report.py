@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -149,14 +150,8 @@ def summarize(
 
 def _staleness_counts(training: TrainingSummary) -> list[int]:
     """How many GRPO samples were 0, 1, 2, ... versions stale, over the run."""
-    counts: list[int] = []
-    for step in training.steps:
-        if step.phase is not Phase.GRPO:
-            continue
-        for gap, count in enumerate(step.staleness.counts):
-            counts += [0] * (gap + 1 - len(counts))
-            counts[gap] += count
-    return counts
+    grpo = [step.staleness.counts for step in training.steps if step.phase is Phase.GRPO]
+    return [sum(column) for column in itertools.zip_longest(*grpo, fillvalue=0)]
 
 
 def write_report(

@@ -1,10 +1,8 @@
 """``miles demo``: train a tiny model with GRPO while a controller serves it to simulated users.
 
 One process hosts the controller and its HTTP API, the trainer and the user traffic; the rollout
-servers are real engine processes. The trainer samples through the controller and publishes after
-every step (pushed from memory, or a checkpoint). With ``trainer_ranks`` > 1 the trainer is that
-many FSDP2 rank processes (``TrainerRanks``), each publishing its own shards; rank 0 reports each
-step back here.
+servers are real engine processes, and with ``trainer_ranks`` > 1 so are the trainer's FSDP2 ranks
+(``TrainerRanks``), each publishing its own shards.
 """
 
 from __future__ import annotations

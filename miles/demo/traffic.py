@@ -7,6 +7,7 @@ can show that serving never failed while the weights changed underneath it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -86,10 +87,8 @@ class UserTraffic:
                 await self._call("/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 0.7})
             turn += 1
             delay = self._think_s * (0.5 + self._rng.random())
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=delay)
-            except TimeoutError:
-                pass
 
     async def _call(self, endpoint: str, body: dict[str, object]) -> None:
         started = time.monotonic()

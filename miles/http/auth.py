@@ -1,9 +1,7 @@
 """Who may call the controller's HTTP API: bearer tokens checked at the edge (adapter).
 
-The admin token (``MILES_ADMIN_TOKEN``) guards what changes weights, settings or the event log;
-the API key (``MILES_API_KEY``) guards inference and the read-only endpoints (the admin token is
-accepted there too); ``GET /health`` stays open. Without an admin token, the changing endpoints
-fall back to the API key. docs/SECURITY.md.
+The admin token guards what changes weights, settings or the event log, the API key (or the admin
+token) inference and the read-only endpoints; ``GET /health`` stays open (docs/SECURITY.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The controller's HTTP API (port 8000 by default): a thin adapter over AsyncInferenceController.
 
-Inference (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) is routed
-to a serving server; ``model`` (on ``/generate``), ``min_weight_version`` and, on the OpenAI
-endpoints, ``session_id`` are the controller's extensions, removed before forwarding. Operations:
-``/health``, ``/metrics``, the status page (``/``, ``/status``), ``/update_weights`` (and
-``/start``, ``/renew``, ``/end``, ``/abort`` for training windows), ``/events``, ``/config``.
+Inference is routed to a serving server; ``model`` (on ``/generate``), ``min_weight_version`` and,
+on the OpenAI endpoints, ``session_id`` are the controller's extensions, removed before forwarding.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -185,25 +183,21 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     as_reader = [Depends(reader)]
     as_admin = [Depends(admin)]
 
-    proxies: list[Proxy] = []
     bodies = HeldBodies(lambda: controller.settings.max_held_request_mib * MIB)
 
+    @functools.cache  # built at the first request, once the controller has started and the session exists
     def proxy() -> Proxy:
-        if not proxies:
-            assert controller.router is not None, "the controller was not started"
-            servers = sum(len(controller.fleet.snapshots(m)) for m in controller.fleet.model_names)
-            proxies.append(
-                Proxy(
-                    router=controller.router,
-                    session=sessions[0],
-                    metrics=metrics if enabled else NO_REQUEST_METRICS,
-                    # Enough for every server to fail once and each to be tried again restarted.
-                    max_attempts=2 * servers + 2,
-                    on_unreachable=controller.suspect,
-                    engine_secret=controller.engine_secret,
-                )
-            )
-        return proxies[0]
+        assert controller.router is not None, "the controller was not started"
+        servers = sum(len(controller.fleet.snapshots(m)) for m in controller.fleet.model_names)
+        return Proxy(
+            router=controller.router,
+            session=sessions[0],
+            metrics=metrics if enabled else NO_REQUEST_METRICS,
+            # Enough for every server to fail once and each to be tried again restarted.
+            max_attempts=2 * servers + 2,
+            on_unreachable=controller.suspect,
+            engine_secret=controller.engine_secret,
+        )
 
     inference = Inference(
         proxy=proxy, fleet=controller.fleet, bodies=bodies, timeout_s=lambda: controller.settings.request_timeout_s
@@ -343,8 +337,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     @app.get("/events", dependencies=as_reader)
     async def get_events(
-        type: Annotated[str | None, Query()] = None,
-        limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
+        type: Annotated[str | None, Query()] = None, limit: Annotated[int, Query(ge=1, le=10_000)] = 200
     ) -> dict[str, Any]:
         if type is not None and type not in EVENT_TYPES:
             raise InvalidRequestError(f"unknown event type {type!r}; known types: {', '.join(EVENT_TYPES)}")

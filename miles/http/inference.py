@@ -130,7 +130,6 @@ class Inference:
         return JSONResponse(body, headers={"x-miles-server": served_by})
 
     async def _send(self, path: str, routed: Routed, route: RouteOptions) -> Response:
-        """Route the request, in the shape the engine of the server it goes to takes."""
         engines = self._engines(routed.model) if path == "/generate" else set()
         if engines == {"vllm"}:
             return await self._generate_by_completions(routed, route)

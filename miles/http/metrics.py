@@ -1,10 +1,8 @@
 """Prometheus metrics of one controller (its own registry, so several controllers can coexist).
 
-The proxy records every routed request (``request_done``, ``first_byte``); the update listener and
-event log feed updates, mismatches, quarantines and the lock (``update_done``, ``event``); the
-health report is read at scrape time for states (servers, versions, in flight, restarts). Names:
-``miles.protocol.metrics``; meanings: docs/METRICS.md. With metrics off the proxy records through
-``NO_REQUEST_METRICS``, which does nothing (what benchmarks/controller.py compares against).
+The proxy records every routed request, the update listener and event log feed updates, mismatches,
+quarantines and the lock, and the health report is read at scrape time. Names:
+``miles.protocol.metrics``; meanings: docs/METRICS.md.
 """
 
 from __future__ import annotations
@@ -40,7 +38,8 @@ _VERSION_START = re.compile(rb'"weight_version_start":\s*"([^"]{0,256})"')
 
 
 class RequestMetrics:
-    """What the proxy records per routed request; this base records nothing."""
+    """What the proxy records per routed request; this base records nothing (``NO_REQUEST_METRICS``,
+    with metrics off: what benchmarks/controller.py compares against)."""
 
     def first_byte(self, model: str, *, started: float) -> None:
         return None
@@ -97,9 +96,7 @@ class _FleetCollector(Collector):
             )
             in_flight.add_metric([server.server_id], server.in_flight)
             restarts.add_metric([server.model_name, server.server_id], server.restarts)
-        yield info
-        yield in_flight
-        yield restarts
+        yield from (info, in_flight, restarts)
         yield GaugeMetricFamily(
             names.REQUESTS_WAITING, "Routed requests waiting for a server (held by an update)", value=self._waiting()
         )
@@ -167,7 +164,7 @@ class RequestWindow:
 
 
 class ControllerMetrics(RequestMetrics):
-    """The controller's series; see the module docstring for what feeds each."""
+    """The controller's series."""
 
     def __init__(self, health: Callable[[], FleetHealth], *, waiting: Callable[[], int] = lambda: 0) -> None:
         self.registry = registry = CollectorRegistry()
@@ -175,7 +172,9 @@ class ControllerMetrics(RequestMetrics):
         def counter(name: str, doc: str, labels: list[str]) -> Counter:
             return Counter(name, doc, labels, registry=registry)
 
-        def histogram(name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> Histogram:
+        def histogram(
+            name: str, doc: str, labels: list[str], buckets: tuple[float, ...] = names.UPDATE_BUCKETS
+        ) -> Histogram:
             return Histogram(name, doc, labels, registry=registry, buckets=buckets)
 
         self._requests = counter(names.REQUESTS, "Routed inference requests", ["model", "server", "outcome"])
@@ -197,19 +196,13 @@ class ControllerMetrics(RequestMetrics):
         )
         self._updates = counter(names.UPDATES, "Weight updates", ["model", "strategy", "path", "status"])
         self._update_seconds = histogram(
-            names.UPDATE_SECONDS,
-            "Weight update duration, lock wait included",
-            ["model", "strategy"],
-            names.UPDATE_BUCKETS,
+            names.UPDATE_SECONDS, "Weight update duration, lock wait included", ["model", "strategy"]
         )
         self._phase_seconds = histogram(
-            names.UPDATE_PHASE_SECONDS, "Seconds per phase of a weight update", ["model", "phase"], names.UPDATE_BUCKETS
+            names.UPDATE_PHASE_SECONDS, "Seconds per phase of a weight update", ["model", "phase"]
         )
         self._blocked = histogram(
-            names.UPDATE_BLOCKED_SECONDS,
-            "Seconds an update held the model's requests at the router",
-            ["model"],
-            names.UPDATE_BUCKETS,
+            names.UPDATE_BLOCKED_SECONDS, "Seconds an update held the model's requests at the router", ["model"]
         )
         self._bytes = histogram(
             names.UPDATE_BYTES, "Weight bytes the servers loaded per update", ["model"], names.BYTES_BUCKETS
@@ -221,12 +214,8 @@ class ControllerMetrics(RequestMetrics):
         self._rollbacks = counter(
             names.ROLLBACKS, "Servers put back on their verified weights by an update", ["model", "server"]
         )
-        self._lock_wait = histogram(
-            names.LOCK_WAIT_SECONDS, "Seconds waited for the controller lock", ["holder"], names.UPDATE_BUCKETS
-        )
-        self._lock_hold = histogram(
-            names.LOCK_HOLD_SECONDS, "Seconds the controller lock was held", ["holder"], names.UPDATE_BUCKETS
-        )
+        self._lock_wait = histogram(names.LOCK_WAIT_SECONDS, "Seconds waited for the controller lock", ["holder"])
+        self._lock_hold = histogram(names.LOCK_HOLD_SECONDS, "Seconds the controller lock was held", ["holder"])
         self.history = RequestHistory()
         self._request = _Children(self._requests)
         self._latency_of = _Children(self._latency)

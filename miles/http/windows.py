@@ -6,6 +6,7 @@ raises httpx's error.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TypeVar
 
 import httpx
@@ -39,10 +40,8 @@ class HttpWindows:
         """POST ``body`` to ``path``, read the answer as ``answer``; PublishError otherwise."""
         async with httpx.AsyncClient(trust_env=False, timeout=None, headers=self._headers) as http:
             response = await http.post(f"{self.url}{path}", json=body.model_dump(mode="json"))
-        try:
+        with contextlib.suppress(ValidationError):
             return answer.model_validate_json(response.content)
-        except ValidationError:
-            pass
         try:
             refused = ErrorAnswer.model_validate_json(response.content)
         except ValidationError:

@@ -33,12 +33,8 @@ def _byte_to_unicode() -> dict[int, str]:
     # pre-tokenizer: printable Latin-1 bytes map to themselves, the rest to code points 256+.
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
+    others = [b for b in range(256) if b not in mapping]
+    return mapping | {b: chr(256 + i) for i, b in enumerate(others)}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:

@@ -4,11 +4,6 @@ connections are capped, with stalled ones closed first to make room (docs/SECURI
 uvicorn (0.54, httptools) arms a timer only once a response completes, and any byte received
 cancels it: 1500 clients sending part of a head, then a byte every few seconds, held 1500
 descriptors after 75 s. ``limit_concurrency`` answers 503 only once a head is complete.
-``guarded_http`` returns the protocol class for ``uvicorn.Config(http=...)`` (the controller's and
-every engine's): a head gets ``head_timeout_s`` (else 408), and past ``max_connections`` the oldest
-connection running no request is closed (a stalled head first, then an idle keep-alive one), or
-the newcomer gets 503 when all run one. Idle keep-alive connections stay under uvicorn's own
-``timeout_keep_alive``.
 """
 
 from __future__ import annotations
@@ -298,8 +293,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._linger()
 
     def _close_for_room(self, was: Phase) -> None:
-        """Closed at once, the table having let go of it: to admit a newcomer at the cap, or to
-        keep the closing ones within MAX_CLOSING. A stalled head is told why."""
+        """Close at once (the table let go of it to make room); a stalled head is told why."""
         self._disarm()
         if self.transport.is_closing():
             return
@@ -313,8 +307,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _linger(self) -> None:
-        """After an answer (the table already has this connection CLOSING): half-close, and read
-        and drop until the client leaves or LINGER_S passes."""
+        """After an answer (CLOSING already): half-close, read and drop until the client leaves or LINGER_S."""
         if not self.transport.can_write_eof():
             self.transport.close()
             return

@@ -2,11 +2,7 @@
 make a class declare how each of its methods relates to its lock.
 
 A grant is recorded in a ContextVar: tasks spawned inside a held section inherit it, other tasks
-do not. The lock is not re-entrant (a second acquire raises instead of deadlocking), a context
-holding one ContextLock may not take another, waiters are served FIFO and log a reminder while
-they wait, and every holding gets a fencing token never reused (an engine can refuse an older
-holder's calls). A class decorated ``@enforce_lock_discipline`` must mark each function
-``@with_lock``, ``@requires_lock`` or ``@lock_exempt``, or it refuses to be defined.
+do not. Every holding gets a fencing token never reused (an engine can refuse an older holder's calls).
 """
 
 from __future__ import annotations
@@ -25,13 +21,7 @@ from datetime import UTC, datetime
 from enum import Enum
 from typing import Any, TypeVar
 
-from miles.errors import (
-    LockDisciplineError,
-    LockNestingError,
-    LockNotHeldError,
-    LockReentryError,
-    LockTimeoutError,
-)
+from miles.errors import LockDisciplineError, LockNestingError, LockNotHeldError, LockReentryError, LockTimeoutError
 
 _logger = logging.getLogger("miles.lock")
 
@@ -91,9 +81,10 @@ class _Waiter:
 
 
 class ContextLock:
-    """An exclusive, FIFO-fair, non-re-entrant asyncio lock that knows who holds it.
-    ``on_transition`` is called on every acquire and release (a hook that raises is logged).
-    ``statistics`` and ``owned`` may be called from any thread, the rest on the lock's loop."""
+    """An exclusive, FIFO-fair, non-re-entrant asyncio lock that knows who holds it; a waiter logs a
+    reminder every ``reminder_interval_s``. ``on_transition`` is called on every acquire and release
+    (a hook that raises is logged). ``statistics`` and ``owned`` may be called from any thread, the
+    rest on the lock's loop."""
 
     def __init__(
         self,
@@ -305,7 +296,6 @@ class _Declaration:
     role: LockRole
     qualname: str
     owner: type | None = None  # set by enforce_lock_discipline
-    lock_attribute: str = "_lock"
     timeout_attribute: str | None = None
 
 
@@ -333,10 +323,10 @@ def _lock_of(instance: object, declaration: _Declaration) -> ContextLock:
             "with @enforce_lock_discipline, or it was called on another class's object",
             method=declaration.qualname,
         )
-    lock = getattr(instance, declaration.lock_attribute, None)
+    lock = getattr(instance, "_lock", None)
     if not isinstance(lock, ContextLock):
         raise LockDisciplineError(
-            f"{declaration.qualname} guards self.{declaration.lock_attribute}, which is {lock!r}, not a ContextLock",
+            f"{declaration.qualname} guards self._lock, which is {lock!r}, not a ContextLock",
             method=declaration.qualname,
         )
     return lock
@@ -410,12 +400,10 @@ def _functions_of(member: object) -> list[Callable[..., Any]]:
     return []
 
 
-def enforce_lock_discipline(
-    *, lock_attribute: str = "_lock", timeout_attribute: str | None = None
-) -> Callable[[ClassT], ClassT]:
+def enforce_lock_discipline(*, timeout_attribute: str | None = None) -> Callable[[ClassT], ClassT]:
     """Refuse (LockDisciplineError) a class whose body defines a function, dunders and accessors
-    included, without a lock declaration; bind each guarded method to the class, its lock
-    attribute and the attribute bounding how long ``@with_lock`` waits."""
+    included, without a lock declaration; bind each guarded method to the class (its lock is
+    ``self._lock``) and to the attribute bounding how long ``@with_lock`` waits."""
 
     def check(cls: ClassT) -> ClassT:
         undeclared: list[str] = []
@@ -433,11 +421,10 @@ def enforce_lock_discipline(
                     )
                 if declaration.owner is None:
                     declaration.owner = cls
-                    declaration.lock_attribute = lock_attribute
                     declaration.timeout_attribute = timeout_attribute
         if undeclared:
             raise LockDisciplineError(
-                f"class {cls.__qualname__} owns a ContextLock (self.{lock_attribute}) but defines "
+                f"class {cls.__qualname__} owns a ContextLock (self._lock) but defines "
                 f"{', '.join(undeclared)} without saying how each relates to it; "
                 f"decorate each with one of {_DECORATORS}",
                 cls=cls.__qualname__,

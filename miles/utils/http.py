@@ -56,11 +56,6 @@ ERROR_STATUS: tuple[tuple[type[MilesError], int, str], ...] = (
 )
 
 
-# What a client needs with some refusals: how to authenticate. A full queue says when to try
-# again (``QueueFullError.retry_after_s``; 0 from an engine: now, elsewhere, as SGLang answers).
-_HEADERS_OF = {401: {"www-authenticate": "Bearer"}}
-
-
 def status_of(exc: MilesError) -> tuple[int, str] | None:
     """The status code and error type the table gives ``exc``; None for an error not in it."""
     for kind, code, name in ERROR_STATUS:
@@ -79,12 +74,7 @@ def error_body(
 
 
 def error_response(
-    message: str,
-    *,
-    code: int,
-    kind: str,
-    headers: Mapping[str, str] | None = None,
-    refusal: Refusal | None = None,
+    message: str, *, code: int, kind: str, headers: Mapping[str, str] | None = None, refusal: Refusal | None = None
 ) -> JSONResponse:
     return JSONResponse(error_body(message, code=code, kind=kind, refusal=refusal), status_code=code, headers=headers)
 
@@ -102,7 +92,7 @@ def validation_message(exc: RequestValidationError) -> str:
     # "Input should be a valid list" only adds noise when the value was clearly not a list.
     plain = [e for e in errors if not any(isinstance(p, str) and p.startswith("list[") for p in e.get("loc", ()))]
     errors = plain or errors
-    parts: list[str] = []
+    parts: dict[str, None] = {}  # an ordered set
     for error in errors:
         where = _field_path(tuple(error.get("loc", ())))
         if error.get("type") == "json_invalid":
@@ -117,8 +107,7 @@ def validation_message(exc: RequestValidationError) -> str:
             text = f"unknown field {where!r}"
         else:
             text = msg if where == "body" else f"{where}: {msg}"
-        if text not in parts:
-            parts.append(text)
+        parts[text] = None
     return "invalid request: " + "; ".join(parts)
 
 
@@ -128,8 +117,9 @@ def refusal(exc: MilesError) -> JSONResponse | None:
     if mapped is None:
         return None
     code, kind = mapped
-    headers = _HEADERS_OF.get(code)
+    headers = {"www-authenticate": "Bearer"} if code == 401 else None
     if isinstance(exc, QueueFullError):
+        # When to try again: 0 from an engine (now, elsewhere, as SGLang answers).
         headers = {"retry-after": str(exc.retry_after_s)}
     return error_response(str(exc), code=code, kind=kind, headers=headers, refusal=exc.refusal)
 
@@ -241,8 +231,7 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        declared = headers.get("content-length")
+        declared = Headers(scope=scope).get("content-length")
         # The HTTP layer ends a body at its declared length, so only that needs checking; a
         # chunked body has none, and is counted as it arrives.
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
@@ -302,8 +291,7 @@ def presents_one_of(presented: str, accepted: Iterable[SecretStr]) -> bool:
     """Whether ``presented`` is one of the ``accepted`` secrets, every one compared in constant time
     (a refusal's timing tells nothing). Headers arrive as latin-1: encoding back gives the bytes sent."""
     offered = presented.encode("latin-1", "replace")
-    results = [hmac.compare_digest(offered, secret.get_secret_value().encode()) for secret in accepted]
-    return any(results)
+    return any([hmac.compare_digest(offered, secret.get_secret_value().encode()) for secret in accepted])
 
 
 class CheckFirst:

@@ -2,15 +2,7 @@
 
 from miles.utils.audit_utils.event_analyzer.analyzer import analyze_events
 from miles.utils.audit_utils.event_analyzer.report import AnalysisReport, Finding
-from miles.utils.audit_utils.event_analyzer.rules import (
-    CHECKSUM_CONSISTENCY,
-    RULES,
-    WEIGHT_VERSION_ORDER,
-    Rule,
-    RuleCheck,
-    check_checksum_consistency,
-    check_weight_version_order,
-)
+from miles.utils.audit_utils.event_analyzer.rules import CHECKSUM_CONSISTENCY, RULES, WEIGHT_VERSION_ORDER, Rule
 
 __all__ = [
     "CHECKSUM_CONSISTENCY",
@@ -19,8 +11,5 @@ __all__ = [
     "AnalysisReport",
     "Finding",
     "Rule",
-    "RuleCheck",
     "analyze_events",
-    "check_checksum_consistency",
-    "check_weight_version_order",
 ]

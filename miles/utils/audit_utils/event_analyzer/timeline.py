@@ -77,8 +77,7 @@ def update_timelines(events: Iterable[Event]) -> list[UpdateTimeline]:
 
 def ordered_phases(timings: dict[str, float]) -> dict[str, float]:
     known = {name: timings[name] for name in PHASE_ORDER if name in timings}
-    others = {name: value for name, value in sorted(timings.items()) if name not in PHASE_ORDER}
-    others.pop("transaction", None)
+    others = {name: value for name, value in sorted(timings.items()) if name not in (*PHASE_ORDER, "transaction")}
     return known | others
 
 

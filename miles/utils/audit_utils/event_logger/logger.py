@@ -23,13 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Self, TypeVar
 
 from miles.errors import EventLogError, EventTypeMismatchError, EventValidationError
-from miles.utils.audit_utils.event_logger.models import (
-    EVENT_CLASSES,
-    Event,
-    EventSource,
-    build_event,
-    parse_event,
-)
+from miles.utils.audit_utils.event_logger.models import EVENT_CLASSES, Event, EventSource, build_event, parse_event
 
 _LOG = logging.getLogger("miles.events")
 
@@ -48,8 +42,6 @@ class _LoggerState(StrEnum):
 
 
 class _ClosedOnExit:
-    """Leaving a ``with`` block calls ``close()``."""
-
     __slots__ = ()
 
     def close(self) -> None:
@@ -131,13 +123,7 @@ class EventLogger(_ClosedOnExit):
         with self._lock:
             return tuple(self._recent)
 
-    def log(
-        self,
-        event_cls: type[_E],
-        event: _E | Mapping[str, Any],
-        *,
-        print_log: bool = True,
-    ) -> _E:
+    def log(self, event_cls: type[_E], event: _E | Mapping[str, Any], *, print_log: bool = True) -> _E:
         """Write ``event`` (an ``event_cls``, or a dict of its fields whose ``source`` defaults to
         this logger's), flushed before listeners run; returns it as written. A listener that
         raises is logged and skipped.
@@ -259,15 +245,9 @@ class EventLogger(_ClosedOnExit):
 
 def _describe(event: Event) -> str:
     """One compact line for humans: type, model, server, step, version, payload summary."""
-    parts: list[str] = [event.type]
-    for field in ("model_name", "server_id", "step", "weight_version"):
-        value = getattr(event, field, None)
-        if value is not None:
-            parts.append(f"{field}={value}")
-    summary = event.summary()
-    if summary:
-        parts.append(summary)
-    return " ".join(parts)
+    fields = ("model_name", "server_id", "step", "weight_version")
+    named = [f"{field}={value}" for field in fields if (value := getattr(event, field, None)) is not None]
+    return " ".join(filter(None, [event.type, *named, event.summary()]))
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -315,10 +295,7 @@ def iter_events(directory: str | Path) -> Iterator[Event]:
 
 def read_events(directory: str | Path) -> list[Event]:
     """Every event in ``directory`` by timestamp, then file and line; raises as ``iter_logged_events``."""
-    logged = sorted(
-        iter_logged_events(directory),
-        key=lambda item: (item.event.timestamp, item.path.name, item.line),
-    )
+    logged = sorted(iter_logged_events(directory), key=lambda item: (item.event.timestamp, item.path.name, item.line))
     return [item.event for item in logged]
 
 
@@ -356,9 +333,6 @@ def _read_file(path: Path) -> Iterator[LoggedEvent]:
                 )
                 return
             raise EventLogError(
-                f"corrupt event log line {path}:{number}",
-                path=str(path),
-                line=number,
-                errors=exc.context.get("errors"),
+                f"corrupt event log line {path}:{number}", path=str(path), line=number, errors=exc.context.get("errors")
             ) from exc
         yield LoggedEvent(event, path, number)

@@ -34,9 +34,7 @@ _CHECKSUM_PREVIEW_CHARS = 12
 
 def short_checksum(checksum: str) -> str:
     """Return ``checksum`` cut to a prefix long enough to tell checksums apart in a table."""
-    if len(checksum) <= _CHECKSUM_PREVIEW_CHARS:
-        return checksum
-    return checksum[:_CHECKSUM_PREVIEW_CHARS] + "…"
+    return checksum if len(checksum) <= _CHECKSUM_PREVIEW_CHARS else checksum[:_CHECKSUM_PREVIEW_CHARS] + "…"
 
 
 class _Frozen(BaseModel):
@@ -325,8 +323,5 @@ def build_event(event_cls: type[_E], fields: Mapping[str, Any]) -> _E:
 
 def _describe(exc: ValidationError) -> str:
     """Condense pydantic's errors to one line: ``loc: message; loc: message``."""
-    parts = []
-    for error in exc.errors(include_url=False):
-        location = ".".join(str(part) for part in error["loc"]) or "<event>"
-        parts.append(f"{location}: {error['msg']}")
-    return "; ".join(parts)
+    errors = exc.errors(include_url=False)
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '<event>'}: {e['msg']}" for e in errors)
