@@ -226,39 +226,31 @@ class SafetensorsFile:
     def tensors(self) -> Mapping[str, TensorSlot]:
         return self.header.tensors
 
-    def digest(self, slot: TensorSlot) -> str:
-        """The digest of ``slot``'s bytes, read a slice at a time (hashed while in cache)."""
+    def digest(self, slot: TensorSlot, *, into: numpy.ndarray | None = None) -> str:
+        """The digest of ``slot``'s bytes, read a slice at a time into this thread's buffer, which
+        stays in cache while it is hashed (and copied on into the uint8 array ``into``: reading
+        straight into fresh memory runs at half the speed here)."""
         hasher = TensorHasher()
         buffer = _read_buffer()
-        offset = slot.begin
-        while offset < slot.end:
-            view = buffer[: min(len(buffer), slot.end - offset)]
-            self._read_into(view, offset)
+        staged = numpy.frombuffer(buffer, dtype=numpy.uint8)
+        for start in range(0, slot.nbytes, len(buffer)):
+            view = buffer[: min(len(buffer), slot.nbytes - start)]
+            self._read_into(view, slot.begin + start)
             hasher.update(view)
-            offset += len(view)
+            if into is not None:
+                numpy.copyto(into[start : start + len(view)], staged[: len(view)])
         return hasher.hexdigest()
 
     def copy_into(self, slot: TensorSlot, target: torch.Tensor) -> str:
         """Copy ``slot``'s bytes into ``target`` (a tensor of its dtype and shape) and return their
-        digest: each slice is read into this thread's buffer, which stays in cache while it is
-        hashed and copied on (reading straight into fresh memory runs at half the speed here)."""
+        digest."""
         if target.device.type != "cpu" or not target.is_contiguous():
             # A GPU tensor or a strided view (of a fused weight): read whole on the host, then copied.
             source = self.tensor(slot)
             with torch.no_grad():
                 target.copy_(source)
             return digest_buffer(source.reshape(-1).view(torch.uint8).numpy())
-        dst = target.reshape(-1).view(torch.uint8).numpy()
-        hasher = TensorHasher()
-        buffer = _read_buffer()
-        slice_bytes = len(buffer)
-        staged = numpy.frombuffer(buffer, dtype=numpy.uint8)
-        for start in range(0, slot.nbytes, slice_bytes):
-            view = buffer[: min(slice_bytes, slot.nbytes - start)]
-            self._read_into(view, slot.begin + start)
-            hasher.update(view)
-            numpy.copyto(dst[start : start + len(view)], staged[: len(view)])
-        return hasher.hexdigest()
+        return self.digest(slot, into=target.reshape(-1).view(torch.uint8).numpy())
 
     def tensor(self, slot: TensorSlot) -> torch.Tensor:
         """A new CPU tensor holding ``slot``'s bytes (the process's own memory, writable)."""
