@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from miles.errors import InvalidRequestError
 from miles.protocol.sglang import (
@@ -85,16 +85,12 @@ def completion_body(request: GenerateRequest, index: int) -> dict[str, Any]:
 
 
 class _Logprobs(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None] | None = None
 
 
 class _Choice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     index: int
     text: str
     token_ids: list[int]
@@ -105,8 +101,6 @@ class _Choice(BaseModel):
 
 
 class _Completion(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     id: str
     choices: list[_Choice]
 
