@@ -64,6 +64,7 @@ class StreamOptions(RequestModel):
 
 class _SamplingFields(SGLangFields):
     null_is_default: ClassVar[frozenset[str]] = _NULL_IS_DEFAULT
+    extension_fields: ClassVar[frozenset[str]] = frozenset({"min_weight_version"})
     model: str | None = None
     temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] = 1.0
     top_p: TopP = 1.0
@@ -129,7 +130,6 @@ class CompletionRequest(_SamplingFields):
         "best_of": Unsupported("best_of is not supported; ask for n samples and pick", unset=(1,)),
         "suffix": Unsupported("insertion (suffix) is not supported", unset=("",)),
     }
-    extension_fields: ClassVar[frozenset[str]] = frozenset({"min_weight_version"})
     null_is_default: ClassVar[frozenset[str]] = _NULL_IS_DEFAULT | {"max_tokens"}
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
@@ -241,7 +241,6 @@ class ChatCompletionRequest(_SamplingFields):
         "video_config": Unsupported(MULTIMODAL),
         "input_ids": Unsupported("pre-tokenized chat input is not supported; send input_ids to /generate"),
     }
-    extension_fields: ClassVar[frozenset[str]] = frozenset({"min_weight_version"})
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Count | None = None

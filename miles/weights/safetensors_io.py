@@ -215,16 +215,9 @@ class SafetensorsFile:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.header = read_header(path)
-        self._file: BinaryIO | None = open_regular(self.header.path) if self.header.size > 0 else None
-
-    @property
-    def path(self) -> Path:
-        return self.header.path
-
-    @property
-    def tensors(self) -> Mapping[str, TensorSlot]:
-        return self.header.tensors
+        header = read_header(path)
+        self.path, self.tensors = header.path, header.tensors
+        self._file: BinaryIO | None = open_regular(header.path) if header.size > 0 else None
 
     def digest(self, slot: TensorSlot, *, into: numpy.ndarray | None = None) -> str:
         """The digest of ``slot``'s bytes, read a slice at a time into this thread's buffer, which
@@ -295,7 +288,6 @@ _buffers = threading.local()
 
 
 def _read_buffer() -> memoryview:
-    """This thread's reusable buffer of ``READ_SLICE_BYTES``."""
     buffer = getattr(_buffers, "buffer", None)
     if buffer is None:
         buffer = _buffers.buffer = memoryview(bytearray(READ_SLICE_BYTES))
