@@ -1,11 +1,7 @@
 """SGLang's native ``/generate``, spoken to a server that answers only OpenAI's ``/v1/completions``
 (vLLM): the request as one completions request per prompt, each answer as SGLang's.
 
-The request is validated as SGLang's ``GenerateRequest`` first, then translated field by field
-(docs/VLLM.md, "SGLang's /generate for a model served by vLLM"). ``stream`` and
-``return_text_in_logprobs`` cannot be translated and are refused by name. Each answer carries the
-answering server's version when the request was sent and when it came back; when they differ,
-``weight_version_spans`` is empty (vLLM does not say which tokens came from which weights).
+The translation, field by field: docs/VLLM.md, "SGLang's /generate for a model served by vLLM".
 """
 
 from __future__ import annotations
@@ -53,7 +49,6 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
 
 
 def _prompt(request: GenerateRequest, index: int) -> str | list[int]:
-    """Prompt ``index`` of the request's batch (a single prompt is index 0)."""
     if request.text is not None:
         return request.text[index] if isinstance(request.text, list) else request.text
     ids = request.input_ids or []

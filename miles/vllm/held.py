@@ -1,10 +1,7 @@
 """The weights a vLLM worker holds, read back under the checkpoint's names and dtypes.
 
-vLLM fuses rows (``packed_modules_mapping``, split again by ``output_sizes``), pads the vocabulary
-(cut at ``org_vocab_size``) and, on CPU, packs linear weights into ``layer.cpu_linear``, leaving
-``layer.weight`` empty. A packed weight is recovered exactly by passing the identity through the
-layer's own kernel (``I @ W.T``), in blocks of rows, then cast back to the model's dtype (exact:
-every value is one of the weights). docs/VLLM.md, "What the worker holds".
+Fused rows are split again, the vocabulary padding cut, and a weight packed into a CPU kernel read
+back exactly through that kernel (``I @ W.T``); docs/VLLM.md, "What the worker holds".
 """
 
 from __future__ import annotations

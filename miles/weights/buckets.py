@@ -3,8 +3,7 @@ calls that does not grow with the number of tensors.
 
 A bucket's ``BucketTable`` says where each tensor lies in the flat bytes and carries its digest
 (the one the model checksum combines), computed as it is packed, so a receiver checks every tensor
-it takes (``Received``). The table travels with a shared-memory segment and, as SGLang's
-``names``, ``dtypes`` and ``shapes`` plus our ``digests``, with a torch.distributed broadcast.
+it takes (``Received``).
 """
 
 from __future__ import annotations

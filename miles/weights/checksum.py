@@ -10,11 +10,9 @@ The model checksum is xxh3-128 over this UTF-8 text, with nothing before or afte
         "{name}\\t{dtype}\\t[{d0},{d1},...]\\t{digest}\\n"
 
 ``dtype`` is the torch dtype name without ``torch.`` (``bfloat16``); the shape is the sizes
-joined by commas without spaces in brackets (``[]`` for a 0-d tensor). Example line:
-``model.norm.weight\\tfloat32\\t[64]\\t3f1c...\\n``. Because name, dtype and shape are part of each
-line, changing an element, a dtype, a shape (even with the same bytes) or which name holds which
-bytes changes the checksum. Names holding a tab or newline are refused (TensorNameError): they
-would make the listing ambiguous. xxhash releases the GIL, so large models hash on several threads.
+joined by commas without spaces in brackets (``[]`` for a 0-d tensor). So changing an element, a
+dtype, a shape (even with the same bytes) or which name holds which bytes changes the checksum.
+Names holding a tab or newline are refused (TensorNameError): they would make the listing ambiguous.
 """
 
 from __future__ import annotations
@@ -45,7 +43,8 @@ from miles.weights.safetensors_io import SafetensorsFile, TensorSlot, dtype_name
 # The digest of ``miles.weights.digest`` (256 KiB chunks) combined as above.
 ALGORITHM: Final = "xxh3_128_chunked"
 
-# Below this many bytes a thread pool costs more than it saves.
+# xxhash releases the GIL, so large models hash on several threads; below this many bytes a
+# thread pool costs more than it saves.
 _PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 
 

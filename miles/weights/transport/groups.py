@@ -95,7 +95,6 @@ def _joined_key(rank: int) -> str:
 
 
 def _missing(store: dist.Store, ranks: Iterable[int]) -> list[int]:
-    """Those of ``ranks`` that never set their key in ``store``."""
     return [rank for rank in ranks if not store.check([_joined_key(rank)])]
 
 
