@@ -20,6 +20,7 @@ import stat
 import sys
 import threading
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -125,11 +126,9 @@ def open_regular(path: Path) -> BinaryIO:
 
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """The header of the safetensors file at ``path``, each tensor's bytes checked to lie in the
-    file and to match its dtype and shape.
-
-    Raises CheckpointFileMissingError (no file), CheckpointFileTruncatedError (the file ends
-    before the header or a tensor's bytes), CheckpointFileInvalidError (a malformed header).
-    """
+    file and to match its dtype and shape. Raises CheckpointFileMissingError (no file),
+    CheckpointFileTruncatedError (the file ends before the header or a tensor's bytes),
+    CheckpointFileInvalidError (a malformed header)."""
     path = Path(path)
     try:
         with open_regular(path) as f:
@@ -205,13 +204,11 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int) -> Tenso
     )
 
 
-class SafetensorsFile:
+class SafetensorsFile(AbstractContextManager["SafetensorsFile"]):
     """One safetensors file, open: its header parsed (raises as ``read_header``), its tensors'
-    bytes read with ``pread``.
-
-    Never memory-mapped: a file cut short while it is read (a trainer saving a checkpoint again
-    in place while a server verifies the last one) would kill a process touching a mapped page
-    past the new end with SIGBUS. Read, it gives an error naming what happened instead.
+    bytes read with ``pread``. Never memory-mapped: a file cut short while it is read (a trainer
+    saving a checkpoint again in place while a server verifies the last one) would kill a process
+    touching a mapped page past the new end with SIGBUS; read, it gives an error naming what happened.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -248,11 +245,9 @@ class SafetensorsFile:
     def tensor(self, slot: TensorSlot) -> torch.Tensor:
         """A new CPU tensor holding ``slot``'s bytes (the process's own memory, writable)."""
         out = torch.empty(slot.shape, dtype=slot.dtype)
-        if out.numel():
-            raw = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-            for start in range(0, len(raw), READ_SLICE_BYTES):
-                view = raw[start : start + READ_SLICE_BYTES]
-                self._read_into(view, slot.begin + start)
+        raw = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        for start in range(0, len(raw), READ_SLICE_BYTES):
+            self._read_into(raw[start : start + READ_SLICE_BYTES], slot.begin + start)
         return out
 
     def _read_into(self, view: memoryview, offset: int) -> None:
@@ -273,9 +268,6 @@ class SafetensorsFile:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-    def __enter__(self) -> SafetensorsFile:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
