@@ -90,7 +90,27 @@ def _logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
     return value
 
 
-class SamplingParams(SGLangFields):
+class CommonSampling(SGLangFields):
+    """The decoding settings SGLang's ``SamplingParams`` and its OpenAI requests share, defined once
+    so that both refuse the same values."""
+
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.0
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=2.0)] = 1.0
+    stop: Stop = None
+    stop_token_ids: list[Count] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    # OpenAI's name; SamplingParams accepts it as a shorter alias of its ``sampling_seed``.
+    seed: Seed | None = None
+
+
+class SamplingParams(CommonSampling):
     """Per-request decoding settings, with SGLang's names and defaults (the engine checks token ids)."""
 
     ignored_fields: ClassVar[frozenset[str]] = frozenset({"stream_interval"})
@@ -120,26 +140,12 @@ class SamplingParams(SGLangFields):
     max_new_tokens: Count | None = 128
     min_new_tokens: Count = 0
     temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = -1
-    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.0
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=2.0)] = 1.0
-    stop: Stop = None
-    stop_token_ids: list[Count] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    n: Annotated[StrictInt, Field(ge=1, le=64)] = 1
     # Added to the logits of the named token ids before sampling (OpenAI's bound: -100..100).
     logit_bias: Annotated[
         dict[str, Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None,
         AfterValidator(_logit_bias),
     ] = None
     sampling_seed: Seed | None = None
-    # Accepted as a shorter alias of ``sampling_seed`` (OpenAI's name for the same thing).
-    seed: Seed | None = None
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
