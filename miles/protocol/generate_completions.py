@@ -19,6 +19,7 @@ from miles.protocol.sglang import (
     GenerateResponse,
     SamplingParams,
     WeightVersionSpan,
+    per_prompt,
 )
 
 _TOKEN_ID = "token_id:"
@@ -55,13 +56,9 @@ def _prompt(request: GenerateRequest, index: int) -> str | list[int]:
     return list(ids[index]) if ids and isinstance(ids[0], list) else list(ids)
 
 
-def _per_prompt(value: Any, index: int) -> Any:
-    return value[index] if isinstance(value, list) else value
-
-
 def completion_body(request: GenerateRequest, index: int) -> dict[str, Any]:
     """The ``/v1/completions`` body for prompt ``index`` of ``request``."""
-    sampling: SamplingParams = _per_prompt(request.sampling_params, index) or SamplingParams()
+    sampling: SamplingParams = per_prompt(request.sampling_params, index) or SamplingParams()
     body: dict[str, Any] = {
         "prompt": _prompt(request, index),
         "max_tokens": sampling.max_new_tokens,
@@ -128,7 +125,7 @@ def generate_answers(
     ``answer``; ``versions``: the answering server's weight version when the request was sent
     and when the answer came. ValueError when the answer is not a completions answer."""
     completion = _Completion.model_validate_json(answer)
-    rid = _per_prompt(request.rid, index)
+    rid = per_prompt(request.rid, index)
     logprobs = request.logprobs_of(index)
     start, end = versions
     choices = sorted(completion.choices, key=lambda c: c.index)

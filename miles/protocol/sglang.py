@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, StrictFloat, StrictInt, model_validator
 
@@ -178,9 +178,7 @@ class SamplingParams(CommonSampling):
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @property
     def bias(self) -> dict[int, float]:
@@ -314,10 +312,14 @@ class GenerateRequest(SGLangFields):
 
     def logprobs_of(self, prompt: int) -> LogprobSettings:
         """What prompt ``prompt`` of the batch asked for in logprobs (null: SGLang's defaults)."""
-        wanted = self.return_logprob[prompt] if isinstance(self.return_logprob, list) else self.return_logprob
-        top = self.top_logprobs_num[prompt] if isinstance(self.top_logprobs_num, list) else self.top_logprobs_num
-        wanted = bool(wanted)
+        wanted = bool(per_prompt(self.return_logprob, prompt))
+        top = per_prompt(self.top_logprobs_num, prompt)
         return LogprobSettings(return_logprob=wanted, top_logprobs=(top or 0) if wanted else 0)
+
+
+def per_prompt(value: Any, index: int) -> Any:
+    """Prompt ``index``'s value of a setting given once for all prompts or as one per prompt."""
+    return value[index] if isinstance(value, list) else value
 
 
 class LogprobSettings(ResponseModel):
