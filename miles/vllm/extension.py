@@ -162,6 +162,5 @@ def _read_expected(path: Path, expected_checksum: str) -> tuple[dict[str, torch.
 
 def _instance_id() -> str:
     """This worker process: its pid and when it started (a restarted worker answers another)."""
-    with open(f"/proc/{os.getpid()}/stat", encoding="ascii") as stat:
-        started = stat.read().rsplit(")", 1)[1].split()[19]
+    started = Path(f"/proc/{os.getpid()}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()[19]
     return f"vllm-worker:{os.getpid()}:{started}"

@@ -245,13 +245,13 @@ def checksum_files(paths: Sequence[Path], *, threads: int | None = None) -> tupl
     return checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots)), owners
 
 
-def model_checksum(source: torch.nn.Module | str | os.PathLike[str], *, threads: int | None = None) -> str:
+def model_checksum(source: torch.nn.Module | str | os.PathLike[str]) -> str:
     """The checksum of a model in memory or of a checkpoint directory (the same for the same
     weights, and what a server computes over them once loaded). Raises what
     ``checksum_module`` and ``checksum_safetensors`` raise."""
     if isinstance(source, torch.nn.Module):
-        return checksum_module(source, threads=threads).checksum
-    return checksum_safetensors(source, threads=threads).checksum
+        return checksum_module(source).checksum
+    return checksum_safetensors(source).checksum
 
 
 def collect_slots(files: Iterable[SafetensorsFile]) -> list[tuple[SafetensorsFile, TensorSlot]]:
