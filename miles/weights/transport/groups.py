@@ -168,16 +168,11 @@ def receive(
     try:
         broadcast(group, tensors, timeout_s=timeout_s)
     except (RuntimeError, dist.DistError) as exc:
-        raise unfinished(group_name, timeout_s, exc) from None
-    return unpack(table, flat.cpu() if flat.device.type != "cpu" else flat)
-
-
-def unfinished(group_name: str, timeout_s: float, exc: BaseException) -> ConflictError:
-    """What a receiver answers for a broadcast that did not complete within ``timeout_s``."""
-    return ConflictError(
-        f"the broadcast of group {group_name!r} did not complete within {timeout_s:g}s "
-        f"(the sender stopped or never sent): {exc}; destroy the group and push again"
-    )
+        raise ConflictError(
+            f"the broadcast of group {group_name!r} did not complete within {timeout_s:g}s "
+            f"(the sender stopped or never sent): {exc}; destroy the group and push again"
+        ) from None
+    return unpack(table, flat.cpu())
 
 
 class Rank0:
