@@ -62,8 +62,6 @@ class _Group:
 
 
 class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
-    """See the module docstring."""
-
     init_info_cls = MilesInitInfo
     update_info_cls = MilesUpdateInfo
     supports_draft_weight_update = False

@@ -165,7 +165,6 @@ class Received:
                 self.check(name, digest_tensor(tensor))
 
     def close(self) -> None:
-        """Let go of the bytes."""
         self.tensors = {}
 
 
