@@ -59,22 +59,6 @@ _NULL_IS_DEFAULT = frozenset(
         "spaces_between_special_tokens",
     }
 )
-# SamplingParams fields that OpenAI's completion requests (vLLM's and miles' own) take by the same name.
-OPENAI_SAME_NAME = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "n",
-    "logit_bias",
-)
 # OpenAI's bound on a logit bias, which SGLang forwards unchanged.
 MAX_LOGIT_BIAS = 100.0
 
@@ -108,6 +92,16 @@ class CommonSampling(SGLangFields):
     n: Annotated[StrictInt, Field(ge=1, le=64)] = 1
     # OpenAI's name; SamplingParams accepts it as a shorter alias of its ``sampling_seed``.
     seed: Seed | None = None
+
+
+# SamplingParams fields that OpenAI's completion requests (vLLM's and miles' own) take by the same
+# name: the shared ones but the two OpenAI spells otherwise (``include_stop_str_in_output``, the
+# seed SGLang calls ``sampling_seed``), and the two each side bounds its own way.
+OPENAI_SAME_NAME = (
+    *(name for name in CommonSampling.model_fields if name not in ("no_stop_trim", "seed")),
+    "temperature",
+    "logit_bias",
+)
 
 
 class SamplingParams(CommonSampling):
