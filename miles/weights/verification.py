@@ -229,10 +229,8 @@ def compare_with_manifest(
             for n in names
         ]
     for name, digest in zip(names, computed, strict=True):
-        listed = manifest.tensors.get(name)
-        if listed is None:
-            continue
-        problems.extend(_entry_problems(name, found[name][0], listed, digest))
+        if name in manifest.tensors:
+            problems.extend(_entry_problems(name, found[name][0], manifest.tensors[name], digest))
     checksum = None if duplicated or not digests else checksum_from_digests(computed, num_bytes=0).checksum
     return problems, checksum
 
