@@ -112,7 +112,6 @@ class SGLangFields(RequestModel):
 
 
 def _drop_nulls(data: Any, fields: frozenset[str]) -> Any:
-    """``data`` without the keys in ``fields`` whose value is null (SGLang reads it as the default)."""
     if not isinstance(data, dict) or not any(data.get(k, 0) is None for k in fields):
         return data
     return {k: v for k, v in data.items() if not (k in fields and v is None)}

@@ -1,18 +1,14 @@
 """SGLang's native ``/generate``, spoken to a server that answers only OpenAI's ``/v1/completions``
 (vLLM): the request as one completions request per prompt, each answer as SGLang's.
 
-The request is validated as SGLang's ``GenerateRequest`` first, then translated field by field
-(docs/VLLM.md, "SGLang's /generate for a model served by vLLM"). ``stream`` and
-``return_text_in_logprobs`` cannot be translated and are refused by name. Each answer carries the
-answering server's version when the request was sent and when it came back; when they differ,
-``weight_version_spans`` is empty (vLLM does not say which tokens came from which weights).
+The translation, field by field: docs/VLLM.md, "SGLang's /generate for a model served by vLLM".
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from miles.errors import InvalidRequestError
 from miles.protocol.sglang import (
@@ -23,6 +19,7 @@ from miles.protocol.sglang import (
     GenerateResponse,
     SamplingParams,
     WeightVersionSpan,
+    per_prompt,
 )
 
 _TOKEN_ID = "token_id:"
@@ -53,20 +50,15 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequest:
 
 
 def _prompt(request: GenerateRequest, index: int) -> str | list[int]:
-    """Prompt ``index`` of the request's batch (a single prompt is index 0)."""
     if request.text is not None:
         return request.text[index] if isinstance(request.text, list) else request.text
     ids = request.input_ids or []
     return list(ids[index]) if ids and isinstance(ids[0], list) else list(ids)
 
 
-def _per_prompt(value: Any, index: int) -> Any:
-    return value[index] if isinstance(value, list) else value
-
-
 def completion_body(request: GenerateRequest, index: int) -> dict[str, Any]:
     """The ``/v1/completions`` body for prompt ``index`` of ``request``."""
-    sampling: SamplingParams = _per_prompt(request.sampling_params, index) or SamplingParams()
+    sampling: SamplingParams = per_prompt(request.sampling_params, index) or SamplingParams()
     body: dict[str, Any] = {
         "prompt": _prompt(request, index),
         "max_tokens": sampling.max_new_tokens,
@@ -85,16 +77,12 @@ def completion_body(request: GenerateRequest, index: int) -> dict[str, Any]:
 
 
 class _Logprobs(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None] | None = None
 
 
 class _Choice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     index: int
     text: str
     token_ids: list[int]
@@ -105,8 +93,6 @@ class _Choice(BaseModel):
 
 
 class _Completion(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     id: str
     choices: list[_Choice]
 
@@ -139,7 +125,7 @@ def generate_answers(
     ``answer``; ``versions``: the answering server's weight version when the request was sent
     and when the answer came. ValueError when the answer is not a completions answer."""
     completion = _Completion.model_validate_json(answer)
-    rid = _per_prompt(request.rid, index)
+    rid = per_prompt(request.rid, index)
     logprobs = request.logprobs_of(index)
     start, end = versions
     choices = sorted(completion.choices, key=lambda c: c.index)

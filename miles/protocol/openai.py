@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StrictFloat, StrictInt, ValidationError, field_validator, model_validator
 
-from miles.protocol.base import Count, Penalty, RequestModel, Seed, Stop, TopK, TopP
+from miles.protocol.base import Count, RequestModel
 from miles.protocol.compat import (
     EXTRA_OUTPUT,
     GRAMMAR,
@@ -27,7 +27,7 @@ from miles.protocol.compat import (
     SGLangFields,
     Unsupported,
 )
-from miles.protocol.sglang import OPENAI_SAME_NAME, GenerateResponse, SamplingParams
+from miles.protocol.sglang import OPENAI_SAME_NAME, CommonSampling, GenerateResponse, SamplingParams
 
 # Fields of both SGLang OpenAI requests that only affect logging, scheduling or caching.
 _IGNORED = frozenset({"user", "extra_key", "cache_salt", "priority"})
@@ -62,27 +62,15 @@ class StreamOptions(RequestModel):
         return self
 
 
-class _SamplingFields(SGLangFields):
+class _SamplingFields(CommonSampling):
     null_is_default: ClassVar[frozenset[str]] = _NULL_IS_DEFAULT
+    extension_fields: ClassVar[frozenset[str]] = frozenset({"min_weight_version"})
     model: str | None = None
     temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = -1
-    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.0
-    n: Annotated[StrictInt, Field(ge=1, le=64)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Stop = None
-    stop_token_ids: list[Count] | None = None
-    seed: Seed | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=2.0)] = 1.0
     logit_bias: dict[str, StrictFloat] | None = None
     min_tokens: Count = 0
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
     rid: str | None = None
     session_id: str | None = None
     # miles extension: a minimum weight version, honoured by the controller's router.
@@ -129,7 +117,6 @@ class CompletionRequest(_SamplingFields):
         "best_of": Unsupported("best_of is not supported; ask for n samples and pick", unset=(1,)),
         "suffix": Unsupported("insertion (suffix) is not supported", unset=("",)),
     }
-    extension_fields: ClassVar[frozenset[str]] = frozenset({"min_weight_version"})
     null_is_default: ClassVar[frozenset[str]] = _NULL_IS_DEFAULT | {"max_tokens"}
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
@@ -241,7 +228,6 @@ class ChatCompletionRequest(_SamplingFields):
         "video_config": Unsupported(MULTIMODAL),
         "input_ids": Unsupported("pre-tokenized chat input is not supported; send input_ids to /generate"),
     }
-    extension_fields: ClassVar[frozenset[str]] = frozenset({"min_weight_version"})
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Count | None = None

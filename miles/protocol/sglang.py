@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, StrictFloat, StrictInt, model_validator
 
@@ -59,22 +59,6 @@ _NULL_IS_DEFAULT = frozenset(
         "spaces_between_special_tokens",
     }
 )
-# SamplingParams fields that OpenAI's completion requests (vLLM's and miles' own) take by the same name.
-OPENAI_SAME_NAME = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "n",
-    "logit_bias",
-)
 # OpenAI's bound on a logit bias, which SGLang forwards unchanged.
 MAX_LOGIT_BIAS = 100.0
 
@@ -90,7 +74,37 @@ def _logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
     return value
 
 
-class SamplingParams(SGLangFields):
+class CommonSampling(SGLangFields):
+    """The decoding settings SGLang's ``SamplingParams`` and its OpenAI requests share, defined once
+    so that both refuse the same values."""
+
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.0
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=2.0)] = 1.0
+    stop: Stop = None
+    stop_token_ids: list[Count] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: Annotated[StrictInt, Field(ge=1, le=64)] = 1
+    # OpenAI's name; SamplingParams accepts it as a shorter alias of its ``sampling_seed``.
+    seed: Seed | None = None
+
+
+# SamplingParams fields that OpenAI's completion requests (vLLM's and miles' own) take by the same
+# name: the shared ones but the two OpenAI spells otherwise (``include_stop_str_in_output``, the
+# seed SGLang calls ``sampling_seed``), and the two each side bounds its own way.
+OPENAI_SAME_NAME = (
+    *(name for name in CommonSampling.model_fields if name not in ("no_stop_trim", "seed")),
+    "temperature",
+    "logit_bias",
+)
+
+
+class SamplingParams(CommonSampling):
     """Per-request decoding settings, with SGLang's names and defaults (the engine checks token ids)."""
 
     ignored_fields: ClassVar[frozenset[str]] = frozenset({"stream_interval"})
@@ -120,26 +134,12 @@ class SamplingParams(SGLangFields):
     max_new_tokens: Count | None = 128
     min_new_tokens: Count = 0
     temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = -1
-    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.0
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=2.0)] = 1.0
-    stop: Stop = None
-    stop_token_ids: list[Count] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    n: Annotated[StrictInt, Field(ge=1, le=64)] = 1
     # Added to the logits of the named token ids before sampling (OpenAI's bound: -100..100).
     logit_bias: Annotated[
         dict[str, Annotated[StrictFloat, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None,
         AfterValidator(_logit_bias),
     ] = None
     sampling_seed: Seed | None = None
-    # Accepted as a shorter alias of ``sampling_seed`` (OpenAI's name for the same thing).
-    seed: Seed | None = None
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -172,9 +172,7 @@ class SamplingParams(SGLangFields):
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @property
     def bias(self) -> dict[int, float]:
@@ -308,10 +306,14 @@ class GenerateRequest(SGLangFields):
 
     def logprobs_of(self, prompt: int) -> LogprobSettings:
         """What prompt ``prompt`` of the batch asked for in logprobs (null: SGLang's defaults)."""
-        wanted = self.return_logprob[prompt] if isinstance(self.return_logprob, list) else self.return_logprob
-        top = self.top_logprobs_num[prompt] if isinstance(self.top_logprobs_num, list) else self.top_logprobs_num
-        wanted = bool(wanted)
+        wanted = bool(per_prompt(self.return_logprob, prompt))
+        top = per_prompt(self.top_logprobs_num, prompt)
         return LogprobSettings(return_logprob=wanted, top_logprobs=(top or 0) if wanted else 0)
+
+
+def per_prompt(value: Any, index: int) -> Any:
+    """Prompt ``index``'s value of a setting given once for all prompts or as one per prompt."""
+    return value[index] if isinstance(value, list) else value
 
 
 class LogprobSettings(ResponseModel):

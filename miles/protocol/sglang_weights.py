@@ -178,7 +178,6 @@ _HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 def _host(value: str) -> str:
-    """An IP address or a host name (letters, digits and hyphens between dots), nothing else."""
     try:
         ipaddress.ip_address(value)
     except ValueError:

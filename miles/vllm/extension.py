@@ -55,14 +55,12 @@ class MilesWorkerExtension:
         }
 
     def miles_load(self, path: str, expected_checksum: str) -> dict[str, Any]:
-        timings: dict[str, float] = {}
         started = time.perf_counter()
         try:
             tensors, checkpoint_checksum = _read_expected(Path(path), expected_checksum)
         except (MilesError, OSError) as exc:
             message = exc.message if isinstance(exc, MilesError) else f"the checkpoint could not be read: {exc}"
             return {"success": False, "changed": False, "message": message, "checkpoint_checksum": None}
-        timings["verify"] = time.perf_counter() - started
         loaded = time.perf_counter()
         self._miles_checksum = None  # whatever happens now, the last checksum no longer holds
         failure: str | None = None
@@ -71,9 +69,8 @@ class MilesWorkerExtension:
             self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         except Exception as exc:  # noqa: BLE001  # vLLM's reload raises anything; the checksum below tells
             failure = f"vLLM's reload failed midway ({type(exc).__name__}: {exc}); the worker holds other weights"
-        timings["copy"] = time.perf_counter() - loaded
+        copied = time.perf_counter()
         confirmed = self.miles_checksum()
-        timings["checksum"] = confirmed["seconds"]
         return {
             "success": True,
             "changed": True,
@@ -81,7 +78,7 @@ class MilesWorkerExtension:
             "checksum": confirmed["checksum"],
             "checkpoint_checksum": checkpoint_checksum,
             "hashed": HASHED,
-            "timings": timings,
+            "timings": {"verify": loaded - started, "copy": copied - loaded, "checksum": confirmed["seconds"]},
         }
 
     def miles_end_push(self) -> dict[str, Any]:
@@ -162,6 +159,5 @@ def _read_expected(path: Path, expected_checksum: str) -> tuple[dict[str, torch.
 
 def _instance_id() -> str:
     """This worker process: its pid and when it started (a restarted worker answers another)."""
-    with open(f"/proc/{os.getpid()}/stat", encoding="ascii") as stat:
-        started = stat.read().rsplit(")", 1)[1].split()[19]
+    started = Path(f"/proc/{os.getpid()}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()[19]
     return f"vllm-worker:{os.getpid()}:{started}"

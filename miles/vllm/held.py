@@ -1,15 +1,12 @@
 """The weights a vLLM worker holds, read back under the checkpoint's names and dtypes.
 
-vLLM fuses rows (``packed_modules_mapping``, split again by ``output_sizes``), pads the vocabulary
-(cut at ``org_vocab_size``) and, on CPU, packs linear weights into ``layer.cpu_linear``, leaving
-``layer.weight`` empty. A packed weight is recovered exactly by passing the identity through the
-layer's own kernel (``I @ W.T``), in blocks of rows, then cast back to the model's dtype (exact:
-every value is one of the weights). docs/VLLM.md, "What the worker holds".
+Fused rows are split again, the vocabulary padding cut, and a weight packed into a CPU kernel read
+back exactly through that kernel (``I @ W.T``); docs/VLLM.md, "What the worker holds".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -48,24 +45,21 @@ def held_state(model: torch.nn.Module, *, dtype: torch.dtype, tied_embeddings: b
 
 
 def _recovered(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
-    """A linear layer's weight: as it is, or read back through the kernel it was packed into."""
+    """A linear layer's weight: as it is, or read back through the kernel it was packed into
+    (``cpu_linear`` applied to the identity, a block of rows at a time)."""
     if weight.numel() > 0 or not hasattr(module, "cpu_linear"):
         return weight.detach()
     in_features = int(getattr(module, "input_size_per_partition"))  # noqa: B009  # vLLM's, untyped
-    blocks = [block.t() for block in _identity_through(module, in_features)]
-    return torch.cat(blocks, dim=1)
-
-
-def _identity_through(module: torch.nn.Module, in_features: int) -> Iterator[torch.Tensor]:
-    """``cpu_linear`` applied to the identity, a block of rows at a time (each ``rows x out``)."""
     kernel: Any = getattr(module, "cpu_linear")  # noqa: B009  # vLLM's, untyped
     # The activation dtype the layer's kernel expects: its parameters'.
     dtype = getattr(module, "params_dtype", None)
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
+    blocks = []
     with torch.inference_mode():
         for start in range(0, in_features, _IDENTITY_BLOCK):
             stop = min(start + _IDENTITY_BLOCK, in_features)
             block = torch.zeros(stop - start, in_features, dtype=dtype)
             rows = torch.arange(stop - start)
             block[rows, rows + start] = 1
-            yield kernel(block, module.weight, None)
+            blocks.append(kernel(block, module.weight, None).t())
+    return torch.cat(blocks, dim=1)

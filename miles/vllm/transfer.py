@@ -1,11 +1,9 @@
 """miles' backend for vLLM's native weight transfer: pushed buckets, read from shared memory on the
 server's node or broadcast over a torch.distributed group formed with the trainer.
 
-It takes the requests ``PushPublisher`` sends an embedded engine (``miles.protocol.sglang_weights``):
 ``init_info`` is an ``InitWeightsUpdateGroupRequest``; ``update_info`` is one bucket,
 ``{"document": ShmDocument.encode()}`` or ``{"distributed": UpdateWeightsFromDistributedRequest}``.
-Each tensor is checked against its digest before its bucket is loaded inside vLLM's layerwise
-reload; a refused bucket ends that reload at once (``end_reload``). docs/VLLM.md, "Pushes from
+A refused bucket ends vLLM's layerwise reload at once (``end_reload``). docs/VLLM.md, "Pushes from
 memory", has the calls and why.
 """
 
@@ -64,8 +62,6 @@ class _Group:
 
 
 class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
-    """See the module docstring."""
-
     init_info_cls = MilesInitInfo
     update_info_cls = MilesUpdateInfo
     supports_draft_weight_update = False

@@ -3,8 +3,7 @@ calls that does not grow with the number of tensors.
 
 A bucket's ``BucketTable`` says where each tensor lies in the flat bytes and carries its digest
 (the one the model checksum combines), computed as it is packed, so a receiver checks every tensor
-it takes (``Received``). The table travels with a shared-memory segment and, as SGLang's
-``names``, ``dtypes`` and ``shapes`` plus our ``digests``, with a torch.distributed broadcast.
+it takes (``Received``).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from miles.errors import InvalidRequestError
 from miles.weights.checksum import TensorDigest, digest_tensor
-from miles.weights.digest import copy_and_digest, copy_digesting
+from miles.weights.digest import copy_and_digest
 from miles.weights.safetensors_io import SAFETENSORS_DTYPES, dtype_name
 
 # Default bucket size: large enough that per-call costs vanish, small enough to stage twice.
@@ -111,21 +110,21 @@ _PARALLEL_PACK_BYTES = 16 * 1024 * 1024
 @torch.no_grad()
 def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tensor) -> BucketTable:
     """Copy each tensor of ``table`` into the flat uint8 tensor ``into`` at its offset, digesting
-    the bytes as they are written; returns the table with the digests. A large bucket is packed on
-    as many threads as torch may use (the copy and the hash release the GIL), largest tensors first.
+    the bytes as they are written; returns the table with the digests once the copies are done
+    (another process reads the bytes next). A large bucket in host memory is packed on as many
+    threads as torch may use (the copy and the hash release the GIL), largest tensors first.
     """
     flat = into.reshape(-1).view(torch.uint8)
-    if flat.device.type != "cpu":
-        return _pack_on_device(named, table, flat)
-    target = flat.numpy()
 
     def one(entry: BucketEntry) -> BucketEntry:
         source = named[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
-        if source.device.type != "cpu":
-            source = source.cpu()
-        digest = copy_digesting(target[entry.offset : entry.offset + entry.nbytes], source.numpy())
+        digest = copy_and_digest(flat[entry.offset : entry.offset + entry.nbytes], source)
         return entry.model_copy(update={"digest": digest})
 
+    if flat.device.type != "cpu":
+        packed = BucketTable(entries=tuple(one(e) for e in table.entries))
+        torch.cuda.synchronize(flat.device)
+        return packed
     threads = min(torch.get_num_threads(), len(table.entries))
     if threads < 2 or table.nbytes < _PARALLEL_PACK_BYTES:
         return BucketTable(entries=tuple(one(e) for e in table.entries))
@@ -166,20 +165,7 @@ class Received:
                 self.check(name, digest_tensor(tensor))
 
     def close(self) -> None:
-        """Let go of the bytes."""
         self.tensors = {}
-
-
-def _pack_on_device(named: Mapping[str, torch.Tensor], table: BucketTable, flat: torch.Tensor) -> BucketTable:
-    """``pack`` into GPU memory: each tensor copied on its device, digested from a host copy; returns
-    once the copies are done (another process reads the bytes next)."""
-    done = []
-    for entry in table.entries:
-        source = named[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
-        flat[entry.offset : entry.offset + entry.nbytes].copy_(source)
-        done.append(entry.model_copy(update={"digest": digest_tensor(source)}))
-    torch.cuda.synchronize(flat.device)
-    return BucketTable(entries=tuple(done))
 
 
 def unpack(table: BucketTable, flat: torch.Tensor) -> Received:

@@ -21,15 +21,13 @@ from miles.weights.checksum import checksum_module
 from miles.weights.manifest import (
     MANIFEST_NAME,
     Manifest,
-    TensorEntry,
     fsync_directory,
     manifest_from_files,
     read_manifest,
     write_manifest,
 )
-from miles.weights.reader import CheckpointReader, TensorInfo, open_checkpoint
+from miles.weights.reader import CheckpointReader, open_checkpoint
 from miles.weights.verification import (
-    CheckpointProblem,
     ProblemKind,
     VerificationReport,
     verify_checkpoint,
@@ -41,12 +39,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MANIFEST_NAME",
-    "CheckpointProblem",
     "CheckpointReader",
     "Manifest",
     "ProblemKind",
-    "TensorEntry",
-    "TensorInfo",
     "VerificationReport",
     "open_checkpoint",
     "read_manifest",

@@ -10,11 +10,9 @@ The model checksum is xxh3-128 over this UTF-8 text, with nothing before or afte
         "{name}\\t{dtype}\\t[{d0},{d1},...]\\t{digest}\\n"
 
 ``dtype`` is the torch dtype name without ``torch.`` (``bfloat16``); the shape is the sizes
-joined by commas without spaces in brackets (``[]`` for a 0-d tensor). Example line:
-``model.norm.weight\\tfloat32\\t[64]\\t3f1c...\\n``. Because name, dtype and shape are part of each
-line, changing an element, a dtype, a shape (even with the same bytes) or which name holds which
-bytes changes the checksum. Names holding a tab or newline are refused (TensorNameError): they
-would make the listing ambiguous. xxhash releases the GIL, so large models hash on several threads.
+joined by commas without spaces in brackets (``[]`` for a 0-d tensor). So changing an element, a
+dtype, a shape (even with the same bytes) or which name holds which bytes changes the checksum.
+Names holding a tab or newline are refused (TensorNameError): they would make the listing ambiguous.
 """
 
 from __future__ import annotations
@@ -45,7 +43,8 @@ from miles.weights.safetensors_io import SafetensorsFile, TensorSlot, dtype_name
 # The digest of ``miles.weights.digest`` (256 KiB chunks) combined as above.
 ALGORITHM: Final = "xxh3_128_chunked"
 
-# Below this many bytes a thread pool costs more than it saves.
+# xxhash releases the GIL, so large models hash on several threads; below this many bytes a
+# thread pool costs more than it saves.
 _PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 
 
@@ -89,23 +88,17 @@ def digest_tensor(tensor: torch.Tensor) -> str:
         )
     if tensor.device.type == "meta":
         raise UnsupportedTensorError("a meta tensor holds no data to hash", shape=tuple(tensor.shape))
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
     # Lazy conjugation / negation bits are not in the bytes; materialise them.
-    t = t.resolve_conj().resolve_neg().contiguous()
-    if t.numel() == 0:
-        return digest_buffer(b"")
+    t = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
     return digest_buffer(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def combine_digests(digests: Iterable[TensorDigest]) -> str:
     """The model checksum of ``digests`` (their canonical listing, sorted by name). Raises
     TensorNameError for a name that is empty, holds a tab or newline, or appears twice."""
-    ordered = sorted(digests, key=lambda d: d.name)
     hasher = xxhash.xxh3_128()
     previous: str | None = None
-    for entry in ordered:
+    for entry in sorted(digests, key=lambda d: d.name):
         if entry.name == previous:
             raise TensorNameError("tensor name appears twice in one checksum", tensor=entry.name)
         previous = entry.name
@@ -128,12 +121,10 @@ def _run_digests(jobs: Sequence[tuple[int, Callable[[], str]]], threads: int) ->
         return [job() for _, job in jobs]
     # Largest first, so one huge tensor (the embedding) does not start last and run alone.
     order = sorted(range(len(jobs)), key=lambda i: jobs[i][0], reverse=True)
-    results: list[str] = [""] * len(jobs)
     with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="miles-hash") as pool:
         futures = {i: pool.submit(jobs[i][1]) for i in order}
-        for i, future in futures.items():
-            results[i] = future.result()
-    return results
+        results = {i: future.result() for i, future in futures.items()}
+    return [results[i] for i in range(len(jobs))]
 
 
 def checksum_from_digests(digests: Sequence[TensorDigest], *, num_bytes: int) -> ModelChecksum:
@@ -150,13 +141,12 @@ def checksum_state_dict(state: Mapping[str, torch.Tensor], *, threads: int | Non
     ``checksum_module`` drops the aliases a checkpoint drops). Raises TensorNameError for a name
     the listing cannot hold, UnsupportedTensorError for a value that is not a dense strided
     tensor, ValueError for ``threads`` < 1."""
-    n_threads = _resolve_threads(threads)
     items = list(state.items())
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise UnsupportedTensorError("state dict value is not a tensor", tensor=name, type=type(tensor).__name__)
     jobs = [(t.numel() * t.element_size(), (lambda t=t: digest_tensor(t))) for _, t in items]
-    hexes = _run_digests(jobs, n_threads)
+    hexes = _run_digests(jobs, _resolve_threads(threads))
     digests = [
         TensorDigest(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), digest=h)
         for (name, t), h in zip(items, hexes, strict=True)
@@ -165,15 +155,9 @@ def checksum_state_dict(state: Mapping[str, torch.Tensor], *, threads: int | Non
 
 
 def checksum_module(module: torch.nn.Module, *, threads: int | None = None) -> ModelChecksum:
-    """The checksum of ``module``'s state dict as Hugging Face ``save_pretrained`` writes it.
-
-    Tied / aliased tensors (``lm_head.weight`` sharing ``model.embed_tokens.weight``) are counted
-    once, under the name ``save_pretrained`` keeps: of the names viewing the same memory, those
-    matching a ``_tied_weights_keys`` target of the module or a submodule are dropped (keeping at
-    least one, the last in sorted order); of several left, the first in state-dict order stays.
-    Keys in ``_keys_to_ignore_on_save`` are left out. So a live model and its saved checkpoint
-    give the same checksum. Raises as ``checksum_state_dict``.
-    """
+    """The checksum of ``module``'s state dict as Hugging Face ``save_pretrained`` writes it (tied
+    tensors once, under the name it keeps; no ``_keys_to_ignore_on_save``), so a live model and its
+    saved checkpoint give the same checksum. Raises as ``checksum_state_dict``."""
     return checksum_state_dict(saved_state_dict(module), threads=threads)
 
 
@@ -221,7 +205,9 @@ def _tied_target_patterns(module: torch.nn.Module) -> list[str]:
 
 
 def _aliases_to_drop(names: list[str], patterns: list[str]) -> list[str]:
-    # Mirrors transformers' remove_tied_weights_from_state_dict, so we keep the name it keeps.
+    # Mirrors transformers' remove_tied_weights_from_state_dict, so we keep the name it keeps: the
+    # names matching a _tied_weights_keys target are dropped (keeping at least one, the last in
+    # sorted order); of several left, the first in state-dict order stays.
     matched = [n for n in sorted(names) if any(re.search(p, n) for p in patterns)]
     drop = matched[: len(names) - 1] if len(matched) == len(names) else matched
     rest = [n for n in names if n not in drop]
@@ -244,11 +230,8 @@ def checksum_safetensors(
 ) -> ModelChecksum:
     """The checksum of the tensors in a safetensors file, several, or a directory (the files
     ``from_pretrained`` would load): ``checksum_module`` of the loaded model, however sharded.
-
-    Raises CheckpointFileMissingError (no file, or a named one missing),
-    CheckpointFileTruncatedError or CheckpointFileInvalidError (a file cut or malformed, or a
-    tensor name in two files).
-    """
+    Raises CheckpointFileMissingError (no file, or a named one missing), CheckpointFileTruncatedError
+    or CheckpointFileInvalidError (a file cut or malformed, or a tensor name in two files)."""
     return checksum_files(_expand_paths(paths_or_dir), threads=threads)[0]
 
 
@@ -262,13 +245,13 @@ def checksum_files(paths: Sequence[Path], *, threads: int | None = None) -> tupl
     return checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots)), owners
 
 
-def model_checksum(source: torch.nn.Module | str | os.PathLike[str], *, threads: int | None = None) -> str:
+def model_checksum(source: torch.nn.Module | str | os.PathLike[str]) -> str:
     """The checksum of a model in memory or of a checkpoint directory (the same for the same
     weights, and what a server computes over them once loaded). Raises what
     ``checksum_module`` and ``checksum_safetensors`` raise."""
     if isinstance(source, torch.nn.Module):
-        return checksum_module(source, threads=threads).checksum
-    return checksum_safetensors(source, threads=threads).checksum
+        return checksum_module(source).checksum
+    return checksum_safetensors(source).checksum
 
 
 def collect_slots(files: Iterable[SafetensorsFile]) -> list[tuple[SafetensorsFile, TensorSlot]]:

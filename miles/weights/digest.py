@@ -92,12 +92,8 @@ def copy_and_digest(target: torch.Tensor, source: torch.Tensor) -> str:
         raw = target.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
         return digest_buffer(raw.numpy())
     # numpy views of the raw bytes: np.copyto releases the GIL and runs no OpenMP team.
-    return copy_digesting(target.reshape(-1).view(torch.uint8).numpy(), source.reshape(-1).view(torch.uint8).numpy())
-
-
-def copy_digesting(dst: np.ndarray, src: np.ndarray) -> str:
-    """Copy the bytes ``src`` into ``dst`` (uint8 arrays of one size) and return their digest, each
-    slice hashed right after it is written."""
+    dst = target.reshape(-1).view(torch.uint8).numpy()
+    src = source.reshape(-1).view(torch.uint8).numpy()
     hasher = TensorHasher()
     for start in range(0, dst.size, COPY_SLICE_BYTES):
         end = min(start + COPY_SLICE_BYTES, dst.size)

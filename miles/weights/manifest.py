@@ -116,12 +116,7 @@ class Manifest(BaseModel):
 
 
 def manifest_from_files(
-    directory: str | os.PathLike[str],
-    *,
-    model_name: str,
-    step: int,
-    weight_version: str | None = None,
-    threads: int | None = None,
+    directory: str | os.PathLike[str], *, model_name: str, step: int, weight_version: str | None = None
 ) -> Manifest:
     """A manifest for the Hugging Face model in ``directory``, hashed from the files
     ``from_pretrained`` would load. Raises CheckpointFileMissingError (no safetensors file, or one
@@ -130,7 +125,7 @@ def manifest_from_files(
     paths = index_files(directory)
     if not paths:
         raise CheckpointFileMissingError("directory holds no safetensors files", path=str(directory))
-    checksum, owners = checksum_files(paths, threads=threads)
+    checksum, owners = checksum_files(paths)
     return Manifest(
         model_name=model_name,
         step=step,
@@ -184,7 +179,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         raise ManifestInvalidError(f"manifest fields are invalid: {fields}", path=str(path)) from None
 
 
-def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> Path:
+def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> None:
     """Write ``manifest`` into ``directory`` atomically; CheckpointFileMissingError if there is none."""
     directory = Path(directory)
     if not directory.is_dir():
@@ -201,7 +196,6 @@ def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> Pat
         Path(tmp_name).unlink(missing_ok=True)
         raise
     fsync_directory(directory)
-    return target
 
 
 def fsync_directory(directory: Path) -> None:

@@ -70,10 +70,9 @@ def files_outside_roots(directory: Path, roots: tuple[Path, ...], *, limit: int 
             outside.append(f"(more than {limit} entries; a checkpoint directory is not that large)")
             break
         try:
-            resolved = entry.resolve()
-        except (OSError, RuntimeError):
-            outside.append(entry.relative_to(directory).as_posix())
-            continue
-        if not inside_roots(resolved, roots):
+            escapes = not inside_roots(entry.resolve(), roots)
+        except (OSError, RuntimeError):  # a symlink loop or an unreadable entry counts as outside
+            escapes = True
+        if escapes:
             outside.append(entry.relative_to(directory).as_posix())
     return outside

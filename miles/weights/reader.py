@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +32,7 @@ class TensorInfo:
     nbytes: int
 
 
-class CheckpointReader:
+class CheckpointReader(AbstractContextManager["CheckpointReader"]):
     """An open checkpoint: its manifest and its open weight files. Use ``open_checkpoint``."""
 
     def __init__(self, *, directory: Path, manifest: Manifest, files: dict[str, SafetensorsFile]) -> None:
@@ -90,9 +90,6 @@ class CheckpointReader:
             raise CheckpointError(
                 "checkpoint holds no tensor of this name", tensor=name, path=str(self.directory)
             ) from None
-
-    def __enter__(self) -> CheckpointReader:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()

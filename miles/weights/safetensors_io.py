@@ -20,6 +20,7 @@ import stat
 import sys
 import threading
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -125,11 +126,9 @@ def open_regular(path: Path) -> BinaryIO:
 
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """The header of the safetensors file at ``path``, each tensor's bytes checked to lie in the
-    file and to match its dtype and shape.
-
-    Raises CheckpointFileMissingError (no file), CheckpointFileTruncatedError (the file ends
-    before the header or a tensor's bytes), CheckpointFileInvalidError (a malformed header).
-    """
+    file and to match its dtype and shape. Raises CheckpointFileMissingError (no file),
+    CheckpointFileTruncatedError (the file ends before the header or a tensor's bytes),
+    CheckpointFileInvalidError (a malformed header)."""
     path = Path(path)
     try:
         with open_regular(path) as f:
@@ -205,69 +204,50 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int) -> Tenso
     )
 
 
-class SafetensorsFile:
+class SafetensorsFile(AbstractContextManager["SafetensorsFile"]):
     """One safetensors file, open: its header parsed (raises as ``read_header``), its tensors'
-    bytes read with ``pread``.
-
-    Never memory-mapped: a file cut short while it is read (a trainer saving a checkpoint again
-    in place while a server verifies the last one) would kill a process touching a mapped page
-    past the new end with SIGBUS. Read, it gives an error naming what happened instead.
+    bytes read with ``pread``. Never memory-mapped: a file cut short while it is read (a trainer
+    saving a checkpoint again in place while a server verifies the last one) would kill a process
+    touching a mapped page past the new end with SIGBUS; read, it gives an error naming what happened.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.header = read_header(path)
-        self._file: BinaryIO | None = open_regular(self.header.path) if self.header.size > 0 else None
+        header = read_header(path)
+        self.path, self.tensors = header.path, header.tensors
+        self._file: BinaryIO | None = open_regular(header.path) if header.size > 0 else None
 
-    @property
-    def path(self) -> Path:
-        return self.header.path
-
-    @property
-    def tensors(self) -> Mapping[str, TensorSlot]:
-        return self.header.tensors
-
-    def digest(self, slot: TensorSlot) -> str:
-        """The digest of ``slot``'s bytes, read a slice at a time (hashed while in cache)."""
+    def digest(self, slot: TensorSlot, *, into: numpy.ndarray | None = None) -> str:
+        """The digest of ``slot``'s bytes, read a slice at a time into this thread's buffer, which
+        stays in cache while it is hashed (and copied on into the uint8 array ``into``: reading
+        straight into fresh memory runs at half the speed here)."""
         hasher = TensorHasher()
         buffer = _read_buffer()
-        offset = slot.begin
-        while offset < slot.end:
-            view = buffer[: min(len(buffer), slot.end - offset)]
-            self._read_into(view, offset)
+        staged = numpy.frombuffer(buffer, dtype=numpy.uint8)
+        for start in range(0, slot.nbytes, len(buffer)):
+            view = buffer[: min(len(buffer), slot.nbytes - start)]
+            self._read_into(view, slot.begin + start)
             hasher.update(view)
-            offset += len(view)
+            if into is not None:
+                numpy.copyto(into[start : start + len(view)], staged[: len(view)])
         return hasher.hexdigest()
 
     def copy_into(self, slot: TensorSlot, target: torch.Tensor) -> str:
         """Copy ``slot``'s bytes into ``target`` (a tensor of its dtype and shape) and return their
-        digest: each slice is read into this thread's buffer, which stays in cache while it is
-        hashed and copied on (reading straight into fresh memory runs at half the speed here)."""
+        digest."""
         if target.device.type != "cpu" or not target.is_contiguous():
             # A GPU tensor or a strided view (of a fused weight): read whole on the host, then copied.
             source = self.tensor(slot)
             with torch.no_grad():
                 target.copy_(source)
             return digest_buffer(source.reshape(-1).view(torch.uint8).numpy())
-        dst = target.reshape(-1).view(torch.uint8).numpy()
-        hasher = TensorHasher()
-        buffer = _read_buffer()
-        slice_bytes = len(buffer)
-        staged = numpy.frombuffer(buffer, dtype=numpy.uint8)
-        for start in range(0, slot.nbytes, slice_bytes):
-            view = buffer[: min(slice_bytes, slot.nbytes - start)]
-            self._read_into(view, slot.begin + start)
-            hasher.update(view)
-            numpy.copyto(dst[start : start + len(view)], staged[: len(view)])
-        return hasher.hexdigest()
+        return self.digest(slot, into=target.reshape(-1).view(torch.uint8).numpy())
 
     def tensor(self, slot: TensorSlot) -> torch.Tensor:
         """A new CPU tensor holding ``slot``'s bytes (the process's own memory, writable)."""
         out = torch.empty(slot.shape, dtype=slot.dtype)
-        if out.numel():
-            raw = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-            for start in range(0, len(raw), READ_SLICE_BYTES):
-                view = raw[start : start + READ_SLICE_BYTES]
-                self._read_into(view, slot.begin + start)
+        raw = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        for start in range(0, len(raw), READ_SLICE_BYTES):
+            self._read_into(raw[start : start + READ_SLICE_BYTES], slot.begin + start)
         return out
 
     def _read_into(self, view: memoryview, offset: int) -> None:
@@ -289,9 +269,6 @@ class SafetensorsFile:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> SafetensorsFile:
-        return self
-
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
@@ -303,7 +280,6 @@ _buffers = threading.local()
 
 
 def _read_buffer() -> memoryview:
-    """This thread's reusable buffer of ``READ_SLICE_BYTES``."""
     buffer = getattr(_buffers, "buffer", None)
     if buffer is None:
         buffer = _buffers.buffer = memoryview(bytearray(READ_SLICE_BYTES))

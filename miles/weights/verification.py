@@ -122,13 +122,11 @@ def verify_checkpoint(
     return VerificationReport(directory, manifest, tuple(problems + found), checksum)
 
 
-def verify_checkpoint_or_raise(
-    directory: str | os.PathLike[str], *, threads: int | None = None, limit: int | None = None
-) -> Manifest:
+def verify_checkpoint_or_raise(directory: str | os.PathLike[str], *, limit: int | None = None) -> Manifest:
     """The manifest of the checkpoint in ``directory``, verified. Raises as
     ``VerificationReport.raise_for_problems``, and CheckpointError for files that cannot be read."""
     try:
-        report = verify_checkpoint(directory, threads=threads)
+        report = verify_checkpoint(directory)
     except OSError as exc:
         raise CheckpointError(f"checkpoint could not be read: {exc}", path=str(directory)) from exc
     return report.raise_for_problems(limit=limit)
@@ -206,15 +204,15 @@ def compare_with_manifest(
                     "re-export the checkpoint.",
                 )
             )
-    for name in sorted(found.keys() - manifest.tensors.keys()):
-        problems.append(
-            CheckpointProblem(
-                kind=ProblemKind.EXTRA_TENSOR,
-                tensor=name,
-                file=found[name][0],
-                message=f"tensor {name!r} in {found[name][0]} is not in the manifest; {_RESEAL}.",
-            )
+    problems.extend(
+        CheckpointProblem(
+            kind=ProblemKind.EXTRA_TENSOR,
+            tensor=name,
+            file=found[name][0],
+            message=f"tensor {name!r} in {found[name][0]} is not in the manifest; {_RESEAL}.",
         )
+        for name in sorted(found.keys() - manifest.tensors.keys())
+    )
     names = sorted(found)
     if digests:
         computed = digest_files([(found[n][1], found[n][2]) for n in names], threads=threads)
@@ -231,10 +229,8 @@ def compare_with_manifest(
             for n in names
         ]
     for name, digest in zip(names, computed, strict=True):
-        listed = manifest.tensors.get(name)
-        if listed is None:
-            continue
-        problems.extend(_entry_problems(name, found[name][0], listed, digest))
+        if name in manifest.tensors:
+            problems.extend(_entry_problems(name, found[name][0], manifest.tensors[name], digest))
     checksum = None if duplicated or not digests else checksum_from_digests(computed, num_bytes=0).checksum
     return problems, checksum
 

@@ -2,9 +2,7 @@
 ``load_format``: one typed document per format, encoded by the trainer, decoded by the engine.
 
 SGLang puts pickled tensors there; the miles engine refuses them (unpickling a request runs
-whatever code it names) and takes instead the base64 of a JSON document: the bucket's table and
-where its bytes lie, in a shared-memory segment (``ShmDocument``) or in the sender's GPU memory
-(``CudaIpcDocument``). Decoding is strict (``decode``).
+whatever code it names) and takes instead the base64 of a JSON document, decoded strictly.
 """
 
 from __future__ import annotations

@@ -95,7 +95,6 @@ def _joined_key(rank: int) -> str:
 
 
 def _missing(store: dist.Store, ranks: Iterable[int]) -> list[int]:
-    """Those of ``ranks`` that never set their key in ``store``."""
     return [rank for rank in ranks if not store.check([_joined_key(rank)])]
 
 
@@ -169,16 +168,11 @@ def receive(
     try:
         broadcast(group, tensors, timeout_s=timeout_s)
     except (RuntimeError, dist.DistError) as exc:
-        raise unfinished(group_name, timeout_s, exc) from None
-    return unpack(table, flat.cpu() if flat.device.type != "cpu" else flat)
-
-
-def unfinished(group_name: str, timeout_s: float, exc: BaseException) -> ConflictError:
-    """What a receiver answers for a broadcast that did not complete within ``timeout_s``."""
-    return ConflictError(
-        f"the broadcast of group {group_name!r} did not complete within {timeout_s:g}s "
-        f"(the sender stopped or never sent): {exc}; destroy the group and push again"
-    )
+        raise ConflictError(
+            f"the broadcast of group {group_name!r} did not complete within {timeout_s:g}s "
+            f"(the sender stopped or never sent): {exc}; destroy the group and push again"
+        ) from None
+    return unpack(table, flat.cpu())
 
 
 class Rank0:

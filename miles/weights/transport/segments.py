@@ -246,28 +246,25 @@ def _inode(ref: SegmentRef) -> tuple[int, int] | None:
 
 
 def _check(fd: int, ref: SegmentRef, status: os.stat_result, needed: int) -> None:
-    """Raise InvalidRequestError unless ``fd`` is a sealed miles segment of at least ``needed`` bytes."""
-    problem = None
     try:
         target = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         target = ""
     if not stat.S_ISREG(status.st_mode) or target != f"/memfd:{ref.name} (deleted)":
-        problem = (
+        raise InvalidRequestError(
             f"process {ref.pid}'s descriptor {ref.fd} is not the shared-memory segment {ref.name!r}; push from "
             "miles.train.push.PushPublisher, which makes one"
         )
-    else:
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0
-        if not seals & fcntl.F_SEAL_SHRINK:
-            problem = f"segment {ref.name!r} is not sealed against shrinking; make it with miles' Segment"
-        elif status.st_size < needed or status.st_size == 0:
-            problem = f"segment {ref.name!r} holds {status.st_size} bytes, fewer than the {needed} its table describes"
-    if problem is not None:
-        raise InvalidRequestError(problem)
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise InvalidRequestError(f"segment {ref.name!r} is not sealed against shrinking; make it with miles' Segment")
+    if status.st_size < needed or status.st_size == 0:
+        raise InvalidRequestError(
+            f"segment {ref.name!r} holds {status.st_size} bytes, fewer than the {needed} its table describes"
+        )
 
 
 def writable(ref: SegmentRef) -> torch.Tensor:
