@@ -42,7 +42,7 @@ from miles.engine.weights.lock import WeightsLock
 from miles.engine.weights.swap import WeightChanges
 from miles.errors import CheckpointError, InvalidRequestError, QueueFullError
 from miles.protocol.compat import SGLANG_VERSION
-from miles.protocol.sglang import GenerateRequest, GenerateResponse, PauseMode, SamplingParams
+from miles.protocol.sglang import GenerateRequest, GenerateResponse, PauseMode, SamplingParams, per_prompt
 from miles.weights.checkpoint import read_manifest
 
 logger = logging.getLogger("miles.engine")
@@ -221,21 +221,20 @@ class Engine:
             self._release(pending)
 
     async def _submit(self, request: GenerateRequest) -> list[_Pending]:
-        params = _per_prompt(request.sampling_params, request.batch_size, SamplingParams())
+        params = [per_prompt(request.sampling_params, i) or SamplingParams() for i in range(request.batch_size)]
         sequences = sum(p.n for p in params)
         self._check_room(sequences)  # before tokenizing: a request that cannot be queued costs nothing
         prompts = await self._prompt_ids(request)
         # Again: other requests may have queued while this one was tokenized on a worker thread;
         # from here to the scheduler nothing awaits, so the queue cannot pass its bound.
         self._check_room(sequences)
-        rids = _per_prompt(request.rid, len(prompts), None)
         loop = asyncio.get_running_loop()
         pending: list[_Pending] = []
         for index, (prompt, requested) in enumerate(zip(prompts, params, strict=True)):
             sampling = self._resolved(prompt, requested)
             self._check_token_ids(sampling)
             logprobs = request.logprobs_of(index)
-            base = rids[index] or uuid.uuid4().hex
+            base = per_prompt(request.rid, index) or uuid.uuid4().hex
             for sample in range(sampling.n):
                 rid = base if sampling.n == 1 else f"{base}-{sample}"
                 if rid in self._in_flight or any(p.sequence.rid == rid for p in pending):
@@ -477,12 +476,6 @@ async def _final(sink: _Sink) -> GenerateResponse:
         final, response = await sink.queue.get()
         if final:
             return response
-
-
-def _per_prompt(value: Any, count: int, default: Any) -> list[Any]:
-    if isinstance(value, list):
-        return value
-    return [value if value is not None else default] * count
 
 
 def _eos_ids(
