@@ -131,11 +131,6 @@ class StepReport(_Frozen):
         ValueError for no reports, or reports of different steps."""
         if not parts or len({(p.step, p.phase) for p in parts}) != 1:
             raise ValueError(f"combine the reports of one step, got {[(p.step, p.phase.value) for p in parts]}")
-        first = parts[0]
-        samples = sum(p.num_samples for p in parts)
-
-        def by_samples(value: Callable[[StepReport], float]) -> float:
-            return sum(value(p) * p.num_samples for p in parts) / samples if samples else 0.0
 
         def mean(value: Callable[[StepReport], float]) -> float:
             return sum(value(p) for p in parts) / len(parts)
@@ -145,16 +140,16 @@ class StepReport(_Frozen):
             for v in part.rewards_by_version:
                 total, count = by_version.get(v.weight_version, (0.0, 0))
                 by_version[v.weight_version] = (total + v.mean_reward * v.num_samples, count + v.num_samples)
-        return first.model_copy(
+        return parts[0].model_copy(
             update={
                 "loss": mean(lambda p: p.loss),
-                "mean_reward": by_samples(lambda p: p.mean_reward),
-                "exact_rate": by_samples(lambda p: p.exact_rate),
+                "mean_reward": _sample_mean(parts, lambda p: p.mean_reward),
+                "exact_rate": _sample_mean(parts, lambda p: p.exact_rate),
                 "rewards_by_version": tuple(
                     VersionReward(weight_version=version, mean_reward=total / count, num_samples=count)
                     for version, (total, count) in by_version.items()
                 ),
-                "num_samples": samples,
+                "num_samples": sum(p.num_samples for p in parts),
                 "num_interrupted": sum(p.num_interrupted for p in parts),
                 "staleness": Staleness.combined([p.staleness for p in parts]),
                 "num_flat_groups": sum(p.num_flat_groups for p in parts),
@@ -207,10 +202,10 @@ class TrainingSummary(_Frozen):
             raise ValueError("a summary needs at least one step and one publish")
         first, last = steps[:window], steps[-window:]
         return cls(
-            reward_first=_sample_mean(first, exact=False),
-            reward_last=_sample_mean(last, exact=False),
-            exact_first=_sample_mean(first, exact=True),
-            exact_last=_sample_mean(last, exact=True),
+            reward_first=_sample_mean(first, lambda s: s.mean_reward),
+            reward_last=_sample_mean(last, lambda s: s.mean_reward),
+            exact_first=_sample_mean(first, lambda s: s.exact_rate),
+            exact_last=_sample_mean(last, lambda s: s.exact_rate),
             window=window,
             steps=tuple(steps),
             wall_s=wall_s,
@@ -218,9 +213,7 @@ class TrainingSummary(_Frozen):
         )
 
 
-def _sample_mean(steps: Sequence[StepReport], *, exact: bool) -> float:
+def _sample_mean(steps: Sequence[StepReport], value: Callable[[StepReport], float]) -> float:
     # Weighted by sample count, so a step whose samples were all interrupted counts for nothing.
     total = sum(s.num_samples for s in steps)
-    if total == 0:
-        return 0.0
-    return sum((s.exact_rate if exact else s.mean_reward) * s.num_samples for s in steps) / total
+    return sum(value(s) * s.num_samples for s in steps) / total if total else 0.0
