@@ -1,13 +1,9 @@
 """How one trainer's work is split over processes: ``Parallelism``, which ``Trainer`` is given.
 
-- ``SingleProcess`` (the default): one process trains every batch on the whole model.
-- ``FSDP2DataParallel``: this process is one rank of several (gloo on CPU). FSDP2 shards the
-  model (``fully_shard`` per decoder layer and on the whole model), each rank trains its own share
-  of every batch, and FSDP2's reduce-scatter averages the gradients over the ranks, so every rank
-  steps its shard with the gradient of the whole batch. Rank 0 reports each whole step.
-
-Every rank must run the same steps in the same order: FSDP2's gathers, the gradient norm's
-all-reduce and the publisher's collectives all wait for every rank.
+``SingleProcess`` (the default) trains every batch on the whole model; ``FSDP2DataParallel`` is one
+rank of several (docs/ARCHITECTURE.md, "Trainer ranks"). Every rank must run the same steps in the
+same order: FSDP2's gathers, the gradient norm's all-reduce and the publisher's collectives all
+wait for every rank.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Pushing weights from the trainer's memory, no disk: ``PushPublisher``, a ``Publisher``.
 
 ``publish`` runs the training side of a window (docs/ARCHITECTURE.md, "Pushing weights from
-memory"): it streams the model's tensors to every engine of the window in buckets (a constant
-number of calls per update), digesting each tensor as it is packed, and ends the window with the
-checksum those digests combine to, which the controller confirms on every engine as for a
-checkpoint on disk. Anything that fails aborts the window: the servers go back to their verified
-weights.
-
-One bucket loop (``send_buckets``) whatever the path; the path's ``BucketSender`` says where each
-bucket is packed and how it reaches the engines: ``shm`` (``miles.train.tensor_push``, engines on
-this node), ``distributed`` (``miles.train.distributed_push``, anywhere), or ``auto``
-(``choose_path``).
+memory"); anything that fails aborts the window, and the servers go back to their verified
+weights. One bucket loop (``send_buckets``) whatever the path; the path's ``BucketSender`` says
+where each bucket is packed and how it reaches the engines: ``shm`` (``miles.train.tensor_push``),
+``distributed`` (``miles.train.distributed_push``), or ``auto`` (``choose_path``).
 """
 
 from __future__ import annotations

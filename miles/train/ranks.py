@@ -1,14 +1,10 @@
 """A trainer split over rank processes on this machine: ``TrainerRanks`` starts them, relays what
-rank 0 reports, and ends them.
+rank 0 reports, and ends them (docs/ARCHITECTURE.md, "Trainer ranks").
 
-Each rank is ``python -m miles.train.rank_process``, found by its peers as under ``torchrun``.
-Rank 0 writes each step's report, then the summary (or why it failed), as JSON lines
-(``RankMessage``) to a pipe of this process's, so a caller gets what ``Trainer.run`` gives it.
-
-The ranks never outlive the run: they are ended (SIGTERM then SIGKILL) when training ends, fails
-or is cancelled, and each ends itself if this process dies. A rank that fails or dies fails the
-run at once, naming it, how it ended and the end of its log; the others get ``grace_s`` for rank
-0 to say why, then are stopped.
+Each rank is ``python -m miles.train.rank_process``, found by its peers as under ``torchrun``; rank
+0 writes each step's report, then the summary (or why it failed), as JSON lines (``RankMessage``)
+to a pipe of this process's. A rank that fails or dies fails the run at once; the others get
+``grace_s`` for rank 0 to say why, then are stopped (SIGTERM then SIGKILL).
 """
 
 from __future__ import annotations
