@@ -1,25 +1,18 @@
 """Publishing the weights of a sharded trainer: ``ShardedPublisher``, called by every rank.
 
 A trainer that shards its model with FSDP2 (``fully_shard``: ``DTensor`` parameters split by rows)
-publishes without any rank holding the whole model: ``publish`` on every rank opens one window
-(rank 0 speaks to the controller and the engines), and each bucket is filled by the ranks that own
-its bytes:
+publishes without any rank holding the whole model (docs/ARCHITECTURE.md, "Sharded trainers"):
+rank 0 opens one window and speaks to the controller and the engines, and each bucket is filled by
+the ranks that own its bytes, **direct** (every rank and engine on this machine: each rank writes
+its rows into rank 0's shared-memory bucket segment) or **gathered** (one gather to rank 0 per
+bucket). Each rank hashes the 256 KiB chunks inside its rows (``miles.weights.digest``), rank 0 the
+chunks straddling two ranks and the tensors no rank splits by rows: the checksum is a checkpoint's.
 
-- **direct** (every rank and every engine on this machine): each rank writes its rows straight into
-  rank 0's shared-memory bucket segment at the table's offsets; no byte crosses between ranks;
-- **gathered** (otherwise): each rank's part of a bucket goes to rank 0 in one gather per bucket,
-  and rank 0 pushes the bucket as ``PushPublisher`` would.
-
-A tensor's digest is taken over 256 KiB chunks (``miles.weights.digest``), so each rank hashes the
-chunks inside its rows; rank 0 hashes the chunks that straddle two ranks' rows and the tensors no
-rank splits by rows. The checksum is a checkpoint's of the same weights, however they were split.
-
-Every rank takes part in every collective of a publish (two per bucket, three per publish) on a
-gloo group of the publisher's with ``timeout_s``: a rank that fails says so in the next one, a rank
-that dies or never comes fails the others within ``timeout_s``, naming it, and the window is
-aborted or expires. Layouts the publisher cannot split (a mesh of more than one dimension, a
-``Partial`` tensor) and ranks that disagree on the step or the layout are refused on every rank
-before the window opens.
+Every collective of a publish (two per bucket, three per publish) is on a gloo group of the
+publisher's with ``timeout_s``: a rank that fails says so in the next one, a rank that dies or
+never comes fails the others within ``timeout_s``, naming it. Layouts the publisher cannot split (a
+mesh of more than one dimension, a ``Partial`` tensor) and ranks that disagree on the step or the
+layout are refused on every rank before the window opens.
 """
 
 from __future__ import annotations
@@ -237,20 +230,12 @@ class ShardedPublisher:
 
     async def _bcast(self, what: str, obj: Any) -> Any:
         box = [obj]
-
-        def call() -> None:
-            dist.broadcast_object_list(box, src=0, group=self._group)
-
-        await self._collective(what, call)
+        await self._collective(what, lambda: dist.broadcast_object_list(box, src=0, group=self._group))
         return box[0]
 
     async def _gather(self, what: str, obj: Any) -> list[Any] | None:
         gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
-
-        def call() -> None:
-            dist.gather_object(obj, gathered, dst=0, group=self._group)
-
-        await self._collective(what, call)
+        await self._collective(what, lambda: dist.gather_object(obj, gathered, dst=0, group=self._group))
         return gathered
 
     def _contribute(
