@@ -89,15 +89,11 @@ def clipped_policy_loss(
     loss = per_token.masked_fill(~mask, 0.0).sum() / num_tokens
     with torch.no_grad():
         cut = (clipped < unclipped) & mask
-        clip_fraction = float(cut.sum()) / num_tokens
-        mean_ratio = float(ratio.masked_fill(~mask, 0.0).sum()) / num_tokens
-        log_ratio = logp_trainer.detach() - logp_server.detach()
-        kl = (ratio.detach() - 1.0 - log_ratio).masked_fill(~mask, 0.0)
-        behaviour_kl = float(kl.sum()) / num_tokens
-    return PolicyLoss(
-        loss=loss,
-        num_tokens=num_tokens,
-        clip_fraction=clip_fraction,
-        mean_ratio=mean_ratio,
-        behaviour_kl=behaviour_kl,
-    )
+        kl = (ratio.detach() - 1.0 - (logp_trainer.detach() - logp_server.detach())).masked_fill(~mask, 0.0)
+        return PolicyLoss(
+            loss=loss,
+            num_tokens=num_tokens,
+            clip_fraction=float(cut.sum()) / num_tokens,
+            mean_ratio=float(ratio.masked_fill(~mask, 0.0).sum()) / num_tokens,
+            behaviour_kl=float(kl.sum()) / num_tokens,
+        )

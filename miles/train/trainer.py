@@ -1,28 +1,11 @@
 """The training loop: an SFT warm-up, then GRPO on completions sampled from the servers.
 
-Every step is one optimizer step. An SFT step trains on correct answers (teacher forcing) while a
-few prompts are sampled from the servers to measure reward. A GRPO step trains on
-``prompts_per_step`` groups of ``group_size`` sampled completions with the clipped policy-gradient
-loss against each token's server logprob (from the weights that generated it, so the ratio is the
-importance ratio even when an update came mid-answer). Every ``publish_every`` steps (and after
-the last) the weights are published.
-
-GRPO runs in one of two loops (``TrainerConfig.loop``):
-- sync: sample a batch, train on it, publish, repeat; the fleet idles while the trainer trains.
-- async: a producer keeps the fleet generating the groups of the next steps while the trainer
-  trains on finished ones. Staleness is bounded by admission, not by discarding work: a group
-  meant for the step that trains on version ``t`` starts only once version ``t -
-  max_staleness`` is published, and asks for that version or a later one (``min_weight_version``),
-  so no sample's first token is more than ``max_staleness`` versions behind what trains on it.
-  Groups are trained in the order they were started (problems are drawn in the same order as the
-  sync loop draws them). With ``max_staleness`` of 2 or more a step's weights are published from a
-  copy while the trainer trains the next step, so publishing overlaps training too (one publish at
-  a time, in step order); with 1, the next batch generates while the trainer trains and publishes.
-
-The trainer may be one of several data-parallel ranks (``miles.train.parallel``), each training
-its share of every batch on its shard of the model; only the sync loop runs on several ranks.
-Torch work runs in a worker thread so the event loop (which may also run a controller or a UI)
-stays responsive.
+Every step is one optimizer step; every ``publish_every`` steps (and after the last) the weights
+are published. GRPO runs sync (sample a batch, train, publish) or async (``TrainerConfig.loop``): a
+producer keeps the fleet generating the groups of the next steps, each admitted once the version
+``max_staleness`` before the one that trains on it is published (docs/ARCHITECTURE.md, "Trainer").
+Only the sync loop runs on several data-parallel ranks (``miles.train.parallel``). Torch work runs
+in a worker thread so the event loop (which may also run a controller or a UI) stays responsive.
 """
 
 from __future__ import annotations
@@ -91,7 +74,6 @@ class _Scored:
     prompt_ids: tuple[int, ...]
     sample: Sample
     reward: float
-    exact: bool
 
 
 class Trainer:
@@ -343,7 +325,7 @@ class Trainer:
             phase=phase,
             loss=update.loss,
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
-            exact_rate=sum(s.exact for s in samples) / len(samples) if samples else 0.0,
+            exact_rate=sum(s.reward == 1.0 for s in samples) / len(samples) if samples else 0.0,
             rewards_by_version=rewards_by_version([s.sample.weight_version for s in samples], rewards),
             num_samples=len(samples),
             num_interrupted=sum(len(g.samples) for g in groups) - len(samples),
@@ -369,16 +351,11 @@ class Trainer:
             )
 
     def _score(self, problems: Sequence[Problem], groups: Sequence[Group]) -> list[list[_Scored]]:
-        scored: list[list[_Scored]] = []
-        for problem, group in zip(problems, groups, strict=True):
-            kept: list[_Scored] = []
-            for sample in group.samples:
-                if sample.interrupted:
-                    continue
-                reward = score(problem, parse_completion(sample.output_ids, tokenizer=self.tokenizer))
-                kept.append(_Scored(prompt_ids=group.prompt_ids, sample=sample, reward=reward, exact=reward == 1.0))
-            scored.append(kept)
-        return scored
+        parse = functools.partial(parse_completion, tokenizer=self.tokenizer)
+        return [
+            [_Scored(g.prompt_ids, s, score(problem, parse(s.output_ids))) for s in g.samples if not s.interrupted]
+            for problem, g in zip(problems, groups, strict=True)
+        ]
 
     def _sft_update(self, problems: Sequence[Problem], optimizer: torch.optim.Optimizer) -> _Update:
         batch = pack(
