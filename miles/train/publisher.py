@@ -40,11 +40,12 @@ class PublishResult(BaseModel):
     step: Annotated[int, Field(ge=0)]
     weight_version: str
     checksum: str
-    # Where the weights went through: a checkpoint on disk, or pushed from memory (None then).
-    checkpoint_dir: Path | None
+    # Where the weights went through: a checkpoint on disk, or pushed from memory (None then, and
+    # nothing saved or waited for).
+    checkpoint_dir: Path | None = None
     path: str = "disk"
-    save_s: float
-    ready_wait_s: float
+    save_s: float = 0.0
+    ready_wait_s: float = 0.0
     apply_s: float
     # Wall time of the whole publish: save, announce, wait for ready, apply.
     latency_s: float

@@ -94,15 +94,7 @@ def push_result(step: int, *, checksum: str, path: str, started: float) -> Publi
     """What a push of ``step`` that began at ``started`` (``time.perf_counter()``) published."""
     total = time.perf_counter() - started
     return PublishResult(
-        step=step,
-        weight_version=str(step),
-        checksum=checksum,
-        checkpoint_dir=None,
-        save_s=0.0,
-        ready_wait_s=0.0,
-        apply_s=total,
-        latency_s=total,
-        path=path,
+        step=step, weight_version=str(step), checksum=checksum, path=path, apply_s=total, latency_s=total
     )
 
 
@@ -382,11 +374,9 @@ async def _stream(
         into = sender.into(index)
         if into is None:
             stats.in_place += table.nbytes
-        work = (
-            functools.partial(_digested, named, table, known=known)
-            if into is None
-            else functools.partial(pack, named, table, into)
-        )
+            work = functools.partial(_digested, named, table, known=known)
+        else:
+            work = functools.partial(pack, named, table, into)
         packed = work() if table.nbytes <= _INLINE_PACK_BYTES else await asyncio.to_thread(work)
         stats.spent("pack", packing)
         stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}
