@@ -88,12 +88,8 @@ class FSDP2DataParallel:
 
     async def combine(self, report: StepReport) -> StepReport:
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-
-        def gather() -> None:
-            dist.gather_object(report, gathered, dst=0, group=self._group)
-
         try:
-            await asyncio.to_thread(gather)
+            await asyncio.to_thread(dist.gather_object, report, gathered, dst=0, group=self._group)
         except (RuntimeError, dist.DistError) as exc:
             raise TrainerError(
                 f"rank {self.rank}: the trainer's ranks did not all report step {report.step} within "

@@ -185,10 +185,11 @@ class ShardedPublisher:
 
     # --- every rank ------------------------------------------------------------------------
 
-    async def _collective(self, what: str, call: Callable[[], Any]) -> Any:
-        """A collective of the publisher's group, off the loop; PublishError when a rank never came."""
+    async def _collective(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)``, a collective of the publisher's group, off the loop;
+        PublishError when a rank never came."""
         try:
-            return await asyncio.to_thread(call)
+            return await asyncio.to_thread(call, *args, **kwargs)
         except (RuntimeError, dist.DistError) as exc:
             raise PublishError(
                 f"rank {self.rank}: the trainer's ranks did not all take part in {what} within {self.timeout_s:g}s "
@@ -205,11 +206,7 @@ class ShardedPublisher:
         await self._collective("publish (every rank must call it)", barrier)
         mine = (step, refused, parts, socket.gethostname(), os.getpid())
         gathered: list[Any] = [None] * self.world
-
-        def gather() -> None:
-            dist.all_gather_object(gathered, mine, group=self._group)
-
-        await self._collective("agreeing on the layout", gather)
+        await self._collective("agreeing on the layout", dist.all_gather_object, gathered, mine, group=self._group)
         problems = [f"rank {r}: {g[1]}" for r, g in enumerate(gathered) if g[1] is not None]
         steps = {g[0] for g in gathered}
         if len(steps) > 1:
@@ -230,12 +227,12 @@ class ShardedPublisher:
 
     async def _bcast(self, what: str, obj: Any) -> Any:
         box = [obj]
-        await self._collective(what, lambda: dist.broadcast_object_list(box, src=0, group=self._group))
+        await self._collective(what, dist.broadcast_object_list, box, src=0, group=self._group)
         return box[0]
 
     async def _gather(self, what: str, obj: Any) -> list[Any] | None:
         gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        await self._collective(what, lambda: dist.gather_object(obj, gathered, dst=0, group=self._group))
+        await self._collective(what, dist.gather_object, obj, gathered, dst=0, group=self._group)
         return gathered
 
     def _contribute(
