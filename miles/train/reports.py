@@ -6,6 +6,7 @@ model), so the curve shows what serving actually delivered, version by version.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from enum import StrEnum
@@ -70,10 +71,7 @@ class Staleness(_Frozen):
         unparsed = sum(p.unparsed for p in parts)
         if not measured:
             return cls(unparsed=unparsed)
-        counts = [0] * max(len(p.counts) for p in measured)
-        for part in measured:
-            for gap, count in enumerate(part.counts):
-                counts[gap] += count
+        counts = [sum(c) for c in itertools.zip_longest(*(p.counts for p in measured), fillvalue=0)]
         return cls(
             min=min(p.min for p in measured),
             max=max(p.max for p in measured),

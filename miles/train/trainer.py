@@ -368,27 +368,23 @@ class Trainer:
         return _Update(loss=float(loss.detach()))
 
     def _grpo_update(self, scored: Sequence[Sequence[_Scored]], optimizer: torch.optim.Optimizer) -> _Update:
-        rows: list[_Scored] = []
-        advantages: list[torch.Tensor] = []
-        for group in scored:
-            # A group cut below two samples by interruptions has no baseline to compare against.
-            if len(group) < 2:
-                continue
-            rewards = torch.tensor([[s.reward for s in group]])
-            advantages.append(group_advantages(rewards, eps=self.config.advantage_eps)[0])
-            rows.extend(group)
+        # A group cut below two samples by interruptions has no baseline to compare against.
+        kept = [group for group in scored if len(group) >= 2]
+        rows = [s for group in kept for s in group]
         if not rows:
             if self._parallel.world_size > 1:
                 self._apply_gradients(self._nothing_learned(), optimizer)
             return _Update(loss=0.0)
         batch = pack(
-            [r.prompt_ids for r in rows],
-            [r.sample.output_ids for r in rows],
-            pad_token_id=self.tokenizer.pad_token_id,
+            [r.prompt_ids for r in rows], [r.sample.output_ids for r in rows], pad_token_id=self.tokenizer.pad_token_id
         )
         server = torch.zeros(batch.completion_mask.shape)
         for row, item in enumerate(rows):
             server[row, : len(item.sample.logprobs)] = torch.tensor(item.sample.logprobs)
+        advantages = [
+            group_advantages(torch.tensor([[s.reward for s in group]]), eps=self.config.advantage_eps)[0]
+            for group in kept
+        ]
         result = clipped_policy_loss(
             logp_trainer=completion_logprobs(self.model, batch),
             logp_server=server,
@@ -444,8 +440,7 @@ class _FleetClock:
     idle: float = 0.0
 
     def idle_s(self) -> float:
-        now = time.monotonic()
-        return self.idle + (now - self.idle_since if self.idle_since is not None else 0.0)
+        return self.idle + (time.monotonic() - self.idle_since if self.idle_since is not None else 0.0)
 
     @contextmanager
     def busy(self) -> Iterator[None]:
