@@ -69,12 +69,7 @@ class DistributedPush:
             buffers = self._host_buffers(regions(len(tables)), max(max(t.total_bytes for t in tables), 1))
             try:
                 yield _Broadcasts(
-                    calls=calls,
-                    tables=tables,
-                    buffers=buffers,
-                    group=group,
-                    device=device,
-                    timeout_s=self.timeout_s,
+                    calls=calls, tables=tables, buffers=buffers, group=group, device=device, timeout_s=self.timeout_s
                 )
             finally:
                 leave = DestroyWeightsUpdateGroupRequest(group_name=GROUP_NAME)

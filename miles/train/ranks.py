@@ -159,13 +159,7 @@ class TrainerRanks:
     """``world_size`` rank processes training ``spec.trainer`` together; ``run`` as ``Trainer.run``."""
 
     def __init__(
-        self,
-        spec: RankSpec,
-        *,
-        world_size: int,
-        log_dir: Path,
-        on_step: OnStep | None = None,
-        grace_s: float = 5.0,
+        self, spec: RankSpec, *, world_size: int, log_dir: Path, on_step: OnStep | None = None, grace_s: float = 5.0
     ) -> None:
         """``log_dir`` gets each rank's output; ``grace_s``: how long a rank has to end on SIGTERM,
         and a failure waits for rank 0 to say why. Raises ValueError for fewer than 2 ranks."""

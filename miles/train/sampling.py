@@ -68,13 +68,7 @@ class Sampler(Protocol):
 class HttpSampler:
     """A ``Sampler`` over one or more ``/generate`` base URLs (controller or engines)."""
 
-    def __init__(
-        self,
-        urls: Sequence[str],
-        *,
-        http: httpx.AsyncClient,
-        timeout_s: float = 120.0,
-    ) -> None:
+    def __init__(self, urls: Sequence[str], *, http: httpx.AsyncClient, timeout_s: float = 120.0) -> None:
         """``http`` is the caller's to close; ValueError when no URL is given."""
         if not urls:
             raise ValueError("give at least one /generate base URL")
