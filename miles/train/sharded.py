@@ -322,26 +322,23 @@ class ShardedPublisher:
     async def _follow(self, layout: _Layout, local: dict[str, torch.Tensor], *, step: int) -> PublishResult:
         """Every rank but 0: fill each bucket as rank 0 says, until it says how the publish ended."""
 
-        def refused(reason: str) -> PublishError:
-            return PublishError(f"rank 0 could not publish step {step}: {reason}")
+        async def told(what: str) -> Any:
+            """What rank 0 broadcast; PublishError when it was the reason it gave up."""
+            said = await self._bcast(what, None)
+            if isinstance(said, str):
+                raise PublishError(f"rank 0 could not publish step {step}: {said}")
+            return said
 
-        plan = await self._bcast("the plan", None)
-        if isinstance(plan, str):
-            raise refused(plan)
+        plan = await told("the plan")
         into = await asyncio.to_thread(self._map, plan.segment) if plan.direct and plan.segment else None
         for table in plan.tables:
-            start = await self._bcast("a bucket's start", None)
-            if isinstance(start, str):
-                raise refused(start)
+            await told("a bucket's start")
             try:
                 mine = await asyncio.to_thread(self._contribute, layout, local, table, into)
             except Exception as exc:  # noqa: BLE001  # told to rank 0, which aborts the publish for every rank
                 mine = {"error": f"{type(exc).__name__}: {exc}"}
             await self._gather("a bucket's digests", mine)
-        outcome = await self._bcast("the outcome", None)
-        if isinstance(outcome, str):
-            raise refused(outcome)
-        return outcome
+        return await told("the outcome")
 
     def _map(self, ref: SegmentRef) -> torch.Tensor:
         """Rank 0's bucket segment, mapped here for this rank's rows (kept while rank 0 keeps it)."""
@@ -410,14 +407,11 @@ def _chunk_digests(part: _Part, mine: torch.Tensor) -> tuple[int, bytes]:
     begin, end = part.byte_range()
     raw = memoryview(mine.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())  # type: ignore[arg-type]
     total = part.nbytes
-    first = -(-begin // CHUNK_BYTES)
-    out = []
-    k = first
-    while k * CHUNK_BYTES < end and min((k + 1) * CHUNK_BYTES, total) <= end:
-        lo = k * CHUNK_BYTES - begin
-        out.append(chunk_digest(raw[lo : lo + min(CHUNK_BYTES, total - k * CHUNK_BYTES)]))
-        k += 1
-    return first, b"".join(out)
+    # The first chunk starting in the rows, up to the last one ending in them (the tensor's last
+    # chunk, shorter, when the rows run to its end).
+    first, last = -(-begin // CHUNK_BYTES), (-(-end // CHUNK_BYTES) if end == total else end // CHUNK_BYTES)
+    chunks = (raw[k * CHUNK_BYTES - begin : min((k + 1) * CHUNK_BYTES, total) - begin] for k in range(first, last))
+    return first, b"".join(chunk_digest(chunk) for chunk in chunks)
 
 
 def _finish(
