@@ -29,21 +29,17 @@ class Parallelism(Protocol):
     @property
     def rank(self) -> int:
         """This process's index; rank 0 reports the steps."""
-        ...
 
     @property
     def world_size(self) -> int:
         """How many processes train the model."""
-        ...
 
     def shard(self, model: PreTrainedModel) -> PreTrainedModel:
         """The model this process trains, made from the whole freshly built one (in place)."""
-        ...
 
     async def combine(self, report: StepReport) -> StepReport:
         """On rank 0, the whole step's report from every rank's; on the others, their own. Called
         by every rank after every step; TrainerError when a rank did not take part in time."""
-        ...
 
 
 def share(count: int, *, rank: int, world_size: int) -> int:

@@ -57,7 +57,6 @@ class Publisher(Protocol):
     async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
         """Return once the servers serve ``model``'s weights (unchanged meanwhile) as version
         ``step``; PublishError when anything went wrong (they may serve the previous version)."""
-        ...
 
 
 async def always_ready() -> bool:

@@ -67,14 +67,12 @@ class BucketSender(Protocol):
     def into(self, index: int) -> torch.Tensor | None:
         """The flat buffer bucket ``index`` is packed into, at its table's offsets; None when the
         engines read its tensors where they lie (they are only hashed)."""
-        ...
 
     async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> Awaitable[None]:
         """Hand bucket ``index`` (its table with the digests) to every engine; ``checksum``, with
         the last bucket, is the model checksum they must hold after it. Returns once the bucket's
         buffer may be packed again, with the engines' answers (raising PublishError for a refusal)
         to await: at once where they read the buffer itself, later where it was broadcast to them."""
-        ...
 
 
 def check_push_settings(*, path: TransferPath, ttl_s: float, timeout_s: float, bucket_bytes: int) -> None:

@@ -62,7 +62,6 @@ class Sampler(Protocol):
         ``min_weight_version`` or a later version when given (the controller routes them so).
         Raises RolloutRequestError when a request failed or its answer was unusable.
         """
-        ...
 
 
 class HttpSampler:
