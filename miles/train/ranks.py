@@ -126,10 +126,8 @@ class _Launch:
     @classmethod
     def prepare(cls, log_dir: Path, world_size: int) -> _Launch:
         log_dir.mkdir(parents=True, exist_ok=True)
-        logs = []
-        for index in range(world_size):
-            log = log_dir / f"trainer-rank-{index}.log"
-            logs.append((log, os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)))
+        paths = [log_dir / f"trainer-rank-{index}.log" for index in range(world_size)]
+        logs = [(log, os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)) for log in paths]
         read_end, write_end = os.pipe()
         return cls(port=free_port(), read_end=read_end, write_end=write_end, logs=logs)
 
