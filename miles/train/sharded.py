@@ -113,15 +113,9 @@ def _parts(model: torch.nn.Module, world: int) -> tuple[list[_Part], dict[str, t
     return parts, local
 
 
-@dataclass
-class _Layout:
-    """Every rank's parts, in the model's order: what each rank sends, and where."""
-
-    by_rank: list[dict[str, _Part]]
-    names: list[str]
-
-    def whole(self, name: str) -> _Part:
-        return self.by_rank[0][name]
+# Every rank's parts by name, in the model's order: what each rank sends, and where (rank 0's
+# part of a tensor describes the whole of it).
+_Layout = list[dict[str, _Part]]
 
 
 @dataclass
@@ -223,7 +217,7 @@ class ShardedPublisher:
         if problems:
             raise PublishError("the sharded publish was refused before its window opened: " + "; ".join(problems))
         self._peers = [(g[3], g[4]) for g in gathered]
-        return _Layout(by_rank=[{p.name: p for p in g[2]} for g in gathered], names=[p.name for p in gathered[0][2]])
+        return [{p.name: p for p in g[2]} for g in gathered]
 
     async def _bcast(self, what: str, obj: Any) -> Any:
         box = [obj]
@@ -244,7 +238,7 @@ class ShardedPublisher:
         digests: dict[str, tuple[int, bytes]] = {}
         payload: dict[str, torch.Tensor] = {}
         for entry in table.entries:
-            part = layout.by_rank[self.rank][entry.name]
+            part = layout[self.rank][entry.name]
             mine = local[entry.name]
             if part.kind == "whole" and self.rank != 0:
                 continue  # rank 0's copy is sent
@@ -291,7 +285,7 @@ class ShardedPublisher:
             shm = path is TransferPath.SHM
             direct = shm and all(host == self._peers[0][0] for host, _ in self._peers)
             stats.path = f"{'shm' if shm else 'distributed'}, {'direct shards' if direct else 'gathered per bucket'}"
-            meta = {name: _meta(layout.whole(name)) for name in layout.names}
+            meta = {name: _meta(part) for name, part in layout[0].items()}
             calls = self._transports.calls(window, step=step, stats=stats)
             async with self._transports.sender(meta, calls, path=path, shared=None) as sender:
                 segment = getattr(sender, "segment", None) if direct else None
@@ -424,11 +418,11 @@ def _finish(
         for rank, contribution in enumerate(gathered):
             for name, mine in contribution["payload"].items():
                 entry = next(e for e in table.entries if e.name == name)
-                _place(into, entry.offset, layout.by_rank[rank][name], mine)
+                _place(into, entry.offset, layout[rank][name], mine)
     raw = into.numpy()
     entries = []
     for entry in table.entries:
-        part = layout.whole(entry.name)
+        part = layout[0][entry.name]
         chunks = max(-(-part.nbytes // CHUNK_BYTES), 0)
         known: dict[int, bytes] = {}
         for contribution in gathered:
