@@ -67,8 +67,7 @@ class DiskPublisher:
     """Publishes checkpoints written under ``root`` as ``step-000042`` directories (version = step).
 
     Keeps the ``keep_last`` newest checkpoints it wrote and deletes older ones once a newer one
-    has been applied (at least two: the one serving and the one before it, to roll back to).
-    """
+    has been applied (at least two: the one serving and the one before it, to roll back to)."""
 
     def __init__(
         self,

@@ -191,8 +191,7 @@ class PushPublisher:
         publisher's (the tensors stay the same objects with the same values), so engines on this
         machine read each where it lies and a push copies nothing on this side (it only hashes).
         Called again, it moves them into a new segment. Returns ``module``; raises PublishError
-        when the memory for them cannot be had.
-        """
+        when the memory for them cannot be had."""
         segment = _share(module)
         if segment is not None:
             previous, self._shared = self._shared, segment
@@ -216,8 +215,7 @@ class PushPublisher:
         """Return once the servers serve ``model``'s weights as version ``step``, verified; raises
         PublishError when the push or the commit failed (the servers keep their verified weights).
         With ``share_weights`` and a path that may be shared memory, the weights are first moved
-        there (``share_memory``); when that memory cannot be had, every push copies them.
-        """
+        there (``share_memory``); when that memory cannot be had, every push copies them."""
         if self.share_weights and self.path is not TransferPath.DISTRIBUTED and not self._shares(model):
             try:
                 await asyncio.to_thread(self.share_memory, model)
@@ -231,8 +229,7 @@ class PushPublisher:
 
         With ``delta``, after a committed push only the tensors whose digest changed since are
         sent; the engines confirm the whole model's checksum as always, so a server that does not
-        hold what the last push left fails the commit, and the push is redone in full.
-        """
+        hold what the last push left fails the commit, and the push is redone in full."""
         held = self._held
         try:
             return await self._push(named, step=step, held=held, staged=self.staged)

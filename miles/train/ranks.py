@@ -170,8 +170,7 @@ class TrainerRanks:
     async def run(self) -> TrainingSummary:
         """Train to the end and return rank 0's summary, with ``on_step`` called for each step as
         rank 0 reports it; every rank has ended when this returns or raises. Raises
-        TrainerRankError when a rank could not start, failed or died, or rank 0 gave no summary.
-        """
+        TrainerRankError when a rank could not start, failed or died, or rank 0 gave no summary."""
         launch = await asyncio.to_thread(_Launch.prepare, self.log_dir, self.world_size)
         ranks: list[_Rank] = []
         transport: asyncio.BaseTransport | None = None

@@ -60,8 +60,7 @@ class Sampler(Protocol):
     ) -> list[Group]:
         """One ``Group`` of ``group_size`` samples per prompt, in prompt order, generated on
         ``min_weight_version`` or a later version when given (the controller routes them so).
-        Raises RolloutRequestError when a request failed or its answer was unusable.
-        """
+        Raises RolloutRequestError when a request failed or its answer was unusable."""
 
 
 class HttpSampler:

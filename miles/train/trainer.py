@@ -45,8 +45,7 @@ def write_initial_checkpoint(
     """Write the untrained model a ``Trainer(config)`` starts from, as the step-0 checkpoint: served
     before training starts, the servers and the trainer begin from identical weights, which the
     importance ratios rely on. Raises UnknownPresetError for an unknown ``config.preset``,
-    CheckpointExistsError when ``out_dir`` exists and ``overwrite`` is False.
-    """
+    CheckpointExistsError when ``out_dir`` exists and ``overwrite`` is False."""
     return save_checkpoint(
         out_dir,
         model=build_model(config.preset, seed=config.seed),
@@ -91,8 +90,7 @@ class Trainer:
         """Build the model (seeded as ``write_initial_checkpoint`` does, sharded by ``parallel``:
         every rank makes its ``Trainer`` with the same ``config``; ``on_step`` sees whole steps on
         rank 0). Raises UnknownPresetError for an unknown ``config.preset``, TrainerError when
-        ``config`` cannot be split over ``parallel``'s ranks.
-        """
+        ``config`` cannot be split over ``parallel``'s ranks."""
         self.config = config
         self._parallel = parallel or SingleProcess()
         rank, world = self._parallel.rank, self._parallel.world_size
@@ -120,8 +118,7 @@ class Trainer:
     async def run(self) -> TrainingSummary:
         """Run every SFT step, then every GRPO step (with torch's intra-op threads of the whole
         process set to ``config.num_threads``); return the summary. Raises RolloutRequestError when
-        sampling failed, PublishError when publishing did (the servers may serve an older version).
-        """
+        sampling failed, PublishError when publishing did (the servers may serve an older version)."""
         torch.set_num_threads(self.config.num_threads)
         started = time.monotonic()
         reports: list[StepReport] = []
