@@ -271,9 +271,9 @@ class PushPublisher:
 
         try:
             checksum = await push_in_window(self.windows, window, stream, step=step, stats=stats)
+        except (PublishError, asyncio.CancelledError):
+            raise
         except BaseException as exc:
-            if isinstance(exc, PublishError | asyncio.CancelledError):
-                raise
             raise PublishError(f"pushing step {step} failed: {exc}") from exc
         stats.timings["open"] = opened - started
         self.last = stats
