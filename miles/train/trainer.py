@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -286,13 +287,12 @@ class Trainer:
                     }
                 )
         finally:
-            producer.cancel()
-            tasks = [task for _, task in started_groups]
+            tasks: list[asyncio.Future[Any]] = [producer, *(task for _, task in started_groups)]
             if publishing is not None:
-                tasks.append(publishing)  # type: ignore[arg-type]
+                tasks.append(publishing)
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(producer, *tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _count_step(self) -> int:
         self._steps_done += 1
