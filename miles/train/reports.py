@@ -6,8 +6,9 @@ model), so the curve shows what serving actually delivered, version by version.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Annotated
@@ -51,18 +52,15 @@ class Staleness(_Frozen):
     def of(cls, versions: Sequence[str], *, trainer_step: int) -> Staleness:
         """Of samples first generated on ``versions``, trained on after ``trainer_step`` steps."""
         gaps: list[int] = []
-        unparsed = 0
         for version in versions:
-            try:
+            with contextlib.suppress(ValueError):
                 gaps.append(trainer_step - int(version))
-            except ValueError:
-                unparsed += 1
+        unparsed = len(versions) - len(gaps)
         if not gaps:
             return cls(unparsed=unparsed)
-        counts = [0] * (max(0, max(gaps)) + 1)
-        for gap in gaps:
-            counts[max(gap, 0)] += 1
-        return cls(min=min(gaps), max=max(gaps), mean=sum(gaps) / len(gaps), counts=tuple(counts), unparsed=unparsed)
+        behind = Counter(max(gap, 0) for gap in gaps)
+        counts = tuple(behind[k] for k in range(max(behind) + 1))
+        return cls(min=min(gaps), max=max(gaps), mean=sum(gaps) / len(gaps), counts=counts, unparsed=unparsed)
 
     @classmethod
     def combined(cls, parts: Sequence[Staleness]) -> Staleness:
