@@ -285,7 +285,8 @@ class ShardedPublisher:
             shm = path is TransferPath.SHM
             direct = shm and all(host == self._peers[0][0] for host, _ in self._peers)
             stats.path = f"{'shm' if shm else 'distributed'}, {'direct shards' if direct else 'gathered per bucket'}"
-            meta = {name: _meta(part) for name, part in layout[0].items()}
+            # Tensors of the wholes' dtypes and shapes and no bytes: what buckets are planned from.
+            meta = {n: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device="meta") for n, p in layout[0].items()}
             calls = self._transports.calls(window, step=step, stats=stats)
             async with self._transports.sender(meta, calls, path=path, shared=None) as sender:
                 segment = getattr(sender, "segment", None) if direct else None
@@ -377,11 +378,6 @@ class _Steps:
             # for the outcome: each is a broadcast from rank 0, which the reason answers.
             await self._publisher._bcast("the plan" if self._next == "plan" else "a bucket's start", reason)
         self._next = "done"
-
-
-def _meta(part: _Part) -> torch.Tensor:
-    """A tensor of the whole's dtype and shape and no bytes: what buckets are planned from."""
-    return torch.empty(part.shape, dtype=getattr(torch, part.dtype), device="meta")
 
 
 def _place(into: torch.Tensor, offset: int, part: _Part, mine: torch.Tensor) -> None:
