@@ -5,40 +5,18 @@ through a ``Publisher`` (``DiskPublisher``: checkpoint, checksum event, verified
 """
 
 from miles.train.config import TrainerConfig
-from miles.train.grpo import PolicyLoss, clipped_policy_loss, group_advantages
-from miles.train.publisher import ApplyFn, DiskPublisher, Publisher, PublishResult, ReadyFn, always_ready
-from miles.train.reports import Phase, Staleness, StepReport, TrainingSummary, VersionReward
-from miles.train.sampling import Group, HttpSampler, Sample, Sampler
-from miles.train.task import Completion, Ending, Problem, ReverseTask, parse_completion, score
-from miles.train.trainer import OnStep, Trainer, write_initial_checkpoint
+from miles.train.publisher import DiskPublisher, Publisher
+from miles.train.reports import Phase, StepReport
+from miles.train.sampling import HttpSampler
+from miles.train.trainer import Trainer, write_initial_checkpoint
 
 __all__ = [
-    "ApplyFn",
-    "Completion",
     "DiskPublisher",
-    "Ending",
-    "Group",
     "HttpSampler",
-    "OnStep",
     "Phase",
-    "PolicyLoss",
-    "Problem",
-    "PublishResult",
     "Publisher",
-    "ReadyFn",
-    "ReverseTask",
-    "Sample",
-    "Sampler",
-    "Staleness",
     "StepReport",
     "Trainer",
     "TrainerConfig",
-    "TrainingSummary",
-    "VersionReward",
-    "always_ready",
-    "clipped_policy_loss",
-    "group_advantages",
-    "parse_completion",
-    "score",
     "write_initial_checkpoint",
 ]

@@ -62,19 +62,13 @@ class DistributedPush:
             # theirs), gloo between CPUs otherwise.
             device = next((t.device for t in named.values() if t.device.type == "cuda"), None)
             joined = time.perf_counter()
-            backend = "nccl" if device is not None else "gloo"
-            group = await self._form(rank0, calls, backend=backend)
+            group = await self._form(rank0, calls, backend="nccl" if device is not None else "gloo")
             calls.stats.spent("join", joined)
             tables = [layout(named, names) for names in plan(named, bucket_bytes=self.bucket_bytes)]
             buffers = self._host_buffers(regions(len(tables)), max(max(t.total_bytes for t in tables), 1))
             try:
                 yield _Broadcasts(
-                    calls=calls,
-                    tables=tables,
-                    buffers=buffers,
-                    group=group,
-                    device=device,
-                    timeout_s=self.timeout_s,
+                    calls=calls, tables=tables, buffers=buffers, group=group, device=device, timeout_s=self.timeout_s
                 )
             finally:
                 leave = DestroyWeightsUpdateGroupRequest(group_name=GROUP_NAME)

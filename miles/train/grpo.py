@@ -22,8 +22,7 @@ def group_advantages(rewards: torch.Tensor, *, eps: float = 1e-6) -> torch.Tenso
     """Advantages ``[P, G]`` for rewards ``[P, G]`` (one row per prompt, one column per sample).
 
     Rows with zero variance give exactly zero; others give ``(r - mean) / (std + eps)``. Raises
-    ValueError when ``rewards`` is not two-dimensional or a group has fewer than two samples.
-    """
+    ValueError when ``rewards`` is not two-dimensional or a group has fewer than two samples."""
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be [prompts, group] with group >= 2, got shape {tuple(rewards.shape)}")
     rewards = rewards.double()
@@ -66,8 +65,7 @@ def clipped_policy_loss(
     sampled tokens; ``advantages`` is ``[N]`` (one per completion, shared by its tokens); ``mask``
     ``[N, T]`` marks real completion tokens. A batch without tokens gives a zero loss that still
     backpropagates (to keep the caller's step uniform). Raises ValueError when shapes disagree or
-    ``clip_eps`` is not in ``(0, 1)``.
-    """
+    ``clip_eps`` is not in ``(0, 1)``."""
     if not 0 < clip_eps < 1:
         raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
     if logp_trainer.shape != logp_server.shape or logp_trainer.shape != mask.shape:
@@ -89,15 +87,11 @@ def clipped_policy_loss(
     loss = per_token.masked_fill(~mask, 0.0).sum() / num_tokens
     with torch.no_grad():
         cut = (clipped < unclipped) & mask
-        clip_fraction = float(cut.sum()) / num_tokens
-        mean_ratio = float(ratio.masked_fill(~mask, 0.0).sum()) / num_tokens
-        log_ratio = logp_trainer.detach() - logp_server.detach()
-        kl = (ratio.detach() - 1.0 - log_ratio).masked_fill(~mask, 0.0)
-        behaviour_kl = float(kl.sum()) / num_tokens
-    return PolicyLoss(
-        loss=loss,
-        num_tokens=num_tokens,
-        clip_fraction=clip_fraction,
-        mean_ratio=mean_ratio,
-        behaviour_kl=behaviour_kl,
-    )
+        kl = (ratio.detach() - 1.0 - (logp_trainer.detach() - logp_server.detach())).masked_fill(~mask, 0.0)
+        return PolicyLoss(
+            loss=loss,
+            num_tokens=num_tokens,
+            clip_fraction=float(cut.sum()) / num_tokens,
+            mean_ratio=float(ratio.masked_fill(~mask, 0.0).sum()) / num_tokens,
+            behaviour_kl=float(kl.sum()) / num_tokens,
+        )

@@ -1,13 +1,9 @@
 """How one trainer's work is split over processes: ``Parallelism``, which ``Trainer`` is given.
 
-- ``SingleProcess`` (the default): one process trains every batch on the whole model.
-- ``FSDP2DataParallel``: this process is one rank of several (gloo on CPU). FSDP2 shards the
-  model (``fully_shard`` per decoder layer and on the whole model), each rank trains its own share
-  of every batch, and FSDP2's reduce-scatter averages the gradients over the ranks, so every rank
-  steps its shard with the gradient of the whole batch. Rank 0 reports each whole step.
-
-Every rank must run the same steps in the same order: FSDP2's gathers, the gradient norm's
-all-reduce and the publisher's collectives all wait for every rank.
+``SingleProcess`` (the default) trains every batch on the whole model; ``FSDP2DataParallel`` is one
+rank of several (docs/ARCHITECTURE.md, "Trainer ranks"). Every rank must run the same steps in the
+same order: FSDP2's gathers, the gradient norm's all-reduce and the publisher's collectives all
+wait for every rank.
 """
 
 from __future__ import annotations
@@ -33,21 +29,17 @@ class Parallelism(Protocol):
     @property
     def rank(self) -> int:
         """This process's index; rank 0 reports the steps."""
-        ...
 
     @property
     def world_size(self) -> int:
         """How many processes train the model."""
-        ...
 
     def shard(self, model: PreTrainedModel) -> PreTrainedModel:
         """The model this process trains, made from the whole freshly built one (in place)."""
-        ...
 
     async def combine(self, report: StepReport) -> StepReport:
         """On rank 0, the whole step's report from every rank's; on the others, their own. Called
         by every rank after every step; TrainerError when a rank did not take part in time."""
-        ...
 
 
 def share(count: int, *, rank: int, world_size: int) -> int:
@@ -92,12 +84,8 @@ class FSDP2DataParallel:
 
     async def combine(self, report: StepReport) -> StepReport:
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-
-        def gather() -> None:
-            dist.gather_object(report, gathered, dst=0, group=self._group)
-
         try:
-            await asyncio.to_thread(gather)
+            await asyncio.to_thread(dist.gather_object, report, gathered, dst=0, group=self._group)
         except (RuntimeError, dist.DistError) as exc:
             raise TrainerError(
                 f"rank {self.rank}: the trainer's ranks did not all report step {report.step} within "

@@ -53,28 +53,24 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
     rows = len(prompts)
     width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
     longest = max(1, max(len(c) for c in completions))
-    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, width), dtype=torch.long)
-    predictor_index = torch.zeros((rows, longest), dtype=torch.long)
-    completion_ids = torch.full((rows, longest), pad_token_id, dtype=torch.long)
-    completion_mask = torch.zeros((rows, longest), dtype=torch.bool)
+    batch = PackedBatch(
+        input_ids=torch.full((rows, width), pad_token_id, dtype=torch.long),
+        attention_mask=torch.zeros((rows, width), dtype=torch.long),
+        predictor_index=torch.zeros((rows, longest), dtype=torch.long),
+        completion_ids=torch.full((rows, longest), pad_token_id, dtype=torch.long),
+        completion_mask=torch.zeros((rows, longest), dtype=torch.bool),
+    )
     for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         sequence = [*prompt, *completion]
-        input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-        attention_mask[row, : len(sequence)] = 1
+        batch.input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        batch.attention_mask[row, : len(sequence)] = 1
         n = len(completion)
         if n:
             # Token at position len(prompt) + t is predicted by the logits at the position before it.
-            predictor_index[row, :n] = torch.arange(len(prompt) - 1, len(prompt) - 1 + n)
-            completion_ids[row, :n] = torch.tensor(list(completion), dtype=torch.long)
-            completion_mask[row, :n] = True
-    return PackedBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        predictor_index=predictor_index,
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-    )
+            batch.predictor_index[row, :n] = torch.arange(len(prompt) - 1, len(prompt) - 1 + n)
+            batch.completion_ids[row, :n] = torch.tensor(list(completion), dtype=torch.long)
+            batch.completion_mask[row, :n] = True
+    return batch
 
 
 def completion_logprobs(model: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:

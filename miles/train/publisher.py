@@ -40,11 +40,12 @@ class PublishResult(BaseModel):
     step: Annotated[int, Field(ge=0)]
     weight_version: str
     checksum: str
-    # Where the weights went through: a checkpoint on disk, or pushed from memory (None then).
-    checkpoint_dir: Path | None
+    # Where the weights went through: a checkpoint on disk, or pushed from memory (None then, and
+    # nothing saved or waited for).
+    checkpoint_dir: Path | None = None
     path: str = "disk"
-    save_s: float
-    ready_wait_s: float
+    save_s: float = 0.0
+    ready_wait_s: float = 0.0
     apply_s: float
     # Wall time of the whole publish: save, announce, wait for ready, apply.
     latency_s: float
@@ -56,7 +57,6 @@ class Publisher(Protocol):
     async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
         """Return once the servers serve ``model``'s weights (unchanged meanwhile) as version
         ``step``; PublishError when anything went wrong (they may serve the previous version)."""
-        ...
 
 
 async def always_ready() -> bool:
@@ -67,8 +67,7 @@ class DiskPublisher:
     """Publishes checkpoints written under ``root`` as ``step-000042`` directories (version = step).
 
     Keeps the ``keep_last`` newest checkpoints it wrote and deletes older ones once a newer one
-    has been applied (at least two: the one serving and the one before it, to roll back to).
-    """
+    has been applied (at least two: the one serving and the one before it, to roll back to)."""
 
     def __init__(
         self,

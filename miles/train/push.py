@@ -1,16 +1,10 @@
 """Pushing weights from the trainer's memory, no disk: ``PushPublisher``, a ``Publisher``.
 
 ``publish`` runs the training side of a window (docs/ARCHITECTURE.md, "Pushing weights from
-memory"): it streams the model's tensors to every engine of the window in buckets (a constant
-number of calls per update), digesting each tensor as it is packed, and ends the window with the
-checksum those digests combine to, which the controller confirms on every engine as for a
-checkpoint on disk. Anything that fails aborts the window: the servers go back to their verified
-weights.
-
-One bucket loop (``send_buckets``) whatever the path; the path's ``BucketSender`` says where each
-bucket is packed and how it reaches the engines: ``shm`` (``miles.train.tensor_push``, engines on
-this node), ``distributed`` (``miles.train.distributed_push``, anywhere), or ``auto``
-(``choose_path``).
+memory"); anything that fails aborts the window, and the servers go back to their verified
+weights. One bucket loop (``send_buckets``) whatever the path; the path's ``BucketSender`` says
+where each bucket is packed and how it reaches the engines: ``shm`` (``miles.train.tensor_push``),
+``distributed`` (``miles.train.distributed_push``), or ``auto`` (``choose_path``).
 """
 
 from __future__ import annotations
@@ -73,14 +67,12 @@ class BucketSender(Protocol):
     def into(self, index: int) -> torch.Tensor | None:
         """The flat buffer bucket ``index`` is packed into, at its table's offsets; None when the
         engines read its tensors where they lie (they are only hashed)."""
-        ...
 
     async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> Awaitable[None]:
         """Hand bucket ``index`` (its table with the digests) to every engine; ``checksum``, with
         the last bucket, is the model checksum they must hold after it. Returns once the bucket's
         buffer may be packed again, with the engines' answers (raising PublishError for a refusal)
         to await: at once where they read the buffer itself, later where it was broadcast to them."""
-        ...
 
 
 def check_push_settings(*, path: TransferPath, ttl_s: float, timeout_s: float, bucket_bytes: int) -> None:
@@ -100,15 +92,7 @@ def push_result(step: int, *, checksum: str, path: str, started: float) -> Publi
     """What a push of ``step`` that began at ``started`` (``time.perf_counter()``) published."""
     total = time.perf_counter() - started
     return PublishResult(
-        step=step,
-        weight_version=str(step),
-        checksum=checksum,
-        checkpoint_dir=None,
-        save_s=0.0,
-        ready_wait_s=0.0,
-        apply_s=total,
-        latency_s=total,
-        path=path,
+        step=step, weight_version=str(step), checksum=checksum, path=path, apply_s=total, latency_s=total
     )
 
 
@@ -207,8 +191,7 @@ class PushPublisher:
         publisher's (the tensors stay the same objects with the same values), so engines on this
         machine read each where it lies and a push copies nothing on this side (it only hashes).
         Called again, it moves them into a new segment. Returns ``module``; raises PublishError
-        when the memory for them cannot be had.
-        """
+        when the memory for them cannot be had."""
         segment = _share(module)
         if segment is not None:
             previous, self._shared = self._shared, segment
@@ -232,8 +215,7 @@ class PushPublisher:
         """Return once the servers serve ``model``'s weights as version ``step``, verified; raises
         PublishError when the push or the commit failed (the servers keep their verified weights).
         With ``share_weights`` and a path that may be shared memory, the weights are first moved
-        there (``share_memory``); when that memory cannot be had, every push copies them.
-        """
+        there (``share_memory``); when that memory cannot be had, every push copies them."""
         if self.share_weights and self.path is not TransferPath.DISTRIBUTED and not self._shares(model):
             try:
                 await asyncio.to_thread(self.share_memory, model)
@@ -247,8 +229,7 @@ class PushPublisher:
 
         With ``delta``, after a committed push only the tensors whose digest changed since are
         sent; the engines confirm the whole model's checksum as always, so a server that does not
-        hold what the last push left fails the commit, and the push is redone in full.
-        """
+        hold what the last push left fails the commit, and the push is redone in full."""
         held = self._held
         try:
             return await self._push(named, step=step, held=held, staged=self.staged)
@@ -290,9 +271,9 @@ class PushPublisher:
 
         try:
             checksum = await push_in_window(self.windows, window, stream, step=step, stats=stats)
+        except (PublishError, asyncio.CancelledError):
+            raise
         except BaseException as exc:
-            if isinstance(exc, PublishError | asyncio.CancelledError):
-                raise
             raise PublishError(f"pushing step {step} failed: {exc}") from exc
         stats.timings["open"] = opened - started
         self.last = stats
@@ -388,11 +369,9 @@ async def _stream(
         into = sender.into(index)
         if into is None:
             stats.in_place += table.nbytes
-        work = (
-            functools.partial(_digested, named, table, known=known)
-            if into is None
-            else functools.partial(pack, named, table, into)
-        )
+            work = functools.partial(_digested, named, table, known=known)
+        else:
+            work = functools.partial(pack, named, table, into)
         packed = work() if table.nbytes <= _INLINE_PACK_BYTES else await asyncio.to_thread(work)
         stats.spent("pack", packing)
         stats.digests |= {e.name: e.tensor_digest().digest for e in packed.entries}

@@ -1,14 +1,10 @@
 """A trainer split over rank processes on this machine: ``TrainerRanks`` starts them, relays what
-rank 0 reports, and ends them.
+rank 0 reports, and ends them (docs/ARCHITECTURE.md, "Trainer ranks").
 
-Each rank is ``python -m miles.train.rank_process``, found by its peers as under ``torchrun``.
-Rank 0 writes each step's report, then the summary (or why it failed), as JSON lines
-(``RankMessage``) to a pipe of this process's, so a caller gets what ``Trainer.run`` gives it.
-
-The ranks never outlive the run: they are ended (SIGTERM then SIGKILL) when training ends, fails
-or is cancelled, and each ends itself if this process dies. A rank that fails or dies fails the
-run at once, naming it, how it ended and the end of its log; the others get ``grace_s`` for rank
-0 to say why, then are stopped.
+Each rank is ``python -m miles.train.rank_process``, found by its peers as under ``torchrun``; rank
+0 writes each step's report, then the summary (or why it failed), as JSON lines (``RankMessage``)
+to a pipe of this process's. A rank that fails or dies fails the run at once; the others get
+``grace_s`` for rank 0 to say why, then are stopped (SIGTERM then SIGKILL).
 """
 
 from __future__ import annotations
@@ -130,10 +126,8 @@ class _Launch:
     @classmethod
     def prepare(cls, log_dir: Path, world_size: int) -> _Launch:
         log_dir.mkdir(parents=True, exist_ok=True)
-        logs = []
-        for index in range(world_size):
-            log = log_dir / f"trainer-rank-{index}.log"
-            logs.append((log, os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)))
+        paths = [log_dir / f"trainer-rank-{index}.log" for index in range(world_size)]
+        logs = [(log, os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)) for log in paths]
         read_end, write_end = os.pipe()
         return cls(port=free_port(), read_end=read_end, write_end=write_end, logs=logs)
 
@@ -163,13 +157,7 @@ class TrainerRanks:
     """``world_size`` rank processes training ``spec.trainer`` together; ``run`` as ``Trainer.run``."""
 
     def __init__(
-        self,
-        spec: RankSpec,
-        *,
-        world_size: int,
-        log_dir: Path,
-        on_step: OnStep | None = None,
-        grace_s: float = 5.0,
+        self, spec: RankSpec, *, world_size: int, log_dir: Path, on_step: OnStep | None = None, grace_s: float = 5.0
     ) -> None:
         """``log_dir`` gets each rank's output; ``grace_s``: how long a rank has to end on SIGTERM,
         and a failure waits for rank 0 to say why. Raises ValueError for fewer than 2 ranks."""
@@ -182,8 +170,7 @@ class TrainerRanks:
     async def run(self) -> TrainingSummary:
         """Train to the end and return rank 0's summary, with ``on_step`` called for each step as
         rank 0 reports it; every rank has ended when this returns or raises. Raises
-        TrainerRankError when a rank could not start, failed or died, or rank 0 gave no summary.
-        """
+        TrainerRankError when a rank could not start, failed or died, or rank 0 gave no summary."""
         launch = await asyncio.to_thread(_Launch.prepare, self.log_dir, self.world_size)
         ranks: list[_Rank] = []
         transport: asyncio.BaseTransport | None = None

@@ -6,7 +6,9 @@ model), so the curve shows what serving actually delivered, version by version.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import contextlib
+import itertools
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Annotated
@@ -50,18 +52,15 @@ class Staleness(_Frozen):
     def of(cls, versions: Sequence[str], *, trainer_step: int) -> Staleness:
         """Of samples first generated on ``versions``, trained on after ``trainer_step`` steps."""
         gaps: list[int] = []
-        unparsed = 0
         for version in versions:
-            try:
+            with contextlib.suppress(ValueError):
                 gaps.append(trainer_step - int(version))
-            except ValueError:
-                unparsed += 1
+        unparsed = len(versions) - len(gaps)
         if not gaps:
             return cls(unparsed=unparsed)
-        counts = [0] * (max(0, max(gaps)) + 1)
-        for gap in gaps:
-            counts[max(gap, 0)] += 1
-        return cls(min=min(gaps), max=max(gaps), mean=sum(gaps) / len(gaps), counts=tuple(counts), unparsed=unparsed)
+        behind = Counter(max(gap, 0) for gap in gaps)
+        counts = tuple(behind[k] for k in range(max(behind) + 1))
+        return cls(min=min(gaps), max=max(gaps), mean=sum(gaps) / len(gaps), counts=counts, unparsed=unparsed)
 
     @classmethod
     def combined(cls, parts: Sequence[Staleness]) -> Staleness:
@@ -70,10 +69,7 @@ class Staleness(_Frozen):
         unparsed = sum(p.unparsed for p in parts)
         if not measured:
             return cls(unparsed=unparsed)
-        counts = [0] * max(len(p.counts) for p in measured)
-        for part in measured:
-            for gap, count in enumerate(part.counts):
-                counts[gap] += count
+        counts = [sum(c) for c in itertools.zip_longest(*(p.counts for p in measured), fillvalue=0)]
         return cls(
             min=min(p.min for p in measured),
             max=max(p.max for p in measured),
@@ -131,11 +127,6 @@ class StepReport(_Frozen):
         ValueError for no reports, or reports of different steps."""
         if not parts or len({(p.step, p.phase) for p in parts}) != 1:
             raise ValueError(f"combine the reports of one step, got {[(p.step, p.phase.value) for p in parts]}")
-        first = parts[0]
-        samples = sum(p.num_samples for p in parts)
-
-        def by_samples(value: Callable[[StepReport], float]) -> float:
-            return sum(value(p) * p.num_samples for p in parts) / samples if samples else 0.0
 
         def mean(value: Callable[[StepReport], float]) -> float:
             return sum(value(p) for p in parts) / len(parts)
@@ -145,16 +136,16 @@ class StepReport(_Frozen):
             for v in part.rewards_by_version:
                 total, count = by_version.get(v.weight_version, (0.0, 0))
                 by_version[v.weight_version] = (total + v.mean_reward * v.num_samples, count + v.num_samples)
-        return first.model_copy(
+        return parts[0].model_copy(
             update={
                 "loss": mean(lambda p: p.loss),
-                "mean_reward": by_samples(lambda p: p.mean_reward),
-                "exact_rate": by_samples(lambda p: p.exact_rate),
+                "mean_reward": _sample_mean(parts, lambda p: p.mean_reward),
+                "exact_rate": _sample_mean(parts, lambda p: p.exact_rate),
                 "rewards_by_version": tuple(
                     VersionReward(weight_version=version, mean_reward=total / count, num_samples=count)
                     for version, (total, count) in by_version.items()
                 ),
-                "num_samples": samples,
+                "num_samples": sum(p.num_samples for p in parts),
                 "num_interrupted": sum(p.num_interrupted for p in parts),
                 "staleness": Staleness.combined([p.staleness for p in parts]),
                 "num_flat_groups": sum(p.num_flat_groups for p in parts),
@@ -207,10 +198,10 @@ class TrainingSummary(_Frozen):
             raise ValueError("a summary needs at least one step and one publish")
         first, last = steps[:window], steps[-window:]
         return cls(
-            reward_first=_sample_mean(first, exact=False),
-            reward_last=_sample_mean(last, exact=False),
-            exact_first=_sample_mean(first, exact=True),
-            exact_last=_sample_mean(last, exact=True),
+            reward_first=_sample_mean(first, lambda s: s.mean_reward),
+            reward_last=_sample_mean(last, lambda s: s.mean_reward),
+            exact_first=_sample_mean(first, lambda s: s.exact_rate),
+            exact_last=_sample_mean(last, lambda s: s.exact_rate),
             window=window,
             steps=tuple(steps),
             wall_s=wall_s,
@@ -218,9 +209,7 @@ class TrainingSummary(_Frozen):
         )
 
 
-def _sample_mean(steps: Sequence[StepReport], *, exact: bool) -> float:
+def _sample_mean(steps: Sequence[StepReport], value: Callable[[StepReport], float]) -> float:
     # Weighted by sample count, so a step whose samples were all interrupted counts for nothing.
     total = sum(s.num_samples for s in steps)
-    if total == 0:
-        return 0.0
-    return sum((s.exact_rate if exact else s.mean_reward) * s.num_samples for s in steps) / total
+    return sum(value(s) * s.num_samples for s in steps) / total if total else 0.0

@@ -60,21 +60,13 @@ class Sampler(Protocol):
     ) -> list[Group]:
         """One ``Group`` of ``group_size`` samples per prompt, in prompt order, generated on
         ``min_weight_version`` or a later version when given (the controller routes them so).
-        Raises RolloutRequestError when a request failed or its answer was unusable.
-        """
-        ...
+        Raises RolloutRequestError when a request failed or its answer was unusable."""
 
 
 class HttpSampler:
     """A ``Sampler`` over one or more ``/generate`` base URLs (controller or engines)."""
 
-    def __init__(
-        self,
-        urls: Sequence[str],
-        *,
-        http: httpx.AsyncClient,
-        timeout_s: float = 120.0,
-    ) -> None:
+    def __init__(self, urls: Sequence[str], *, http: httpx.AsyncClient, timeout_s: float = 120.0) -> None:
         """``http`` is the caller's to close; ValueError when no URL is given."""
         if not urls:
             raise ValueError("give at least one /generate base URL")
@@ -83,7 +75,7 @@ class HttpSampler:
         self._timeout_s = timeout_s
         # Continues across calls, so that with several URLs every server gets its share even
         # when each call has fewer prompts than there are servers.
-        self._next_url = itertools.cycle(range(len(self._urls)))
+        self._next_url = itertools.cycle(self._urls)
 
     async def sample(
         self,
@@ -94,13 +86,10 @@ class HttpSampler:
         min_weight_version: str | None = None,
     ) -> list[Group]:
         """``min_weight_version`` needs a controller's URL (an engine would refuse the field)."""
-        targets = [self._urls[next(self._next_url)] for _ in prompts]
         one = functools.partial(
             self._one, group_size=group_size, max_new_tokens=max_new_tokens, min_weight_version=min_weight_version
         )
-        return list(
-            await asyncio.gather(*(one(url, list(prompt)) for url, prompt in zip(targets, prompts, strict=True)))
-        )
+        return list(await asyncio.gather(*(one(next(self._next_url), list(prompt)) for prompt in prompts)))
 
     async def _one(
         self, url: str, prompt: list[int], *, group_size: int, max_new_tokens: int, min_weight_version: str | None

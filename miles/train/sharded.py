@@ -1,25 +1,18 @@
 """Publishing the weights of a sharded trainer: ``ShardedPublisher``, called by every rank.
 
 A trainer that shards its model with FSDP2 (``fully_shard``: ``DTensor`` parameters split by rows)
-publishes without any rank holding the whole model: ``publish`` on every rank opens one window
-(rank 0 speaks to the controller and the engines), and each bucket is filled by the ranks that own
-its bytes:
+publishes without any rank holding the whole model (docs/ARCHITECTURE.md, "Sharded trainers"):
+rank 0 opens one window and speaks to the controller and the engines, and each bucket is filled by
+the ranks that own its bytes, **direct** (every rank and engine on this machine: each rank writes
+its rows into rank 0's shared-memory bucket segment) or **gathered** (one gather to rank 0 per
+bucket). Each rank hashes the 256 KiB chunks inside its rows (``miles.weights.digest``), rank 0 the
+chunks straddling two ranks and the tensors no rank splits by rows: the checksum is a checkpoint's.
 
-- **direct** (every rank and every engine on this machine): each rank writes its rows straight into
-  rank 0's shared-memory bucket segment at the table's offsets; no byte crosses between ranks;
-- **gathered** (otherwise): each rank's part of a bucket goes to rank 0 in one gather per bucket,
-  and rank 0 pushes the bucket as ``PushPublisher`` would.
-
-A tensor's digest is taken over 256 KiB chunks (``miles.weights.digest``), so each rank hashes the
-chunks inside its rows; rank 0 hashes the chunks that straddle two ranks' rows and the tensors no
-rank splits by rows. The checksum is a checkpoint's of the same weights, however they were split.
-
-Every rank takes part in every collective of a publish (two per bucket, three per publish) on a
-gloo group of the publisher's with ``timeout_s``: a rank that fails says so in the next one, a rank
-that dies or never comes fails the others within ``timeout_s``, naming it, and the window is
-aborted or expires. Layouts the publisher cannot split (a mesh of more than one dimension, a
-``Partial`` tensor) and ranks that disagree on the step or the layout are refused on every rank
-before the window opens.
+Every collective of a publish (two per bucket, three per publish) is on a gloo group of the
+publisher's with ``timeout_s``: a rank that fails says so in the next one, a rank that dies or
+never comes fails the others within ``timeout_s``, naming it. Layouts the publisher cannot split (a
+mesh of more than one dimension, a ``Partial`` tensor) and ranks that disagree on the step or the
+layout are refused on every rank before the window opens.
 """
 
 from __future__ import annotations
@@ -120,15 +113,9 @@ def _parts(model: torch.nn.Module, world: int) -> tuple[list[_Part], dict[str, t
     return parts, local
 
 
-@dataclass
-class _Layout:
-    """Every rank's parts, in the model's order: what each rank sends, and where."""
-
-    by_rank: list[dict[str, _Part]]
-    names: list[str]
-
-    def whole(self, name: str) -> _Part:
-        return self.by_rank[0][name]
+# Every rank's parts by name, in the model's order: what each rank sends, and where (rank 0's
+# part of a tensor describes the whole of it).
+_Layout = list[dict[str, _Part]]
 
 
 @dataclass
@@ -192,10 +179,11 @@ class ShardedPublisher:
 
     # --- every rank ------------------------------------------------------------------------
 
-    async def _collective(self, what: str, call: Callable[[], Any]) -> Any:
-        """A collective of the publisher's group, off the loop; PublishError when a rank never came."""
+    async def _collective(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)``, a collective of the publisher's group, off the loop;
+        PublishError when a rank never came."""
         try:
-            return await asyncio.to_thread(call)
+            return await asyncio.to_thread(call, *args, **kwargs)
         except (RuntimeError, dist.DistError) as exc:
             raise PublishError(
                 f"rank {self.rank}: the trainer's ranks did not all take part in {what} within {self.timeout_s:g}s "
@@ -212,11 +200,7 @@ class ShardedPublisher:
         await self._collective("publish (every rank must call it)", barrier)
         mine = (step, refused, parts, socket.gethostname(), os.getpid())
         gathered: list[Any] = [None] * self.world
-
-        def gather() -> None:
-            dist.all_gather_object(gathered, mine, group=self._group)
-
-        await self._collective("agreeing on the layout", gather)
+        await self._collective("agreeing on the layout", dist.all_gather_object, gathered, mine, group=self._group)
         problems = [f"rank {r}: {g[1]}" for r, g in enumerate(gathered) if g[1] is not None]
         steps = {g[0] for g in gathered}
         if len(steps) > 1:
@@ -233,24 +217,16 @@ class ShardedPublisher:
         if problems:
             raise PublishError("the sharded publish was refused before its window opened: " + "; ".join(problems))
         self._peers = [(g[3], g[4]) for g in gathered]
-        return _Layout(by_rank=[{p.name: p for p in g[2]} for g in gathered], names=[p.name for p in gathered[0][2]])
+        return [{p.name: p for p in g[2]} for g in gathered]
 
     async def _bcast(self, what: str, obj: Any) -> Any:
         box = [obj]
-
-        def call() -> None:
-            dist.broadcast_object_list(box, src=0, group=self._group)
-
-        await self._collective(what, call)
+        await self._collective(what, dist.broadcast_object_list, box, src=0, group=self._group)
         return box[0]
 
     async def _gather(self, what: str, obj: Any) -> list[Any] | None:
         gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
-
-        def call() -> None:
-            dist.gather_object(obj, gathered, dst=0, group=self._group)
-
-        await self._collective(what, call)
+        await self._collective(what, dist.gather_object, obj, gathered, dst=0, group=self._group)
         return gathered
 
     def _contribute(
@@ -262,7 +238,7 @@ class ShardedPublisher:
         digests: dict[str, tuple[int, bytes]] = {}
         payload: dict[str, torch.Tensor] = {}
         for entry in table.entries:
-            part = layout.by_rank[self.rank][entry.name]
+            part = layout[self.rank][entry.name]
             mine = local[entry.name]
             if part.kind == "whole" and self.rank != 0:
                 continue  # rank 0's copy is sent
@@ -309,7 +285,8 @@ class ShardedPublisher:
             shm = path is TransferPath.SHM
             direct = shm and all(host == self._peers[0][0] for host, _ in self._peers)
             stats.path = f"{'shm' if shm else 'distributed'}, {'direct shards' if direct else 'gathered per bucket'}"
-            meta = {name: _meta(layout.whole(name)) for name in layout.names}
+            # Tensors of the wholes' dtypes and shapes and no bytes: what buckets are planned from.
+            meta = {n: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device="meta") for n, p in layout[0].items()}
             calls = self._transports.calls(window, step=step, stats=stats)
             async with self._transports.sender(meta, calls, path=path, shared=None) as sender:
                 segment = getattr(sender, "segment", None) if direct else None
@@ -340,26 +317,23 @@ class ShardedPublisher:
     async def _follow(self, layout: _Layout, local: dict[str, torch.Tensor], *, step: int) -> PublishResult:
         """Every rank but 0: fill each bucket as rank 0 says, until it says how the publish ended."""
 
-        def refused(reason: str) -> PublishError:
-            return PublishError(f"rank 0 could not publish step {step}: {reason}")
+        async def told(what: str) -> Any:
+            """What rank 0 broadcast; PublishError when it was the reason it gave up."""
+            said = await self._bcast(what, None)
+            if isinstance(said, str):
+                raise PublishError(f"rank 0 could not publish step {step}: {said}")
+            return said
 
-        plan = await self._bcast("the plan", None)
-        if isinstance(plan, str):
-            raise refused(plan)
+        plan = await told("the plan")
         into = await asyncio.to_thread(self._map, plan.segment) if plan.direct and plan.segment else None
         for table in plan.tables:
-            start = await self._bcast("a bucket's start", None)
-            if isinstance(start, str):
-                raise refused(start)
+            await told("a bucket's start")
             try:
                 mine = await asyncio.to_thread(self._contribute, layout, local, table, into)
             except Exception as exc:  # noqa: BLE001  # told to rank 0, which aborts the publish for every rank
                 mine = {"error": f"{type(exc).__name__}: {exc}"}
             await self._gather("a bucket's digests", mine)
-        outcome = await self._bcast("the outcome", None)
-        if isinstance(outcome, str):
-            raise refused(outcome)
-        return outcome
+        return await told("the outcome")
 
     def _map(self, ref: SegmentRef) -> torch.Tensor:
         """Rank 0's bucket segment, mapped here for this rank's rows (kept while rank 0 keeps it)."""
@@ -406,11 +380,6 @@ class _Steps:
         self._next = "done"
 
 
-def _meta(part: _Part) -> torch.Tensor:
-    """A tensor of the whole's dtype and shape and no bytes: what buckets are planned from."""
-    return torch.empty(part.shape, dtype=getattr(torch, part.dtype), device="meta")
-
-
 def _place(into: torch.Tensor, offset: int, part: _Part, mine: torch.Tensor) -> None:
     """Write this rank's part of one tensor where the whole tensor lies in a bucket at ``offset``."""
     dtype = getattr(torch, part.dtype)
@@ -428,14 +397,11 @@ def _chunk_digests(part: _Part, mine: torch.Tensor) -> tuple[int, bytes]:
     begin, end = part.byte_range()
     raw = memoryview(mine.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())  # type: ignore[arg-type]
     total = part.nbytes
-    first = -(-begin // CHUNK_BYTES)
-    out = []
-    k = first
-    while k * CHUNK_BYTES < end and min((k + 1) * CHUNK_BYTES, total) <= end:
-        lo = k * CHUNK_BYTES - begin
-        out.append(chunk_digest(raw[lo : lo + min(CHUNK_BYTES, total - k * CHUNK_BYTES)]))
-        k += 1
-    return first, b"".join(out)
+    # The first chunk starting in the rows, up to the last one ending in them (the tensor's last
+    # chunk, shorter, when the rows run to its end).
+    first, last = -(-begin // CHUNK_BYTES), (-(-end // CHUNK_BYTES) if end == total else end // CHUNK_BYTES)
+    chunks = (raw[k * CHUNK_BYTES - begin : min((k + 1) * CHUNK_BYTES, total) - begin] for k in range(first, last))
+    return first, b"".join(chunk_digest(chunk) for chunk in chunks)
 
 
 def _finish(
@@ -448,11 +414,11 @@ def _finish(
         for rank, contribution in enumerate(gathered):
             for name, mine in contribution["payload"].items():
                 entry = next(e for e in table.entries if e.name == name)
-                _place(into, entry.offset, layout.by_rank[rank][name], mine)
+                _place(into, entry.offset, layout[rank][name], mine)
     raw = into.numpy()
     entries = []
     for entry in table.entries:
-        part = layout.whole(entry.name)
+        part = layout[0][entry.name]
         chunks = max(-(-part.nbytes // CHUNK_BYTES), 0)
         known: dict[int, bytes] = {}
         for contribution in gathered:

@@ -98,8 +98,7 @@ def score(problem: Problem, completion: Completion) -> float:
 def parse_completion(output_ids: Sequence[int], *, tokenizer: PreTrainedTokenizerBase) -> Completion:
     """The completion up to its first terminator (EOS or newline) as text, and how it ended.
 
-    Special tokens other than EOS stay in the text (as their names), so they count as junk.
-    """
+    Special tokens other than EOS stay in the text (as their names), so they count as junk."""
     eos = tokenizer.eos_token_id
     kept, ending = list(output_ids), Ending.CUT
     for index, token in enumerate(output_ids):

@@ -1,28 +1,11 @@
 """The training loop: an SFT warm-up, then GRPO on completions sampled from the servers.
 
-Every step is one optimizer step. An SFT step trains on correct answers (teacher forcing) while a
-few prompts are sampled from the servers to measure reward. A GRPO step trains on
-``prompts_per_step`` groups of ``group_size`` sampled completions with the clipped policy-gradient
-loss against each token's server logprob (from the weights that generated it, so the ratio is the
-importance ratio even when an update came mid-answer). Every ``publish_every`` steps (and after
-the last) the weights are published.
-
-GRPO runs in one of two loops (``TrainerConfig.loop``):
-- sync: sample a batch, train on it, publish, repeat; the fleet idles while the trainer trains.
-- async: a producer keeps the fleet generating the groups of the next steps while the trainer
-  trains on finished ones. Staleness is bounded by admission, not by discarding work: a group
-  meant for the step that trains on version ``t`` starts only once version ``t -
-  max_staleness`` is published, and asks for that version or a later one (``min_weight_version``),
-  so no sample's first token is more than ``max_staleness`` versions behind what trains on it.
-  Groups are trained in the order they were started (problems are drawn in the same order as the
-  sync loop draws them). With ``max_staleness`` of 2 or more a step's weights are published from a
-  copy while the trainer trains the next step, so publishing overlaps training too (one publish at
-  a time, in step order); with 1, the next batch generates while the trainer trains and publishes.
-
-The trainer may be one of several data-parallel ranks (``miles.train.parallel``), each training
-its share of every batch on its shard of the model; only the sync loop runs on several ranks.
-Torch work runs in a worker thread so the event loop (which may also run a controller or a UI)
-stays responsive.
+Every step is one optimizer step; every ``publish_every`` steps (and after the last) the weights
+are published. GRPO runs sync (sample a batch, train, publish) or async (``TrainerConfig.loop``): a
+producer keeps the fleet generating the groups of the next steps, each admitted once the version
+``max_staleness`` before the one that trains on it is published (docs/ARCHITECTURE.md, "Trainer").
+Only the sync loop runs on several data-parallel ranks (``miles.train.parallel``). Torch work runs
+in a worker thread so the event loop (which may also run a controller or a UI) stays responsive.
 """
 
 from __future__ import annotations
@@ -36,6 +19,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,8 +46,7 @@ def write_initial_checkpoint(
     """Write the untrained model a ``Trainer(config)`` starts from, as the step-0 checkpoint: served
     before training starts, the servers and the trainer begin from identical weights, which the
     importance ratios rely on. Raises UnknownPresetError for an unknown ``config.preset``,
-    CheckpointExistsError when ``out_dir`` exists and ``overwrite`` is False.
-    """
+    CheckpointExistsError when ``out_dir`` exists and ``overwrite`` is False."""
     return save_checkpoint(
         out_dir,
         model=build_model(config.preset, seed=config.seed),
@@ -91,7 +74,6 @@ class _Scored:
     prompt_ids: tuple[int, ...]
     sample: Sample
     reward: float
-    exact: bool
 
 
 class Trainer:
@@ -109,8 +91,7 @@ class Trainer:
         """Build the model (seeded as ``write_initial_checkpoint`` does, sharded by ``parallel``:
         every rank makes its ``Trainer`` with the same ``config``; ``on_step`` sees whole steps on
         rank 0). Raises UnknownPresetError for an unknown ``config.preset``, TrainerError when
-        ``config`` cannot be split over ``parallel``'s ranks.
-        """
+        ``config`` cannot be split over ``parallel``'s ranks."""
         self.config = config
         self._parallel = parallel or SingleProcess()
         rank, world = self._parallel.rank, self._parallel.world_size
@@ -138,8 +119,7 @@ class Trainer:
     async def run(self) -> TrainingSummary:
         """Run every SFT step, then every GRPO step (with torch's intra-op threads of the whole
         process set to ``config.num_threads``); return the summary. Raises RolloutRequestError when
-        sampling failed, PublishError when publishing did (the servers may serve an older version).
-        """
+        sampling failed, PublishError when publishing did (the servers may serve an older version)."""
         torch.set_num_threads(self.config.num_threads)
         started = time.monotonic()
         reports: list[StepReport] = []
@@ -307,13 +287,12 @@ class Trainer:
                     }
                 )
         finally:
-            producer.cancel()
-            tasks = [task for _, task in started_groups]
+            tasks: list[asyncio.Future[Any]] = [producer, *(task for _, task in started_groups)]
             if publishing is not None:
-                tasks.append(publishing)  # type: ignore[arg-type]
+                tasks.append(publishing)
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(producer, *tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _count_step(self) -> int:
         self._steps_done += 1
@@ -343,7 +322,7 @@ class Trainer:
             phase=phase,
             loss=update.loss,
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
-            exact_rate=sum(s.exact for s in samples) / len(samples) if samples else 0.0,
+            exact_rate=sum(s.reward == 1.0 for s in samples) / len(samples) if samples else 0.0,
             rewards_by_version=rewards_by_version([s.sample.weight_version for s in samples], rewards),
             num_samples=len(samples),
             num_interrupted=sum(len(g.samples) for g in groups) - len(samples),
@@ -369,16 +348,11 @@ class Trainer:
             )
 
     def _score(self, problems: Sequence[Problem], groups: Sequence[Group]) -> list[list[_Scored]]:
-        scored: list[list[_Scored]] = []
-        for problem, group in zip(problems, groups, strict=True):
-            kept: list[_Scored] = []
-            for sample in group.samples:
-                if sample.interrupted:
-                    continue
-                reward = score(problem, parse_completion(sample.output_ids, tokenizer=self.tokenizer))
-                kept.append(_Scored(prompt_ids=group.prompt_ids, sample=sample, reward=reward, exact=reward == 1.0))
-            scored.append(kept)
-        return scored
+        parse = functools.partial(parse_completion, tokenizer=self.tokenizer)
+        return [
+            [_Scored(g.prompt_ids, s, score(problem, parse(s.output_ids))) for s in g.samples if not s.interrupted]
+            for problem, g in zip(problems, groups, strict=True)
+        ]
 
     def _sft_update(self, problems: Sequence[Problem], optimizer: torch.optim.Optimizer) -> _Update:
         batch = pack(
@@ -391,27 +365,23 @@ class Trainer:
         return _Update(loss=float(loss.detach()))
 
     def _grpo_update(self, scored: Sequence[Sequence[_Scored]], optimizer: torch.optim.Optimizer) -> _Update:
-        rows: list[_Scored] = []
-        advantages: list[torch.Tensor] = []
-        for group in scored:
-            # A group cut below two samples by interruptions has no baseline to compare against.
-            if len(group) < 2:
-                continue
-            rewards = torch.tensor([[s.reward for s in group]])
-            advantages.append(group_advantages(rewards, eps=self.config.advantage_eps)[0])
-            rows.extend(group)
+        # A group cut below two samples by interruptions has no baseline to compare against.
+        kept = [group for group in scored if len(group) >= 2]
+        rows = [s for group in kept for s in group]
         if not rows:
             if self._parallel.world_size > 1:
                 self._apply_gradients(self._nothing_learned(), optimizer)
             return _Update(loss=0.0)
         batch = pack(
-            [r.prompt_ids for r in rows],
-            [r.sample.output_ids for r in rows],
-            pad_token_id=self.tokenizer.pad_token_id,
+            [r.prompt_ids for r in rows], [r.sample.output_ids for r in rows], pad_token_id=self.tokenizer.pad_token_id
         )
         server = torch.zeros(batch.completion_mask.shape)
         for row, item in enumerate(rows):
             server[row, : len(item.sample.logprobs)] = torch.tensor(item.sample.logprobs)
+        advantages = [
+            group_advantages(torch.tensor([[s.reward for s in group]]), eps=self.config.advantage_eps)[0]
+            for group in kept
+        ]
         result = clipped_policy_loss(
             logp_trainer=completion_logprobs(self.model, batch),
             logp_server=server,
@@ -467,8 +437,7 @@ class _FleetClock:
     idle: float = 0.0
 
     def idle_s(self) -> float:
-        now = time.monotonic()
-        return self.idle + (now - self.idle_since if self.idle_since is not None else 0.0)
+        return self.idle + (time.monotonic() - self.idle_since if self.idle_since is not None else 0.0)
 
     @contextmanager
     def busy(self) -> Iterator[None]:

@@ -1,16 +1,7 @@
 """A push's calls to a vLLM server (``WindowServer.engine == "vllm"``), made with vLLM's native
-weight-transfer routes, which miles' backend in its worker (``miles.vllm.transfer``) reads:
-
-| the push calls                          | the vLLM server is called                                 |
-|-----------------------------------------|-----------------------------------------------------------|
-| ``/init_weights_update_group``          | ``/init_weight_transfer_engine {"init_info": request}``   |
-| ``/update_weights_from_tensor`` (shm)   | ``/update_weights {"update_info": {"document": ...}}``    |
-| ``/update_weights_from_distributed``    | ``/update_weights {"update_info": {"distributed": request}}`` |
-| ``/destroy_weights_update_group``       | ``/shutdown_weight_transfer_engine``                      |
-
-The first bucket of a push begins vLLM's session (``/start_weight_update``); the last (with the
-expected checksum) finishes it under the push's weight version and drops the prefix cache. CUDA
-IPC handles are refused by name: the backend reads shared memory and broadcasts only.
+weight-transfer routes, which miles' backend in its worker (``miles.vllm.transfer``) reads; the
+table of which route stands for which call is in docs/VLLM.md. CUDA IPC handles are refused by
+name: the backend reads shared memory and broadcasts only.
 """
 
 from __future__ import annotations

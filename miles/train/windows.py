@@ -35,23 +35,18 @@ class WindowClient(Protocol):
 
     async def open(self, *, model_name: str | None, ttl_s: float, staged: bool) -> UpdateWindow:
         """Open a window (``start_update_weights``) on the model's servers."""
-        ...
 
     async def renew(self, window: UpdateWindow) -> None:
         """Extend the window's lease by its ``ttl_s`` from now."""
-        ...
 
     async def publish(self, event: InferenceEngineWeightChecksumEvent) -> None:
         """Record the checksum training published, which the commit is held to."""
-        ...
 
     async def end(self, window: UpdateWindow, *, checksum: str, step: int, weight_version: str) -> UpdateResult:
         """Verify every server of the window against ``checksum`` and commit (or say why not)."""
-        ...
 
     async def abort(self, window: UpdateWindow, *, reason: str) -> None:
         """Put the window's servers back on their verified weights."""
-        ...
 
 
 class LocalWindows:
