@@ -1,22 +1,11 @@
 """The Ray runtime: every engine in a Ray actor pinned to a bundle of the rollout's placement group.
 
-The shape users of Miles and slime know: one placement group per rollout, one bundle per engine
-(``num_cpus_per_engine``, ``num_gpus_per_engine``, fractions allowed, strategy PACK or SPREAD); an
-``EngineHost`` actor scheduled into its bundle with ``placement_group_capture_child_tasks`` starts
-the engine process on its node, on a port free there, bound to the node's address, with the GPU
-ids Ray assigned to the bundle (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``: the engine gets
-the physical ids explicitly, as its base GPU id). The data path is HTTP straight to the engine;
-start, stop, liveness and checkpoint shipping are actor calls.
-
-An engine whose actor dies (a node lost, the process killed) is noticed by the call each actor
-keeps open (``wait_exit``), which wakes the rollout's supervisor: it restarts the server on a
-bundle Ray re-creates on a node with free resources, loads the last verified weights and confirms
-their checksum before the router sends it anything.
-
-Checkpoints: an engine reads a checkpoint in place when its node sees the same files (a shared
-filesystem); otherwise the files are shipped through Ray's object store into the engine's work
-directory and verified there (against the manifest's digests, or the expected checksum) before
-the engine is told to load them (``CheckpointTransfer``).
+One placement group per rollout, one bundle per engine (as in Miles and slime); an ``EngineHost``
+actor in its bundle starts the engine on its node with the GPU ids Ray assigned (physical ids,
+given explicitly). Requests go over HTTP straight to the engine; start, stop, liveness
+(``wait_exit``, which wakes the supervisor when an actor dies) and checkpoint shipping are actor
+calls. A node that does not see a checkpoint's files gets them through the object store, verified
+there before the engine loads them (``CheckpointTransfer``).
 """
 
 from __future__ import annotations
@@ -39,8 +28,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from miles.config import CheckpointTransfer, RuntimeKind
-from miles.errors import CheckpointError, MilesError
+from miles.config import CheckpointTransfer
+from miles.errors import MilesError
 from miles.ray.cluster import connect
 from miles.ray.placement import Fit, cluster_view, judge
 from miles.rollout.engine_process import EngineProcess, EngineStartError, free_port
@@ -53,7 +42,7 @@ from miles.rollout.runtime import (
     readable_roots,
 )
 from miles.rollout.spec import RolloutSpec
-from miles.weights.checkpoint import read_manifest
+from miles.rollout.state import manifest_or_none
 from miles.weights.checksum import model_checksum
 from miles.weights.verification import verify_checkpoint
 
@@ -114,14 +103,9 @@ class EngineHost:
         checkpoint_roots: tuple[Path, ...] | None,
         startup_timeout_s: float,
     ) -> dict[str, Any]:
-        """Start the engine and wait until it answers; its own report of device and GPUs back.
-
-        ``checkpoint_roots``: what the engine may load from besides its work directory (empty:
-        anywhere; None: nothing else, as when nodes share no filesystem).
-
-        Returns ``{"error": ..., "tail": ...}`` rather than raising: the caller raises its own
-        error with the log tail (exceptions with context do not cross processes intact).
-        """
+        """Start the engine and wait until it answers; returns its report of device and GPUs, or
+        ``{"error": ..., "tail": ...}`` (exceptions with context do not cross processes intact).
+        ``checkpoint_roots``: None lets it load only from its work directory (no shared filesystem)."""
         placement = self.placement()
         slot = LaunchSlot(
             host=self.node_address,
@@ -178,11 +162,8 @@ class EngineHost:
     async def receive(
         self, name: str, files: list[tuple[str, list[ray.ObjectRef]]], *, expected_checksum: str | None
     ) -> str:
-        """Write a shipped checkpoint into this node's work directory, verify it, return its path.
-
-        A checkpoint with a miles manifest is verified against its per-tensor digests; a plain one
-        against ``expected_checksum``. The same checkpoint shipped twice is kept once.
-        """
+        """Write a shipped checkpoint into this node's work directory, verify it (against its
+        manifest, or ``expected_checksum``), return its path; one shipped twice is kept once."""
         target = self.work_dir / "shipped" / name
         if target.is_dir():
             return str(target)
@@ -219,22 +200,15 @@ def _append(path: Path, data: bytes) -> None:
 def _pack(directory: Path) -> list[tuple[str, list[ray.ObjectRef]]]:
     files = []
     for name, path in _files(directory):
-        chunks = []
         with open(path, "rb") as source:
-            while data := source.read(_CHUNK_BYTES):
-                chunks.append(ray.put(data))
-        if not chunks:
-            chunks.append(ray.put(b""))
-        files.append((name, chunks))
+            chunks = [ray.put(data) for data in iter(lambda: source.read(_CHUNK_BYTES), b"")]
+        files.append((name, chunks or [ray.put(b"")]))
     return files
 
 
 def _verify_arrival(directory: Path, expected_checksum: str | None) -> None:
     """Raise CheckpointShipError unless the shipped files are the checkpoint that was sent."""
-    try:
-        manifest = read_manifest(directory)
-    except CheckpointError:
-        manifest = None
+    manifest = manifest_or_none(directory)
     if manifest is not None:
         report = verify_checkpoint(directory)
         if not report.ok:
@@ -250,8 +224,6 @@ def _verify_arrival(directory: Path, expected_checksum: str | None) -> None:
 
 class RayRuntime(EngineRuntime):
     """Engines as ``EngineHost`` actors on one placement group per rollout (see the module docstring)."""
-
-    kind = RuntimeKind.RAY
 
     def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
         super().__init__(spec, on_exit=on_exit)
@@ -451,10 +423,8 @@ class RayRuntime(EngineRuntime):
 def _local_view(checkpoint: Path) -> tuple[Fingerprint | None, str]:
     """The checkpoint's files as this process sees them (None: not here), and the name a shipped
     copy gets: its checksum when sealed (a copy shipped twice is kept once)."""
-    try:
-        name = read_manifest(checkpoint).checksum
-    except CheckpointError:
-        name = f"{checkpoint.name}-{uuid.uuid4().hex[:8]}"
+    manifest = manifest_or_none(checkpoint)
+    name = manifest.checksum if manifest is not None else f"{checkpoint.name}-{uuid.uuid4().hex[:8]}"
     return (fingerprint(checkpoint) if checkpoint.is_dir() else None), name
 
 

@@ -1,14 +1,9 @@
 """Local engine processes: launch, wait until healthy, stop (adapter: all subprocess calls live here).
 
-Every process started here is registered until it is reaped, and an ``atexit`` hook kills what is
-left, so a crashing parent leaves no engine behind; engines are also started with
-``--exit-with-parent`` so they end themselves if the parent is killed outright.
-
-Embedded engines (``python -m miles.engine``) are forked from a warm interpreter that has already
-imported torch and transformers (``miles.engine.forkserver``, one per process that launches
-engines, started with the first), which saves each launch most of its start-up. It ends with
-this process and takes its engines with it. ``MILES_ENGINE_FORKSERVER=0`` starts every engine as
-a fresh interpreter instead; so does any failure to start the forkserver.
+Every process started here is registered until reaped and killed at exit (engines also get
+``--exit-with-parent``). Embedded engines are forked from a warm interpreter that has imported
+torch already (``miles.engine.forkserver``, one per launching process), which saves most of a
+launch; ``MILES_ENGINE_FORKSERVER=0``, or a forkserver that fails to start, starts fresh ones.
 """
 
 from __future__ import annotations
@@ -383,29 +378,10 @@ class EngineProcess:
 
     async def wait_healthy(self, url: str, *, timeout_s: float, http: httpx.AsyncClient) -> None:
         """Poll ``url/health`` until it answers 200; raise EngineStartError on exit or timeout."""
-        deadline = time.monotonic() + timeout_s
-        delay = 0.05
-        while True:
-            if not self.alive():
-                raise EngineStartError(
-                    f"engine exited with code {self.returncode} while starting",
-                    log=str(self.log_path),
-                    tail=await asyncio.to_thread(self.log_tail),
-                )
-            try:
-                response = await http.get(f"{url}/health", timeout=2.0)
-                if response.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise EngineStartError(
-                    f"engine did not become healthy within {timeout_s}s",
-                    log=str(self.log_path),
-                    tail=await asyncio.to_thread(self.log_tail),
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
+        await wait_until_answering(url, timeout_s=timeout_s, http=http, process=self)
+
+    async def start_error(self, message: str) -> EngineStartError:
+        return EngineStartError(message, log=str(self.log_path), tail=await asyncio.to_thread(self.log_tail))
 
     async def stop(self, *, grace_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after ``grace_s``; always reaps the process."""
@@ -440,3 +416,29 @@ class EngineProcess:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+async def wait_until_answering(
+    url: str, *, timeout_s: float, http: httpx.AsyncClient, process: EngineProcess | None = None
+) -> None:
+    """Poll ``url/health`` until it answers 200; EngineStartError after ``timeout_s``, or at once when
+    ``process`` (the engine at ``url``, where it is ours) exits, with its log tail."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    last = "no answer"
+    while True:
+        if process is not None and not process.alive():
+            raise await process.start_error(f"engine exited with code {process.returncode} while starting")
+        try:
+            response = await http.get(f"{url}/health", timeout=2.0)
+            if response.status_code == 200:
+                return
+            last = f"/health answered {response.status_code}"
+        except httpx.HTTPError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() > deadline:
+            if process is not None:
+                raise await process.start_error(f"engine did not become healthy within {timeout_s}s")
+            raise EngineStartError(f"the server at {url} did not answer /health within {timeout_s}s ({last})", url=url)
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
