@@ -1,8 +1,5 @@
-"""A typed async client for SGLang's native HTTP API, used for every server type.
-
-The embedded engine and a real SGLang server answer the same calls, so the rollout servers and the
-controller talk to both through this one client (adapter: all engine HTTP calls are made here).
-"""
+"""A typed async client for SGLang's native HTTP API, used for every server type (the embedded
+engine and SGLang answer the same calls; adapter: all engine HTTP calls are made here)."""
 
 from __future__ import annotations
 
@@ -59,9 +56,8 @@ class WeightsChecksum:
 
 @dataclass(frozen=True)
 class WeightsIdentity:
-    """What an engine says it holds, without hashing anything: its version label and the
-    checksum it computed when its weights last changed (None when it keeps none), and which
-    process answered (None from an engine that does not say: SGLang)."""
+    """What an engine says it holds, without hashing: its version, the checksum it kept when its
+    weights last changed, and which process answered (None where the engine does not say)."""
 
     weight_version: str
     checksum: str | None
@@ -163,10 +159,8 @@ class EngineClient:
         return response.status_code == 200
 
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
-        """``/get_weight_version``: the version, and the checksum the engine keeps of its weights.
-
-        SGLang 0.5.23 has no such endpoint: its version is in ``/model_info``, and it keeps no
-        checksum (``checksum`` is then None)."""
+        """``/get_weight_version``: the version and the checksum the engine keeps; from SGLang
+        0.5.23, which has no such route, the version in ``/model_info`` and no checksum."""
         if not self._model_info_versions:
             response = await self._call("GET", "/get_weight_version", timeout=timeout)
             if response.status_code != 404:
@@ -180,8 +174,7 @@ class EngineClient:
 
     async def fence(self, token: int, *, window_open: bool, staged: bool = False) -> FenceState:
         """``/fence``: the engine refuses weight changes fenced below ``token`` from now on, and
-        accepts the credential of window ``token`` while ``window_open`` (only to stage weights
-        when ``staged``)."""
+        accepts window ``token``'s credential while ``window_open`` (only to stage when ``staged``)."""
         request = FenceRequest(token=token, window_open=window_open, staged=staged)
         return await self._post("/fence", request, FenceState)
 
@@ -209,7 +202,7 @@ class EngineClient:
         self, path: str, request: BaseModel, *, timeout: float | None, fence: int | None
     ) -> UpdateWeightsResponse:
         """A call that changes the weights: its ``UpdateWeightsResponse``, a refusal (400) included;
-        EngineCallError for any other answer (a plain 400 for an invalid request among them)."""
+        EngineCallError for any other answer."""
         response = await self._call("POST", path, json=request.model_dump(mode="json"), timeout=timeout, fence=fence)
         if response.status_code in (200, 400):
             try:
@@ -231,11 +224,8 @@ class EngineClient:
         await self._checked("POST", "/continue_generation", json={}, fence=fence)
 
     async def weights_checksum(self, *, timeout: float | None = None, fence: int | None = None) -> WeightsChecksum:
-        """The checksum the engine computes now over the weights it holds (``/weights_checker``).
-
-        The embedded engine answers miles' canonical checksum; a real SGLang server answers its
-        own ``per_engine_checksum`` (``algorithm`` says which; ``SGLangRollout`` maps the latter
-        onto the canonical one)."""
+        """The checksum the engine computes now over its weights (``/weights_checker``): miles'
+        canonical one, or SGLang's ``per_engine_checksum`` (``algorithm`` says which)."""
         request = WeightsCheckerRequest(action="checksum")
         body = await self._post("/weights_checker", request, SGLangWeightsCheckerResponse, timeout=timeout, fence=fence)
         if body.success and body.payload is not None:

@@ -1,9 +1,8 @@
 """The supervisor of a rollout's servers: health probes, restarts, drift and recovery.
 
-Every ``health_interval_s`` (sooner when woken) it probes each server: a dead, failing or
-replaced one is restarted on its last verified weights, one whose weights changed behind the
-controller's back is quarantined and rolled back, and a quarantined one recovers once its verified
-weights can be found again. Those repairs run inside the rollout's exclusive section (the
+Every interval (sooner when woken) it probes each server: a dead, failing or replaced one is
+restarted on its verified weights, a drifted one quarantined and rolled back, a quarantined one
+recovered once its weights can be found. Repairs run inside the rollout's exclusive section (the
 controller's lock), so they never interleave with an update, and re-check the server there.
 """
 
@@ -24,9 +23,7 @@ logger = logging.getLogger("miles.rollout")
 
 
 class Supervised(Protocol):
-    """What the supervisor needs of its rollout: the servers, a way to probe them, the section
-    restarts run in, the repairs, and where it reports what it saw (the rollout changes its
-    cells; the supervisor only reads them)."""
+    """What the supervisor needs of its rollout (which changes the cells; the supervisor only reads them)."""
 
     @property
     def cells(self) -> list[ServerCell]: ...
@@ -46,11 +43,9 @@ class Supervised(Protocol):
 
     def peer_holding(self, cell: ServerCell) -> ServerSnapshot | None: ...
 
-    def probed(self, cell: ServerCell, result: ProbeResult) -> None:
-        """Record a probe's result on the server."""
+    def probed(self, cell: ServerCell, result: ProbeResult) -> None: ...
 
-    def drifted(self, cell: ServerCell, *, verified: VerifiedWeights, reported: WeightsIdentity) -> None:
-        """A serving engine reports other weights than verified: record it and quarantine it."""
+    def drifted(self, cell: ServerCell, *, verified: VerifiedWeights, reported: WeightsIdentity) -> None: ...
 
 
 class Supervisor:
@@ -113,9 +108,8 @@ class Supervisor:
             await self._drift_guarded(cell, incarnation)
 
     async def _replaced_guarded(self, cell: ServerCell, incarnation: int) -> None:
-        """Bring back, as a restart, a server whose engine process was replaced from outside (its
-        owner restarted it between two probes): it holds whatever it started on and has seen no
-        fence, so it is verified again like any restarted engine before it serves."""
+        """Restart a server whose engine process was replaced from outside (it holds whatever it
+        started on and has seen no fence), so it is verified again before it serves."""
         async with self._rollout.exclusive(f"restart {cell.server_id}") as fence:
             reported = await self._still_serving(cell, incarnation)
             if reported is None or not replaced(cell, reported):
@@ -155,9 +149,8 @@ class Supervisor:
                 logger.error("could not restore %s after its weights drifted: %s", cell.server_id, exc)  # noqa: TRY400
 
     async def _still_serving(self, cell: ServerCell, incarnation: int) -> WeightsIdentity | None:
-        """What the engine reports now, asked again inside the exclusive section; None when the
-        server no longer serves as the same process (an update or a restart took it over while
-        we waited) or does not answer (the failure counter and the next probe deal with that)."""
+        """What the engine reports now, asked again inside the exclusive section; None when it no
+        longer serves as the same process, or does not answer (the next probe deals with that)."""
         if cell.state is not ServerState.SERVING or cell.incarnation != incarnation:
             return None
         try:
@@ -166,11 +159,8 @@ class Supervisor:
             return None
 
     async def _recover_guarded(self, cell: ServerCell) -> None:
-        """Bring a quarantined server back once its verified weights can be found again.
-
-        A server quarantined outside an update (restarted while its verified weights were on no
-        disk and no peer held them) recovers as soon as a peer serves them again.
-        """
+        """Bring a quarantined server back once its verified weights can be found again (on disk,
+        or a peer serving them)."""
         if cell.verified is None:
             return
         alive = self._rollout.alive(cell)
@@ -213,9 +203,7 @@ def drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool
     """Whether an engine's report differs from the weights verified on it (version or checksum)."""
     if verified is None:
         return False
-    if reported.weight_version != verified.weight_version:
-        return True
-    return reported.checksum is not None and reported.checksum != verified.checksum
+    return reported.weight_version != verified.weight_version or reported.checksum not in (None, verified.checksum)
 
 
 def replaced(cell: ServerCell, reported: WeightsIdentity) -> bool:
