@@ -1,10 +1,7 @@
 """Joining a Ray cluster, and a cluster of several nodes on this machine (the demo's and the tests').
 
-``connect`` is how every miles component reaches Ray: it joins the cluster this process is already
-connected to, the one at an address ("auto" finds the local head), or starts a one-node cluster
-on loopback. ``LocalCluster`` starts a head and worker nodes on this machine, each declared with
-CPUs and (logical) GPUs, all bound to 127.0.0.1, in a temporary directory of its own that it
-removes when it stops.
+``connect`` is how every miles component reaches Ray. ``LocalCluster`` starts a head and worker
+nodes on loopback, with logical CPUs and GPUs, in a temporary directory it removes when it stops.
 """
 
 from __future__ import annotations
@@ -31,12 +28,9 @@ _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def connect(address: str | None = None, *, namespace: str = NAMESPACE) -> bool:
-    """Join a Ray cluster unless this process already is connected to one; True when it started a
-    new one (whose resources are then this process's alone to share out).
-
-    ``address``: "auto" (the cluster started on this machine with ``ray start``), "HOST:PORT" (a
-    head node's GCS address) or None (a new one-node cluster on loopback, stopped with the process).
-    """
+    """Join a Ray cluster unless already connected; True when it started a new one (its resources
+    this process's to share out). ``address``: "auto", "HOST:PORT" of a head, or None (a new
+    one-node cluster on loopback, stopped with the process)."""
     if ray.is_initialized():
         return False
     options: dict[str, Any] = {"namespace": namespace, "log_to_driver": False}

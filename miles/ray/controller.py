@@ -1,15 +1,10 @@
 """The controller as a named Ray actor: training anywhere in the cluster reaches it by name.
 
-``serve_controller`` starts an ``InferenceControllerActor`` named ``miles_inference_controller`` in
-namespace ``miles`` (both changeable); a trainer on any node calls ``get_controller()`` and then
-the controller's own methods, with ``ray.get`` or ``await``::
+``serve_controller`` starts the actor (the same ``AsyncInferenceController``, engines on the Ray
+runtime by default, the HTTP API on its node); a trainer calls the controller's methods on it::
 
     controller = get_controller()
     ray.get(controller.update_rollout_weights.remote("/ckpt/step-100"))
-    window = ray.get(controller.start_update_weights.remote())
-
-The actor runs the same ``AsyncInferenceController`` as every other entry point (its engines on
-the Ray runtime by default), and serves the HTTP API on its node as well.
 """
 
 from __future__ import annotations
@@ -129,13 +124,10 @@ def serve_controller(
     num_cpus: float = 0.1,
     **settings: Any,
 ) -> Any:
-    """Start the named controller actor (engines on the Ray runtime unless ``runtime`` says
-    otherwise) and wait until it serves; returns its handle.
+    """Start the named controller actor and wait until it serves; returns its handle.
 
-    ``detached``: the actor outlives this driver (stop it with ``close`` and ``ray.kill``).
-    Settings are validated here, in the caller. On a cluster this call starts itself, engines
-    without a ``num_cpus_per_engine`` share its CPUs (``_cpu_share``). A refusal from the actor is
-    raised as the MilesError it is, without Ray's wrapping.
+    Settings are validated here, in the caller; ``detached``: the actor outlives this driver. On a
+    cluster this call starts, engines share its CPUs. The actor's refusal is raised as its MilesError.
     """
     settings.setdefault("runtime", RuntimeKind.RAY)
     validated = ControllerSettings(**settings)  # raises ValidationError naming the bad setting
