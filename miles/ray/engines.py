@@ -33,14 +33,7 @@ from miles.errors import MilesError
 from miles.ray.cluster import connect
 from miles.ray.placement import Fit, cluster_view, judge
 from miles.rollout.engine_process import EngineProcess, EngineStartError, free_port
-from miles.rollout.runtime import (
-    EngineCommand,
-    EngineRuntime,
-    LaunchedEngine,
-    LaunchSlot,
-    Placement,
-    readable_roots,
-)
+from miles.rollout.runtime import EngineCommand, EngineRuntime, LaunchedEngine, LaunchSlot, Placement, readable_roots
 from miles.rollout.spec import RolloutSpec
 from miles.rollout.state import manifest_or_none
 from miles.weights.checksum import model_checksum
@@ -271,7 +264,7 @@ class RayRuntime(EngineRuntime):
             shortfall = await asyncio.to_thread(_shortfall, bundle, len(server_ids))
             raise PlacementError(
                 f"the cluster did not place rollout {spec.name} ({len(server_ids)} engines of {bundle}, "
-                f"{spec.placement_strategy.value}) within {spec.startup_timeout_s:g}s: {shortfall}",
+                f"{spec.placement_strategy.value}) within {spec.startup_timeout_s:g}s: {shortfall}"
             ) from None
         self._group = group
 

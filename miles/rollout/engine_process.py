@@ -361,11 +361,7 @@ class EngineProcess:
                 return
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                self.command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
+                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
             )
         _REGISTRY.add(self._proc)
 

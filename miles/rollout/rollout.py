@@ -22,13 +22,7 @@ from miles.errors import MilesError
 from miles.protocol.sglang import PauseMode
 from miles.protocol.sglang_weights import ActivateWeightsRequest, UpdateWeightsFromDiskRequest, UpdateWeightsResponse
 from miles.rollout.copies import ModelServers, peer_holding, source_of
-from miles.rollout.engine_client import (
-    EngineCallError,
-    EngineClient,
-    WeightsChecksum,
-    WeightsExport,
-    WeightsIdentity,
-)
+from miles.rollout.engine_client import EngineCallError, EngineClient, WeightsChecksum, WeightsExport, WeightsIdentity
 from miles.rollout.runtime import EngineCommand, runtime_for
 from miles.rollout.spec import HealthSettings, RolloutSpec
 from miles.rollout.state import (
@@ -75,11 +69,7 @@ class Rollout(ABC):
     engine_api: ClassVar[EngineApi] = "sglang"
 
     def __init__(
-        self,
-        spec: RolloutSpec,
-        *,
-        exclusive: ExclusiveSection | None = None,
-        observer: RolloutObserver | None = None,
+        self, spec: RolloutSpec, *, exclusive: ExclusiveSection | None = None, observer: RolloutObserver | None = None
     ) -> None:
         self._prepare(spec)
         self.spec = spec
@@ -284,13 +274,7 @@ class Rollout(ABC):
         await self.client(server_id).continue_generation(fence=fence)
 
     async def load(
-        self,
-        server_id: str,
-        checkpoint: Path,
-        *,
-        weight_version: str,
-        expected_checksum: str,
-        fence: int | None = None,
+        self, server_id: str, checkpoint: Path, *, weight_version: str, expected_checksum: str, fence: int | None = None
     ) -> UpdateWeightsResponse:
         """Ask the engine to load ``checkpoint``, whose weights must hash to ``expected_checksum``
         (checked before it touches its weights); a refusal is returned with ``success=False``."""
@@ -298,9 +282,7 @@ class Rollout(ABC):
         # Where the engine can read it: in place, or shipped to its node (the Ray runtime).
         readable = await self.runtime.readable(server_id, checkpoint, expected_checksum=expected_checksum)
         request = UpdateWeightsFromDiskRequest(
-            model_path=str(readable),
-            weight_version=weight_version,
-            expected_checksum=expected_checksum,
+            model_path=str(readable), weight_version=weight_version, expected_checksum=expected_checksum
         )
         response = await self.client(server_id).update_weights_from_disk(
             request, timeout=self.spec.update_timeout_s, fence=fence

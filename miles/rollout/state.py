@@ -141,9 +141,7 @@ class ServerCell:
         """Move to ``to`` if the table allows it; returns the change (for events), else raises."""
         if to not in TRANSITIONS[self.state]:
             raise IllegalTransitionError(
-                f"server cannot go from {self.state.value} to {to.value}",
-                server_id=self.server_id,
-                reason=reason,
+                f"server cannot go from {self.state.value} to {to.value}", server_id=self.server_id, reason=reason
             )
         change = StateChange(
             server_id=self.server_id,
