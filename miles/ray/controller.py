@@ -169,15 +169,10 @@ def _cpu_share(
     reserved: float,
 ) -> float:
     """CPUs per engine that let every engine of the fleet fit on the cluster just started."""
-    engines = 0
-    for spec in normalize_specs(rollout_server_cls, model_checkpoint, num_servers).values():
-        if spec.urls:
-            continue  # attached servers run elsewhere and ask the cluster for nothing
-        count = spec.num_servers or 1
-        if spec.num_cpus_per_engine is None:
-            engines += count
-        else:
-            reserved += count * spec.num_cpus_per_engine
+    # Attached servers run elsewhere and ask the cluster for nothing.
+    specs = [s for s in normalize_specs(rollout_server_cls, model_checkpoint, num_servers).values() if not s.urls]
+    engines = sum(spec.num_servers or 1 for spec in specs if spec.num_cpus_per_engine is None)
+    reserved += sum((spec.num_servers or 1) * (spec.num_cpus_per_engine or 0.0) for spec in specs)
     cpus = float(ray.cluster_resources().get("CPU", 0.0))
     share = engine_cpu_share(cpus=cpus, engines=engines, reserved=reserved)
     logger.info("%d engine(s) share this cluster's %g CPUs: %g CPUs each", engines, cpus, share)

@@ -159,11 +159,7 @@ class RolloutSpec(BaseModel):
         import torch  # only here: a spec must be cheap to build and validate
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus:
-            return [f"cuda:{i % gpus}" for i in range(self.num_servers)]
-        return ["cpu"] * self.num_servers
+        return [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(self.num_servers)]
 
     def threads_per_engine(self) -> int:
-        if self.num_threads is not None:
-            return self.num_threads
-        return max(1, (os.cpu_count() or 1) // self.num_servers)
+        return self.num_threads or max(1, (os.cpu_count() or 1) // self.num_servers)
