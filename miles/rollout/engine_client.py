@@ -74,12 +74,8 @@ class WeightsExport:
 
 
 class EngineClient:
-    """Calls one engine at ``base_url`` (e.g. ``http://127.0.0.1:30001``).
-
-    A call that changes the engine's weights or generation may carry the update's lock token
-    (``fence``): the engine refuses one fenced below the highest token it has seen, so an update
-    that lost the lock cannot touch a server a newer update owns.
-    """
+    """Calls one engine at ``base_url``. A call that changes its weights or generation may carry the
+    update's lock token (``fence``): the engine refuses one below the highest it has seen."""
 
     def __init__(self, base_url: str, *, http: httpx.AsyncClient, server_id: str, secret: str | None = None) -> None:
         """``secret``: the engine's control secret, sent as a bearer token on every call."""

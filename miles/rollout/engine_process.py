@@ -225,10 +225,9 @@ EXIT_UNKNOWN = 255
 
 
 class _ForkedEngine:
-    """An engine forked by the forkserver, with the calls of ``subprocess.Popen`` that
-    EngineProcess makes. Its exit is what the forkserver reports or, once the forkserver is gone,
-    what its pidfd shows (with ``EXIT_UNKNOWN`` for a status). Signals go through the pidfd,
-    which names this process and no other, even once its pid is free again."""
+    """An engine forked by the forkserver, with ``subprocess.Popen``'s calls: its exit as the
+    forkserver reports it, or once that is gone as its pidfd shows (status ``EXIT_UNKNOWN``).
+    Signals go through the pidfd, which names this process even once its pid is free again."""
 
     def __init__(self, server: _ForkServer, pid: int) -> None:
         self._server = server

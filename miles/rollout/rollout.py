@@ -151,11 +151,8 @@ class Rollout(ABC):
         return self._http
 
     async def start(self) -> None:
-        """Launch every engine, confirm its weights, and start the health loop.
-
-        Raises RolloutError (with the engine log tail) if an engine fails to start or holds
-        weights other than its checkpoint's manifest says; everything started is stopped again.
-        """
+        """Launch every engine, confirm its weights, and start the health loop. Raises RolloutError
+        (with the log tail) if an engine fails to start or holds other weights; all is stopped again."""
         checkpoint = self.spec.checkpoint
         if self.resume_from is not None and self.resume_from.checkpoint is not None:
             checkpoint = self.resume_from.checkpoint

@@ -127,10 +127,7 @@ class EngineRuntime(ABC):
         self, server_id: str, command: EngineCommand, checkpoint: Path, *, device: str, http: httpx.AsyncClient
     ) -> LaunchedEngine:
         """Start an engine for ``server_id`` serving ``checkpoint``; return once it answers /health.
-
-        ``device`` is the one the spec gave the server (the local runtime uses it; the Ray runtime
-        uses the devices of the server's bundle). Raises EngineStartError with the log tail.
-        """
+        ``device``: the spec's (the Ray runtime uses its bundle's). Raises EngineStartError with the log tail."""
 
     @abstractmethod
     async def terminate(self, server_id: str) -> None:
@@ -248,11 +245,9 @@ class LocalRuntime(EngineRuntime):
 
 
 async def _started(process: EngineProcess) -> None:
-    """``process.start()`` (mkdir, open and fork/exec) off the loop, which keeps serving the other
-    servers. A cancellation (the controller stopping while a restart launches) cannot stop the
-    thread: it is waited for, and what it started is stopped, before the cancellation goes on.
-    Otherwise the engine would run on untracked, and recreate its log directory after the
-    controller removed its state directory."""
+    """``process.start()`` off the loop. A cancellation cannot stop the thread: it is waited for and
+    what it started stopped before the cancellation goes on (else the engine would run on untracked,
+    and recreate its log directory after the controller removed its state directory)."""
     starting = asyncio.ensure_future(asyncio.to_thread(process.start))
     try:
         await asyncio.shield(starting)

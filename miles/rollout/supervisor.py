@@ -185,10 +185,10 @@ class Supervisor:
         async with self._rollout.exclusive(f"restart {cell.server_id}") as fence:
             # Re-check under the section: an update may have replaced or stopped it meanwhile.
             healthy = self._rollout.alive(cell) and cell.consecutive_failures < self._rollout.health.failure_threshold
-            if cell.state is ServerState.STOPPED or (cell.state is ServerState.SERVING and healthy):
-                return
             if cell.state not in (ServerState.SERVING, ServerState.PENDING_WEIGHTS, ServerState.RESTARTING):
-                return  # an update took it over while we waited; it owns the cell now
+                return  # an update took it over (or it was stopped) while we waited; it owns the cell now
+            if cell.state is ServerState.SERVING and healthy:
+                return
             await self._restart(cell, reason=reason, fence=fence)
 
     async def _restart(self, cell: ServerCell, *, reason: str, fence: int | None) -> None:
