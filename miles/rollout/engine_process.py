@@ -231,25 +231,23 @@ class _ForkedEngine:
 
     def __init__(self, server: _ForkServer, pid: int) -> None:
         self._server = server
-        self._pid = pid
+        self.pid = pid
         self._code: int | None = None
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
         except ProcessLookupError:
             self._pidfd = None  # already ended and reaped; the forkserver reports how
 
-    @property
-    def pid(self) -> int:
-        return self._pid
-
     def poll(self) -> int | None:
         if self._code is None:
-            code = self._server.exit_code(self._pid)
-            if code is None and not self._server.usable and (self._pidfd is None or _ended(self._pidfd)):
+            code = self._server.exit_code(self.pid)
+            # A pidfd becomes readable when its process has exited.
+            if code is None and not self._server.usable and (self._pidfd is None or self._readable(0)):
                 code = EXIT_UNKNOWN
-            if code is not None:
-                self._code = code
-                self._release()
+            if code is not None and self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+            self._code = code
         return self._code
 
     def send_signal(self, sig: int) -> None:
@@ -268,22 +266,16 @@ class _ForkedEngine:
         while (code := self.poll()) is None:
             left = 0.5 if deadline is None else min(deadline - time.monotonic(), 0.5)
             if left <= 0:
-                raise subprocess.TimeoutExpired(f"engine {self._pid}", timeout or 0.0)
+                raise subprocess.TimeoutExpired(f"engine {self.pid}", timeout or 0.0)
             if self._server.usable:
-                self._server.wait_for_exit(self._pid, left)
+                self._server.wait_for_exit(self.pid, left)
             elif self._pidfd is not None:
-                select.select([self._pidfd], [], [], left)
+                self._readable(left)
         return code
 
-    def _release(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-
-
-def _ended(pidfd: int) -> bool:
-    """Whether the process behind ``pidfd`` has exited (a pidfd becomes readable then)."""
-    return bool(select.select([pidfd], [], [], 0)[0])
+    def _readable(self, timeout: float) -> bool:
+        assert self._pidfd is not None
+        return bool(select.select([self._pidfd], [], [], timeout)[0])
 
 
 _FORKSERVER_LOCK = threading.Lock()
