@@ -65,7 +65,6 @@ def fingerprint(directory: Path) -> Fingerprint:
 
 
 def _files(directory: Path) -> list[tuple[str, Path]]:
-    """Every regular file under ``directory`` (links left out), sorted, by its relative name."""
     paths = sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
     return [(path.relative_to(directory).as_posix(), path) for path in paths]
 
@@ -273,10 +272,9 @@ class RayRuntime(EngineRuntime):
     ) -> LaunchedEngine:
         spec = self.spec
         assert self._group is not None, "RayRuntime.start() has not reserved the placement group"
-        gpus = spec.num_gpus_per_engine
         host = EngineHost.options(  # type: ignore[attr-defined]
             num_cpus=spec.num_cpus_per_engine,
-            num_gpus=gpus,
+            num_gpus=spec.num_gpus_per_engine,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._group,
                 placement_group_bundle_index=self._bundles[server_id],

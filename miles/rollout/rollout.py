@@ -234,8 +234,7 @@ class Rollout(ABC):
     async def restart_on(self, server_id: str, verified: VerifiedWeights, *, reason: str, fence: int | None) -> None:
         """Restart a server whose engine died on ``verified`` (its peers' new weights, which it
         never held); raises RolloutError when it cannot be brought up on them."""
-        cell = self.cell(server_id)
-        cell.verified = verified
+        self.cell(server_id).verified = verified
         await self.restart(server_id, reason=reason, fence=fence)
 
     def snapshot(self) -> list[ServerSnapshot]:
@@ -414,8 +413,7 @@ class Rollout(ABC):
         """Replace the server's process and bring it back on its last verified weights (the caller
         holds the controller's exclusive section)."""
         cell = self.cell(server_id)
-        if cell.state is not ServerState.RESTARTING:
-            self.transition(cell, ServerState.RESTARTING, reason)
+        self.lost(server_id, reason=reason)
         await self._terminate(cell)
         self._clients.pop(server_id, None)
         cell.restarts += 1

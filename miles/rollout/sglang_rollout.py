@@ -200,6 +200,5 @@ def check_ray_gpus(spec: RolloutSpec) -> None:
 
 
 def _file_signature(checkpoint: Path) -> tuple[tuple[str, int, int], ...]:
-    """Name, size and modification time of each file of a checkpoint directory."""
     entries = sorted(p for p in checkpoint.iterdir() if p.is_file())
     return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in entries)
