@@ -9,6 +9,7 @@ runtime by default, the HTTP API on its node); a trainer calls the controller's 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,18 +46,17 @@ class InferenceControllerActor:
         serve_http: bool,
         settings: dict[str, Any],
     ) -> None:
-        self._arguments = (rollout_server_cls, model_checkpoint, num_servers, settings)
+        # Built in start(), on the actor's loop: the lock and the router bind to the loop they run on.
+        self._build = functools.partial(
+            AsyncInferenceController, rollout_server_cls, model_checkpoint, num_servers=num_servers, **settings
+        )
         self._serve_http = serve_http
         self._controller: AsyncInferenceController | None = None
         self._http: HttpServer | None = None
 
     async def start(self) -> str | None:
         """Launch the servers (and the HTTP API); returns the API's URL."""
-        rollout_server_cls, model_checkpoint, num_servers, settings = self._arguments
-        # Built here, on the actor's loop: the lock and the router bind to the loop they run on.
-        self._controller = AsyncInferenceController(
-            rollout_server_cls, model_checkpoint, num_servers=num_servers, **settings
-        )
+        self._controller = self._build()
         try:
             await self._controller.start()
             if self._serve_http:
