@@ -392,10 +392,7 @@ class Rollout(ABC):
                 confirmed = await self._reload(server_id, source, verified, fence=fence)
             elif confirmed is not None and confirmed.weight_version != verified.weight_version:
                 # Never loaded the new weights (or loaded and restored them): only the label moved.
-                await self.client(server_id).update_weight_version(verified.weight_version, fence=fence)
-                confirmed = self.record_checksum(
-                    server_id, dataclasses.replace(confirmed, weight_version=verified.weight_version)
-                )
+                await self.relabel(server_id, verified.weight_version, fence=fence)
         except EngineCallError:
             confirmed = None
         if confirmed is not None and confirmed.checksum == verified.checksum:
