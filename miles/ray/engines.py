@@ -11,6 +11,7 @@ there before the engine loads them (``CheckpointTransfer``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -176,9 +177,8 @@ class EngineHost:
 async def _discard(host: Any) -> None:
     """Stop the host's engine and remove its files, then end the actor (dead or hung: ended anyway)."""
     try:
-        await asyncio.wait_for(host.stop.remote(), timeout=_CONTROL_TIMEOUT_S)
-    except (RayActorError, TimeoutError):
-        pass
+        with contextlib.suppress(RayActorError, TimeoutError):
+            await asyncio.wait_for(host.stop.remote(), timeout=_CONTROL_TIMEOUT_S)
     finally:
         ray.kill(host)
 

@@ -3,6 +3,7 @@ engine and SGLang answer the same calls; adapter: all engine HTTP calls are made
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -201,10 +202,9 @@ class EngineClient:
         EngineCallError for any other answer."""
         response = await self._call("POST", path, json=request.model_dump(mode="json"), timeout=timeout, fence=fence)
         if response.status_code in (200, 400):
-            try:
+            # A plain 400 (an invalid request) is no refusal: reported below.
+            with contextlib.suppress(ValidationError):
                 return UpdateWeightsResponse.model_validate_json(response.content)
-            except ValidationError:
-                pass  # a plain 400 (invalid request) rather than a refusal: reported below
         raise self._refused(path.lstrip("/"), response)
 
     async def update_weight_version(self, new_version: str, *, fence: int | None = None) -> None:

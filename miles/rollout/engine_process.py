@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -98,15 +99,14 @@ class _ForkServer:
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._requests: IO[bytes] = self._proc.stdin
+        self._replies: IO[bytes] = self._proc.stdout
         self._changed = threading.Condition()
         self._ready: bool | None = None
         self._failure = ""
         self._spawned: dict[int, dict[str, Any]] = {}
         self._exits: dict[int, int] = {}
         self._next_id = 0
-        threading.Thread(
-            target=self._read, args=(self._proc.stdout,), name="miles-forkserver-reader", daemon=True
-        ).start()
+        threading.Thread(target=self._read, args=(self._replies,), name="miles-forkserver-reader", daemon=True).start()
         with self._changed:
             if not self._changed.wait_for(lambda: self._ready is not None, timeout=_FORKSERVER_READY_S):
                 self._failure = f"not ready after {_FORKSERVER_READY_S:g}s"
@@ -130,12 +130,9 @@ class _ForkServer:
         # The descriptors are pointed at /dev/null rather than closed: their numbers stay this
         # object's, so closing it later cannot close a file the child has opened since.
         null = os.open(os.devnull, os.O_RDWR)
-        for stream in (self._requests, self._proc.stdout):
-            if stream is not None:
-                try:
-                    os.dup2(null, stream.fileno())
-                except (OSError, ValueError):
-                    pass
+        for stream in (self._requests, self._replies):
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(null, stream.fileno())
         os.close(null)
 
     def _read(self, replies: IO[bytes]) -> None:
@@ -209,10 +206,8 @@ class _ForkServer:
 
     def close(self) -> None:
         """End the forkserver and every engine it started (it kills them when its input closes)."""
-        try:
+        with contextlib.suppress(OSError):
             self._requests.close()
-        except OSError:
-            pass
         try:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -253,10 +248,8 @@ class _ForkedEngine:
     def send_signal(self, sig: int) -> None:
         if self._pidfd is None or self.poll() is not None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):  # ended; poll() says so
             signal.pidfd_send_signal(self._pidfd, sig)
-        except ProcessLookupError:
-            pass  # ended; poll() says so
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

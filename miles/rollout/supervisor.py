@@ -9,6 +9,7 @@ controller's lock), so they never interleave with an update, and re-check the se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from contextlib import AbstractAsyncContextManager
@@ -65,11 +66,9 @@ class Supervisor:
     async def run(self) -> None:
         """Probe every server, round after round, until cancelled."""
         while True:
-            try:
-                # A changed interval or a suspected server ends the wait early (``wake``).
+            # A changed interval or a suspected server ends the wait early (``wake``).
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self._rollout.health.interval_s)
-            except TimeoutError:
-                pass
             self._wake.clear()
             for cell in self._rollout.cells:
                 try:

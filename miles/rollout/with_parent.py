@@ -8,6 +8,7 @@ kernel ends the program (``PR_SET_PDEATHSIG``). ``--remove DIR`` is removed once
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -27,18 +28,14 @@ def _die_with_this_process() -> None:
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is gone already
 
 
 def _end_group(child: subprocess.Popen[bytes], *, grace_s: float) -> None:
     _signal_group(child.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         child.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
     # Whatever the program started and left behind goes too.
     _signal_group(child.pid, signal.SIGKILL)
     child.wait()
