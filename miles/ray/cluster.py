@@ -41,17 +41,12 @@ def connect(address: str | None = None, *, namespace: str = NAMESPACE) -> bool:
         options |= {"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
     else:
         options["address"] = address
-        if _on_loopback(address):
+        if address.removeprefix("ray://").rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
             # A cluster on this machine's loopback: the driver must not bind anywhere else.
             options["_node_ip_address"] = "127.0.0.1"
     ray.init(**options)
     logger.info("connected to the Ray cluster at %s", ray.get_runtime_context().gcs_address)
     return address is None
-
-
-def _on_loopback(address: str) -> bool:
-    host = address.removeprefix("ray://").rsplit(":", 1)[0]
-    return host in ("127.0.0.1", "localhost")
 
 
 @dataclass(frozen=True)

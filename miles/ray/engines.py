@@ -138,9 +138,6 @@ class EngineHost:
             await self.process.stop()
         await asyncio.to_thread(shutil.rmtree, self.work_dir, ignore_errors=True)
 
-    def log_tail(self) -> str:
-        return self.process.log_tail() if self.process is not None else ""
-
     def sees(self, path: str, files: Fingerprint | None) -> bool:
         """Whether this node sees ``path`` with exactly these files (any files when None)."""
         directory = Path(path)

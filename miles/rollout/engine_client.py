@@ -92,7 +92,7 @@ class EngineClient:
     ) -> httpx.Response:
         headers = self._auth if fence is None else {**self._auth, FENCE_HEADER: str(fence)}
         try:
-            response = await self._http.request(
+            return await self._http.request(
                 method,
                 f"{self.base_url}{path}",
                 json=json,
@@ -103,7 +103,6 @@ class EngineClient:
             raise EngineCallError(
                 f"{method} {path} failed: {type(exc).__name__}: {exc}", server_id=self.server_id, url=self.base_url
             ) from exc
-        return response
 
     async def _post(
         self,
