@@ -382,9 +382,9 @@ class RayRuntime(EngineRuntime):
             files = await asyncio.to_thread(_pack, checkpoint)
         else:
             files = await self._pack_elsewhere(host, checkpoint)
-        name = expected_checksum or name
+        name = (expected_checksum or name).replace(":", "-")
         try:
-            shipped = await host.receive.remote(name.replace(":", "-"), files, expected_checksum=expected_checksum)
+            shipped = await host.receive.remote(name, files, expected_checksum=expected_checksum)
         except RayTaskError as exc:
             raise CheckpointShipError(
                 f"checkpoint {checkpoint} could not be shipped to the engine's node: {exc.cause}"
@@ -394,9 +394,7 @@ class RayRuntime(EngineRuntime):
 
     async def _pack_elsewhere(self, target: Any, checkpoint: Path) -> list[tuple[str, list[ray.ObjectRef]]]:
         """The checkpoint's files from a node that has them (weights a peer wrote out on its node)."""
-        for host in self._hosts.values():
-            if host is target:
-                continue
+        for host in (host for host in self._hosts.values() if host is not target):
             try:
                 if await host.sees.remote(str(checkpoint), None):
                     files: list[tuple[str, list[ray.ObjectRef]]] = await host.pack.remote(str(checkpoint))

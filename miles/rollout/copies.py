@@ -38,15 +38,8 @@ def peer_holding(servers: ModelServers, verified: VerifiedWeights | None, *, bes
     """A serving server other than ``besides`` verified on the same weights (same checksum)."""
     if verified is None:
         return None
-    for peer in servers.snapshot():
-        if (
-            peer.server_id != besides
-            and peer.state is ServerState.SERVING
-            and peer.verified is not None
-            and peer.verified.checksum == verified.checksum
-        ):
-            return peer
-    return None
+    serving = (peer for peer in servers.snapshot() if peer.server_id != besides and peer.state is ServerState.SERVING)
+    return next((peer for peer in serving if peer.verified and peer.verified.checksum == verified.checksum), None)
 
 
 async def source_of(
