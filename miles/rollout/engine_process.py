@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -105,7 +106,7 @@ class _ForkServer:
         self._failure = ""
         self._spawned: dict[int, dict[str, Any]] = {}
         self._exits: dict[int, int] = {}
-        self._next_id = 0
+        self._ids = itertools.count()  # next() on it is atomic: spawns from several threads get distinct ids
         threading.Thread(target=self._read, args=(self._replies,), name="miles-forkserver-reader", daemon=True).start()
         with self._changed:
             if not self._changed.wait_for(lambda: self._ready is not None, timeout=_FORKSERVER_READY_S):
@@ -169,9 +170,7 @@ class _ForkServer:
                 raise EngineStartError(f"the engine forkserver has exited ({exc})") from exc
 
     def spawn(self, args: Sequence[str], *, env: dict[str, str], log_path: Path) -> _ForkedEngine:
-        with self._changed:
-            ident = self._next_id
-            self._next_id += 1
+        ident = next(self._ids)
         self._send(
             {
                 "spawn": ident,

@@ -10,6 +10,7 @@ miles' canonical checksum (``sglang_digests``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -145,9 +146,7 @@ class SGLangRollout(Rollout):
             given = self._given.get(server_id)
             loaded = await self._checksum_of(given) if given is not None else None
             canonical = self._digests.translate(reported.checksum, layout=reported.layout, loaded=loaded)
-            reported = WeightsChecksum(
-                checksum=canonical, algorithm=ALGORITHM, weight_version=reported.weight_version, layout=reported.layout
-            )
+            reported = dataclasses.replace(reported, checksum=canonical, algorithm=ALGORITHM)
         return self.record_checksum(server_id, reported)
 
     async def pause(self, server_id: str, mode: PauseMode, *, fence: int | None = None) -> int:
