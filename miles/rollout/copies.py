@@ -45,8 +45,7 @@ def peer_holding(servers: ModelServers, verified: VerifiedWeights | None, *, bes
 async def source_of(
     servers: ModelServers, verified: VerifiedWeights | None, *, besides: str, fence: int | None
 ) -> Path | None:
-    """A checkpoint directory holding ``verified`` (server ``besides``'s weights): its own checkpoint,
-    else one a serving peer writes out now; None if there is none."""
+    """A checkpoint holding ``verified``: its own, else one a serving peer writes out now; None if none."""
     if verified is None:
         return None
     if verified.checkpoint is not None:

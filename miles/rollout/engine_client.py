@@ -197,8 +197,7 @@ class EngineClient:
     async def _update(
         self, path: str, request: BaseModel, *, timeout: float | None, fence: int | None
     ) -> UpdateWeightsResponse:
-        """A call that changes the weights: its ``UpdateWeightsResponse``, a refusal (400) included;
-        EngineCallError for any other answer."""
+        """A call that changes the weights: its ``UpdateWeightsResponse`` (a refusal included), else EngineCallError."""
         response = await self._call("POST", path, json=request.model_dump(mode="json"), timeout=timeout, fence=fence)
         if response.status_code in (200, 400):
             # A plain 400 (an invalid request) is no refusal: reported below.

@@ -88,8 +88,7 @@ _REGISTRY = _Registry()
 
 
 class _ForkServer:
-    """The warm interpreter that embedded engines are forked from (its protocol is described in
-    ``miles.engine.forkserver``); a reader thread records what it reports."""
+    """The warm interpreter engines are forked from (protocol: ``miles.engine.forkserver``), read by a thread."""
 
     def __init__(self) -> None:
         self._proc = subprocess.Popen(

@@ -55,7 +55,6 @@ class MixedRollout:
             rollout.model_servers = self
         # As Rollout.committed_high: the controller's record for the model, not any one rollout's.
         self.committed_high: int | None = None
-        self._resume_from: VerifiedWeights | None = None
 
     # --- the model as a whole ----------------------------------------------------------------
 
@@ -74,11 +73,10 @@ class MixedRollout:
 
     @property
     def resume_from(self) -> VerifiedWeights | None:
-        return self._resume_from
+        return self.rollouts[0].resume_from
 
     @resume_from.setter
     def resume_from(self, weights: VerifiedWeights | None) -> None:
-        self._resume_from = weights
         for rollout in self.rollouts:
             rollout.resume_from = weights
 

@@ -232,8 +232,7 @@ class Rollout(ABC):
             self.transition(cell, ServerState.RESTARTING, reason)
 
     async def restart_on(self, server_id: str, verified: VerifiedWeights, *, reason: str, fence: int | None) -> None:
-        """Restart a server whose engine died on ``verified`` (its peers' new weights, which it
-        never held); raises RolloutError when it cannot be brought up on them."""
+        """Restart a server on ``verified``, weights it never held (it died first); RolloutError when it cannot."""
         self.cell(server_id).verified = verified
         await self.restart(server_id, reason=reason, fence=fence)
 
@@ -365,8 +364,7 @@ class Rollout(ABC):
         self.transition(self.cell(server_id), ServerState.QUARANTINED, reason)
 
     async def rollback(self, server_id: str, *, reason: str, fence: int | None = None) -> None:
-        """Reload the server's last verified weights and confirm them, else replace its process.
-        Raises RolloutError if the server never had verified weights."""
+        """Reload and confirm the server's verified weights, else replace its process; RolloutError without any."""
         cell = self.cell(server_id)
         verified = cell.verified
         if verified is None:
@@ -407,8 +405,7 @@ class Rollout(ABC):
         await self.restart(server_id, reason=f"rollback failed: {reason}", fence=fence)
 
     async def restart(self, server_id: str, *, reason: str, fence: int | None = None) -> None:
-        """Replace the server's process and bring it back on its last verified weights (the caller
-        holds the controller's exclusive section)."""
+        """Replace the server's process and bring it back on its verified weights (in the exclusive section)."""
         cell = self.cell(server_id)
         self.lost(server_id, reason=reason)
         await self._terminate(cell)

@@ -80,8 +80,7 @@ def sglang_gpu_ids(info: Mapping[str, Any]) -> tuple[int, ...] | None:
 
 
 class EngineCommand(ABC):
-    """How to run one engine of a server type, wherever the runtime puts it (must pickle: the
-    Ray runtime builds the command line on the engine's node)."""
+    """How to run one engine of a server type (must pickle: the Ray runtime builds it on the engine's node)."""
 
     # The route (GET) where a started engine says what it runs on: SGLang's.
     info_route: ClassVar[str] = "/get_server_info"
@@ -155,8 +154,7 @@ class EngineRuntime(ABC):
 
     @property
     def copies_dir(self) -> Path | None:
-        """The directory on this machine the engines write weight copies under (stale ones are
-        removed); None where they lie elsewhere."""
+        """Where on this machine the engines write weight copies (stale ones are removed); None: elsewhere."""
         return None
 
     @abstractmethod

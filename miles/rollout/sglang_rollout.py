@@ -108,8 +108,7 @@ class SGLangLaunchCommand(EngineCommand):
 
 
 class SGLangRollout(Rollout):
-    """Servers that are SGLang servers, launched (``python -m sglang.launch_server``) or attached
-    (``urls``); see the module docstring."""
+    """SGLang servers, launched (``sglang.launch_server``) or attached (``urls``); see the module docstring."""
 
     can_attach = True
     takes_sglang_args = True
@@ -185,8 +184,7 @@ class SGLangRollout(Rollout):
 
 
 def check_ray_gpus(spec: RolloutSpec) -> None:
-    """On Ray, each server's bundle must hold the tp_size * dp_size GPUs SGLang uses (or a fraction
-    of one, for a one-GPU server sharing it with a trainer)."""
+    """On Ray, each bundle must hold the tp_size * dp_size GPUs SGLang uses (or a share of one, for one GPU)."""
     wanted = spec.sglang.gpus_per_engine
     given = spec.num_gpus_per_engine
     if given == wanted or (wanted == 1 and 0 < given < 1):

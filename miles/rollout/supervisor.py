@@ -158,8 +158,7 @@ class Supervisor:
             return None
 
     async def _recover_guarded(self, cell: ServerCell) -> None:
-        """Bring a quarantined server back once its verified weights can be found again (on disk,
-        or a peer serving them)."""
+        """Bring a quarantined server back once its verified weights can be found (on disk, or on a peer)."""
         if cell.verified is None:
             return
         alive = self._rollout.alive(cell)

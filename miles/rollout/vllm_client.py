@@ -194,9 +194,7 @@ class VLLMClient(EngineClient):
         await self._checked("POST", "/update_weight_version", json={"new_version": new_version}, fence=fence)
 
     async def pause_generation(self, mode: PauseMode, *, timeout: float | None = None, fence: int | None = None) -> int:
-        response = await self._call("POST", f"/pause?mode={VLLM_PAUSE_MODES[mode]}", timeout=timeout, fence=fence)
-        if response.status_code >= 400:
-            raise self._refused("POST /pause", response)
+        await self._checked("POST", f"/pause?mode={VLLM_PAUSE_MODES[mode]}", timeout=timeout, fence=fence)
         return 0  # vLLM does not say how many requests it held
 
     async def continue_generation(self, *, fence: int | None = None) -> None:

@@ -167,8 +167,7 @@ class VLLMLaunchCommand(EngineCommand):
 
 
 def _socket_dir(slot: LaunchSlot) -> Path:
-    """Where the server's processes put their IPC sockets: a short path of its own (a socket's path
-    is at most 107 bytes), removed when it ends."""
+    """The server's own short directory for its IPC sockets (a socket's path is at most 107 bytes)."""
     owner = hashlib.blake2b(str(slot.work_dir).encode(), digest_size=4).hexdigest()
     return Path(tempfile.gettempdir()) / f"miles-vllm-{owner}-{slot.port}"
 
