@@ -25,6 +25,8 @@ logger = logging.getLogger("miles.ray")
 # Ray 2.60 binds every node to 127.0.0.1 with this set to 0 (and to the machine's routable
 # address otherwise); a cluster on one machine has no reason to listen anywhere else.
 _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# How fast a lost node is declared dead (Ray's defaults take ~30 s).
+_NODE_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 4}
 
 
 def connect(address: str | None = None, *, namespace: str = NAMESPACE) -> bool:
@@ -61,21 +63,10 @@ class LocalCluster:
     """A head node and worker nodes on this machine, on loopback (``start`` / ``stop``)."""
 
     def __init__(
-        self,
-        workers: Sequence[NodeSpec] = (NodeSpec(), NodeSpec()),
-        *,
-        head: NodeSpec = NodeSpec(num_cpus=1.0),
-        # How fast a lost node is declared dead (Ray's defaults take ~30 s).
-        health_check_period_ms: int = 500,
-        health_check_failure_threshold: int = 4,
+        self, workers: Sequence[NodeSpec] = (NodeSpec(), NodeSpec()), *, head: NodeSpec = NodeSpec(num_cpus=1.0)
     ) -> None:
         self.workers = list(workers)
         self.head = head
-        self._system_config = {
-            "health_check_initial_delay_ms": 0,
-            "health_check_period_ms": health_check_period_ms,
-            "health_check_failure_threshold": health_check_failure_threshold,
-        }
         self._cluster: Any = None
         self._temp_dir: Path | None = None
         self._environ: dict[str, str | None] = {}
@@ -109,7 +100,7 @@ class LocalCluster:
                     "num_cpus": self.head.num_cpus,
                     "num_gpus": self.head.num_gpus,
                     "include_dashboard": False,
-                    "_system_config": self._system_config,
+                    "_system_config": _NODE_HEALTH,
                 },
             )
             self.worker_nodes = [self._add(w) for w in self.workers]
