@@ -99,11 +99,10 @@ class EngineHost:
         """Start the engine and wait until it answers; returns its report of device and GPUs, or
         ``{"error": ..., "tail": ...}`` (exceptions with context do not cross processes intact).
         ``checkpoint_roots``: None lets it load only from its work directory (no shared filesystem)."""
-        placement = self.placement()
         slot = LaunchSlot(
             host=self.node_address,
             port=free_port(self.node_address),
-            placement=placement,
+            placement=self.placement(),
             work_dir=self.work_dir,
             checkpoint_roots=(
                 (self.work_dir,) if checkpoint_roots is None else readable_roots(checkpoint_roots, self.work_dir)

@@ -202,8 +202,7 @@ class VLLMRollout(Rollout):
         # on the first batch of several (~14 s each on two cores, its worker blocked meanwhile:
         # long enough for three failed health checks and a restart). Such requests now, within
         # the start's time, compile them into the server's cache, which its restarts reuse.
-        client = VLLMClient(url, http=self.http, server_id=cell.server_id)
-        await client.warm_up(timeout=self.spec.startup_timeout_s)
+        await VLLMClient(url, http=self.http, server_id=cell.server_id).warm_up(timeout=self.spec.startup_timeout_s)
         return url
 
     def new_client(self, url: str, *, server_id: str, http: httpx.AsyncClient, secret: str | None) -> EngineClient:
