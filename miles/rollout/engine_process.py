@@ -25,7 +25,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 import httpx
 
@@ -41,21 +41,6 @@ _FORKSERVER_READY_S = 300.0
 
 class EngineStartError(MilesError):
     """An engine process exited or did not become healthy in time; the message has its log tail."""
-
-
-class _Child(Protocol):
-    """What EngineProcess needs of a process: ``subprocess.Popen``'s calls (or a forked engine's)."""
-
-    @property
-    def pid(self) -> int: ...
-
-    def poll(self) -> int | None: ...
-
-    def send_signal(self, sig: int) -> None: ...
-
-    def kill(self) -> None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
 
 
 class _Registry:
@@ -268,6 +253,9 @@ class _ForkedEngine:
         assert self._pidfd is not None
         return bool(select.select([self._pidfd], [], [], timeout)[0])
 
+
+# A process EngineProcess runs: started by subprocess, or forked by the forkserver (the same calls).
+_Child = subprocess.Popen[bytes] | _ForkedEngine
 
 _FORKSERVER_LOCK = threading.Lock()
 _FORKSERVERS: dict[int, _ForkServer | None] = {}  # by the pid of the process using it
