@@ -140,9 +140,7 @@ class EngineHost:
     def sees(self, path: str, files: Fingerprint | None) -> bool:
         """Whether this node sees ``path`` with exactly these files (any files when None)."""
         directory = Path(path)
-        if not directory.is_dir():
-            return False
-        return files is None or fingerprint(directory) == files
+        return directory.is_dir() and (files is None or fingerprint(directory) == files)
 
     def pack(self, path: str) -> list[tuple[str, list[ray.ObjectRef]]]:
         """Put every file of the checkpoint at ``path`` into the object store, in chunks."""

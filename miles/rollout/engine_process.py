@@ -361,10 +361,7 @@ class EngineProcess:
             # Waiting in a thread instead would outlive a cancelled stop() by up to grace_s.
             while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
-            if proc.poll() is None:
-                proc.kill()
-        await asyncio.to_thread(proc.wait)
-        _REGISTRY.discard(proc)
+        await asyncio.to_thread(self.kill)
 
     def kill(self) -> None:
         """SIGKILL now (used by tests and on a failed start); reaps the process."""
