@@ -222,11 +222,10 @@ class EngineClient:
         canonical one, or SGLang's ``per_engine_checksum`` (``algorithm`` says which)."""
         request = WeightsCheckerRequest(action="checksum")
         body = await self._post("/weights_checker", request, SGLangWeightsCheckerResponse, timeout=timeout, fence=fence)
-        if body.success and body.payload is not None:
+        payload = body.payload
+        if body.success and payload is not None:
             return WeightsChecksum(
-                checksum=body.payload.checksum,
-                algorithm=body.payload.algorithm,
-                weight_version=body.payload.weight_version,
+                checksum=payload.checksum, algorithm=payload.algorithm, weight_version=payload.weight_version
             )
         if body.success and body.per_engine_checksum:
             identity = await self.weight_identity(timeout=timeout)

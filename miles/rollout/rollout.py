@@ -310,8 +310,7 @@ class Rollout(ABC):
     def record_checksum(self, server_id: str, reported: WeightsChecksum) -> WeightsChecksum:
         """Note what a server reported it holds (from ``confirm`` or from its load's answer)."""
         cell = self.cell(server_id)
-        cell.checksum = reported.checksum
-        cell.weight_version = reported.weight_version
+        cell.checksum, cell.weight_version = reported.checksum, reported.weight_version
         return reported
 
     async def fence(self, server_id: str, token: int, *, window_open: bool, staged: bool = False) -> None:

@@ -206,8 +206,7 @@ class VLLMClient(EngineClient):
     async def abort_request(
         self, rid: str = "", *, abort_all: bool = False, abort_message: str | None = None, fence: int | None = None
     ) -> None:
-        body = {"request_ids": [] if abort_all else [rid]}
-        await self._checked("POST", "/abort_requests", json=body, fence=fence)
+        await self._checked("POST", "/abort_requests", json={"request_ids": [] if abort_all else [rid]}, fence=fence)
 
     async def health_generate(self, *, timeout: float = 30.0) -> bool:
         """One token generated now, through the OpenAI completions route."""
