@@ -30,12 +30,9 @@ class DigestBook:
         known = self._canonical.get((layout, digest))
         if known is not None:
             return known
-        if loaded is None:
-            return UNTRANSLATED_PREFIX + digest
-        recorded = self._digest.get((layout, loaded))
-        if recorded is not None and recorded != digest:
-            # Another server loaded the same weights under this layout and digested them
-            # otherwise: this one holds something else.
+        # Not tied to loaded weights, or another server loaded the same weights under this layout
+        # and digested them otherwise (a digest recorded for them that is not this one).
+        if loaded is None or self._digest.get((layout, loaded), digest) != digest:
             return UNTRANSLATED_PREFIX + digest
         self._canonical[(layout, digest)] = loaded
         self._digest[(layout, loaded)] = digest
