@@ -30,9 +30,8 @@ _NODE_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 50
 
 
 def connect(address: str | None = None, *, namespace: str = NAMESPACE) -> bool:
-    """Join a Ray cluster unless already connected; True when it started a new one (its resources
-    this process's to share out). ``address``: "auto", "HOST:PORT" of a head, or None (a new
-    one-node cluster on loopback, stopped with the process)."""
+    """Join a Ray cluster unless already connected; True when it started a new one (its resources ours to
+    share). ``address``: "auto", a head's "HOST:PORT", or None (a new one on loopback, ending with us)."""
     if ray.is_initialized():
         return False
     options: dict[str, Any] = {"namespace": namespace, "log_to_driver": False}

@@ -124,11 +124,8 @@ def serve_controller(
     num_cpus: float = 0.1,
     **settings: Any,
 ) -> Any:
-    """Start the named controller actor and wait until it serves; returns its handle.
-
-    Settings are validated here, in the caller; ``detached``: the actor outlives this driver. On a
-    cluster this call starts, engines share its CPUs. The actor's refusal is raised as its MilesError.
-    """
+    """Start the named controller actor and wait until it serves; returns its handle. Settings are validated
+    here; ``detached``: it outlives this driver. A refusal is raised as its MilesError, unwrapped."""
     settings.setdefault("runtime", RuntimeKind.RAY)
     validated = ControllerSettings(**settings)  # raises ValidationError naming the bad setting
     started = connect(settings.get("ray_address"), namespace=namespace)

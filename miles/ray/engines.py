@@ -60,8 +60,7 @@ Fingerprint = list[tuple[str, int]]
 
 
 def fingerprint(directory: Path) -> Fingerprint:
-    """Every regular file under ``directory`` with its size, sorted: equal on two nodes when they
-    see the same checkpoint (the engine still checks every byte against the checksum it loads)."""
+    """Every regular file under ``directory`` with its size, sorted (equal where two nodes see one checkpoint)."""
     return [(name, path.stat().st_size) for name, path in _files(directory)]
 
 
@@ -96,9 +95,8 @@ class EngineHost:
         checkpoint_roots: tuple[Path, ...] | None,
         startup_timeout_s: float,
     ) -> dict[str, Any]:
-        """Start the engine and wait until it answers; returns its report of device and GPUs, or
-        ``{"error": ..., "tail": ...}`` (exceptions with context do not cross processes intact).
-        ``checkpoint_roots``: None lets it load only from its work directory (no shared filesystem)."""
+        """Start the engine and wait until it answers; its report of device and GPUs, or ``{"error", "tail"}``
+        (exceptions with context do not cross processes). ``checkpoint_roots``: None, its work dir only."""
         slot = LaunchSlot(
             host=self.node_address,
             port=free_port(self.node_address),
@@ -149,8 +147,7 @@ class EngineHost:
     async def receive(
         self, name: str, files: list[tuple[str, list[ray.ObjectRef]]], *, expected_checksum: str | None
     ) -> str:
-        """Write a shipped checkpoint into this node's work directory, verify it (against its
-        manifest, or ``expected_checksum``), return its path; one shipped twice is kept once."""
+        """Write a shipped checkpoint into this node's work directory, verify it, return its path (kept once)."""
         target = self.work_dir / "shipped" / name
         if target.is_dir():
             return str(target)
@@ -404,8 +401,7 @@ class RayRuntime(EngineRuntime):
 
 
 def _local_view(checkpoint: Path) -> tuple[Fingerprint | None, str]:
-    """The checkpoint's files as this process sees them (None: not here), and the name a shipped
-    copy gets: its checksum when sealed (a copy shipped twice is kept once)."""
+    """The checkpoint's files as seen here (None: not here), and a shipped copy's name (its checksum if sealed)."""
     manifest = manifest_or_none(checkpoint)
     name = manifest.checksum if manifest is not None else f"{checkpoint.name}-{uuid.uuid4().hex[:8]}"
     return (fingerprint(checkpoint) if checkpoint.is_dir() else None), name

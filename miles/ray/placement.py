@@ -72,8 +72,7 @@ def placeable(bundle: Mapping[str, float], capacity: tuple[Mapping[str, float], 
 def largest_fitting(
     bundle: Mapping[str, float], resource: str, *, count: int, capacity: tuple[Mapping[str, float], ...]
 ) -> float:
-    """The most of ``resource`` each of ``count`` bundles may ask for (the rest of the bundle as it
-    is) and still fit on the nodes, rounded down to 0.01; 0 when no amount fits."""
+    """The most of ``resource`` each of ``count`` bundles may ask for and still fit, rounded down to 0.01 (0: none)."""
     candidates = sorted(
         {node.get(resource, 0.0) / k for node in capacity for k in range(1, count + 1)} - {0.0}, reverse=True
     )

@@ -66,9 +66,8 @@ async def source_of(
 
 
 async def remove_stale_copies(servers: ModelServers, *, newest: Path) -> None:
-    """Remove the weight copies in the servers' copies directories written before ``newest`` that hold
-    weights no server is verified on (frequent write-outs would fill the disk). Copies still being
-    written (hidden names) or newer than ``newest`` (not recorded yet) are left alone."""
+    """Remove copies written before ``newest`` holding weights no server is verified on (write-outs would fill
+    the disk); copies still being written (hidden names) or newer (not recorded yet) are left alone."""
     held = {s.verified.checksum for s in servers.snapshot() if s.verified is not None}
     await asyncio.to_thread(_remove_stale, servers.copies_dirs(), held=held, newest=newest)
 

@@ -57,8 +57,7 @@ class WeightsChecksum:
 
 @dataclass(frozen=True)
 class WeightsIdentity:
-    """What an engine says it holds, without hashing: its version, the checksum it kept when its
-    weights last changed, and which process answered (None where the engine does not say)."""
+    """What an engine says it holds, without hashing (checksum, instance: None where it does not say)."""
 
     weight_version: str
     checksum: str | None
@@ -155,8 +154,7 @@ class EngineClient:
         return response.status_code == 200
 
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
-        """``/get_weight_version``: the version and the checksum the engine keeps; from SGLang
-        0.5.23, which has no such route, the version in ``/model_info`` and no checksum."""
+        """``/get_weight_version``, or on SGLang 0.5.23 (no such route) the version in ``/model_info``, no checksum."""
         if not self._model_info_versions:
             response = await self._call("GET", "/get_weight_version", timeout=timeout)
             if response.status_code != 404:

@@ -203,9 +203,8 @@ EXIT_UNKNOWN = 255
 
 
 class _ForkedEngine:
-    """An engine forked by the forkserver, with ``subprocess.Popen``'s calls: its exit as the
-    forkserver reports it, or once that is gone as its pidfd shows (status ``EXIT_UNKNOWN``).
-    Signals go through the pidfd, which names this process even once its pid is free again."""
+    """An engine forked by the forkserver, with ``Popen``'s calls: its exit as the forkserver reports it, else as
+    its pidfd shows (``EXIT_UNKNOWN``); signals go through the pidfd, which outlives a reused pid."""
 
     def __init__(self, server: _ForkServer, pid: int) -> None:
         self._server = server

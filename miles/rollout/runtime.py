@@ -313,6 +313,5 @@ def runtime_for(spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = No
 
 
 def readable_roots(allowed: Sequence[Path], work_dir: Path) -> tuple[Path, ...]:
-    """What an engine may load from: the allowed roots and its own work directory (restarts load
-    the weights a peer wrote out there); nothing added when every path is allowed."""
+    """What an engine may load from: the allowed roots and its work directory (peers' copies); () allows all."""
     return (*allowed, work_dir) if allowed else ()

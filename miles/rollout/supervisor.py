@@ -107,8 +107,7 @@ class Supervisor:
             await self._drift_guarded(cell, incarnation)
 
     async def _replaced_guarded(self, cell: ServerCell, incarnation: int) -> None:
-        """Restart a server whose engine process was replaced from outside (it holds whatever it
-        started on and has seen no fence), so it is verified again before it serves."""
+        """Restart a server whose process was replaced from outside (on anything, unfenced): verify it again."""
         async with self._rollout.exclusive(f"restart {cell.server_id}") as fence:
             reported = await self._still_serving(cell, incarnation)
             if reported is None or not replaced(cell, reported):
@@ -205,6 +204,5 @@ def drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool
 
 
 def replaced(cell: ServerCell, reported: WeightsIdentity) -> bool:
-    """Whether another engine process than the one brought up answers for ``cell`` (only known
-    when the engine reports its instance: the embedded engine does, SGLang does not)."""
+    """Whether another engine process than the one brought up answers (known where the engine says: not SGLang)."""
     return None not in (cell.engine_instance, reported.instance_id) and reported.instance_id != cell.engine_instance

@@ -136,9 +136,8 @@ class VLLMClient(EngineClient):
         return str(response.json().get("weight_version"))
 
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
-        """The worker's identity (checksum, process), asked as ``cadence`` says, and the API server's
-        version; a busy worker's last identity stands in while ``/health`` answers (for at most
-        ``cadence.busy_grace_s``)."""
+        """The worker's identity, asked as ``cadence`` says, and the API server's version; a busy worker's last
+        identity stands in while ``/health`` answers (for at most ``cadence.busy_grace_s``)."""
         now = self._clock()
         if self._identity is None or now - self._identity_at >= self.cadence.identity_every_s:
             try:
@@ -163,8 +162,7 @@ class VLLMClient(EngineClient):
     async def update_weights_from_disk(
         self, request: UpdateWeightsFromDiskRequest, *, timeout: float | None = None, fence: int | None = None
     ) -> UpdateWeightsResponse:
-        """Verify and reload in the worker; a load that changed the weights (even one that failed
-        midway) is answered as loaded, with the checksum the worker now holds, for the gate."""
+        """Verify and reload in the worker; a load that changed the weights (even half) reports what it now holds."""
         if request.expected_checksum is None:
             raise EngineCallError(
                 "a vLLM server loads only checkpoints with an expected checksum",
