@@ -75,7 +75,6 @@ class EngineHost:
 
     def __init__(self, server_id: str) -> None:
         context = ray.get_runtime_context()
-        self.server_id = server_id
         self.node_id = context.get_node_id()
         self.node_address = ray.util.get_node_ip_address()
         self.gpu_ids = tuple(int(i) for i in context.get_accelerator_ids().get("GPU", []))
@@ -154,9 +153,8 @@ class EngineHost:
         partial = target.with_name(f".{name}.{uuid.uuid4().hex[:8]}")
         try:
             for relative, chunks in files:
-                destination = partial / relative
                 for chunk in chunks:
-                    await asyncio.to_thread(_append, destination, await chunk)
+                    await asyncio.to_thread(_append, partial / relative, await chunk)
             await asyncio.to_thread(_verify_arrival, partial, expected_checksum)
             partial.rename(target)
         except BaseException:

@@ -118,8 +118,7 @@ class Rollout(ABC):
         launched = await self.runtime.launch(
             cell.server_id, self.engine_command(), checkpoint, device=cell.device, http=self.http
         )
-        cell.pid = launched.pid
-        cell.placement = launched.placement
+        cell.pid, cell.placement = launched.pid, launched.placement
         # A launched server holds its start checkpoint; an attached one holds whatever it holds.
         self._holds_files(cell.server_id, None if self.attached else checkpoint)
         return launched.url
@@ -128,9 +127,10 @@ class Rollout(ABC):
         """The server's engine now holds ``checkpoint``'s weights (None: unknown)."""
 
     async def _terminate(self, cell: ServerCell) -> None:
-        """Stop ``cell``'s engine (and reap it); does not raise if it already died."""
+        """Stop ``cell``'s engine (and reap it) and forget its client; does not raise if it already died."""
         await self.runtime.terminate(cell.server_id)
         cell.pid = None
+        self._clients.pop(cell.server_id, None)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -182,7 +182,6 @@ class Rollout(ABC):
         await self._terminate(cell)
         if cell.state is not ServerState.STOPPED:
             self.transition(cell, ServerState.STOPPED, "rollout stopped")
-        self._clients.pop(cell.server_id, None)
 
     # --- views -----------------------------------------------------------------------------
 
@@ -408,7 +407,6 @@ class Rollout(ABC):
         cell = self.cell(server_id)
         self.lost(server_id, reason=reason)
         await self._terminate(cell)
-        self._clients.pop(server_id, None)
         cell.restarts += 1
         # Where the verified weights can be read from; without any, the engine starts on the
         # spec's checkpoint and is quarantined by _bring_up (it holds other weights), never
@@ -435,9 +433,8 @@ class Rollout(ABC):
             raise RolloutError(f"engine failed to start: {exc}", server_id=cell.server_id) from exc
         cell.url = url
         cell.incarnation += 1
-        cell.consecutive_failures = 0
-        cell.last_probe = None
-        cell.engine_instance = None
+        # A new process: nothing of it probed yet, its instance asked for below.
+        cell.consecutive_failures, cell.last_probe, cell.engine_instance = 0, None, None
         # A server someone else runs (attached) never sees the controller's secret: it does not
         # check it, and it would let that server change the weights of the engines launched here.
         attached = cell.placement is not None and cell.placement.attached
