@@ -139,8 +139,7 @@ def engine_cpu_share(*, cpus: float, engines: int, reserved: float = 0.0) -> flo
     ``DEFAULT_CPUS_PER_ENGINE``, rounded down to (and at least) 0.01 (``judge`` refuses too small)."""
     if engines < 1:
         return DEFAULT_CPUS_PER_ENGINE
-    share = (cpus - reserved) / engines
-    stepped = math.floor(round(share / _SHARE_STEP, 6)) * _SHARE_STEP
+    stepped = math.floor(round((cpus - reserved) / engines / _SHARE_STEP, 6)) * _SHARE_STEP
     return round(min(DEFAULT_CPUS_PER_ENGINE, max(_SHARE_STEP, stepped)), 2)
 
 

@@ -105,8 +105,7 @@ class _ForkServer:
         forget = weakref.WeakMethod(self._forget_in_child)
 
         def in_child() -> None:
-            method = forget()
-            if method is not None:
+            if (method := forget()) is not None:
                 method()
 
         os.register_at_fork(after_in_child=in_child)
@@ -318,8 +317,7 @@ class EngineProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **(self._env or {})}
-        embedded = self.command[:3] == [sys.executable, "-m", _ENGINE_MODULE]
-        server = _forkserver() if embedded else None
+        server = _forkserver() if self.command[:3] == [sys.executable, "-m", _ENGINE_MODULE] else None
         if server is not None:
             try:
                 self._proc = server.spawn(self.command[3:], env=env, log_path=self.log_path)

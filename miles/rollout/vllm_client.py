@@ -108,9 +108,8 @@ class VLLMClient(EngineClient):
         call = asyncio.ensure_future(self._call("POST", "/collective_rpc", json=body, timeout=timeout))
         try:
             failed = 0
-            watch_s = self.cadence.watch_s
-            while not (await asyncio.wait({call}, timeout=watch_s))[0]:
-                failed = 0 if await self.health(timeout=watch_s) else failed + 1
+            while not (await asyncio.wait({call}, timeout=self.cadence.watch_s))[0]:
+                failed = 0 if await self.health(timeout=self.cadence.watch_s) else failed + 1
                 if failed >= 2:
                     raise EngineCallError(
                         f"collective_rpc {method}: the vLLM server's engine died while it ran (its /health fails)",
