@@ -1,10 +1,7 @@
 """Joining a Ray cluster, and a cluster of several nodes on this machine (the demo's and the tests').
 
-``connect`` is how every miles component reaches Ray: it joins the cluster this process is already
-connected to, the one at an address ("auto" finds the local head), or starts a one-node cluster
-on loopback. ``LocalCluster`` starts a head and worker nodes on this machine, each declared with
-CPUs and (logical) GPUs, all bound to 127.0.0.1, in a temporary directory of its own that it
-removes when it stops.
+``connect`` is how every miles component reaches Ray. ``LocalCluster`` starts a head and worker
+nodes on loopback, with logical CPUs and GPUs, in a temporary directory it removes when it stops.
 """
 
 from __future__ import annotations
@@ -28,15 +25,13 @@ logger = logging.getLogger("miles.ray")
 # Ray 2.60 binds every node to 127.0.0.1 with this set to 0 (and to the machine's routable
 # address otherwise); a cluster on one machine has no reason to listen anywhere else.
 _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# How fast a lost node is declared dead (Ray's defaults take ~30 s).
+_NODE_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 4}
 
 
 def connect(address: str | None = None, *, namespace: str = NAMESPACE) -> bool:
-    """Join a Ray cluster unless this process already is connected to one; True when it started a
-    new one (whose resources are then this process's alone to share out).
-
-    ``address``: "auto" (the cluster started on this machine with ``ray start``), "HOST:PORT" (a
-    head node's GCS address) or None (a new one-node cluster on loopback, stopped with the process).
-    """
+    """Join a Ray cluster unless already connected; True when it started a new one (its resources ours to
+    share). ``address``: "auto", a head's "HOST:PORT", or None (a new one on loopback, ending with us)."""
     if ray.is_initialized():
         return False
     options: dict[str, Any] = {"namespace": namespace, "log_to_driver": False}
@@ -47,17 +42,12 @@ def connect(address: str | None = None, *, namespace: str = NAMESPACE) -> bool:
         options |= {"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
     else:
         options["address"] = address
-        if _on_loopback(address):
+        if address.removeprefix("ray://").rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
             # A cluster on this machine's loopback: the driver must not bind anywhere else.
             options["_node_ip_address"] = "127.0.0.1"
     ray.init(**options)
     logger.info("connected to the Ray cluster at %s", ray.get_runtime_context().gcs_address)
     return address is None
-
-
-def _on_loopback(address: str) -> bool:
-    host = address.removeprefix("ray://").rsplit(":", 1)[0]
-    return host in ("127.0.0.1", "localhost")
 
 
 @dataclass(frozen=True)
@@ -72,21 +62,10 @@ class LocalCluster:
     """A head node and worker nodes on this machine, on loopback (``start`` / ``stop``)."""
 
     def __init__(
-        self,
-        workers: Sequence[NodeSpec] = (NodeSpec(), NodeSpec()),
-        *,
-        head: NodeSpec = NodeSpec(num_cpus=1.0),
-        # How fast a lost node is declared dead (Ray's defaults take ~30 s).
-        health_check_period_ms: int = 500,
-        health_check_failure_threshold: int = 4,
+        self, workers: Sequence[NodeSpec] = (NodeSpec(), NodeSpec()), *, head: NodeSpec = NodeSpec(num_cpus=1.0)
     ) -> None:
         self.workers = list(workers)
         self.head = head
-        self._system_config = {
-            "health_check_initial_delay_ms": 0,
-            "health_check_period_ms": health_check_period_ms,
-            "health_check_failure_threshold": health_check_failure_threshold,
-        }
         self._cluster: Any = None
         self._temp_dir: Path | None = None
         self._environ: dict[str, str | None] = {}
@@ -120,7 +99,7 @@ class LocalCluster:
                     "num_cpus": self.head.num_cpus,
                     "num_gpus": self.head.num_gpus,
                     "include_dashboard": False,
-                    "_system_config": self._system_config,
+                    "_system_config": _NODE_HEALTH,
                 },
             )
             self.worker_nodes = [self._add(w) for w in self.workers]

@@ -1,19 +1,15 @@
 """The controller as a named Ray actor: training anywhere in the cluster reaches it by name.
 
-``serve_controller`` starts an ``InferenceControllerActor`` named ``miles_inference_controller`` in
-namespace ``miles`` (both changeable); a trainer on any node calls ``get_controller()`` and then
-the controller's own methods, with ``ray.get`` or ``await``::
+``serve_controller`` starts the actor (the same ``AsyncInferenceController``, engines on the Ray
+runtime by default, the HTTP API on its node); a trainer calls the controller's methods on it::
 
     controller = get_controller()
     ray.get(controller.update_rollout_weights.remote("/ckpt/step-100"))
-    window = ray.get(controller.start_update_weights.remote())
-
-The actor runs the same ``AsyncInferenceController`` as every other entry point (its engines on
-the Ray runtime by default), and serves the HTTP API on its node as well.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,18 +46,17 @@ class InferenceControllerActor:
         serve_http: bool,
         settings: dict[str, Any],
     ) -> None:
-        self._arguments = (rollout_server_cls, model_checkpoint, num_servers, settings)
+        # Built in start(), on the actor's loop: the lock and the router bind to the loop they run on.
+        self._build = functools.partial(
+            AsyncInferenceController, rollout_server_cls, model_checkpoint, num_servers=num_servers, **settings
+        )
         self._serve_http = serve_http
         self._controller: AsyncInferenceController | None = None
         self._http: HttpServer | None = None
 
     async def start(self) -> str | None:
         """Launch the servers (and the HTTP API); returns the API's URL."""
-        rollout_server_cls, model_checkpoint, num_servers, settings = self._arguments
-        # Built here, on the actor's loop: the lock and the router bind to the loop they run on.
-        self._controller = AsyncInferenceController(
-            rollout_server_cls, model_checkpoint, num_servers=num_servers, **settings
-        )
+        self._controller = self._build()
         try:
             await self._controller.start()
             if self._serve_http:
@@ -129,14 +124,8 @@ def serve_controller(
     num_cpus: float = 0.1,
     **settings: Any,
 ) -> Any:
-    """Start the named controller actor (engines on the Ray runtime unless ``runtime`` says
-    otherwise) and wait until it serves; returns its handle.
-
-    ``detached``: the actor outlives this driver (stop it with ``close`` and ``ray.kill``).
-    Settings are validated here, in the caller. On a cluster this call starts itself, engines
-    without a ``num_cpus_per_engine`` share its CPUs (``_cpu_share``). A refusal from the actor is
-    raised as the MilesError it is, without Ray's wrapping.
-    """
+    """Start the named controller actor and wait until it serves; returns its handle. Settings are validated
+    here; ``detached``: it outlives this driver. A refusal is raised as its MilesError, unwrapped."""
     settings.setdefault("runtime", RuntimeKind.RAY)
     validated = ControllerSettings(**settings)  # raises ValidationError naming the bad setting
     started = connect(settings.get("ray_address"), namespace=namespace)
@@ -177,15 +166,10 @@ def _cpu_share(
     reserved: float,
 ) -> float:
     """CPUs per engine that let every engine of the fleet fit on the cluster just started."""
-    engines = 0
-    for spec in normalize_specs(rollout_server_cls, model_checkpoint, num_servers).values():
-        if spec.urls:
-            continue  # attached servers run elsewhere and ask the cluster for nothing
-        count = spec.num_servers or 1
-        if spec.num_cpus_per_engine is None:
-            engines += count
-        else:
-            reserved += count * spec.num_cpus_per_engine
+    # Attached servers run elsewhere and ask the cluster for nothing.
+    specs = [s for s in normalize_specs(rollout_server_cls, model_checkpoint, num_servers).values() if not s.urls]
+    engines = sum(spec.num_servers or 1 for spec in specs if spec.num_cpus_per_engine is None)
+    reserved += sum((spec.num_servers or 1) * (spec.num_cpus_per_engine or 0.0) for spec in specs)
     cpus = float(ray.cluster_resources().get("CPU", 0.0))
     share = engine_cpu_share(cpus=cpus, engines=engines, reserved=reserved)
     logger.info("%d engine(s) share this cluster's %g CPUs: %g CPUs each", engines, cpus, share)

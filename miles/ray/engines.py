@@ -1,27 +1,17 @@
 """The Ray runtime: every engine in a Ray actor pinned to a bundle of the rollout's placement group.
 
-The shape users of Miles and slime know: one placement group per rollout, one bundle per engine
-(``num_cpus_per_engine``, ``num_gpus_per_engine``, fractions allowed, strategy PACK or SPREAD); an
-``EngineHost`` actor scheduled into its bundle with ``placement_group_capture_child_tasks`` starts
-the engine process on its node, on a port free there, bound to the node's address, with the GPU
-ids Ray assigned to the bundle (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``: the engine gets
-the physical ids explicitly, as its base GPU id). The data path is HTTP straight to the engine;
-start, stop, liveness and checkpoint shipping are actor calls.
-
-An engine whose actor dies (a node lost, the process killed) is noticed by the call each actor
-keeps open (``wait_exit``), which wakes the rollout's supervisor: it restarts the server on a
-bundle Ray re-creates on a node with free resources, loads the last verified weights and confirms
-their checksum before the router sends it anything.
-
-Checkpoints: an engine reads a checkpoint in place when its node sees the same files (a shared
-filesystem); otherwise the files are shipped through Ray's object store into the engine's work
-directory and verified there (against the manifest's digests, or the expected checksum) before
-the engine is told to load them (``CheckpointTransfer``).
+One placement group per rollout, one bundle per engine (as in Miles and slime); an ``EngineHost``
+actor in its bundle starts the engine on its node with the GPU ids Ray assigned (physical ids,
+given explicitly). Requests go over HTTP straight to the engine; start, stop, liveness
+(``wait_exit``, which wakes the supervisor when an actor dies) and checkpoint shipping are actor
+calls. A node that does not see a checkpoint's files gets them through the object store, verified
+there before the engine loads them (``CheckpointTransfer``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -39,21 +29,14 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from miles.config import CheckpointTransfer, RuntimeKind
-from miles.errors import CheckpointError, MilesError
+from miles.config import CheckpointTransfer
+from miles.errors import MilesError
 from miles.ray.cluster import connect
 from miles.ray.placement import Fit, cluster_view, judge
 from miles.rollout.engine_process import EngineProcess, EngineStartError, free_port
-from miles.rollout.runtime import (
-    EngineCommand,
-    EngineRuntime,
-    LaunchedEngine,
-    LaunchSlot,
-    Placement,
-    readable_roots,
-)
+from miles.rollout.runtime import EngineCommand, EngineRuntime, LaunchedEngine, LaunchSlot, Placement, readable_roots
 from miles.rollout.spec import RolloutSpec
-from miles.weights.checkpoint import read_manifest
+from miles.rollout.state import manifest_or_none
 from miles.weights.checksum import model_checksum
 from miles.weights.verification import verify_checkpoint
 
@@ -77,13 +60,11 @@ Fingerprint = list[tuple[str, int]]
 
 
 def fingerprint(directory: Path) -> Fingerprint:
-    """Every regular file under ``directory`` with its size, sorted: equal on two nodes when they
-    see the same checkpoint (the engine still checks every byte against the checksum it loads)."""
+    """Every regular file under ``directory`` with its size, sorted (equal where two nodes see one checkpoint)."""
     return [(name, path.stat().st_size) for name, path in _files(directory)]
 
 
 def _files(directory: Path) -> list[tuple[str, Path]]:
-    """Every regular file under ``directory`` (links left out), sorted, by its relative name."""
     paths = sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
     return [(path.relative_to(directory).as_posix(), path) for path in paths]
 
@@ -94,7 +75,6 @@ class EngineHost:
 
     def __init__(self, server_id: str) -> None:
         context = ray.get_runtime_context()
-        self.server_id = server_id
         self.node_id = context.get_node_id()
         self.node_address = ray.util.get_node_ip_address()
         self.gpu_ids = tuple(int(i) for i in context.get_accelerator_ids().get("GPU", []))
@@ -114,19 +94,12 @@ class EngineHost:
         checkpoint_roots: tuple[Path, ...] | None,
         startup_timeout_s: float,
     ) -> dict[str, Any]:
-        """Start the engine and wait until it answers; its own report of device and GPUs back.
-
-        ``checkpoint_roots``: what the engine may load from besides its work directory (empty:
-        anywhere; None: nothing else, as when nodes share no filesystem).
-
-        Returns ``{"error": ..., "tail": ...}`` rather than raising: the caller raises its own
-        error with the log tail (exceptions with context do not cross processes intact).
-        """
-        placement = self.placement()
+        """Start the engine and wait until it answers; its report of device and GPUs, or ``{"error", "tail"}``
+        (exceptions with context do not cross processes). ``checkpoint_roots``: None, its work dir only."""
         slot = LaunchSlot(
             host=self.node_address,
             port=free_port(self.node_address),
-            placement=placement,
+            placement=self.placement(),
             work_dir=self.work_dir,
             checkpoint_roots=(
                 (self.work_dir,) if checkpoint_roots is None else readable_roots(checkpoint_roots, self.work_dir)
@@ -161,15 +134,10 @@ class EngineHost:
             await self.process.stop()
         await asyncio.to_thread(shutil.rmtree, self.work_dir, ignore_errors=True)
 
-    def log_tail(self) -> str:
-        return self.process.log_tail() if self.process is not None else ""
-
     def sees(self, path: str, files: Fingerprint | None) -> bool:
         """Whether this node sees ``path`` with exactly these files (any files when None)."""
         directory = Path(path)
-        if not directory.is_dir():
-            return False
-        return files is None or fingerprint(directory) == files
+        return directory.is_dir() and (files is None or fingerprint(directory) == files)
 
     def pack(self, path: str) -> list[tuple[str, list[ray.ObjectRef]]]:
         """Put every file of the checkpoint at ``path`` into the object store, in chunks."""
@@ -178,20 +146,15 @@ class EngineHost:
     async def receive(
         self, name: str, files: list[tuple[str, list[ray.ObjectRef]]], *, expected_checksum: str | None
     ) -> str:
-        """Write a shipped checkpoint into this node's work directory, verify it, return its path.
-
-        A checkpoint with a miles manifest is verified against its per-tensor digests; a plain one
-        against ``expected_checksum``. The same checkpoint shipped twice is kept once.
-        """
+        """Write a shipped checkpoint into this node's work directory, verify it, return its path (kept once)."""
         target = self.work_dir / "shipped" / name
         if target.is_dir():
             return str(target)
         partial = target.with_name(f".{name}.{uuid.uuid4().hex[:8]}")
         try:
             for relative, chunks in files:
-                destination = partial / relative
                 for chunk in chunks:
-                    await asyncio.to_thread(_append, destination, await chunk)
+                    await asyncio.to_thread(_append, partial / relative, await chunk)
             await asyncio.to_thread(_verify_arrival, partial, expected_checksum)
             partial.rename(target)
         except BaseException:
@@ -203,9 +166,8 @@ class EngineHost:
 async def _discard(host: Any) -> None:
     """Stop the host's engine and remove its files, then end the actor (dead or hung: ended anyway)."""
     try:
-        await asyncio.wait_for(host.stop.remote(), timeout=_CONTROL_TIMEOUT_S)
-    except (RayActorError, TimeoutError):
-        pass
+        with contextlib.suppress(RayActorError, TimeoutError):
+            await asyncio.wait_for(host.stop.remote(), timeout=_CONTROL_TIMEOUT_S)
     finally:
         ray.kill(host)
 
@@ -219,22 +181,15 @@ def _append(path: Path, data: bytes) -> None:
 def _pack(directory: Path) -> list[tuple[str, list[ray.ObjectRef]]]:
     files = []
     for name, path in _files(directory):
-        chunks = []
         with open(path, "rb") as source:
-            while data := source.read(_CHUNK_BYTES):
-                chunks.append(ray.put(data))
-        if not chunks:
-            chunks.append(ray.put(b""))
-        files.append((name, chunks))
+            chunks = [ray.put(data) for data in iter(lambda: source.read(_CHUNK_BYTES), b"")]
+        files.append((name, chunks or [ray.put(b"")]))
     return files
 
 
 def _verify_arrival(directory: Path, expected_checksum: str | None) -> None:
     """Raise CheckpointShipError unless the shipped files are the checkpoint that was sent."""
-    try:
-        manifest = read_manifest(directory)
-    except CheckpointError:
-        manifest = None
+    manifest = manifest_or_none(directory)
     if manifest is not None:
         report = verify_checkpoint(directory)
         if not report.ok:
@@ -250,8 +205,6 @@ def _verify_arrival(directory: Path, expected_checksum: str | None) -> None:
 
 class RayRuntime(EngineRuntime):
     """Engines as ``EngineHost`` actors on one placement group per rollout (see the module docstring)."""
-
-    kind = RuntimeKind.RAY
 
     def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
         super().__init__(spec, on_exit=on_exit)
@@ -299,7 +252,7 @@ class RayRuntime(EngineRuntime):
             shortfall = await asyncio.to_thread(_shortfall, bundle, len(server_ids))
             raise PlacementError(
                 f"the cluster did not place rollout {spec.name} ({len(server_ids)} engines of {bundle}, "
-                f"{spec.placement_strategy.value}) within {spec.startup_timeout_s:g}s: {shortfall}",
+                f"{spec.placement_strategy.value}) within {spec.startup_timeout_s:g}s: {shortfall}"
             ) from None
         self._group = group
 
@@ -308,10 +261,9 @@ class RayRuntime(EngineRuntime):
     ) -> LaunchedEngine:
         spec = self.spec
         assert self._group is not None, "RayRuntime.start() has not reserved the placement group"
-        gpus = spec.num_gpus_per_engine
         host = EngineHost.options(  # type: ignore[attr-defined]
             num_cpus=spec.num_cpus_per_engine,
-            num_gpus=gpus,
+            num_gpus=spec.num_gpus_per_engine,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._group,
                 placement_group_bundle_index=self._bundles[server_id],
@@ -422,9 +374,9 @@ class RayRuntime(EngineRuntime):
             files = await asyncio.to_thread(_pack, checkpoint)
         else:
             files = await self._pack_elsewhere(host, checkpoint)
-        name = expected_checksum or name
+        name = (expected_checksum or name).replace(":", "-")
         try:
-            shipped = await host.receive.remote(name.replace(":", "-"), files, expected_checksum=expected_checksum)
+            shipped = await host.receive.remote(name, files, expected_checksum=expected_checksum)
         except RayTaskError as exc:
             raise CheckpointShipError(
                 f"checkpoint {checkpoint} could not be shipped to the engine's node: {exc.cause}"
@@ -434,9 +386,7 @@ class RayRuntime(EngineRuntime):
 
     async def _pack_elsewhere(self, target: Any, checkpoint: Path) -> list[tuple[str, list[ray.ObjectRef]]]:
         """The checkpoint's files from a node that has them (weights a peer wrote out on its node)."""
-        for host in self._hosts.values():
-            if host is target:
-                continue
+        for host in (host for host in self._hosts.values() if host is not target):
             try:
                 if await host.sees.remote(str(checkpoint), None):
                     files: list[tuple[str, list[ray.ObjectRef]]] = await host.pack.remote(str(checkpoint))
@@ -449,12 +399,9 @@ class RayRuntime(EngineRuntime):
 
 
 def _local_view(checkpoint: Path) -> tuple[Fingerprint | None, str]:
-    """The checkpoint's files as this process sees them (None: not here), and the name a shipped
-    copy gets: its checksum when sealed (a copy shipped twice is kept once)."""
-    try:
-        name = read_manifest(checkpoint).checksum
-    except CheckpointError:
-        name = f"{checkpoint.name}-{uuid.uuid4().hex[:8]}"
+    """The checkpoint's files as seen here (None: not here), and a shipped copy's name (its checksum if sealed)."""
+    manifest = manifest_or_none(checkpoint)
+    name = manifest.checksum if manifest is not None else f"{checkpoint.name}-{uuid.uuid4().hex[:8]}"
     return (fingerprint(checkpoint) if checkpoint.is_dir() else None), name
 
 

@@ -1,13 +1,9 @@
 """Whether a rollout's placement group can be placed, decided from the cluster's resources before waiting.
 
-A placement group Ray cannot place stays pending for ever; waiting on one that no node, or no sum
-of nodes, could hold only ends at the start-up timeout with nothing learned. ``judge`` compares
-what the bundles ask for with what the nodes have, less what this process holds itself (the
-controller's actor keeps its CPU share while it waits): ``IMPOSSIBLE`` fails at once, naming the
-setting to lower and a value that would fit; ``SHORT_NOW`` (enough in all, but held by someone
-who may release it) is worth the bounded wait; ``FITS`` is placed right away.
-
-The arithmetic is pure (tested from tables); ``cluster_view`` is the one function that asks Ray.
+A placement group Ray cannot place stays pending for ever. ``judge`` compares what the bundles ask
+for with what the nodes have, less what this process holds: ``IMPOSSIBLE`` fails at once, naming
+the setting to lower and a value that would fit; ``SHORT_NOW`` is worth the bounded wait. The
+arithmetic is pure; ``cluster_view`` is the one function that asks Ray.
 """
 
 from __future__ import annotations
@@ -25,10 +21,7 @@ from miles.config import DEFAULT_CPUS_PER_ENGINE
 # comparing in those units keeps 0.1 + 0.2 from missing 0.3.
 _RAY_UNITS = 10_000
 # What a too-large request is lowered with, per resource: the command's flag and the setting.
-_KNOBS = {
-    "CPU": ("--cpus-per-engine", "num_cpus_per_engine"),
-    "GPU": ("--gpus-per-engine", "num_gpus_per_engine"),
-}
+_KNOBS = {"CPU": ("--cpus-per-engine", "num_cpus_per_engine"), "GPU": ("--gpus-per-engine", "num_gpus_per_engine")}
 # A suggested or default share is rounded down to this (0.95 CPUs, not 0.9499).
 _SHARE_STEP = 0.01
 # How many copies of a bundle that asks for nothing fit: any number.
@@ -37,12 +30,8 @@ _UNBOUNDED = 1 << 30
 
 @dataclass(frozen=True)
 class ClusterView:
-    """What the cluster's alive nodes have, as far as one rollout's placement is concerned.
-
-    ``capacity``: each node's resources less what this process holds on it (resources it keeps
-    for as long as it waits). ``free``: what the whole cluster has free now. ``held``: what this
-    process holds (0 for a driver, the actor's own share inside the controller's actor).
-    """
+    """What the cluster's alive nodes have: ``capacity`` per node less what this process holds
+    there (``held``: nothing for a driver, its share for the controller's actor), ``free`` now."""
 
     capacity: tuple[Mapping[str, float], ...]
     free: Mapping[str, float]
@@ -83,8 +72,7 @@ def placeable(bundle: Mapping[str, float], capacity: tuple[Mapping[str, float], 
 def largest_fitting(
     bundle: Mapping[str, float], resource: str, *, count: int, capacity: tuple[Mapping[str, float], ...]
 ) -> float:
-    """The most of ``resource`` each of ``count`` bundles may ask for (the rest of the bundle as it
-    is) and still fit on the nodes, rounded down to 0.01; 0 when no amount fits."""
+    """The most of ``resource`` each of ``count`` bundles may ask for and still fit, rounded down to 0.01 (0: none)."""
     candidates = sorted(
         {node.get(resource, 0.0) / k for node in capacity for k in range(1, count + 1)} - {0.0}, reverse=True
     )
@@ -110,9 +98,7 @@ def _amount(value: float, resource: str) -> str:
 
 
 def _need(bundle: Mapping[str, float], resource: str, *, count: int, view: ClusterView) -> str:
-    """What ``count`` bundles ask of ``resource`` against what the cluster has, in words: "2 engines
-    need 8 CPUs each (16 in all), the cluster has 1.9 CPUs free (2 in all, 0.1 held by this
-    controller)"."""
+    """What ``count`` bundles ask of ``resource`` against what the cluster has, in words."""
     amount = bundle[resource]
     held = view.held.get(resource, 0.0)
     everything = view.total(resource) + held
@@ -149,21 +135,16 @@ def _impossible(bundle: Mapping[str, float], *, count: int, view: ClusterView) -
 
 
 def engine_cpu_share(*, cpus: float, engines: int, reserved: float = 0.0) -> float:
-    """CPUs per engine for ``engines`` engines sharing ``cpus`` less ``reserved``: an equal share,
-    at most ``DEFAULT_CPUS_PER_ENGINE``, rounded down to 0.01 (at least 0.01: a share that small
-    is refused by ``judge`` with the numbers, rather than guessed at here)."""
+    """An equal share of ``cpus`` less ``reserved`` for each of ``engines``, at most
+    ``DEFAULT_CPUS_PER_ENGINE``, rounded down to (and at least) 0.01 (``judge`` refuses too small)."""
     if engines < 1:
         return DEFAULT_CPUS_PER_ENGINE
-    share = (cpus - reserved) / engines
-    stepped = math.floor(round(share / _SHARE_STEP, 6)) * _SHARE_STEP
+    stepped = math.floor(round((cpus - reserved) / engines / _SHARE_STEP, 6)) * _SHARE_STEP
     return round(min(DEFAULT_CPUS_PER_ENGINE, max(_SHARE_STEP, stepped)), 2)
 
 
 def cluster_view(resources: tuple[str, ...]) -> ClusterView:
-    """The cluster's alive nodes and free ``resources`` now, less what this process holds.
-
-    Blocking (it asks the cluster's control service): call it off an event loop.
-    """
+    """The cluster's alive nodes and free ``resources`` now, less what this process holds (blocking)."""
     context = ray.get_runtime_context()
     held: dict[str, float] = {}
     own_node = None

@@ -1,9 +1,7 @@
-"""The named controller's window API through its Ray actor handle (``get_controller()``), for a
-trainer anywhere in the cluster.
+"""The named controller's window API through its Ray actor handle (``get_controller()``).
 
-Importing this module does not import Ray (a trainer pushes to a controller reached any other
-way without it): an actor handle exists only once Ray is imported, and that is all
-``is_actor_handle`` looks for.
+Importing this module does not import Ray: an actor handle exists only once Ray is imported, and
+that is all ``is_actor_handle`` looks for.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ def is_actor_handle(value: object) -> bool:
 
 
 class RayWindows:
-    """The window API of the controller actor ``actor`` (an ``InferenceControllerActor``'s
-    handle); each call is the actor's method, awaited (an ObjectRef is awaitable)."""
+    """The window API of an ``InferenceControllerActor``'s handle (each call awaits its ObjectRef)."""
 
     def __init__(self, actor: Any) -> None:
         self._actor = actor

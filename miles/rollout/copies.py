@@ -1,10 +1,8 @@
 """Where a server's verified weights can be read from when it must load them again.
 
-Its verified checkpoint when it has one; pushed weights lie on no disk until an engine writes them
-out, so otherwise a serving peer verified on the same checksum writes them out and every server
-verified on them remembers that copy. Peers are looked for among all servers of the model, of
-every server type that serves it (``miles.rollout.mixed``): an embedded engine and a vLLM server
-holding the same weights write the same sealed checkpoint format, which either can load.
+Its verified checkpoint, else (pushed weights lie on no disk) a copy a serving peer on the same
+checksum writes out, remembered by every server verified on them. Peers may be of any server type
+of the model (``miles.rollout.mixed``): all write and load the same sealed checkpoint format.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ logger = logging.getLogger("miles.rollout")
 
 
 class ModelServers(Protocol):
-    """What finding a copy needs of a model's servers (one server type's ``Rollout``, or the
-    ``MixedRollout`` of several)."""
+    """What finding a copy needs of a model's servers (a ``Rollout`` or a ``MixedRollout``)."""
 
     def snapshot(self) -> list[ServerSnapshot]: ...
 
@@ -41,22 +38,14 @@ def peer_holding(servers: ModelServers, verified: VerifiedWeights | None, *, bes
     """A serving server other than ``besides`` verified on the same weights (same checksum)."""
     if verified is None:
         return None
-    for peer in servers.snapshot():
-        if (
-            peer.server_id != besides
-            and peer.state is ServerState.SERVING
-            and peer.verified is not None
-            and peer.verified.checksum == verified.checksum
-        ):
-            return peer
-    return None
+    serving = (peer for peer in servers.snapshot() if peer.server_id != besides and peer.state is ServerState.SERVING)
+    return next((peer for peer in serving if peer.verified and peer.verified.checksum == verified.checksum), None)
 
 
 async def source_of(
     servers: ModelServers, verified: VerifiedWeights | None, *, besides: str, fence: int | None
 ) -> Path | None:
-    """A checkpoint directory holding ``verified`` (the weights verified on server ``besides``),
-    or None if there is none: its own checkpoint, else one a serving peer writes out now."""
+    """A checkpoint holding ``verified``: its own, else one a serving peer writes out now; None if none."""
     if verified is None:
         return None
     if verified.checkpoint is not None:
@@ -77,11 +66,8 @@ async def source_of(
 
 
 async def remove_stale_copies(servers: ModelServers, *, newest: Path) -> None:
-    """Remove, now that ``newest`` was recorded, the weight copies in the servers' own copies
-    directories that were written before it and hold weights no server is verified on: a write-out
-    every few seconds of training would otherwise fill the disk. A copy still being written (a
-    hidden temporary name) or written after ``newest`` (a peer's copy for a restart, not recorded
-    yet) is left alone."""
+    """Remove copies written before ``newest`` holding weights no server is verified on (write-outs would fill
+    the disk); copies still being written (hidden names) or newer (not recorded yet) are left alone."""
     held = {s.verified.checksum for s in servers.snapshot() if s.verified is not None}
     await asyncio.to_thread(_remove_stale, servers.copies_dirs(), held=held, newest=newest)
 

@@ -1,11 +1,9 @@
-"""A typed async client for SGLang's native HTTP API, used for every server type.
-
-The embedded engine and a real SGLang server answer the same calls, so the rollout servers and the
-controller talk to both through this one client (adapter: all engine HTTP calls are made here).
-"""
+"""A typed async client for SGLang's native HTTP API, used for every server type (the embedded
+engine and SGLang answer the same calls; adapter: all engine HTTP calls are made here)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -59,9 +57,7 @@ class WeightsChecksum:
 
 @dataclass(frozen=True)
 class WeightsIdentity:
-    """What an engine says it holds, without hashing anything: its version label and the
-    checksum it computed when its weights last changed (None when it keeps none), and which
-    process answered (None from an engine that does not say: SGLang)."""
+    """What an engine says it holds, without hashing (checksum, instance: None where it does not say)."""
 
     weight_version: str
     checksum: str | None
@@ -78,12 +74,8 @@ class WeightsExport:
 
 
 class EngineClient:
-    """Calls one engine at ``base_url`` (e.g. ``http://127.0.0.1:30001``).
-
-    A call that changes the engine's weights or generation may carry the update's lock token
-    (``fence``): the engine refuses one fenced below the highest token it has seen, so an update
-    that lost the lock cannot touch a server a newer update owns.
-    """
+    """Calls one engine at ``base_url``. A call that changes its weights or generation may carry the
+    update's lock token (``fence``): the engine refuses one below the highest it has seen."""
 
     def __init__(self, base_url: str, *, http: httpx.AsyncClient, server_id: str, secret: str | None = None) -> None:
         """``secret``: the engine's control secret, sent as a bearer token on every call."""
@@ -99,7 +91,7 @@ class EngineClient:
     ) -> httpx.Response:
         headers = self._auth if fence is None else {**self._auth, FENCE_HEADER: str(fence)}
         try:
-            response = await self._http.request(
+            return await self._http.request(
                 method,
                 f"{self.base_url}{path}",
                 json=json,
@@ -110,7 +102,6 @@ class EngineClient:
             raise EngineCallError(
                 f"{method} {path} failed: {type(exc).__name__}: {exc}", server_id=self.server_id, url=self.base_url
             ) from exc
-        return response
 
     async def _post(
         self,
@@ -163,10 +154,7 @@ class EngineClient:
         return response.status_code == 200
 
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
-        """``/get_weight_version``: the version, and the checksum the engine keeps of its weights.
-
-        SGLang 0.5.23 has no such endpoint: its version is in ``/model_info``, and it keeps no
-        checksum (``checksum`` is then None)."""
+        """``/get_weight_version``, or on SGLang 0.5.23 (no such route) the version in ``/model_info``, no checksum."""
         if not self._model_info_versions:
             response = await self._call("GET", "/get_weight_version", timeout=timeout)
             if response.status_code != 404:
@@ -180,8 +168,7 @@ class EngineClient:
 
     async def fence(self, token: int, *, window_open: bool, staged: bool = False) -> FenceState:
         """``/fence``: the engine refuses weight changes fenced below ``token`` from now on, and
-        accepts the credential of window ``token`` while ``window_open`` (only to stage weights
-        when ``staged``)."""
+        accepts window ``token``'s credential while ``window_open`` (only to stage when ``staged``)."""
         request = FenceRequest(token=token, window_open=window_open, staged=staged)
         return await self._post("/fence", request, FenceState)
 
@@ -208,14 +195,12 @@ class EngineClient:
     async def _update(
         self, path: str, request: BaseModel, *, timeout: float | None, fence: int | None
     ) -> UpdateWeightsResponse:
-        """A call that changes the weights: its ``UpdateWeightsResponse``, a refusal (400) included;
-        EngineCallError for any other answer (a plain 400 for an invalid request among them)."""
+        """A call that changes the weights: its ``UpdateWeightsResponse`` (a refusal included), else EngineCallError."""
         response = await self._call("POST", path, json=request.model_dump(mode="json"), timeout=timeout, fence=fence)
         if response.status_code in (200, 400):
-            try:
+            # A plain 400 (an invalid request) is no refusal: reported below.
+            with contextlib.suppress(ValidationError):
                 return UpdateWeightsResponse.model_validate_json(response.content)
-            except ValidationError:
-                pass  # a plain 400 (invalid request) rather than a refusal: reported below
         raise self._refused(path.lstrip("/"), response)
 
     async def update_weight_version(self, new_version: str, *, fence: int | None = None) -> None:
@@ -231,18 +216,14 @@ class EngineClient:
         await self._checked("POST", "/continue_generation", json={}, fence=fence)
 
     async def weights_checksum(self, *, timeout: float | None = None, fence: int | None = None) -> WeightsChecksum:
-        """The checksum the engine computes now over the weights it holds (``/weights_checker``).
-
-        The embedded engine answers miles' canonical checksum; a real SGLang server answers its
-        own ``per_engine_checksum`` (``algorithm`` says which; ``SGLangRollout`` maps the latter
-        onto the canonical one)."""
+        """The checksum the engine computes now over its weights (``/weights_checker``): miles'
+        canonical one, or SGLang's ``per_engine_checksum`` (``algorithm`` says which)."""
         request = WeightsCheckerRequest(action="checksum")
         body = await self._post("/weights_checker", request, SGLangWeightsCheckerResponse, timeout=timeout, fence=fence)
-        if body.success and body.payload is not None:
+        payload = body.payload
+        if body.success and payload is not None:
             return WeightsChecksum(
-                checksum=body.payload.checksum,
-                algorithm=body.payload.algorithm,
-                weight_version=body.payload.weight_version,
+                checksum=payload.checksum, algorithm=payload.algorithm, weight_version=payload.weight_version
             )
         if body.success and body.per_engine_checksum:
             identity = await self.weight_identity(timeout=timeout)

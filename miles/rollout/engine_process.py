@@ -1,14 +1,9 @@
 """Local engine processes: launch, wait until healthy, stop (adapter: all subprocess calls live here).
 
-Every process started here is registered until it is reaped, and an ``atexit`` hook kills what is
-left, so a crashing parent leaves no engine behind; engines are also started with
-``--exit-with-parent`` so they end themselves if the parent is killed outright.
-
-Embedded engines (``python -m miles.engine``) are forked from a warm interpreter that has already
-imported torch and transformers (``miles.engine.forkserver``, one per process that launches
-engines, started with the first), which saves each launch most of its start-up. It ends with
-this process and takes its engines with it. ``MILES_ENGINE_FORKSERVER=0`` starts every engine as
-a fresh interpreter instead; so does any failure to start the forkserver.
+Every process started here is registered until reaped and killed at exit (engines also get
+``--exit-with-parent``). Embedded engines are forked from a warm interpreter that has imported
+torch already (``miles.engine.forkserver``, one per launching process), which saves most of a
+launch; ``MILES_ENGINE_FORKSERVER=0``, or a forkserver that fails to start, starts fresh ones.
 """
 
 from __future__ import annotations
@@ -16,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import contextlib
+import itertools
 import json
 import logging
 import os
@@ -29,7 +26,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 import httpx
 
@@ -45,21 +42,6 @@ _FORKSERVER_READY_S = 300.0
 
 class EngineStartError(MilesError):
     """An engine process exited or did not become healthy in time; the message has its log tail."""
-
-
-class _Child(Protocol):
-    """What EngineProcess needs of a process: ``subprocess.Popen``'s calls (or a forked engine's)."""
-
-    @property
-    def pid(self) -> int: ...
-
-    def poll(self) -> int | None: ...
-
-    def send_signal(self, sig: int) -> None: ...
-
-    def kill(self) -> None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
 
 
 class _Registry:
@@ -92,8 +74,7 @@ _REGISTRY = _Registry()
 
 
 class _ForkServer:
-    """The warm interpreter that embedded engines are forked from (its protocol is described in
-    ``miles.engine.forkserver``); a reader thread records what it reports."""
+    """The warm interpreter engines are forked from (protocol: ``miles.engine.forkserver``), read by a thread."""
 
     def __init__(self) -> None:
         self._proc = subprocess.Popen(
@@ -104,15 +85,14 @@ class _ForkServer:
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._requests: IO[bytes] = self._proc.stdin
+        self._replies: IO[bytes] = self._proc.stdout
         self._changed = threading.Condition()
         self._ready: bool | None = None
         self._failure = ""
         self._spawned: dict[int, dict[str, Any]] = {}
         self._exits: dict[int, int] = {}
-        self._next_id = 0
-        threading.Thread(
-            target=self._read, args=(self._proc.stdout,), name="miles-forkserver-reader", daemon=True
-        ).start()
+        self._ids = itertools.count()  # next() on it is atomic: spawns from several threads get distinct ids
+        threading.Thread(target=self._read, args=(self._replies,), name="miles-forkserver-reader", daemon=True).start()
         with self._changed:
             if not self._changed.wait_for(lambda: self._ready is not None, timeout=_FORKSERVER_READY_S):
                 self._failure = f"not ready after {_FORKSERVER_READY_S:g}s"
@@ -126,8 +106,7 @@ class _ForkServer:
         forget = weakref.WeakMethod(self._forget_in_child)
 
         def in_child() -> None:
-            method = forget()
-            if method is not None:
+            if (method := forget()) is not None:
                 method()
 
         os.register_at_fork(after_in_child=in_child)
@@ -136,12 +115,9 @@ class _ForkServer:
         # The descriptors are pointed at /dev/null rather than closed: their numbers stay this
         # object's, so closing it later cannot close a file the child has opened since.
         null = os.open(os.devnull, os.O_RDWR)
-        for stream in (self._requests, self._proc.stdout):
-            if stream is not None:
-                try:
-                    os.dup2(null, stream.fileno())
-                except (OSError, ValueError):
-                    pass
+        for stream in (self._requests, self._replies):
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(null, stream.fileno())
         os.close(null)
 
     def _read(self, replies: IO[bytes]) -> None:
@@ -178,9 +154,7 @@ class _ForkServer:
                 raise EngineStartError(f"the engine forkserver has exited ({exc})") from exc
 
     def spawn(self, args: Sequence[str], *, env: dict[str, str], log_path: Path) -> _ForkedEngine:
-        with self._changed:
-            ident = self._next_id
-            self._next_id += 1
+        ident = next(self._ids)
         self._send(
             {
                 "spawn": ident,
@@ -215,10 +189,8 @@ class _ForkServer:
 
     def close(self) -> None:
         """End the forkserver and every engine it started (it kills them when its input closes)."""
-        try:
+        with contextlib.suppress(OSError):
             self._requests.close()
-        except OSError:
-            pass
         try:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -231,41 +203,35 @@ EXIT_UNKNOWN = 255
 
 
 class _ForkedEngine:
-    """An engine forked by the forkserver, with the calls of ``subprocess.Popen`` that
-    EngineProcess makes. Its exit is what the forkserver reports or, once the forkserver is gone,
-    what its pidfd shows (with ``EXIT_UNKNOWN`` for a status). Signals go through the pidfd,
-    which names this process and no other, even once its pid is free again."""
+    """An engine forked by the forkserver, with ``Popen``'s calls: its exit as the forkserver reports it, else as
+    its pidfd shows (``EXIT_UNKNOWN``); signals go through the pidfd, which outlives a reused pid."""
 
     def __init__(self, server: _ForkServer, pid: int) -> None:
         self._server = server
-        self._pid = pid
+        self.pid = pid
         self._code: int | None = None
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
         except ProcessLookupError:
             self._pidfd = None  # already ended and reaped; the forkserver reports how
 
-    @property
-    def pid(self) -> int:
-        return self._pid
-
     def poll(self) -> int | None:
         if self._code is None:
-            code = self._server.exit_code(self._pid)
-            if code is None and not self._server.usable and (self._pidfd is None or _ended(self._pidfd)):
+            code = self._server.exit_code(self.pid)
+            # A pidfd becomes readable when its process has exited.
+            if code is None and not self._server.usable and (self._pidfd is None or self._readable(0)):
                 code = EXIT_UNKNOWN
-            if code is not None:
-                self._code = code
-                self._release()
+            if code is not None and self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+            self._code = code
         return self._code
 
     def send_signal(self, sig: int) -> None:
         if self._pidfd is None or self.poll() is not None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):  # ended; poll() says so
             signal.pidfd_send_signal(self._pidfd, sig)
-        except ProcessLookupError:
-            pass  # ended; poll() says so
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -275,23 +241,20 @@ class _ForkedEngine:
         while (code := self.poll()) is None:
             left = 0.5 if deadline is None else min(deadline - time.monotonic(), 0.5)
             if left <= 0:
-                raise subprocess.TimeoutExpired(f"engine {self._pid}", timeout or 0.0)
+                raise subprocess.TimeoutExpired(f"engine {self.pid}", timeout or 0.0)
             if self._server.usable:
-                self._server.wait_for_exit(self._pid, left)
+                self._server.wait_for_exit(self.pid, left)
             elif self._pidfd is not None:
-                select.select([self._pidfd], [], [], left)
+                self._readable(left)
         return code
 
-    def _release(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+    def _readable(self, timeout: float) -> bool:
+        assert self._pidfd is not None
+        return bool(select.select([self._pidfd], [], [], timeout)[0])
 
 
-def _ended(pidfd: int) -> bool:
-    """Whether the process behind ``pidfd`` has exited (a pidfd becomes readable then)."""
-    return bool(select.select([pidfd], [], [], 0)[0])
-
+# A process EngineProcess runs: started by subprocess, or forked by the forkserver (the same calls).
+_Child = subprocess.Popen[bytes] | _ForkedEngine
 
 _FORKSERVER_LOCK = threading.Lock()
 _FORKSERVERS: dict[int, _ForkServer | None] = {}  # by the pid of the process using it
@@ -379,8 +342,7 @@ class EngineProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **(self._env or {})}
-        embedded = self.command[:3] == [sys.executable, "-m", _ENGINE_MODULE]
-        server = _forkserver() if embedded else None
+        server = _forkserver() if self.command[:3] == [sys.executable, "-m", _ENGINE_MODULE] else None
         if server is not None:
             try:
                 self._proc = server.spawn(self.command[3:], env=env, log_path=self.log_path)
@@ -391,11 +353,7 @@ class EngineProcess:
                 return
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                self.command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
+                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
             )
         _REGISTRY.add(self._proc)
 
@@ -408,29 +366,10 @@ class EngineProcess:
 
     async def wait_healthy(self, url: str, *, timeout_s: float, http: httpx.AsyncClient) -> None:
         """Poll ``url/health`` until it answers 200; raise EngineStartError on exit or timeout."""
-        deadline = time.monotonic() + timeout_s
-        delay = 0.05
-        while True:
-            if not self.alive():
-                raise EngineStartError(
-                    f"engine exited with code {self.returncode} while starting",
-                    log=str(self.log_path),
-                    tail=await asyncio.to_thread(self.log_tail),
-                )
-            try:
-                response = await http.get(f"{url}/health", timeout=2.0)
-                if response.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise EngineStartError(
-                    f"engine did not become healthy within {timeout_s}s",
-                    log=str(self.log_path),
-                    tail=await asyncio.to_thread(self.log_tail),
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
+        await wait_until_answering(url, timeout_s=timeout_s, http=http, process=self)
+
+    async def start_error(self, message: str) -> EngineStartError:
+        return EngineStartError(message, log=str(self.log_path), tail=await asyncio.to_thread(self.log_tail))
 
     async def stop(self, *, grace_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after ``grace_s``; always reaps the process."""
@@ -444,10 +383,7 @@ class EngineProcess:
             # Waiting in a thread instead would outlive a cancelled stop() by up to grace_s.
             while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
-            if proc.poll() is None:
-                proc.kill()
-        await asyncio.to_thread(proc.wait)
-        _REGISTRY.discard(proc)
+        await asyncio.to_thread(self.kill)
 
     def kill(self) -> None:
         """SIGKILL now (used by tests and on a failed start); reaps the process."""
@@ -465,3 +401,29 @@ class EngineProcess:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+async def wait_until_answering(
+    url: str, *, timeout_s: float, http: httpx.AsyncClient, process: EngineProcess | None = None
+) -> None:
+    """Poll ``url/health`` until it answers 200; EngineStartError after ``timeout_s``, or at once when
+    ``process`` (the engine at ``url``, where it is ours) exits, with its log tail."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    last = "no answer"
+    while True:
+        if process is not None and not process.alive():
+            raise await process.start_error(f"engine exited with code {process.returncode} while starting")
+        try:
+            response = await http.get(f"{url}/health", timeout=2.0)
+            if response.status_code == 200:
+                return
+            last = f"/health answered {response.status_code}"
+        except httpx.HTTPError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() > deadline:
+            if process is not None:
+                raise await process.start_error(f"engine did not become healthy within {timeout_s}s")
+            raise EngineStartError(f"the server at {url} did not answer /health within {timeout_s}s ({last})", url=url)
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 0.5)

@@ -1,11 +1,8 @@
 """MixedRollout: one model served by several server types at once, seen by the controller as one.
 
-A model whose specs name several server types gets one ``Rollout`` per spec, each launching and
-supervising its own servers, and one ``MixedRollout`` over them that the controller drives exactly
-as a single ``Rollout`` (``ModelRollout`` is either): one lock, one ``WeightUpdate`` and one gate
-per model. Each call about one server goes to the rollout that owns that server id; what is asked
-of the model as a whole is answered for the mix. Weights written out by any server are recorded
-for all. The fleet starts and stops the rollouts themselves.
+One ``Rollout`` per spec runs and supervises its servers; the ``MixedRollout`` over them is driven
+exactly as a single ``Rollout`` (one lock, one update, one gate per model). A call about one server
+goes to the rollout that owns it; the fleet starts and stops the rollouts themselves.
 """
 
 from __future__ import annotations
@@ -58,7 +55,6 @@ class MixedRollout:
             rollout.model_servers = self
         # As Rollout.committed_high: the controller's record for the model, not any one rollout's.
         self.committed_high: int | None = None
-        self._resume_from: VerifiedWeights | None = None
 
     # --- the model as a whole ----------------------------------------------------------------
 
@@ -72,17 +68,15 @@ class MixedRollout:
 
     @property
     def stages_pushes(self) -> bool:
-        """A window stages only if every server can: one that cannot (vLLM) must be out of routing
-        while it is pushed to, and the window's servers commit together."""
+        """A window stages only if every server can (the window's servers commit together)."""
         return all(rollout.stages_pushes for rollout in self.rollouts)
 
     @property
     def resume_from(self) -> VerifiedWeights | None:
-        return self._resume_from
+        return self.rollouts[0].resume_from
 
     @resume_from.setter
     def resume_from(self, weights: VerifiedWeights | None) -> None:
-        self._resume_from = weights
         for rollout in self.rollouts:
             rollout.resume_from = weights
 

@@ -1,10 +1,8 @@
 """Rollout: the servers of one model, run by one server type, each an explicit state machine.
 
-A Rollout launches its servers' engines (the server type says what an engine is, the spec's
-runtime where it runs), confirms the weights each holds by checksum before it serves, and stops
-everything it started; its ``Supervisor`` probes, restarts, rolls back and recovers them. The
-controller's ``WeightUpdate`` drives its update steps, each engine call carrying the update's
-fencing token; the state machine refuses any step out of order.
+It launches the engines (the server type says what an engine is, the runtime where it runs),
+confirms each one's weights by checksum before it serves, and stops what it started; its
+``Supervisor`` repairs them, and the controller's ``WeightUpdate`` drives its fenced update steps.
 """
 
 from __future__ import annotations
@@ -24,13 +22,7 @@ from miles.errors import MilesError
 from miles.protocol.sglang import PauseMode
 from miles.protocol.sglang_weights import ActivateWeightsRequest, UpdateWeightsFromDiskRequest, UpdateWeightsResponse
 from miles.rollout.copies import ModelServers, peer_holding, source_of
-from miles.rollout.engine_client import (
-    EngineCallError,
-    EngineClient,
-    WeightsChecksum,
-    WeightsExport,
-    WeightsIdentity,
-)
+from miles.rollout.engine_client import EngineCallError, EngineClient, WeightsChecksum, WeightsExport, WeightsIdentity
 from miles.rollout.runtime import EngineCommand, runtime_for
 from miles.rollout.spec import HealthSettings, RolloutSpec
 from miles.rollout.state import (
@@ -77,11 +69,7 @@ class Rollout(ABC):
     engine_api: ClassVar[EngineApi] = "sglang"
 
     def __init__(
-        self,
-        spec: RolloutSpec,
-        *,
-        exclusive: ExclusiveSection | None = None,
-        observer: RolloutObserver | None = None,
+        self, spec: RolloutSpec, *, exclusive: ExclusiveSection | None = None, observer: RolloutObserver | None = None
     ) -> None:
         self._prepare(spec)
         self.spec = spec
@@ -115,8 +103,7 @@ class Rollout(ABC):
     # --- the server type's hook, and where its engines run --------------------------------
 
     def _prepare(self, spec: RolloutSpec) -> None:  # noqa: B027  # an optional hook
-        """Refuse a spec this server type cannot run, and set up its own state, before anything is
-        built (no runtime, no directory yet)."""
+        """Refuse a spec this server type cannot run, and set up its state, before anything is built."""
 
     @abstractmethod
     def engine_command(self) -> EngineCommand:
@@ -131,20 +118,19 @@ class Rollout(ABC):
         launched = await self.runtime.launch(
             cell.server_id, self.engine_command(), checkpoint, device=cell.device, http=self.http
         )
-        cell.pid = launched.pid
-        cell.placement = launched.placement
+        cell.pid, cell.placement = launched.pid, launched.placement
         # A launched server holds its start checkpoint; an attached one holds whatever it holds.
         self._holds_files(cell.server_id, None if self.attached else checkpoint)
         return launched.url
 
     def _holds_files(self, server_id: str, checkpoint: Path | None) -> None:  # noqa: B027  # an optional hook
-        """The server's engine now holds ``checkpoint``'s weights (None: unknown); a server type
-        whose engine does not check what it loads ties its next checksum to those files."""
+        """The server's engine now holds ``checkpoint``'s weights (None: unknown)."""
 
     async def _terminate(self, cell: ServerCell) -> None:
-        """Stop ``cell``'s engine (and reap it); does not raise if it already died."""
+        """Stop ``cell``'s engine (and reap it) and forget its client; does not raise if it already died."""
         await self.runtime.terminate(cell.server_id)
         cell.pid = None
+        self._clients.pop(cell.server_id, None)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -165,11 +151,8 @@ class Rollout(ABC):
         return self._http
 
     async def start(self) -> None:
-        """Launch every engine, confirm its weights, and start the health loop.
-
-        Raises RolloutError (with the engine log tail) if an engine fails to start or holds
-        weights other than its checkpoint's manifest says; everything started is stopped again.
-        """
+        """Launch every engine, confirm its weights, and start the health loop. Raises RolloutError
+        (with the log tail) if an engine fails to start or holds other weights; all is stopped again."""
         checkpoint = self.spec.checkpoint
         if self.resume_from is not None and self.resume_from.checkpoint is not None:
             checkpoint = self.resume_from.checkpoint
@@ -199,7 +182,6 @@ class Rollout(ABC):
         await self._terminate(cell)
         if cell.state is not ServerState.STOPPED:
             self.transition(cell, ServerState.STOPPED, "rollout stopped")
-        self._clients.pop(cell.server_id, None)
 
     # --- views -----------------------------------------------------------------------------
 
@@ -226,8 +208,7 @@ class Rollout(ABC):
             self.observer.probed(cell.server_id)
 
     def drifted(self, cell: ServerCell, *, verified: VerifiedWeights, reported: WeightsIdentity) -> None:
-        """The serving engine reports other weights than ``verified``: record what it holds, report
-        it, and quarantine it (the supervisor rolls it back)."""
+        """The serving engine reports other weights than ``verified``: record, report, quarantine."""
         cell.weight_version, cell.checksum = reported.weight_version, reported.checksum or cell.checksum
         if self.observer is not None:
             self.observer.drifted(cell.server_id, cell.model_name, expected=verified, actual=reported)
@@ -250,11 +231,8 @@ class Rollout(ABC):
             self.transition(cell, ServerState.RESTARTING, reason)
 
     async def restart_on(self, server_id: str, verified: VerifiedWeights, *, reason: str, fence: int | None) -> None:
-        """Restart a server whose engine died on ``verified``: the weights its peers were just
-        confirmed on, which it never held (it died first). Raises RolloutError when it cannot be
-        brought up on them; it then stays out of serving until the supervisor succeeds."""
-        cell = self.cell(server_id)
-        cell.verified = verified
+        """Restart a server on ``verified``, weights it never held (it died first); RolloutError when it cannot."""
+        self.cell(server_id).verified = verified
         await self.restart(server_id, reason=reason, fence=fence)
 
     def snapshot(self) -> list[ServerSnapshot]:
@@ -290,24 +268,15 @@ class Rollout(ABC):
         await self.client(server_id).continue_generation(fence=fence)
 
     async def load(
-        self,
-        server_id: str,
-        checkpoint: Path,
-        *,
-        weight_version: str,
-        expected_checksum: str,
-        fence: int | None = None,
+        self, server_id: str, checkpoint: Path, *, weight_version: str, expected_checksum: str, fence: int | None = None
     ) -> UpdateWeightsResponse:
         """Ask the engine to load ``checkpoint``, whose weights must hash to ``expected_checksum``
-        (the engine checks before it touches its weights; a plain Hugging Face directory has no
-        manifest to check against otherwise); a refusal is returned with ``success=False``."""
+        (checked before it touches its weights); a refusal is returned with ``success=False``."""
         self._holds_files(server_id, None)
         # Where the engine can read it: in place, or shipped to its node (the Ray runtime).
         readable = await self.runtime.readable(server_id, checkpoint, expected_checksum=expected_checksum)
         request = UpdateWeightsFromDiskRequest(
-            model_path=str(readable),
-            weight_version=weight_version,
-            expected_checksum=expected_checksum,
+            model_path=str(readable), weight_version=weight_version, expected_checksum=expected_checksum
         )
         response = await self.client(server_id).update_weights_from_disk(
             request, timeout=self.spec.update_timeout_s, fence=fence
@@ -325,9 +294,8 @@ class Rollout(ABC):
         pause_mode: PauseMode | None = None,
         fence: int | None = None,
     ) -> UpdateWeightsResponse:
-        """Have the engine serve the weights a window pushed into its stage (they must hash to
-        ``expected_checksum``); a refusal is returned with ``success=False``. An engine still
-        generating pauses itself (``pause_mode``), swaps and resumes; the window ends there."""
+        """Have the engine serve the weights a window staged (they must hash to ``expected_checksum``;
+        it pauses per ``pause_mode`` around the swap); a refusal is returned with ``success=False``."""
         request = ActivateWeightsRequest(
             weight_version=weight_version, expected_checksum=expected_checksum, pause_mode=pause_mode
         )
@@ -341,13 +309,11 @@ class Rollout(ABC):
     def record_checksum(self, server_id: str, reported: WeightsChecksum) -> WeightsChecksum:
         """Note what a server reported it holds (from ``confirm`` or from its load's answer)."""
         cell = self.cell(server_id)
-        cell.checksum = reported.checksum
-        cell.weight_version = reported.weight_version
+        cell.checksum, cell.weight_version = reported.checksum, reported.weight_version
         return reported
 
     async def fence(self, server_id: str, token: int, *, window_open: bool, staged: bool = False) -> None:
-        """Tell the engine the newest fencing token, and whether a window holding it may push
-        (``staged``: only into the engine's stage)."""
+        """Tell the engine the newest fencing token, and whether a window holding it may push."""
         await self.client(server_id).fence(token, window_open=window_open, staged=staged)
 
     async def relabel(self, server_id: str, weight_version: str, *, fence: int | None = None) -> None:
@@ -375,8 +341,7 @@ class Rollout(ABC):
         return [] if self.runtime.copies_dir is None else [self.runtime.copies_dir]
 
     def record_copy(self, checksum: str, checkpoint: Path) -> list[str]:
-        """``checkpoint`` is where every server verified on ``checksum`` without a checkpoint
-        reloads those weights from; returns those servers' ids."""
+        """Record ``checkpoint`` for every server verified on ``checksum`` without one; returns their ids."""
         changed = []
         for cell in self._cells:
             verified = cell.verified
@@ -397,11 +362,7 @@ class Rollout(ABC):
         self.transition(self.cell(server_id), ServerState.QUARANTINED, reason)
 
     async def rollback(self, server_id: str, *, reason: str, fence: int | None = None) -> None:
-        """Reload the server's last verified weights and confirm them; it serves them again.
-
-        If the reload or its confirmation fails, the process is replaced (restart on the last
-        verified weights). Raises RolloutError if the server never had verified weights.
-        """
+        """Reload and confirm the server's verified weights, else replace its process; RolloutError without any."""
         cell = self.cell(server_id)
         verified = cell.verified
         if verified is None:
@@ -427,14 +388,14 @@ class Rollout(ABC):
                 confirmed = await self._reload(server_id, source, verified, fence=fence)
             elif confirmed is not None and confirmed.weight_version != verified.weight_version:
                 # Never loaded the new weights (or loaded and restored them): only the label moved.
-                await self.client(server_id).update_weight_version(verified.weight_version, fence=fence)
-                confirmed = self.record_checksum(
-                    server_id, dataclasses.replace(confirmed, weight_version=verified.weight_version)
-                )
+                await self.relabel(server_id, verified.weight_version, fence=fence)
         except EngineCallError:
             confirmed = None
         if confirmed is not None and confirmed.checksum == verified.checksum:
-            await self._resume_quietly(cell, fence=fence)
+            try:
+                await self.client(server_id).continue_generation(fence=fence)
+            except EngineCallError as exc:
+                logger.warning("could not resume %s after rollback: %s", server_id, exc)
             self.admit(server_id, verified, reason=f"rolled back to {verified.weight_version}: {reason}")
             self._restored(cell, verified)
             return
@@ -442,15 +403,10 @@ class Rollout(ABC):
         await self.restart(server_id, reason=f"rollback failed: {reason}", fence=fence)
 
     async def restart(self, server_id: str, *, reason: str, fence: int | None = None) -> None:
-        """Replace the server's process and bring it back on its last verified weights.
-
-        The caller must hold the controller's exclusive section (the health loop takes it).
-        """
+        """Replace the server's process and bring it back on its verified weights (in the exclusive section)."""
         cell = self.cell(server_id)
-        if cell.state is not ServerState.RESTARTING:
-            self.transition(cell, ServerState.RESTARTING, reason)
+        self.lost(server_id, reason=reason)
         await self._terminate(cell)
-        self._clients.pop(server_id, None)
         cell.restarts += 1
         # Where the verified weights can be read from; without any, the engine starts on the
         # spec's checkpoint and is quarantined by _bring_up (it holds other weights), never
@@ -477,9 +433,8 @@ class Rollout(ABC):
             raise RolloutError(f"engine failed to start: {exc}", server_id=cell.server_id) from exc
         cell.url = url
         cell.incarnation += 1
-        cell.consecutive_failures = 0
-        cell.last_probe = None
-        cell.engine_instance = None
+        # A new process: nothing of it probed yet, its instance asked for below.
+        cell.consecutive_failures, cell.last_probe, cell.engine_instance = 0, None, None
         # A server someone else runs (attached) never sees the controller's secret: it does not
         # check it, and it would let that server change the weights of the engines launched here.
         attached = cell.placement is not None and cell.placement.attached
@@ -523,9 +478,8 @@ class Rollout(ABC):
     async def _adopt(
         self, cell: ServerCell, expected: VerifiedWeights, confirmed: WeightsChecksum, *, fence: int | None
     ) -> WeightsChecksum:
-        """An engine came up holding other weights than ``expected``: what it holds after what can be
-        done. A launched engine started on the checkpoint it was given, so nothing can be done (it
-        is quarantined); an attached server (someone else runs it) is told to load ``expected``."""
+        """What an engine that came up on other weights than ``expected`` holds after an attached
+        one is told to load them (a launched one started on what it was given: nothing to do)."""
         if not self.attached or expected.checkpoint is None:
             return confirmed
         logger.info(
@@ -542,8 +496,7 @@ class Rollout(ABC):
     async def _reload(
         self, server_id: str, source: Path, verified: VerifiedWeights, *, fence: int | None
     ) -> WeightsChecksum | None:
-        """Load ``verified`` from ``source`` and confirm what the engine then holds; None when it
-        refused them."""
+        """Load ``verified`` from ``source`` and confirm it; None when the engine refused them."""
         response = await self.load(
             server_id, source, weight_version=verified.weight_version, expected_checksum=verified.checksum, fence=fence
         )
@@ -555,12 +508,6 @@ class Rollout(ABC):
     def _restored(self, cell: ServerCell, verified: VerifiedWeights) -> None:
         if self.observer is not None:
             self.observer.weights_restored(cell.server_id, cell.model_name, verified)
-
-    async def _resume_quietly(self, cell: ServerCell, *, fence: int | None) -> None:
-        try:
-            await self.client(cell.server_id).continue_generation(fence=fence)
-        except EngineCallError as exc:
-            logger.warning("could not resume %s after rollback: %s", cell.server_id, exc)
 
     def set_health(self, health: HealthSettings) -> None:
         """Apply new probe settings now: the supervisor's current wait ends and the next uses them."""

@@ -1,11 +1,8 @@
 """Where a rollout's engines run: the runtime that places, launches, watches and stops them.
 
-A rollout says *what* to run for a server (its server type's ``EngineCommand``); the runtime says
-*where*: it picks the node, the devices and a free port, starts the engine there and reports the
-``Placement`` it gave it. ``LocalRuntime`` (here) runs each engine as a child process of this
-process on loopback; ``miles.ray.engines.RayRuntime`` runs each in a Ray actor pinned to a
-placement-group bundle. Everything else is the same code for both; Ray is imported only under
-``miles/ray/`` (``runtime_for`` loads the Ray runtime by name).
+A server type says *what* to run (its ``EngineCommand``); the runtime says *where* (node, devices,
+port) and reports the ``Placement``: ``LocalRuntime`` runs child processes on loopback,
+``miles.ray.engines.RayRuntime`` Ray actors on placement-group bundles (loaded by name: Ray is optional).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import httpx
 
 from miles.config import RuntimeKind
 from miles.errors import MilesError
-from miles.rollout.engine_process import EngineProcess, EngineStartError, free_port
+from miles.rollout.engine_process import EngineProcess, EngineStartError, free_port, wait_until_answering
 
 if TYPE_CHECKING:
     from miles.rollout.spec import RolloutSpec
@@ -71,9 +68,8 @@ class EngineReport:
 
 
 def sglang_gpu_ids(info: Mapping[str, Any]) -> tuple[int, ...] | None:
-    """The GPUs an engine says it uses in SGLang's ``/get_server_info``: the embedded engine lists
-    them (``gpu_ids``); an SGLang server uses ``tp_size * dp_size`` consecutive ones from
-    ``base_gpu_id``, ``gpu_id_step`` apart."""
+    """The GPUs an engine says it uses in SGLang's ``/get_server_info`` (``gpu_ids``, or SGLang's
+    ``tp_size * dp_size`` from ``base_gpu_id``, ``gpu_id_step`` apart)."""
     if "gpu_ids" in info:
         return tuple(info["gpu_ids"])
     if info.get("base_gpu_id") is None or info.get("device") not in (None, "cuda"):
@@ -84,8 +80,7 @@ def sglang_gpu_ids(info: Mapping[str, Any]) -> tuple[int, ...] | None:
 
 
 class EngineCommand(ABC):
-    """How to run one engine of a server type, wherever the runtime puts it (must pickle: the
-    Ray runtime builds the command line on the engine's node)."""
+    """How to run one engine of a server type (must pickle: the Ray runtime builds it on the engine's node)."""
 
     # The route (GET) where a started engine says what it runs on: SGLang's.
     info_route: ClassVar[str] = "/get_server_info"
@@ -113,7 +108,6 @@ class LaunchedEngine:
 class EngineRuntime(ABC):
     """Places and runs the engines of one rollout (one per server id)."""
 
-    kind: RuntimeKind
     # Whether ``alive`` watches the engine's process (it then turns False once the process ended);
     # attached servers' processes are someone else's.
     sees_processes: ClassVar[bool] = True
@@ -132,10 +126,7 @@ class EngineRuntime(ABC):
         self, server_id: str, command: EngineCommand, checkpoint: Path, *, device: str, http: httpx.AsyncClient
     ) -> LaunchedEngine:
         """Start an engine for ``server_id`` serving ``checkpoint``; return once it answers /health.
-
-        ``device`` is the one the spec gave the server (the local runtime uses it; the Ray runtime
-        uses the devices of the server's bundle). Raises EngineStartError with the log tail.
-        """
+        ``device``: the spec's (the Ray runtime uses its bundle's). Raises EngineStartError with the log tail."""
 
     @abstractmethod
     async def terminate(self, server_id: str) -> None:
@@ -146,10 +137,8 @@ class EngineRuntime(ABC):
         """Whether the server's engine is still running, as far as the runtime knows now."""
 
     async def ended(self, server_id: str, *, within_s: float) -> bool:
-        """Whether the server's engine process has ended, after a call to it found nobody there:
-        the runtime may learn of the exit a moment after the socket closed, so it is given
-        ``within_s`` to. False at once where the runtime cannot see the processes (attached
-        servers: their probes tell)."""
+        """Whether the server's engine process has ended (learnt within ``within_s``: the exit may
+        be known a moment after the socket closed); False at once where processes are not seen."""
         if not self.sees_processes:
             return False
         deadline = time.monotonic() + within_s
@@ -165,18 +154,12 @@ class EngineRuntime(ABC):
 
     @property
     def copies_dir(self) -> Path | None:
-        """The directory on this machine the engines write their weight copies under, whose stale
-        copies the controller removes; None where they lie elsewhere (other hosts, or servers
-        someone else runs)."""
+        """Where on this machine the engines write weight copies (stale ones are removed); None: elsewhere."""
         return None
 
     @abstractmethod
     async def close(self) -> None:
         """Stop every engine and release what ``start`` reserved; safe to call twice."""
-
-
-def local_node_id() -> str:
-    return f"local:{socket.gethostname()}"
 
 
 def gpu_ids_of(device: str) -> tuple[int, ...]:
@@ -188,13 +171,8 @@ def gpu_ids_of(device: str) -> tuple[int, ...]:
 
 
 class LocalRuntime(EngineRuntime):
-    """Each engine a child process of this one, on a free loopback port (the default runtime).
-
-    Without directories from the caller, logs and weight copies go to a temporary directory of its
-    own, removed by ``close()`` so that nothing is left behind.
-    """
-
-    kind = RuntimeKind.LOCAL
+    """Each engine a child process of this one, on a free loopback port (the default runtime);
+    without the spec's directories, a temporary one of its own, removed by ``close()``."""
 
     def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
         super().__init__(spec, on_exit=on_exit)
@@ -215,7 +193,7 @@ class LocalRuntime(EngineRuntime):
         self, server_id: str, command: EngineCommand, checkpoint: Path, *, device: str, http: httpx.AsyncClient
     ) -> LaunchedEngine:
         placement = Placement(
-            node_id=local_node_id(), node_address="127.0.0.1", gpu_ids=gpu_ids_of(device), device=device
+            node_id=f"local:{socket.gethostname()}", node_address="127.0.0.1", gpu_ids=gpu_ids_of(device), device=device
         )
         last_error: EngineStartError | None = None
         for _ in range(_LAUNCH_ATTEMPTS):
@@ -265,11 +243,9 @@ class LocalRuntime(EngineRuntime):
 
 
 async def _started(process: EngineProcess) -> None:
-    """``process.start()`` (mkdir, open and fork/exec) off the loop, which keeps serving the other
-    servers. A cancellation (the controller stopping while a restart launches) cannot stop the
-    thread: it is waited for, and what it started is stopped, before the cancellation goes on.
-    Otherwise the engine would run on untracked, and recreate its log directory after the
-    controller removed its state directory."""
+    """``process.start()`` off the loop. A cancellation cannot stop the thread: it is waited for and
+    what it started stopped before the cancellation goes on (else the engine would run on untracked,
+    and recreate its log directory after the controller removed its state directory)."""
     starting = asyncio.ensure_future(asyncio.to_thread(process.start))
     try:
         await asyncio.shield(starting)
@@ -280,11 +256,9 @@ async def _started(process: EngineProcess) -> None:
 
 
 class AttachedRuntime(EngineRuntime):
-    """Servers someone else runs, at the URLs the spec lists (attach mode): never started or
-    stopped here. "Launching" one waits until it answers ``/health``, so a restart is "wait for it
-    to come back, then verify it again"; a server that stopped answering is found by the probes."""
+    """Servers someone else runs, at the spec's URLs: never started or stopped here; "launching"
+    one waits until it answers ``/health`` (a restart: wait for it to come back, verify it again)."""
 
-    kind = RuntimeKind.LOCAL
     sees_processes: ClassVar[bool] = False
 
     def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
@@ -320,49 +294,24 @@ class AttachedRuntime(EngineRuntime):
         self._urls = {}
 
 
-async def wait_until_answering(url: str, *, timeout_s: float, http: httpx.AsyncClient) -> None:
-    """Poll ``url/health`` until it answers 200; EngineStartError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.05
-    last = "no answer"
-    while True:
-        try:
-            response = await http.get(f"{url}/health", timeout=2.0)
-            if response.status_code == 200:
-                return
-            last = f"/health answered {response.status_code}"
-        except httpx.HTTPError as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        if time.monotonic() > deadline:
-            raise EngineStartError(f"the server at {url} did not answer /health within {timeout_s}s ({last})", url=url)
-        await asyncio.sleep(delay)
-        delay = min(delay * 1.5, 0.5)
-
-
-# The runtime classes by kind; the Ray runtime is imported on first use (Ray is optional).
-_RUNTIMES = {
-    RuntimeKind.LOCAL: "miles.rollout.runtime:LocalRuntime",
-    RuntimeKind.RAY: "miles.ray.engines:RayRuntime",
-}
-
-
 def runtime_for(spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> EngineRuntime:
     """The runtime the spec asks for (servers at given URLs are attached, whatever the kind)."""
     if spec.urls:
         return AttachedRuntime(spec, on_exit=on_exit)
-    module_name, _, attr = _RUNTIMES[spec.runtime].partition(":")
+    if spec.runtime is RuntimeKind.LOCAL:
+        return LocalRuntime(spec, on_exit=on_exit)
     try:
-        module = importlib.import_module(module_name)
+        # Imported on first use, by name: Ray is optional (and miles.ray is a layer above this one).
+        module = importlib.import_module("miles.ray.engines")
     except ImportError as exc:
         raise MilesError(
             f"the {spec.runtime.value} runtime cannot be loaded ({exc}); install miles with the 'ray' extra "
             "(pip install 'miles[ray]')"
         ) from exc
-    runtime_cls: type[EngineRuntime] = getattr(module, attr)
-    return runtime_cls(spec, on_exit=on_exit)
+    runtime: EngineRuntime = module.RayRuntime(spec, on_exit=on_exit)
+    return runtime
 
 
 def readable_roots(allowed: Sequence[Path], work_dir: Path) -> tuple[Path, ...]:
-    """What an engine may load from: the allowed roots and its own work directory (restarts load
-    the weights a peer wrote out there); nothing added when every path is allowed."""
+    """What an engine may load from: the allowed roots and its work directory (peers' copies); () allows all."""
     return (*allowed, work_dir) if allowed else ()

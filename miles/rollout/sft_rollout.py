@@ -34,13 +34,12 @@ class EmbeddedEngineCommand(EngineCommand):
         return engine_command(checkpoint, host=slot.host, port=slot.port, num_threads=self.num_threads, extra_args=args)
 
     def environment(self, slot: LaunchSlot) -> dict[str, str]:
-        env = {}
+        # Always set, so an engine never inherits other roots from its parent's environment.
+        env = {"MILES_ALLOWED_CHECKPOINT_ROOTS": os.pathsep.join(str(r) for r in slot.checkpoint_roots)}
         if self.secret is not None:
             env["MILES_ENGINE_SECRET"] = self.secret
             if self.guard_inference:
                 env["MILES_API_KEY"] = self.secret
-        # Always set, so an engine never inherits other roots from its parent's environment.
-        env["MILES_ALLOWED_CHECKPOINT_ROOTS"] = os.pathsep.join(str(r) for r in slot.checkpoint_roots)
         return env
 
 

@@ -1,22 +1,11 @@
 """What SGLang's weights checker reports, mapped onto miles' canonical checksum.
 
-A real SGLang server digests the weights it holds (``POST /weights_checker``, action
-``checksum``) as SGLang holds them: per parameter of its own model classes (``qkv_proj``,
-``gate_up_proj``: fused, sharded per tensor-parallel rank, padded), then ``per_engine_checksum``,
-SHA-256 over the ranks' digests. That value cannot be computed from a checkpoint without SGLang's
-loader, so it is never compared with the canonical checksum directly. Instead the book learns
-which SGLang digest a canonical checksum produces, from loads whose source was verified:
-
-- a server is told to load a checkpoint (or launched on one) whose files the rollout hashed to
-  canonical checksum C; the digest D it then reports is recorded as C's digest under its
-  parallel layout (``tp-dp-pp``): the same weights digest alike only under the same layout;
-- every later report is translated back: D is C. A server that loaded C but reports another
-  digest than the one C already has under that layout holds other weights (a partial or corrupt
-  load): it is reported as ``sglang:<digest>``, which equals no canonical checksum, so the gate
-  quarantines it as it would any mismatch.
-
-The first server to load C under a layout defines C's digest there; the servers after it are
-checked against it. Pure bookkeeping, no I/O: tested from tables.
+SGLang digests the weights as it holds them (fused, sharded, padded; ``per_engine_checksum`` over
+the ranks' digests), which cannot be computed from a checkpoint. So the book learns which digest D
+canonical checksum C produces under a parallel layout (``tp-dp-pp``), from the first server that
+loads files hashed to C, and translates D back to C after. A server that loaded C but reports
+another digest holds other weights: it is reported as ``sglang:<digest>``, which equals no
+canonical checksum, so the gate quarantines it. Pure bookkeeping, no I/O.
 """
 
 from __future__ import annotations
@@ -36,21 +25,14 @@ class DigestBook:
     _digest: dict[tuple[str | None, str], str] = field(default_factory=dict)
 
     def translate(self, digest: str, *, layout: str | None, loaded: str | None) -> str:
-        """The canonical checksum a server reporting ``digest`` holds.
-
-        ``loaded``: the canonical checksum of the verified weights the server was last given (a
-        launch or a load whose files the rollout hashed), or None. Returns ``sglang:<digest>``
-        when the digest cannot be tied to canonical weights.
-        """
+        """The canonical checksum a server reporting ``digest`` holds, or ``sglang:<digest>`` when it
+        cannot be tied to canonical weights (``loaded``: the checksum of the files it was last given)."""
         known = self._canonical.get((layout, digest))
         if known is not None:
             return known
-        if loaded is None:
-            return UNTRANSLATED_PREFIX + digest
-        recorded = self._digest.get((layout, loaded))
-        if recorded is not None and recorded != digest:
-            # Another server loaded the same weights under this layout and digested them
-            # otherwise: this one holds something else.
+        # Not tied to loaded weights, or another server loaded the same weights under this layout
+        # and digested them otherwise (a digest recorded for them that is not this one).
+        if loaded is None or self._digest.get((layout, loaded), digest) != digest:
             return UNTRANSLATED_PREFIX + digest
         self._canonical[(layout, digest)] = loaded
         self._digest[(layout, loaded)] = digest

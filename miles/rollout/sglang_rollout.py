@@ -1,23 +1,16 @@
 """SGLangRollout: servers that are real SGLang servers, launched by the controller or attached.
 
-- *launch* (no ``urls`` in the spec): each server is ``python -m sglang.launch_server`` with the
-  spec's SGLang arguments (``SGLangServerArgs``), on the host, port and GPUs its runtime gave it
-  (local processes, or Ray actors on placement-group bundles: the first GPU of the bundle is
-  SGLang's ``--base-gpu-id``), its output in the runtime's per-server log, and wrapped by
-  ``miles.rollout.with_parent`` so that nothing it started outlives the controller.
-- *attach* (``urls``): the servers someone else runs. They are never started or stopped here; a
-  restart waits until the server answers again and verifies it (``AttachedRuntime``), and a
-  server found holding other weights than verified is told to load them.
-
-Everything else is the base ``Rollout`` over SGLang's native HTTP API, but the confirmation: a
-real SGLang server's weights checker reports SGLang's own digest, which ``DigestBook`` maps onto
-miles' canonical checksum (``sglang_digests``), so the gate compares canonical checksums whichever
-server type answers.
+Launched (no ``urls``): ``python -m sglang.launch_server`` with the spec's ``SGLangServerArgs`` on
+the host, port and GPUs its runtime gave it, wrapped by ``miles.rollout.with_parent``. Attached
+(``urls``): servers someone else runs, never started or stopped here. Everything is the base
+``Rollout`` but the confirmation: SGLang reports its own digest, which ``DigestBook`` maps onto
+miles' canonical checksum (``sglang_digests``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -115,8 +108,7 @@ class SGLangLaunchCommand(EngineCommand):
 
 
 class SGLangRollout(Rollout):
-    """Servers that are SGLang servers, launched (``python -m sglang.launch_server``) or attached
-    (``urls``); see the module docstring."""
+    """SGLang servers, launched (``sglang.launch_server``) or attached (``urls``); see the module docstring."""
 
     can_attach = True
     takes_sglang_args = True
@@ -147,23 +139,18 @@ class SGLangRollout(Rollout):
         self._given[server_id] = checkpoint
 
     async def confirm(self, server_id: str, *, fence: int | None = None) -> WeightsChecksum:
-        """The canonical checksum of what the server holds: its own report when it gives one (the
-        embedded engine), else its SGLang digest translated by the digest book."""
+        """The canonical checksum of what the server holds (an SGLang digest translated by the book)."""
         reported = await self.client(server_id).weights_checksum(timeout=self.spec.update_timeout_s, fence=fence)
         if reported.algorithm == SGLANG_ENGINE_DIGEST:
             given = self._given.get(server_id)
             loaded = await self._checksum_of(given) if given is not None else None
             canonical = self._digests.translate(reported.checksum, layout=reported.layout, loaded=loaded)
-            reported = WeightsChecksum(
-                checksum=canonical, algorithm=ALGORITHM, weight_version=reported.weight_version, layout=reported.layout
-            )
+            reported = dataclasses.replace(reported, checksum=canonical, algorithm=ALGORITHM)
         return self.record_checksum(server_id, reported)
 
     async def pause(self, server_id: str, mode: PauseMode, *, fence: int | None = None) -> int:
-        """As the base; on an SGLang server, ``drain`` is no pause at all: SGLang has no such mode
-        (its modes are abort, retract and in_place), and needs none: the server is out of
-        routing, and each of its weight updates waits for the requests running on it to finish
-        (its tokenizer manager's ``model_update_lock``) before it touches the weights."""
+        """As the base; ``drain`` on an SGLang server (which has no such mode) pauses nothing: it is
+        out of routing, and its weight updates wait for running requests (``model_update_lock``)."""
         try:
             return await super().pause(server_id, mode, fence=fence)
         except EngineCallError as exc:
@@ -197,8 +184,7 @@ class SGLangRollout(Rollout):
 
 
 def check_ray_gpus(spec: RolloutSpec) -> None:
-    """On Ray, each server's bundle must hold the GPUs SGLang will use (tp_size * dp_size of them),
-    or a fraction of one GPU for a one-GPU server sharing it with a trainer."""
+    """On Ray, each bundle must hold the tp_size * dp_size GPUs SGLang uses (or a share of one, for one GPU)."""
     wanted = spec.sglang.gpus_per_engine
     given = spec.num_gpus_per_engine
     if given == wanted or (wanted == 1 and 0 < given < 1):
@@ -211,6 +197,5 @@ def check_ray_gpus(spec: RolloutSpec) -> None:
 
 
 def _file_signature(checkpoint: Path) -> tuple[tuple[str, int, int], ...]:
-    """Name, size and modification time of each file of a checkpoint directory."""
     entries = sorted(p for p in checkpoint.iterdir() if p.is_file())
     return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in entries)

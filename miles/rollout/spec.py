@@ -12,10 +12,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, St
 from miles.config import DEFAULT_CPUS_PER_ENGINE, CheckpointTransfer, PlacementStrategy, RuntimeKind
 
 
-class HealthSettings(BaseModel):
-    """How often a rollout's supervisor probes its servers and when it gives up on one."""
-
+class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class HealthSettings(_Frozen):
+    """How often a rollout's supervisor probes its servers and when it gives up on one."""
 
     interval_s: Annotated[float, Field(gt=0)] = 2.0
     timeout_s: Annotated[float, Field(gt=0)] = 5.0
@@ -53,11 +55,9 @@ def _unique_urls(urls: tuple[str, ...]) -> tuple[str, ...]:
 EngineUrls = Annotated[tuple[EngineUrl, ...], AfterValidator(_unique_urls)]
 
 
-class SGLangServerArgs(BaseModel):
+class SGLangServerArgs(_Frozen):
     """What each launched SGLang server is given beside what miles sets (SGLang's ``ServerArgs``
     names; the spec's ``engine_args`` are passed through as they are, after these)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     tp_size: Annotated[StrictInt, Field(ge=1, le=64)] = 1
     dp_size: Annotated[StrictInt, Field(ge=1, le=64)] = 1
@@ -72,11 +72,9 @@ class SGLangServerArgs(BaseModel):
         return self.tp_size * self.dp_size
 
 
-class VLLMServerArgs(BaseModel):
+class VLLMServerArgs(_Frozen):
     """What each launched vLLM server is given beside what miles sets (see
     ``miles.rollout.vllm_rollout``; the spec's ``engine_args`` are passed through after these)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     # The interpreter of an environment with vLLM; default $MILES_VLLM_PYTHON, else the
     # project's .venv-vllm (``make vllm``).
@@ -89,10 +87,8 @@ class VLLMServerArgs(BaseModel):
     enable_prefix_caching: bool = True
 
 
-class RolloutSpec(BaseModel):
+class RolloutSpec(_Frozen):
     """One model served by ``num_servers`` engines of one server type."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] = "rollout"
     checkpoint: Path
@@ -159,11 +155,7 @@ class RolloutSpec(BaseModel):
         import torch  # only here: a spec must be cheap to build and validate
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus:
-            return [f"cuda:{i % gpus}" for i in range(self.num_servers)]
-        return ["cpu"] * self.num_servers
+        return [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(self.num_servers)]
 
     def threads_per_engine(self) -> int:
-        if self.num_threads is not None:
-            return self.num_threads
-        return max(1, (os.cpu_count() or 1) // self.num_servers)
+        return self.num_threads or max(1, (os.cpu_count() or 1) // self.num_servers)

@@ -1,8 +1,7 @@
 """The life of one server (one engine process): states, the transition table, the cell.
 
-A ``ServerCell`` is owned by exactly one ``Rollout``, which applies every transition with
-``ServerCell.transition``; an illegal transition raises instead of corrupting the fleet's view.
-Only ``SERVING`` cells receive traffic.
+Each ``ServerCell`` is owned by one ``Rollout``; an illegal transition raises instead of corrupting
+the fleet's view. Only ``SERVING`` cells receive traffic.
 """
 
 from __future__ import annotations
@@ -59,11 +58,8 @@ class IllegalTransitionError(MilesError):
 
 @dataclass(frozen=True)
 class VerifiedWeights:
-    """Weights a server was confirmed to hold: where they can be reloaded from, version, checksum.
-
-    ``checkpoint`` is None for weights that exist on no disk (a training window pushed them and
-    no copy has been written yet): they can then only be recovered from a peer that holds them.
-    """
+    """Weights a server was confirmed to hold: where they can be reloaded from (None: on no disk, as
+    pushed weights no engine has written out yet: only a peer has them), version, checksum."""
 
     checkpoint: Path | None
     weight_version: str
@@ -145,9 +141,7 @@ class ServerCell:
         """Move to ``to`` if the table allows it; returns the change (for events), else raises."""
         if to not in TRANSITIONS[self.state]:
             raise IllegalTransitionError(
-                f"server cannot go from {self.state.value} to {to.value}",
-                server_id=self.server_id,
-                reason=reason,
+                f"server cannot go from {self.state.value} to {to.value}", server_id=self.server_id, reason=reason
             )
         change = StateChange(
             server_id=self.server_id,
@@ -171,8 +165,7 @@ class RolloutObserver(Protocol):
     def state_changed(self, change: StateChange) -> None: ...
 
     def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
-        """A server was confirmed (by checksum) to hold ``verified`` again after a start,
-        restart or rollback."""
+        """A server was confirmed to hold ``verified`` again after a start, restart or rollback."""
 
     def weights_written_out(self, model_name: str, checksum: str, checkpoint: Path) -> None:
         """Weights on no disk (pushed) now have a copy at ``checkpoint``, written by an engine."""
@@ -193,10 +186,8 @@ PLAIN_START_VERSION = "0"
 
 
 def start_weights(checkpoint: Path) -> VerifiedWeights:
-    """What a start checkpoint holds: its manifest's version and checksum when sealed; for a plain
-    Hugging Face directory, the checksum of its files as version "0", older than every published
-    step. Blocking: may hash files. Raises RolloutError when its weights cannot be hashed.
-    """
+    """What a start checkpoint holds: its manifest's version and checksum, or for a plain Hugging
+    Face directory its files' checksum as version "0". Blocking; RolloutError when it cannot hash."""
     manifest = manifest_or_none(checkpoint)
     if manifest is not None:
         return VerifiedWeights(

@@ -1,15 +1,15 @@
 """The supervisor of a rollout's servers: health probes, restarts, drift and recovery.
 
-Every ``health_interval_s`` (sooner when woken) it probes each server: a dead, failing or
-replaced one is restarted on its last verified weights, one whose weights changed behind the
-controller's back is quarantined and rolled back, and a quarantined one recovers once its verified
-weights can be found again. Those repairs run inside the rollout's exclusive section (the
+Every interval (sooner when woken) it probes each server: a dead, failing or replaced one is
+restarted on its verified weights, a drifted one quarantined and rolled back, a quarantined one
+recovered once its weights can be found. Repairs run inside the rollout's exclusive section (the
 controller's lock), so they never interleave with an update, and re-check the server there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from contextlib import AbstractAsyncContextManager
@@ -24,9 +24,7 @@ logger = logging.getLogger("miles.rollout")
 
 
 class Supervised(Protocol):
-    """What the supervisor needs of its rollout: the servers, a way to probe them, the section
-    restarts run in, the repairs, and where it reports what it saw (the rollout changes its
-    cells; the supervisor only reads them)."""
+    """What the supervisor needs of its rollout (which changes the cells; the supervisor only reads them)."""
 
     @property
     def cells(self) -> list[ServerCell]: ...
@@ -46,11 +44,9 @@ class Supervised(Protocol):
 
     def peer_holding(self, cell: ServerCell) -> ServerSnapshot | None: ...
 
-    def probed(self, cell: ServerCell, result: ProbeResult) -> None:
-        """Record a probe's result on the server."""
+    def probed(self, cell: ServerCell, result: ProbeResult) -> None: ...
 
-    def drifted(self, cell: ServerCell, *, verified: VerifiedWeights, reported: WeightsIdentity) -> None:
-        """A serving engine reports other weights than verified: record it and quarantine it."""
+    def drifted(self, cell: ServerCell, *, verified: VerifiedWeights, reported: WeightsIdentity) -> None: ...
 
 
 class Supervisor:
@@ -70,11 +66,9 @@ class Supervisor:
     async def run(self) -> None:
         """Probe every server, round after round, until cancelled."""
         while True:
-            try:
-                # A changed interval or a suspected server ends the wait early (``wake``).
+            # A changed interval or a suspected server ends the wait early (``wake``).
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self._rollout.health.interval_s)
-            except TimeoutError:
-                pass
             self._wake.clear()
             for cell in self._rollout.cells:
                 try:
@@ -113,9 +107,7 @@ class Supervisor:
             await self._drift_guarded(cell, incarnation)
 
     async def _replaced_guarded(self, cell: ServerCell, incarnation: int) -> None:
-        """Bring back, as a restart, a server whose engine process was replaced from outside (its
-        owner restarted it between two probes): it holds whatever it started on and has seen no
-        fence, so it is verified again like any restarted engine before it serves."""
+        """Restart a server whose process was replaced from outside (on anything, unfenced): verify it again."""
         async with self._rollout.exclusive(f"restart {cell.server_id}") as fence:
             reported = await self._still_serving(cell, incarnation)
             if reported is None or not replaced(cell, reported):
@@ -155,9 +147,8 @@ class Supervisor:
                 logger.error("could not restore %s after its weights drifted: %s", cell.server_id, exc)  # noqa: TRY400
 
     async def _still_serving(self, cell: ServerCell, incarnation: int) -> WeightsIdentity | None:
-        """What the engine reports now, asked again inside the exclusive section; None when the
-        server no longer serves as the same process (an update or a restart took it over while
-        we waited) or does not answer (the failure counter and the next probe deal with that)."""
+        """What the engine reports now, asked again inside the exclusive section; None when it no
+        longer serves as the same process, or does not answer (the next probe deals with that)."""
         if cell.state is not ServerState.SERVING or cell.incarnation != incarnation:
             return None
         try:
@@ -166,11 +157,7 @@ class Supervisor:
             return None
 
     async def _recover_guarded(self, cell: ServerCell) -> None:
-        """Bring a quarantined server back once its verified weights can be found again.
-
-        A server quarantined outside an update (restarted while its verified weights were on no
-        disk and no peer held them) recovers as soon as a peer serves them again.
-        """
+        """Bring a quarantined server back once its verified weights can be found (on disk, or on a peer)."""
         if cell.verified is None:
             return
         alive = self._rollout.alive(cell)
@@ -195,10 +182,10 @@ class Supervisor:
         async with self._rollout.exclusive(f"restart {cell.server_id}") as fence:
             # Re-check under the section: an update may have replaced or stopped it meanwhile.
             healthy = self._rollout.alive(cell) and cell.consecutive_failures < self._rollout.health.failure_threshold
-            if cell.state is ServerState.STOPPED or (cell.state is ServerState.SERVING and healthy):
-                return
             if cell.state not in (ServerState.SERVING, ServerState.PENDING_WEIGHTS, ServerState.RESTARTING):
-                return  # an update took it over while we waited; it owns the cell now
+                return  # an update took it over (or it was stopped) while we waited; it owns the cell now
+            if cell.state is ServerState.SERVING and healthy:
+                return
             await self._restart(cell, reason=reason, fence=fence)
 
     async def _restart(self, cell: ServerCell, *, reason: str, fence: int | None) -> None:
@@ -213,12 +200,9 @@ def drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool
     """Whether an engine's report differs from the weights verified on it (version or checksum)."""
     if verified is None:
         return False
-    if reported.weight_version != verified.weight_version:
-        return True
-    return reported.checksum is not None and reported.checksum != verified.checksum
+    return reported.weight_version != verified.weight_version or reported.checksum not in (None, verified.checksum)
 
 
 def replaced(cell: ServerCell, reported: WeightsIdentity) -> bool:
-    """Whether another engine process than the one brought up answers for ``cell`` (only known
-    when the engine reports its instance: the embedded engine does, SGLang does not)."""
+    """Whether another engine process than the one brought up answers (known where the engine says: not SGLang)."""
     return None not in (cell.engine_instance, reported.instance_id) and reported.instance_id != cell.engine_instance

@@ -1,24 +1,10 @@
 """``EngineClient`` for a vLLM server: SGLang's calls, made with vLLM's routes.
 
-A vLLM server started by ``VLLMRollout`` runs in dev mode with miles' worker extension
-(``miles.vllm.extension``). Its routes stand in for SGLang's:
-
-| the rollout asks            | vLLM is called                                                  |
-|-----------------------------|-----------------------------------------------------------------|
-| load a checkpoint           | ``/collective_rpc miles_load`` (verify, reload, hash), then     |
-|                             | ``/update_weight_version`` and ``/reset_prefix_cache``          |
-| the checksum it holds       | ``/collective_rpc miles_checksum``, and ``/weight_info``        |
-| version and checksum (probe)| ``/weight_info`` and ``/collective_rpc miles_identity``         |
-| relabel                     | ``/update_weight_version``                                      |
-| pause / resume              | ``/pause?mode=wait|abort|keep`` / ``/resume``                   |
-| abort, flush the cache      | ``/abort_requests`` / ``/reset_prefix_cache``                   |
-
-The prefix cache is reset after every load: vLLM keeps it across a reload, so a long prompt would
-otherwise be answered from the old weights' KV cache. Fencing tokens are sent as for every engine
-(vLLM ignores them: the controller's lock is what orders the calls; closing a window ends a push
-it left unfinished); writing out the weights it holds is the extension's ``miles_export``, and
-staged activation is refused by name (vLLM has no stage). A window's pushes do not pass here: the
-trainer speaks to vLLM's weight-transfer routes itself (``miles.train.vllm_calls``).
+The server runs in dev mode with miles' worker extension (``miles.vllm.extension``), whose
+``/collective_rpc`` methods load, hash and write out the weights; docs/VLLM.md maps each call to
+its routes. The prefix cache is reset after every load: vLLM keeps it across a reload, so a long
+prompt would otherwise be answered from the old weights' KV cache. vLLM ignores fencing tokens (the
+controller's lock orders the calls) and has no stage; a window's pushes do not pass here.
 """
 
 from __future__ import annotations
@@ -114,18 +100,16 @@ class VLLMClient(EngineClient):
         self._busy_since: float | None = None
 
     async def _rpc(self, method: str, answer: type[_Answer], *, timeout: float | None = None, **kwargs: str) -> Any:
-        """``/collective_rpc``: the extension's answer on the (one) worker. Watched every
-        ``cadence.watch_s`` while it runs: a server whose ``/health`` fails twice in a row
-        meanwhile has lost its engine, and the call fails then, naming that."""
+        """``/collective_rpc``: the extension's answer on the (one) worker; fails once ``/health``
+        fails twice in a row while it runs (checked every ``cadence.watch_s``: the engine died)."""
         if method != "miles_identity":
             self._identity = None  # what the worker holds may change: ask it again next time
         body = {"method": method, "kwargs": kwargs, "timeout": timeout}
         call = asyncio.ensure_future(self._call("POST", "/collective_rpc", json=body, timeout=timeout))
         try:
             failed = 0
-            watch_s = self.cadence.watch_s
-            while not (await asyncio.wait({call}, timeout=watch_s))[0]:
-                failed = 0 if await self.health(timeout=watch_s) else failed + 1
+            while not (await asyncio.wait({call}, timeout=self.cadence.watch_s))[0]:
+                failed = 0 if await self.health(timeout=self.cadence.watch_s) else failed + 1
                 if failed >= 2:
                     raise EngineCallError(
                         f"collective_rpc {method}: the vLLM server's engine died while it ran (its /health fails)",
@@ -151,10 +135,8 @@ class VLLMClient(EngineClient):
         return str(response.json().get("weight_version"))
 
     async def weight_identity(self, *, timeout: float | None = None) -> WeightsIdentity:
-        """The worker's identity (checksum, process), the API server's version. The worker is asked
-        as ``cadence`` says (between, ``/health`` answers for it); a worker busy with one long step
-        answers nothing until it ends: while ``/health`` answers 200 (for at most
-        ``cadence.busy_grace_s``) its last identity stands in."""
+        """The worker's identity, asked as ``cadence`` says, and the API server's version; a busy worker's last
+        identity stands in while ``/health`` answers (for at most ``cadence.busy_grace_s``)."""
         now = self._clock()
         if self._identity is None or now - self._identity_at >= self.cadence.identity_every_s:
             try:
@@ -179,9 +161,7 @@ class VLLMClient(EngineClient):
     async def update_weights_from_disk(
         self, request: UpdateWeightsFromDiskRequest, *, timeout: float | None = None, fence: int | None = None
     ) -> UpdateWeightsResponse:
-        """Verify and reload in the worker. A refusal changed nothing; a load that changed the
-        weights (even one that failed midway) is answered as loaded, with the checksum of what the
-        worker now holds, for the controller's gate to decide on."""
+        """Verify and reload in the worker; a load that changed the weights (even half) reports what it now holds."""
         if request.expected_checksum is None:
             raise EngineCallError(
                 "a vLLM server loads only checkpoints with an expected checksum",
@@ -211,9 +191,7 @@ class VLLMClient(EngineClient):
         await self._checked("POST", "/update_weight_version", json={"new_version": new_version}, fence=fence)
 
     async def pause_generation(self, mode: PauseMode, *, timeout: float | None = None, fence: int | None = None) -> int:
-        response = await self._call("POST", f"/pause?mode={VLLM_PAUSE_MODES[mode]}", timeout=timeout, fence=fence)
-        if response.status_code >= 400:
-            raise self._refused("POST /pause", response)
+        await self._checked("POST", f"/pause?mode={VLLM_PAUSE_MODES[mode]}", timeout=timeout, fence=fence)
         return 0  # vLLM does not say how many requests it held
 
     async def continue_generation(self, *, fence: int | None = None) -> None:
@@ -225,8 +203,7 @@ class VLLMClient(EngineClient):
     async def abort_request(
         self, rid: str = "", *, abort_all: bool = False, abort_message: str | None = None, fence: int | None = None
     ) -> None:
-        body = {"request_ids": [] if abort_all else [rid]}
-        await self._checked("POST", "/abort_requests", json=body, fence=fence)
+        await self._checked("POST", "/abort_requests", json={"request_ids": [] if abort_all else [rid]}, fence=fence)
 
     async def health_generate(self, *, timeout: float = 30.0) -> bool:
         """One token generated now, through the OpenAI completions route."""
@@ -235,9 +212,8 @@ class VLLMClient(EngineClient):
         )
 
     async def warm_up(self, *, timeout: float) -> None:
-        """Tokens with their logprobs, for one sequence and then several at once (what vLLM
-        compiles on first use: torch compiles a graph for a batch of one, and another for any
-        larger batch); EngineCallError unless they are answered."""
+        """Tokens with their logprobs, for one sequence and then several at once (torch compiles a
+        graph for each on first use); EngineCallError unless they are answered."""
         for n in (1, 3):
             body = {"prompt": "a", "max_tokens": 2, "logprobs": 1, "n": n}
             response = await self._call("POST", "/v1/completions", json=body, timeout=timeout)
@@ -252,8 +228,7 @@ class VLLMClient(EngineClient):
         return {"engine": "vllm", **await self.model_info(timeout=timeout)}
 
     async def fence(self, token: int, *, window_open: bool, staged: bool = False) -> FenceState:
-        """vLLM has no fence (the controller's lock orders the calls, and its network guards it);
-        closing a window ends a push it left unfinished (the extension's ``miles_end_push``)."""
+        """vLLM has no fence; closing a window ends a push it left unfinished (``miles_end_push``)."""
         if not window_open:
             await self._rpc("miles_end_push", _Ended)
         return FenceState(fence=token, window_open=window_open)
@@ -261,7 +236,9 @@ class VLLMClient(EngineClient):
     async def activate_weights(
         self, request: ActivateWeightsRequest, *, timeout: float | None = None, fence: int | None = None
     ) -> UpdateWeightsResponse:
-        raise self._cannot("activate staged weights (it has no stage)")
+        raise EngineCallError(
+            "a vLLM server cannot activate staged weights (it has no stage)", status_code=400, server_id=self.server_id
+        )
 
     async def export_weights(
         self, *, step: int, timeout: float | None = None, fence: int | None = None
@@ -270,6 +247,3 @@ class VLLMClient(EngineClient):
         written = await self._rpc("miles_export", _Export, timeout=timeout, step=str(step))
         version = await self._weight_version(timeout=timeout)
         return WeightsExport(path=Path(written.path), checksum=written.checksum, weight_version=version)
-
-    def _cannot(self, what: str) -> EngineCallError:
-        return EngineCallError(f"a vLLM server cannot {what}", status_code=400, server_id=self.server_id)

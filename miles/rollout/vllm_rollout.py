@@ -1,15 +1,9 @@
-"""VLLMRollout: servers that are real vLLM servers, launched by the controller.
+"""VLLMRollout: servers that are real vLLM servers, launched by the controller or attached.
 
-Each server is vLLM's OpenAI API server run by vLLM's own interpreter (``vllm_python``), on the
-host and port its runtime gave it, wrapped by ``miles.rollout.with_parent`` so that nothing it
-started outlives the controller. miles' worker extension (``miles.vllm.extension``) verifies what
-the worker loads and hashes what it holds; dev mode gives the control routes; every cache and
-temporary directory lies under the server's work directory (``VLLMLaunchCommand``).
-
-Updates are the same transaction as for every server type. Pushes from a training window arrive
-through vLLM's native weight transfer (miles' backend: ``miles.vllm.transfer``), always with the
-servers paused (vLLM cannot stage). SGLang's native ``/generate`` for a vLLM-served model is
-answered by the controller through ``/v1/completions`` (``miles.protocol.generate_completions``).
+Each is vLLM's OpenAI API server, run by vLLM's own interpreter (``vllm_python``) and wrapped by
+``miles.rollout.with_parent``, with miles' worker extension (``miles.vllm.extension``) verifying
+and hashing the weights and every cache under its work directory. Pushes arrive through vLLM's
+weight transfer (``miles.vllm.transfer``), always paused: vLLM cannot stage (docs/VLLM.md).
 """
 
 from __future__ import annotations
@@ -81,9 +75,7 @@ def checkpoint_dtype(checkpoint: Path) -> str:
         config = json.loads((checkpoint / "config.json").read_text())
     except (OSError, ValueError):
         return "auto"
-    if not isinstance(config, dict):
-        return "auto"
-    dtype = config.get("dtype") or config.get("torch_dtype")
+    dtype = (config.get("dtype") or config.get("torch_dtype")) if isinstance(config, dict) else None
     return dtype if dtype in ("float32", "float16", "bfloat16") else "auto"
 
 
@@ -103,8 +95,7 @@ class VLLMLaunchCommand(EngineCommand):
     info_route: ClassVar[str] = "/server_info?config_format=json"
 
     def reported(self, info: Mapping[str, Any], slot: LaunchSlot) -> EngineReport:
-        """The device vLLM's config names; the GPUs are those ``environment`` gave it in
-        ``CUDA_VISIBLE_DEVICES`` (vLLM numbers what it sees from 0 and says nothing of which)."""
+        """The device vLLM's config names; the GPUs those ``environment`` gave it (vLLM does not say)."""
         config = info.get("vllm_config")
         devices = config.get("device_config") if isinstance(config, dict) else None
         device = devices.get("device") if isinstance(devices, dict) else None
@@ -176,8 +167,7 @@ class VLLMLaunchCommand(EngineCommand):
 
 
 def _socket_dir(slot: LaunchSlot) -> Path:
-    """Where the server's processes put their IPC sockets: a short path (a socket's path is at
-    most 107 bytes, too few under a deep work directory) of its own, removed when it ends."""
+    """The server's own short directory for its IPC sockets (a socket's path is at most 107 bytes)."""
     owner = hashlib.blake2b(str(slot.work_dir).encode(), digest_size=4).hexdigest()
     return Path(tempfile.gettempdir()) / f"miles-vllm-{owner}-{slot.port}"
 
@@ -212,8 +202,7 @@ class VLLMRollout(Rollout):
         # on the first batch of several (~14 s each on two cores, its worker blocked meanwhile:
         # long enough for three failed health checks and a restart). Such requests now, within
         # the start's time, compile them into the server's cache, which its restarts reuse.
-        client = VLLMClient(url, http=self.http, server_id=cell.server_id)
-        await client.warm_up(timeout=self.spec.startup_timeout_s)
+        await VLLMClient(url, http=self.http, server_id=cell.server_id).warm_up(timeout=self.spec.startup_timeout_s)
         return url
 
     def new_client(self, url: str, *, server_id: str, http: httpx.AsyncClient, secret: str | None) -> EngineClient:

@@ -1,17 +1,14 @@
 """Run a server program so that it never outlives the process that launched it.
 
-``python -m miles.rollout.with_parent -- PROGRAM ARGS...`` runs PROGRAM in a process group of
-its own and ends that whole group (the program and every process it started: SGLang's scheduler
-and detokenizer processes) when this wrapper is told to stop (SIGTERM, SIGINT), when the program
-exits, or when the wrapper's own parent (the controller, or the Ray actor hosting the engine)
-dies. The embedded engine does this itself (``--exit-with-parent``); SGLang's ``launch_server``
-has no such option. If the wrapper itself is killed outright, the kernel ends the program
-(``PR_SET_PDEATHSIG`` on Linux). ``--remove DIR`` (repeatable) removes a directory once the
-program has ended.
+``python -m miles.rollout.with_parent [--remove DIR] -- PROGRAM ARGS...`` runs PROGRAM in a
+process group of its own and ends the whole group (SGLang's and vLLM's child processes too) when
+told to stop, when the program exits, or when the wrapper's parent dies; killed outright, the
+kernel ends the program (``PR_SET_PDEATHSIG``). ``--remove DIR`` is removed once it has ended.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -31,18 +28,14 @@ def _die_with_this_process() -> None:
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is gone already
 
 
 def _end_group(child: subprocess.Popen[bytes], *, grace_s: float) -> None:
     _signal_group(child.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         child.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
     # Whatever the program started and left behind goes too.
     _signal_group(child.pid, signal.SIGKILL)
     child.wait()
