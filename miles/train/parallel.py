@@ -1,9 +1,9 @@
 """How one trainer's work is split over processes: ``Parallelism``, which ``Trainer`` is given.
 
 ``SingleProcess`` (the default) trains every batch on the whole model; ``FSDP2DataParallel`` is one
-rank of several (docs/ARCHITECTURE.md, "Trainer ranks"). Every rank must run the same steps in the
-same order: FSDP2's gathers, the gradient norm's all-reduce and the publisher's collectives all
-wait for every rank.
+rank of several (docs/ARCHITECTURE.md, "Processes and threads", Trainer ranks). Every rank must
+run the same steps in the same order: FSDP2's gathers, the gradient norm's all-reduce and the
+publisher's collectives all wait for every rank.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A trainer split over rank processes on this machine: ``TrainerRanks`` starts them, relays what
-rank 0 reports, and ends them (docs/ARCHITECTURE.md, "Trainer ranks").
+rank 0 reports, and ends them (docs/ARCHITECTURE.md, "Processes and threads", Trainer ranks).
 
 Each rank is ``python -m miles.train.rank_process``, found by its peers as under ``torchrun``; rank
 0 writes each step's report, then the summary (or why it failed), as JSON lines (``RankMessage``)

@@ -1,12 +1,13 @@
 """Publishing the weights of a sharded trainer: ``ShardedPublisher``, called by every rank.
 
 A trainer that shards its model with FSDP2 (``fully_shard``: ``DTensor`` parameters split by rows)
-publishes without any rank holding the whole model (docs/ARCHITECTURE.md, "Sharded trainers"):
-rank 0 opens one window and speaks to the controller and the engines, and each bucket is filled by
-the ranks that own its bytes, **direct** (every rank and engine on this machine: each rank writes
-its rows into rank 0's shared-memory bucket segment) or **gathered** (one gather to rank 0 per
-bucket). Each rank hashes the 256 KiB chunks inside its rows (``miles.weights.digest``), rank 0 the
-chunks straddling two ranks and the tensors no rank splits by rows: the checksum is a checkpoint's.
+publishes without any rank holding the whole model (docs/ARCHITECTURE.md, "Pushing weights from
+memory"): rank 0 opens one window and speaks to the controller and the engines, and each bucket
+is filled by the ranks that own its bytes, **direct** (every rank and engine on this machine: each
+rank writes its rows into rank 0's shared-memory bucket segment) or **gathered** (one gather to
+rank 0 per bucket). Each rank hashes the 256 KiB chunks inside its rows (``miles.weights.digest``),
+rank 0 the chunks straddling two ranks and the tensors no rank splits by rows: the checksum is a
+checkpoint's.
 
 Every collective of a publish (two per bucket, three per publish) is on a gloo group of the
 publisher's with ``timeout_s``: a rank that fails says so in the next one, a rank that dies or

@@ -3,9 +3,10 @@
 Every step is one optimizer step; every ``publish_every`` steps (and after the last) the weights
 are published. GRPO runs sync (sample a batch, train, publish) or async (``TrainerConfig.loop``): a
 producer keeps the fleet generating the groups of the next steps, each admitted once the version
-``max_staleness`` before the one that trains on it is published (docs/ARCHITECTURE.md, "Trainer").
-Only the sync loop runs on several data-parallel ranks (``miles.train.parallel``). Torch work runs
-in a worker thread so the event loop (which may also run a controller or a UI) stays responsive.
+``max_staleness`` before the one that trains on it is published (docs/ARCHITECTURE.md,
+"Processes and threads", Trainer). Only the sync loop runs on several data-parallel ranks
+(``miles.train.parallel``). Torch work runs in a worker thread so the event loop (which may also
+run a controller or a UI) stays responsive.
 """
 
 from __future__ import annotations
