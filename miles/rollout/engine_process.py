@@ -308,13 +308,16 @@ class _Ports:
 
     def take(self, host: str) -> int:
         with self._lock:
-            while True:
+            # Bounded: on a machine whose ephemeral range is hardly larger than what is kept, a port
+            # handed out before is better than a launch that never gets one.
+            for _ in range(64):
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                     sock.bind((host, 0))
                     port = int(sock.getsockname()[1])
                 if (host, port) not in self._given:
-                    self._given.append((host, port))
-                    return port
+                    break
+            self._given.append((host, port))
+            return port
 
 
 _PORTS = _Ports()
