@@ -36,8 +36,8 @@ from miles.ray.placement import Fit, cluster_view, judge
 from miles.rollout.engine_process import EngineProcess, EngineStartError, free_port
 from miles.rollout.runtime import EngineCommand, EngineRuntime, LaunchedEngine, LaunchSlot, Placement, readable_roots
 from miles.rollout.spec import RolloutSpec
-from miles.rollout.state import manifest_or_none
 from miles.weights.checksum import model_checksum
+from miles.weights.manifest import manifest_or_none
 from miles.weights.verification import verify_checkpoint
 
 logger = logging.getLogger("miles.ray")

@@ -34,10 +34,10 @@ from miles.rollout.state import (
     ServerSnapshot,
     ServerState,
     VerifiedWeights,
-    manifest_or_none,
     start_weights,
 )
 from miles.rollout.supervisor import Supervisor
+from miles.weights.manifest import manifest_or_none
 
 logger = logging.getLogger("miles.rollout")
 

@@ -15,9 +15,8 @@ from typing import Literal, Protocol
 from miles.errors import CheckpointError, MilesError
 from miles.rollout.engine_client import WeightsIdentity
 from miles.rollout.runtime import Placement
-from miles.weights.checkpoint import read_manifest
 from miles.weights.checksum import model_checksum
-from miles.weights.manifest import Manifest
+from miles.weights.manifest import manifest_or_none
 
 # The HTTP API a server's engine speaks: SGLang's (embedded engines, SGLang servers: native
 # /generate, pushes through /update_weights_from_tensor) or vLLM's (OpenAI routes only, pushes
@@ -204,10 +203,3 @@ def start_weights(checkpoint: Path) -> VerifiedWeights:
             checkpoint=str(checkpoint),
         ) from exc
     return VerifiedWeights(checkpoint=checkpoint, weight_version=PLAIN_START_VERSION, checksum=checksum, step=0)
-
-
-def manifest_or_none(checkpoint: Path) -> Manifest | None:
-    try:
-        return read_manifest(checkpoint)
-    except CheckpointError:
-        return None

@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from miles.errors import (
+    CheckpointError,
     CheckpointFileInvalidError,
     CheckpointFileMissingError,
     ManifestInvalidError,
@@ -177,6 +178,14 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     except ValidationError as exc:
         fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
         raise ManifestInvalidError(f"manifest fields are invalid: {fields}", path=str(path)) from None
+
+
+def manifest_or_none(directory: str | os.PathLike[str]) -> Manifest | None:
+    """``read_manifest``, or None where there is no valid manifest to read."""
+    try:
+        return read_manifest(directory)
+    except CheckpointError:
+        return None
 
 
 def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 import shutil
@@ -13,8 +12,9 @@ import torch
 from transformers import PreTrainedModel
 
 from miles.engine.weights.lock import WeightsLock, read_in_sections
-from miles.errors import CheckpointError, ChecksumMismatchError
-from miles.weights.checkpoint import read_manifest, save_checkpoint
+from miles.errors import ChecksumMismatchError
+from miles.weights.checkpoint import save_checkpoint
+from miles.weights.manifest import manifest_or_none
 
 # Each part of a snapshot's directory name stays well inside NAME_MAX (255 bytes) in all.
 _MAX_PART_CHARS = 96
@@ -28,9 +28,8 @@ def snapshot_path(snapshot_dir: Path, *, model_name: str, weight_version: str, c
 
 def is_sealed(target: Path, checksum: str) -> bool:
     """Whether ``target`` is a sealed checkpoint of ``checksum`` (not a leftover of something else)."""
-    with contextlib.suppress(CheckpointError):
-        return target.is_dir() and read_manifest(target).checksum == checksum
-    return False
+    manifest = manifest_or_none(target)
+    return manifest is not None and manifest.checksum == checksum
 
 
 def export_snapshot(
