@@ -14,7 +14,6 @@ from transformers import PreTrainedModel
 from miles.engine.weights.lock import WeightsLock, read_in_sections
 from miles.errors import ChecksumMismatchError
 from miles.weights.checkpoint import save_checkpoint
-from miles.weights.manifest import manifest_or_none
 
 # Each part of a snapshot's directory name stays well inside NAME_MAX (255 bytes) in all.
 _MAX_PART_CHARS = 96
@@ -24,12 +23,6 @@ def snapshot_path(snapshot_dir: Path, *, model_name: str, weight_version: str, c
     """Where the weights of ``checksum`` are exported: ``<model>-<version>-<checksum[:16]>``."""
     parts = [re.sub(r"[^A-Za-z0-9._-]", "_", part)[:_MAX_PART_CHARS] or "_" for part in (model_name, weight_version)]
     return snapshot_dir / "-".join([*parts, checksum[:16]])
-
-
-def is_sealed(target: Path, checksum: str) -> bool:
-    """Whether ``target`` is a sealed checkpoint of ``checksum`` (not a leftover of something else)."""
-    manifest = manifest_or_none(target)
-    return manifest is not None and manifest.checksum == checksum
 
 
 def export_snapshot(
@@ -70,20 +63,8 @@ def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what
     """A copy of ``model``, read in short sections of ``lock`` (``read_in_sections``): a change
     waits for one slice, not for the whole copy, and ends it. Raises ConflictError: the weights
     changed since ``writes``."""
-    copied, pairs = _empty_copy(model)
-    targets = [target.reshape(-1).view(torch.uint8) for _, target in pairs]
-
-    def copy_slice(index: int, start: int, chunk: torch.Tensor) -> None:
-        with torch.no_grad():
-            targets[index][start : start + chunk.numel()].copy_(chunk)
-
-    read_in_sections(lock, [live for live, _ in pairs], writes=writes, what=what, each=copy_slice)
-    return copied
-
-
-def _empty_copy(model: PreTrainedModel) -> tuple[PreTrainedModel, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A copy of ``model`` with new, unfilled parameters and buffers (tied ones stay tied), and the
-    (live, copy) pairs to fill: the model's own tensor objects, which add no view of live memory."""
+    # New, unfilled parameters and buffers (tied ones stay tied), filled from the model's own
+    # tensor objects, which add no view of live memory.
     memo: dict[int, Any] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for tensor in [*model.parameters(), *model.buffers()]:
@@ -93,5 +74,12 @@ def _empty_copy(model: PreTrainedModel) -> tuple[PreTrainedModel, list[tuple[tor
         empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         is_parameter = isinstance(tensor, torch.nn.Parameter)
         memo[id(tensor)] = torch.nn.Parameter(empty, requires_grad=tensor.requires_grad) if is_parameter else empty
-        pairs.append((tensor, empty))
-    return copy.deepcopy(model, memo), pairs
+        pairs.append((tensor, empty.reshape(-1).view(torch.uint8)))
+    copied = copy.deepcopy(model, memo)
+
+    def copy_slice(index: int, start: int, chunk: torch.Tensor) -> None:
+        with torch.no_grad():
+            pairs[index][1][start : start + chunk.numel()].copy_(chunk)
+
+    read_in_sections(lock, [live for live, _ in pairs], writes=writes, what=what, each=copy_slice)
+    return copied

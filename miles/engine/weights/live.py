@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from miles.engine.weights.export import copy_weights, export_snapshot, is_sealed, snapshot_path
+from miles.engine.weights.export import copy_weights, export_snapshot, snapshot_path
 from miles.engine.weights.lock import WeightsLock, read_in_sections
 from miles.errors import ConflictError, InsufficientStorageError
 from miles.protocol.sglang_weights import ExportWeightsRequest, ExportWeightsResponse, WeightVersionResponse
@@ -31,6 +31,7 @@ from miles.weights.checksum import (
     saved_state_dict,
 )
 from miles.weights.digest import TensorHasher
+from miles.weights.manifest import manifest_or_none
 from miles.weights.safetensors_io import dtype_name
 
 logger = logging.getLogger("miles.engine")
@@ -145,9 +146,10 @@ class LiveWeights:
         model = self.model()
         writes = self.lock.writes
         with self.lock.read():
-            # The model's own tensor objects, not views: none is held between sections.
             layout = {name: (t.dtype, tuple(t.shape)) for name, t in saved_state_dict(model).items()}
-        tensors = [_own_tensor(model, name) for name in layout]
+        # The model's own tensor objects, not views: none is held between sections.
+        own = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+        tensors = [own[name] for name in layout]
         hashers = [TensorHasher() for _ in layout]
 
         def hash_slice(index: int, start: int, chunk: torch.Tensor) -> None:
@@ -195,7 +197,8 @@ class LiveWeights:
             answer = ExportWeightsResponse(
                 success=True, path=str(target), checksum=held.checksum, weight_version=held.version
             )
-            if is_sealed(target, held.checksum):
+            exported = manifest_or_none(target)
+            if exported is not None and exported.checksum == held.checksum:
                 return answer  # exported before: nothing to copy, and no room needed
             needed = _nbytes(self.model())
             _require_room(snapshot_dir, needed)
@@ -238,11 +241,3 @@ def _require_room(directory: Path, needed: int) -> None:
             "free; free space there, or start the engine with another --snapshot-dir",
             directory=str(directory),
         )
-
-
-def _own_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
-    """The model's own parameter or buffer object of checkpoint name ``name`` (not a view)."""
-    try:
-        return model.get_parameter(name)
-    except AttributeError:
-        return model.get_buffer(name)
