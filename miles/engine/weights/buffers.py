@@ -1,9 +1,6 @@
-"""The buffer stage: new weights written into twins of the live storages while the engine serves,
-then swapped in by re-pointing every viewer (``memory.py``) at its twin; and the policy
-(``--weight-staging``) that decides whether a change gets one. Nothing may go on viewing an old
-storage (it would serve the old weights, then the bytes being staged): reference counts are
-checked under the lock before every swap.
-"""
+"""The buffer stage (twins of the live storages, swapped in: docs/ENGINE.md, "Staged activation")
+and the policy (``--weight-staging``) that decides whether a change gets one. Nothing may go on
+viewing an old storage (it would serve the old weights, then the bytes being staged)."""
 
 from __future__ import annotations
 
@@ -99,21 +96,6 @@ class StagingBuffers:
         assert source is not None, "the twins are allocated before a stage opens"
         return spec.view(source, dtype)
 
-    def check_swap(self) -> None:
-        """Raise StagingRefusedError when a tensor nobody listed views a live storage."""
-        unknown = self.memory.unknown_viewers()
-        if unknown:
-            # A reference cycle can keep a dead temporary view alive until the collector runs;
-            # only a viewer that survives a collection is real.
-            gc.collect()
-            unknown = self.memory.unknown_viewers()
-        if unknown:
-            raise StagingRefusedError(
-                "some weight memory is viewed by tensors the staging buffers do not know; swapping would "
-                "leave them on the old weights",
-                storages=unknown[:3],
-            )
-
     def _forget(self) -> None:
         stage, self._stage = self._stage, None
         if stage is not None:
@@ -169,12 +151,22 @@ class BufferStage(Stage):
         return self.write(name, self._buffers.view(slot.storage, slot.spec, dtype=slot.dtype, twin=False))
 
     def _swap(self) -> None:
-        """Re-point every viewer at its twin, then trade live and twin storages; all or nothing."""
-        try:
-            self._buffers.check_swap()
-        except StagingRefusedError:
+        """Re-point every viewer at its twin, then trade live and twin storages; all or nothing.
+        Raises StagingRefusedError (the stage discarded) when a tensor nobody listed views a live
+        storage."""
+        unknown = self._buffers.memory.unknown_viewers()
+        if unknown:
+            # A reference cycle can keep a dead temporary view alive until the collector runs;
+            # only a viewer that survives a collection is real.
+            gc.collect()
+            unknown = self._buffers.memory.unknown_viewers()
+        if unknown:
             self.discard()
-            raise
+            raise StagingRefusedError(
+                "some weight memory is viewed by tensors the staging buffers do not know; swapping would "
+                "leave them on the old weights",
+                storages=unknown[:3],
+            )
         done = 0
         with torch.no_grad():
             try:
