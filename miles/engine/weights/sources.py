@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def checkpoint_path(raw: str, *, roots: tuple[Path, ...]) -> Path:
 
 
 @dataclass
-class VerifiedCheckpoint:
+class VerifiedCheckpoint(AbstractContextManager["VerifiedCheckpoint"]):
     """A checkpoint matched against the live model. Its bytes were verified whole as it was opened,
     or (``deferred``) are verified as they are staged beside the live weights: a staged load reads
     the checkpoint once instead of twice."""
@@ -99,9 +100,6 @@ class VerifiedCheckpoint:
         digests = stage.write_checkpoint(self.reader)
         if self.deferred:
             self.reader.check_digests(digests).raise_for_problems(limit=5)
-
-    def __enter__(self) -> VerifiedCheckpoint:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.reader.close()
