@@ -147,9 +147,8 @@ class WeightGroups:
 
     def _is_over(self, owner: int | None) -> bool:
         """Whether the window of fencing token ``owner`` is over (call with ``_lock`` held)."""
-        if owner is None:
-            return False
-        return owner < self._fence.fence or (owner == self._fence.fence and not self._fence.window_open)
+        fence = self._fence
+        return owner is not None and (owner < fence.fence or (owner == fence.fence and not fence.window_open))
 
     async def join_within(self, request: InitWeightsUpdateGroupRequest, *, owner: int | None = None) -> str:
         """``join`` on a thread of its own, answered within ``timeout_s`` (and a grace) whatever

@@ -339,12 +339,11 @@ class WeightChanges:
     ) -> Outcome:
         """Swap a verified buffer stage in, generation paused. A swap the buffers refuse gives
         staging up; ``again`` then copies in place under the same lock."""
-        stage = change.stage
 
         def swap() -> ModelChecksum | None:
             locked = time.perf_counter()
             try:
-                checksum = stage.activate()
+                checksum = change.stage.activate()
             except StagingRefusedError as exc:
                 self._staging.give_up(f"a swap was refused: {exc}")
                 if again is None:
@@ -394,9 +393,8 @@ class WeightChanges:
         def run() -> T:
             taken = time.perf_counter()
             try:
-                waiting = time.perf_counter()
                 with self._weights.lock.write():
-                    timings["write_lock_wait"] = time.perf_counter() - waiting
+                    timings["write_lock_wait"] = time.perf_counter() - taken
                     return job()
             finally:
                 # All the time generation waited for this change (the scheduler thread runs it
