@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +11,6 @@ import torch
 from transformers import PreTrainedModel
 
 from miles.engine.weights.lock import WeightsLock, read_in_sections
-from miles.errors import ChecksumMismatchError
-from miles.weights.checkpoint import save_checkpoint
 
 # Each part of a snapshot's directory name stays well inside NAME_MAX (255 bytes) in all.
 _MAX_PART_CHARS = 96
@@ -23,40 +20,6 @@ def snapshot_path(snapshot_dir: Path, *, model_name: str, weight_version: str, c
     """Where the weights of ``checksum`` are exported: ``<model>-<version>-<checksum[:16]>``."""
     parts = [re.sub(r"[^A-Za-z0-9._-]", "_", part)[:_MAX_PART_CHARS] or "_" for part in (model_name, weight_version)]
     return snapshot_dir / "-".join([*parts, checksum[:16]])
-
-
-def export_snapshot(
-    model: PreTrainedModel,
-    *,
-    tokenizer: Any,
-    target: Path,
-    model_name: str,
-    weight_version: str,
-    checksum: str,
-    step: int,
-) -> None:
-    """Write ``model`` (whose checksum is ``checksum``) at ``target`` as a sealed checkpoint. Raises
-    ChecksumMismatchError when the written checkpoint does not hash to ``checksum`` (nothing is left
-    at the path), CheckpointError / OSError when it could not be written."""
-    manifest = save_checkpoint(
-        target,
-        model=model,
-        tokenizer=tokenizer,
-        model_name=model_name,
-        step=step,
-        weight_version=weight_version,
-        overwrite=target.exists(),
-    )
-    if manifest.checksum != checksum:
-        # save_checkpoint already held the files to the live model; a difference here means the
-        # engine's record of what it holds is wrong, and a snapshot named after it would lie.
-        shutil.rmtree(target, ignore_errors=True)
-        raise ChecksumMismatchError(
-            "the exported weights do not hash to the checksum the engine records for them",
-            expected=checksum,
-            actual=manifest.checksum,
-            path=str(target),
-        )
 
 
 def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what: str) -> PreTrainedModel:

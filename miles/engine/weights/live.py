@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from miles.engine.weights.export import copy_weights, export_snapshot, snapshot_path
+from miles.engine.weights.export import copy_weights, snapshot_path
 from miles.engine.weights.lock import WeightsLock, read_in_sections
-from miles.errors import ConflictError, InsufficientStorageError
+from miles.errors import ChecksumMismatchError, ConflictError, InsufficientStorageError
 from miles.protocol.sglang_weights import ExportWeightsRequest, ExportWeightsResponse, WeightVersionResponse
+from miles.weights.checkpoint import save_checkpoint
 from miles.weights.checksum import (
     ModelChecksum,
     TensorDigest,
@@ -204,20 +205,30 @@ class LiveWeights:
             _require_room(snapshot_dir, needed)
             model = copy_weights(self.model(), self.lock, writes=writes, what=f"weights {held.version}")
             try:
-                export_snapshot(
-                    model,
+                manifest = save_checkpoint(
+                    target,
+                    model=model,
                     tokenizer=self._tokenizer,
-                    target=target,
                     model_name=self._served_model_name,
-                    weight_version=held.version,
-                    checksum=held.checksum,
                     step=request.step,
+                    weight_version=held.version,
+                    overwrite=target.exists(),
                 )
             except Exception:
                 _require_room(snapshot_dir, needed)  # a full disk is named as such, not as a bug
                 raise
             finally:
                 del model
+            if manifest.checksum != held.checksum:
+                # save_checkpoint already held the files to the live model; a difference here means the
+                # engine's record of what it holds is wrong, and a snapshot named after it would lie.
+                shutil.rmtree(target, ignore_errors=True)
+                raise ChecksumMismatchError(
+                    "the exported weights do not hash to the checksum the engine records for them",
+                    expected=held.checksum,
+                    actual=manifest.checksum,
+                    path=str(target),
+                )
             return answer
 
         async with self._export_lock:
