@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from miles.engine.settings import StagingMode
-from miles.engine.weights.memory import StagingUnsupportedError, ViewSpec, WeightMemory
+from miles.engine.weights.memory import Slot, StagingUnsupportedError, ViewSpec, WeightMemory
 from miles.engine.weights.stage import LiveStage, Stage
 from miles.errors import MilesError
 from miles.utils.memory import available_host_memory
@@ -89,12 +89,12 @@ class StagingBuffers:
         self._stage = BufferStage(self)
         return self._stage
 
-    def view(self, index: int, spec: ViewSpec, *, dtype: torch.dtype, twin: bool) -> torch.Tensor:
-        """A tensor viewing ``spec`` of storage ``index``, in its twin (``twin``) or live."""
-        storage = self.memory.storages[index]
+    def view(self, slot: Slot, *, twin: bool) -> torch.Tensor:
+        """A tensor viewing ``slot``, in its storage's twin (``twin``) or live."""
+        storage = self.memory.storages[slot.storage]
         source = storage.twin if twin else storage.live
         assert source is not None, "the twins are allocated before a stage opens"
-        return spec.view(source, dtype)
+        return slot.spec.view(source, slot.dtype)
 
     def _forget(self) -> None:
         stage, self._stage = self._stage, None
@@ -128,7 +128,7 @@ class BufferStage(Stage):
         if self._checksum is None:
             # Model tensors no checkpoint holds (non-persistent buffers) keep their live values.
             for index, tensor in self._buffers.memory.fills:
-                copy_and_digest(self._buffers.view(index, ViewSpec.of(tensor), dtype=tensor.dtype, twin=True), tensor)
+                copy_and_digest(self._buffers.view(Slot(index, tensor.dtype, ViewSpec.of(tensor)), twin=True), tensor)
         return super().checksum()
 
     def write_with(
@@ -140,15 +140,13 @@ class BufferStage(Stage):
 
     def _target(self, name: str) -> torch.Tensor:
         self._buffers.twin_digests.pop(name, None)  # unknown while it is written
-        slot = self._slots[name]
-        return self._buffers.view(slot.storage, slot.spec, dtype=slot.dtype, twin=True)
+        return self._buffers.view(self._slots[name], twin=True)
 
     def _keep(self, name: str) -> str:
         live = self._buffers.live_digests.get(name)
         if live is not None and self._buffers.twin_digests.get(name) == live:
             return live  # the twin holds these bytes already
-        slot = self._slots[name]
-        return self.write(name, self._buffers.view(slot.storage, slot.spec, dtype=slot.dtype, twin=False))
+        return self.write(name, self._buffers.view(self._slots[name], twin=False))
 
     def _swap(self) -> None:
         """Re-point every viewer at its twin, then trade live and twin storages; all or nothing.

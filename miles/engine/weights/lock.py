@@ -29,8 +29,7 @@ class WeightsLock:
     @contextmanager
     def read(self) -> Iterator[None]:
         with self._cond:
-            while self._writing or self._writers_waiting:
-                self._cond.wait()
+            self._cond.wait_for(lambda: not (self._writing or self._writers_waiting))
             self._readers += 1
         try:
             yield
@@ -45,8 +44,7 @@ class WeightsLock:
         with self._cond:
             self._writers_waiting += 1
             try:
-                while self._writing or self._readers:
-                    self._cond.wait()
+                self._cond.wait_for(lambda: not (self._writing or self._readers))
             finally:
                 self._writers_waiting -= 1
             self._writing = True
