@@ -83,14 +83,13 @@ class Stage:
     def write_checkpoint(self, reader: CheckpointReader) -> dict[str, str]:
         """Stage every tensor of ``reader`` and return the digests of the bytes read (each slice
         hashed and copied while in cache)."""
-        digests: dict[str, str] = {}
 
         def one(name: str) -> None:
             info = reader.info(name)
-            digests[name] = self.write_with(name, info.dtype, info.shape, functools.partial(reader.copy_into, name))
+            self.write_with(name, info.dtype, info.shape, functools.partial(reader.copy_into, name))
 
         self._each([(name, reader.info(name).nbytes) for name in self.names], one)
-        return digests
+        return {name: self._digests[name] for name in self.names}
 
     def write_bucket(self, bucket: Received) -> None:
         """Stage every tensor of ``bucket``, each checked against its digest (InvalidRequestError)."""
