@@ -1,4 +1,5 @@
-"""Exporting the weights an engine holds as a sealed miles checkpoint (``POST /export_weights``)."""
+"""What an export (``POST /export_weights``, ``LiveWeights.export``) writes: a copy of the
+weights read in sections, at a path named after their version and checksum."""
 
 from __future__ import annotations
 
