@@ -48,7 +48,7 @@ class StagingBuffers:
     @property
     def nbytes(self) -> int:
         """Bytes of one copy of the staged weights: what the twins cost."""
-        return self.memory.nbytes
+        return sum(s.live.nbytes() for s in self.memory.storages)
 
     @property
     def spares(self) -> tuple[torch.UntypedStorage | None, ...]:
@@ -252,7 +252,7 @@ class StagingPolicy:
             return None
         if any(spare is None for spare in buffers.spares):
             if self._mode is StagingMode.AUTO:
-                device = buffers.memory.device
+                device = buffers.memory.storages[0].live.device  # a twin is missing: there is a storage
                 # Bytes the device can allocate now without pushing anything out (None: unknown).
                 available = (
                     int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else available_host_memory()

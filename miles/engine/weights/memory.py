@@ -109,15 +109,6 @@ class WeightMemory:
             )
         return memory
 
-    @property
-    def device(self) -> torch.device:
-        return torch.device(self.storages[0].live.device if self.storages else "cpu")
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of one copy of these storages."""
-        return sum(s.live.nbytes() for s in self.storages)
-
     def unknown_viewers(self) -> list[str]:
         """Storages with more references than their known viewers, plus the storage object kept here."""
         return [
