@@ -14,7 +14,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,14 +178,8 @@ class Engine:
     async def generate(self, request: GenerateRequest) -> GenerateResponse | list[GenerateResponse]:
         """Run a (batch) request to completion; a batch or ``n > 1`` returns a list."""
         pending = await self._submit(request)
-        try:
+        with self._watched(pending):
             results = [await _final(p.sink) for p in pending]
-        except asyncio.CancelledError:
-            self._abort_pending(pending, "the client went away")
-            self.metrics.clients_left(len(pending))
-            raise
-        finally:
-            self._release(pending)
         for item, result in zip(pending, results, strict=True):
             self.metrics.request_done(item.sequence, result)
         if request.is_batch or len(results) > 1:
@@ -203,7 +198,7 @@ class Engine:
 
     async def _follow(self, pending: list[_Pending]) -> AsyncIterator[GenerateResponse]:
         (item,) = pending
-        try:
+        with self._watched(pending):
             while True:
                 final, response = await item.sink.queue.get()
                 if final:
@@ -211,6 +206,12 @@ class Engine:
                 yield response
                 if final:
                     return
+
+    @contextmanager
+    def _watched(self, pending: list[_Pending]) -> Iterator[None]:
+        """Abort ``pending`` if its client goes away meanwhile; release its rids at the end."""
+        try:
+            yield
         except (asyncio.CancelledError, GeneratorExit):
             self._abort_pending(pending, "the client went away")
             self.metrics.clients_left(len(pending))

@@ -126,8 +126,7 @@ class FusedDecoderRunner:
         self._dtype = model.dtype
         with torch.no_grad():
             self._layers = [self._fuse_layer(layer) for layer in self._body.layers]
-        first = self._body.layers[0].self_attn
-        self._scaling = float(first.scaling)
+        self._scaling = float(self._body.layers[0].self_attn.scaling)
         self._split = [self._heads * self._head_dim, self._kv_heads * self._head_dim, self._kv_heads * self._head_dim]
 
     def _fuse_layer(self, layer: _DecoderLayer) -> _Layer:

@@ -283,8 +283,7 @@ class Scheduler:
             return True
         if self._state is GenerationState.HELD:
             return False
-        admit = self._state is GenerationState.SERVING and bool(self._waiting)
-        return admit or bool(self._rows)
+        return bool(self._rows) or (self._state is GenerationState.SERVING and bool(self._waiting))
 
     def _abort_waiting(self, rid: str | None, message: str) -> int:
         hits = [s for s in self._waiting if rid is None or s.rid == rid]
