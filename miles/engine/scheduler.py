@@ -321,15 +321,18 @@ class Scheduler:
             if not rows:
                 self._batch, self._logits, self._needs_rebuild = None, None, False
             return
-        assert self._runner is not None and self._batch is not None and self._logits is not None
+        assert self._runner is not None and self._batch is not None
         try:
             batch = self._runner.select(self._batch, keep)
         except Exception:
-            # Not under the weights lock here: the rebuild (a forward) waits for the next step.
+            # The rebuild (a forward) needs the weights lock: a step runs it at once, an abort at the
+            # next step.
             logger.exception("selecting %d rows out of the batch failed; rebuilding it row by row", len(rows))
             self._rows, self._batch, self._logits, self._needs_rebuild = rows, None, None, True
             return
-        self._batch, self._logits, self._rows = batch, self._logits[keep], rows
+        self._batch, self._rows = batch, rows
+        if self._logits is not None:  # None after a step sampled them: no copy for the decode to replace
+            self._logits = self._logits[keep]
 
     def _step(self, admitted: list[Sequence]) -> None:
         version = self._weight_version()
@@ -368,6 +371,7 @@ class Scheduler:
                 continue
             keep.append(row)
         self._steps += 1
+        self._logits = None  # sampled; the decode below (or a rebuild) computes the next
         self._keep(keep)
         # A rebuild (after a failed select, or a failed decode below) prefills each row's history,
         # which now ends with the token just sampled: the rebuilt logits are the ones this decode
