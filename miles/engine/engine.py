@@ -345,8 +345,7 @@ class Engine:
         self._scheduler.resume()
 
     def abort(self, rid: str, *, abort_all: bool, message: str | None) -> int:
-        text = message or "aborted by /abort_request"
-        return self._scheduler.abort(None if abort_all else rid, message=text)
+        return self._scheduler.abort(None if abort_all else rid, message=message or "aborted by /abort_request")
 
     # --- health and info -------------------------------------------------------------------
 
@@ -477,7 +476,7 @@ def _eos_ids(
     except OSError:
         generation = None  # no generation_config.json: the model config and tokenizer decide
     for source in (generation, config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
+        value = getattr(source, "eos_token_id", None)
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list | tuple):
