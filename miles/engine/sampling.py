@@ -95,16 +95,20 @@ def sample_rows(
     seeded row draws the same token whether or not a neighbour broke the batch.
     """
     uniforms = _uniforms(samplers)
-    try:
-        batch = sample_batch(
-            logits,
-            samplers,
-            uniforms=uniforms,
-            histories=histories,
-            output_lengths=output_lengths,
-            want_logprobs=want_logprobs,
-            top_logprobs=top_logprobs,
+
+    def select(rows: slice) -> SampledTokens:
+        return sample_batch(
+            logits[rows],
+            samplers[rows],
+            uniforms=uniforms[rows],
+            histories=histories[rows],
+            output_lengths=output_lengths[rows],
+            want_logprobs=want_logprobs[rows],
+            top_logprobs=top_logprobs[rows],
         )
+
+    try:
+        batch = select(slice(None))
         return [
             SampledRow(token=t, logprob=lp, top=top)
             for t, lp, top in zip(batch.tokens, batch.logprobs, batch.top, strict=True)
@@ -114,17 +118,9 @@ def sample_rows(
         # (with its own traceback) by the caller.
         logger.warning("sampling a batch of %d rows failed; sampling each row alone", len(samplers), exc_info=True)
     results: list[SampledRow | SamplingFailure] = []
-    for row, sampler in enumerate(samplers):
+    for row in range(len(samplers)):
         try:
-            one = sample_batch(
-                logits[row : row + 1],
-                [sampler],
-                uniforms=uniforms[row : row + 1],
-                histories=[histories[row]],
-                output_lengths=[output_lengths[row]],
-                want_logprobs=[want_logprobs[row]],
-                top_logprobs=[top_logprobs[row]],
-            )
+            one = select(slice(row, row + 1))
             results.append(SampledRow(token=one.tokens[0], logprob=one.logprobs[0], top=one.top[0]))
         except Exception as exc:  # noqa: BLE001  # this row alone cannot be sampled: it fails, its neighbours go on
             results.append(SamplingFailure(error=exc))
