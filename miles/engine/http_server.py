@@ -24,13 +24,7 @@ from miles.engine.receiver import WeightGroups, tensor_bucket
 from miles.errors import InvalidRequestError
 from miles.protocol.auth import FenceRequest, FenceState
 from miles.protocol.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from miles.protocol.openai import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_body,
-    completion_body,
-    new_id,
-)
+from miles.protocol.openai import ChatCompletionRequest, CompletionRequest, chat_body, completion_body, new_id
 from miles.protocol.sglang import (
     AbortRequest,
     ContinueGenerationRequest,
@@ -54,15 +48,7 @@ from miles.protocol.sglang_weights import (
     WeightsCheckerResponse,
     WeightsChecksumPayload,
 )
-from miles.utils.http import (
-    MIB,
-    BodyLimit,
-    CheckFirst,
-    error_response,
-    install_error_handlers,
-    sse,
-    until_disconnected,
-)
+from miles.utils.http import MIB, BodyLimit, CheckFirst, error_response, install_error_handlers, sse, until_disconnected
 from miles.weights.transport.documents import CUDA_IPC_LOAD_FORMAT
 from miles.weights.transport.segments import SegmentMaps
 
