@@ -152,17 +152,14 @@ class EngineAccess:
             return None
         window = self._check_control(path, authorization)
         token = _parse_fence(fence)
-        if window is not None:
-            if token is not None and token != window:
-                raise InvalidRequestError(
-                    f"the {FENCE_HEADER} header ({token}) differs from the window credential's token ({window}); "
-                    "drop the header or send the window's token",
-                )
-            self._check_window(window, path)
-            token = window
-        if token is not None:
-            self._check_not_stale(token)
-        return ControlGrant(fence=token, window=window, path=path)
+        if window is not None and token is not None and token != window:
+            raise InvalidRequestError(
+                f"the {FENCE_HEADER} header ({token}) differs from the window credential's token ({window}); "
+                "drop the header or send the window's token",
+            )
+        grant = ControlGrant(fence=token if window is None else window, window=window, path=path)
+        self._check_grant(grant)
+        return grant
 
     def _check_inference(self, path: str, authorization: str | None) -> None:
         # Inference and reads stay open unless an API key is set: the secret guards what changes
@@ -230,6 +227,12 @@ class EngineAccess:
                 "activates them"
             )
 
+    def _check_grant(self, grant: ControlGrant, *, activates: bool = False) -> None:
+        if grant.window is not None:
+            self._check_window(grant.window, grant.path, activates=activates)
+        if grant.fence is not None:
+            self._check_not_stale(grant.fence)
+
     def _check_not_stale(self, token: int) -> None:
         if token < self._fence:
             raise ConflictError(
@@ -248,9 +251,7 @@ class EngineAccess:
         """
         if grant is None or grant.fence is None:
             return
-        if grant.window is not None:
-            self._check_window(grant.window, grant.path, activates=activates)
-        self._check_not_stale(grant.fence)
+        self._check_grant(grant, activates=activates)
         if grant.fence > self._fence:
             # A newer owner: whatever window the old token had is over.
             self._fence, self._window = grant.fence, WindowState.CLOSED

@@ -14,7 +14,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,10 @@ from miles.engine.weights.buffers import StagingPolicy
 from miles.engine.weights.live import LiveWeights, WeightsStatus
 from miles.engine.weights.lock import WeightsLock
 from miles.engine.weights.swap import WeightChanges
-from miles.errors import CheckpointError, InvalidRequestError, QueueFullError
+from miles.errors import InvalidRequestError, QueueFullError
 from miles.protocol.compat import SGLANG_VERSION
 from miles.protocol.sglang import GenerateRequest, GenerateResponse, PauseMode, SamplingParams, per_prompt
-from miles.weights.checkpoint import read_manifest
+from miles.weights.manifest import manifest_or_none
 
 logger = logging.getLogger("miles.engine")
 
@@ -94,10 +95,8 @@ class Engine:
         # Loaded on the scheduler thread by start(): all parallel torch work stays on one thread.
         self.model: PreTrainedModel | None = None
         self.forward_name = ""  # the runner serving the model (model_runner.build_runner), once loaded
-        try:
-            manifest = read_manifest(self.model_path)
-        except CheckpointError:
-            manifest = None  # a plain Hugging Face directory: served, but with no recorded version
+        # None for a plain Hugging Face directory: served, but with no recorded version.
+        manifest = manifest_or_none(self.model_path)
         self.served_model_name = settings.served_model_name or (
             manifest.model_name if manifest else self.model_path.name
         )
@@ -179,14 +178,8 @@ class Engine:
     async def generate(self, request: GenerateRequest) -> GenerateResponse | list[GenerateResponse]:
         """Run a (batch) request to completion; a batch or ``n > 1`` returns a list."""
         pending = await self._submit(request)
-        try:
+        with self._watched(pending):
             results = [await _final(p.sink) for p in pending]
-        except asyncio.CancelledError:
-            self._abort_pending(pending, "the client went away")
-            self.metrics.clients_left(len(pending))
-            raise
-        finally:
-            self._release(pending)
         for item, result in zip(pending, results, strict=True):
             self.metrics.request_done(item.sequence, result)
         if request.is_batch or len(results) > 1:
@@ -205,7 +198,7 @@ class Engine:
 
     async def _follow(self, pending: list[_Pending]) -> AsyncIterator[GenerateResponse]:
         (item,) = pending
-        try:
+        with self._watched(pending):
             while True:
                 final, response = await item.sink.queue.get()
                 if final:
@@ -213,6 +206,12 @@ class Engine:
                 yield response
                 if final:
                     return
+
+    @contextmanager
+    def _watched(self, pending: list[_Pending]) -> Iterator[None]:
+        """Abort ``pending`` if its client goes away meanwhile; release its rids at the end."""
+        try:
+            yield
         except (asyncio.CancelledError, GeneratorExit):
             self._abort_pending(pending, "the client went away")
             self.metrics.clients_left(len(pending))
@@ -232,7 +231,8 @@ class Engine:
         pending: list[_Pending] = []
         for index, (prompt, requested) in enumerate(zip(prompts, params, strict=True)):
             sampling = self._resolved(prompt, requested)
-            self._check_token_ids(sampling)
+            self._check_vocab("sampling_params.stop_token_ids holds", sampling.stop_token_ids or ())
+            self._check_vocab("sampling_params.logit_bias holds", sampling.bias)
             logprobs = request.logprobs_of(index)
             base = per_prompt(request.rid, index) or uuid.uuid4().hex
             for sample in range(sampling.n):
@@ -298,11 +298,7 @@ class Engine:
         for prompt in prompts:
             if not prompt:
                 raise InvalidRequestError("the prompt is empty; give at least one token")
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"input_ids hold token ids outside the vocabulary [0, {self.vocab_size})", tokens=bad[:5]
-                )
+            self._check_vocab("input_ids hold", prompt)
         return prompts
 
     def _resolved(self, prompt: list[int], sampling: SamplingParams) -> SamplingParams:
@@ -323,16 +319,13 @@ class Engine:
             )
         return sampling
 
-    def _check_token_ids(self, sampling: SamplingParams) -> None:
-        # An id outside the vocabulary would index past the logits inside a step (the stop mask
-        # of min_new_tokens, a logit bias): refused here, before the request can join the batch.
-        for field, ids in (("stop_token_ids", sampling.stop_token_ids or ()), ("logit_bias", sampling.bias)):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"sampling_params.{field} holds token ids outside the vocabulary [0, {self.vocab_size})",
-                    tokens=bad[:5],
-                )
+    def _check_vocab(self, what: str, ids: Iterable[int]) -> None:
+        # An id outside the vocabulary would index past the embeddings or, in sampling params, the
+        # logits inside a step (the stop mask of min_new_tokens, a logit bias): refused here,
+        # before the request can join the batch.
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{what} token ids outside the vocabulary [0, {self.vocab_size})", tokens=bad[:5])
 
     def _abort_pending(self, pending: list[_Pending], message: str) -> None:
         for item in pending:
@@ -352,8 +345,7 @@ class Engine:
         self._scheduler.resume()
 
     def abort(self, rid: str, *, abort_all: bool, message: str | None) -> int:
-        text = message or "aborted by /abort_request"
-        return self._scheduler.abort(None if abort_all else rid, message=text)
+        return self._scheduler.abort(None if abort_all else rid, message=message or "aborted by /abort_request")
 
     # --- health and info -------------------------------------------------------------------
 
@@ -363,8 +355,9 @@ class Engine:
             return "the engine holds unverified weights"
         if self._scheduler.state is not GenerationState.SERVING:
             return f"generation is {self._scheduler.state.value}"
+        bos = self.tokenizer.bos_token_id
         request = GenerateRequest(
-            input_ids=[self._eos_or_first_token()],
+            input_ids=[bos if bos is not None else 0],
             sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
             rid=f"health-{uuid.uuid4().hex}",
         )
@@ -373,10 +366,6 @@ class Engine:
         except TimeoutError:
             return f"no token within {self.settings.health_generate_timeout_s}s"
         return None
-
-    def _eos_or_first_token(self) -> int:
-        bos = self.tokenizer.bos_token_id
-        return bos if bos is not None else 0
 
     def model_info(self) -> dict[str, Any]:
         """``/model_info``: SGLang's fields (at the pinned version), then ours."""
@@ -487,7 +476,7 @@ def _eos_ids(
     except OSError:
         generation = None  # no generation_config.json: the model config and tokenizer decide
     for source in (generation, config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
+        value = getattr(source, "eos_token_id", None)
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list | tuple):

@@ -25,6 +25,7 @@ import shlex
 import signal
 import sys
 import traceback
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import setproctitle
@@ -80,11 +81,11 @@ def _run_engine(args: list[str], env: dict[str, str], cwd: str, log: str, *, clo
         os._exit(code)
 
 
+@dataclass
 class _Server:
-    def __init__(self, out: TextIO, *, own_fds: list[int]) -> None:
-        self.out = out
-        self.own_fds = own_fds
-        self.children: set[int] = set()
+    out: TextIO
+    own_fds: list[int]  # the server's own descriptors, which a forked engine closes
+    children: set[int] = field(default_factory=set)
 
     def spawn(self, request: dict[str, Any]) -> None:
         ident = request.get("spawn")
@@ -180,9 +181,7 @@ def main() -> None:
                         request = json.loads(line)
                     except ValueError:
                         continue
-                    if not isinstance(request, dict):
-                        continue
-                    if "spawn" in request:
+                    if isinstance(request, dict) and "spawn" in request:
                         server.spawn(request)
             server.reap()
     finally:

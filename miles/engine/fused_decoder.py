@@ -2,26 +2,11 @@
 
 Transformers' forward is written for every use (training, many cache types, hooks, output
 dataclasses) and on a small model most of a decode step goes to that generality: about 30 module
-calls per layer and a mask rebuilt every step. Serving needs one thing, so for the decoder
-architectures that nearly every RL run uses this module runs the same math with plain tensor ops:
-
-- **Fused projections.** q, k and v are one matmul, gate and up another (as in SGLang and vLLM).
-  The fused weights are not copies: each Hugging Face parameter is re-pointed at its slice of the
-  fused tensor, so an in-place weight update through the model's parameters, and a checksum over
-  them, see exactly what the forward uses.
-- **A preallocated KV cache.** Each layer's keys and values live in a buffer with free columns at
-  the end; a decode step writes one column in place instead of concatenating the whole cache.
-- **A padding mask kept, not rebuilt.** ``valid`` marks the columns that hold a row's tokens; a
-  decode step flips one column and hands a view of it to attention.
-- **Decode attention without SDPA at reduced precision on a CPU** (``_attend``): PyTorch's CPU
-  kernel has a large fixed cost for one bfloat16 query; two batched matmuls do it in a fifth.
-
-The rows of a batch are left-padded to a common length, as in ``TransformersRunner``, so rows can
-join (``merge``) and leave (``select``) between steps. Rotary embeddings come from the model's own
-rotary module, so every RoPE scaling variant the checkpoint's config names is honoured.
-
-Architectures outside the family, or with sliding-window attention, run the Transformers forward
-(``supports`` says why); tests hold this forward to the Transformers one, logits and tokens.
+calls per layer and a mask rebuilt every step. This module runs the same math with plain tensor
+ops: q/k/v and gate/up fused (each Hugging Face parameter re-pointed at its slice of the fused
+tensor, so updates and checksums through the parameters see what the forward uses), a
+preallocated KV cache written in place, and a padding mask (``valid``) kept, not rebuilt; the
+design and its test against the Transformers forward are in docs/ENGINE.md ("Two forwards").
 """
 
 from __future__ import annotations
@@ -49,9 +34,8 @@ def supports(model: PreTrainedModel) -> str | None:
         return f"{architecture} is not one of {sorted(SUPPORTED_ARCHITECTURES)}"
     if getattr(config, "hidden_act", None) != "silu":
         return f"hidden_act {config.hidden_act!r} (only silu)"
-    if any(getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers):
-        return "sliding-window attention"
-    if getattr(config, "sliding_window", None) is not None and architecture == "MistralForCausalLM":
+    mistral_window = architecture == "MistralForCausalLM" and getattr(config, "sliding_window", None) is not None
+    if mistral_window or any(getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers):
         return "sliding-window attention"
     shared = _shared_projection_weights(model)
     if shared:
@@ -142,8 +126,7 @@ class FusedDecoderRunner:
         self._dtype = model.dtype
         with torch.no_grad():
             self._layers = [self._fuse_layer(layer) for layer in self._body.layers]
-        first = self._body.layers[0].self_attn
-        self._scaling = float(first.scaling)
+        self._scaling = float(self._body.layers[0].self_attn.scaling)
         self._split = [self._heads * self._head_dim, self._kv_heads * self._head_dim, self._kv_heads * self._head_dim]
 
     def _fuse_layer(self, layer: _DecoderLayer) -> _Layer:

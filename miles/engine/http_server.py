@@ -24,13 +24,7 @@ from miles.engine.receiver import WeightGroups, tensor_bucket
 from miles.errors import InvalidRequestError
 from miles.protocol.auth import FenceRequest, FenceState
 from miles.protocol.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from miles.protocol.openai import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_body,
-    completion_body,
-    new_id,
-)
+from miles.protocol.openai import ChatCompletionRequest, CompletionRequest, chat_body, completion_body, new_id
 from miles.protocol.sglang import (
     AbortRequest,
     ContinueGenerationRequest,
@@ -54,15 +48,7 @@ from miles.protocol.sglang_weights import (
     WeightsCheckerResponse,
     WeightsChecksumPayload,
 )
-from miles.utils.http import (
-    MIB,
-    BodyLimit,
-    CheckFirst,
-    error_response,
-    install_error_handlers,
-    sse,
-    until_disconnected,
-)
+from miles.utils.http import MIB, BodyLimit, CheckFirst, error_response, install_error_handlers, sse, until_disconnected
 from miles.weights.transport.documents import CUDA_IPC_LOAD_FORMAT
 from miles.weights.transport.segments import SegmentMaps
 
@@ -307,41 +293,29 @@ def create_app(engine: Engine) -> FastAPI:
         }
 
     async def openai_answer(
-        generated: GenerateRequest, http_request: Request, *, chat: bool, stream: bool, usage: bool, logprobs: bool
+        request: CompletionRequest | ChatCompletionRequest, generated: GenerateRequest, http_request: Request
     ) -> Response:
         """An OpenAI-compatible answer: streamed as chunks, or one body of every choice."""
+        chat = isinstance(request, ChatCompletionRequest)
         rid, model = new_id("chatcmpl" if chat else "cmpl"), engine.served_model_name
-        if stream:
-            chunks = openai_stream(await engine.stream(generated), model=model, rid=rid, chat=chat, usage=usage)
+        if request.stream:
+            stream = await engine.stream(generated)
+            chunks = openai_stream(stream, model=model, rid=rid, chat=chat, usage=request.include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         result = await until_disconnected(http_request, engine.generate(generated))
         if isinstance(result, Response):
             return result
         responses = result if isinstance(result, list) else [result]
         body = chat_body if chat else completion_body
-        return JSONResponse(body(responses, model=model, request_id=rid, with_logprobs=logprobs))
+        return JSONResponse(body(responses, model=model, request_id=rid, with_logprobs=bool(generated.return_logprob)))
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, http_request: Request) -> Response:
-        return await openai_answer(
-            completion_to_generate(request),
-            http_request,
-            chat=False,
-            stream=request.stream,
-            usage=request.include_usage,
-            logprobs=request.logprobs is not None,
-        )
+        return await openai_answer(request, completion_to_generate(request), http_request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, http_request: Request) -> Response:
-        return await openai_answer(
-            await chat_to_generate(engine, request),
-            http_request,
-            chat=True,
-            stream=request.stream,
-            usage=request.include_usage,
-            logprobs=request.logprobs,
-        )
+        return await openai_answer(request, await chat_to_generate(engine, request), http_request)
 
     unclassified = sorted({getattr(r, "path", "") for r in app.routes} - ENDPOINTS.keys())
     if unclassified:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -21,32 +22,30 @@ from miles.protocol import metrics as names
 from miles.protocol.sglang import GenerateResponse
 
 
+@dataclass(frozen=True)
 class _SchedulerCollector(Collector):
-    def __init__(
-        self, model_name: str, stats: Callable[[], SchedulerStats], weights: Callable[[], dict[str, str]]
-    ) -> None:
-        self._model_name = model_name
-        self._stats = stats
-        self._weights = weights
+    model_name: str
+    stats: Callable[[], SchedulerStats]
+    weights: Callable[[], dict[str, str]]
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
+        stats = self.stats()
         labels = ["model_name"]
         running = GaugeMetricFamily(names.ENGINE_RUNNING, "The number of running requests.", labels=labels)
-        running.add_metric([self._model_name], stats.running)
+        running.add_metric([self.model_name], stats.running)
         yield running
         queued = GaugeMetricFamily(names.ENGINE_QUEUED, "The number of requests in the waiting queue.", labels=labels)
-        queued.add_metric([self._model_name], stats.waiting)
+        queued.add_metric([self.model_name], stats.waiting)
         yield queued
         tokens = CounterMetricFamily(
             names.ENGINE_GENERATION_TOKENS.removesuffix("_total"),
             "Number of generation tokens processed.",
             labels=labels,
         )
-        tokens.add_metric([self._model_name], stats.tokens_generated)
+        tokens.add_metric([self.model_name], stats.tokens_generated)
         yield tokens
         info = InfoMetricFamily(names.ENGINE_WEIGHTS, "The weights this engine serves", labels=labels)
-        info.add_metric([self._model_name], self._weights())
+        info.add_metric([self.model_name], self.weights())
         yield info
 
 

@@ -1,14 +1,10 @@
 """The model on its device, and the batched forward passes the scheduler drives.
 
 A runner (``ModelRunner``) keeps a running batch's KV state with its rows left-padded to a common
-length, the mask that marks the padding, and each row's next position id. Rows can join (a new
-prefill group is merged in, padding the shorter side on the left) and leave (rows are selected
-out, and columns that became padding for every row are cropped), which is what lets the scheduler
-batch continuously: new requests join at the next step instead of waiting for the batch to end.
-
-Two runners: ``FusedDecoderRunner`` (``fused_decoder.py``), a lean forward for the Llama family,
-and ``TransformersRunner`` below, the model's own Transformers forward, for every other
-architecture. ``build_runner`` picks one; ``EngineSettings.forward`` can force either.
+length, so rows can join (``merge``) and leave (``select``) between steps (docs/ENGINE.md,
+"Continuous batching"). ``build_runner`` picks ``FusedDecoderRunner`` (``fused_decoder.py``) for
+the Llama family, else ``TransformersRunner``, the model's own forward; ``EngineSettings.forward``
+can force either.
 """
 
 from __future__ import annotations
@@ -120,12 +116,11 @@ class TransformersRunner:
             ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             mask[row, width - len(prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
-            cache=cache,
+            cache=DynamicCache(),
             use_cache=True,
             logits_to_keep=1,
         )
@@ -155,15 +150,15 @@ class TransformersRunner:
     def merge(left: BatchKV, right: BatchKV) -> BatchKV:
         """One batch holding the rows of ``left`` then ``right`` (the shorter is padded on the left)."""
         width = max(left.attention_mask.shape[1], right.attention_mask.shape[1])
-        layers = []
-        for (lk, lv), (rk, rv) in zip(_layers(left.cache), _layers(right.cache), strict=True):
-            layers.append(
-                (
-                    torch.cat([_pad_time(lk, width), _pad_time(rk, width)], dim=0),
-                    torch.cat([_pad_time(lv, width), _pad_time(rv, width)], dim=0),
-                )
+        # Keys and values are [B, heads, T, head_dim]; the zeros padded in are masked out.
+        layers = [
+            (
+                torch.cat([_pad_left(lk, width, 2), _pad_left(rk, width, 2)]),
+                torch.cat([_pad_left(lv, width, 2), _pad_left(rv, width, 2)]),
             )
-        mask = torch.cat([_pad_mask(left.attention_mask, width), _pad_mask(right.attention_mask, width)], dim=0)
+            for (lk, lv), (rk, rv) in zip(_layers(left.cache), _layers(right.cache), strict=True)
+        ]
+        mask = torch.cat([_pad_left(left.attention_mask, width, 1), _pad_left(right.attention_mask, width, 1)])
         return BatchKV(
             cache=DynamicCache(ddp_cache_data=layers),
             attention_mask=mask,
@@ -199,12 +194,7 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return pairs
 
 
-def _pad_time(states: torch.Tensor, width: int) -> torch.Tensor:
-    # states: [B, heads, T, head_dim]; pad T on the left with zeros (masked out by the attention mask).
-    missing = width - states.shape[2]
-    return F.pad(states, (0, 0, missing, 0)) if missing else states
-
-
-def _pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - mask.shape[1]
-    return F.pad(mask, (missing, 0)) if missing else mask
+def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """``tensor`` padded with zeros at the start of ``dim`` to ``width``."""
+    missing = width - tensor.shape[dim]
+    return F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (missing, 0)) if missing else tensor

@@ -1,13 +1,8 @@
 """Next-token selection for a batch: penalties, temperature, top-k / top-p / min-p, seeded draws.
 
-Each row keeps its own ``torch.Generator`` so a seeded request draws the same tokens whatever else
-shares its batch. Greedy rows (temperature 0) take the argmax and never touch a generator.
-Logprobs are reported under the model's raw distribution (log-softmax of the logits before
-temperature and filtering), which is what RL importance ratios need.
-
-``sample_rows`` is what the scheduler calls: one batched selection, and, if that raises, one
-selection per row, so a row whose settings break sampling fails alone (each row's random number
-is drawn once, up front, so the rows that are retried draw exactly what they would have).
+Each row keeps its own ``torch.Generator``, and logprobs are those of the raw distribution
+(docs/ENGINE.md, "Sampling"). ``sample_rows`` is what the scheduler calls: one batched selection
+and, if that raises, one per row, so a row whose settings break sampling fails alone.
 """
 
 from __future__ import annotations
@@ -84,33 +79,6 @@ class SamplingFailure:
     error: Exception
 
 
-def sample_batch(
-    logits: torch.Tensor,
-    samplers: list[RowSampler],
-    *,
-    histories: list[list[int]],
-    output_lengths: list[int],
-    want_logprobs: list[bool],
-    top_logprobs: list[int],
-) -> SampledTokens:
-    """Pick one token per row of ``logits`` ([B, V]) following each row's sampling settings.
-
-    ``histories`` are prompt + output ids per row (for penalties), ``output_lengths`` the number of
-    tokens generated so far (for ``min_new_tokens``), ``want_logprobs`` / ``top_logprobs`` what each
-    row wants reported. Greedy rows share one batched argmax and sampled rows one batched draw;
-    only logit biases, penalties and stop-token masks are applied row by row, to the rows that have them.
-    """
-    return _select(
-        logits,
-        samplers,
-        uniforms=_uniforms(samplers),
-        histories=histories,
-        output_lengths=output_lengths,
-        want_logprobs=want_logprobs,
-        top_logprobs=top_logprobs,
-    )
-
-
 def sample_rows(
     logits: torch.Tensor,
     samplers: list[RowSampler],
@@ -127,16 +95,20 @@ def sample_rows(
     seeded row draws the same token whether or not a neighbour broke the batch.
     """
     uniforms = _uniforms(samplers)
-    try:
-        batch = _select(
-            logits,
-            samplers,
-            uniforms=uniforms,
-            histories=histories,
-            output_lengths=output_lengths,
-            want_logprobs=want_logprobs,
-            top_logprobs=top_logprobs,
+
+    def select(rows: slice) -> SampledTokens:
+        return sample_batch(
+            logits[rows],
+            samplers[rows],
+            uniforms=uniforms[rows],
+            histories=histories[rows],
+            output_lengths=output_lengths[rows],
+            want_logprobs=want_logprobs[rows],
+            top_logprobs=top_logprobs[rows],
         )
+
+    try:
+        batch = select(slice(None))
         return [
             SampledRow(token=t, logprob=lp, top=top)
             for t, lp, top in zip(batch.tokens, batch.logprobs, batch.top, strict=True)
@@ -146,17 +118,9 @@ def sample_rows(
         # (with its own traceback) by the caller.
         logger.warning("sampling a batch of %d rows failed; sampling each row alone", len(samplers), exc_info=True)
     results: list[SampledRow | SamplingFailure] = []
-    for row, sampler in enumerate(samplers):
+    for row in range(len(samplers)):
         try:
-            one = _select(
-                logits[row : row + 1],
-                [sampler],
-                uniforms=uniforms[row : row + 1],
-                histories=[histories[row]],
-                output_lengths=[output_lengths[row]],
-                want_logprobs=[want_logprobs[row]],
-                top_logprobs=[top_logprobs[row]],
-            )
+            one = select(slice(row, row + 1))
             results.append(SampledRow(token=one.tokens[0], logprob=one.logprobs[0], top=one.top[0]))
         except Exception as exc:  # noqa: BLE001  # this row alone cannot be sampled: it fails, its neighbours go on
             results.append(SamplingFailure(error=exc))
@@ -169,16 +133,26 @@ def _uniforms(samplers: list[RowSampler]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-def _select(
+def sample_batch(
     logits: torch.Tensor,
     samplers: list[RowSampler],
     *,
-    uniforms: torch.Tensor,
     histories: list[list[int]],
     output_lengths: list[int],
     want_logprobs: list[bool],
     top_logprobs: list[int],
+    uniforms: torch.Tensor | None = None,
 ) -> SampledTokens:
+    """Pick one token per row of ``logits`` ([B, V]) following each row's sampling settings.
+
+    ``histories`` are prompt + output ids per row (for penalties), ``output_lengths`` the number of
+    tokens generated so far (for ``min_new_tokens``), ``want_logprobs`` / ``top_logprobs`` what each
+    row wants reported, ``uniforms`` each row's random number (drawn from its generator when not
+    given). Greedy rows share one batched argmax and sampled rows one batched draw; only logit
+    biases, penalties and stop-token masks are applied row by row, to the rows that have them.
+    """
+    if uniforms is None:
+        uniforms = _uniforms(samplers)
     logits = logits.float()
     tokens: list[int] = logits.argmax(dim=-1).tolist()
     sampled = [row for row, sampler in enumerate(samplers) if not sampler.greedy]

@@ -6,12 +6,10 @@ the ``WeightsLock``, the only code that runs the model. Other threads talk to it
 variable; actions on running sequences (abort, retract) are carried out by the scheduler thread at
 the top of its next iteration, because it alone owns the batch.
 
-One request must never cost the others their generations. A failure inside a step fails only the
-rows that cause it: a group prefill that raises is retried one request at a time; a batched
-selection that raises is retried row by row (``sampling.sample_rows``); a decode, select or merge
-that raises leaves a KV state nobody can trust, so the batch is rebuilt by prefilling each row's
-history alone. Whatever still raises alone ends that request with ``abort``, its partial output
-and a message saying generation failed inside the engine; its traceback goes to the log.
+A failure inside a step fails only the rows that cause it (docs/ENGINE.md, "One request never
+costs the others"): a failed group prefill is retried one request at a time, a failed batched
+selection row by row, and a failed decode, select or merge, which leaves a KV state nobody can
+trust, rebuilds the batch by prefilling each row's history alone.
 
 One torch thread: the scheduler thread also loads the model and runs every other parallel torch
 operation of the engine (the weight copy, through ``call``). Each thread that runs a parallel
@@ -28,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -285,8 +283,7 @@ class Scheduler:
             return True
         if self._state is GenerationState.HELD:
             return False
-        admit = self._state is GenerationState.SERVING and bool(self._waiting)
-        return admit or bool(self._rows)
+        return bool(self._rows) or (self._state is GenerationState.SERVING and bool(self._waiting))
 
     def _abort_waiting(self, rid: str | None, message: str) -> int:
         hits = [s for s in self._waiting if rid is None or s.rid == rid]
@@ -300,7 +297,10 @@ class Scheduler:
             # The queue too: a row retracted after abort() found it running is waiting now.
             with self._cond:
                 self._abort_waiting(rid, message)
-            self._drop_rows(rid, FinishReason(type="abort", message=message))
+            leaving = [s for s in self._rows if rid is None or s.rid == rid]
+            for seq in leaving:
+                self._finish(seq, FinishReason(type="abort", message=message), interrupted=True)
+            self._keep([i for i, s in enumerate(self._rows) if s not in leaving])
         if retract and self._rows:
             # Back to the front of the queue, in batch order, keeping what they generated; their
             # KV state is dropped and rebuilt from their history when they are admitted again.
@@ -310,13 +310,6 @@ class Scheduler:
                     self._waiting.appendleft(seq)
                 self._rows, self._batch, self._logits = [], None, None
                 self._needs_rebuild = False
-
-    def _drop_rows(self, rid: str | None, reason: FinishReason) -> None:
-        """End the running rows of request ``rid`` (every row when None) with ``reason``."""
-        leaving = [s for s in self._rows if rid is None or s.rid == rid]
-        for seq in leaving:
-            self._finish(seq, reason, interrupted=True)
-        self._keep([i for i, s in enumerate(self._rows) if s not in leaving])
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` (and their pending logits)."""
@@ -328,15 +321,18 @@ class Scheduler:
             if not rows:
                 self._batch, self._logits, self._needs_rebuild = None, None, False
             return
-        assert self._runner is not None and self._batch is not None and self._logits is not None
+        assert self._runner is not None and self._batch is not None
         try:
             batch = self._runner.select(self._batch, keep)
         except Exception:
-            # Not under the weights lock here: the rebuild (a forward) waits for the next step.
+            # The rebuild (a forward) needs the weights lock: a step runs it at once, an abort at the
+            # next step.
             logger.exception("selecting %d rows out of the batch failed; rebuilding it row by row", len(rows))
             self._rows, self._batch, self._logits, self._needs_rebuild = rows, None, None, True
             return
-        self._batch, self._logits, self._rows = batch, self._logits[keep], rows
+        self._batch, self._rows = batch, rows
+        if self._logits is not None:  # None after a step sampled them: no copy for the decode to replace
+            self._logits = self._logits[keep]
 
     def _step(self, admitted: list[Sequence]) -> None:
         version = self._weight_version()
@@ -375,30 +371,25 @@ class Scheduler:
                 continue
             keep.append(row)
         self._steps += 1
-        if len(keep) == len(rows):
-            batch = self._batch
-        elif not keep:
-            self._rows, self._batch, self._logits = [], None, None
-            return
-        else:
-            batch = None
-        remaining = [rows[i] for i in keep]
-        try:
-            if batch is None:
-                assert self._runner is not None
-                batch = self._runner.select(self._batch, keep)
-            self._rows, self._batch = remaining, batch
-            assert self._runner is not None
-            self._logits = self._runner.decode(batch, [s.output_ids[-1] for s in remaining])
-        except Exception:
-            # The KV state may be half-advanced (decode writes in place): rebuild every row from
-            # its history, which now ends with the token just sampled, so the rebuilt logits are
-            # the ones this decode would have produced.
-            logger.exception("decoding a batch of %d rows failed; rebuilding it row by row", len(remaining))
-            self._rows = remaining
+        self._logits = None  # sampled; the decode below (or a rebuild) computes the next
+        self._keep(keep)
+        # A rebuild (after a failed select, or a failed decode below) prefills each row's history,
+        # which now ends with the token just sampled: the rebuilt logits are the ones this decode
+        # would have produced.
+        if self._needs_rebuild:
             self._rebuild(version)
             return
-        for seq in remaining:
+        if not self._rows:
+            return
+        assert self._runner is not None
+        try:
+            self._logits = self._runner.decode(self._batch, [s.output_ids[-1] for s in self._rows])
+        except Exception:
+            # The KV state may be half-advanced (decode writes in place).
+            logger.exception("decoding a batch of %d rows failed; rebuilding it row by row", len(self._rows))
+            self._rebuild(version)
+            return
+        for seq in self._rows:
             seq.logits_version = version
 
     def _admit(self, admitted: list[Sequence], version: str) -> None:
@@ -422,21 +413,17 @@ class Scheduler:
             batch, logits, ready = group.batch, group.logits, group.rows
         for seq in ready:
             seq.logits_version = version
-        if self._batch is None:
+        self._rows.extend(ready)
+        if self._batch is None or self._logits is None:
             self._batch, self._logits = batch, logits
-            self._rows.extend(ready)
             return
-        assert self._logits is not None
         try:
-            merged = self._runner.merge(self._batch, batch)
+            self._batch = self._runner.merge(self._batch, batch)
         except Exception:
             logger.exception("merging %d admitted requests into the batch failed; rebuilding it row by row", len(ready))
-            self._rows.extend(ready)
             self._rebuild(version)
             return
-        self._batch = merged
         self._logits = torch.cat([self._logits, logits], dim=0)
-        self._rows.extend(ready)
 
     def _rebuild(self, version: str) -> None:
         """Replace the KV state of ``self._rows`` by prefilling each row's history alone (then
@@ -450,11 +437,11 @@ class Scheduler:
         for seq in self._rows:
             seq.logits_version = version
 
-    def _prefill_alone(self, sequences: list[Sequence]) -> _Group[object] | None:
+    def _prefill_alone(self, sequences: list[Sequence]) -> _Group | None:
         """Prefill each sequence's history on its own and merge the results into one group;
         a sequence whose prefill (or merge into the group) raises fails alone."""
         assert self._runner is not None
-        group: _Group[object] | None = None
+        group: _Group | None = None
         for seq in sequences:
             try:
                 batch, logits = self._runner.prefill([seq.history])
@@ -495,13 +482,10 @@ class Scheduler:
         self._rows, self._batch, self._logits, self._needs_rebuild = [], None, None, False
 
 
-KV = TypeVar("KV")
-
-
 @dataclass(frozen=True)
-class _Group(Generic[KV]):
+class _Group:
     """Sequences prefilled together: their KV state, their next-token logits, and the rows."""
 
-    batch: KV
+    batch: object
     logits: torch.Tensor
     rows: list[Sequence]

@@ -1,10 +1,8 @@
 """One generation request as the scheduler tracks it, and the responses it renders.
 
-A ``Sequence`` carries its prompt, what it generated so far (ids, logprobs, top alternatives) and
-which weights produced each output token: the version of the weights whose logits a token was
-sampled from (``logits_version`` when it was sampled). Logits are computed by one step and sampled
-by the next, so a token sampled right after a weight update still belongs to the old version, and
-a request prefilled again after a retract continues under the version that prefilled it.
+Each output token is credited to the weights whose logits it was sampled from (``logits_version``
+when it was sampled; docs/ENGINE.md, "Weight versions"): logits are computed by one step and
+sampled by the next, so a token sampled right after an update still belongs to the old version.
 """
 
 from __future__ import annotations

@@ -119,26 +119,24 @@ class EngineSettings(BaseModel):
         ids) when CUDA is available, and the CPU otherwise."""
         if self.device != "auto":
             return self.device
-        if not cuda_available:
-            return "cpu"
-        return f"cuda:{self.gpu_ids[0] if self.gpu_ids else 0}"
+        return f"cuda:{self.base_gpu_id}" if cuda_available else "cpu"
 
     @staticmethod
-    def roots_from_env(environ: dict[str, str] | None = None) -> tuple[Path, ...]:
+    def roots_from_env() -> tuple[Path, ...]:
         """Parse ``MILES_ALLOWED_CHECKPOINT_ROOTS`` (paths separated by ``os.pathsep`` or commas)."""
-        raw = (environ if environ is not None else os.environ).get(ALLOWED_ROOTS_ENV, "")
+        raw = os.environ.get(ALLOWED_ROOTS_ENV, "")
         parts = [p.strip() for chunk in raw.split(os.pathsep) for p in chunk.split(",")]
         return tuple(Path(p).expanduser().resolve() for p in parts if p)
 
     @staticmethod
-    def credential_from_env(name: str, environ: dict[str, str] | None = None) -> SecretStr | None:
+    def credential_from_env(name: str) -> SecretStr | None:
         """The credential in environment variable ``name`` (unset: None).
 
         Raises ValueError for a value that is set but unusable: empty (most likely an unset shell
         variable expanded, which would silently leave the engine open) or not printable ASCII
         without spaces (it must travel in an ``Authorization: Bearer`` header).
         """
-        raw = (environ if environ is not None else os.environ).get(name)
+        raw = os.environ.get(name)
         if raw is None:
             return None
         if not raw:
