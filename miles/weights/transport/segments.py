@@ -1,14 +1,10 @@
 """Shared-memory segments: the memory pushes on one node carry weights in.
 
-The trainer makes a segment (``Segment``) and writes buckets (or its model's weights) into it; an
-engine maps it read-only (``SegmentMaps``) and copies the tensors out.
-
-A segment is an anonymous memory file (``memfd_create``) sealed against shrinking and growing
-before anyone else sees it, named on the wire by its maker's process id and descriptor
-(``SegmentRef``: ``/proc/<pid>/fd/<fd>``). The seal is what lets an engine map it: a mapped file
-cut short kills its reader (SIGBUS), and a sealed one can never be cut; an unsealed one is refused.
-Memory files have no name in any directory, so their memory goes back to the system once the
-maker's descriptor and every mapping are gone, however the maker died.
+The trainer makes a segment (``Segment``: a ``memfd_create`` file sealed against shrinking and
+growing, named on the wire by ``/proc/<pid>/fd/<fd>``); an engine maps it read-only
+(``SegmentMaps``). The seal is what lets an engine map it: a mapped file cut short kills its reader
+(SIGBUS); an unsealed one is refused. With no name in any directory, its memory goes back to the
+system once the maker's descriptor and every mapping are gone, however the maker died.
 """
 
 from __future__ import annotations
