@@ -1,9 +1,8 @@
 """Publishing trained weights: the ``Publisher`` protocol and ``DiskPublisher``, its disk reference.
 
-``DiskPublisher.publish`` runs the training side of an update (docs/ARCHITECTURE.md, "The life
-of an update"): write the checkpoint, announce its checksum, wait until the serving side is
-ready, then hand the checkpoint to an injected ``apply`` (the demo passes the controller's
-``update_rollout_weights``), which returns once the servers hold the new weights, verified.
+``DiskPublisher.publish`` writes the checkpoint, announces its checksum, waits until the serving
+side is ready, then hands the checkpoint to an injected ``apply`` (docs/ARCHITECTURE.md, "The life
+of an update").
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Sampling groups of completions from SGLang-compatible ``/generate`` endpoints (adapter).
 
-``HttpSampler`` sends one ``/generate`` request per prompt (``n = G``, temperature 1, logprobs),
-round-robin over its URLs (a controller's, or engines'). One request per prompt keeps a prompt's
-G answers together whatever order a server gives a batch; the requests run concurrently, so the
-server still batches them.
+One request per prompt (``n = G``) keeps a prompt's G answers together whatever order a server
+gives a batch; the requests run concurrently, so the server still batches them.
 """
 
 from __future__ import annotations

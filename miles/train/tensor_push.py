@@ -1,8 +1,5 @@
 """The trainer's end of ``/update_weights_from_tensor``: buckets handed in memory to every engine
-on this machine: host tensors in a shared-memory segment every engine reads (or where they lie,
-in the segment ``share_memory`` moved the model into), GPU tensors in the trainer's GPU memory as
-CUDA IPC handles. Two regions either way: the next bucket is packed into one while the engines
-read the other.
+on this machine, host tensors in a shared-memory segment, GPU tensors as CUDA IPC handles.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """The controller's window API as a pusher uses it (``WindowClient``), and the client for each
-way a controller is reached (``window_client``: ``LocalWindows`` in this process, ``HttpWindows``
-over HTTP, ``RayWindows`` through Ray).
-
-A push opens a window, renews its lease while it pushes (``keep_alive``), publishes the model
-checksum, and ends or aborts the window (``push_in_window``).
+way a controller is reached (``window_client``); ``push_in_window`` runs a push inside a window.
 """
 
 from __future__ import annotations
