@@ -1,8 +1,6 @@
 """Checkpoints: a Hugging Face model directory plus ``miles_manifest.json``, written atomically.
 
-``save_checkpoint`` builds it in a temp directory next to the target and renames it into place,
-so a reader never sees a half-written checkpoint, and a crash leaves nothing there. The public face
-of checkpoints: it re-exports the manifest, verification and reader APIs.
+The public face of checkpoints: it re-exports the manifest, verification and reader APIs.
 """
 
 from __future__ import annotations

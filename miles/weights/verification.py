@@ -93,19 +93,15 @@ def verify_checkpoint(
     directory = Path(directory)
     try:
         manifest = read_manifest(directory)
-    except ManifestMissingError:
+    except (ManifestMissingError, ManifestInvalidError) as exc:
+        missing = isinstance(exc, ManifestMissingError)
         problem = CheckpointProblem(
-            kind=ProblemKind.MISSING_MANIFEST,
+            kind=ProblemKind.MISSING_MANIFEST if missing else ProblemKind.INVALID_MANIFEST,
             file=MANIFEST_NAME,
             message=f"no {MANIFEST_NAME} in {directory}: seal the directory (`miles checkpoint seal DIR "
-            "--model-name NAME --step N`) or re-export it with save_checkpoint.",
-        )
-        return VerificationReport(directory, None, (problem,), None)
-    except ManifestInvalidError as exc:
-        problem = CheckpointProblem(
-            kind=ProblemKind.INVALID_MANIFEST,
-            file=MANIFEST_NAME,
-            message=f"{exc.message}; re-seal the checkpoint or re-export it.",
+            "--model-name NAME --step N`) or re-export it with save_checkpoint."
+            if missing
+            else f"{exc.message}; re-seal the checkpoint or re-export it.",
         )
         return VerificationReport(directory, None, (problem,), None)
     with ExitStack() as stack:

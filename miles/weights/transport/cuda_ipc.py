@@ -1,9 +1,7 @@
 """A flat bucket in GPU memory handed to another process on the node as CUDA IPC handles.
 
-The trainer packs a bucket into a uint8 CUDA tensor and shares it (``share``); an engine on the
-same node opens it (``open_shared``) and copies from it. Both halves use what
-``torch.multiprocessing`` shares a CUDA tensor with, sent as JSON (``CudaIpcHandle``), never
-pickled: unpickling a request would run whatever code it names.
+Both halves (``share``, ``open_shared``) use what ``torch.multiprocessing`` shares a CUDA tensor
+with, sent as JSON (``CudaIpcHandle``), never pickled: unpickling a request runs whatever code it names.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The torch.distributed group of a push across nodes: formed by the trainer, joined by engines.
 
-A group of its own per push: the trainer is rank 0 and serves the group's ``TCPStore`` (``Rank0``);
-each engine joins as rank N (``join``), setting its key in the store, so a group that does not
-form names the ranks that never came. Each bucket is then one ``broadcast`` from rank 0. Forming
-and joining block in torch for the store's timeout, so both run on a daemon thread
-(``in_daemon_thread``, ``within``) that never holds up a loop's shutdown or the interpreter's exit.
+The trainer is rank 0 and serves the group's ``TCPStore`` (``Rank0``); each engine joins as rank N
+(``join``), setting its key in the store, so a group that does not form names the ranks that never
+came. Forming and joining block in torch, so both run on a daemon thread (``in_daemon_thread``,
+``within``) that never holds up a loop's shutdown or the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -107,10 +106,9 @@ def _process_group(backend: str, store: dist.Store, *, rank: int, world: int, ti
 
 
 def broadcast(group: Any, tensors: Sequence[torch.Tensor], *, timeout_s: float) -> None:
-    """Broadcast each of ``tensors`` from rank 0 (sent by rank 0, received in place by the
-    others), all queued before the first wait. The first broadcast still waiting bounds the whole:
-    a sender that stops stops them all. Raises RuntimeError or ``dist.DistError`` when one does
-    not complete within ``timeout_s``."""
+    """Broadcast each of ``tensors`` from rank 0 (received in place by the others), all queued
+    before the first wait. Raises RuntimeError or ``dist.DistError`` when one does not complete
+    within ``timeout_s``."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
     options.timeout = timedelta(seconds=timeout_s)
@@ -245,10 +243,8 @@ def join(
     phase: Callable[[str], None],
 ) -> Joined:
     """Join the group whose rank 0 serves its store at ``address``:``port``, as ``rank`` of
-    ``world`` (blocking: call on a thread, ``in_daemon_thread``). ``phase`` is told where the join
-    is, for the message of a caller that gives up on it. Raises ConflictError when rank 0 cannot
-    be reached, or the group does not form within ``timeout_s`` (naming the ranks that never
-    joined)."""
+    ``world`` (blocking; ``phase`` is told where the join is). Raises ConflictError when rank 0
+    cannot be reached, or the group does not form within ``timeout_s`` (naming who never joined)."""
     timeout = timedelta(seconds=timeout_s)
     phase("connecting to the store of rank 0")
     try:
