@@ -63,10 +63,8 @@ async def always_ready() -> bool:
 
 
 class DiskPublisher:
-    """Publishes checkpoints written under ``root`` as ``step-000042`` directories (version = step).
-
-    Keeps the ``keep_last`` newest checkpoints it wrote and deletes older ones once a newer one
-    has been applied (at least two: the one serving and the one before it, to roll back to)."""
+    """Publishes checkpoints written under ``root`` as ``step-000042`` directories (version = step),
+    keeping the ``keep_last`` newest it wrote (at least two: the one serving and its rollback)."""
 
     def __init__(
         self,

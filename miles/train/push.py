@@ -193,7 +193,6 @@ class PushPublisher:
         return module
 
     def _shares(self, module: torch.nn.Module) -> bool:
-        """Whether every tensor of ``module`` that ``share_memory`` moves lives in the shared segment."""
         shared = self._shared
         return shared is not None and all(shared.holds(t) for t in _shareable(module))
 
@@ -216,11 +215,9 @@ class PushPublisher:
         return await self.push(saved_state_dict(model), step=step)
 
     async def push(self, named: Mapping[str, torch.Tensor], *, step: int) -> PublishResult:
-        """``publish`` for named tensors (the model's, by the names its checkpoints use).
-
-        With ``delta``, after a committed push only the tensors whose digest changed since are
-        sent; the engines confirm the whole model's checksum as always, so a server that does not
-        hold what the last push left fails the commit, and the push is redone in full."""
+        """``publish`` for named tensors (the model's, by the names its checkpoints use). With
+        ``delta``, after a committed push only the tensors whose digest changed are sent; a server
+        that does not hold what the last push left fails the commit, and the push is redone in full."""
         held = self._held
         try:
             return await self._push(named, step=step, held=held, staged=self.staged)
@@ -377,7 +374,6 @@ async def _answered(answer: Awaitable[None], stats: PushStats) -> None:
 
 
 def _digested(named: Mapping[str, torch.Tensor], table: BucketTable, *, known: Mapping[str, str]) -> BucketTable:
-    """``table`` with each tensor's digest, computed where the tensor lies (nothing is copied)."""
     return BucketTable(
         entries=tuple(
             e.model_copy(update={"digest": known.get(e.name) or digest_tensor(named[e.name])}) for e in table.entries

@@ -147,9 +147,8 @@ class ShardedPublisher:
         self._mapped = None
 
     async def publish(self, model: torch.nn.Module, tokenizer: object = None, *, step: int) -> PublishResult:
-        """Return, on every rank, once the servers serve the weights of ``model`` (this rank's
-        shards of it) as version ``step``, verified. Raises PublishError on every rank when any
-        rank, the push or the commit failed; the servers then serve their previous weights."""
+        """Return, on every rank, once the servers serve ``model``'s weights as version ``step``,
+        verified. Raises PublishError on every rank when any rank, the push or the commit failed."""
         started = time.perf_counter()
         try:
             parts, local = _parts(model, self.world)
@@ -327,10 +326,9 @@ class ShardedPublisher:
 
 
 class _Steps:
-    """Rank 0's side of the collectives every publish goes through, in order: the plan; per
-    bucket, its start and the gather of the ranks' digests; the outcome. Whatever fails on rank 0,
-    ``give_up`` completes the collective the other ranks wait in with the reason, so each of them
-    raises it instead of waiting out its timeout."""
+    """Rank 0's side of the collectives of a publish (the plan; per bucket, its start and the gather
+    of digests; the outcome). Whatever fails on rank 0, ``give_up`` completes the collective the
+    other ranks wait in with the reason, so they raise it instead of waiting out their timeout."""
 
     def __init__(self, publisher: ShardedPublisher) -> None:
         self._publisher = publisher

@@ -29,7 +29,6 @@ class TensorPush:
         self._segment: Segment | None = None
 
     async def _bucket_segment(self, size: int) -> Segment:
-        """The kept segment, replaced by a bigger one when it is smaller than ``size``."""
         if self._segment is not None and self._segment.size < size:
             await self.close()
         if self._segment is None:
@@ -46,9 +45,8 @@ class TensorPush:
     async def push(
         self, named: Mapping[str, torch.Tensor], calls: EngineCalls, *, shared: Segment | None
     ) -> AsyncIterator[_Buckets]:
-        """The buckets of one push of ``named`` to the engines of ``calls``. Tensors that lie in
-        ``shared`` (host tensors only) are read there; the others are packed, in GPU memory when
-        they are on a GPU. A push that fails drops the kept segment: an engine may still read it."""
+        """The buckets of one push of ``named``: tensors that lie in ``shared`` are read there, the
+        others packed. A push that fails drops the kept segment: an engine may still read it."""
         device = next((t.device for t in named.values() if t.device.type == "cuda"), None)
         in_place: list[BucketTable] = []
         rest: Mapping[str, torch.Tensor] = named

@@ -113,9 +113,8 @@ class Trainer:
         self._fleet = _FleetClock()
 
     async def run(self) -> TrainingSummary:
-        """Run every SFT step, then every GRPO step (with torch's intra-op threads of the whole
-        process set to ``config.num_threads``); return the summary. Raises RolloutRequestError when
-        sampling failed, PublishError when publishing did (the servers may serve an older version)."""
+        """Run every SFT step, then every GRPO step; return the summary. Raises RolloutRequestError
+        when sampling failed, PublishError when publishing did (the servers may serve an older version)."""
         torch.set_num_threads(self.config.num_threads)
         started = time.monotonic()
         reports: list[StepReport] = []
@@ -294,7 +293,6 @@ class Trainer:
         return self._steps_done
 
     def _due(self, step: int) -> bool:
-        """Whether ``step`` publishes (every ``publish_every`` steps, and the last one)."""
         return step % self.config.publish_every == 0 or step == self.config.total_steps
 
     def _report(

@@ -197,10 +197,8 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int) -> Tenso
 
 class SafetensorsFile(AbstractContextManager["SafetensorsFile"]):
     """One safetensors file, open: its header parsed (raises as ``read_header``), its tensors'
-    bytes read with ``pread``. Never memory-mapped: a file cut short while it is read (a trainer
-    saving a checkpoint again in place while a server verifies the last one) would kill a process
-    touching a mapped page past the new end with SIGBUS; read, it gives an error naming what happened.
-    """
+    bytes read with ``pread``. Never memory-mapped: a mapped file cut short while it is read kills
+    its reader with SIGBUS; read, it gives an error naming what happened."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         header = read_header(path)
@@ -223,8 +221,7 @@ class SafetensorsFile(AbstractContextManager["SafetensorsFile"]):
         return hasher.hexdigest()
 
     def copy_into(self, slot: TensorSlot, target: torch.Tensor) -> str:
-        """Copy ``slot``'s bytes into ``target`` (a tensor of its dtype and shape) and return their
-        digest."""
+        """Copy ``slot``'s bytes into ``target`` (of its dtype and shape) and return their digest."""
         if target.device.type != "cpu" or not target.is_contiguous():
             # A GPU tensor or a strided view (of a fused weight): read whole on the host, then copied.
             source = self.tensor(slot)

@@ -87,9 +87,8 @@ def verify_checkpoint(
     directory: str | os.PathLike[str], *, threads: int | None = None, digests: bool = True
 ) -> VerificationReport:
     """Check the checkpoint in ``directory`` against its manifest, hashing every tensor from disk
-    (with ``digests=False`` only its structure: no tensor byte is read, and the report's
-    ``checksum`` is None). Never raises for a broken checkpoint: every problem is in the report.
-    """
+    (with ``digests=False`` only its structure, and no checksum). Never raises for a broken
+    checkpoint: every problem is in the report."""
     directory = Path(directory)
     try:
         manifest = read_manifest(directory)

@@ -129,10 +129,9 @@ def broadcast_table(
     *,
     flattened: bool,
 ) -> BucketTable:
-    """Where the tensors a broadcast will carry land in the receive buffer: back to back when the
-    bucket comes as one flat broadcast (``flattened``), else each at an aligned offset (one
-    broadcast per tensor, as SGLang sends without a ``load_format``). Raises InvalidRequestError,
-    before any byte arrives, for a tensor named twice or a dtype torch does not know."""
+    """Where the tensors a broadcast will carry land in the receive buffer: back to back when
+    ``flattened``, else each at an aligned offset (one broadcast per tensor, as SGLang sends).
+    Raises InvalidRequestError for a tensor named twice or a dtype torch does not know."""
     align = 1 if flattened else TENSOR_ALIGN
     entries: list[BucketEntry] = []
     offset, seen = 0, set()
@@ -174,9 +173,8 @@ def receive(
 
 
 class Rank0:
-    """This process as rank 0 of a new group of ``world`` members named ``group_name``: it serves
-    the group's store at ``address``:``port`` until ``close``, and forms the group once the other
-    ranks joined (``form``)."""
+    """This process as rank 0 of a new group of ``world`` members named ``group_name``, serving the
+    group's store at ``address``:``port`` until ``close``."""
 
     def __init__(self, *, address: str, world: int, group_name: str, timeout_s: float) -> None:
         self.address, self.world, self.timeout_s = address, world, timeout_s

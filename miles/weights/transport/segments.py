@@ -118,10 +118,9 @@ class Segment:
 
 def _close_soon(fd: int) -> None:
     """Close a segment's descriptor: run by ``close``, when the segment is collected, or at exit.
-    The last reference to a segment's memory frees its pages, which takes a while for a model's
-    worth: on a running event loop the close goes to the loop's executor, handed over by the
-    loop, not from here (a collection can happen inside that executor's ``submit``, which holds a
-    lock that submitting from here would wait on forever)."""
+    Freeing a model's worth of pages takes a while: on a running loop the close goes to the loop's
+    executor, handed over by the loop (a collection can happen inside that executor's ``submit``,
+    under a lock that submitting from here would wait on forever)."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
