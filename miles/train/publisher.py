@@ -132,7 +132,9 @@ class DiskPublisher:
                 f"applying the checkpoint failed: {exc}", step=step, checksum=manifest.checksum, path=str(target)
             ) from exc
         done = time.monotonic()
-        await self._prune()
+        while len(self._written) > self._keep_last:
+            # A whole checkpoint to unlink: off the loop.
+            await asyncio.to_thread(shutil.rmtree, self._written.popleft(), ignore_errors=True)
         return PublishResult(
             step=step,
             weight_version=manifest.weight_version,
@@ -154,8 +156,3 @@ class DiskPublisher:
                     waited_s=self._ready_timeout_s,
                 )
             await asyncio.sleep(self._ready_poll_s)
-
-    async def _prune(self) -> None:
-        while len(self._written) > self._keep_last:
-            # A whole checkpoint to unlink: off the loop.
-            await asyncio.to_thread(shutil.rmtree, self._written.popleft(), ignore_errors=True)
