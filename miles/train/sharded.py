@@ -215,9 +215,8 @@ class ShardedPublisher:
     def _contribute(
         self, layout: _Layout, local: dict[str, torch.Tensor], table: BucketTable, into: torch.Tensor | None
     ) -> dict[str, Any]:
-        """Write this rank's part of bucket ``table`` into ``into`` (rank 0's bucket buffer, mapped
-        here: direct) and hash the 256 KiB chunks inside this rank's rows; returns what rank 0
-        needs: the chunk digests by tensor, and (gathered, ``into`` None) this rank's bytes."""
+        """Write this rank's part of bucket ``table`` into ``into`` (direct) and hash the chunks inside
+        its rows; returns the chunk digests by tensor and (gathered, ``into`` None) this rank's bytes."""
         digests: dict[str, tuple[int, bytes]] = {}
         payload: dict[str, torch.Tensor] = {}
         for entry in table.entries:
@@ -390,9 +389,8 @@ def _chunk_digests(part: _Part, mine: torch.Tensor) -> tuple[int, bytes]:
 def _finish(
     layout: _Layout, table: BucketTable, into: torch.Tensor, gathered: list[dict[str, Any]], *, direct: bool
 ) -> BucketTable:
-    """Rank 0: the bucket with every rank's bytes in place (placed here when gathered) and each
-    tensor's digest: from its owners' chunk digests, and the chunks no rank hashed (straddling two
-    ranks' rows, or of a tensor no rank splits by rows) hashed here from the bucket's bytes."""
+    """Rank 0: the bucket with every rank's bytes in place and each tensor's digest, from its owners'
+    chunk digests and the chunks no rank hashed (straddling two ranks' rows, or not split by rows)."""
     if not direct:
         for rank, contribution in enumerate(gathered):
             for name, mine in contribution["payload"].items():

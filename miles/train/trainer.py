@@ -391,9 +391,8 @@ class Trainer:
         )
 
     def _nothing_learned(self) -> torch.Tensor:
-        """A loss of 0 with the model in its graph, for a rank whose share of a step left nothing
-        to train on: every rank takes part in every step's collectives (FSDP2's gathers and
-        reduce-scatters, the gradient norm's all-reduce), so it contributes a zero gradient."""
+        """A loss of 0 with the model in its graph, for a rank whose share of a step left nothing to
+        train on: every rank takes part in every step's collectives, so it contributes a zero gradient."""
         batch = pack(
             [[self.tokenizer.bos_token_id]], [[self.tokenizer.eos_token_id]], pad_token_id=self.tokenizer.pad_token_id
         )

@@ -154,9 +154,8 @@ def checksum_state_dict(state: Mapping[str, torch.Tensor], *, threads: int | Non
 
 
 def checksum_module(module: torch.nn.Module, *, threads: int | None = None) -> ModelChecksum:
-    """The checksum of ``module``'s state dict as Hugging Face ``save_pretrained`` writes it (tied
-    tensors once, under the name it keeps; no ``_keys_to_ignore_on_save``), so a live model and its
-    saved checkpoint give the same checksum. Raises as ``checksum_state_dict``."""
+    """The checksum of ``module``'s state dict as Hugging Face ``save_pretrained`` writes it (tied tensors
+    once), so a live model and its saved checkpoint agree. Raises as ``checksum_state_dict``."""
     return checksum_state_dict(saved_state_dict(module), threads=threads)
 
 

@@ -116,10 +116,9 @@ def open_regular(path: Path) -> BinaryIO:
 
 
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
-    """The header of the safetensors file at ``path``, each tensor's bytes checked to lie in the
-    file and to match its dtype and shape. Raises CheckpointFileMissingError (no file),
-    CheckpointFileTruncatedError (the file ends before the header or a tensor's bytes),
-    CheckpointFileInvalidError (a malformed header)."""
+    """The header of the safetensors file at ``path``, each tensor's bytes checked to lie in the file and
+    to match its dtype and shape. Raises CheckpointFileMissingError (no file), CheckpointFileTruncatedError
+    (it ends before the header or a tensor's bytes), CheckpointFileInvalidError (a malformed header)."""
     path = Path(path)
     try:
         with open_regular(path) as f:

@@ -156,9 +156,8 @@ def file_problem(file_name: str, exc: CheckpointFileError) -> CheckpointProblem:
 def compare_with_manifest(
     manifest: Manifest, opened: Mapping[str, SafetensorsFile], *, threads: int | None = None, digests: bool = True
 ) -> tuple[list[CheckpointProblem], str | None]:
-    """The problems of the tensors in ``opened`` (the manifest's files that could be opened: the
-    others' tensors are covered by their file's problem) against the manifest, and the model
-    checksum of the tensors found (None if a name is duplicated)."""
+    """The problems of the tensors in ``opened`` (the manifest's files that could be opened) against
+    the manifest, and the model checksum of the tensors found (None if a name is duplicated)."""
     problems: list[CheckpointProblem] = []
     combined = manifest.combined_checksum()
     if combined != manifest.checksum:

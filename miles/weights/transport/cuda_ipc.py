@@ -55,9 +55,8 @@ def share(buffer: torch.Tensor) -> CudaIpcHandle:
 
 
 def open_shared(handle: CudaIpcHandle, needed: int) -> torch.Tensor:
-    """The sender's flat uint8 CUDA tensor, opened from its IPC handles (as torch.multiprocessing
-    rebuilds a shared CUDA tensor, without unpickling anything). Raises InvalidRequestError when
-    it holds fewer than ``needed`` bytes or cannot be opened here."""
+    """The sender's flat uint8 CUDA tensor, opened from its IPC handles without unpickling anything.
+    Raises InvalidRequestError when it holds fewer than ``needed`` bytes or cannot be opened here."""
     if handle.numel < needed:
         raise InvalidRequestError(f"the CUDA buffer holds {handle.numel} bytes, fewer than the {needed} of its table")
     try:

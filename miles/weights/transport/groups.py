@@ -69,8 +69,7 @@ def in_daemon_thread(fn: Callable[[], T], *, name: str) -> asyncio.Future[T]:
 
 def within(fn: Callable[[], T], *, timeout_s: float, name: str) -> T:
     """``fn()`` on a daemon thread of its own, waited for at most ``timeout_s``, for a caller with no
-    event loop. Raises what ``fn`` raised, or TimeoutError once ``timeout_s`` has passed: whatever
-    ``fn`` returns or raises later is dropped, and its thread holds up nothing."""
+    event loop. Raises what ``fn`` raised, or TimeoutError once ``timeout_s`` has passed."""
     answers: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
 
     def run() -> None:
@@ -156,9 +155,8 @@ def broadcast_table(
 def receive(
     group: Any, table: BucketTable, flat: torch.Tensor, *, flattened: bool, group_name: str, timeout_s: float
 ) -> Received:
-    """The bucket of ``table`` broadcast by rank 0 into ``flat`` (on the device the group receives
-    on), unchecked. Raises ConflictError when the broadcast does not complete within
-    ``timeout_s``: the group is then of no more use."""
+    """The bucket of ``table`` broadcast by rank 0 into ``flat``, unchecked. Raises ConflictError when
+    the broadcast does not complete within ``timeout_s``: the group is then of no more use."""
     tensors = [flat]
     if not flattened:
         tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape) for e in table.entries]

@@ -166,9 +166,8 @@ class SegmentMaps:
             ).start()
 
     def flat(self, ref: SegmentRef, needed: int) -> torch.Tensor:
-        """The bytes of segment ``ref`` (read-only), refused unless it is a sealed memory file of
-        miles' holding at least ``needed`` bytes. Raises NotFoundError when no such process or
-        descriptor exists on this node, InvalidRequestError for anything else."""
+        """The bytes of segment ``ref`` (read-only), a sealed memory file of miles' of at least ``needed``
+        bytes. Raises NotFoundError when it is not on this node, InvalidRequestError for anything else."""
         fd = _open(ref, where="the sender must run on the engine's node, in its process namespace")
         try:
             status = os.fstat(fd)
