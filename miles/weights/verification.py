@@ -83,9 +83,7 @@ class VerificationReport:
         )
 
 
-def verify_checkpoint(
-    directory: str | os.PathLike[str], *, threads: int | None = None, digests: bool = True
-) -> VerificationReport:
+def verify_checkpoint(directory: str | os.PathLike[str], *, digests: bool = True) -> VerificationReport:
     """Check the checkpoint in ``directory`` against its manifest, hashing every tensor from disk
     (with ``digests=False`` only its structure, and no checksum). Never raises for a broken
     checkpoint: every problem is in the report."""
@@ -111,7 +109,7 @@ def verify_checkpoint(
                 opened[file_name] = stack.enter_context(SafetensorsFile(directory / file_name))
             except CheckpointFileError as exc:
                 problems.append(file_problem(file_name, exc))
-        found, checksum = compare_with_manifest(manifest, opened, threads=threads, digests=digests)
+        found, checksum = compare_with_manifest(manifest, opened, digests=digests)
     if len(opened) < len(manifest.files):
         checksum = None
     return VerificationReport(directory, manifest, tuple(problems + found), checksum)
