@@ -1,8 +1,5 @@
 """The trainer's end of a torch.distributed push: a group of its own with this process as rank 0,
 joined by every engine of the window, one flat broadcast per bucket, left when the push ends.
-
-A group whose other side never joins fails on both sides within ``timeout_s``, naming the engines
-missing; an engine that refuses to join or does not answer fails the push at once, naming it.
 """
 
 from __future__ import annotations
