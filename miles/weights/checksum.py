@@ -153,10 +153,10 @@ def checksum_state_dict(state: Mapping[str, torch.Tensor], *, threads: int | Non
     return checksum_from_digests(digests, num_bytes=sum(n for n, _ in jobs))
 
 
-def checksum_module(module: torch.nn.Module, *, threads: int | None = None) -> ModelChecksum:
+def checksum_module(module: torch.nn.Module) -> ModelChecksum:
     """The checksum of ``module``'s state dict as Hugging Face ``save_pretrained`` writes it (tied tensors
     once), so a live model and its saved checkpoint agree. Raises as ``checksum_state_dict``."""
-    return checksum_state_dict(saved_state_dict(module), threads=threads)
+    return checksum_state_dict(saved_state_dict(module))
 
 
 def saved_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -223,21 +223,19 @@ def digest_files(
     ]
 
 
-def checksum_safetensors(
-    paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], *, threads: int | None = None
-) -> ModelChecksum:
+def checksum_safetensors(paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> ModelChecksum:
     """The checksum of the tensors in a safetensors file, several, or a directory (the files
     ``from_pretrained`` would load). Raises CheckpointFileMissingError, CheckpointFileTruncatedError
     or CheckpointFileInvalidError (a file missing, cut or malformed, or a tensor name in two files)."""
-    return checksum_files(_expand_paths(paths_or_dir), threads=threads)[0]
+    return checksum_files(_expand_paths(paths_or_dir))[0]
 
 
-def checksum_files(paths: Sequence[Path], *, threads: int | None = None) -> tuple[ModelChecksum, dict[str, Path]]:
+def checksum_files(paths: Sequence[Path]) -> tuple[ModelChecksum, dict[str, Path]]:
     """The checksum of the tensors in the safetensors files ``paths``, and the file of each tensor;
     raises as ``checksum_safetensors``."""
     with ExitStack() as stack:
         slots = collect_slots([stack.enter_context(SafetensorsFile(p)) for p in paths])
-        digests = digest_files(slots, threads=threads)
+        digests = digest_files(slots)
     owners = {slot.name: mapped.path for mapped, slot in slots}
     return checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots)), owners
 
