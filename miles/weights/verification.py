@@ -249,31 +249,22 @@ def _digest_problem(name: str, entry: TensorEntry, actual: str) -> CheckpointPro
 
 
 def _entry_problems(name: str, file_name: str, entry: TensorEntry, digest: TensorDigest) -> list[CheckpointProblem]:
-    problems: list[CheckpointProblem] = []
-    if entry.dtype != digest.dtype:
-        problems.append(
-            CheckpointProblem(
-                kind=ProblemKind.WRONG_DTYPE,
-                tensor=name,
-                file=file_name,
-                expected=entry.dtype,
-                actual=digest.dtype,
-                message=f"tensor {name!r} is {digest.dtype} in {file_name}, the manifest says "
-                f"{entry.dtype}; {_RESEAL}.",
-            )
+    layouts = (
+        (ProblemKind.WRONG_DTYPE, "is", entry.dtype, digest.dtype),
+        (ProblemKind.WRONG_SHAPE, "has shape", str(list(entry.shape)), str(list(digest.shape))),
+    )
+    problems = [
+        CheckpointProblem(
+            kind=kind,
+            tensor=name,
+            file=file_name,
+            expected=expected,
+            actual=actual,
+            message=f"tensor {name!r} {verb} {actual} in {file_name}, the manifest says {expected}; {_RESEAL}.",
         )
-    if tuple(entry.shape) != digest.shape:
-        problems.append(
-            CheckpointProblem(
-                kind=ProblemKind.WRONG_SHAPE,
-                tensor=name,
-                file=file_name,
-                expected=str(list(entry.shape)),
-                actual=str(list(digest.shape)),
-                message=f"tensor {name!r} has shape {list(digest.shape)} in {file_name}, the manifest "
-                f"says {list(entry.shape)}; {_RESEAL}.",
-            )
-        )
+        for kind, verb, expected, actual in layouts
+        if expected != actual
+    ]
     # Only compare bytes once dtype and shape agree: a different layout is already named above.
     if not problems and entry.digest != digest.digest:
         problems.append(_digest_problem(name, entry, digest.digest))
