@@ -1,8 +1,5 @@
 """The trainer's end of a torch.distributed push: a group of its own with this process as rank 0,
 joined by every engine of the window, one flat broadcast per bucket, left when the push ends.
-
-A group whose other side never joins fails on both sides within ``timeout_s``, naming the engines
-missing; an engine that refuses to join or does not answer fails the push at once, naming it.
 """
 
 from __future__ import annotations
@@ -41,20 +38,17 @@ class DistributedPush:
         self._buffers: list[torch.Tensor] = []
 
     def _host_buffers(self, count: int, size: int) -> list[torch.Tensor]:
-        """``count`` host buffers of at least ``size`` bytes, the kept ones when they are enough."""
         if len(self._buffers) < count or any(b.numel() < size for b in self._buffers[:count]):
             self._buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)]
         return self._buffers[:count]
 
     def close(self) -> None:
-        """Free the kept buffers."""
         self._buffers = []
 
     @contextlib.asynccontextmanager
     async def push(self, named: Mapping[str, torch.Tensor], calls: EngineCalls) -> AsyncIterator[_Broadcasts]:
-        """The buckets of one push of ``named``, once every engine of ``calls`` joined this
-        push's group; the engines leave it when the block ends. Raises PublishError when the
-        group does not form."""
+        """The buckets of one push of ``named``, once every engine of ``calls`` joined this push's
+        group (left when the block ends). Raises PublishError when the group does not form."""
         world = len(calls.window.servers) + 1
         rank0 = groups.Rank0(address=self.master_address, world=world, group_name=GROUP_NAME, timeout_s=self.timeout_s)
         try:

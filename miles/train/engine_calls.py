@@ -93,9 +93,8 @@ async def post_all(
     fail_fast: bool = False,
     vllm_sessions: set[str] | None = None,
 ) -> None:
-    """POST ``body(i)`` to the ``i``-th engine of the window, all at once, with its credential.
-    Raises PublishError naming each engine that refused or did not answer (with ``fail_fast``,
-    the first, at once), its ``refusal`` the one an engine named."""
+    """POST ``body(i)`` to the ``i``-th engine of the window, all at once, with its credential. Raises
+    PublishError naming each engine that refused or did not answer (with ``fail_fast``, the first, at once)."""
     headers = {"authorization": f"Bearer {window.credential}"} if window.credential else {}
     expected = _ANSWERS[path]
 

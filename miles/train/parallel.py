@@ -1,9 +1,7 @@
 """How one trainer's work is split over processes: ``Parallelism``, which ``Trainer`` is given.
 
-``SingleProcess`` (the default) trains every batch on the whole model; ``FSDP2DataParallel`` is one
-rank of several (docs/ARCHITECTURE.md, "Processes and threads", Trainer ranks). Every rank must
-run the same steps in the same order: FSDP2's gathers, the gradient norm's all-reduce and the
-publisher's collectives all wait for every rank.
+Every rank must run the same steps in the same order: FSDP2's gathers, the gradient norm's
+all-reduce and the publisher's collectives all wait for every rank.
 """
 
 from __future__ import annotations
@@ -64,8 +62,7 @@ class SingleProcess:
 
 class FSDP2DataParallel:
     """This process is one FSDP2 data-parallel rank. Make it on every rank, at the same point,
-    after ``torch.distributed`` is initialised: it forms a group of its own for the reports,
-    bounded by ``timeout_s`` rather than the default group's half an hour."""
+    after ``torch.distributed`` is initialised (it forms a group of its own, bounded by ``timeout_s``)."""
 
     def __init__(self, *, timeout_s: float = 120.0) -> None:
         if not dist.is_initialized():

@@ -1,9 +1,8 @@
 """Publishing trained weights: the ``Publisher`` protocol and ``DiskPublisher``, its disk reference.
 
-``DiskPublisher.publish`` runs the training side of an update (docs/ARCHITECTURE.md, "The life
-of an update"): write the checkpoint, announce its checksum, wait until the serving side is
-ready, then hand the checkpoint to an injected ``apply`` (the demo passes the controller's
-``update_rollout_weights``), which returns once the servers hold the new weights, verified.
+``DiskPublisher.publish`` writes the checkpoint, announces its checksum, waits until the serving
+side is ready, then hands the checkpoint to an injected ``apply`` (docs/ARCHITECTURE.md, "The life
+of an update").
 """
 
 from __future__ import annotations
@@ -64,10 +63,8 @@ async def always_ready() -> bool:
 
 
 class DiskPublisher:
-    """Publishes checkpoints written under ``root`` as ``step-000042`` directories (version = step).
-
-    Keeps the ``keep_last`` newest checkpoints it wrote and deletes older ones once a newer one
-    has been applied (at least two: the one serving and the one before it, to roll back to)."""
+    """Publishes checkpoints written under ``root`` as ``step-000042`` directories (version = step),
+    keeping the ``keep_last`` newest it wrote (at least two: the one serving and its rollback)."""
 
     def __init__(
         self,
@@ -135,7 +132,9 @@ class DiskPublisher:
                 f"applying the checkpoint failed: {exc}", step=step, checksum=manifest.checksum, path=str(target)
             ) from exc
         done = time.monotonic()
-        await self._prune()
+        while len(self._written) > self._keep_last:
+            # A whole checkpoint to unlink: off the loop.
+            await asyncio.to_thread(shutil.rmtree, self._written.popleft(), ignore_errors=True)
         return PublishResult(
             step=step,
             weight_version=manifest.weight_version,
@@ -157,8 +156,3 @@ class DiskPublisher:
                     waited_s=self._ready_timeout_s,
                 )
             await asyncio.sleep(self._ready_poll_s)
-
-    async def _prune(self) -> None:
-        while len(self._written) > self._keep_last:
-            # A whole checkpoint to unlink: off the loop.
-            await asyncio.to_thread(shutil.rmtree, self._written.popleft(), ignore_errors=True)

@@ -1,10 +1,7 @@
 """Pushing weights from the trainer's memory, no disk: ``PushPublisher``, a ``Publisher``.
 
-``publish`` runs the training side of a window (docs/ARCHITECTURE.md, "Pushing weights from
-memory"); anything that fails aborts the window, and the servers go back to their verified
-weights. One bucket loop (``send_buckets``) whatever the path; the path's ``BucketSender`` says
-where each bucket is packed and how it reaches the engines: ``shm`` (``miles.train.tensor_push``),
-``distributed`` (``miles.train.distributed_push``), or ``auto`` (``choose_path``).
+One bucket loop (``send_buckets``) whatever the path (docs/ARCHITECTURE.md, "Pushing weights from
+memory"); the path's ``BucketSender`` says where each bucket is packed and how it reaches the engines.
 """
 
 from __future__ import annotations
@@ -69,10 +66,8 @@ class BucketSender(Protocol):
         engines read its tensors where they lie (they are only hashed)."""
 
     async def send(self, index: int, packed: BucketTable, *, checksum: str | None) -> Awaitable[None]:
-        """Hand bucket ``index`` (its table with the digests) to every engine; ``checksum``, with
-        the last bucket, is the model checksum they must hold after it. Returns once the bucket's
-        buffer may be packed again, with the engines' answers (raising PublishError for a refusal)
-        to await: at once where they read the buffer itself, later where it was broadcast to them."""
+        """Hand bucket ``index`` to every engine (``checksum`` with the last one); returns once its
+        buffer may be packed again, with the engines' answers (PublishError for a refusal) to await."""
 
 
 def check_push_settings(*, path: TransferPath, ttl_s: float, timeout_s: float, bucket_bytes: int) -> None:
@@ -187,11 +182,9 @@ class PushPublisher:
         return self._shared
 
     def share_memory(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Move ``module``'s CPU parameters and buffers into a shared-memory segment of this
-        publisher's (the tensors stay the same objects with the same values), so engines on this
-        machine read each where it lies and a push copies nothing on this side (it only hashes).
-        Called again, it moves them into a new segment. Returns ``module``; raises PublishError
-        when the memory for them cannot be had."""
+        """Move ``module``'s CPU parameters and buffers (same objects, same values) into a new
+        shared-memory segment of this publisher's, so a push copies nothing on this side. Returns
+        ``module``; raises PublishError when the memory for them cannot be had."""
         segment = _share(module)
         if segment is not None:
             previous, self._shared = self._shared, segment
@@ -200,7 +193,6 @@ class PushPublisher:
         return module
 
     def _shares(self, module: torch.nn.Module) -> bool:
-        """Whether every tensor of ``module`` that ``share_memory`` moves lives in the shared segment."""
         shared = self._shared
         return shared is not None and all(shared.holds(t) for t in _shareable(module))
 
@@ -213,9 +205,7 @@ class PushPublisher:
 
     async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
         """Return once the servers serve ``model``'s weights as version ``step``, verified; raises
-        PublishError when the push or the commit failed (the servers keep their verified weights).
-        With ``share_weights`` and a path that may be shared memory, the weights are first moved
-        there (``share_memory``); when that memory cannot be had, every push copies them."""
+        PublishError when the push or the commit failed (the servers keep their verified weights)."""
         if self.share_weights and self.path is not TransferPath.DISTRIBUTED and not self._shares(model):
             try:
                 await asyncio.to_thread(self.share_memory, model)
@@ -225,11 +215,9 @@ class PushPublisher:
         return await self.push(saved_state_dict(model), step=step)
 
     async def push(self, named: Mapping[str, torch.Tensor], *, step: int) -> PublishResult:
-        """``publish`` for named tensors (the model's, by the names its checkpoints use).
-
-        With ``delta``, after a committed push only the tensors whose digest changed since are
-        sent; the engines confirm the whole model's checksum as always, so a server that does not
-        hold what the last push left fails the commit, and the push is redone in full."""
+        """``publish`` for named tensors (the model's, by the names its checkpoints use). With
+        ``delta``, after a committed push only the tensors whose digest changed are sent; a server
+        that does not hold what the last push left fails the commit, and the push is redone in full."""
         held = self._held
         try:
             return await self._push(named, step=step, held=held, staged=self.staged)
@@ -361,8 +349,7 @@ async def _stream(
     unchanged: list[TensorDigest],
     known: Mapping[str, str],
 ) -> str:
-    """``send_buckets`` of ``named``: each bucket copied into its buffer and digested, or digested
-    where its tensors lie (from ``known`` digests when they have not changed since)."""
+    """``send_buckets`` of ``named``: each bucket packed into its buffer, or digested where it lies."""
 
     async def fill(index: int, table: BucketTable) -> BucketTable:
         packing = time.perf_counter()
@@ -387,7 +374,6 @@ async def _answered(answer: Awaitable[None], stats: PushStats) -> None:
 
 
 def _digested(named: Mapping[str, torch.Tensor], table: BucketTable, *, known: Mapping[str, str]) -> BucketTable:
-    """``table`` with each tensor's digest, computed where the tensor lies (nothing is copied)."""
     return BucketTable(
         entries=tuple(
             e.model_copy(update={"digest": known.get(e.name) or digest_tensor(named[e.name])}) for e in table.entries
@@ -407,8 +393,7 @@ def _shareable(module: torch.nn.Module) -> Iterator[torch.Tensor]:
 
 def _share(module: torch.nn.Module) -> Segment | None:
     """Move every CPU parameter and buffer of ``module`` into a new segment (each storage copied
-    once, every tensor viewing it re-pointed, values unchanged); None when there is none. Raises
-    PublishError when the memory for them cannot be had."""
+    once, every tensor viewing it re-pointed); None when there is none. Raises as ``share_memory``."""
     storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
     for tensor in _shareable(module):
         storage = tensor.untyped_storage()

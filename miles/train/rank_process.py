@@ -1,8 +1,6 @@
 """``python -m miles.train.rank_process``: one rank of a trainer split over processes.
 
-Every rank runs the same ``Trainer`` loop on its share of each batch (``FSDP2DataParallel``),
-samples from the controller's HTTP API, and publishes its shards through ``ShardedPublisher``. It
-finds its peers as ``torchrun`` tells them, so ``torchrun`` runs it too; ``TrainerRanks`` starts
+It finds its peers as ``torchrun`` tells them, so ``torchrun`` runs it too; ``TrainerRanks`` starts
 it from a process that wants its reports (rank 0 writes them to ``--report-fd``).
 """
 

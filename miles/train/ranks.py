@@ -1,10 +1,6 @@
 """A trainer split over rank processes on this machine: ``TrainerRanks`` starts them, relays what
-rank 0 reports, and ends them (docs/ARCHITECTURE.md, "Processes and threads", Trainer ranks).
-
-Each rank is ``python -m miles.train.rank_process``, found by its peers as under ``torchrun``; rank
-0 writes each step's report, then the summary (or why it failed), as JSON lines (``RankMessage``)
-to a pipe of this process's. A rank that fails or dies fails the run at once; the others get
-``grace_s`` for rank 0 to say why, then are stopped (SIGTERM then SIGKILL).
+rank 0 reports (JSON lines, ``RankMessage``, on a pipe), and ends them (docs/ARCHITECTURE.md,
+"Processes and threads", Trainer ranks).
 """
 
 from __future__ import annotations

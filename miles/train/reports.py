@@ -121,10 +121,9 @@ class StepReport(_Frozen):
 
     @classmethod
     def combined(cls, parts: Sequence[StepReport]) -> StepReport:
-        """One step from each data-parallel rank's report of its share (rank 0's first): sample
-        figures over all the samples, the loss and policy figures averaged over the ranks (as their
-        gradients are), rank 0's publish, the slowest rank's time, the mean idle times. Raises
-        ValueError for no reports, or reports of different steps."""
+        """One step from each data-parallel rank's report of its share (rank 0's first): the loss
+        and policy figures averaged over the ranks (as their gradients are), sample figures over all
+        samples. Raises ValueError for no reports, or reports of different steps."""
         if not parts or len({(p.step, p.phase) for p in parts}) != 1:
             raise ValueError(f"combine the reports of one step, got {[(p.step, p.phase.value) for p in parts]}")
 

@@ -1,15 +1,12 @@
 """Sampling groups of completions from SGLang-compatible ``/generate`` endpoints (adapter).
 
-``HttpSampler`` sends one ``/generate`` request per prompt (``n = G``, temperature 1, logprobs),
-round-robin over its URLs (a controller's, or engines'). One request per prompt keeps a prompt's
-G answers together whatever order a server gives a batch; the requests run concurrently, so the
-server still batches them.
+One request per prompt (``n = G``) keeps a prompt's G answers together whatever order a server
+gives a batch; the requests run concurrently, so the server still batches them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,8 +56,7 @@ class Sampler(Protocol):
         min_weight_version: str | None = None,
     ) -> list[Group]:
         """One ``Group`` of ``group_size`` samples per prompt, in prompt order, generated on
-        ``min_weight_version`` or a later version when given (the controller routes them so).
-        Raises RolloutRequestError when a request failed or its answer was unusable."""
+        ``min_weight_version`` or later when given; RolloutRequestError when a request failed."""
 
 
 class HttpSampler:
@@ -86,27 +82,18 @@ class HttpSampler:
         min_weight_version: str | None = None,
     ) -> list[Group]:
         """``min_weight_version`` needs a controller's URL (an engine would refuse the field)."""
-        one = functools.partial(
-            self._one, group_size=group_size, max_new_tokens=max_new_tokens, min_weight_version=min_weight_version
-        )
-        return list(await asyncio.gather(*(one(next(self._next_url), list(prompt)) for prompt in prompts)))
-
-    async def _one(
-        self, url: str, prompt: list[int], *, group_size: int, max_new_tokens: int, min_weight_version: str | None
-    ) -> Group:
-        payload: dict[str, Any] = {
-            "input_ids": prompt,
-            "sampling_params": {
-                "n": group_size,
-                "temperature": TEMPERATURE,
-                "max_new_tokens": max_new_tokens,
-                # EOS ends a completion by default; a newline ends it too (one answer per line).
-                "stop_token_ids": [NEWLINE_TOKEN_ID],
-            },
-            "return_logprob": True,
+        params = {
+            "n": group_size,
+            "temperature": TEMPERATURE,
+            "max_new_tokens": max_new_tokens,
+            # EOS ends a completion by default; a newline ends it too (one answer per line).
+            "stop_token_ids": [NEWLINE_TOKEN_ID],
         }
-        if min_weight_version is not None:
-            payload["min_weight_version"] = min_weight_version
+        since = {} if min_weight_version is None else {"min_weight_version": min_weight_version}
+        bodies = [{"input_ids": list(p), "sampling_params": params, "return_logprob": True, **since} for p in prompts]
+        return list(await asyncio.gather(*(self._one(next(self._next_url), b, group_size=group_size) for b in bodies)))
+
+    async def _one(self, url: str, payload: dict[str, Any], *, group_size: int) -> Group:
         try:
             response = await self._http.post(f"{url}/generate", json=payload, timeout=self._timeout_s)
         except httpx.HTTPError as exc:
@@ -117,7 +104,8 @@ class HttpSampler:
         items = body if isinstance(body, list) else [body]
         if len(items) != group_size:
             raise RolloutRequestError(f"/generate returned {len(items)} completions for n={group_size}", url=url)
-        return Group(prompt_ids=tuple(prompt), samples=tuple(_parse_sample(item, url=url) for item in items))
+        samples = tuple(_parse_sample(item, url=url) for item in items)
+        return Group(prompt_ids=tuple(payload["input_ids"]), samples=samples)
 
 
 def _parse_sample(item: Any, *, url: str) -> Sample:

@@ -1,19 +1,11 @@
 """Publishing the weights of a sharded trainer: ``ShardedPublisher``, called by every rank.
 
-A trainer that shards its model with FSDP2 (``fully_shard``: ``DTensor`` parameters split by rows)
-publishes without any rank holding the whole model (docs/ARCHITECTURE.md, "Pushing weights from
-memory"): rank 0 opens one window and speaks to the controller and the engines, and each bucket
-is filled by the ranks that own its bytes, **direct** (every rank and engine on this machine: each
-rank writes its rows into rank 0's shared-memory bucket segment) or **gathered** (one gather to
-rank 0 per bucket). Each rank hashes the 256 KiB chunks inside its rows (``miles.weights.digest``),
-rank 0 the chunks straddling two ranks and the tensors no rank splits by rows: the checksum is a
-checkpoint's.
-
-Every collective of a publish (two per bucket, three per publish) is on a gloo group of the
-publisher's with ``timeout_s``: a rank that fails says so in the next one, a rank that dies or
-never comes fails the others within ``timeout_s``, naming it. Layouts the publisher cannot split (a
-mesh of more than one dimension, a ``Partial`` tensor) and ranks that disagree on the step or the
-layout are refused on every rank before the window opens.
+An FSDP2 trainer publishes without any rank holding the whole model (docs/ARCHITECTURE.md, "Pushing
+weights from memory", Sharded trainers): rank 0 opens one window and speaks to the controller and
+the engines; each bucket is filled by the ranks that own its bytes, **direct** (written into rank
+0's shared-memory bucket segment) or **gathered** (one gather to rank 0 per bucket), each rank
+hashing the 256 KiB chunks inside its rows. Every collective is on a gloo group of the publisher's
+with ``timeout_s``: a rank that dies or never comes fails the others within it, naming it.
 """
 
 from __future__ import annotations
@@ -71,14 +63,6 @@ class _Part:
         """The bytes of the whole tensor."""
         return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
-    def byte_range(self) -> tuple[int, int]:
-        """Where a ``rows`` part lies in the whole tensor's bytes."""
-        row = math.prod(self.shape[1:]) * getattr(torch, self.dtype).itemsize
-        return self.start * row, self.stop * row
-
-    def global_key(self) -> tuple[str, str, tuple[int, ...], str]:
-        return (self.name, self.dtype, self.shape, self.kind if self.kind == "whole" else f"shard{self.dim}")
-
 
 def _parts(model: torch.nn.Module, world: int) -> tuple[list[_Part], dict[str, torch.Tensor]]:
     """This rank's part of every tensor a checkpoint of ``model`` holds, and its local tensors.
@@ -129,9 +113,8 @@ class _Plan:
 
 
 class ShardedPublisher:
-    """Publishes a sharded trainer's weights (module docstring). Make one on every rank, after
-    ``torch.distributed`` is initialised and at the same point on each (it forms a group of its
-    own); ``controller`` (anything ``miles.train.windows.window_client`` takes) is used by rank 0."""
+    """Publishes a sharded trainer's weights (module docstring). Make one on every rank, at the same
+    point, after ``torch.distributed`` is initialised; ``controller`` is used by rank 0."""
 
     def __init__(
         self,
@@ -164,9 +147,8 @@ class ShardedPublisher:
         self._mapped = None
 
     async def publish(self, model: torch.nn.Module, tokenizer: object = None, *, step: int) -> PublishResult:
-        """Return, on every rank, once the servers serve the weights of ``model`` (this rank's
-        shards of it) as version ``step``, verified. Raises PublishError on every rank when any
-        rank, the push or the commit failed; the servers then serve their previous weights."""
+        """Return, on every rank, once the servers serve ``model``'s weights as version ``step``,
+        verified. Raises PublishError on every rank when any rank, the push or the commit failed."""
         started = time.perf_counter()
         try:
             parts, local = _parts(model, self.world)
@@ -192,8 +174,8 @@ class ShardedPublisher:
             ) from None
 
     async def _agree(self, parts: list[_Part], *, step: int, refused: str | None) -> _Layout:
-        """Every rank's parts, once all of them called publish for the same step with the same
-        model layout; raises PublishError naming the ranks missing or disagreeing."""
+        """Every rank's parts, once all called publish for the same step and layout; raises
+        PublishError naming the ranks missing or disagreeing."""
 
         def barrier() -> None:
             dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
@@ -208,7 +190,7 @@ class ShardedPublisher:
             problems.append(
                 "the ranks publish different steps: " + ", ".join(f"rank {r} {g[0]}" for r, g in enumerate(gathered))
             )
-        keys = [[p.global_key() for p in g[2]] for g in gathered]
+        keys = [[(p.name, p.dtype, p.shape, p.kind if p.kind == "whole" else p.dim) for p in g[2]] for g in gathered]
         disagreeing = [r for r, k in enumerate(keys) if k != keys[0]]
         if not problems and disagreeing:
             problems.append(
@@ -233,9 +215,8 @@ class ShardedPublisher:
     def _contribute(
         self, layout: _Layout, local: dict[str, torch.Tensor], table: BucketTable, into: torch.Tensor | None
     ) -> dict[str, Any]:
-        """Write this rank's part of bucket ``table`` into ``into`` (rank 0's bucket buffer, mapped
-        here: direct) and hash the 256 KiB chunks inside this rank's rows; returns what rank 0
-        needs: the chunk digests by tensor, and (gathered, ``into`` None) this rank's bytes."""
+        """Write this rank's part of bucket ``table`` into ``into`` (direct) and hash the chunks inside
+        its rows; returns the chunk digests by tensor and (gathered, ``into`` None) this rank's bytes."""
         digests: dict[str, tuple[int, bytes]] = {}
         payload: dict[str, torch.Tensor] = {}
         for entry in table.entries:
@@ -344,10 +325,9 @@ class ShardedPublisher:
 
 
 class _Steps:
-    """Rank 0's side of the collectives every publish goes through, in order: the plan; per
-    bucket, its start and the gather of the ranks' digests; the outcome. Whatever fails on rank 0,
-    ``give_up`` completes the collective the other ranks wait in with the reason, so each of them
-    raises it instead of waiting out its timeout."""
+    """Rank 0's side of the collectives of a publish (the plan; per bucket, its start and the gather
+    of digests; the outcome). Whatever fails on rank 0, ``give_up`` completes the collective the
+    other ranks wait in with the reason, so they raise it instead of waiting out their timeout."""
 
     def __init__(self, publisher: ShardedPublisher) -> None:
         self._publisher = publisher
@@ -395,7 +375,8 @@ def _place(into: torch.Tensor, offset: int, part: _Part, mine: torch.Tensor) -> 
 def _chunk_digests(part: _Part, mine: torch.Tensor) -> tuple[int, bytes]:
     """The digests of the 256 KiB chunks of the whole tensor that lie inside this rank's rows:
     the index of the first, and the digests back to back."""
-    begin, end = part.byte_range()
+    row = math.prod(part.shape[1:]) * getattr(torch, part.dtype).itemsize
+    begin, end = part.start * row, part.stop * row
     raw = memoryview(mine.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())  # type: ignore[arg-type]
     total = part.nbytes
     # The first chunk starting in the rows, up to the last one ending in them (the tensor's last
@@ -408,9 +389,8 @@ def _chunk_digests(part: _Part, mine: torch.Tensor) -> tuple[int, bytes]:
 def _finish(
     layout: _Layout, table: BucketTable, into: torch.Tensor, gathered: list[dict[str, Any]], *, direct: bool
 ) -> BucketTable:
-    """Rank 0: the bucket with every rank's bytes in place (placed here when gathered) and each
-    tensor's digest: from its owners' chunk digests, and the chunks no rank hashed (straddling two
-    ranks' rows, or of a tensor no rank splits by rows) hashed here from the bucket's bytes."""
+    """Rank 0: the bucket with every rank's bytes in place and each tensor's digest, from its owners'
+    chunk digests and the chunks no rank hashed (straddling two ranks' rows, or not split by rows)."""
     if not direct:
         for rank, contribution in enumerate(gathered):
             for name, mine in contribution["payload"].items():

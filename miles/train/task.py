@@ -1,8 +1,7 @@
 """The synthetic task the reference trainer learns: reverse a short string, checked exactly.
 
 A problem is a line ``rev <letters>\\n``; the answer is the letters reversed, then EOS (a newline
-ends it just as well). A tiny model learns the format and part of the skill in a short SFT warm-up
-and sharpens it with GRPO within minutes on a CPU.
+ends it just as well).
 
 Reward (in ``[0, 1]``):
 

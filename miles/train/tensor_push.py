@@ -1,8 +1,5 @@
 """The trainer's end of ``/update_weights_from_tensor``: buckets handed in memory to every engine
-on this machine: host tensors in a shared-memory segment every engine reads (or where they lie,
-in the segment ``share_memory`` moved the model into), GPU tensors in the trainer's GPU memory as
-CUDA IPC handles. Two regions either way: the next bucket is packed into one while the engines
-read the other.
+on this machine, host tensors in a shared-memory segment, GPU tensors as CUDA IPC handles.
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ class TensorPush:
         self._segment: Segment | None = None
 
     async def _bucket_segment(self, size: int) -> Segment:
-        """The kept segment, replaced by a bigger one when it is smaller than ``size``."""
         if self._segment is not None and self._segment.size < size:
             await self.close()
         if self._segment is None:
@@ -49,9 +45,8 @@ class TensorPush:
     async def push(
         self, named: Mapping[str, torch.Tensor], calls: EngineCalls, *, shared: Segment | None
     ) -> AsyncIterator[_Buckets]:
-        """The buckets of one push of ``named`` to the engines of ``calls``. Tensors that lie in
-        ``shared`` (host tensors only) are read there; the others are packed, in GPU memory when
-        they are on a GPU. A push that fails drops the kept segment: an engine may still read it."""
+        """The buckets of one push of ``named``: tensors that lie in ``shared`` are read there, the
+        others packed. A push that fails drops the kept segment: an engine may still read it."""
         device = next((t.device for t in named.values() if t.device.type == "cuda"), None)
         in_place: list[BucketTable] = []
         rest: Mapping[str, torch.Tensor] = named

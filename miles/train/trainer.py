@@ -1,12 +1,9 @@
 """The training loop: an SFT warm-up, then GRPO on completions sampled from the servers.
 
-Every step is one optimizer step; every ``publish_every`` steps (and after the last) the weights
-are published. GRPO runs sync (sample a batch, train, publish) or async (``TrainerConfig.loop``): a
-producer keeps the fleet generating the groups of the next steps, each admitted once the version
-``max_staleness`` before the one that trains on it is published (docs/ARCHITECTURE.md,
-"Processes and threads", Trainer). Only the sync loop runs on several data-parallel ranks
-(``miles.train.parallel``). Torch work runs in a worker thread so the event loop (which may also
-run a controller or a UI) stays responsive.
+Every ``publish_every`` optimizer steps (and after the last) the weights are published. GRPO runs
+sync or async (``TrainerConfig.loop``; docs/ARCHITECTURE.md, "Processes and threads", Trainer).
+Torch work runs in a worker thread so the event loop (which may also run a controller or a UI)
+stays responsive.
 """
 
 from __future__ import annotations
@@ -44,10 +41,9 @@ OnStep = Callable[[StepReport], None]
 def write_initial_checkpoint(
     out_dir: str | os.PathLike[str], config: TrainerConfig, *, overwrite: bool = False
 ) -> Manifest:
-    """Write the untrained model a ``Trainer(config)`` starts from, as the step-0 checkpoint: served
-    before training starts, the servers and the trainer begin from identical weights, which the
-    importance ratios rely on. Raises UnknownPresetError for an unknown ``config.preset``,
-    CheckpointExistsError when ``out_dir`` exists and ``overwrite`` is False."""
+    """Write the untrained model a ``Trainer(config)`` starts from as the step-0 checkpoint (the
+    importance ratios rely on the servers and the trainer starting from identical weights). Raises
+    UnknownPresetError for an unknown ``config.preset``, CheckpointExistsError as ``save_checkpoint``."""
     return save_checkpoint(
         out_dir,
         model=build_model(config.preset, seed=config.seed),
@@ -89,10 +85,9 @@ class Trainer:
         on_step: OnStep | None = None,
         parallel: Parallelism | None = None,
     ) -> None:
-        """Build the model (seeded as ``write_initial_checkpoint`` does, sharded by ``parallel``:
-        every rank makes its ``Trainer`` with the same ``config``; ``on_step`` sees whole steps on
-        rank 0). Raises UnknownPresetError for an unknown ``config.preset``, TrainerError when
-        ``config`` cannot be split over ``parallel``'s ranks."""
+        """Build the model (seeded as ``write_initial_checkpoint`` does, sharded by ``parallel``).
+        Raises UnknownPresetError for an unknown ``config.preset``, TrainerError when ``config``
+        cannot be split over ``parallel``'s ranks."""
         self.config = config
         self._parallel = parallel or SingleProcess()
         rank, world = self._parallel.rank, self._parallel.world_size
@@ -118,9 +113,8 @@ class Trainer:
         self._fleet = _FleetClock()
 
     async def run(self) -> TrainingSummary:
-        """Run every SFT step, then every GRPO step (with torch's intra-op threads of the whole
-        process set to ``config.num_threads``); return the summary. Raises RolloutRequestError when
-        sampling failed, PublishError when publishing did (the servers may serve an older version)."""
+        """Run every SFT step, then every GRPO step; return the summary. Raises RolloutRequestError
+        when sampling failed, PublishError when publishing did (the servers may serve an older version)."""
         torch.set_num_threads(self.config.num_threads)
         started = time.monotonic()
         reports: list[StepReport] = []
@@ -186,9 +180,8 @@ class Trainer:
             )
 
     async def _grpo_async(self, count: int, optimizer: torch.optim.Optimizer) -> AsyncGenerator[StepReport]:
-        """``count`` GRPO steps with sampling overlapped (module docstring). A step's weights are
-        published from a copy while the trainer goes on to the next step; its report comes once
-        that publish is done."""
+        """``count`` GRPO steps with sampling overlapped; a step's weights are published from a copy
+        while the next step trains, and its report comes once that publish is done."""
         cfg = self.config
         per_step = self._prompts_per_step
         first = self._steps_done
@@ -300,7 +293,6 @@ class Trainer:
         return self._steps_done
 
     def _due(self, step: int) -> bool:
-        """Whether ``step`` publishes (every ``publish_every`` steps, and the last one)."""
         return step % self.config.publish_every == 0 or step == self.config.total_steps
 
     def _report(
@@ -399,9 +391,8 @@ class Trainer:
         )
 
     def _nothing_learned(self) -> torch.Tensor:
-        """A loss of 0 with the model in its graph, for a rank whose share of a step left nothing
-        to train on: every rank takes part in every step's collectives (FSDP2's gathers and
-        reduce-scatters, the gradient norm's all-reduce), so it contributes a zero gradient."""
+        """A loss of 0 with the model in its graph, for a rank whose share of a step left nothing to
+        train on: every rank takes part in every step's collectives, so it contributes a zero gradient."""
         batch = pack(
             [[self.tokenizer.bos_token_id]], [[self.tokenizer.eos_token_id]], pad_token_id=self.tokenizer.pad_token_id
         )

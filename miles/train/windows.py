@@ -1,9 +1,5 @@
 """The controller's window API as a pusher uses it (``WindowClient``), and the client for each
-way a controller is reached (``window_client``: ``LocalWindows`` in this process, ``HttpWindows``
-over HTTP, ``RayWindows`` through Ray).
-
-A push opens a window, renews its lease while it pushes (``keep_alive``), publishes the model
-checksum, and ends or aborts the window (``push_in_window``).
+way a controller is reached (``window_client``); ``push_in_window`` runs a push inside a window.
 """
 
 from __future__ import annotations
@@ -122,9 +118,8 @@ async def push_in_window(
     client: WindowClient, window: UpdateWindow, push: Callable[[], Awaitable[str]], *, step: int, stats: PushStats
 ) -> str:
     """Run ``push`` (it returns the model checksum) while the window's lease is renewed, publish
-    that checksum and end the window; returns the checksum, with the "push" and "commit" seconds in
-    ``stats``. Whatever fails aborts the window and is raised as it is; a window the controller
-    did not commit (it rolled the servers back itself) raises PublishError."""
+    that checksum and end the window; returns the checksum. Whatever fails aborts the window and is
+    raised as it is; a window the controller did not commit raises PublishError."""
     began = time.perf_counter()
     version = str(step)
     renewing = asyncio.create_task(keep_alive(client, window), name=f"renew-window-{window.token}")

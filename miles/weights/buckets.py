@@ -1,9 +1,6 @@
 """Buckets: many named tensors moved as one flat run of bytes, so that an update takes a number of
-calls that does not grow with the number of tensors.
-
-A bucket's ``BucketTable`` says where each tensor lies in the flat bytes and carries its digest
-(the one the model checksum combines), computed as it is packed, so a receiver checks every tensor
-it takes (``Received``).
+calls that does not grow with the number of tensors. A ``BucketTable`` says where each tensor lies
+and carries its digest, computed as it is packed and checked by the receiver (``Received``).
 """
 
 from __future__ import annotations
@@ -110,10 +107,8 @@ _PARALLEL_PACK_BYTES = 16 * 1024 * 1024
 @torch.no_grad()
 def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tensor) -> BucketTable:
     """Copy each tensor of ``table`` into the flat uint8 tensor ``into`` at its offset, digesting
-    the bytes as they are written; returns the table with the digests once the copies are done
-    (another process reads the bytes next). A large bucket in host memory is packed on as many
-    threads as torch may use (the copy and the hash release the GIL), largest tensors first.
-    """
+    the bytes as they are written; returns the table with the digests once the copies are done. A
+    large host bucket is packed on torch's threads (the copy and the hash release the GIL)."""
     flat = into.reshape(-1).view(torch.uint8)
 
     def one(entry: BucketEntry) -> BucketEntry:

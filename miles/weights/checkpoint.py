@@ -1,8 +1,6 @@
 """Checkpoints: a Hugging Face model directory plus ``miles_manifest.json``, written atomically.
 
-``save_checkpoint`` builds it in a temp directory next to the target and renames it into place,
-so a reader never sees a half-written checkpoint, and a crash leaves nothing there. The public face
-of checkpoints: it re-exports the manifest, verification and reader APIs.
+The public face of checkpoints: it re-exports the manifest, verification and reader APIs.
 """
 
 from __future__ import annotations
@@ -67,13 +65,12 @@ def save_checkpoint(
     max_shard_size: str | int | None = None,
     overwrite: bool = False,
 ) -> Manifest:
-    """Write ``model`` (and ``tokenizer``) as a checkpoint at ``out_dir``, atomically (fsynced,
-    then renamed into place; with ``overwrite``, swapped for the old one in one rename where the
-    filesystem allows it), and return its manifest, hashed from the written files. On any failure
-    ``out_dir`` is as it was. Raises CheckpointExistsError when ``out_dir`` exists (or appears
-    meanwhile) and ``overwrite`` is False, or is not a directory; ChecksumMismatchError when the
-    written files do not hash to the model's checksum; CheckpointError when they cannot be read.
-    """
+    """Write ``model`` (and ``tokenizer``) as a checkpoint at ``out_dir``, atomically (with
+    ``overwrite``, swapped for the old one in one rename where the filesystem allows it), and return
+    its manifest, hashed from the written files; on any failure ``out_dir`` is as it was. Raises
+    CheckpointExistsError when ``out_dir`` exists and ``overwrite`` is False, or is not a directory;
+    ChecksumMismatchError when the written files do not hash to the model in memory, CheckpointError
+    when they cannot be read."""
     target = Path(out_dir).absolute()
     if target.exists() and (not overwrite or not target.is_dir()):
         raise CheckpointExistsError(

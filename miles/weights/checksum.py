@@ -137,10 +137,9 @@ def checksum_from_digests(digests: Sequence[TensorDigest], *, num_bytes: int) ->
 
 
 def checksum_state_dict(state: Mapping[str, torch.Tensor], *, threads: int | None = None) -> ModelChecksum:
-    """The checksum of every tensor in ``state`` under its name there (an alias once per name:
-    ``checksum_module`` drops the aliases a checkpoint drops). Raises TensorNameError for a name
-    the listing cannot hold, UnsupportedTensorError for a value that is not a dense strided
-    tensor, ValueError for ``threads`` < 1."""
+    """The checksum of every tensor in ``state`` under its name there (aliases included). Raises
+    TensorNameError for a name the listing cannot hold, UnsupportedTensorError for a value that is
+    not a dense strided tensor, ValueError for ``threads`` < 1."""
     items = list(state.items())
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
@@ -154,11 +153,10 @@ def checksum_state_dict(state: Mapping[str, torch.Tensor], *, threads: int | Non
     return checksum_from_digests(digests, num_bytes=sum(n for n, _ in jobs))
 
 
-def checksum_module(module: torch.nn.Module, *, threads: int | None = None) -> ModelChecksum:
-    """The checksum of ``module``'s state dict as Hugging Face ``save_pretrained`` writes it (tied
-    tensors once, under the name it keeps; no ``_keys_to_ignore_on_save``), so a live model and its
-    saved checkpoint give the same checksum. Raises as ``checksum_state_dict``."""
-    return checksum_state_dict(saved_state_dict(module), threads=threads)
+def checksum_module(module: torch.nn.Module) -> ModelChecksum:
+    """The checksum of ``module``'s state dict as Hugging Face ``save_pretrained`` writes it (tied tensors
+    once), so a live model and its saved checkpoint agree. Raises as ``checksum_state_dict``."""
+    return checksum_state_dict(saved_state_dict(module))
 
 
 def saved_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -225,30 +223,26 @@ def digest_files(
     ]
 
 
-def checksum_safetensors(
-    paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], *, threads: int | None = None
-) -> ModelChecksum:
+def checksum_safetensors(paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> ModelChecksum:
     """The checksum of the tensors in a safetensors file, several, or a directory (the files
-    ``from_pretrained`` would load): ``checksum_module`` of the loaded model, however sharded.
-    Raises CheckpointFileMissingError (no file, or a named one missing), CheckpointFileTruncatedError
-    or CheckpointFileInvalidError (a file cut or malformed, or a tensor name in two files)."""
-    return checksum_files(_expand_paths(paths_or_dir), threads=threads)[0]
+    ``from_pretrained`` would load). Raises CheckpointFileMissingError, CheckpointFileTruncatedError
+    or CheckpointFileInvalidError (a file missing, cut or malformed, or a tensor name in two files)."""
+    return checksum_files(_expand_paths(paths_or_dir))[0]
 
 
-def checksum_files(paths: Sequence[Path], *, threads: int | None = None) -> tuple[ModelChecksum, dict[str, Path]]:
+def checksum_files(paths: Sequence[Path]) -> tuple[ModelChecksum, dict[str, Path]]:
     """The checksum of the tensors in the safetensors files ``paths``, and the file of each tensor;
     raises as ``checksum_safetensors``."""
     with ExitStack() as stack:
         slots = collect_slots([stack.enter_context(SafetensorsFile(p)) for p in paths])
-        digests = digest_files(slots, threads=threads)
+        digests = digest_files(slots)
     owners = {slot.name: mapped.path for mapped, slot in slots}
     return checksum_from_digests(digests, num_bytes=sum(slot.nbytes for _, slot in slots)), owners
 
 
 def model_checksum(source: torch.nn.Module | str | os.PathLike[str]) -> str:
     """The checksum of a model in memory or of a checkpoint directory (the same for the same
-    weights, and what a server computes over them once loaded). Raises what
-    ``checksum_module`` and ``checksum_safetensors`` raise."""
+    weights); raises as ``checksum_module`` and ``checksum_safetensors``."""
     if isinstance(source, torch.nn.Module):
         return checksum_module(source).checksum
     return checksum_safetensors(source).checksum

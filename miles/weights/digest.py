@@ -5,13 +5,9 @@ A tensor's digest is xxh3-128 over the concatenated xxh3-128 digests (16 bytes e
 tensor of no bytes has no chunk, so its digest is xxh3-128 of nothing. The bytes are the tensor's
 raw row-major bytes, exactly what a safetensors file stores.
 
-Chunked rather than one pass over the bytes so that whoever holds part of a tensor can hash it:
-the ranks of a sharded trainer each hash the chunks inside their own rows, and only a chunk that
-straddles two ranks' rows needs its pieces brought together (less than a chunk per boundary). The
-same bytes give the same digest however they were split, and hashing costs about the same. The
-size is a measured compromise: per 64 KiB, the Python loop between chunks held the GIL long enough
-that two threads hashed no faster than one (26 GB/s); per 256 KiB, 33 GB/s on one thread and up to
-43 on two (1 MiB: 35 and 45), while what two ranks exchange stays under 256 KiB per tensor.
+Chunked so that whoever holds part of a tensor can hash it (a sharded trainer's ranks hash the
+chunks inside their rows). The size is measured: per 64 KiB two threads hashed no faster than one
+(26 GB/s); per 256 KiB 33 GB/s on one thread, 43 on two (1 MiB: 35 and 45).
 """
 
 from __future__ import annotations

@@ -119,9 +119,8 @@ class Manifest(BaseModel):
 def manifest_from_files(
     directory: str | os.PathLike[str], *, model_name: str, step: int, weight_version: str | None = None
 ) -> Manifest:
-    """A manifest for the Hugging Face model in ``directory``, hashed from the files
-    ``from_pretrained`` would load. Raises CheckpointFileMissingError (no safetensors file, or one
-    the index names is missing), CheckpointFileTruncatedError or CheckpointFileInvalidError."""
+    """A manifest for the Hugging Face model in ``directory``, hashed from the files ``from_pretrained``
+    would load. Raises as ``checksum_safetensors``."""
     directory = Path(directory)
     paths = index_files(directory)
     if not paths:

@@ -1,9 +1,8 @@
 """Checkpoint paths from the outside world, checked before any filesystem call sees them.
 
-A path that arrives in a request (a controller update, an engine load) is text an attacker
-chooses. ``os`` functions raise on a NUL byte (ValueError) and on names longer than the
-filesystem allows (OSError), which an HTTP handler would otherwise turn into a 500; this module
-refuses such text with an error that says what is wrong, before ``Path.resolve`` or ``stat`` run.
+A path in a request is text an attacker chooses: ``os`` functions raise on a NUL byte or an
+over-long name, which an HTTP handler would turn into a 500; this module refuses such text first,
+saying what is wrong.
 """
 
 from __future__ import annotations
@@ -33,12 +32,9 @@ def path_text_problem(raw: str) -> str | None:
 
 
 def checked_path(raw: str, *, field: str) -> Path:
-    """``raw`` as an absolute, resolved Path (``~`` expanded, symlinks followed).
-
-    Raises InvalidRequestError (400) naming ``field`` for empty text, a NUL byte, text longer
-    than ``MAX_PATH_CHARS`` or a component longer than ``MAX_NAME_BYTES`` bytes, and for a path
-    that cannot be resolved (a symlink loop).
-    """
+    """``raw`` as an absolute, resolved Path (``~`` expanded, symlinks followed). Raises
+    InvalidRequestError naming ``field`` for text ``path_text_problem`` refuses, or a path that
+    cannot be resolved (a symlink loop)."""
     problem = path_text_problem(raw)
     if problem is not None:
         raise InvalidRequestError(f"{field} {problem}")
@@ -54,14 +50,9 @@ def inside_roots(path: Path, roots: tuple[Path, ...]) -> bool:
 
 
 def files_outside_roots(directory: Path, roots: tuple[Path, ...], *, limit: int = 10_000) -> list[str]:
-    """Entries of checkpoint ``directory`` (recursively) that resolve outside every root.
-
-    The directory itself may sit inside a root while a file in it is a symlink to anywhere
-    (``model.safetensors -> /etc/shadow``); reading such a file would leave the root. Every entry
-    is resolved, so a symlinked subdirectory is caught too. Returns the offending names relative
-    to ``directory`` (at most ``limit`` entries are looked at; a larger tree is reported as one
-    problem). Empty when there are no roots.
-    """
+    """The entries of checkpoint ``directory`` (recursively, at most ``limit``) that resolve
+    outside every root, relative to it: a file in a root may be a symlink to anywhere
+    (``model.safetensors -> /etc/shadow``). Empty when there are no roots."""
     if not roots:
         return []
     outside: list[str] = []

@@ -97,9 +97,8 @@ class CheckpointReader(AbstractContextManager["CheckpointReader"]):
 
 def open_checkpoint(directory: str | os.PathLike[str], *, manifest: Manifest | None = None) -> CheckpointReader:
     """The checkpoint in ``directory`` with its manifest (unless given) and weight files open;
-    nothing is hashed: ``verify()`` before trusting the bytes. Raises ManifestMissingError or
-    ManifestInvalidError, and CheckpointFileMissingError, CheckpointFileTruncatedError or
-    CheckpointFileInvalidError for a weight file the manifest names."""
+    nothing is hashed: ``verify()`` before trusting the bytes. Raises as ``read_manifest`` and
+    ``SafetensorsFile`` for a weight file the manifest names."""
     directory = Path(directory)
     manifest = read_manifest(directory) if manifest is None else manifest
     with ExitStack() as stack:

@@ -2,13 +2,8 @@
 
 Not ``safetensors.safe_open``: the checksum and the verifier hash each tensor's bytes a slice at a
 time by their offsets in the file, which ``safe_open`` never gives, and the verifier must tell a
-truncated file from a malformed one, which it cannot.
-
-The format: 8 bytes little-endian unsigned header length ``N``, then ``N`` bytes of UTF-8 JSON
-(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``), then
-the data buffer; offsets are relative to the start of the buffer (byte ``8 + N`` of the file).
-Tensor bytes are row-major little-endian, exactly torch's in-memory layout on every machine we
-run on, so a digest of the file bytes equals the digest of the loaded tensor.
+truncated file from a malformed one, which it cannot. Tensor bytes are row-major little-endian,
+torch's in-memory layout here, so a digest of the file bytes equals the loaded tensor's.
 """
 
 from __future__ import annotations
@@ -100,13 +95,9 @@ class SafetensorsHeader:
 
 
 def open_regular(path: Path) -> BinaryIO:
-    """Open ``path`` for reading if it is a regular file; CheckpointFileInvalidError otherwise
-    (with the system's reason when it cannot be opened), FileNotFoundError and NotADirectoryError
-    passed through for the caller to say what is missing.
-
-    A checkpoint is data an attacker may shape: a FIFO in place of a weights file would block a
-    plain ``open`` forever (O_NONBLOCK returns at once, so its type can be checked), and a device
-    file would be read as weights.
+    """Open ``path`` for reading if it is a regular file; CheckpointFileInvalidError otherwise,
+    FileNotFoundError and NotADirectoryError passed through. A checkpoint is data an attacker may
+    shape: a FIFO would block a plain ``open`` forever, and a device file would be read as weights.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -125,10 +116,9 @@ def open_regular(path: Path) -> BinaryIO:
 
 
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
-    """The header of the safetensors file at ``path``, each tensor's bytes checked to lie in the
-    file and to match its dtype and shape. Raises CheckpointFileMissingError (no file),
-    CheckpointFileTruncatedError (the file ends before the header or a tensor's bytes),
-    CheckpointFileInvalidError (a malformed header)."""
+    """The header of the safetensors file at ``path``, each tensor's bytes checked to lie in the file and
+    to match its dtype and shape. Raises CheckpointFileMissingError (no file), CheckpointFileTruncatedError
+    (it ends before the header or a tensor's bytes), CheckpointFileInvalidError (a malformed header)."""
     path = Path(path)
     try:
         with open_regular(path) as f:
@@ -206,10 +196,8 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int) -> Tenso
 
 class SafetensorsFile(AbstractContextManager["SafetensorsFile"]):
     """One safetensors file, open: its header parsed (raises as ``read_header``), its tensors'
-    bytes read with ``pread``. Never memory-mapped: a file cut short while it is read (a trainer
-    saving a checkpoint again in place while a server verifies the last one) would kill a process
-    touching a mapped page past the new end with SIGBUS; read, it gives an error naming what happened.
-    """
+    bytes read with ``pread``. Never memory-mapped: a mapped file cut short while it is read kills
+    its reader with SIGBUS; read, it gives an error naming what happened."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         header = read_header(path)
@@ -232,8 +220,7 @@ class SafetensorsFile(AbstractContextManager["SafetensorsFile"]):
         return hasher.hexdigest()
 
     def copy_into(self, slot: TensorSlot, target: torch.Tensor) -> str:
-        """Copy ``slot``'s bytes into ``target`` (a tensor of its dtype and shape) and return their
-        digest."""
+        """Copy ``slot``'s bytes into ``target`` (of its dtype and shape) and return their digest."""
         if target.device.type != "cpu" or not target.is_contiguous():
             # A GPU tensor or a strided view (of a fused weight): read whole on the host, then copied.
             source = self.tensor(slot)
@@ -288,10 +275,9 @@ def _read_buffer() -> memoryview:
 
 def index_files(directory: Path) -> list[Path]:
     """The safetensors files of the Hugging Face model in ``directory``: those its
-    ``model.safetensors.index.json`` names (a stale shard beside them is ignored, as
-    ``from_pretrained`` ignores it), else every ``*.safetensors``, sorted. Raises
-    CheckpointFileInvalidError for an index that is not JSON, has no ``weight_map`` or names files
-    outside the directory."""
+    ``model.safetensors.index.json`` names (as ``from_pretrained`` reads them), else every
+    ``*.safetensors``, sorted. Raises CheckpointFileInvalidError for an index that is invalid or
+    names files outside the directory."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:

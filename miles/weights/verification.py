@@ -83,29 +83,22 @@ class VerificationReport:
         )
 
 
-def verify_checkpoint(
-    directory: str | os.PathLike[str], *, threads: int | None = None, digests: bool = True
-) -> VerificationReport:
+def verify_checkpoint(directory: str | os.PathLike[str], *, digests: bool = True) -> VerificationReport:
     """Check the checkpoint in ``directory`` against its manifest, hashing every tensor from disk
-    (with ``digests=False`` only its structure: no tensor byte is read, and the report's
-    ``checksum`` is None). Never raises for a broken checkpoint: every problem is in the report.
-    """
+    (with ``digests=False`` only its structure, and no checksum). Never raises for a broken
+    checkpoint: every problem is in the report."""
     directory = Path(directory)
     try:
         manifest = read_manifest(directory)
-    except ManifestMissingError:
+    except (ManifestMissingError, ManifestInvalidError) as exc:
+        missing = isinstance(exc, ManifestMissingError)
         problem = CheckpointProblem(
-            kind=ProblemKind.MISSING_MANIFEST,
+            kind=ProblemKind.MISSING_MANIFEST if missing else ProblemKind.INVALID_MANIFEST,
             file=MANIFEST_NAME,
             message=f"no {MANIFEST_NAME} in {directory}: seal the directory (`miles checkpoint seal DIR "
-            "--model-name NAME --step N`) or re-export it with save_checkpoint.",
-        )
-        return VerificationReport(directory, None, (problem,), None)
-    except ManifestInvalidError as exc:
-        problem = CheckpointProblem(
-            kind=ProblemKind.INVALID_MANIFEST,
-            file=MANIFEST_NAME,
-            message=f"{exc.message}; re-seal the checkpoint or re-export it.",
+            "--model-name NAME --step N`) or re-export it with save_checkpoint."
+            if missing
+            else f"{exc.message}; re-seal the checkpoint or re-export it.",
         )
         return VerificationReport(directory, None, (problem,), None)
     with ExitStack() as stack:
@@ -116,7 +109,7 @@ def verify_checkpoint(
                 opened[file_name] = stack.enter_context(SafetensorsFile(directory / file_name))
             except CheckpointFileError as exc:
                 problems.append(file_problem(file_name, exc))
-        found, checksum = compare_with_manifest(manifest, opened, threads=threads, digests=digests)
+        found, checksum = compare_with_manifest(manifest, opened, digests=digests)
     if len(opened) < len(manifest.files):
         checksum = None
     return VerificationReport(directory, manifest, tuple(problems + found), checksum)
@@ -161,9 +154,8 @@ def file_problem(file_name: str, exc: CheckpointFileError) -> CheckpointProblem:
 def compare_with_manifest(
     manifest: Manifest, opened: Mapping[str, SafetensorsFile], *, threads: int | None = None, digests: bool = True
 ) -> tuple[list[CheckpointProblem], str | None]:
-    """The problems of the tensors in ``opened`` (the manifest's files that could be opened: the
-    others' tensors are covered by their file's problem) against the manifest, and the model
-    checksum of the tensors found (None if a name is duplicated)."""
+    """The problems of the tensors in ``opened`` (the manifest's files that could be opened) against
+    the manifest, and the model checksum of the tensors found (None if a name is duplicated)."""
     problems: list[CheckpointProblem] = []
     combined = manifest.combined_checksum()
     if combined != manifest.checksum:
@@ -257,31 +249,22 @@ def _digest_problem(name: str, entry: TensorEntry, actual: str) -> CheckpointPro
 
 
 def _entry_problems(name: str, file_name: str, entry: TensorEntry, digest: TensorDigest) -> list[CheckpointProblem]:
-    problems: list[CheckpointProblem] = []
-    if entry.dtype != digest.dtype:
-        problems.append(
-            CheckpointProblem(
-                kind=ProblemKind.WRONG_DTYPE,
-                tensor=name,
-                file=file_name,
-                expected=entry.dtype,
-                actual=digest.dtype,
-                message=f"tensor {name!r} is {digest.dtype} in {file_name}, the manifest says "
-                f"{entry.dtype}; {_RESEAL}.",
-            )
+    layouts = (
+        (ProblemKind.WRONG_DTYPE, "is", entry.dtype, digest.dtype),
+        (ProblemKind.WRONG_SHAPE, "has shape", str(list(entry.shape)), str(list(digest.shape))),
+    )
+    problems = [
+        CheckpointProblem(
+            kind=kind,
+            tensor=name,
+            file=file_name,
+            expected=expected,
+            actual=actual,
+            message=f"tensor {name!r} {verb} {actual} in {file_name}, the manifest says {expected}; {_RESEAL}.",
         )
-    if tuple(entry.shape) != digest.shape:
-        problems.append(
-            CheckpointProblem(
-                kind=ProblemKind.WRONG_SHAPE,
-                tensor=name,
-                file=file_name,
-                expected=str(list(entry.shape)),
-                actual=str(list(digest.shape)),
-                message=f"tensor {name!r} has shape {list(digest.shape)} in {file_name}, the manifest "
-                f"says {list(entry.shape)}; {_RESEAL}.",
-            )
-        )
+        for kind, verb, expected, actual in layouts
+        if expected != actual
+    ]
     # Only compare bytes once dtype and shape agree: a different layout is already named above.
     if not problems and entry.digest != digest.digest:
         problems.append(_digest_problem(name, entry, digest.digest))

@@ -1,9 +1,7 @@
 """A flat bucket in GPU memory handed to another process on the node as CUDA IPC handles.
 
-The trainer packs a bucket into a uint8 CUDA tensor and shares it (``share``); an engine on the
-same node opens it (``open_shared``) and copies from it. Both halves use what
-``torch.multiprocessing`` shares a CUDA tensor with, sent as JSON (``CudaIpcHandle``), never
-pickled: unpickling a request would run whatever code it names.
+Both halves (``share``, ``open_shared``) use what ``torch.multiprocessing`` shares a CUDA tensor
+with, sent as JSON (``CudaIpcHandle``), never pickled: unpickling a request runs whatever code it names.
 """
 
 from __future__ import annotations
@@ -57,9 +55,8 @@ def share(buffer: torch.Tensor) -> CudaIpcHandle:
 
 
 def open_shared(handle: CudaIpcHandle, needed: int) -> torch.Tensor:
-    """The sender's flat uint8 CUDA tensor, opened from its IPC handles (as torch.multiprocessing
-    rebuilds a shared CUDA tensor, without unpickling anything). Raises InvalidRequestError when
-    it holds fewer than ``needed`` bytes or cannot be opened here."""
+    """The sender's flat uint8 CUDA tensor, opened from its IPC handles without unpickling anything.
+    Raises InvalidRequestError when it holds fewer than ``needed`` bytes or cannot be opened here."""
     if handle.numel < needed:
         raise InvalidRequestError(f"the CUDA buffer holds {handle.numel} bytes, fewer than the {needed} of its table")
     try:

@@ -66,9 +66,8 @@ _BY_FORMAT: dict[str, type[ShmDocument] | type[CudaIpcDocument]] = {
 
 
 def decode(load_format: str | None, serialized_named_tensors: Sequence[str]) -> BucketDocument:
-    """The document a push sent, checked whole: its format is a miles one, it is one document, of
-    its format's shape, with a table of at least one tensor, each with its digest. Raises
-    InvalidRequestError saying which, and what to send instead."""
+    """The document a push sent, checked whole (a miles format, one document of its shape, at least one
+    tensor, each with its digest). Raises InvalidRequestError saying what to send instead."""
     kind = _BY_FORMAT.get(load_format or "")
     if kind is None:
         raise InvalidRequestError(

@@ -1,10 +1,9 @@
 """The torch.distributed group of a push across nodes: formed by the trainer, joined by engines.
 
-A group of its own per push: the trainer is rank 0 and serves the group's ``TCPStore`` (``Rank0``);
-each engine joins as rank N (``join``), setting its key in the store, so a group that does not
-form names the ranks that never came. Each bucket is then one ``broadcast`` from rank 0. Forming
-and joining block in torch for the store's timeout, so both run on a daemon thread
-(``in_daemon_thread``, ``within``) that never holds up a loop's shutdown or the interpreter's exit.
+The trainer is rank 0 and serves the group's ``TCPStore`` (``Rank0``); each engine joins as rank N
+(``join``), setting its key in the store, so a group that does not form names the ranks that never
+came. Forming and joining block in torch, so both run on a daemon thread (``in_daemon_thread``,
+``within``) that never holds up a loop's shutdown or the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -70,8 +69,7 @@ def in_daemon_thread(fn: Callable[[], T], *, name: str) -> asyncio.Future[T]:
 
 def within(fn: Callable[[], T], *, timeout_s: float, name: str) -> T:
     """``fn()`` on a daemon thread of its own, waited for at most ``timeout_s``, for a caller with no
-    event loop. Raises what ``fn`` raised, or TimeoutError once ``timeout_s`` has passed: whatever
-    ``fn`` returns or raises later is dropped, and its thread holds up nothing."""
+    event loop. Raises what ``fn`` raised, or TimeoutError once ``timeout_s`` has passed."""
     answers: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
 
     def run() -> None:
@@ -107,10 +105,9 @@ def _process_group(backend: str, store: dist.Store, *, rank: int, world: int, ti
 
 
 def broadcast(group: Any, tensors: Sequence[torch.Tensor], *, timeout_s: float) -> None:
-    """Broadcast each of ``tensors`` from rank 0 (sent by rank 0, received in place by the
-    others), all queued before the first wait. The first broadcast still waiting bounds the whole:
-    a sender that stops stops them all. Raises RuntimeError or ``dist.DistError`` when one does
-    not complete within ``timeout_s``."""
+    """Broadcast each of ``tensors`` from rank 0 (received in place by the others), all queued
+    before the first wait. Raises RuntimeError or ``dist.DistError`` when one does not complete
+    within ``timeout_s``."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
     options.timeout = timedelta(seconds=timeout_s)
@@ -131,10 +128,9 @@ def broadcast_table(
     *,
     flattened: bool,
 ) -> BucketTable:
-    """Where the tensors a broadcast will carry land in the receive buffer: back to back when the
-    bucket comes as one flat broadcast (``flattened``), else each at an aligned offset (one
-    broadcast per tensor, as SGLang sends without a ``load_format``). Raises InvalidRequestError,
-    before any byte arrives, for a tensor named twice or a dtype torch does not know."""
+    """Where the tensors a broadcast will carry land in the receive buffer: back to back when
+    ``flattened``, else each at an aligned offset (one broadcast per tensor, as SGLang sends).
+    Raises InvalidRequestError for a tensor named twice or a dtype torch does not know."""
     align = 1 if flattened else TENSOR_ALIGN
     entries: list[BucketEntry] = []
     offset, seen = 0, set()
@@ -159,9 +155,8 @@ def broadcast_table(
 def receive(
     group: Any, table: BucketTable, flat: torch.Tensor, *, flattened: bool, group_name: str, timeout_s: float
 ) -> Received:
-    """The bucket of ``table`` broadcast by rank 0 into ``flat`` (on the device the group receives
-    on), unchecked. Raises ConflictError when the broadcast does not complete within
-    ``timeout_s``: the group is then of no more use."""
+    """The bucket of ``table`` broadcast by rank 0 into ``flat``, unchecked. Raises ConflictError when
+    the broadcast does not complete within ``timeout_s``: the group is then of no more use."""
     tensors = [flat]
     if not flattened:
         tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape) for e in table.entries]
@@ -176,9 +171,8 @@ def receive(
 
 
 class Rank0:
-    """This process as rank 0 of a new group of ``world`` members named ``group_name``: it serves
-    the group's store at ``address``:``port`` until ``close``, and forms the group once the other
-    ranks joined (``form``)."""
+    """This process as rank 0 of a new group of ``world`` members named ``group_name``, serving the
+    group's store at ``address``:``port`` until ``close``."""
 
     def __init__(self, *, address: str, world: int, group_name: str, timeout_s: float) -> None:
         self.address, self.world, self.timeout_s = address, world, timeout_s
@@ -245,10 +239,8 @@ def join(
     phase: Callable[[str], None],
 ) -> Joined:
     """Join the group whose rank 0 serves its store at ``address``:``port``, as ``rank`` of
-    ``world`` (blocking: call on a thread, ``in_daemon_thread``). ``phase`` is told where the join
-    is, for the message of a caller that gives up on it. Raises ConflictError when rank 0 cannot
-    be reached, or the group does not form within ``timeout_s`` (naming the ranks that never
-    joined)."""
+    ``world`` (blocking; ``phase`` is told where the join is). Raises ConflictError when rank 0
+    cannot be reached, or the group does not form within ``timeout_s`` (naming who never joined)."""
     timeout = timedelta(seconds=timeout_s)
     phase("connecting to the store of rank 0")
     try:

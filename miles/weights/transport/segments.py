@@ -1,14 +1,10 @@
 """Shared-memory segments: the memory pushes on one node carry weights in.
 
-The trainer makes a segment (``Segment``) and writes buckets (or its model's weights) into it; an
-engine maps it read-only (``SegmentMaps``) and copies the tensors out.
-
-A segment is an anonymous memory file (``memfd_create``) sealed against shrinking and growing
-before anyone else sees it, named on the wire by its maker's process id and descriptor
-(``SegmentRef``: ``/proc/<pid>/fd/<fd>``). The seal is what lets an engine map it: a mapped file
-cut short kills its reader (SIGBUS), and a sealed one can never be cut; an unsealed one is refused.
-Memory files have no name in any directory, so their memory goes back to the system once the
-maker's descriptor and every mapping are gone, however the maker died.
+The trainer makes a segment (``Segment``: a ``memfd_create`` file sealed against shrinking and
+growing, named on the wire by ``/proc/<pid>/fd/<fd>``); an engine maps it read-only
+(``SegmentMaps``). The seal is what lets an engine map it: a mapped file cut short kills its reader
+(SIGBUS); an unsealed one is refused. With no name in any directory, its memory goes back to the
+system once the maker's descriptor and every mapping are gone, however the maker died.
 """
 
 from __future__ import annotations
@@ -122,10 +118,9 @@ class Segment:
 
 def _close_soon(fd: int) -> None:
     """Close a segment's descriptor: run by ``close``, when the segment is collected, or at exit.
-    The last reference to a segment's memory frees its pages, which takes a while for a model's
-    worth: on a running event loop the close goes to the loop's executor, handed over by the
-    loop, not from here (a collection can happen inside that executor's ``submit``, which holds a
-    lock that submitting from here would wait on forever)."""
+    Freeing a model's worth of pages takes a while: on a running loop the close goes to the loop's
+    executor, handed over by the loop (a collection can happen inside that executor's ``submit``,
+    under a lock that submitting from here would wait on forever)."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
@@ -171,9 +166,8 @@ class SegmentMaps:
             ).start()
 
     def flat(self, ref: SegmentRef, needed: int) -> torch.Tensor:
-        """The bytes of segment ``ref`` (read-only), refused unless it is a sealed memory file of
-        miles' holding at least ``needed`` bytes. Raises NotFoundError when no such process or
-        descriptor exists on this node, InvalidRequestError for anything else."""
+        """The bytes of segment ``ref`` (read-only), a sealed memory file of miles' of at least ``needed``
+        bytes. Raises NotFoundError when it is not on this node, InvalidRequestError for anything else."""
         fd = _open(ref, where="the sender must run on the engine's node, in its process namespace")
         try:
             status = os.fstat(fd)
