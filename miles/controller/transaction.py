@@ -111,7 +111,8 @@ class WeightUpdate:
         self.version_to_beat = _to_beat(self.previous_version, rollout.committed_high)
         self.target: Target | None = None
         self.progress: dict[str, ServerProgress] = {sid: ServerProgress() for sid in rollout.server_ids}
-        # Seconds spent in each step (pause, load, confirm, commit, rollback), summed over batches.
+        # Seconds spent in each phase (lock_wait, validate, pause, load, confirm, commit, rollback ...),
+        # summed over batches: the result's timings.
         self.phases: dict[str, float] = {}
         # The router's running total of gate-closed time at the start: the result reports the
         # difference, how long this update held the model's requests.
@@ -163,11 +164,10 @@ class WeightUpdate:
         for server_id in server_ids:
             self.rollout.begin_update(server_id, reason=f"update {self.update_id} to {self.weight_version}")
             self.progress[server_id].step = ServerStep.TAKEN_OUT
+            self.progress[server_id].paused = pause
         self.router.fleet_changed()
         if not pause:
             return
-        for server_id in server_ids:
-            self.progress[server_id].paused = True
         mode = PauseMode(self.pause_mode.value)
         with self.timed("pause"):
             await self._each(server_ids, "pause", lambda sid: self.rollout.pause(sid, mode, fence=self.token))
@@ -349,9 +349,7 @@ class WeightUpdate:
         """What refusing servers computed the checkpoint's weights to hash to."""
         return {n.checkpoint_checksum for n in self.progress.values() if n.checkpoint_checksum}
 
-    def result(
-        self, status: UpdateStatus, *, message: str = "", timings: dict[str, float] | None = None
-    ) -> UpdateResult:
+    def result(self, status: UpdateStatus, *, message: str = "") -> UpdateResult:
         outcomes = tuple(self._outcome(snap) for snap in self.rollout.snapshot())
         if not message:
             message = _DEFAULT_MESSAGES[status].format(version=self.weight_version)
@@ -375,7 +373,7 @@ class WeightUpdate:
             servers=outcomes,
             message=message,
             duration_s=time.monotonic() - self.started,
-            timings={**(timings or {}), **self.phases},
+            timings=dict(self.phases),
             serving_blocked_s=max(self.router.blocked_seconds(self.model_name) - self._blocked_before, 0.0),
             bytes_moved=target.num_bytes * loaded if target and target.num_bytes is not None else None,
             fencing_token=self.token,
@@ -432,11 +430,8 @@ class WeightUpdate:
         return self.target
 
     def _healthy(self, server_ids: list[str]) -> list[str]:
-        return [
-            sid
-            for sid in server_ids
-            if self.progress[sid].step is not ServerStep.FAILED and self.progress[sid].error is None
-        ]
+        # Every server that failed, refused, mismatched or crashed has an error.
+        return [sid for sid in server_ids if self.progress[sid].error is None]
 
     async def _each(self, server_ids: list[str], action: str, call: Callable[[str], Awaitable[object]]) -> None:
         """Run ``call`` on every server at once; a failure is recorded on its server, not raised."""
