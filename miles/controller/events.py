@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +38,8 @@ class ControllerEvents:
     # --- RolloutObserver -----------------------------------------------------------------------
 
     def state_changed(self, change: StateChange) -> None:
-        self.logger.log(
-            ServerStateChangedEvent,
-            {
-                "server_id": change.server_id,
-                "model_name": change.model_name,
-                "from_state": change.from_state.value,
-                "to_state": change.to_state.value,
-                "weight_version": change.weight_version,
-                "reason": change.reason,
-            },
-            print_log=False,
-        )
+        # A StateChange carries exactly the event's fields (its states are read as their values).
+        self.logger.log(ServerStateChangedEvent, asdict(change), print_log=False)
         self._fleet_changed()
 
     def weights_written_out(self, model_name: str, checksum: str, checkpoint: Path) -> None:

@@ -10,10 +10,8 @@ every server does, before it touches its own.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +60,8 @@ def vet_checkpoint(
 
     ``serving_version`` must be read under the controller's lock, by the update about to run (a
     value read earlier may have been overtaken by an update that queued ahead)."""
-    with _refused_when_unreadable(checkpoint):
+    # An OS error under the gate's checks (an I/O error, no permission) is a refusal too.
+    try:
         try:
             path = checked_path(str(checkpoint), field="checkpoint")
         except InvalidRequestError as exc:
@@ -135,13 +134,6 @@ def vet_checkpoint(
             weight_version=version,
             step=step,
         )
-
-
-@contextlib.contextmanager
-def _refused_when_unreadable(checkpoint: Path) -> Iterator[None]:
-    """An OS error under the gate's checks (an I/O error, no permission) is a refusal too."""
-    try:
-        yield
     except OSError as exc:
         raise CheckpointRejected(f"checkpoint {checkpoint} cannot be read: {exc.strerror or exc}") from None
 

@@ -37,7 +37,6 @@ class RouteLease:
     server_id: str
     incarnation: int
     url: str
-    weight_version: str | None
     # Someone else runs the server: it is sent nothing of the controller's own credentials.
     attached: bool = False
     # The API its engine speaks: what shape the request must take for it.
@@ -244,12 +243,9 @@ class Router:
                 chosen = candidates[next(self._turn) % len(candidates)]
             else:
                 # Least outstanding; ties rotate so equal servers share the load.
-                offset = next(self._turn)
-                order = sorted(
-                    range(len(candidates)),
-                    key=lambda i: (self.outstanding(candidates[i].server_id), (i - offset) % len(candidates)),
-                )
-                chosen = candidates[order[0]]
+                offset, n = next(self._turn), len(candidates)
+                best = min(range(n), key=lambda i: (self.outstanding(candidates[i].server_id), (i - offset) % n))
+                chosen = candidates[best]
             if session_id is not None:
                 self._bind(model_name, session_id, chosen.server_id)
         assert chosen.url is not None
@@ -259,7 +255,6 @@ class Router:
             server_id=chosen.server_id,
             incarnation=chosen.incarnation,
             url=chosen.url,
-            weight_version=chosen.weight_version,
             attached=chosen.placement is not None and chosen.placement.attached,
             engine=chosen.engine,
         )
