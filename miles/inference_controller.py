@@ -66,6 +66,7 @@ class InferenceController:
             # Built on the loop thread: the router and the lock bind to this loop.
             build = functools.partial(AsyncInferenceController, rollout_server_cls, model_checkpoint, **kwargs)
             self.core = self._runner.call(_call_sync(build))
+            self.event_logger: EventLogger = self.core.event_logger
             self._runner.call(self.core.start())
             if serve_http:
                 self._http = HttpServer(self.core)
@@ -73,18 +74,9 @@ class InferenceController:
         except BaseException:
             self.close()
             raise
-
-    @property
-    def event_logger(self) -> EventLogger:
-        return self.core.event_logger
-
-    @property
-    def port(self) -> int | None:
-        return self._http.port if self._http else None
-
-    @property
-    def url(self) -> str | None:
-        return self._http.url if self._http else None
+        # Where the HTTP API answers; None with serve_http=False.
+        self.port: int | None = self._http.port if self._http else None
+        self.url: str | None = self._http.url if self._http else None
 
     def update_rollout_weights(self, new_checkpoint: str | Path, **kwargs: Any) -> UpdateResult:
         """Blocking twin of ``AsyncInferenceController.update_rollout_weights``."""
