@@ -96,7 +96,8 @@ class AsyncInferenceController:
         )
         self._windows = WindowSlot()
         self._write_outs = WriteOuts(lambda: self._settings.write_out_interval_s)
-        self._last_update: UpdateResult | None = None
+        # The result of the update that ended last (None before any).
+        self.last_update: UpdateResult | None = None
         self._update_listeners: list[Callable[[UpdateResult], None]] = []
         self._started_at = time.time()
         self._closed = False
@@ -469,14 +470,9 @@ class AsyncInferenceController:
             in_flight=router.outstanding if router else lambda _: 0,
             resumed=self._resumed,
             lock=lock_health(self._lock.statistics(), window_expires_at=window.public.expires_at if window else None),
-            last_update=self._last_update,
+            last_update=self.last_update,
             uptime_s=round(time.time() - self._started_at, 3),
         )
-
-    @property
-    @lock_exempt
-    def last_update(self) -> UpdateResult | None:
-        return self._last_update
 
     @lock_exempt
     def on_update(self, listener: Callable[[UpdateResult], None]) -> None:
@@ -507,7 +503,7 @@ class AsyncInferenceController:
 
     @lock_exempt
     def _remember(self, result: UpdateResult) -> UpdateResult:
-        self._last_update = result
+        self.last_update = result
         log = logger.info if result.ok else logger.error
         log("update %s %s: %s", result.update_id, result.status.value, result.message)
         for listener in self._update_listeners:

@@ -222,18 +222,11 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     @app.get("/v1/models", dependencies=as_reader)
     async def models() -> dict[str, Any]:
-        report = controller.health()
         return {
             "object": "list",
             "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "owned_by": "miles",
-                    "weight_version": m.weight_version,
-                    "serving": m.serving,
-                }
-                for name, m in report.models.items()
+                dict(id=name, object="model", owned_by="miles", weight_version=m.weight_version, serving=m.serving)
+                for name, m in controller.health().models.items()
             ],
         }
 
