@@ -1,10 +1,8 @@
 """Forwarding inference requests to the server the router picks (adapter: the data path's HTTP).
 
-A request no server answered (refused, reset) is retried until its deadline, elsewhere or on the
-same server restarted; a 5xx or 429 once on another server free now; a stream until its first byte.
-
-The data path uses aiohttp's client rather than httpx: it sends a request's headers and body in
-one write and costs ~0.35 ms less per routed request on this machine, most of the routing budget
+Which requests are retried where: docs/ARCHITECTURE.md, "Routing and retries". The data path
+uses aiohttp's client rather than httpx: it sends a request's headers and body in one write and
+costs ~0.35 ms less per routed request on this machine, most of the routing budget
 (docs/PERFORMANCE.md, "Routing").
 """
 
@@ -16,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
@@ -142,12 +141,7 @@ class Proxy:
         while True:
             tries.left -= 1
             try:
-                async with self._session.post(
-                    f"{lease.url}{path}",
-                    data=payload,
-                    headers=self._attached_headers if lease.attached else self._headers,
-                    timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
-                ) as upstream:
+                async with self._post(lease, path, payload, tries) as upstream:
                     content = await upstream.read()
                     status = upstream.status
                     media_type = upstream.headers.get("content-type", "application/json")
@@ -198,12 +192,7 @@ class Proxy:
             tries.left -= 1
             upstream: aiohttp.ClientResponse | None = None
             try:
-                upstream = await self._session.post(
-                    f"{lease.url}{path}",
-                    data=payload,
-                    headers=self._attached_headers if lease.attached else self._headers,
-                    timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
-                )
+                upstream = await self._post(lease, path, payload, tries)
                 first = await _first_chunk(upstream)
                 self._metrics.first_byte(options.model_name, started=tries.started)
             except _NOT_DELIVERED as exc:
@@ -223,6 +212,14 @@ class Proxy:
                 media_type=upstream.headers.get("content-type", "text/event-stream"),
                 headers={"x-miles-server": lease.server_id},
             )
+
+    def _post(self, lease: RouteLease, path: str, payload: bytes, tries: _Attempts) -> Any:
+        return self._session.post(
+            f"{lease.url}{path}",
+            data=payload,
+            headers=self._attached_headers if lease.attached else self._headers,
+            timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
+        )
 
     async def _relay(
         self, upstream: aiohttp.ClientResponse, first: bytes, lease: RouteLease, tries: _Attempts
