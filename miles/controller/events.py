@@ -151,15 +151,9 @@ class ControllerEvents:
         changed = sorted(name for name in new if new[name] != old[name])
         if not changed:
             return
-        self.logger.log(
-            SettingsChangedEvent,
-            {
-                "before": {name: old[name] for name in changed},
-                "after": {name: new[name] for name in changed},
-                "safety": bool(SAFETY_SETTINGS.intersection(changed)),
-            },
-            print_log=bool(SAFETY_SETTINGS.intersection(changed)),
-        )
+        safety = bool(SAFETY_SETTINGS.intersection(changed))
+        fields = {"before": {n: old[n] for n in changed}, "after": {n: new[n] for n in changed}, "safety": safety}
+        self.logger.log(SettingsChangedEvent, fields, print_log=safety)
 
     def lock_transition(self, transition: LockTransition) -> None:
         fields = {"lock_name": transition.lock_name, "holder": transition.holder, "token": transition.token}
