@@ -1,7 +1,6 @@
 """The InferenceController: the blocking facade over ``AsyncInferenceController``.
 
-The seed's API, usable from a plain script: it runs the asyncio core and its HTTP API on an event
-loop in a background thread.
+The seed's API, for a plain script: the asyncio core and its HTTP API run on a background thread.
 """
 
 from __future__ import annotations

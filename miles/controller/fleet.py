@@ -1,7 +1,7 @@
 """The fleet: the servers of every served model, built from the specs the controller was given.
 
-Specs that name one model (one checkpoint, several server types) become one ``MixedRollout``, so
-the model still has one update transaction, one gate at the router and one entry in ``/health``.
+Specs that name one model become one ``MixedRollout`` (docs/ARCHITECTURE.md, "One model, several
+server types").
 """
 
 from __future__ import annotations

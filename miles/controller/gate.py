@@ -1,11 +1,7 @@
 """Protocol step 3: decide whether a checkpoint may be loaded at all, before any server is touched.
 
-The gate checks what only the coordinator can know: the path and its files are allowed, the
-checkpoint is well-formed and for this model, its weights are the ones training published
-(matched by checksum), and its version is newer than the one serving. A loaded checkpoint also
-becomes its servers' restart point, so one no engine could start from (no readable config, no
-tokenizer) or whose config describes another model is refused too. It does not hash the tensors:
-every server does, before it touches its own.
+What it refuses: docs/ARCHITECTURE.md, "The life of an update", step 2. It does not hash the
+tensors: every server does, before it touches its own.
 """
 
 from __future__ import annotations

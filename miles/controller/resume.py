@@ -1,9 +1,7 @@
 """Where a controller resumes: the weights its event log says were last committed and verified.
 
-A controller started again on the same events directory must not go back: its servers start on
-the newest committed weights a copy on disk still holds, the checksums training published are
-known again, and no update may commit a version at or below one the log already committed (the
-audit's version-order rule would flag it).
+A controller started again on the same events directory must not go back (the audit's
+version-order rule would flag it): docs/ARCHITECTURE.md, "Resuming from the log".
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Routing: which serving server gets a request, and waiting when none may take it yet.
 
-Only ``SERVING`` servers are handed out. While a barrier update holds a model's gate closed, its
-requests wait instead of failing. A request that could not reach a server excludes that server's
-*incarnation* (one launch of its process), not the server: restarted, it takes the retry, and the
-excluded incarnation is eligible again once a probe newer than the exclusion found it answering
-(a dropped connection, not a dead process). At most ``max_waiting`` requests wait at once (each
-holds its body and a connection): one more is refused with 429 rather than queued without bound.
+Which requests wait, what a failed request excludes (an *incarnation*, one launch of a server's
+process) and how many may wait: docs/ARCHITECTURE.md, "Routing and retries".
 """
 
 from __future__ import annotations

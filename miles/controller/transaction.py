@@ -1,9 +1,7 @@
 """WeightUpdate: one update of one model's servers, the protocol's steps 4-7 written once.
 
-A WeightUpdate exists only while the controller's lock is held; its ``token``, the grant's fencing
-token, goes with every engine call, so an engine refuses whatever an older update still tries. A
-server that fails (refuses, dies, times out) is recorded in its ``ServerStep`` rather than raised,
-so one bad server cannot leave the others paused.
+It exists only while the controller's lock is held, and records each server's failure in its
+``ServerStep`` rather than raising it (docs/ARCHITECTURE.md, "The life of an update").
 """
 
 from __future__ import annotations

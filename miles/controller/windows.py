@@ -1,9 +1,7 @@
 """Training windows: an update kept open while training pushes the weights itself.
 
 A window is a ``WeightUpdate`` whose lock a task of the controller holds (the lock itself knows
-nothing of windows). Ending or aborting a window hands a ``Commit`` or ``Abort`` to that task,
-which carries it out under the lock; if none arrives within the window's lease, the task rolls
-the window back itself.
+nothing of windows); ending it hands that task a ``Commit`` or an ``Abort``.
 """
 
 from __future__ import annotations

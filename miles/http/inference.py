@@ -1,10 +1,8 @@
 """The data path's requests: what routing needs of each body, and each request sent to the server
 the router picks in the shape that server's engine takes.
 
-Requests are routed as they came (the server validates them); only the controller's extension
-fields are read and removed. For vLLM servers a ``/generate`` is translated into completions
-(``miles.protocol.generate_completions``); on a model served by both engine kinds the router picks
-the server first and the request is shaped for it after.
+Requests are routed as they came (the server validates them), less the controller's extension
+fields; a ``/generate`` for a vLLM server is translated into completions (docs/VLLM.md).
 """
 
 from __future__ import annotations
