@@ -27,7 +27,6 @@ from miles.protocol.generate_completions import completion_body, generate_answer
 from miles.rollout.state import EngineApi
 from miles.utils.http import error_response, until_disconnected
 
-_EXTENSIONS = ("model", "min_weight_version")
 # Request bodies from this size on are parsed and re-encoded on a worker thread.
 PREPARE_OFF_LOOP_BYTES = 1 << 20
 _LABEL: TypeAdapter[str] = TypeAdapter(Label)
@@ -160,29 +159,24 @@ class Routed:
 
 def generate_request(raw: bytes) -> Routed:
     """``/generate``: sent on as it came, less the controller's extension fields."""
-    body = json_object(raw)
-    ext = {k: body.pop(k) for k in _EXTENSIONS if k in body}
-    return Routed(
-        payload=raw if not ext else encoded(body),
-        model=_text(ext.get("model")),
-        session_id=_text(body.get("session_id")),
-        min_weight_version=_version(ext.get("min_weight_version")),
-        stream=_streams(body.get("stream")),
-    )
+    return _routed(raw, ("model", "min_weight_version"))
 
 
 def openai_request(raw: bytes) -> Routed:
     """``/v1/*``: ``model`` picks the fleet's model (the engine serves one and answers under its
     name); ``session_id`` and ``min_weight_version`` are the controller's."""
+    return _routed(raw, ("model", "session_id", "min_weight_version"))
+
+
+def _routed(raw: bytes, extensions: tuple[str, ...]) -> Routed:
     body = json_object(raw)
-    model = _text(body.pop("model", None))
-    session_id = _text(body.pop("session_id", None))
-    min_weight_version = _version(body.pop("min_weight_version", None))
+    ext = {k: body.pop(k) for k in extensions if k in body}
     return Routed(
-        payload=encoded(body),
-        model=model,
-        session_id=session_id,
-        min_weight_version=min_weight_version,
+        payload=raw if not ext else encoded(body),
+        model=_text(ext.get("model")),
+        # A /generate's session_id is SGLang's own too: read for routing, and sent on.
+        session_id=_text(ext.get("session_id", body.get("session_id"))),
+        min_weight_version=_version(ext.get("min_weight_version")),
         stream=_streams(body.get("stream")),
     )
 
