@@ -312,8 +312,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
                 f"a checksum with role {event.role.value!r} cannot be posted: the controller records what "
                 "servers confirm; training posts role 'published' (the default)"
             )
-        out_of_bounds = _posted_checksum_problems(event)
-        if out_of_bounds:
+        if out_of_bounds := _posted_checksum_problems(event):
             raise InvalidRequestError(f"not a valid event ({'; '.join(out_of_bounds)})")
         if event.model_name not in controller.fleet.model_names:
             raise NotFoundError(

@@ -111,9 +111,7 @@ class Proxy:
         self._router = router
         # Engines launched by the controller may require their secret for inference too (when the
         # controller's own API key is set): the proxy is the controller, so it presents it.
-        self._headers = dict(_JSON)
-        if engine_secret:
-            self._headers["authorization"] = f"Bearer {engine_secret}"
+        self._headers = {**_JSON, "authorization": f"Bearer {engine_secret}"} if engine_secret else dict(_JSON)
         # Servers someone else runs (attached) never see the secret: it would let them, or anyone
         # on the way to them, change the weights of the engines this controller launched.
         self._attached_headers = dict(_JSON)
