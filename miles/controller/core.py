@@ -389,8 +389,7 @@ class AsyncInferenceController:
         if not staged:
             await set_window(update, open_=False)
         published = self.published.expected(update.model_name, ending.step)
-        refused = refusal(update, ending, published_checksum=published.checksum if published else None)
-        if refused is not None:
+        if refused := refusal(update, ending, published_checksum=published.checksum if published else None):
             await close_window(update, reason=refused)
             return update.result(UpdateStatus.ROLLED_BACK, message=refused)
         update.set_target(await window_target(update, ending, roots=self._settings.allowed_checkpoint_roots))

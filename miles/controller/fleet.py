@@ -200,8 +200,7 @@ class Fleet:
             raise InvalidRequestError(
                 f"server spec {name!r}: 'vllm' launch arguments are for VLLMRollout, not {server_cls.__name__}"
             )
-        taken = sorted(set(spec.urls) & self._attached_urls)
-        if taken:
+        if taken := sorted(set(spec.urls) & self._attached_urls):
             # Two rollouts driving one server would each load their own weights into it.
             raise InvalidRequestError(
                 f"server spec {name!r} attaches {', '.join(taken)}, which another spec attaches too; "

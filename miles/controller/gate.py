@@ -153,8 +153,7 @@ def _vet_plain(
             "saved weights (miles.weights.checksum.model_checksum(model_or_dir)), or seal the "
             "directory with `miles checkpoint seal DIR --model-name NAME --step N`"
         )
-    problems = plain_checkpoint_problems(path)
-    if problems:
+    if problems := plain_checkpoint_problems(path):
         raise CheckpointRejected(f"checkpoint {path} failed verification: {'; '.join(problems[:5])}")
     version = weight_version or latest.weight_version or str(latest.step)
     _check_newer(version, serving_version)
@@ -172,8 +171,7 @@ def refused_plain_message(
     vetted: VettedCheckpoint, *, model_name: str, published: PublishedChecksums, actual: str
 ) -> str:
     """Why servers refused a plain checkpoint whose weights hash to ``actual``."""
-    older = published.matching(model_name, actual)
-    if older is not None:
+    if (older := published.matching(model_name, actual)) is not None:
         return (
             f"checkpoint {vetted.path} holds the weights training published for step {older.step} "
             f"({actual}), not the latest published step {vetted.step} ({vetted.expected_checksum})"

@@ -56,8 +56,7 @@ class FromWindow:
         if not self.staged:
             return
         await update.activate(server_ids)
-        unfinished = [sid for sid in update.live(server_ids) if not update.loaded(sid)]
-        if unfinished:
+        if unfinished := [sid for sid in update.live(server_ids) if not update.loaded(sid)]:
             await self.close(unfinished)
 
 

@@ -66,8 +66,7 @@ def history(events: Iterable[Event]) -> History:
             model = models.setdefault(event.model_name, ModelHistory(event.model_name))
             model.commits.append(event)
             # Logs written before commits named their checkpoint: the started event's.
-            checkpoint = event.checkpoint or started_at.get(event.update_id)
-            if checkpoint:
+            if checkpoint := event.checkpoint or started_at.get(event.update_id):
                 model.copy_at(event.checksum, checkpoint)
             if (number := version_number(event.weight_version)) is not None:
                 model.committed_high = number if model.committed_high is None else max(number, model.committed_high)
@@ -118,8 +117,7 @@ def resume_point(
     last = model.commits[-1]
     for commit in reversed(model.commits):
         for path in model.copies.get(commit.checksum, []):
-            problem = _copy_problem(path, commit.checksum, start_checkpoint, readable_roots)
-            if problem is not None:
+            if (problem := _copy_problem(path, commit.checksum, start_checkpoint, readable_roots)) is not None:
                 version = commit.weight_version
                 logger.warning("cannot resume %s from %s (version %s): %s", model.model_name, path, version, problem)
                 continue

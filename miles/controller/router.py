@@ -94,8 +94,7 @@ class Router:
         gate.clear()
 
     def open_gate(self, model_name: str) -> None:
-        since = self._closed_since.pop(model_name, None)
-        if since is not None:
+        if (since := self._closed_since.pop(model_name, None)) is not None:
             self._blocked[model_name] = self._blocked.get(model_name, 0.0) + time.monotonic() - since
         self._gate(model_name).set()
         self.fleet_changed()
@@ -154,8 +153,7 @@ class Router:
                     self._check_reachable(model_name, min_weight_version)
                 gate = self._gate(model_name)
                 if gate.is_set():
-                    lease = self._claim(model_name, session_id, min_weight_version, exclude, engine)
-                    if lease is not None:
+                    if (lease := self._claim(model_name, session_id, min_weight_version, exclude, engine)) is not None:
                         return lease
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

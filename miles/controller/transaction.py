@@ -351,8 +351,7 @@ class WeightUpdate:
         outcomes = tuple(self._outcome(snap) for snap in self.rollout.snapshot())
         if not message:
             message = _DEFAULT_MESSAGES[status].format(version=self.weight_version)
-            failures = [f"{o.server_id}: {o.error}" for o in outcomes if o.error]
-            if failures:
+            if failures := [f"{o.server_id}: {o.error}" for o in outcomes if o.error]:
                 message = f"{message}: " + "; ".join(failures)
         target = self.target
         loaded = sum(1 for o in outcomes if o.loaded)

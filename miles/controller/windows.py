@@ -262,8 +262,7 @@ def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ..
     as a disk update's is refused: it would become its servers' restart point."""
     if checkpoint is None:
         return
-    problem = roots_problem(checked_path(str(checkpoint), field="checkpoint"), roots)
-    if problem is not None:
+    if (problem := roots_problem(checked_path(str(checkpoint), field="checkpoint"), roots)) is not None:
         raise InvalidRequestError(
             f"{problem}; or end the window without a checkpoint (an engine then writes the weights out)"
         )

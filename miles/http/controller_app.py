@@ -59,8 +59,7 @@ class _Strict(BaseModel):
 
 
 def _usable_path(value: str) -> str:
-    problem = path_text_problem(value)
-    if problem is not None:
+    if (problem := path_text_problem(value)) is not None:
         raise ValueError(f"the path {problem}")
     return value
 
@@ -358,8 +357,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     }
 
     def check_first(scope: Scope) -> None:
-        access = guarded.get((scope.get("method", ""), scope.get("path", "")))
-        if access is not None:
+        if (access := guarded.get((scope.get("method", ""), scope.get("path", "")))) is not None:
             credentials.check_header(scope["path"], Headers(scope=scope).get("authorization"), access)
 
     app.add_middleware(CheckFirst, check=check_first, key="miles_access")

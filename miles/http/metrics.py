@@ -235,8 +235,7 @@ class ControllerMetrics(RequestMetrics):
         self.history.record(latency, ok=outcome == "ok")
         if not content or outcome != "ok":
             return
-        tokens = sum(int(n) for n in _COMPLETION_TOKENS.findall(content))
-        if tokens:
+        if tokens := sum(int(n) for n in _COMPLETION_TOKENS.findall(content)):
             self._tokens(model, server).inc(tokens)
         for version in _VERSION_START.findall(content):
             self._staleness(model).observe(self._behind(model, version.decode(errors="replace")))

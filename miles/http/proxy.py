@@ -161,8 +161,7 @@ class Proxy:
                 raise
             self._router.release(lease)
             if status in _TRY_ELSEWHERE and tries.left > 0:
-                other = self._elsewhere(lease, tries)
-                if other is not None:
+                if (other := self._elsewhere(lease, tries)) is not None:
                     logger.warning("%s answered %d; retrying on %s", lease.server_id, status, other.server_id)
                     lease = other
                     continue
