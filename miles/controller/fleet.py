@@ -71,14 +71,13 @@ class ModelServerSpec(BaseModel):
 
 def resolve_server_cls(server_cls: str | type) -> type[Rollout]:
     """Import ``server_cls`` when given as a dotted path and check it is a Rollout."""
+    resolved = server_cls
     if isinstance(server_cls, str):
         module_name, _, attr = SERVER_CLASSES.get(server_cls, server_cls).rpartition(".")
         try:
             resolved = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError, ValueError) as exc:
             raise InvalidRequestError(f"cannot import rollout server class {server_cls!r}: {exc}") from exc
-    else:
-        resolved = server_cls
     if not (isinstance(resolved, type) and issubclass(resolved, Rollout)):
         raise InvalidRequestError(f"{server_cls!r} is not a Rollout subclass")
     return resolved

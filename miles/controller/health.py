@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -177,13 +178,8 @@ def model_health(
 def lock_health(stats: LockStatistics, *, window_expires_at: datetime | None) -> LockHealth:
     since = stats.held_since
     return LockHealth(
-        name=stats.name,
-        held=stats.held,
-        holder=stats.holder,
-        held_since=stats.held_since,
+        **asdict(stats),  # the lock's own statistics, as they are
         held_for_s=round((datetime.now(UTC) - since).total_seconds(), 3) if since is not None else None,
-        token=stats.token,
-        waiters=stats.waiters,
         detached=window_expires_at is not None,
         lease_expires_at=window_expires_at,
     )

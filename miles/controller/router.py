@@ -194,11 +194,9 @@ class Router:
         return self._claim(model_name, session_id, min_weight_version, exclude, engine)
 
     def release(self, lease: RouteLease) -> None:
-        left = self._outstanding.get(lease.server_id, 0) - 1
-        if left > 0:
-            self._outstanding[lease.server_id] = left
-        else:
-            self._outstanding.pop(lease.server_id, None)
+        self._outstanding[lease.server_id] = left = self.outstanding(lease.server_id) - 1
+        if left <= 0:
+            del self._outstanding[lease.server_id]
 
     # --- internals ---------------------------------------------------------------------------
 
