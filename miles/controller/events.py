@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from miles.config import SAFETY_SETTINGS, ControllerSettings
 from miles.controller.results import UpdateResult
@@ -27,6 +26,9 @@ from miles.utils.audit_utils.event_logger.models import (
     WeightUpdateStartedEvent,
 )
 from miles.utils.context_lock import LockTransition, LockTransitionKind
+
+# What an ended update's event, committed or aborted, takes from its result as it is.
+_AS_IN_RESULT = {"update_id", "model_name", "step", "duration_s", "timings", "serving_blocked_s"}
 
 
 class ControllerEvents:
@@ -123,15 +125,8 @@ class ControllerEvents:
 
     def finished(self, result: UpdateResult) -> None:
         """A committed update, or one that ended any other way (with every server's version)."""
-        fields: dict[str, Any] = {
-            "update_id": result.update_id,
-            "model_name": result.model_name,
-            "weight_version": result.weight_version or "",
-            "step": result.step,
-            "duration_s": result.duration_s,
-            "timings": result.timings,
-            "serving_blocked_s": result.serving_blocked_s,
-        }
+        fields = result.model_dump(include=_AS_IN_RESULT)
+        fields["weight_version"] = result.weight_version or ""
         if result.ok:
             fields |= {
                 "checksum": result.expected_checksum or "",

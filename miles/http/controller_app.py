@@ -74,6 +74,8 @@ MAX_POSTED_CLOCK_SKEW_S = 86_400
 _STEP: TypeAdapter[int] = TypeAdapter(Step)
 
 
+# Each request's fields are the keywords of the controller method its route calls (a window's
+# ``token`` and an update's ``checkpoint`` and ``timeout_s`` aside).
 class UpdateRequest(_Strict):
     checkpoint: PathText
     model_name: Label | None = None
@@ -246,37 +248,20 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     @app.post("/update_weights", dependencies=as_admin)
     async def update_weights(request: UpdateRequest) -> JSONResponse:
-        result = await controller.update_rollout_weights(
-            Path(request.checkpoint),
-            model_name=request.model_name,
-            strategy=request.strategy,
-            pause_mode=request.pause_mode,
-            timeout=request.timeout_s,
-            weight_version=request.weight_version,
-        )
+        options = request.model_dump(exclude={"checkpoint", "timeout_s"})
+        result = await controller.update_rollout_weights(Path(request.checkpoint), timeout=request.timeout_s, **options)
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.ok else 409)
 
     @app.post("/update_weights/start", dependencies=as_admin)
     async def start_window(request: StartWindowRequest, http_request: Request) -> Any:
         # A caller that goes away while it waits for the lock gets no window: nobody would hold
         # its token, and the fleet would wait out the window's lease.
-        window = await until_disconnected(
-            http_request,
-            controller.start_update_weights(
-                request.model_name, ttl_s=request.ttl_s, pause_mode=request.pause_mode, staged=request.staged
-            ),
-        )
+        window = await until_disconnected(http_request, controller.start_update_weights(**request.model_dump()))
         return window if isinstance(window, Response) else window.model_dump(mode="json")
 
     @app.post("/update_weights/end", dependencies=as_admin)
     async def end_window(request: EndWindowRequest) -> JSONResponse:
-        result = await controller.end_update_weights(
-            request.token,
-            checksum=request.checksum,
-            step=request.step,
-            checkpoint=request.checkpoint,
-            weight_version=request.weight_version,
-        )
+        result = await controller.end_update_weights(request.token, **request.model_dump(exclude={"token"}))
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.ok else 409)
 
     @app.post("/update_weights/renew", dependencies=as_admin)
