@@ -128,11 +128,8 @@ def resume_point(
                     f"{last.checksum}; resumed from the newest committed version that has one"
                 )
             return ResumedFrom(
-                weight_version=commit.weight_version,
-                step=commit.step,
-                checksum=commit.checksum,
+                **commit.model_dump(include={"weight_version", "step", "checksum", "update_id"}),
                 checkpoint=str(path),
-                update_id=commit.update_id,
                 committed_at=commit.timestamp,
                 last_committed_version=last.weight_version,
                 committed_high=model.committed_high,
