@@ -144,20 +144,17 @@ class Proxy:
                     status = upstream.status
                     media_type = upstream.headers.get("content-type", "application/json")
                     retry_after = upstream.headers.get("retry-after")
-            except _NOT_DELIVERED as exc:
-                # Generation has no side effects, so a request whose answer never arrived is safe
-                # to run again, elsewhere or on the restarted server.
+            except BaseException as exc:
                 self._router.release(lease)
-                lease = await self._after_unreachable(lease, tries, exc)
-                continue
-            except TimeoutError:
-                self._router.release(lease)
-                self._metrics.request_done(
-                    options.model_name, server=lease.server_id, outcome="timeout", started=tries.started
-                )
-                raise
-            except BaseException:
-                self._router.release(lease)
+                if isinstance(exc, _NOT_DELIVERED):
+                    # Generation has no side effects, so a request whose answer never arrived is
+                    # safe to run again, elsewhere or on the restarted server.
+                    lease = await self._after_unreachable(lease, tries, exc)
+                    continue
+                if isinstance(exc, TimeoutError):
+                    self._metrics.request_done(
+                        options.model_name, server=lease.server_id, outcome="timeout", started=tries.started
+                    )
                 raise
             self._router.release(lease)
             if status in _TRY_ELSEWHERE and tries.left > 0:
@@ -192,17 +189,14 @@ class Proxy:
                 upstream = await self._post(lease, path, payload, tries)
                 first = await _first_chunk(upstream)
                 self._metrics.first_byte(options.model_name, started=tries.started)
-            except _NOT_DELIVERED as exc:
+            except BaseException as exc:
                 if upstream is not None:
                     upstream.release()
                 self._router.release(lease)
+                if not isinstance(exc, _NOT_DELIVERED):
+                    raise
                 lease = await self._after_unreachable(lease, tries, exc)
                 continue
-            except BaseException:
-                if upstream is not None:
-                    upstream.release()
-                self._router.release(lease)
-                raise
             return StreamingResponse(
                 self._relay(upstream, first, lease, tries),
                 status_code=upstream.status,
