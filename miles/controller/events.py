@@ -66,7 +66,6 @@ class ControllerEvents:
         self.logger.log(
             ChecksumMismatchEvent,
             {
-                "update_id": None,
                 "model_name": model_name,
                 "server_id": server_id,
                 "step": expected.step,

@@ -38,8 +38,8 @@ class PublishedChecksums:
         if isinstance(event, InferenceEngineWeightChecksumEvent) and event.role is ChecksumRole.PUBLISHED:
             record = PublishedChecksum(step=event.step, checksum=event.checksum, weight_version=event.weight_version)
             with self._guard:
-                steps = self._by_model.pop(event.model_name, {})
-                self._by_model[event.model_name] = steps
+                # Taken out and put back: the model is now the one published to last.
+                steps = self._by_model[event.model_name] = self._by_model.pop(event.model_name, {})
                 steps[event.step] = record
                 if len(steps) > self._max_steps:
                     del steps[min(steps)]

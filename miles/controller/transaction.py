@@ -301,8 +301,7 @@ class WeightUpdate:
         self.router.fleet_changed()
 
     async def heal(self) -> None:
-        """Put back on verified weights any server a failed operation left updating or
-        quarantined, and let requests through again."""
+        """Put servers a failed operation left updating or quarantined back on verified weights; open the gate."""
         stuck = [
             s.server_id for s in self.rollout.snapshot() if s.state in (ServerState.UPDATING, ServerState.QUARANTINED)
         ]

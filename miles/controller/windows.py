@@ -271,8 +271,7 @@ def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ..
 def _checkpoint_holding(
     checkpoint: str | Path | None, checksum: str, start_checkpoint: Path, roots: tuple[Path, ...]
 ) -> Path | None:
-    """``checkpoint`` when restarts can reload the window's weights from it, else None (an engine
-    then writes the weights out)."""
+    """``checkpoint`` if restarts can reload the window's weights from it, else None."""
     if checkpoint is None:
         return None
     path = checked_path(str(checkpoint), field="checkpoint")

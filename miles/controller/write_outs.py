@@ -66,8 +66,7 @@ class WriteOuts:
         return min(self._not_before.get(model, -math.inf), now_due) - time.monotonic()
 
     async def flush(self, model: str) -> None:
-        """Write out now the newest weights still waiting for their turn, and return once no
-        write-out of ``model`` is pending or running."""
+        """Write ``model``'s waiting weights out now; return once none is pending or running."""
         writer = self._writers.get(model)
         if writer is None or writer.done():
             return
