@@ -20,11 +20,10 @@ from pydantic import TypeAdapter, ValidationError
 
 from miles.controller.fleet import Fleet
 from miles.controller.router import RouteLease
-from miles.errors import InvalidRequestError, NotFoundError
+from miles.errors import InvalidRequestError
 from miles.http.proxy import HeldBodies, Proxy, RouteOptions
 from miles.protocol.base import Label
 from miles.protocol.generate_completions import completion_body, generate_answers, parse_generate
-from miles.rollout.state import EngineApi
 from miles.utils.http import error_response, until_disconnected
 
 # Request bodies from this size on are parsed and re-encoded on a worker thread.
@@ -60,13 +59,6 @@ class Inference:
             )
             with self._bodies.hold(0 if routed.payload is raw else len(routed.payload), refusable=False):
                 return await until_disconnected(request, self._send(path, routed, route))
-
-    def _engines(self, model: str | None) -> set[EngineApi]:
-        """The APIs the engines of ``model``'s servers speak (none for a model the router refuses)."""
-        try:
-            return {s.engine for s in self._fleet.rollout(model).snapshot()}
-        except (InvalidRequestError, NotFoundError):
-            return set()  # the router answers for a model it cannot pick
 
     async def _generate_on_either(self, routed: Routed, route: RouteOptions) -> Response:
         """``/generate`` for a model served by vLLM servers and engines that answer it: the router
@@ -127,7 +119,8 @@ class Inference:
         return JSONResponse(body, headers={"x-miles-server": served_by})
 
     async def _send(self, path: str, routed: Routed, route: RouteOptions) -> Response:
-        engines = self._engines(routed.model) if path == "/generate" else set()
+        # The APIs the engines of the model's servers speak (``route`` named a served model).
+        engines = {s.engine for s in self._fleet.snapshots(route.model_name)} if path == "/generate" else set()
         if engines == {"vllm"}:
             return await self._generate_by_completions(routed, route)
         if "vllm" in engines:
