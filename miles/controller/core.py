@@ -360,7 +360,7 @@ class AsyncInferenceController:
             opened.set_exception(exc)
             return
         credential = window_credential(self.engine_secret, update.token)
-        window = OpenWindow(update=update, public=describe(update, ttl_s=ttl_s, staged=staged, credential=credential))
+        window = OpenWindow(public=describe(update, ttl_s=ttl_s, staged=staged, credential=credential))
         self._windows.current = window
         opened.set_result(window.public)
         with update.timed("transfer"):  # training pushing its weights, until it ends the window
@@ -495,8 +495,8 @@ class AsyncInferenceController:
     def _finish(self, result: UpdateResult) -> UpdateResult:
         if result.ok and (number := version_number(result.weight_version)) is not None:
             rollout = self.fleet.rollout(result.model_name)
-            high = rollout.committed_high
-            rollout.committed_high = number if high is None else max(number, high)  # 0 is a version too
+            # Compared with None, not by truth: 0 is a version too.
+            rollout.committed_high = max(n for n in (number, rollout.committed_high) if n is not None)
         self._events.finished(result)
         return self._remember(result)
 

@@ -480,7 +480,6 @@ _DEFAULT_MESSAGES = {
     UpdateStatus.ROLLED_BACK: "rolled back to verified weights",
     UpdateStatus.PARTIAL: "halted part-way; some servers serve the new version",
     UpdateStatus.ABORTED: "aborted; every server is back on its verified weights",
-    UpdateStatus.TIMED_OUT: "the lock was not granted in time; nothing changed",
 }
 
 

@@ -61,7 +61,6 @@ class Abort:
 class OpenWindow:
     """A window held open: what training was told, and the way training ends it."""
 
-    update: WeightUpdate
     public: UpdateWindow
     _endings: asyncio.Queue[tuple[Commit | Abort, asyncio.Future[UpdateResult]]] = field(default_factory=asyncio.Queue)
     _closing: str | None = None  # why it no longer takes an ending
