@@ -1,7 +1,6 @@
 """The controller's HTTP API (port 8000 by default): a thin adapter over AsyncInferenceController.
 
-Inference is routed to a serving server; ``model`` (on ``/generate``), ``min_weight_version`` and,
-on the OpenAI endpoints, ``session_id`` are the controller's extensions, removed before forwarding.
+Inference requests are read, shaped and routed by ``miles.http.inference``.
 """
 
 from __future__ import annotations
@@ -94,21 +93,22 @@ class StartWindowRequest(_Strict):
     staged: StrictBool = False
 
 
-class EndWindowRequest(_Strict):
+class _WindowRequest(_Strict):
     token: Annotated[int, Field(strict=True)]
+
+
+class EndWindowRequest(_WindowRequest):
     checksum: Label
     step: Step
     checkpoint: PathText | None = None
     weight_version: Label | None = None
 
 
-class RenewWindowRequest(_Strict):
-    token: Annotated[int, Field(strict=True)]
+class RenewWindowRequest(_WindowRequest):
     ttl_s: Annotated[float, Field(strict=True, ge=LEASE_TTL_MIN_S, le=LEASE_TTL_MAX_S)] | None = None
 
 
-class AbortWindowRequest(_Strict):
-    token: Annotated[int, Field(strict=True)]
+class AbortWindowRequest(_WindowRequest):
     # Logged as one line: a newline would forge the next one.
     reason: Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]+$")] = "aborted by training"
 

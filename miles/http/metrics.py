@@ -1,8 +1,7 @@
 """Prometheus metrics of one controller (its own registry, so several controllers can coexist).
 
-The proxy records every routed request, the update listener and event log feed updates, mismatches,
-quarantines and the lock, and the health report is read at scrape time. Names:
-``miles.protocol.metrics``; meanings: docs/METRICS.md.
+What feeds it: docs/ARCHITECTURE.md, "Observing it"; names: ``miles.protocol.metrics``; meanings:
+docs/METRICS.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The controller's status page: the fleet, the lock, the last updates, requests and events.
 
-``GET /`` serves the page and its script and style (files of this package, no build step); the
-script polls ``GET /status``, assembled from what the controller keeps: its health report (which
-never waits on the lock), the update timelines of its event log, and the metrics' request history.
+``GET /`` serves the page's files (shipped in this package, no build step); its script polls
+``GET /status``, assembled from what never waits on the lock.
 """
 
 from __future__ import annotations
