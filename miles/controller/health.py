@@ -139,7 +139,7 @@ _AS_IN_SNAPSHOT = (
 
 
 def server_health(snapshot: ServerSnapshot, *, in_flight: int, now: float) -> ServerHealth:
-    probe, placement = snapshot.last_probe, snapshot.placement
+    probe, placement, verified = snapshot.last_probe, snapshot.placement, snapshot.verified
     return ServerHealth(
         **{name: getattr(snapshot, name) for name in _AS_IN_SNAPSHOT},
         device=placement.device if placement else snapshot.device,
@@ -148,10 +148,8 @@ def server_health(snapshot: ServerSnapshot, *, in_flight: int, now: float) -> Se
         gpu_ids=list(placement.gpu_ids) if placement else [],
         attached=placement.attached if placement else False,
         state_for_s=round(now - snapshot.state_since, 3),
-        verified_weight_version=snapshot.verified.weight_version if snapshot.verified else None,
-        verified_checkpoint=(
-            str(snapshot.verified.checkpoint) if snapshot.verified and snapshot.verified.checkpoint else None
-        ),
+        verified_weight_version=verified.weight_version if verified else None,
+        verified_checkpoint=str(verified.checkpoint) if verified and verified.checkpoint else None,
         last_probe_ok=probe.ok if probe else None,
         last_probe_age_s=round(now - probe.at, 3) if probe else None,
         last_probe_latency_s=round(probe.latency_s, 4) if probe else None,

@@ -286,7 +286,7 @@ class WeightUpdate:
         """Put servers back on their last verified weights (they serve those again)."""
 
         async def one(server_id: str) -> None:
-            if self.rollout.cell(server_id).state in (ServerState.UPDATING, ServerState.QUARANTINED):
+            if self.rollout.cell(server_id).state in _MID_UPDATE:
                 await self.rollout.rollback(server_id, reason=reason, fence=self.token)
             if self.progress[server_id].step is not ServerStep.PENDING:
                 self.progress[server_id].step = ServerStep.RESTORED
@@ -302,9 +302,7 @@ class WeightUpdate:
 
     async def heal(self) -> None:
         """Put servers a failed operation left updating or quarantined back on verified weights; open the gate."""
-        stuck = [
-            s.server_id for s in self.rollout.snapshot() if s.state in (ServerState.UPDATING, ServerState.QUARANTINED)
-        ]
+        stuck = [s.server_id for s in self.rollout.snapshot() if s.state in _MID_UPDATE]
         if stuck:
             logger.warning("restoring %s left mid-update", ", ".join(stuck))
             await asyncio.gather(
@@ -472,6 +470,8 @@ class WeightUpdate:
         )
 
 
+# The states an update leaves a server in until it admits or restores it.
+_MID_UPDATE = (ServerState.UPDATING, ServerState.QUARANTINED)
 _LOADED = frozenset({ServerStep.LOADED, ServerStep.CONFIRMED, ServerStep.MISMATCHED, ServerStep.ADMITTED})
 
 _DEFAULT_MESSAGES = {
