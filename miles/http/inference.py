@@ -32,16 +32,14 @@ _LABEL: TypeAdapter[str] = TypeAdapter(Label)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True, kw_only=True)
 class Inference:
     """Routes one controller's inference requests (its proxy, fleet and budget of held bodies)."""
 
-    def __init__(
-        self, *, proxy: Callable[[], Proxy], fleet: Fleet, bodies: HeldBodies, timeout_s: Callable[[], float]
-    ) -> None:
-        self._proxy = proxy
-        self._fleet = fleet
-        self._bodies = bodies
-        self._timeout_s = timeout_s
+    proxy: Callable[[], Proxy]
+    fleet: Fleet
+    bodies: HeldBodies
+    timeout_s: Callable[[], float]
 
     async def route(self, path: str, request: Request, prepare: Callable[[bytes], Routed]) -> Response:
         """Answer ``request`` to ``path`` from a server of its model (``prepare`` reads its body:
@@ -49,27 +47,27 @@ class Inference:
         # The body is held (request.body() keeps it) until the answer: its bytes count against
         # the budget from before it is parsed; the parsed JSON is dropped once the payload is built.
         raw = await request.body()
-        with self._bodies.hold(len(raw)):
+        with self.bodies.hold(len(raw)):
             routed = await _off_loop_if_large(prepare, raw)
             route = RouteOptions(
-                model_name=self._fleet.rollout(routed.model).model_name,
+                model_name=self.fleet.rollout(routed.model).model_name,
                 session_id=routed.session_id,
                 min_weight_version=routed.min_weight_version,
-                timeout_s=self._timeout_s(),
+                timeout_s=self.timeout_s(),
             )
-            with self._bodies.hold(0 if routed.payload is raw else len(routed.payload), refusable=False):
+            with self.bodies.hold(0 if routed.payload is raw else len(routed.payload), refusable=False):
                 return await until_disconnected(request, self._send(path, routed, route))
 
     async def _generate_on_either(self, routed: Routed, route: RouteOptions) -> Response:
         """``/generate`` for a model served by vLLM servers and engines that answer it: the router
         picks the server, then the request is shaped for it; a retry stays with that API."""
         started = time.perf_counter()
-        lease = await self._proxy().lease(route)
+        lease = await self.proxy().lease(route)
         # The request's deadline counts from its arrival: the wait for the server is spent.
         route = replace(route, engine=lease.engine, timeout_s=max(route.timeout_s - (time.perf_counter() - started), 0))
         if lease.engine == "vllm":
             return await self._generate_by_completions(routed, route, first=lease)
-        return await self._proxy().forward("/generate", routed.payload, route, lease=lease)
+        return await self.proxy().forward("/generate", routed.payload, route, lease=lease)
 
     async def _generate_by_completions(
         self, routed: Routed, route: RouteOptions, *, first: RouteLease | None = None
@@ -80,17 +78,17 @@ class Inference:
             generate = await _off_loop_if_large(lambda raw: parse_generate(json_object(raw)), routed.payload)
         except BaseException:
             if first is not None:
-                self._proxy().release(first)
+                self.proxy().release(first)
             raise
         started = time.perf_counter()
 
         def versions() -> dict[str, str]:
-            return {s.server_id: s.weight_version or "" for s in self._fleet.snapshots(route.model_name)}
+            return {s.server_id: s.weight_version or "" for s in self.fleet.snapshots(route.model_name)}
 
         async def one(index: int) -> tuple[Response, list[dict[str, Any]] | None]:
             sent = versions()
             body = encoded(completion_body(generate, index))
-            answer = await self._proxy().forward("/v1/completions", body, route, lease=first if index == 0 else None)
+            answer = await self.proxy().forward("/v1/completions", body, route, lease=first if index == 0 else None)
             if answer.status_code != 200:
                 return answer, None
             server = answer.headers.get("x-miles-server", "")
@@ -120,7 +118,7 @@ class Inference:
 
     async def _send(self, path: str, routed: Routed, route: RouteOptions) -> Response:
         # The APIs the engines of the model's servers speak (``route`` named a served model).
-        engines = {s.engine for s in self._fleet.snapshots(route.model_name)} if path == "/generate" else set()
+        engines = {s.engine for s in self.fleet.snapshots(route.model_name)} if path == "/generate" else set()
         if engines == {"vllm"}:
             return await self._generate_by_completions(routed, route)
         if "vllm" in engines:
@@ -130,8 +128,8 @@ class Inference:
             # servers that answer /generate themselves.
             route = replace(route, engine="sglang")
         if routed.stream:
-            return await self._proxy().stream(path, routed.payload, route)
-        return await self._proxy().forward(path, routed.payload, route)
+            return await self.proxy().stream(path, routed.payload, route)
+        return await self.proxy().forward(path, routed.payload, route)
 
 
 async def _off_loop_if_large(parse: Callable[[bytes], T], raw: bytes) -> T:
