@@ -84,18 +84,20 @@ class AsyncInferenceController:
         self._events = ControllerEvents(self.event_logger, fleet_changed=self._fleet_changed)
         self._lock = ContextLock("InferenceController", on_transition=self._events.lock_transition)
         # One secret per controller: its engines refuse weight-changing and pause calls without
-        # it, so only this controller (and the windows it opens) can change their weights.
-        self._engine_secret = secrets.token_urlsafe(32)
+        # it, so only this controller (and the windows it opens) can change their weights (the HTTP
+        # adapter presents it when it proxies to them).
+        self.engine_secret = secrets.token_urlsafe(32)
         self.fleet = Fleet(
             normalize_specs(rollout_server_cls, model_checkpoint, num_servers),
             settings=self._settings,
             exclusive=_fenced_section(self._lock),
             observer=self._events,
-            engine_secret=self._engine_secret,
+            engine_secret=self.engine_secret,
         )
         self._windows = WindowSlot()
         self._write_outs = WriteOuts(lambda: self._settings.write_out_interval_s)
-        self._last_update: UpdateResult | None = None
+        # The result of the update that ended last (None before any).
+        self.last_update: UpdateResult | None = None
         self._update_listeners: list[Callable[[UpdateResult], None]] = []
         self._started_at = time.time()
         self._closed = False
@@ -108,12 +110,6 @@ class AsyncInferenceController:
     @lock_exempt
     def settings(self) -> ControllerSettings:
         return self._settings
-
-    @property
-    @lock_exempt
-    def engine_secret(self) -> str:
-        """The secret this controller's engines require (for the HTTP adapter that proxies to them)."""
-        return self._engine_secret
 
     @property
     @lock_exempt
@@ -215,8 +211,7 @@ class AsyncInferenceController:
         rollout = self.fleet.rollout(model_name)
         if timeout is not None:
             timeout = check_seconds(timeout, name="timeout", low=UPDATE_TIMEOUT_MIN_S, high=UPDATE_TIMEOUT_MAX_S)
-        chosen = choice(UpdateStrategy, strategy or self._settings.default_strategy, "strategy")
-        mode = UpdateMode(chosen.value)
+        mode = UpdateMode(choice(UpdateStrategy, strategy or self._settings.default_strategy, "strategy").value)
         pause = choice(UpdatePauseMode, pause_mode or self._settings.default_pause_mode, "pause_mode")
         try:
             return await self._update_from_disk(
@@ -253,25 +248,24 @@ class AsyncInferenceController:
         started: float,
     ) -> UpdateResult:
         update = self._new_update(rollout, mode=mode, pause_mode=pause_mode, started=started)
-        timings = {"lock_wait": time.monotonic() - started}
-        await update.heal()
-        # Loading changes the live weights in place: the ones served now must be on disk first.
-        await self._write_outs.flush(update.model_name)
+        update.phases["lock_wait"] = time.monotonic() - started
         try:
-            vetted = await asyncio.to_thread(
-                vet_checkpoint,
-                checkpoint,
-                model_name=update.model_name,
-                settings=self._settings,
-                published=self.published,
-                weight_version=weight_version,
-                serving_version=update.version_to_beat,
-                start_checkpoint=rollout.start_checkpoint,
-            )
+            with update.timed("validate"):
+                await update.heal()
+                # Loading changes the live weights in place: the ones served now must be on disk first.
+                await self._write_outs.flush(update.model_name)
+                vetted = await asyncio.to_thread(
+                    vet_checkpoint,
+                    checkpoint,
+                    model_name=update.model_name,
+                    settings=self._settings,
+                    published=self.published,
+                    weight_version=weight_version,
+                    serving_version=update.version_to_beat,
+                    start_checkpoint=rollout.start_checkpoint,
+                )
         except CheckpointRejected as rejected:
-            timings["validate"] = time.monotonic() - started - timings["lock_wait"]
-            return self._finish(update.result(UpdateStatus.REJECTED, message=rejected.message, timings=timings))
-        timings["validate"] = time.monotonic() - started - timings["lock_wait"]
+            return self._finish(update.result(UpdateStatus.REJECTED, message=rejected.message))
         update.set_target(
             Target(
                 weight_version=vetted.weight_version,
@@ -283,22 +277,21 @@ class AsyncInferenceController:
             )
         )
         self._events.started(update)
-        phase = time.monotonic()
         message = ""
-        try:
-            async with asyncio.timeout(timeout):
-                schedule = Rolling(self._settings.rolling_batch_size) if mode is UpdateMode.ROLLING else Barrier()
-                status = await update.run(Plan(source=FromCheckpoint(vetted.path), schedule=schedule))
-        except TimeoutError:
-            status = UpdateStatus.ROLLED_BACK
-            message = f"the update did not finish within {timeout}s; servers were put back on verified weights"
-            await update.heal()
-        except BaseException:
-            # A failure nobody planned for (a bug in a server type, a cancelled caller): put every
-            # server back on verified weights before the lock is released, then report it.
-            await update.heal()
-            raise
-        timings["transaction"] = time.monotonic() - phase
+        with update.timed("transaction"):
+            try:
+                async with asyncio.timeout(timeout):
+                    schedule = Rolling(self._settings.rolling_batch_size) if mode is UpdateMode.ROLLING else Barrier()
+                    status = await update.run(Plan(source=FromCheckpoint(vetted.path), schedule=schedule))
+            except TimeoutError:
+                status = UpdateStatus.ROLLED_BACK
+                message = f"the update did not finish within {timeout}s; servers were put back on verified weights"
+                await update.heal()
+            except BaseException:
+                # A failure nobody planned for (a bug in a server type, a cancelled caller): put every
+                # server back on verified weights before the lock is released, then report it.
+                await update.heal()
+                raise
         actual = update.checkpoint_checksums()
         if status is UpdateStatus.REJECTED and vetted.manifest is None and len(actual) == 1:
             # A plain directory's weights were hashed by the servers; say which published step,
@@ -306,7 +299,7 @@ class AsyncInferenceController:
             message = refused_plain_message(
                 vetted, model_name=update.model_name, published=self.published, actual=actual.pop()
             )
-        return self._finish(update.result(status, message=message, timings=timings))
+        return self._finish(update.result(status, message=message))
 
     # --- training-driven windows ---------------------------------------------------------------
 
@@ -366,8 +359,8 @@ class AsyncInferenceController:
             self._finish(update.result(UpdateStatus.ROLLED_BACK, message=f"the window could not open: {exc}"))
             opened.set_exception(exc)
             return
-        credential = window_credential(self._engine_secret, update.token)
-        window = OpenWindow(update=update, public=describe(update, ttl_s=ttl_s, staged=staged, credential=credential))
+        credential = window_credential(self.engine_secret, update.token)
+        window = OpenWindow(public=describe(update, ttl_s=ttl_s, staged=staged, credential=credential))
         self._windows.current = window
         opened.set_result(window.public)
         with update.timed("transfer"):  # training pushing its weights, until it ends the window
@@ -396,8 +389,7 @@ class AsyncInferenceController:
         if not staged:
             await set_window(update, open_=False)
         published = self.published.expected(update.model_name, ending.step)
-        refused = refusal(update, ending, published_checksum=published.checksum if published else None)
-        if refused is not None:
+        if refused := refusal(update, ending, published_checksum=published.checksum if published else None):
             await close_window(update, reason=refused)
             return update.result(UpdateStatus.ROLLED_BACK, message=refused)
         update.set_target(await window_target(update, ending, roots=self._settings.allowed_checkpoint_roots))
@@ -477,14 +469,9 @@ class AsyncInferenceController:
             in_flight=router.outstanding if router else lambda _: 0,
             resumed=self._resumed,
             lock=lock_health(self._lock.statistics(), window_expires_at=window.public.expires_at if window else None),
-            last_update=self._last_update,
+            last_update=self.last_update,
             uptime_s=round(time.time() - self._started_at, 3),
         )
-
-    @property
-    @lock_exempt
-    def last_update(self) -> UpdateResult | None:
-        return self._last_update
 
     @lock_exempt
     def on_update(self, listener: Callable[[UpdateResult], None]) -> None:
@@ -508,14 +495,14 @@ class AsyncInferenceController:
     def _finish(self, result: UpdateResult) -> UpdateResult:
         if result.ok and (number := version_number(result.weight_version)) is not None:
             rollout = self.fleet.rollout(result.model_name)
-            high = rollout.committed_high
-            rollout.committed_high = number if high is None else max(number, high)  # 0 is a version too
+            # Compared with None, not by truth: 0 is a version too.
+            rollout.committed_high = max(n for n in (number, rollout.committed_high) if n is not None)
         self._events.finished(result)
         return self._remember(result)
 
     @lock_exempt
     def _remember(self, result: UpdateResult) -> UpdateResult:
-        self._last_update = result
+        self.last_update = result
         log = logger.info if result.ok else logger.error
         log("update %s %s: %s", result.update_id, result.status.value, result.message)
         for listener in self._update_listeners:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from miles.config import SAFETY_SETTINGS, ControllerSettings
 from miles.controller.results import UpdateResult
@@ -27,6 +27,9 @@ from miles.utils.audit_utils.event_logger.models import (
 )
 from miles.utils.context_lock import LockTransition, LockTransitionKind
 
+# What an ended update's event, committed or aborted, takes from its result as it is.
+_AS_IN_RESULT = {"update_id", "model_name", "step", "duration_s", "timings", "serving_blocked_s"}
+
 
 class ControllerEvents:
     def __init__(self, logger: EventLogger, *, fleet_changed: Callable[[], None]) -> None:
@@ -37,18 +40,8 @@ class ControllerEvents:
     # --- RolloutObserver -----------------------------------------------------------------------
 
     def state_changed(self, change: StateChange) -> None:
-        self.logger.log(
-            ServerStateChangedEvent,
-            {
-                "server_id": change.server_id,
-                "model_name": change.model_name,
-                "from_state": change.from_state.value,
-                "to_state": change.to_state.value,
-                "weight_version": change.weight_version,
-                "reason": change.reason,
-            },
-            print_log=False,
-        )
+        # A StateChange carries exactly the event's fields (its states are read as their values).
+        self.logger.log(ServerStateChangedEvent, asdict(change), print_log=False)
         self._fleet_changed()
 
     def weights_written_out(self, model_name: str, checksum: str, checkpoint: Path) -> None:
@@ -73,7 +66,6 @@ class ControllerEvents:
         self.logger.log(
             ChecksumMismatchEvent,
             {
-                "update_id": None,
                 "model_name": model_name,
                 "server_id": server_id,
                 "step": expected.step,
@@ -132,15 +124,8 @@ class ControllerEvents:
 
     def finished(self, result: UpdateResult) -> None:
         """A committed update, or one that ended any other way (with every server's version)."""
-        fields: dict[str, Any] = {
-            "update_id": result.update_id,
-            "model_name": result.model_name,
-            "weight_version": result.weight_version or "",
-            "step": result.step,
-            "duration_s": result.duration_s,
-            "timings": result.timings,
-            "serving_blocked_s": result.serving_blocked_s,
-        }
+        fields = result.model_dump(include=_AS_IN_RESULT)
+        fields["weight_version"] = result.weight_version or ""
         if result.ok:
             fields |= {
                 "checksum": result.expected_checksum or "",
@@ -160,15 +145,9 @@ class ControllerEvents:
         changed = sorted(name for name in new if new[name] != old[name])
         if not changed:
             return
-        self.logger.log(
-            SettingsChangedEvent,
-            {
-                "before": {name: old[name] for name in changed},
-                "after": {name: new[name] for name in changed},
-                "safety": bool(SAFETY_SETTINGS.intersection(changed)),
-            },
-            print_log=bool(SAFETY_SETTINGS.intersection(changed)),
-        )
+        safety = bool(SAFETY_SETTINGS.intersection(changed))
+        fields = {"before": {n: old[n] for n in changed}, "after": {n: new[n] for n in changed}, "safety": safety}
+        self.logger.log(SettingsChangedEvent, fields, print_log=safety)
 
     def lock_transition(self, transition: LockTransition) -> None:
         fields = {"lock_name": transition.lock_name, "holder": transition.holder, "token": transition.token}

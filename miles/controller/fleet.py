@@ -1,7 +1,7 @@
 """The fleet: the servers of every served model, built from the specs the controller was given.
 
-Specs that name one model (one checkpoint, several server types) become one ``MixedRollout``, so
-the model still has one update transaction, one gate at the router and one entry in ``/health``.
+Specs that name one model become one ``MixedRollout`` (docs/ARCHITECTURE.md, "One model, several
+server types").
 """
 
 from __future__ import annotations
@@ -36,6 +36,13 @@ SERVER_CLASSES = {
     "VLLMRollout": "miles.rollout.vllm_rollout.VLLMRollout",
 }
 
+# What a rollout is given as it stands in its spec, and in the controller's settings.
+_PASSED_FROM_SPEC = {"devices", "max_running_requests", "num_threads", "engine_args", "urls"}
+_PASSED_FROM_SETTINGS = set(
+    "startup_timeout_s update_timeout_s request_timeout_s allowed_checkpoint_roots checkpoint_transfer ray_address "
+    "ray_namespace".split()
+)
+
 
 class ModelServerSpec(BaseModel):
     """Servers of one model: which server type runs them, on which checkpoint, how many.
@@ -64,14 +71,13 @@ class ModelServerSpec(BaseModel):
 
 def resolve_server_cls(server_cls: str | type) -> type[Rollout]:
     """Import ``server_cls`` when given as a dotted path and check it is a Rollout."""
+    resolved = server_cls
     if isinstance(server_cls, str):
         module_name, _, attr = SERVER_CLASSES.get(server_cls, server_cls).rpartition(".")
         try:
             resolved = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError, ValueError) as exc:
             raise InvalidRequestError(f"cannot import rollout server class {server_cls!r}: {exc}") from exc
-    else:
-        resolved = server_cls
     if not (isinstance(resolved, type) and issubclass(resolved, Rollout)):
         raise InvalidRequestError(f"{server_cls!r} is not a Rollout subclass")
     return resolved
@@ -193,8 +199,7 @@ class Fleet:
             raise InvalidRequestError(
                 f"server spec {name!r}: 'vllm' launch arguments are for VLLMRollout, not {server_cls.__name__}"
             )
-        taken = sorted(set(spec.urls) & self._attached_urls)
-        if taken:
+        if taken := sorted(set(spec.urls) & self._attached_urls):
             # Two rollouts driving one server would each load their own weights into it.
             raise InvalidRequestError(
                 f"server spec {name!r} attaches {', '.join(taken)}, which another spec attaches too; "
@@ -206,23 +211,17 @@ class Fleet:
                 "attach mode has one server per URL (leave num_servers out)"
             )
         rollout_spec = RolloutSpec(
+            **spec.model_dump(include=_PASSED_FROM_SPEC),
+            **settings.model_dump(include=_PASSED_FROM_SETTINGS),
             name=prefix,
             checkpoint=spec.checkpoint.resolve(),
             model_name=model_name,
             num_servers=spec.num_servers or len(spec.urls) or 1,
-            devices=spec.devices,
             health=health_from(settings),
-            startup_timeout_s=settings.startup_timeout_s,
-            update_timeout_s=settings.update_timeout_s,
-            request_timeout_s=settings.request_timeout_s,
-            max_running_requests=spec.max_running_requests,
-            num_threads=spec.num_threads,
             log_dir=settings.log_dir or self.state_dir / "logs",
             snapshot_dir=self.state_dir / "snapshots" / folder,
             engine_secret=None if self._engine_secret is None else SecretStr(self._engine_secret),
             guard_inference=settings.api_key is not None,
-            allowed_checkpoint_roots=settings.allowed_checkpoint_roots,
-            engine_args=spec.engine_args,
             # Attached servers run wherever their owner started them.
             runtime=RuntimeKind.LOCAL if spec.urls else settings.runtime,
             num_gpus_per_engine=_given(spec.num_gpus_per_engine, settings.num_gpus_per_engine),
@@ -230,10 +229,6 @@ class Fleet:
                 spec.num_cpus_per_engine, _given(settings.num_cpus_per_engine, DEFAULT_CPUS_PER_ENGINE)
             ),
             placement_strategy=spec.placement_strategy or settings.placement_strategy,
-            checkpoint_transfer=settings.checkpoint_transfer,
-            ray_address=settings.ray_address,
-            ray_namespace=settings.ray_namespace,
-            urls=spec.urls,
             sglang=spec.sglang or SGLangServerArgs(),
             vllm=spec.vllm or VLLMServerArgs(),
         )

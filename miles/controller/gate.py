@@ -1,19 +1,13 @@
 """Protocol step 3: decide whether a checkpoint may be loaded at all, before any server is touched.
 
-The gate checks what only the coordinator can know: the path and its files are allowed, the
-checkpoint is well-formed and for this model, its weights are the ones training published
-(matched by checksum), and its version is newer than the one serving. A loaded checkpoint also
-becomes its servers' restart point, so one no engine could start from (no readable config, no
-tokenizer) or whose config describes another model is refused too. It does not hash the tensors:
-every server does, before it touches its own.
+What it refuses: docs/ARCHITECTURE.md, "The life of an update", step 2. It does not hash the
+tensors: every server does, before it touches its own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +56,8 @@ def vet_checkpoint(
 
     ``serving_version`` must be read under the controller's lock, by the update about to run (a
     value read earlier may have been overtaken by an update that queued ahead)."""
-    with _refused_when_unreadable(checkpoint):
+    # An OS error under the gate's checks (an I/O error, no permission) is a refusal too.
+    try:
         try:
             path = checked_path(str(checkpoint), field="checkpoint")
         except InvalidRequestError as exc:
@@ -135,13 +130,6 @@ def vet_checkpoint(
             weight_version=version,
             step=step,
         )
-
-
-@contextlib.contextmanager
-def _refused_when_unreadable(checkpoint: Path) -> Iterator[None]:
-    """An OS error under the gate's checks (an I/O error, no permission) is a refusal too."""
-    try:
-        yield
     except OSError as exc:
         raise CheckpointRejected(f"checkpoint {checkpoint} cannot be read: {exc.strerror or exc}") from None
 
@@ -165,8 +153,7 @@ def _vet_plain(
             "saved weights (miles.weights.checksum.model_checksum(model_or_dir)), or seal the "
             "directory with `miles checkpoint seal DIR --model-name NAME --step N`"
         )
-    problems = plain_checkpoint_problems(path)
-    if problems:
+    if problems := plain_checkpoint_problems(path):
         raise CheckpointRejected(f"checkpoint {path} failed verification: {'; '.join(problems[:5])}")
     version = weight_version or latest.weight_version or str(latest.step)
     _check_newer(version, serving_version)
@@ -184,8 +171,7 @@ def refused_plain_message(
     vetted: VettedCheckpoint, *, model_name: str, published: PublishedChecksums, actual: str
 ) -> str:
     """Why servers refused a plain checkpoint whose weights hash to ``actual``."""
-    older = published.matching(model_name, actual)
-    if older is not None:
+    if (older := published.matching(model_name, actual)) is not None:
         return (
             f"checkpoint {vetted.path} holds the weights training published for step {older.step} "
             f"({actual}), not the latest published step {vetted.step} ({vetted.expected_checksum})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -131,34 +132,28 @@ class FleetHealth(BaseModel):
     uptime_s: float
 
 
+# The fields of a server's health that its snapshot holds as they are.
+_AS_IN_SNAPSHOT = (
+    "server_id model_name server_type engine url state weight_version checksum consecutive_failures restarts pid"
+).split()
+
+
 def server_health(snapshot: ServerSnapshot, *, in_flight: int, now: float) -> ServerHealth:
-    probe, placement = snapshot.last_probe, snapshot.placement
+    probe, placement, verified = snapshot.last_probe, snapshot.placement, snapshot.verified
     return ServerHealth(
-        server_id=snapshot.server_id,
-        model_name=snapshot.model_name,
-        server_type=snapshot.server_type,
-        engine=snapshot.engine,
-        url=snapshot.url,
+        **{name: getattr(snapshot, name) for name in _AS_IN_SNAPSHOT},
         device=placement.device if placement else snapshot.device,
         node_id=placement.node_id if placement else None,
         node_address=placement.node_address if placement else None,
         gpu_ids=list(placement.gpu_ids) if placement else [],
         attached=placement.attached if placement else False,
-        state=snapshot.state,
         state_for_s=round(now - snapshot.state_since, 3),
-        weight_version=snapshot.weight_version,
-        checksum=snapshot.checksum,
-        verified_weight_version=snapshot.verified.weight_version if snapshot.verified else None,
-        verified_checkpoint=(
-            str(snapshot.verified.checkpoint) if snapshot.verified and snapshot.verified.checkpoint else None
-        ),
+        verified_weight_version=verified.weight_version if verified else None,
+        verified_checkpoint=str(verified.checkpoint) if verified and verified.checkpoint else None,
         last_probe_ok=probe.ok if probe else None,
         last_probe_age_s=round(now - probe.at, 3) if probe else None,
         last_probe_latency_s=round(probe.latency_s, 4) if probe else None,
-        consecutive_failures=snapshot.consecutive_failures,
-        restarts=snapshot.restarts,
         in_flight=in_flight,
-        pid=snapshot.pid,
     )
 
 
@@ -181,13 +176,8 @@ def model_health(
 def lock_health(stats: LockStatistics, *, window_expires_at: datetime | None) -> LockHealth:
     since = stats.held_since
     return LockHealth(
-        name=stats.name,
-        held=stats.held,
-        holder=stats.holder,
-        held_since=stats.held_since,
+        **asdict(stats),  # the lock's own statistics, as they are
         held_for_s=round((datetime.now(UTC) - since).total_seconds(), 3) if since is not None else None,
-        token=stats.token,
-        waiters=stats.waiters,
         detached=window_expires_at is not None,
         lease_expires_at=window_expires_at,
     )

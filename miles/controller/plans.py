@@ -1,7 +1,6 @@
 """What an update does, as data: where its weights come from (a source) and who moves when (a schedule).
 
-``WeightUpdate.run(plan)`` runs the protocol's steps once for every plan; a plan only says what
-differs. A training window is a barrier plan from a window source.
+``WeightUpdate.run(plan)`` runs the protocol's steps once for every plan; a plan only says what differs.
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ class FromWindow:
         if not self.staged:
             return
         await update.activate(server_ids)
-        unfinished = [sid for sid in update.live(server_ids) if not update.loaded(sid)]
-        if unfinished:
+        if unfinished := [sid for sid in update.live(server_ids) if not update.loaded(sid)]:
             await self.close(unfinished)
 
 

@@ -20,11 +20,9 @@ MAX_MODELS = 1024
 
 @dataclass(frozen=True)
 class PublishedChecksum:
-    model_name: str
     step: int
     checksum: str
     weight_version: str | None
-    event_id: str
 
 
 class PublishedChecksums:
@@ -38,16 +36,10 @@ class PublishedChecksums:
     def observe(self, event: Event) -> None:
         """Event-logger listener: remember every checksum training published (the latest wins)."""
         if isinstance(event, InferenceEngineWeightChecksumEvent) and event.role is ChecksumRole.PUBLISHED:
-            record = PublishedChecksum(
-                model_name=event.model_name,
-                step=event.step,
-                checksum=event.checksum,
-                weight_version=event.weight_version,
-                event_id=event.event_id,
-            )
+            record = PublishedChecksum(step=event.step, checksum=event.checksum, weight_version=event.weight_version)
             with self._guard:
-                steps = self._by_model.pop(event.model_name, {})
-                self._by_model[event.model_name] = steps
+                # Taken out and put back: the model is now the one published to last.
+                steps = self._by_model[event.model_name] = self._by_model.pop(event.model_name, {})
                 steps[event.step] = record
                 if len(steps) > self._max_steps:
                     del steps[min(steps)]

@@ -81,12 +81,13 @@ class UpdateResult(BaseModel):
     update_id: str
     status: UpdateStatus
     model_name: str
-    weight_version: str | None
-    previous_version: str | None
-    step: int | None
-    checkpoint: str | None
-    expected_checksum: str | None
-    checksum_source: ChecksumSource | None
+    # All None for an update that never got the lock (nothing was decided).
+    weight_version: str | None = None
+    previous_version: str | None = None
+    step: int | None = None
+    checkpoint: str | None = None
+    expected_checksum: str | None = None
+    checksum_source: ChecksumSource | None = None
     strategy: UpdateMode
     pause_mode: UpdatePauseMode
     servers: tuple[ServerOutcome, ...] = ()
@@ -179,12 +180,6 @@ def unlocked_result(
         update_id=uuid.uuid4().hex[:12],
         status=UpdateStatus.TIMED_OUT,
         model_name=model_name,
-        weight_version=None,
-        previous_version=None,
-        step=None,
-        checkpoint=None,
-        expected_checksum=None,
-        checksum_source=None,
         strategy=mode,
         pause_mode=pause_mode,
         servers=tuple(

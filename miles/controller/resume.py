@@ -1,9 +1,7 @@
 """Where a controller resumes: the weights its event log says were last committed and verified.
 
-A controller started again on the same events directory must not go back: its servers start on
-the newest committed weights a copy on disk still holds, the checksums training published are
-known again, and no update may commit a version at or below one the log already committed (the
-audit's version-order rule would flag it).
+A controller started again on the same events directory must not go back (the audit's
+version-order rule would flag it): docs/ARCHITECTURE.md, "Resuming from the log".
 """
 
 from __future__ import annotations
@@ -68,8 +66,7 @@ def history(events: Iterable[Event]) -> History:
             model = models.setdefault(event.model_name, ModelHistory(event.model_name))
             model.commits.append(event)
             # Logs written before commits named their checkpoint: the started event's.
-            checkpoint = event.checkpoint or started_at.get(event.update_id)
-            if checkpoint:
+            if checkpoint := event.checkpoint or started_at.get(event.update_id):
                 model.copy_at(event.checksum, checkpoint)
             if (number := version_number(event.weight_version)) is not None:
                 model.committed_high = number if model.committed_high is None else max(number, model.committed_high)
@@ -120,8 +117,7 @@ def resume_point(
     last = model.commits[-1]
     for commit in reversed(model.commits):
         for path in model.copies.get(commit.checksum, []):
-            problem = _copy_problem(path, commit.checksum, start_checkpoint, readable_roots)
-            if problem is not None:
+            if (problem := _copy_problem(path, commit.checksum, start_checkpoint, readable_roots)) is not None:
                 version = commit.weight_version
                 logger.warning("cannot resume %s from %s (version %s): %s", model.model_name, path, version, problem)
                 continue
@@ -132,11 +128,8 @@ def resume_point(
                     f"{last.checksum}; resumed from the newest committed version that has one"
                 )
             return ResumedFrom(
-                weight_version=commit.weight_version,
-                step=commit.step,
-                checksum=commit.checksum,
+                **commit.model_dump(include={"weight_version", "step", "checksum", "update_id"}),
                 checkpoint=str(path),
-                update_id=commit.update_id,
                 committed_at=commit.timestamp,
                 last_committed_version=last.weight_version,
                 committed_high=model.committed_high,

@@ -1,11 +1,7 @@
 """Routing: which serving server gets a request, and waiting when none may take it yet.
 
-Only ``SERVING`` servers are handed out. While a barrier update holds a model's gate closed, its
-requests wait instead of failing. A request that could not reach a server excludes that server's
-*incarnation* (one launch of its process), not the server: restarted, it takes the retry, and the
-excluded incarnation is eligible again once a probe newer than the exclusion found it answering
-(a dropped connection, not a dead process). At most ``max_waiting`` requests wait at once (each
-holds its body and a connection): one more is refused with 429 rather than queued without bound.
+Which requests wait, what a failed request excludes (an *incarnation*, one launch of a server's
+process) and how many may wait: docs/ARCHITECTURE.md, "Routing and retries".
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ class RouteLease:
     server_id: str
     incarnation: int
     url: str
-    weight_version: str | None
     # Someone else runs the server: it is sent nothing of the controller's own credentials.
     attached: bool = False
     # The API its engine speaks: what shape the request must take for it.
@@ -99,8 +94,7 @@ class Router:
         gate.clear()
 
     def open_gate(self, model_name: str) -> None:
-        since = self._closed_since.pop(model_name, None)
-        if since is not None:
+        if (since := self._closed_since.pop(model_name, None)) is not None:
             self._blocked[model_name] = self._blocked.get(model_name, 0.0) + time.monotonic() - since
         self._gate(model_name).set()
         self.fleet_changed()
@@ -159,8 +153,7 @@ class Router:
                     self._check_reachable(model_name, min_weight_version)
                 gate = self._gate(model_name)
                 if gate.is_set():
-                    lease = self._claim(model_name, session_id, min_weight_version, exclude, engine)
-                    if lease is not None:
+                    if (lease := self._claim(model_name, session_id, min_weight_version, exclude, engine)) is not None:
                         return lease
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -201,11 +194,9 @@ class Router:
         return self._claim(model_name, session_id, min_weight_version, exclude, engine)
 
     def release(self, lease: RouteLease) -> None:
-        left = self._outstanding.get(lease.server_id, 0) - 1
-        if left > 0:
-            self._outstanding[lease.server_id] = left
-        else:
-            self._outstanding.pop(lease.server_id, None)
+        self._outstanding[lease.server_id] = left = self.outstanding(lease.server_id) - 1
+        if left <= 0:
+            del self._outstanding[lease.server_id]
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -244,12 +235,9 @@ class Router:
                 chosen = candidates[next(self._turn) % len(candidates)]
             else:
                 # Least outstanding; ties rotate so equal servers share the load.
-                offset = next(self._turn)
-                order = sorted(
-                    range(len(candidates)),
-                    key=lambda i: (self.outstanding(candidates[i].server_id), (i - offset) % len(candidates)),
-                )
-                chosen = candidates[order[0]]
+                offset, n = next(self._turn), len(candidates)
+                best = min(range(n), key=lambda i: (self.outstanding(candidates[i].server_id), (i - offset) % n))
+                chosen = candidates[best]
             if session_id is not None:
                 self._bind(model_name, session_id, chosen.server_id)
         assert chosen.url is not None
@@ -259,7 +247,6 @@ class Router:
             server_id=chosen.server_id,
             incarnation=chosen.incarnation,
             url=chosen.url,
-            weight_version=chosen.weight_version,
             attached=chosen.placement is not None and chosen.placement.attached,
             engine=chosen.engine,
         )

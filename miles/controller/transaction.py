@@ -1,9 +1,7 @@
 """WeightUpdate: one update of one model's servers, the protocol's steps 4-7 written once.
 
-A WeightUpdate exists only while the controller's lock is held; its ``token``, the grant's fencing
-token, goes with every engine call, so an engine refuses whatever an older update still tries. A
-server that fails (refuses, dies, times out) is recorded in its ``ServerStep`` rather than raised,
-so one bad server cannot leave the others paused.
+It exists only while the controller's lock is held, and records each server's failure in its
+``ServerStep`` rather than raising it (docs/ARCHITECTURE.md, "The life of an update").
 """
 
 from __future__ import annotations
@@ -111,7 +109,8 @@ class WeightUpdate:
         self.version_to_beat = _to_beat(self.previous_version, rollout.committed_high)
         self.target: Target | None = None
         self.progress: dict[str, ServerProgress] = {sid: ServerProgress() for sid in rollout.server_ids}
-        # Seconds spent in each step (pause, load, confirm, commit, rollback), summed over batches.
+        # Seconds spent in each phase (lock_wait, validate, pause, load, confirm, commit, rollback ...),
+        # summed over batches: the result's timings.
         self.phases: dict[str, float] = {}
         # The router's running total of gate-closed time at the start: the result reports the
         # difference, how long this update held the model's requests.
@@ -163,11 +162,10 @@ class WeightUpdate:
         for server_id in server_ids:
             self.rollout.begin_update(server_id, reason=f"update {self.update_id} to {self.weight_version}")
             self.progress[server_id].step = ServerStep.TAKEN_OUT
+            self.progress[server_id].paused = pause
         self.router.fleet_changed()
         if not pause:
             return
-        for server_id in server_ids:
-            self.progress[server_id].paused = True
         mode = PauseMode(self.pause_mode.value)
         with self.timed("pause"):
             await self._each(server_ids, "pause", lambda sid: self.rollout.pause(sid, mode, fence=self.token))
@@ -288,7 +286,7 @@ class WeightUpdate:
         """Put servers back on their last verified weights (they serve those again)."""
 
         async def one(server_id: str) -> None:
-            if self.rollout.cell(server_id).state in (ServerState.UPDATING, ServerState.QUARANTINED):
+            if self.rollout.cell(server_id).state in _MID_UPDATE:
                 await self.rollout.rollback(server_id, reason=reason, fence=self.token)
             if self.progress[server_id].step is not ServerStep.PENDING:
                 self.progress[server_id].step = ServerStep.RESTORED
@@ -303,11 +301,8 @@ class WeightUpdate:
         self.router.fleet_changed()
 
     async def heal(self) -> None:
-        """Put back on verified weights any server a failed operation left updating or
-        quarantined, and let requests through again."""
-        stuck = [
-            s.server_id for s in self.rollout.snapshot() if s.state in (ServerState.UPDATING, ServerState.QUARANTINED)
-        ]
+        """Put servers a failed operation left updating or quarantined back on verified weights; open the gate."""
+        stuck = [s.server_id for s in self.rollout.snapshot() if s.state in _MID_UPDATE]
         if stuck:
             logger.warning("restoring %s left mid-update", ", ".join(stuck))
             await asyncio.gather(
@@ -349,14 +344,11 @@ class WeightUpdate:
         """What refusing servers computed the checkpoint's weights to hash to."""
         return {n.checkpoint_checksum for n in self.progress.values() if n.checkpoint_checksum}
 
-    def result(
-        self, status: UpdateStatus, *, message: str = "", timings: dict[str, float] | None = None
-    ) -> UpdateResult:
+    def result(self, status: UpdateStatus, *, message: str = "") -> UpdateResult:
         outcomes = tuple(self._outcome(snap) for snap in self.rollout.snapshot())
         if not message:
             message = _DEFAULT_MESSAGES[status].format(version=self.weight_version)
-            failures = [f"{o.server_id}: {o.error}" for o in outcomes if o.error]
-            if failures:
+            if failures := [f"{o.server_id}: {o.error}" for o in outcomes if o.error]:
                 message = f"{message}: " + "; ".join(failures)
         target = self.target
         loaded = sum(1 for o in outcomes if o.loaded)
@@ -375,7 +367,7 @@ class WeightUpdate:
             servers=outcomes,
             message=message,
             duration_s=time.monotonic() - self.started,
-            timings={**(timings or {}), **self.phases},
+            timings=dict(self.phases),
             serving_blocked_s=max(self.router.blocked_seconds(self.model_name) - self._blocked_before, 0.0),
             bytes_moved=target.num_bytes * loaded if target and target.num_bytes is not None else None,
             fencing_token=self.token,
@@ -432,11 +424,8 @@ class WeightUpdate:
         return self.target
 
     def _healthy(self, server_ids: list[str]) -> list[str]:
-        return [
-            sid
-            for sid in server_ids
-            if self.progress[sid].step is not ServerStep.FAILED and self.progress[sid].error is None
-        ]
+        # Every server that failed, refused, mismatched or crashed has an error.
+        return [sid for sid in server_ids if self.progress[sid].error is None]
 
     async def _each(self, server_ids: list[str], action: str, call: Callable[[str], Awaitable[object]]) -> None:
         """Run ``call`` on every server at once; a failure is recorded on its server, not raised."""
@@ -481,6 +470,8 @@ class WeightUpdate:
         )
 
 
+# The states an update leaves a server in until it admits or restores it.
+_MID_UPDATE = (ServerState.UPDATING, ServerState.QUARANTINED)
 _LOADED = frozenset({ServerStep.LOADED, ServerStep.CONFIRMED, ServerStep.MISMATCHED, ServerStep.ADMITTED})
 
 _DEFAULT_MESSAGES = {
@@ -489,7 +480,6 @@ _DEFAULT_MESSAGES = {
     UpdateStatus.ROLLED_BACK: "rolled back to verified weights",
     UpdateStatus.PARTIAL: "halted part-way; some servers serve the new version",
     UpdateStatus.ABORTED: "aborted; every server is back on its verified weights",
-    UpdateStatus.TIMED_OUT: "the lock was not granted in time; nothing changed",
 }
 
 

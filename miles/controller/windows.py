@@ -1,9 +1,7 @@
 """Training windows: an update kept open while training pushes the weights itself.
 
 A window is a ``WeightUpdate`` whose lock a task of the controller holds (the lock itself knows
-nothing of windows). Ending or aborting a window hands a ``Commit`` or ``Abort`` to that task,
-which carries it out under the lock; if none arrives within the window's lease, the task rolls
-the window back itself.
+nothing of windows); ending it hands that task a ``Commit`` or an ``Abort``.
 """
 
 from __future__ import annotations
@@ -63,7 +61,6 @@ class Abort:
 class OpenWindow:
     """A window held open: what training was told, and the way training ends it."""
 
-    update: WeightUpdate
     public: UpdateWindow
     _endings: asyncio.Queue[tuple[Commit | Abort, asyncio.Future[UpdateResult]]] = field(default_factory=asyncio.Queue)
     _closing: str | None = None  # why it no longer takes an ending
@@ -264,8 +261,7 @@ def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ..
     as a disk update's is refused: it would become its servers' restart point."""
     if checkpoint is None:
         return
-    problem = roots_problem(checked_path(str(checkpoint), field="checkpoint"), roots)
-    if problem is not None:
+    if (problem := roots_problem(checked_path(str(checkpoint), field="checkpoint"), roots)) is not None:
         raise InvalidRequestError(
             f"{problem}; or end the window without a checkpoint (an engine then writes the weights out)"
         )
@@ -274,8 +270,7 @@ def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ..
 def _checkpoint_holding(
     checkpoint: str | Path | None, checksum: str, start_checkpoint: Path, roots: tuple[Path, ...]
 ) -> Path | None:
-    """``checkpoint`` when restarts can reload the window's weights from it, else None (an engine
-    then writes the weights out)."""
+    """``checkpoint`` if restarts can reload the window's weights from it, else None."""
     if checkpoint is None:
         return None
     path = checked_path(str(checkpoint), field="checkpoint")

@@ -19,10 +19,8 @@ logger = logging.getLogger("miles.controller")
 
 
 class WriteOuts:
-    """Per model, one write-out runs at a time and they start at least ``interval_s()`` apart; each
-    writes the newest weights committed by then (a restart between two write-outs copies them from
-    a peer). An update about to change live weights in place first ``flush``es: if it fails, every
-    server must be able to go back to the weights they serve now, even if it changed them all."""
+    """Per model, one write-out at a time, at least ``interval_s()`` apart, of the newest weights
+    committed by then; an update about to change live weights in place ``flush``es first."""
 
     def __init__(self, interval_s: Callable[[], float]) -> None:
         self._interval_s = interval_s
@@ -68,8 +66,7 @@ class WriteOuts:
         return min(self._not_before.get(model, -math.inf), now_due) - time.monotonic()
 
     async def flush(self, model: str) -> None:
-        """Write out now the newest weights still waiting for their turn, and return once no
-        write-out of ``model`` is pending or running."""
+        """Write ``model``'s waiting weights out now; return once none is pending or running."""
         writer = self._writers.get(model)
         if writer is None or writer.done():
             return

@@ -1,7 +1,6 @@
 """The controller's HTTP API (port 8000 by default): a thin adapter over AsyncInferenceController.
 
-Inference is routed to a serving server; ``model`` (on ``/generate``), ``min_weight_version`` and,
-on the OpenAI endpoints, ``session_id`` are the controller's extensions, removed before forwarding.
+Inference requests are read, shaped and routed by ``miles.http.inference``.
 """
 
 from __future__ import annotations
@@ -59,8 +58,7 @@ class _Strict(BaseModel):
 
 
 def _usable_path(value: str) -> str:
-    problem = path_text_problem(value)
-    if problem is not None:
+    if (problem := path_text_problem(value)) is not None:
         raise ValueError(f"the path {problem}")
     return value
 
@@ -75,6 +73,8 @@ MAX_POSTED_CLOCK_SKEW_S = 86_400
 _STEP: TypeAdapter[int] = TypeAdapter(Step)
 
 
+# Each request's fields are the keywords of the controller method its route calls (a window's
+# ``token`` and an update's ``checkpoint`` and ``timeout_s`` aside).
 class UpdateRequest(_Strict):
     checkpoint: PathText
     model_name: Label | None = None
@@ -93,21 +93,22 @@ class StartWindowRequest(_Strict):
     staged: StrictBool = False
 
 
-class EndWindowRequest(_Strict):
+class _WindowRequest(_Strict):
     token: Annotated[int, Field(strict=True)]
+
+
+class EndWindowRequest(_WindowRequest):
     checksum: Label
     step: Step
     checkpoint: PathText | None = None
     weight_version: Label | None = None
 
 
-class RenewWindowRequest(_Strict):
-    token: Annotated[int, Field(strict=True)]
+class RenewWindowRequest(_WindowRequest):
     ttl_s: Annotated[float, Field(strict=True, ge=LEASE_TTL_MIN_S, le=LEASE_TTL_MAX_S)] | None = None
 
 
-class AbortWindowRequest(_Strict):
-    token: Annotated[int, Field(strict=True)]
+class AbortWindowRequest(_WindowRequest):
     # Logged as one line: a newline would forge the next one.
     reason: Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]+$")] = "aborted by training"
 
@@ -222,18 +223,11 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     @app.get("/v1/models", dependencies=as_reader)
     async def models() -> dict[str, Any]:
-        report = controller.health()
         return {
             "object": "list",
             "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "owned_by": "miles",
-                    "weight_version": m.weight_version,
-                    "serving": m.serving,
-                }
-                for name, m in report.models.items()
+                dict(id=name, object="model", owned_by="miles", weight_version=m.weight_version, serving=m.serving)
+                for name, m in controller.health().models.items()
             ],
         }
 
@@ -254,37 +248,20 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
 
     @app.post("/update_weights", dependencies=as_admin)
     async def update_weights(request: UpdateRequest) -> JSONResponse:
-        result = await controller.update_rollout_weights(
-            Path(request.checkpoint),
-            model_name=request.model_name,
-            strategy=request.strategy,
-            pause_mode=request.pause_mode,
-            timeout=request.timeout_s,
-            weight_version=request.weight_version,
-        )
+        options = request.model_dump(exclude={"checkpoint", "timeout_s"})
+        result = await controller.update_rollout_weights(Path(request.checkpoint), timeout=request.timeout_s, **options)
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.ok else 409)
 
     @app.post("/update_weights/start", dependencies=as_admin)
     async def start_window(request: StartWindowRequest, http_request: Request) -> Any:
         # A caller that goes away while it waits for the lock gets no window: nobody would hold
         # its token, and the fleet would wait out the window's lease.
-        window = await until_disconnected(
-            http_request,
-            controller.start_update_weights(
-                request.model_name, ttl_s=request.ttl_s, pause_mode=request.pause_mode, staged=request.staged
-            ),
-        )
+        window = await until_disconnected(http_request, controller.start_update_weights(**request.model_dump()))
         return window if isinstance(window, Response) else window.model_dump(mode="json")
 
     @app.post("/update_weights/end", dependencies=as_admin)
     async def end_window(request: EndWindowRequest) -> JSONResponse:
-        result = await controller.end_update_weights(
-            request.token,
-            checksum=request.checksum,
-            step=request.step,
-            checkpoint=request.checkpoint,
-            weight_version=request.weight_version,
-        )
+        result = await controller.end_update_weights(request.token, **request.model_dump(exclude={"token"}))
         return JSONResponse(result.model_dump(mode="json"), status_code=200 if result.ok else 409)
 
     @app.post("/update_weights/renew", dependencies=as_admin)
@@ -319,8 +296,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
                 f"a checksum with role {event.role.value!r} cannot be posted: the controller records what "
                 "servers confirm; training posts role 'published' (the default)"
             )
-        out_of_bounds = _posted_checksum_problems(event)
-        if out_of_bounds:
+        if out_of_bounds := _posted_checksum_problems(event):
             raise InvalidRequestError(f"not a valid event ({'; '.join(out_of_bounds)})")
         if event.model_name not in controller.fleet.model_names:
             raise NotFoundError(
@@ -366,8 +342,7 @@ def create_app(controller: AsyncInferenceController) -> FastAPI:
     }
 
     def check_first(scope: Scope) -> None:
-        access = guarded.get((scope.get("method", ""), scope.get("path", "")))
-        if access is not None:
+        if (access := guarded.get((scope.get("method", ""), scope.get("path", "")))) is not None:
             credentials.check_header(scope["path"], Headers(scope=scope).get("authorization"), access)
 
     app.add_middleware(CheckFirst, check=check_first, key="miles_access")

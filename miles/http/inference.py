@@ -1,10 +1,8 @@
 """The data path's requests: what routing needs of each body, and each request sent to the server
 the router picks in the shape that server's engine takes.
 
-Requests are routed as they came (the server validates them); only the controller's extension
-fields are read and removed. For vLLM servers a ``/generate`` is translated into completions
-(``miles.protocol.generate_completions``); on a model served by both engine kinds the router picks
-the server first and the request is shaped for it after.
+Requests are routed as they came (the server validates them), less the controller's extension
+fields; a ``/generate`` for a vLLM server is translated into completions (docs/VLLM.md).
 """
 
 from __future__ import annotations
@@ -22,30 +20,26 @@ from pydantic import TypeAdapter, ValidationError
 
 from miles.controller.fleet import Fleet
 from miles.controller.router import RouteLease
-from miles.errors import InvalidRequestError, NotFoundError
+from miles.errors import InvalidRequestError
 from miles.http.proxy import HeldBodies, Proxy, RouteOptions
 from miles.protocol.base import Label
 from miles.protocol.generate_completions import completion_body, generate_answers, parse_generate
-from miles.rollout.state import EngineApi
 from miles.utils.http import error_response, until_disconnected
 
-_EXTENSIONS = ("model", "min_weight_version")
 # Request bodies from this size on are parsed and re-encoded on a worker thread.
 PREPARE_OFF_LOOP_BYTES = 1 << 20
 _LABEL: TypeAdapter[str] = TypeAdapter(Label)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True, kw_only=True)
 class Inference:
     """Routes one controller's inference requests (its proxy, fleet and budget of held bodies)."""
 
-    def __init__(
-        self, *, proxy: Callable[[], Proxy], fleet: Fleet, bodies: HeldBodies, timeout_s: Callable[[], float]
-    ) -> None:
-        self._proxy = proxy
-        self._fleet = fleet
-        self._bodies = bodies
-        self._timeout_s = timeout_s
+    proxy: Callable[[], Proxy]
+    fleet: Fleet
+    bodies: HeldBodies
+    timeout_s: Callable[[], float]
 
     async def route(self, path: str, request: Request, prepare: Callable[[bytes], Routed]) -> Response:
         """Answer ``request`` to ``path`` from a server of its model (``prepare`` reads its body:
@@ -53,34 +47,27 @@ class Inference:
         # The body is held (request.body() keeps it) until the answer: its bytes count against
         # the budget from before it is parsed; the parsed JSON is dropped once the payload is built.
         raw = await request.body()
-        with self._bodies.hold(len(raw)):
+        with self.bodies.hold(len(raw)):
             routed = await _off_loop_if_large(prepare, raw)
             route = RouteOptions(
-                model_name=self._fleet.rollout(routed.model).model_name,
+                model_name=self.fleet.rollout(routed.model).model_name,
                 session_id=routed.session_id,
                 min_weight_version=routed.min_weight_version,
-                timeout_s=self._timeout_s(),
+                timeout_s=self.timeout_s(),
             )
-            with self._bodies.hold(0 if routed.payload is raw else len(routed.payload), refusable=False):
+            with self.bodies.hold(0 if routed.payload is raw else len(routed.payload), refusable=False):
                 return await until_disconnected(request, self._send(path, routed, route))
-
-    def _engines(self, model: str | None) -> set[EngineApi]:
-        """The APIs the engines of ``model``'s servers speak (none for a model the router refuses)."""
-        try:
-            return {s.engine for s in self._fleet.rollout(model).snapshot()}
-        except (InvalidRequestError, NotFoundError):
-            return set()  # the router answers for a model it cannot pick
 
     async def _generate_on_either(self, routed: Routed, route: RouteOptions) -> Response:
         """``/generate`` for a model served by vLLM servers and engines that answer it: the router
         picks the server, then the request is shaped for it; a retry stays with that API."""
         started = time.perf_counter()
-        lease = await self._proxy().lease(route)
+        lease = await self.proxy().lease(route)
         # The request's deadline counts from its arrival: the wait for the server is spent.
         route = replace(route, engine=lease.engine, timeout_s=max(route.timeout_s - (time.perf_counter() - started), 0))
         if lease.engine == "vllm":
             return await self._generate_by_completions(routed, route, first=lease)
-        return await self._proxy().forward("/generate", routed.payload, route, lease=lease)
+        return await self.proxy().forward("/generate", routed.payload, route, lease=lease)
 
     async def _generate_by_completions(
         self, routed: Routed, route: RouteOptions, *, first: RouteLease | None = None
@@ -91,17 +78,17 @@ class Inference:
             generate = await _off_loop_if_large(lambda raw: parse_generate(json_object(raw)), routed.payload)
         except BaseException:
             if first is not None:
-                self._proxy().release(first)
+                self.proxy().release(first)
             raise
         started = time.perf_counter()
 
         def versions() -> dict[str, str]:
-            return {s.server_id: s.weight_version or "" for s in self._fleet.snapshots(route.model_name)}
+            return {s.server_id: s.weight_version or "" for s in self.fleet.snapshots(route.model_name)}
 
         async def one(index: int) -> tuple[Response, list[dict[str, Any]] | None]:
             sent = versions()
             body = encoded(completion_body(generate, index))
-            answer = await self._proxy().forward("/v1/completions", body, route, lease=first if index == 0 else None)
+            answer = await self.proxy().forward("/v1/completions", body, route, lease=first if index == 0 else None)
             if answer.status_code != 200:
                 return answer, None
             server = answer.headers.get("x-miles-server", "")
@@ -130,7 +117,8 @@ class Inference:
         return JSONResponse(body, headers={"x-miles-server": served_by})
 
     async def _send(self, path: str, routed: Routed, route: RouteOptions) -> Response:
-        engines = self._engines(routed.model) if path == "/generate" else set()
+        # The APIs the engines of the model's servers speak (``route`` named a served model).
+        engines = {s.engine for s in self.fleet.snapshots(route.model_name)} if path == "/generate" else set()
         if engines == {"vllm"}:
             return await self._generate_by_completions(routed, route)
         if "vllm" in engines:
@@ -140,8 +128,8 @@ class Inference:
             # servers that answer /generate themselves.
             route = replace(route, engine="sglang")
         if routed.stream:
-            return await self._proxy().stream(path, routed.payload, route)
-        return await self._proxy().forward(path, routed.payload, route)
+            return await self.proxy().stream(path, routed.payload, route)
+        return await self.proxy().forward(path, routed.payload, route)
 
 
 async def _off_loop_if_large(parse: Callable[[bytes], T], raw: bytes) -> T:
@@ -162,29 +150,24 @@ class Routed:
 
 def generate_request(raw: bytes) -> Routed:
     """``/generate``: sent on as it came, less the controller's extension fields."""
-    body = json_object(raw)
-    ext = {k: body.pop(k) for k in _EXTENSIONS if k in body}
-    return Routed(
-        payload=raw if not ext else encoded(body),
-        model=_text(ext.get("model")),
-        session_id=_text(body.get("session_id")),
-        min_weight_version=_version(ext.get("min_weight_version")),
-        stream=_streams(body.get("stream")),
-    )
+    return _routed(raw, ("model", "min_weight_version"))
 
 
 def openai_request(raw: bytes) -> Routed:
     """``/v1/*``: ``model`` picks the fleet's model (the engine serves one and answers under its
     name); ``session_id`` and ``min_weight_version`` are the controller's."""
+    return _routed(raw, ("model", "session_id", "min_weight_version"))
+
+
+def _routed(raw: bytes, extensions: tuple[str, ...]) -> Routed:
     body = json_object(raw)
-    model = _text(body.pop("model", None))
-    session_id = _text(body.pop("session_id", None))
-    min_weight_version = _version(body.pop("min_weight_version", None))
+    ext = {k: body.pop(k) for k in extensions if k in body}
     return Routed(
-        payload=encoded(body),
-        model=model,
-        session_id=session_id,
-        min_weight_version=min_weight_version,
+        payload=raw if not ext else encoded(body),
+        model=_text(ext.get("model")),
+        # A /generate's session_id is SGLang's own too: read for routing, and sent on.
+        session_id=_text(ext.get("session_id", body.get("session_id"))),
+        min_weight_version=_version(ext.get("min_weight_version")),
         stream=_streams(body.get("stream")),
     )
 

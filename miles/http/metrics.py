@@ -1,8 +1,7 @@
 """Prometheus metrics of one controller (its own registry, so several controllers can coexist).
 
-The proxy records every routed request, the update listener and event log feed updates, mismatches,
-quarantines and the lock, and the health report is read at scrape time. Names:
-``miles.protocol.metrics``; meanings: docs/METRICS.md.
+What feeds it: docs/ARCHITECTURE.md, "Observing it"; names: ``miles.protocol.metrics``; meanings:
+docs/METRICS.md.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from miles.controller.health import FleetHealth
-from miles.controller.results import UpdateMode, UpdateResult, UpdateStatus
+from miles.controller.results import ServerStep, UpdateMode, UpdateResult, UpdateStatus
 from miles.protocol import metrics as names
 from miles.rollout.state import ServerState
 from miles.utils.audit_utils.event_logger.models import (
@@ -169,13 +168,13 @@ class ControllerMetrics(RequestMetrics):
     def __init__(self, health: Callable[[], FleetHealth], *, waiting: Callable[[], int] = lambda: 0) -> None:
         self.registry = registry = CollectorRegistry()
 
-        def counter(name: str, doc: str, labels: list[str]) -> Counter:
-            return Counter(name, doc, labels, registry=registry)
+        def counter(name: str, doc: str, labels: list[str]) -> _Children:
+            return _Children(Counter(name, doc, labels, registry=registry))
 
         def histogram(
             name: str, doc: str, labels: list[str], buckets: tuple[float, ...] = names.UPDATE_BUCKETS
-        ) -> Histogram:
-            return Histogram(name, doc, labels, registry=registry, buckets=buckets)
+        ) -> _Children:
+            return _Children(Histogram(name, doc, labels, registry=registry, buckets=buckets))
 
         self._requests = counter(names.REQUESTS, "Routed inference requests", ["model", "server", "outcome"])
         self._latency = histogram(
@@ -217,11 +216,6 @@ class ControllerMetrics(RequestMetrics):
         self._lock_wait = histogram(names.LOCK_WAIT_SECONDS, "Seconds waited for the controller lock", ["holder"])
         self._lock_hold = histogram(names.LOCK_HOLD_SECONDS, "Seconds the controller lock was held", ["holder"])
         self.history = RequestHistory()
-        self._request = _Children(self._requests)
-        self._latency_of = _Children(self._latency)
-        self._ttft_of = _Children(self._ttft)
-        self._tokens_of = _Children(self._tokens)
-        self._staleness_of = _Children(self._staleness)
         # Each model's committed versions, oldest first (bounded): what staleness is counted in.
         self._versions: dict[str, list[str]] = {}
         registry.register(_FleetCollector(health, waiting))
@@ -229,22 +223,21 @@ class ControllerMetrics(RequestMetrics):
     # --- RequestMetrics ------------------------------------------------------------------------
 
     def first_byte(self, model: str, *, started: float) -> None:
-        self._ttft_of(model).observe(time.perf_counter() - started)
+        self._ttft(model).observe(time.perf_counter() - started)
 
     def request_done(
         self, model: str, *, server: str, outcome: str, started: float, content: bytes | None = None
     ) -> None:
         latency = time.perf_counter() - started
-        self._request(model, server, outcome).inc()
-        self._latency_of(model).observe(latency)
+        self._requests(model, server, outcome).inc()
+        self._latency(model).observe(latency)
         self.history.record(latency, ok=outcome == "ok")
         if not content or outcome != "ok":
             return
-        tokens = sum(int(n) for n in _COMPLETION_TOKENS.findall(content))
-        if tokens:
-            self._tokens_of(model, server).inc(tokens)
+        if tokens := sum(int(n) for n in _COMPLETION_TOKENS.findall(content)):
+            self._tokens(model, server).inc(tokens)
         for version in _VERSION_START.findall(content):
-            self._staleness_of(model).observe(self._behind(model, version.decode(errors="replace")))
+            self._staleness(model).observe(self._behind(model, version.decode(errors="replace")))
 
     def _behind(self, model: str, version: str) -> int:
         """Committed versions newer than ``version``: all of them for one older than any known."""
@@ -262,16 +255,16 @@ class ControllerMetrics(RequestMetrics):
         model = result.model_name
         strategy = result.strategy.value
         path = "push" if result.strategy is UpdateMode.WINDOW else "disk"
-        self._updates.labels(model, strategy, path, result.status.value).inc()
-        self._update_seconds.labels(model, strategy).observe(result.duration_s)
+        self._updates(model, strategy, path, result.status.value).inc()
+        self._update_seconds(model, strategy).observe(result.duration_s)
         for phase, seconds in result.timings.items():
-            self._phase_seconds.labels(model, phase).observe(seconds)
-        self._blocked.labels(model).observe(result.serving_blocked_s)
+            self._phase_seconds(model, phase).observe(seconds)
+        self._blocked(model).observe(result.serving_blocked_s)
         if result.bytes_moved is not None:
-            self._bytes.labels(model).observe(result.bytes_moved)
+            self._bytes(model).observe(result.bytes_moved)
         for server in result.servers:
-            if server.progress is not None and server.progress.value == "restored":
-                self._rollbacks.labels(model, server.server_id).inc()
+            if server.progress is ServerStep.RESTORED:
+                self._rollbacks(model, server.server_id).inc()
         if result.status is UpdateStatus.COMMITTED and result.weight_version:
             versions = self._versions.setdefault(model, [])
             if not versions and result.previous_version:
@@ -284,14 +277,14 @@ class ControllerMetrics(RequestMetrics):
     def event(self, event: Event) -> None:
         """An event the controller logged (subscribed to its event log)."""
         if isinstance(event, ChecksumMismatchEvent):
-            self._mismatches.labels(event.model_name, event.server_id).inc()
+            self._mismatches(event.model_name, event.server_id).inc()
         elif isinstance(event, ServerStateChangedEvent):
             if event.to_state == ServerState.QUARANTINED.value:
-                self._quarantines.labels(event.model_name, event.server_id).inc()
+                self._quarantines(event.model_name, event.server_id).inc()
         elif isinstance(event, LockAcquiredEvent):
-            self._lock_wait.labels(event.holder).observe(event.waited_s)
+            self._lock_wait(event.holder).observe(event.waited_s)
         elif isinstance(event, LockReleasedEvent):
-            self._lock_hold.labels(event.holder).observe(event.held_s)
+            self._lock_hold(event.holder).observe(event.held_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,10 +1,8 @@
 """Forwarding inference requests to the server the router picks (adapter: the data path's HTTP).
 
-A request no server answered (refused, reset) is retried until its deadline, elsewhere or on the
-same server restarted; a 5xx or 429 once on another server free now; a stream until its first byte.
-
-The data path uses aiohttp's client rather than httpx: it sends a request's headers and body in
-one write and costs ~0.35 ms less per routed request on this machine, most of the routing budget
+Which requests are retried where: docs/ARCHITECTURE.md, "Routing and retries". The data path
+uses aiohttp's client rather than httpx: it sends a request's headers and body in one write and
+costs ~0.35 ms less per routed request on this machine, most of the routing budget
 (docs/PERFORMANCE.md, "Routing").
 """
 
@@ -16,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
@@ -112,9 +111,7 @@ class Proxy:
         self._router = router
         # Engines launched by the controller may require their secret for inference too (when the
         # controller's own API key is set): the proxy is the controller, so it presents it.
-        self._headers = dict(_JSON)
-        if engine_secret:
-            self._headers["authorization"] = f"Bearer {engine_secret}"
+        self._headers = {**_JSON, "authorization": f"Bearer {engine_secret}"} if engine_secret else dict(_JSON)
         # Servers someone else runs (attached) never see the secret: it would let them, or anyone
         # on the way to them, change the weights of the engines this controller launched.
         self._attached_headers = dict(_JSON)
@@ -142,35 +139,26 @@ class Proxy:
         while True:
             tries.left -= 1
             try:
-                async with self._session.post(
-                    f"{lease.url}{path}",
-                    data=payload,
-                    headers=self._attached_headers if lease.attached else self._headers,
-                    timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
-                ) as upstream:
+                async with self._post(lease, path, payload, tries) as upstream:
                     content = await upstream.read()
                     status = upstream.status
                     media_type = upstream.headers.get("content-type", "application/json")
                     retry_after = upstream.headers.get("retry-after")
-            except _NOT_DELIVERED as exc:
-                # Generation has no side effects, so a request whose answer never arrived is safe
-                # to run again, elsewhere or on the restarted server.
+            except BaseException as exc:
                 self._router.release(lease)
-                lease = await self._after_unreachable(lease, tries, exc)
-                continue
-            except TimeoutError:
-                self._router.release(lease)
-                self._metrics.request_done(
-                    options.model_name, server=lease.server_id, outcome="timeout", started=tries.started
-                )
-                raise
-            except BaseException:
-                self._router.release(lease)
+                if isinstance(exc, _NOT_DELIVERED):
+                    # Generation has no side effects, so a request whose answer never arrived is
+                    # safe to run again, elsewhere or on the restarted server.
+                    lease = await self._after_unreachable(lease, tries, exc)
+                    continue
+                if isinstance(exc, TimeoutError):
+                    self._metrics.request_done(
+                        options.model_name, server=lease.server_id, outcome="timeout", started=tries.started
+                    )
                 raise
             self._router.release(lease)
             if status in _TRY_ELSEWHERE and tries.left > 0:
-                other = self._elsewhere(lease, tries)
-                if other is not None:
+                if (other := self._elsewhere(lease, tries)) is not None:
                     logger.warning("%s answered %d; retrying on %s", lease.server_id, status, other.server_id)
                     lease = other
                     continue
@@ -198,31 +186,31 @@ class Proxy:
             tries.left -= 1
             upstream: aiohttp.ClientResponse | None = None
             try:
-                upstream = await self._session.post(
-                    f"{lease.url}{path}",
-                    data=payload,
-                    headers=self._attached_headers if lease.attached else self._headers,
-                    timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
-                )
+                upstream = await self._post(lease, path, payload, tries)
                 first = await _first_chunk(upstream)
                 self._metrics.first_byte(options.model_name, started=tries.started)
-            except _NOT_DELIVERED as exc:
+            except BaseException as exc:
                 if upstream is not None:
                     upstream.release()
                 self._router.release(lease)
+                if not isinstance(exc, _NOT_DELIVERED):
+                    raise
                 lease = await self._after_unreachable(lease, tries, exc)
                 continue
-            except BaseException:
-                if upstream is not None:
-                    upstream.release()
-                self._router.release(lease)
-                raise
             return StreamingResponse(
                 self._relay(upstream, first, lease, tries),
                 status_code=upstream.status,
                 media_type=upstream.headers.get("content-type", "text/event-stream"),
                 headers={"x-miles-server": lease.server_id},
             )
+
+    def _post(self, lease: RouteLease, path: str, payload: bytes, tries: _Attempts) -> Any:
+        return self._session.post(
+            f"{lease.url}{path}",
+            data=payload,
+            headers=self._attached_headers if lease.attached else self._headers,
+            timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
+        )
 
     async def _relay(
         self, upstream: aiohttp.ClientResponse, first: bytes, lease: RouteLease, tries: _Attempts

@@ -54,6 +54,7 @@ class HttpServer:
                 port=settings.port,
             ) from exc
         self.host, self.port = self._socket.getsockname()[:2]
+        self.url = f"http://{self.host}:{self.port}"
         # A bounded drain: requests still generating after this are cut at shutdown (waiting ones
         # were already ended by stop_routing), so stopping never hangs on a long generation.
         # Heads get http_head_timeout_s and connections are capped at max_connections
@@ -69,10 +70,6 @@ class HttpServer:
         )
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
         # The socket is bound up front so the port is known (and a clash reported) before serving.

@@ -1,8 +1,7 @@
 """The controller's status page: the fleet, the lock, the last updates, requests and events.
 
-``GET /`` serves the page and its script and style (files of this package, no build step); the
-script polls ``GET /status``, assembled from what the controller keeps: its health report (which
-never waits on the lock), the update timelines of its event log, and the metrics' request history.
+``GET /`` serves the page's files (shipped in this package, no build step); its script polls
+``GET /status``, assembled from what never waits on the lock.
 """
 
 from __future__ import annotations
@@ -64,19 +63,15 @@ def add_status_page(
     # never change while it runs.
     loaded: dict[str, bytes] = {}
 
-    def asset(path: str) -> Any:
-        name, kind = _ASSETS[path]
-
-        async def serve() -> Response:
-            body = loaded.get(path)
-            if body is None:
-                body = loaded[path] = await asyncio.to_thread(files(__name__).joinpath(name).read_bytes)
-            return Response(body, media_type=kind, headers={"cache-control": "no-cache"})
-
-        return serve
+    async def asset(request: Request) -> Response:
+        name, kind = _ASSETS[request.url.path]
+        body = loaded.get(name)
+        if body is None:
+            body = loaded[name] = await asyncio.to_thread(files(__name__).joinpath(name).read_bytes)
+        return Response(body, media_type=kind, headers={"cache-control": "no-cache"})
 
     for path in _ASSETS:
-        app.get(path, include_in_schema=False)(asset(path))
+        app.get(path, include_in_schema=False)(asset)
 
     @app.get("/status", dependencies=[Depends(reader)])
     async def status() -> dict[str, Any]:
