@@ -85,8 +85,11 @@ lint: $(STAMP)
 bytecode: $(STAMP)
 	$(BIN)/python -m compileall -q miles
 
+# Two workers, one a core: most of a test's time is a process it started importing or waiting,
+# so the other core runs the next. tests/conftest.py keeps a module, the vLLM package and the Ray
+# modules each on one worker, and sends the longest first (in its order: no reordering by size).
 test: lint bytecode $(SGLANG_STAMP) $(SGLANG_DEPS_STAMP) $(CHROMIUM) $(VLLM_STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/checksum.py

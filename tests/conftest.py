@@ -39,7 +39,7 @@ def no_blocking_call_on_an_event_loop(request: pytest.FixtureRequest) -> Iterato
 def _drain(log_dir: Path) -> list[str]:
     """What the processes the suite started found since the last look (and forget it)."""
     found = []
-    for log in sorted(log_dir.iterdir()):
+    for log in sorted(p for p in log_dir.iterdir() if p.is_file()):
         found.append(log.read_text())
         log.unlink()
     return found
@@ -101,6 +101,34 @@ def supervisor_rounds() -> Callable[..., Awaitable[None]]:
 
 _BLOCKING_LOG = pytest.StashKey[Path]()
 
+# `make test` runs the suite on two xdist workers, each taking a group of tests at a time: a
+# module, so that a module's fixture starts once; the vLLM package (its fleet is package-scoped)
+# and the Ray modules (each starts a cluster) as one group each, one test at a time. They are
+# the longest groups, and go first, so that neither is what the run waits for at its end.
+_FIRST = ("tests/vllm", "tests/ray")
+
+
+def _group(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return next((first for first in _FIRST if path.startswith(f"{first}/")), path)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    # Not xdist's `loadgroup` marks: with pytest 9 they no longer reach the test ids it reads.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ByGroup(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "PYTEST_XDIST_WORKER" in os.environ:  # only xdist's workers collect
+        order = {first: n for n, first in enumerate(_FIRST)}
+        items.sort(key=lambda item: order.get(_group(item.nodeid), len(order)))
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # save_pretrained draws a progress bar per checkpoint; in test output it is only noise.
@@ -108,18 +136,33 @@ def pytest_configure(config: pytest.Config) -> None:
 
     transformers.utils.logging.disable_progress_bar()
     # Every Python process the suite starts imports tests/blocking/sitecustomize.py, which
-    # watches it for blocking calls on its event loops and reports them in this directory.
-    log_dir = config.stash[_BLOCKING_LOG] = Path(tempfile.mkdtemp(prefix="miles-blocking-"))
+    # watches it for blocking calls on its event loops and reports them in this directory. An
+    # xdist worker reports into a folder of its own inside its controller's, which the
+    # controller reads once every worker has finished.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None:
+        log_dir = Path(os.environ[LOG_DIR_ENV]) / worker
+        log_dir.mkdir()
+    else:
+        log_dir = Path(tempfile.mkdtemp(prefix="miles-blocking-"))
+    config.stash[_BLOCKING_LOG] = log_dir
     os.environ[LOG_DIR_ENV] = str(log_dir)
+    if worker is None and config.getoption("dist", "no") != "no":
+        return  # the workers would import the hooks too: each adds them for its own processes
     hooks = str(Path(__file__).parent / "blocking")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (hooks, os.environ.get("PYTHONPATH")) if p)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if hooks not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (hooks, *paths) if p)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     # What a process reported after the last test looked (an engine of a module's fixture, as it
-    # stopped) fails the run too.
+    # stopped) fails the run too: read by the controller, whose exit status is the run's.
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        return
     log_dir = session.config.stash[_BLOCKING_LOG]
-    late = _drain(log_dir)
+    folders = [log_dir, *sorted(p for p in log_dir.iterdir() if p.is_dir())]  # one a worker
+    late = [text for folder in folders for text in _drain(folder)]
     shutil.rmtree(log_dir, ignore_errors=True)
     if late:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -147,7 +147,8 @@ async def run_ranks(url: str, out: Path, scenario: str, *, path: str = "auto") -
     """Run the two ranks to their end (or a kill) and return what each wrote."""
     script = out / "trainer.py"
     script.write_text(TRAINER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # TMPDIR: torchrun's agent leaves its error-file directory in the temp dir.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(out)}
     torchrun = Path(sys.executable).parent / "torchrun"
     ranks = await asyncio.create_subprocess_exec(
         str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_port()),

@@ -70,7 +70,8 @@ async def test_two_ranks_train_their_shares_and_a_rank_with_nothing_to_learn_sti
         str(script), str(tmp_path),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        # TMPDIR: torchrun's agent leaves its error-file directory in the temp dir.
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},
     )  # fmt: skip
     try:
         output, _ = await asyncio.wait_for(ranks.communicate(), timeout=180)
