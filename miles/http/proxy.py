@@ -27,8 +27,10 @@ from miles.utils.http import MIB
 
 logger = logging.getLogger("miles.router")
 
-# Retryable: the request provably got no answer from a server that could have acted on it.
-_NOT_DELIVERED = (aiohttp.ClientConnectionError,)
+# Retryable: no whole answer arrived, because the connection failed or the server died while it
+# sent its body (a payload cut short of its length). Generation has no side effects, so running
+# the request again is safe either way.
+_NOT_DELIVERED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 _JSON = {"content-type": "application/json"}
 # Answers that say the server failed or is full (429: its queue), not the request: worth a try
 # elsewhere.
@@ -147,8 +149,7 @@ class Proxy:
             except BaseException as exc:
                 self._router.release(lease)
                 if isinstance(exc, _NOT_DELIVERED):
-                    # Generation has no side effects, so a request whose answer never arrived is
-                    # safe to run again, elsewhere or on the restarted server.
+                    # Run again elsewhere, or on the restarted server.
                     lease = await self._after_unreachable(lease, tries, exc)
                     continue
                 if isinstance(exc, TimeoutError):
