@@ -1,5 +1,5 @@
 """The invariants an event log must satisfy, one small rule each, the registry that lists them,
-and ``analyze_events``, which runs them.
+what they find (``Finding``, ``AnalysisReport``), and ``analyze_events``, which runs them.
 
 A rule reads events in timestamp order and yields a ``Finding`` per violation; add one to ``RULES``.
 """
@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from pydantic import BaseModel, ConfigDict, NonNegativeInt
+
 from miles.errors import MilesError
-from miles.utils.audit_utils.event_analyzer.report import AnalysisReport, Finding
 from miles.utils.audit_utils.event_logger.models import (
     ChecksumRole,
     Event,
@@ -22,6 +23,35 @@ from miles.utils.weight_version import version_number
 
 _K = TypeVar("_K")
 _E = TypeVar("_E", WeightUpdateCommittedEvent, InferenceEngineWeightChecksumEvent)
+
+
+class Finding(BaseModel):
+    """One violation of a rule, with the events that show it (oldest first)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rule: str
+    message: str
+    model_name: str
+    server_id: str | None = None
+    step: int | None = None
+    weight_version: str | None = None
+    event_ids: tuple[str, ...]
+
+
+class AnalysisReport(BaseModel):
+    """The findings of every rule run over ``events_checked`` events; ``passed`` when none."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    findings: tuple[Finding, ...]
+    events_checked: NonNegativeInt
+
+    @property
+    def passed(self) -> bool:
+        """True when no rule found anything."""
+        return not self.findings
+
 
 RuleCheck = Callable[[Sequence[Event]], Iterable[Finding]]
 """Takes every event of a log in timestamp order and yields the violations it finds."""
