@@ -107,9 +107,7 @@ async def running_controller(
     **overrides: Any,
 ) -> AsyncIterator[tuple[AsyncInferenceController, str | None]]:
     """Start an AsyncInferenceController (and its HTTP API on a free port); always close both."""
-    overrides.setdefault("port", 0)
-    overrides.setdefault("health_interval_s", 0.2)
-    overrides.setdefault("health_failure_threshold", 2)
+    overrides = {"port": 0, "health_interval_s": 0.2, "health_failure_threshold": 2} | overrides
     controller = AsyncInferenceController(rollout_server_cls, model_checkpoint, num_servers=num_servers, **overrides)
     server = None
     try:
