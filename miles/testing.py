@@ -28,18 +28,12 @@ from miles.weights.transport.segments import Segment
 
 @contextmanager
 def running_engine(
-    checkpoint: Path,
-    *,
-    log_dir: Path,
-    extra_args: tuple[str, ...] = (),
-    env: dict[str, str] | None = None,
-    num_threads: int = 1,
-    startup_timeout_s: float = 120.0,
+    checkpoint: Path, *, log_dir: Path, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None
 ) -> Iterator[str]:
     """Start ``python -m miles.engine`` on a free port; yield its base URL; always stop it."""
     port = free_port()
     process = EngineProcess(
-        command=engine_command(checkpoint, port=port, num_threads=num_threads, extra_args=extra_args),
+        command=engine_command(checkpoint, port=port, num_threads=1, extra_args=extra_args),
         log_path=log_dir / f"engine-{port}.log",
         env=env,
     )
@@ -49,7 +43,7 @@ def running_engine(
 
         async def wait() -> None:
             async with httpx.AsyncClient(trust_env=False) as http:
-                await process.wait_healthy(url, timeout_s=startup_timeout_s, http=http)
+                await process.wait_healthy(url, timeout_s=120.0, http=http)
 
         asyncio.run(wait())
         yield url
@@ -113,9 +107,7 @@ async def running_controller(
     **overrides: Any,
 ) -> AsyncIterator[tuple[AsyncInferenceController, str | None]]:
     """Start an AsyncInferenceController (and its HTTP API on a free port); always close both."""
-    overrides.setdefault("port", 0)
-    overrides.setdefault("health_interval_s", 0.2)
-    overrides.setdefault("health_failure_threshold", 2)
+    overrides = {"port": 0, "health_interval_s": 0.2, "health_failure_threshold": 2} | overrides
     controller = AsyncInferenceController(rollout_server_cls, model_checkpoint, num_servers=num_servers, **overrides)
     server = None
     try:

@@ -106,15 +106,14 @@ def demo(
 
     quiet_logs()
     console = Console()
-    defaults = DemoConfig()
+    # Options left out keep DemoConfig's defaults.
+    optional = {"grpo_steps": steps, "sft_steps": sft_steps, "max_staleness": max_staleness}
     config = DemoConfig(
-        grpo_steps=defaults.grpo_steps if steps is None else steps,
-        sft_steps=defaults.sft_steps if sft_steps is None else sft_steps,
+        **{name: value for name, value in optional.items() if value is not None},
         servers=servers,
         strategy=strategy,
         pause_mode=pause_mode or (UpdatePauseMode.RETRACT if async_loop else UpdatePauseMode.DRAIN),
         loop=LoopMode.ASYNC if async_loop else LoopMode.SYNC,
-        max_staleness=defaults.max_staleness if max_staleness is None else max_staleness,
         publish_every=publish_every,
         users=users,
         seed=seed,

@@ -13,15 +13,8 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-_STATE_STYLE = {
-    "serving": "green",
-    "updating": "yellow",
-    "starting": "yellow",
-    "pending_weights": "yellow",
-    "restarting": "yellow",
-    "quarantined": "red",
-    "stopped": "red",
-}
+# Every other state (starting, pending_weights, updating, restarting) is on its way: yellow.
+_STATE_STYLE = {"serving": "green", "quarantined": "red", "stopped": "red"}
 _FLEET_STYLE = {"ok": "green", "updating": "yellow", "degraded": "yellow"}
 
 
@@ -71,7 +64,7 @@ def _model_table(name: str, model: dict[str, Any], servers: list[dict[str, Any]]
         probe = "-" if s["last_probe_ok"] is None else ("ok" if s["last_probe_ok"] else "failing")
         table.add_row(
             shown_id,
-            Text(s["state"], style=_STATE_STYLE.get(s["state"], "")),
+            Text(s["state"], style=_STATE_STYLE.get(s["state"], "yellow")),
             str(s["weight_version"] or "-"),
             (s["checksum"] or "-")[:8],
             str(s["in_flight"]),

@@ -24,6 +24,7 @@ from miles.train.reports import Phase, TrainingSummary
 from miles.utils.audit_utils.event_analyzer import analyze_events
 from miles.utils.audit_utils.event_logger.logger import read_events
 from miles.utils.audit_utils.event_logger.models import ChecksumMismatchEvent
+from miles.utils.weight_version import version_number
 
 
 @dataclass(frozen=True)
@@ -181,19 +182,16 @@ def _plot_rewards(path: Path, training: TrainingSummary) -> Path:
     by_step.plot(steps, [s.mean_reward for s in training.steps], label="mean reward", color="tab:blue")
     by_step.plot(steps, [s.exact_rate for s in training.steps], label="exact answers", color="tab:green", alpha=0.7)
     for s in training.steps:
-        if s.phase.value == "grpo":
+        if s.phase is Phase.GRPO:
             by_step.axvspan(s.step - 0.5, s.step + 0.5, color="tab:orange", alpha=0.04, lw=0)
     by_step.set(
         xlabel="trainer step (shaded: GRPO)", ylabel="reward of server samples", title="Reward by step", ylim=(0, 1.05)
     )
     by_step.legend(loc="lower right")
     totals: dict[int, list[float]] = defaultdict(list)
-    for s in training.steps:
-        for v in s.rewards_by_version:
-            try:
-                totals[int(v.weight_version)].extend([v.mean_reward] * v.num_samples)
-            except ValueError:
-                continue
+    for group in (g for s in training.steps for g in s.rewards_by_version):
+        if (number := version_number(group.weight_version)) is not None:
+            totals[number].extend([group.mean_reward] * group.num_samples)
     versions = sorted(totals)
     by_version.plot(versions, [statistics.fmean(totals[v]) for v in versions], marker=".", color="tab:purple")
     by_version.set(

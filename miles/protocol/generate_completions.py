@@ -114,12 +114,7 @@ def _finish(choice: _Choice) -> FinishReason | None:
 
 
 def generate_answers(
-    request: GenerateRequest,
-    index: int,
-    answer: bytes,
-    *,
-    versions: tuple[str, str],
-    latency_s: float,
+    request: GenerateRequest, index: int, answer: bytes, *, versions: tuple[str, str], latency_s: float
 ) -> list[dict[str, Any]]:
     """SGLang's answers (one per sample, in order) to prompt ``index`` from vLLM's completions
     ``answer``; ``versions``: the answering server's weight version when the request was sent

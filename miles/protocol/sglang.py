@@ -279,14 +279,8 @@ class GenerateRequest(SGLangFields):
         if self.stream and self.is_batch:
             raise ValueError("streaming is supported for a single prompt, not a batch")
         n = self.batch_size
-        per_prompt = (
-            ("sampling_params", self.sampling_params),
-            ("rid", self.rid),
-            ("return_logprob", self.return_logprob),
-            ("logprob_start_len", self.logprob_start_len),
-            ("top_logprobs_num", self.top_logprobs_num),
-        )
-        for name, value in per_prompt:
+        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num"):
+            value = getattr(self, name)
             if isinstance(value, list) and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
         if isinstance(self.input_ids, list) and self.input_ids and isinstance(self.input_ids[0], list):

@@ -59,19 +59,22 @@ class UpdateTimeline(BaseModel):
 
 def update_timelines(events: Iterable[Event]) -> list[UpdateTimeline]:
     """Every update that started in ``events`` (oldest first), ended or still running."""
-    open_: dict[str, _Building] = {}
+    # Each update not yet ended: its started event and the steps seen since.
+    open_: dict[str, tuple[WeightUpdateStartedEvent, list[TimelineStep]]] = {}
     done: list[UpdateTimeline] = []
     for event in events:
         if isinstance(event, WeightUpdateStartedEvent):
-            open_[event.update_id] = _Building(event)
+            open_[event.update_id] = (event, [])
         elif isinstance(event, WeightUpdateCommittedEvent | WeightUpdateAbortedEvent):
             building = open_.pop(event.update_id, None)
             if building is not None:
-                done.append(building.timeline(event))
+                done.append(_timeline(*building, end=event))
         else:
-            for building in open_.values():
-                building.add(event)
-    done.extend(b.timeline() for b in open_.values())
+            for started, steps in open_.values():
+                step = _step(event, started)
+                if step is not None:
+                    steps.append(step)
+    done.extend(_timeline(started, steps) for started, steps in open_.values())
     return sorted(done, key=lambda t: t.started_at)
 
 
@@ -81,40 +84,33 @@ def ordered_phases(timings: dict[str, float]) -> dict[str, float]:
     return known | others
 
 
-class _Building:
-    def __init__(self, started: WeightUpdateStartedEvent) -> None:
-        self.started = started
-        self.steps: list[TimelineStep] = []
-
-    def add(self, event: Event) -> None:
-        step = _step(event, self.started)
-        if step is not None:
-            self.steps.append(step)
-
-    def timeline(self, end: WeightUpdateCommittedEvent | WeightUpdateAbortedEvent | None = None) -> UpdateTimeline:
-        """The update as told so far: ``running`` until its ``end`` event."""
-        status, message = "running", ""
-        if isinstance(end, WeightUpdateCommittedEvent):
-            status = "committed"
-        elif end is not None:
-            status, _, message = end.reason.partition(": ")
-            status = status if status.isidentifier() else "aborted"
-        started = self.started
-        return UpdateTimeline(
-            update_id=started.update_id,
-            model_name=started.model_name,
-            weight_version=started.weight_version,
-            strategy=started.strategy,
-            pause_mode=started.pause_mode,
-            server_ids=started.server_ids,
-            started_at=started.timestamp,
-            status=status,
-            duration_s=None if end is None else end.duration_s,
-            serving_blocked_s=None if end is None else end.serving_blocked_s,
-            phases=ordered_phases({} if end is None else end.timings),
-            steps=tuple(self.steps),
-            message=message or None,
-        )
+def _timeline(
+    started: WeightUpdateStartedEvent,
+    steps: list[TimelineStep],
+    end: WeightUpdateCommittedEvent | WeightUpdateAbortedEvent | None = None,
+) -> UpdateTimeline:
+    """The update as told so far: ``running`` until its ``end`` event."""
+    status, message = "running", ""
+    if isinstance(end, WeightUpdateCommittedEvent):
+        status = "committed"
+    elif end is not None:
+        status, _, message = end.reason.partition(": ")
+        status = status if status.isidentifier() else "aborted"
+    return UpdateTimeline(
+        update_id=started.update_id,
+        model_name=started.model_name,
+        weight_version=started.weight_version,
+        strategy=started.strategy,
+        pause_mode=started.pause_mode,
+        server_ids=started.server_ids,
+        started_at=started.timestamp,
+        status=status,
+        duration_s=None if end is None else end.duration_s,
+        serving_blocked_s=None if end is None else end.serving_blocked_s,
+        phases=ordered_phases({} if end is None else end.timings),
+        steps=tuple(steps),
+        message=message or None,
+    )
 
 
 def _step(event: Event, started: WeightUpdateStartedEvent) -> TimelineStep | None:

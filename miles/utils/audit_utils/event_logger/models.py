@@ -80,8 +80,10 @@ class BaseEvent(_Frozen):
         return value.astimezone(UTC)
 
     def involved_servers(self) -> tuple[str, ...]:
-        """Return the ids of the rollout servers this event is about (empty when none)."""
-        return ()
+        """Return the ids of the rollout servers this event is about (empty when none): those its
+        ``server_ids`` or ``server_id`` field names."""
+        server_id = getattr(self, "server_id", None)
+        return getattr(self, "server_ids", None) or (() if server_id is None else (server_id,))
 
     def summary(self) -> str:
         """Return a short human description of the event's payload, for logs and tables."""
@@ -104,9 +106,6 @@ class InferenceEngineWeightChecksumEvent(BaseEvent):
         if self.role is not ChecksumRole.PUBLISHED and self.server_id is None:
             raise ValueError(f"a {self.role.value} checksum is reported by a server: set server_id")
         return self
-
-    def involved_servers(self) -> tuple[str, ...]:
-        return () if self.server_id is None else (self.server_id,)
 
     def summary(self) -> str:
         return f"{self.role.value} {short_checksum(self.checksum)}"
@@ -131,9 +130,6 @@ class WeightUpdateStartedEvent(_UpdateEvent):
     server_ids: tuple[str, ...]
     fencing_token: int | None = None
 
-    def involved_servers(self) -> tuple[str, ...]:
-        return self.server_ids
-
     def summary(self) -> str:
         return f"update {self.update_id} {self.strategy}/{self.pause_mode} on {len(self.server_ids)} server(s)"
 
@@ -153,9 +149,6 @@ class WeightUpdateCommittedEvent(_UpdateEvent):
     # pushed from memory until a ``WeightsWrittenOutEvent`` names their copy. A controller started
     # again on the same log resumes from here (miles.controller.resume).
     checkpoint: str | None = None
-
-    def involved_servers(self) -> tuple[str, ...]:
-        return self.server_ids
 
     def summary(self) -> str:
         return f"update {self.update_id} {short_checksum(self.checksum)} in {self.duration_s:.3f}s"
@@ -205,9 +198,6 @@ class ChecksumMismatchEvent(BaseEvent):
     expected: str
     actual: str
 
-    def involved_servers(self) -> tuple[str, ...]:
-        return (self.server_id,)
-
     def summary(self) -> str:
         return f"expected {short_checksum(self.expected)} got {short_checksum(self.actual)}"
 
@@ -222,9 +212,6 @@ class ServerStateChangedEvent(BaseEvent):
     to_state: str
     weight_version: str | None = None
     reason: str | None = None
-
-    def involved_servers(self) -> tuple[str, ...]:
-        return (self.server_id,)
 
     def summary(self) -> str:
         text = f"{self.from_state} -> {self.to_state}"
