@@ -17,7 +17,9 @@ import subprocess
 import sys
 
 _POLL_S = 0.5
-_GRACE_S = 10.0
+# Less than its launcher gives it (EngineProcess.stop: 10 s) before SIGKILL: the group is ended and
+# the directory removed before the wrapper itself could be killed, which would leave the directory.
+_GRACE_S = 8.0
 _PR_SET_PDEATHSIG = 1
 
 
