@@ -70,7 +70,6 @@ class WeightsExport:
 
     path: Path
     checksum: str
-    weight_version: str
 
 
 class EngineClient:
@@ -178,7 +177,7 @@ class EngineClient:
         """``/export_weights``: the engine writes the weights it holds as a sealed checkpoint."""
         request = ExportWeightsRequest(step=step)
         body = await self._post("/export_weights", request, ExportWeightsResponse, timeout=timeout, fence=fence)
-        return WeightsExport(path=Path(body.path), checksum=body.checksum, weight_version=body.weight_version)
+        return WeightsExport(path=Path(body.path), checksum=body.checksum)
 
     async def activate_weights(
         self, request: ActivateWeightsRequest, *, timeout: float | None = None, fence: int | None = None

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import ClassVar
@@ -48,6 +48,16 @@ ExclusiveSection = Callable[[str], AbstractAsyncContextManager[int | None]]
 # How long the runtime may take to learn that an engine exited once a call found its socket
 # closed (a forked engine's exit reaches its launcher through the forkserver).
 DEATH_NOTICE_S = 2.0
+
+
+def refuse_miles_flags(engine_args: tuple[str, ...], where: Mapping[str, str], *, engine: str) -> None:
+    """Refuse an extra flag that repeats one miles sets (``where``: each spelling -> where the spec sets it)."""
+    for arg in engine_args:
+        flag = arg.split("=", 1)[0]
+        if flag in where:
+            raise RolloutError(
+                f"engine_args sets {flag}, which miles sets for every {engine} server; use {where[flag]}"
+            )
 
 
 @asynccontextmanager

@@ -108,10 +108,6 @@ class LaunchedEngine:
 class EngineRuntime(ABC):
     """Places and runs the engines of one rollout (one per server id)."""
 
-    # Whether ``alive`` watches the engine's process (it then turns False once the process ended);
-    # attached servers' processes are someone else's.
-    sees_processes: ClassVar[bool] = True
-
     def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
         self.spec = spec
         # Called with a server id when the runtime learns its engine ended (the supervisor is
@@ -138,9 +134,7 @@ class EngineRuntime(ABC):
 
     async def ended(self, server_id: str, *, within_s: float) -> bool:
         """Whether the server's engine process has ended (learnt within ``within_s``: the exit may
-        be known a moment after the socket closed); False at once where processes are not seen."""
-        if not self.sees_processes:
-            return False
+        be known a moment after the socket closed)."""
         deadline = time.monotonic() + within_s
         while self.alive(server_id):
             if time.monotonic() >= deadline:
@@ -259,8 +253,6 @@ class AttachedRuntime(EngineRuntime):
     """Servers someone else runs, at the spec's URLs: never started or stopped here; "launching"
     one waits until it answers ``/health`` (a restart: wait for it to come back, verify it again)."""
 
-    sees_processes: ClassVar[bool] = False
-
     def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
         super().__init__(spec, on_exit=on_exit)
         self._urls: dict[str, str] = {}
@@ -289,6 +281,9 @@ class AttachedRuntime(EngineRuntime):
     def alive(self, server_id: str) -> bool:
         # No process to look at; the probes (and their failure threshold) say when it is gone.
         return True
+
+    async def ended(self, server_id: str, *, within_s: float) -> bool:
+        return False  # its process is someone else's: never seen to end
 
     async def close(self) -> None:
         self._urls = {}

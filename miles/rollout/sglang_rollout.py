@@ -20,7 +20,7 @@ from miles.config import RuntimeKind
 from miles.errors import CheckpointError
 from miles.protocol.sglang import PauseMode
 from miles.rollout.engine_client import SGLANG_ENGINE_DIGEST, EngineCallError, WeightsChecksum
-from miles.rollout.rollout import Rollout, RolloutError
+from miles.rollout.rollout import Rollout, RolloutError, refuse_miles_flags
 from miles.rollout.runtime import EngineCommand, LaunchSlot
 from miles.rollout.sglang_digests import DigestBook
 from miles.rollout.spec import RolloutSpec, SGLangServerArgs
@@ -58,16 +58,12 @@ _SPEC_FIELD = {
 }
 
 
+_WHERE = {flag: _SPEC_FIELD.get(field, f"sglang.{field}") for field, flags in MILES_FLAGS.items() for flag in flags}
+
+
 def check_engine_args(engine_args: tuple[str, ...]) -> None:
     """Refuse extra SGLang flags that repeat one miles sets, naming where to set it instead."""
-    for arg in engine_args:
-        flag = arg.split("=", 1)[0]
-        for field, flags in MILES_FLAGS.items():
-            if flag in flags:
-                where = _SPEC_FIELD.get(field, f"sglang.{field}")
-                raise RolloutError(
-                    f"engine_args sets {flag}, which miles sets for every SGLang server; use {where} instead"
-                )
+    refuse_miles_flags(engine_args, _WHERE, engine="SGLang")
 
 
 @dataclass(frozen=True)

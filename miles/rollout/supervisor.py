@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
@@ -118,7 +119,8 @@ class Supervisor:
                 reported.instance_id,
                 cell.engine_instance,
             )
-            await self._restart(cell, reason="engine process restarted outside the controller", fence=fence)
+            reason = "engine process restarted outside the controller"
+            await self._repair(cell, "restart", self._rollout.restart(cell.server_id, reason=reason, fence=fence))
 
     async def _drift_guarded(self, cell: ServerCell, incarnation: int) -> None:
         """Quarantine, report and roll back a server whose engine holds other weights than verified."""
@@ -138,13 +140,8 @@ class Supervisor:
                 verified.checksum,
             )
             self._rollout.drifted(cell, verified=verified, reported=reported)
-            try:
-                await self._rollout.rollback(
-                    cell.server_id, reason="weights changed outside the controller", fence=fence
-                )
-            except MilesError as exc:
-                # A MilesError's message carries its context; a traceback per probe tick would be noise.
-                logger.error("could not restore %s after its weights drifted: %s", cell.server_id, exc)  # noqa: TRY400
+            reason = "weights changed outside the controller"
+            await self._repair(cell, "rollback", self._rollout.rollback(cell.server_id, reason=reason, fence=fence))
 
     async def _still_serving(self, cell: ServerCell, incarnation: int) -> WeightsIdentity | None:
         """What the engine reports now, asked again inside the exclusive section; None when it no
@@ -166,17 +163,13 @@ class Supervisor:
         async with self._rollout.exclusive(f"recover {cell.server_id}") as fence:
             if cell.state is not ServerState.QUARANTINED:
                 return  # an update took it over while we waited
-            try:
-                if self._rollout.alive(cell):
-                    await self._rollout.rollback(
-                        cell.server_id, reason="its verified weights are available again", fence=fence
-                    )
-                else:
-                    await self._rollout.restart(
-                        cell.server_id, reason="engine process exited while quarantined", fence=fence
-                    )
-            except MilesError as exc:
-                logger.warning("recovery of %s failed (will retry): %s", cell.server_id, exc)
+            if self._rollout.alive(cell):
+                reason = "its verified weights are available again"
+                repair = self._rollout.rollback(cell.server_id, reason=reason, fence=fence)
+            else:
+                reason = "engine process exited while quarantined"
+                repair = self._rollout.restart(cell.server_id, reason=reason, fence=fence)
+            await self._repair(cell, "recovery", repair)
 
     async def _restart_guarded(self, cell: ServerCell, reason: str) -> None:
         async with self._rollout.exclusive(f"restart {cell.server_id}") as fence:
@@ -186,14 +179,15 @@ class Supervisor:
                 return  # an update took it over (or it was stopped) while we waited; it owns the cell now
             if cell.state is ServerState.SERVING and healthy:
                 return
-            await self._restart(cell, reason=reason, fence=fence)
+            await self._repair(cell, "restart", self._rollout.restart(cell.server_id, reason=reason, fence=fence))
 
-    async def _restart(self, cell: ServerCell, *, reason: str, fence: int | None) -> None:
+    async def _repair(self, cell: ServerCell, what: str, repair: Awaitable[None]) -> None:
+        """Await ``repair`` of ``cell``; a MilesError is logged, and the next round tries again."""
         try:
-            await self._rollout.restart(cell.server_id, reason=reason, fence=fence)
+            await repair
         except MilesError as exc:
             # A MilesError's message carries its context; a traceback per retry would be noise.
-            logger.error("restart of %s failed (will retry): %s", cell.server_id, exc)  # noqa: TRY400
+            logger.error("%s of %s failed (will retry): %s", what, cell.server_id, exc)  # noqa: TRY400
 
 
 def drifted(verified: VerifiedWeights | None, reported: WeightsIdentity) -> bool:

@@ -245,5 +245,4 @@ class VLLMClient(EngineClient):
     ) -> WeightsExport:
         """The worker writes what it holds as a sealed checkpoint under the server's snapshot directory."""
         written = await self._rpc("miles_export", _Export, timeout=timeout, step=str(step))
-        version = await self._weight_version(timeout=timeout)
-        return WeightsExport(path=Path(written.path), checksum=written.checksum, weight_version=version)
+        return WeightsExport(path=Path(written.path), checksum=written.checksum)

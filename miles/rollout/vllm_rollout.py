@@ -23,7 +23,7 @@ import httpx
 
 import miles
 from miles.rollout.engine_client import EngineClient
-from miles.rollout.rollout import Rollout, RolloutError
+from miles.rollout.rollout import Rollout, RolloutError, refuse_miles_flags
 from miles.rollout.runtime import EngineCommand, EngineReport, LaunchSlot
 from miles.rollout.spec import RolloutSpec, VLLMServerArgs
 from miles.rollout.state import EngineApi, ServerCell
@@ -35,26 +35,18 @@ EXTENSION_CLS = "miles.vllm.extension.MilesWorkerExtension"
 PROJECT_VLLM_PYTHON = Path(miles.__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 # The flags miles sets (and vLLM's other spellings of them), with where the spec says each instead.
-MILES_FLAGS: dict[tuple[str, ...], str] = {
-    ("--model",): "checkpoint",
-    ("--host",): "the runtime (it picks the address)",
-    ("--port",): "the runtime (it picks a free port)",
-    ("--served-model-name",): "model_name",
-    ("--max-num-seqs",): "max_running_requests",
-    ("--dtype",): "vllm.dtype",
-    ("--max-model-len",): "vllm.max_model_len",
-    ("--worker-extension-cls",): "nothing: miles' extension is what verifies the weights",
-    ("--tensor-parallel-size", "-tp"): "nothing: a vLLM server under miles runs one worker",
+MILES_FLAGS: dict[str, str] = {
+    "--model": "checkpoint",
+    "--host": "the runtime (it picks the address)",
+    "--port": "the runtime (it picks a free port)",
+    "--served-model-name": "model_name",
+    "--max-num-seqs": "max_running_requests",
+    "--dtype": "vllm.dtype",
+    "--max-model-len": "vllm.max_model_len",
+    "--worker-extension-cls": "nothing: miles' extension is what verifies the weights",
+    "--tensor-parallel-size": "nothing: a vLLM server under miles runs one worker",
+    "-tp": "nothing: a vLLM server under miles runs one worker",
 }
-
-
-def check_engine_args(engine_args: tuple[str, ...]) -> None:
-    """Refuse extra vLLM flags that repeat one miles sets, naming where to set it instead."""
-    for arg in engine_args:
-        flag = arg.split("=", 1)[0]
-        for flags, where in MILES_FLAGS.items():
-            if flag in flags:
-                raise RolloutError(f"engine_args sets {flag}, which miles sets for every vLLM server; use {where}")
 
 
 def vllm_python(args: VLLMServerArgs) -> Path:
@@ -181,7 +173,7 @@ class VLLMRollout(Rollout):
     engine_api: ClassVar[EngineApi] = "vllm"
 
     def _prepare(self, spec: RolloutSpec) -> None:
-        check_engine_args(spec.engine_args)
+        refuse_miles_flags(spec.engine_args, MILES_FLAGS, engine="vLLM")
         # Attached servers run on their owner's vLLM; launching needs one here.
         self._python = None if spec.urls else vllm_python(spec.vllm)
 

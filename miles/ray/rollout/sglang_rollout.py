@@ -1,5 +1,3 @@
 """The SGLang server type at the seed's rollout path: ``miles.ray.rollout.sglang_rollout.SGLangRollout``."""
 
-from miles.rollout.sglang_rollout import SGLangRollout
-
-__all__ = ["SGLangRollout"]
+from miles.rollout.sglang_rollout import SGLangRollout as SGLangRollout
