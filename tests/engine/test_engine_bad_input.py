@@ -74,10 +74,19 @@ def test_a_bad_request_is_refused_while_other_clients_keep_generating(
         with httpx.Client(base_url=engine_url, timeout=120, trust_env=False) as client:
             return client.post("/generate", json=body)
 
+    def states() -> dict:
+        return http.get("/get_server_info").json()["internal_states"][0]
+
     with ThreadPoolExecutor(len(prompts) + len(BAD_GENERATE_PARAMS)) as pool:
+        # Held while they arrive, so that all of them join the batch at one step however slowly
+        # their threads start on a busy machine.
+        http.post("/pause_generation", json={"mode": "in_place"})
         good = [pool.submit(run, _long(p, 480)) for p in prompts]
         deadline = time.monotonic() + 30
-        while http.get("/get_server_info").json()["internal_states"][0]["running_requests"] < len(prompts):
+        while states()["waiting_requests"] < len(prompts):
+            assert time.monotonic() < deadline, "the requests never reached the engine"
+        http.post("/continue_generation", json={})
+        while states()["running_requests"] < len(prompts):
             assert time.monotonic() < deadline and not any(f.done() for f in good), "requests never ran together"
         # Freeze them in the batch, so the bad requests arrive while they are mid-generation
         # whatever the speed of this machine; a bad request that got in would join their batch.
