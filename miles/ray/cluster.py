@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import ray
 from ray._private import ray_constants
@@ -60,6 +60,11 @@ class NodeSpec:
 
 class LocalCluster:
     """A head node and worker nodes on this machine, on loopback (``start`` / ``stop``)."""
+
+    # The temp dirs of the clusters this process stopped. Ray's driver makes an earlier cluster's
+    # session directory again (empty) when this process starts the next one, after a node of the
+    # earlier one was lost outright: each stop removes them all again.
+    _stopped: ClassVar[list[Path]] = []
 
     def __init__(
         self, workers: Sequence[NodeSpec] = (NodeSpec(), NodeSpec()), *, head: NodeSpec = NodeSpec(num_cpus=1.0)
@@ -140,8 +145,10 @@ class LocalCluster:
             ray_constants.ENABLE_RAY_CLUSTER = self._cluster_mode
             self._cluster_mode = None
         if self._temp_dir is not None:
-            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            LocalCluster._stopped.append(self._temp_dir)
             self._temp_dir = None
+        for directory in LocalCluster._stopped:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 @contextmanager
