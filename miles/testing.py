@@ -22,6 +22,7 @@ import uvicorn
 from miles.controller.core import AsyncInferenceController
 from miles.http.runner import HttpServer
 from miles.rollout.engine_process import EngineProcess, engine_command, free_port
+from miles.rollout.state import ServerSnapshot, ServerState
 from miles.weights.buckets import BucketTable, layout, pack
 from miles.weights.transport.segments import Segment
 
@@ -152,6 +153,27 @@ def app_on_loopback(app: Any, *, timeout_s: float = 30.0) -> Iterator[int]:
     finally:
         server.should_exit = True
         thread.join(timeout=timeout_s)
+
+
+def server_snapshot(server_id: str, *, url: str | None = None, **fields: Any) -> ServerSnapshot:
+    """A snapshot of a server of model ``m`` serving version 1, for routing and health tests without
+    processes (``fields`` replace any of its values)."""
+    values: dict[str, Any] = {
+        "server_id": server_id,
+        "model_name": "m",
+        "url": url or f"http://127.0.0.1/{server_id}",
+        "device": "cpu",
+        "state": ServerState.SERVING,
+        "state_since": time.time(),
+        "weight_version": "1",
+        "checksum": "c",
+        "verified": None,
+        "last_probe": None,
+        "consecutive_failures": 0,
+        "restarts": 0,
+        "pid": None,
+    }
+    return ServerSnapshot(**{**values, **fields})
 
 
 def descendants(pid: int) -> list[int]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from miles.models.presets import init_checkpoint
 from miles.rollout.mixed import MixedRollout
 from miles.rollout.rollout import Rollout
 from miles.rollout.state import RolloutError, ServerSnapshot, ServerState, StateChange, VerifiedWeights
+from miles.testing import server_snapshot
 
 SFT = "SFTRollout"
 VLLM = "VLLMRollout"
@@ -241,22 +241,7 @@ def test_a_mixed_model_answers_for_the_whole_model(ckpts, tmp_path: Path) -> Non
 
 
 def snap(server_id: str, engine: str, state: ServerState = ServerState.SERVING) -> ServerSnapshot:
-    return ServerSnapshot(
-        server_id=server_id,
-        model_name="m",
-        url=f"http://127.0.0.1/{server_id}",
-        device="cpu",
-        state=state,
-        state_since=time.time(),
-        weight_version="1",
-        checksum="c",
-        verified=None,
-        last_probe=None,
-        consecutive_failures=0,
-        restarts=0,
-        pid=None,
-        engine=engine,
-    )
+    return server_snapshot(server_id, state=state, engine=engine)
 
 
 async def test_the_router_spreads_a_mixed_model_and_keeps_a_shaped_request_to_its_engines() -> None:

@@ -14,7 +14,8 @@ from miles.config import RoutingPolicy
 from miles.controller.router import NoServerAvailableError, Router
 from miles.http.metrics import NO_REQUEST_METRICS
 from miles.http.proxy import Proxy, RouteOptions, new_session
-from miles.rollout.state import ServerSnapshot, ServerState
+from miles.rollout.state import ServerSnapshot
+from miles.testing import server_snapshot
 
 Answer = Callable[[asyncio.StreamWriter], Awaitable[None]]
 
@@ -51,22 +52,7 @@ async def server(answer: Answer) -> AsyncIterator[str]:
 
 
 def serving(server_id: str, url: str) -> ServerSnapshot:
-    return ServerSnapshot(
-        server_id=server_id,
-        model_name="m",
-        url=url,
-        device="cpu",
-        state=ServerState.SERVING,
-        state_since=0.0,
-        weight_version="1",
-        checksum="c",
-        verified=None,
-        last_probe=None,
-        consecutive_failures=0,
-        restarts=0,
-        pid=None,
-        incarnation=1,
-    )
+    return server_snapshot(server_id, url=url, incarnation=1)
 
 
 @asynccontextmanager

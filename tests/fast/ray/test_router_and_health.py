@@ -13,7 +13,7 @@ from miles.controller.health import model_health, overall
 from miles.controller.router import Exclusion, NoServerAvailableError, Router
 from miles.errors import InvalidRequestError
 from miles.rollout.state import ProbeResult, ServerSnapshot, ServerState
-from miles.testing import wait_until
+from miles.testing import server_snapshot, wait_until
 from miles.utils.weight_version import at_least as version_at_least
 
 
@@ -25,22 +25,7 @@ def snap(
     incarnation: int = 1,
     probe: ProbeResult | None = None,
 ) -> ServerSnapshot:
-    return ServerSnapshot(
-        server_id=server_id,
-        model_name="m",
-        url=f"http://127.0.0.1/{server_id}",
-        device="cpu",
-        state=state,
-        state_since=time.time(),
-        weight_version=version,
-        checksum="c",
-        verified=None,
-        last_probe=probe,
-        consecutive_failures=0,
-        restarts=0,
-        pid=None,
-        incarnation=incarnation,
-    )
+    return server_snapshot(server_id, state=state, weight_version=version, last_probe=probe, incarnation=incarnation)
 
 
 def test_version_order() -> None:
