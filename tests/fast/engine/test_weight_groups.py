@@ -71,10 +71,15 @@ class Sender:
         self._store, self._group = made["store"], made["group"]
 
     def send(self, value: float) -> threading.Thread:
-        """Broadcast one bucket of ``N`` floats equal to ``value`` (on a thread: it returns once the
-        engine has received it)."""
+        """Broadcast one bucket of ``N`` floats equal to ``value``, queued now so that buckets go out
+        in call order, and waited for on a thread (which ends once the engine has received it)."""
         flat = torch.full((N,), value).view(torch.uint8)
-        thread = threading.Thread(target=lambda: broadcast(self._group, [flat], timeout_s=20))
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        work = self._group.broadcast([flat], options)
+        # Queued on threads of their own, two broadcasts could go out in either order, and a test
+        # that waits for the first would wait for one the engine takes only later.
+        thread = threading.Thread(target=lambda: work.wait(timedelta(seconds=20)))
         thread.start()
         return thread
 
