@@ -20,7 +20,7 @@ from miles.engine.fused_decoder import FusedDecoderRunner
 from miles.engine.model_runner import ModelRunner, TransformersRunner, load_model
 from miles.engine.settings import StagingMode
 from miles.engine.weights.buffers import StagingBuffers, StagingPolicy, StagingRefusedError
-from miles.engine.weights.export import copy_weights
+from miles.engine.weights.live import copy_weights
 from miles.engine.weights.lock import WeightsLock
 from miles.engine.weights.memory import StagingUnsupportedError, references
 from miles.engine.weights.stage import LiveStage, Stage

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.engine.weights.export import copy_weights
-from miles.engine.weights.live import LiveWeights, _require_room
+from miles.engine.weights.live import LiveWeights, _require_room, copy_weights
 from miles.engine.weights.lock import WeightsLock
 from miles.engine.weights.memory import WeightMemory
 from miles.engine.weights.stage import LiveStage
