@@ -90,7 +90,6 @@ class VerifiedCheckpoint(AbstractContextManager["VerifiedCheckpoint"]):
     the checkpoint once instead of twice."""
 
     reader: CheckpointReader
-    checkpoint_checksum: str  # the model checksum its files hash to (deferred: once staged whole)
     timings: dict[str, float]  # seconds to open, verify and match it
     deferred: bool = False
 
@@ -158,8 +157,7 @@ def open_verified(
         reader.close()
         raise
     timings = {"open": opened - started, "verify": verified - opened, "match": time.perf_counter() - verified}
-    # Verified without a problem (or once staged), the files hash to their manifest's checksum.
-    return VerifiedCheckpoint(reader=reader, checkpoint_checksum=manifest.checksum, timings=timings, deferred=deferred)
+    return VerifiedCheckpoint(reader=reader, timings=timings, deferred=deferred)
 
 
 def _open_plain(checkpoint: Path, *, expected_checksum: str | None, weight_version: str | None) -> CheckpointReader:

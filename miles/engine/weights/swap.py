@@ -14,8 +14,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
 
-import torch
-
 from miles.engine.scheduler import GenerationState, Pauser, Scheduler
 from miles.engine.weights.buffers import StagingPolicy, StagingRefusedError
 from miles.engine.weights.live import HeldWeights, LiveWeights, WeightsStatus
@@ -106,16 +104,15 @@ class WeightChanges:
     async def _load(self, path: Path, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
         async with self._lock:
             self._drop()  # a push that never finished (or was never activated) is superseded
-            model = self._weights.model()
             opening = time.perf_counter()
-            change = _Change(await asyncio.to_thread(self._open_stage, model))
+            change = _Change(await asyncio.to_thread(self._open_stage))
             opened = time.perf_counter() - opening
             try:
                 # Beside the live weights, the bytes are verified as they are staged (one read of
                 # the checkpoint); in place, they are verified whole before anything is copied.
                 checkpoint = await asyncio.to_thread(
                     open_verified,
-                    model,
+                    self._weights.model(),
                     path,
                     expected_checksum=request.expected_checksum,
                     weight_version=request.weight_version,
@@ -151,7 +148,7 @@ class WeightChanges:
                     )
                 finally:
                     change.stage.discard()  # a no-op once activated
-            return self._answer(outcome, timings, checkpoint_checksum=checkpoint.checkpoint_checksum)
+            return self._answer(outcome, timings, checkpoint_checksum=target.checksum)
 
     def check_table(self, table: BucketTable) -> None:
         """Raise InvalidRequestError unless the model holds every tensor of ``table`` as it is."""
@@ -172,8 +169,7 @@ class WeightChanges:
             change = self._change
             if change is None or change.verified is not None:
                 self._drop()  # staged weights never activated are superseded by this push
-                stage = await asyncio.to_thread(self._open_stage, self._weights.model())
-                change = self._change = _Change(stage)
+                change = self._change = _Change(await asyncio.to_thread(self._open_stage))
             if change.stage.in_place and not request.activate:
                 self._drop()
                 why = self._staging.report().reason or "staging is off"
@@ -348,7 +344,7 @@ class WeightChanges:
                 self._staging.give_up(f"a swap was refused: {exc}")
                 if again is None:
                     raise
-                live = self._open_stage(self._weights.model())
+                live = self._open_stage()
                 try:
                     return self._write_in_place(live, again, target=target, timings=timings)
                 finally:
@@ -427,12 +423,12 @@ class WeightChanges:
     def _signature(self) -> Signature:
         return signature(self._weights.model())  # the model never changes shape
 
-    def _open_stage(self, model: torch.nn.Module) -> Stage:
+    def _open_stage(self) -> Stage:
         """The stage of a change beginning now, announced to long reads (``WeightsLock.announce``)
         until it is closed."""
         self._weights.lock.announce()
         try:
-            stage = self._staging.open_stage(model)
+            stage = self._staging.open_stage(self._weights.model())
         except BaseException:
             self._weights.lock.withdraw()
             raise
