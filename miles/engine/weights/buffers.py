@@ -119,7 +119,7 @@ class BufferStage(Stage):
         self._moves: list[tuple[torch.Tensor, torch.Tensor, torch.UntypedStorage, ViewSpec]] = []
         for storage in buffers.memory.storages:
             assert storage.twin is not None
-            for tensor in storage.viewers:
+            for tensor in storage.viewers.values():
                 spec = ViewSpec.of(tensor)
                 self._moves.append((tensor, spec.view(storage.twin, tensor.dtype), storage.live, spec))
         super().__init__({name: (slot.dtype, slot.spec.size) for name, slot in self._slots.items()})
