@@ -155,17 +155,16 @@ class WeightChanges:
         check_pushed(table.entries, self._signature)
 
     async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
-        """Take one bucket of pushed tensors into the stage of its change; the last one
-        (``expected_checksum`` given) is verified over the whole model before the weights serve.
-        Raises InvalidRequestError for a tensor the model does not hold as pushed or bytes that
-        differ from their digest (the push is dropped), ConflictError for ``activate=False`` on an
-        engine that cannot stage now."""
+        """Take one bucket of pushed tensors (its table passed ``check_table`` before it was received)
+        into the stage of its change; the last one (``expected_checksum`` given) is verified over the
+        whole model before the weights serve. Raises InvalidRequestError for bytes that differ from
+        their digest (the push is dropped), ConflictError for ``activate=False`` on an engine that
+        cannot stage now."""
         if request.expected_checksum is not None and request.weight_version is None:
             raise InvalidRequestError(
                 "the last push of an update (with expected_checksum) must name its weight_version"
             )
         async with self._lock:
-            check_pushed(bucket.entries.values(), self._signature)
             change = self._change
             if change is None or change.verified is not None:
                 self._drop()  # staged weights never activated are superseded by this push
