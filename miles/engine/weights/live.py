@@ -193,16 +193,19 @@ class LiveWeights:
                 held = self.held
                 assert held.checksum is not None, "the checksum is recorded before the engine serves"
                 writes = self.lock.writes
-            target = snapshot_path(
-                snapshot_dir, model_name=self._served_model_name, weight_version=held.version, checksum=held.checksum
-            )
+            names = (self._served_model_name, held.version)
+            parts = [re.sub(r"[^A-Za-z0-9._-]", "_", part)[:_MAX_PART_CHARS] or "_" for part in names]
+            target = snapshot_dir / "-".join([*parts, held.checksum[:16]])  # <model>-<version>-<checksum[:16]>
             answer = ExportWeightsResponse(
                 success=True, path=str(target), checksum=held.checksum, weight_version=held.version
             )
             exported = manifest_or_none(target)
             if exported is not None and exported.checksum == held.checksum:
                 return answer  # exported before: nothing to copy, and no room needed
-            needed = _nbytes(self.model())
+            # Tied weights once, from the model's own tensor objects: a state dict's views of the live
+            # memory, alive during a swap, would make the swap refuse.
+            own = [*self.model().parameters(), *self.model().buffers()]
+            needed = sum({t.data_ptr(): t.numel() * t.element_size() for t in own}.values())
             _require_room(snapshot_dir, needed)
             model = copy_weights(self.model(), self.lock, writes=writes, what=f"weights {held.version}")
             try:
@@ -236,12 +239,6 @@ class LiveWeights:
             return await asyncio.to_thread(export)
 
 
-def _nbytes(model: torch.nn.Module) -> int:
-    """Bytes of ``model``'s weights (tied ones once). Read from its own tensor objects: a state
-    dict's views of the live memory, alive during a swap, would make the swap refuse."""
-    return sum({t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}.values())
-
-
 def _require_room(directory: Path, needed: int) -> None:
     """Raises InsufficientStorageError when ``directory``'s file system has under ``needed`` bytes
     free (a checkpoint of the weights needs about as many as they hold)."""
@@ -253,12 +250,6 @@ def _require_room(directory: Path, needed: int) -> None:
             "free; free space there, or start the engine with another --snapshot-dir",
             directory=str(directory),
         )
-
-
-def snapshot_path(snapshot_dir: Path, *, model_name: str, weight_version: str, checksum: str) -> Path:
-    """Where the weights of ``checksum`` are exported: ``<model>-<version>-<checksum[:16]>``."""
-    parts = [re.sub(r"[^A-Za-z0-9._-]", "_", part)[:_MAX_PART_CHARS] or "_" for part in (model_name, weight_version)]
-    return snapshot_dir / "-".join([*parts, checksum[:16]])
 
 
 def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what: str) -> PreTrainedModel:

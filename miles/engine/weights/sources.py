@@ -222,13 +222,8 @@ def check_pushed(entries: Iterable[BucketEntry], live: Signature) -> None:
         if target is None:
             raise InvalidRequestError(f"the model has no tensor {entry.name!r}; push the names its checkpoint has")
         if target != (dtype, tuple(entry.shape)):
+            dims = list(entry.shape)  # cut short past 8 dimensions: a hostile shape may have thousands
+            shape = str(dims) if len(dims) <= 8 else f"[{', '.join(map(str, dims[:8]))}, ... ({len(dims)} dimensions)]"
             raise InvalidRequestError(
-                f"tensor {entry.name!r} is pushed as {dtype}{_shape_text(entry.shape)}, but the model holds "
-                f"{target[0]}{list(target[1])}"
+                f"tensor {entry.name!r} is pushed as {dtype}{shape}, but the model holds {target[0]}{list(target[1])}"
             )
-
-
-def _shape_text(shape: Iterable[int]) -> str:
-    """A shape as a list, cut short past 8 dimensions (a hostile one may have thousands)."""
-    dims = list(shape)
-    return str(dims) if len(dims) <= 8 else f"[{', '.join(map(str, dims[:8]))}, ... ({len(dims)} dimensions)]"
