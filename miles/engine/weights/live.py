@@ -13,7 +13,7 @@ import logging
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from miles.engine.weights.lock import WeightsLock, read_in_sections
+from miles.engine.weights.lock import WeightsLock
 from miles.errors import ChecksumMismatchError, ConflictError, InsufficientStorageError
 from miles.protocol.sglang_weights import ExportWeightsRequest, ExportWeightsResponse, WeightVersionResponse
 from miles.weights.checkpoint import save_checkpoint
@@ -44,6 +44,9 @@ EXPORT_WAITS_FOR_CHANGE_S = 2.0
 
 # Passes of a sectioned checksum that changes may end before it hashes in one section.
 _SECTIONED_TRIES = 3
+
+# What one section of a long read (an export, a checksum) reads: what a swap may wait for (~0.5 ms).
+READ_SECTION_BYTES = 4 * 1024 * 1024
 
 # Each part of a snapshot's directory name stays well inside NAME_MAX (255 bytes) in all.
 _MAX_PART_CHARS = 96
@@ -276,3 +279,33 @@ def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what
 
     read_in_sections(lock, [live for live, _ in pairs], writes=writes, what=what, each=copy_slice)
     return copied
+
+
+def read_in_sections(
+    lock: WeightsLock,
+    tensors: Sequence[torch.Tensor],
+    *,
+    writes: int,
+    what: str,
+    each: Callable[[int, int, torch.Tensor], None],
+) -> None:
+    """Call ``each(index, start, chunk)`` for every slice of each tensor's bytes (``chunk`` a flat
+    uint8 view of the live bytes from ``start``), each in a read section of its own: a change
+    waits for one slice, never for the whole read. ``each`` must not keep ``chunk`` (a swap
+    refuses to leave a viewer it does not know on the old weights). ``tensors`` are the model's
+    own tensor objects, which a swap re-points: a write between two sections would tear the read.
+    Raises ConflictError when ``lock.writes`` is no longer ``writes`` (read with ``what``).
+    """
+    for index, live in enumerate(tensors):
+        nbytes = live.numel() * live.element_size()
+        # A tensor that is not contiguous is read whole, in one section.
+        step = READ_SECTION_BYTES if live.is_contiguous() else max(nbytes, 1)
+        for start in range(0, nbytes, step):
+            with lock.read():
+                if lock.writes != writes:
+                    raise ConflictError(
+                        f"the weights changed while they were read ({what} then); ask again to read the ones held now"
+                    )
+                raw = live.detach().contiguous().reshape(-1).view(torch.uint8)
+                each(index, start, raw[start : start + step])
+                del raw
