@@ -112,13 +112,12 @@ def open_verified(
     weight_version: str | None = None,
     defer: bool = False,
 ) -> VerifiedCheckpoint:
-    """Open ``checkpoint``, verify it (against its manifest, whose checksum must be
-    ``expected_checksum`` when given; a plain Hugging Face directory is hashed into a manifest
-    that must carry it, and needs a ``weight_version``) and match it against ``model``'s tensors.
-    With ``defer``, a sealed checkpoint's bytes are verified as they are written.
-    Raises CheckpointError naming what is wrong: UnexpectedChecksumError for another checkpoint
-    than expected, IncompatibleCheckpointError for other names, shapes or dtypes than the model's.
-    """
+    """Open ``checkpoint``, verify it (against its manifest, whose checksum must be ``expected_checksum``
+    when given; a plain Hugging Face directory is hashed into a manifest that must carry it, and needs
+    a ``weight_version``) and match it against ``model``'s tensors. With ``defer``, a sealed
+    checkpoint's bytes are verified as they are written. Raises CheckpointError naming what is wrong:
+    UnexpectedChecksumError for another checkpoint than expected, IncompatibleCheckpointError for
+    other names, shapes or dtypes than the model's."""
     started = time.perf_counter()
     plain = False
     try:
