@@ -134,16 +134,15 @@ def open_verified(
     opened = time.perf_counter()
     deferred = defer and not plain  # a plain directory's files were hashed as it was opened
     try:
-        manifest = reader.manifest
         if not plain:
-            if expected_checksum is not None and expected_checksum != manifest.checksum:
+            if expected_checksum is not None and expected_checksum != reader.manifest.checksum:
                 # Refused before hashing: whatever the files hold, this is not the checkpoint asked for.
                 raise UnexpectedChecksumError(  # noqa: TRY301  # the except below closes the reader, re-raises
                     "the checkpoint's manifest names another checksum than expected_checksum; "
                     "load the checkpoint the caller expects, or fix expected_checksum",
                     computed=None,
                     expected=expected_checksum,
-                    manifest=manifest.checksum,
+                    manifest=reader.manifest.checksum,
                     path=str(checkpoint),
                 )
             reader.verify(digests=not deferred).raise_for_problems(limit=5)
