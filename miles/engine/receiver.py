@@ -58,7 +58,7 @@ class _Buffer:
     """One receive buffer of a group, kept from one bucket to the next (its pages faulted in once);
     held from a broadcast into it until its tensors are copied out."""
 
-    device: torch.device
+    device: torch.device  # where broadcasts land: the GPU with NCCL, the CPU with gloo
     memory: torch.Tensor | None = None
     in_use: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -73,7 +73,6 @@ class _Group:
     joined: groups.Joined
     # The fencing token of the call that joined it (None: unfenced): the group lasts its window.
     owner: int | None
-    device: torch.device  # where broadcasts land: the GPU with NCCL, the CPU with gloo
     # Taken in turn: the next bucket is received into one while the last one's tensors are copied
     # out of the other (a sender broadcasts it as soon as the last broadcast is done).
     buffers: tuple[_Buffer, _Buffer]
@@ -227,7 +226,7 @@ class WeightGroups:
                     )
                 spare = [*self._spare.pop(device, []), None, None]
                 buffers = (_Buffer(device, spare[0]), _Buffer(device, spare[1]))
-                self._groups[name] = _Group(joined, state.owner, device, buffers)
+                self._groups[name] = _Group(joined, state.owner, buffers)
         finally:
             with self._lock:
                 self._joining.discard(joining)
@@ -285,7 +284,7 @@ class WeightGroups:
             member = self._groups.pop(name, None)
             if member is not None:
                 # A buffer still being received into or copied out of goes with its group.
-                self._spare[member.device] = [
+                self._spare[member.buffers[0].device] = [
                     b.memory for b in member.buffers if b.memory is not None and not b.in_use.locked()
                 ]
         if member is None:

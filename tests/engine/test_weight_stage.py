@@ -20,7 +20,7 @@ from miles.engine.fused_decoder import FusedDecoderRunner
 from miles.engine.model_runner import ModelRunner, TransformersRunner, load_model
 from miles.engine.settings import StagingMode
 from miles.engine.weights.buffers import StagingBuffers, StagingPolicy, StagingRefusedError
-from miles.engine.weights.export import copy_weights
+from miles.engine.weights.live import copy_weights
 from miles.engine.weights.lock import WeightsLock
 from miles.engine.weights.memory import StagingUnsupportedError, references
 from miles.engine.weights.stage import LiveStage, Stage
@@ -364,7 +364,7 @@ def test_a_swap_during_an_export_copy_goes_through_and_ends_the_copy(
     """The copy an export takes holds no view of the live weights between its slices, so a staged
     swap that comes between two of them is not refused (it would leave such a view on the old
     weights); the copy then stops, since the weights it copied are no longer the served ones."""
-    monkeypatch.setattr("miles.engine.weights.lock.READ_SECTION_BYTES", 64)  # thousands of read sections
+    monkeypatch.setattr("miles.engine.weights.live.READ_SECTION_BYTES", 64)  # thousands of read sections
     paths = versions("qwen2, biased qkv (preset small)")
     model, runner = _served(paths["v1"], runner_name)
     buffers = _buffers(model, runner)

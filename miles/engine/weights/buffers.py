@@ -105,8 +105,7 @@ class StagingBuffers:
 
 class BufferStage(Stage):
     """One update's new weights in the twins, while the live ones serve. Writes may run on several
-    threads (of different names), the checksum once they are done; a refused ``activate``
-    discards the stage."""
+    threads (of different names), the checksum once they are done."""
 
     in_place = False
     phases = ("stage_write", "stage_checksum")
@@ -119,7 +118,7 @@ class BufferStage(Stage):
         self._moves: list[tuple[torch.Tensor, torch.Tensor, torch.UntypedStorage, ViewSpec]] = []
         for storage in buffers.memory.storages:
             assert storage.twin is not None
-            for tensor in storage.viewers:
+            for tensor in storage.viewers.values():
                 spec = ViewSpec.of(tensor)
                 self._moves.append((tensor, spec.view(storage.twin, tensor.dtype), storage.live, spec))
         super().__init__({name: (slot.dtype, slot.spec.size) for name, slot in self._slots.items()})
@@ -150,8 +149,7 @@ class BufferStage(Stage):
 
     def _swap(self) -> None:
         """Re-point every viewer at its twin, then trade live and twin storages; all or nothing.
-        Raises StagingRefusedError (the stage discarded) when a tensor nobody listed views a live
-        storage."""
+        Raises StagingRefusedError (the stage discarded) for a viewer of a live storage nobody listed."""
         unknown = self._buffers.memory.unknown_viewers()
         if unknown:
             # A reference cycle can keep a dead temporary view alive until the collector runs;
@@ -201,8 +199,7 @@ class StagingReport:
 
 class StagingPolicy:
     """Which stage each change writes into: ``on`` always the buffers, ``auto`` when the twins fit
-    in ``budget`` of the memory available then, ``off`` never (nor when the weights cannot be
-    staged)."""
+    in ``budget`` of the memory available then, ``off`` (or weights that cannot be staged) never."""
 
     def __init__(self, *, mode: StagingMode, budget: float) -> None:
         self._mode = mode

@@ -1,16 +1,19 @@
-"""The live record (what the served weights are) and the operations that read them whole.
-``HeldWeights`` is replaced whole under the write lock, so a probe never reads a version paired
-with another version's checksum.
+"""The live record (what the served weights are) and the operations that read them whole: a
+checksum, and an export (``POST /export_weights``), a copy read in sections and written at a path
+named after its version and checksum. ``HeldWeights`` is replaced whole under the write lock, so a
+probe never reads a version paired with another version's checksum.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
+import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -19,8 +22,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from miles.engine.weights.export import copy_weights, snapshot_path
-from miles.engine.weights.lock import WeightsLock, read_in_sections
+from miles.engine.weights.lock import WeightsLock
 from miles.errors import ChecksumMismatchError, ConflictError, InsufficientStorageError
 from miles.protocol.sglang_weights import ExportWeightsRequest, ExportWeightsResponse, WeightVersionResponse
 from miles.weights.checkpoint import save_checkpoint
@@ -42,6 +44,12 @@ EXPORT_WAITS_FOR_CHANGE_S = 2.0
 
 # Passes of a sectioned checksum that changes may end before it hashes in one section.
 _SECTIONED_TRIES = 3
+
+# What one section of a long read (an export, a checksum) reads: what a swap may wait for (~0.5 ms).
+READ_SECTION_BYTES = 4 * 1024 * 1024
+
+# Each part of a snapshot's directory name stays well inside NAME_MAX (255 bytes) in all.
+_MAX_PART_CHARS = 96
 
 
 class WeightsStatus(Enum):
@@ -81,7 +89,7 @@ class LiveWeights:
         self._tokenizer = tokenizer
         self._served_model_name = served_model_name
         self._snapshot_dir = snapshot_dir
-        self._held = HeldWeights(version=version, checksum=None, status=WeightsStatus.VERIFIED)
+        self.held = HeldWeights(version=version, checksum=None, status=WeightsStatus.VERIFIED)
         # This process's identity in every report of the weights: a restart makes a new one.
         self._instance_id = uuid.uuid4().hex
         self._start_manifest_checksum = manifest_checksum
@@ -89,25 +97,21 @@ class LiveWeights:
         # One export at a time: two writing the same snapshot would race for its directory.
         self._export_lock = asyncio.Lock()
 
-    @property
-    def held(self) -> HeldWeights:
-        return self._held
-
     def identity(self) -> WeightVersionResponse:
         """What the weights held now are (version and checksum), from one consistent record."""
-        held = self._held
+        held = self.held
         return WeightVersionResponse(weight_version=held.version, checksum=held.checksum, instance_id=self._instance_id)
 
     def record(self, held: HeldWeights, *, loaded_from: Path | None = None) -> None:
         """Record what the weights are now (and the checkpoint they came from); write lock held."""
-        self._held = held
+        self.held = held
         if loaded_from is not None:
             self.loaded_from = loaded_from
 
     def record_loaded(self) -> None:
         """Record the checksum of the weights loaded at start-up, before serving begins."""
         checksum = checksum_module(self.model()).checksum
-        self._held = replace(self._held, checksum=checksum)
+        self.held = replace(self.held, checksum=checksum)
         if self._start_manifest_checksum not in (None, checksum):
             logger.warning(
                 "the weights loaded from %s hash to %s but its manifest says %s; the engine reports what it holds",
@@ -118,7 +122,7 @@ class LiveWeights:
 
     def require_verified(self, action: str) -> None:
         """Raises ConflictError (409) while the weights are unverified."""
-        if self._held.status is WeightsStatus.UNVERIFIED:
+        if self.held.status is WeightsStatus.UNVERIFIED:
             raise ConflictError(
                 "the engine holds unverified weights after a failed update; load a good checkpoint "
                 f"with /update_weights_from_disk before {action}",
@@ -136,7 +140,7 @@ class LiveWeights:
             with self.lock.read():
                 result = checksum_module(self.model())
                 # Still under the read lock: no change can write the weights before this is recorded.
-                self._held = replace(self._held, checksum=result.checksum)
+                self.held = replace(self.held, checksum=result.checksum)
                 return result
 
         return await asyncio.to_thread(compute)
@@ -156,7 +160,7 @@ class LiveWeights:
         def hash_slice(index: int, start: int, chunk: torch.Tensor) -> None:
             hashers[index].update(chunk.numpy())
 
-        read_in_sections(self.lock, tensors, writes=writes, what=f"weights {self._held.version}", each=hash_slice)
+        read_in_sections(self.lock, tensors, writes=writes, what=f"weights {self.held.version}", each=hash_slice)
         digests = [
             TensorDigest(name, dtype_name(dtype), shape, hasher.hexdigest())
             for (name, (dtype, shape)), hasher in zip(layout.items(), hashers, strict=True)
@@ -165,7 +169,7 @@ class LiveWeights:
         with self.lock.read():
             if self.lock.writes != writes:
                 raise ConflictError("the weights changed while they were hashed")
-            self._held = replace(self._held, checksum=result.checksum)
+            self.held = replace(self.held, checksum=result.checksum)
         return result
 
     async def export(self, request: ExportWeightsRequest) -> ExportWeightsResponse:
@@ -189,19 +193,22 @@ class LiveWeights:
                 )
             with self.lock.read():
                 self.require_verified("exporting")
-                held = self._held
+                held = self.held
                 assert held.checksum is not None, "the checksum is recorded before the engine serves"
                 writes = self.lock.writes
-            target = snapshot_path(
-                snapshot_dir, model_name=self._served_model_name, weight_version=held.version, checksum=held.checksum
-            )
+            names = (self._served_model_name, held.version)
+            parts = [re.sub(r"[^A-Za-z0-9._-]", "_", part)[:_MAX_PART_CHARS] or "_" for part in names]
+            target = snapshot_dir / "-".join([*parts, held.checksum[:16]])  # <model>-<version>-<checksum[:16]>
             answer = ExportWeightsResponse(
                 success=True, path=str(target), checksum=held.checksum, weight_version=held.version
             )
             exported = manifest_or_none(target)
             if exported is not None and exported.checksum == held.checksum:
                 return answer  # exported before: nothing to copy, and no room needed
-            needed = _nbytes(self.model())
+            # Tied weights once, from the model's own tensor objects: a state dict's views of the live
+            # memory, alive during a swap, would make the swap refuse.
+            own = [*self.model().parameters(), *self.model().buffers()]
+            needed = sum({t.data_ptr(): t.numel() * t.element_size() for t in own}.values())
             _require_room(snapshot_dir, needed)
             model = copy_weights(self.model(), self.lock, writes=writes, what=f"weights {held.version}")
             try:
@@ -235,12 +242,6 @@ class LiveWeights:
             return await asyncio.to_thread(export)
 
 
-def _nbytes(model: torch.nn.Module) -> int:
-    """Bytes of ``model``'s weights (tied ones once). Read from its own tensor objects: a state
-    dict's views of the live memory, alive during a swap, would make the swap refuse."""
-    return sum({t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}.values())
-
-
 def _require_room(directory: Path, needed: int) -> None:
     """Raises InsufficientStorageError when ``directory``'s file system has under ``needed`` bytes
     free (a checkpoint of the weights needs about as many as they hold)."""
@@ -252,3 +253,59 @@ def _require_room(directory: Path, needed: int) -> None:
             "free; free space there, or start the engine with another --snapshot-dir",
             directory=str(directory),
         )
+
+
+def copy_weights(model: PreTrainedModel, lock: WeightsLock, *, writes: int, what: str) -> PreTrainedModel:
+    """A copy of ``model``, read in short sections of ``lock`` (``read_in_sections``): a change
+    waits for one slice, not for the whole copy, and ends it. Raises ConflictError: the weights
+    changed since ``writes``."""
+    # New, unfilled parameters and buffers (tied ones stay tied), filled from the model's own
+    # tensor objects, which add no view of live memory.
+    memo: dict[int, Any] = {}
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in memo:
+            continue
+        # Contiguous whatever the live layout: the copy is filled with the bytes in logical order.
+        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        is_parameter = isinstance(tensor, torch.nn.Parameter)
+        memo[id(tensor)] = torch.nn.Parameter(empty, requires_grad=tensor.requires_grad) if is_parameter else empty
+        pairs.append((tensor, empty.reshape(-1).view(torch.uint8)))
+    copied = copy.deepcopy(model, memo)
+
+    def copy_slice(index: int, start: int, chunk: torch.Tensor) -> None:
+        with torch.no_grad():
+            pairs[index][1][start : start + chunk.numel()].copy_(chunk)
+
+    read_in_sections(lock, [live for live, _ in pairs], writes=writes, what=what, each=copy_slice)
+    return copied
+
+
+def read_in_sections(
+    lock: WeightsLock,
+    tensors: Sequence[torch.Tensor],
+    *,
+    writes: int,
+    what: str,
+    each: Callable[[int, int, torch.Tensor], None],
+) -> None:
+    """Call ``each(index, start, chunk)`` for every slice of each tensor's bytes (``chunk`` a flat
+    uint8 view of the live bytes from ``start``), each in a read section of its own: a change
+    waits for one slice, never for the whole read. ``each`` must not keep ``chunk`` (a swap
+    refuses to leave a viewer it does not know on the old weights). ``tensors`` are the model's
+    own tensor objects, which a swap re-points: a write between two sections would tear the read.
+    Raises ConflictError when ``lock.writes`` is no longer ``writes`` (read with ``what``).
+    """
+    for index, live in enumerate(tensors):
+        nbytes = live.numel() * live.element_size()
+        # A tensor that is not contiguous is read whole, in one section.
+        step = READ_SECTION_BYTES if live.is_contiguous() else max(nbytes, 1)
+        for start in range(0, nbytes, step):
+            with lock.read():
+                if lock.writes != writes:
+                    raise ConflictError(
+                        f"the weights changed while they were read ({what} then); ask again to read the ones held now"
+                    )
+                raw = live.detach().contiguous().reshape(-1).view(torch.uint8)
+                each(index, start, raw[start : start + step])
+                del raw

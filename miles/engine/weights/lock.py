@@ -6,15 +6,8 @@ generation steps can never starve a weight update.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-
-import torch
-
-from miles.errors import ConflictError
-
-# What one section of a long read (an export, a checksum) reads: what a swap may wait for (~0.5 ms).
-READ_SECTION_BYTES = 4 * 1024 * 1024
 
 
 class WeightsLock:
@@ -83,33 +76,3 @@ class WeightsLock:
         was written between them."""
         with self._cond:
             return self._writes
-
-
-def read_in_sections(
-    lock: WeightsLock,
-    tensors: Sequence[torch.Tensor],
-    *,
-    writes: int,
-    what: str,
-    each: Callable[[int, int, torch.Tensor], None],
-) -> None:
-    """Call ``each(index, start, chunk)`` for every slice of each tensor's bytes (``chunk`` a flat
-    uint8 view of the live bytes from ``start``), each in a read section of its own: a change
-    waits for one slice, never for the whole read. ``each`` must not keep ``chunk`` (a swap
-    refuses to leave a viewer it does not know on the old weights). ``tensors`` are the model's
-    own tensor objects, which a swap re-points: a write between two sections would tear the read.
-    Raises ConflictError when ``lock.writes`` is no longer ``writes`` (read with ``what``).
-    """
-    for index, live in enumerate(tensors):
-        nbytes = live.numel() * live.element_size()
-        # A tensor that is not contiguous is read whole, in one section.
-        step = READ_SECTION_BYTES if live.is_contiguous() else max(nbytes, 1)
-        for start in range(0, nbytes, step):
-            with lock.read():
-                if lock.writes != writes:
-                    raise ConflictError(
-                        f"the weights changed while they were read ({what} then); ask again to read the ones held now"
-                    )
-                raw = live.detach().contiguous().reshape(-1).view(torch.uint8)
-                each(index, start, raw[start : start + step])
-                del raw

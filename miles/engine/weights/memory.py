@@ -50,8 +50,7 @@ class StorageViews:
     """One storage the weights live in, every tensor object that views it, and its twin."""
 
     live: torch.UntypedStorage  # what the viewers view now; a swap trades it for the twin
-    viewers: list[torch.Tensor]
-    names: list[str]  # the viewers' names, for messages
+    viewers: dict[str, torch.Tensor]  # by name, for messages
     twin: torch.UntypedStorage | None = None  # as large, once allocated
 
 
@@ -94,8 +93,7 @@ class WeightMemory:
             if index is None:
                 continue  # memory no checkpoint writes (a rotary table): no update changes it
             _require_dense(tensor, name)
-            storages[index].viewers.append(tensor)
-            storages[index].names.append(name)
+            storages[index].viewers[name] = tensor
             if of_model and (index, tensor.dtype, ViewSpec.of(tensor)) not in canonical:
                 fills.append((index, tensor))
         memory = WeightMemory(storages=storages, slots=slots, fills=fills)
@@ -112,7 +110,7 @@ class WeightMemory:
     def unknown_viewers(self) -> list[str]:
         """Storages with more references than their known viewers, plus the storage object kept here."""
         return [
-            f"{s.names[:3]}: {references(s.live) - 1} references, {len(s.viewers)} known"
+            f"{list(s.viewers)[:3]}: {references(s.live) - 1} references, {len(s.viewers)} known"
             for s in self.storages
             if references(s.live) != len(s.viewers) + 1
         ]
@@ -122,7 +120,7 @@ class WeightMemory:
         return [
             name
             for s in self.storages
-            for tensor, name in zip(s.viewers, s.names, strict=True)
+            for name, tensor in s.viewers.items()
             if tensor.untyped_storage()._cdata != s.live._cdata
         ]
 
@@ -162,7 +160,7 @@ def _checkpoint_slots(model: torch.nn.Module) -> tuple[list[StorageViews], dict[
         storage = tensor.untyped_storage()
         index = index_of.setdefault(storage._cdata, len(storages))
         if index == len(storages):
-            storages.append(StorageViews(live=storage, viewers=[], names=[]))
+            storages.append(StorageViews(live=storage, viewers={}))
         slots[name] = Slot(storage=index, dtype=tensor.dtype, spec=ViewSpec.of(tensor))
     return storages, slots
 

@@ -90,7 +90,6 @@ class VerifiedCheckpoint(AbstractContextManager["VerifiedCheckpoint"]):
     the checkpoint once instead of twice."""
 
     reader: CheckpointReader
-    checkpoint_checksum: str  # the model checksum its files hash to (deferred: once staged whole)
     timings: dict[str, float]  # seconds to open, verify and match it
     deferred: bool = False
 
@@ -113,13 +112,12 @@ def open_verified(
     weight_version: str | None = None,
     defer: bool = False,
 ) -> VerifiedCheckpoint:
-    """Open ``checkpoint``, verify it (against its manifest, whose checksum must be
-    ``expected_checksum`` when given; a plain Hugging Face directory is hashed into a manifest
-    that must carry it, and needs a ``weight_version``) and match it against ``model``'s tensors.
-    With ``defer``, a sealed checkpoint's bytes are verified as they are written.
-    Raises CheckpointError naming what is wrong: UnexpectedChecksumError for another checkpoint
-    than expected, IncompatibleCheckpointError for other names, shapes or dtypes than the model's.
-    """
+    """Open ``checkpoint``, verify it (against its manifest, whose checksum must be ``expected_checksum``
+    when given; a plain Hugging Face directory is hashed into a manifest that must carry it, and needs
+    a ``weight_version``) and match it against ``model``'s tensors. With ``defer``, a sealed
+    checkpoint's bytes are verified as they are written. Raises CheckpointError naming what is wrong:
+    UnexpectedChecksumError for another checkpoint than expected, IncompatibleCheckpointError for
+    other names, shapes or dtypes than the model's."""
     started = time.perf_counter()
     plain = False
     try:
@@ -136,16 +134,15 @@ def open_verified(
     opened = time.perf_counter()
     deferred = defer and not plain  # a plain directory's files were hashed as it was opened
     try:
-        manifest = reader.manifest
         if not plain:
-            if expected_checksum is not None and expected_checksum != manifest.checksum:
+            if expected_checksum is not None and expected_checksum != reader.manifest.checksum:
                 # Refused before hashing: whatever the files hold, this is not the checkpoint asked for.
                 raise UnexpectedChecksumError(  # noqa: TRY301  # the except below closes the reader, re-raises
                     "the checkpoint's manifest names another checksum than expected_checksum; "
                     "load the checkpoint the caller expects, or fix expected_checksum",
                     computed=None,
                     expected=expected_checksum,
-                    manifest=manifest.checksum,
+                    manifest=reader.manifest.checksum,
                     path=str(checkpoint),
                 )
             reader.verify(digests=not deferred).raise_for_problems(limit=5)
@@ -158,8 +155,7 @@ def open_verified(
         reader.close()
         raise
     timings = {"open": opened - started, "verify": verified - opened, "match": time.perf_counter() - verified}
-    # Verified without a problem (or once staged), the files hash to their manifest's checksum.
-    return VerifiedCheckpoint(reader=reader, checkpoint_checksum=manifest.checksum, timings=timings, deferred=deferred)
+    return VerifiedCheckpoint(reader=reader, timings=timings, deferred=deferred)
 
 
 def _open_plain(checkpoint: Path, *, expected_checksum: str | None, weight_version: str | None) -> CheckpointReader:
@@ -224,13 +220,8 @@ def check_pushed(entries: Iterable[BucketEntry], live: Signature) -> None:
         if target is None:
             raise InvalidRequestError(f"the model has no tensor {entry.name!r}; push the names its checkpoint has")
         if target != (dtype, tuple(entry.shape)):
+            dims = list(entry.shape)  # cut short past 8 dimensions: a hostile shape may have thousands
+            shape = str(dims) if len(dims) <= 8 else f"[{', '.join(map(str, dims[:8]))}, ... ({len(dims)} dimensions)]"
             raise InvalidRequestError(
-                f"tensor {entry.name!r} is pushed as {dtype}{_shape_text(entry.shape)}, but the model holds "
-                f"{target[0]}{list(target[1])}"
+                f"tensor {entry.name!r} is pushed as {dtype}{shape}, but the model holds {target[0]}{list(target[1])}"
             )
-
-
-def _shape_text(shape: Iterable[int]) -> str:
-    """A shape as a list, cut short past 8 dimensions (a hostile one may have thousands)."""
-    dims = list(shape)
-    return str(dims) if len(dims) <= 8 else f"[{', '.join(map(str, dims[:8]))}, ... ({len(dims)} dimensions)]"

@@ -14,8 +14,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
 
-import torch
-
 from miles.engine.scheduler import GenerationState, Pauser, Scheduler
 from miles.engine.weights.buffers import StagingPolicy, StagingRefusedError
 from miles.engine.weights.live import HeldWeights, LiveWeights, WeightsStatus
@@ -106,16 +104,15 @@ class WeightChanges:
     async def _load(self, path: Path, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsResponse:
         async with self._lock:
             self._drop()  # a push that never finished (or was never activated) is superseded
-            model = self._weights.model()
             opening = time.perf_counter()
-            change = _Change(await asyncio.to_thread(self._open_stage, model))
+            change = _Change(await asyncio.to_thread(self._open_stage))
             opened = time.perf_counter() - opening
             try:
                 # Beside the live weights, the bytes are verified as they are staged (one read of
                 # the checkpoint); in place, they are verified whole before anything is copied.
                 checkpoint = await asyncio.to_thread(
                     open_verified,
-                    model,
+                    self._weights.model(),
                     path,
                     expected_checksum=request.expected_checksum,
                     weight_version=request.weight_version,
@@ -151,29 +148,27 @@ class WeightChanges:
                     )
                 finally:
                     change.stage.discard()  # a no-op once activated
-            return self._answer(outcome, timings, checkpoint_checksum=checkpoint.checkpoint_checksum)
+            return self._answer(outcome, timings, checkpoint_checksum=target.checksum)
 
     def check_table(self, table: BucketTable) -> None:
         """Raise InvalidRequestError unless the model holds every tensor of ``table`` as it is."""
         check_pushed(table.entries, self._signature)
 
     async def apply_pushed(self, bucket: Received, request: PushRequest, *, source: str) -> UpdateWeightsResponse:
-        """Take one bucket of pushed tensors into the stage of its change; the last one
-        (``expected_checksum`` given) is verified over the whole model before the weights serve.
-        Raises InvalidRequestError for a tensor the model does not hold as pushed or bytes that
-        differ from their digest (the push is dropped), ConflictError for ``activate=False`` on an
-        engine that cannot stage now."""
+        """Take one bucket of pushed tensors (its table passed ``check_table`` before it was received)
+        into the stage of its change; the last one (``expected_checksum`` given) is verified over the
+        whole model before the weights serve. Raises InvalidRequestError for bytes that differ from
+        their digest (the push is dropped), ConflictError for ``activate=False`` on an engine that
+        cannot stage now."""
         if request.expected_checksum is not None and request.weight_version is None:
             raise InvalidRequestError(
                 "the last push of an update (with expected_checksum) must name its weight_version"
             )
         async with self._lock:
-            check_pushed(bucket.entries.values(), self._signature)
             change = self._change
             if change is None or change.verified is not None:
                 self._drop()  # staged weights never activated are superseded by this push
-                stage = await asyncio.to_thread(self._open_stage, self._weights.model())
-                change = self._change = _Change(stage)
+                change = self._change = _Change(await asyncio.to_thread(self._open_stage))
             if change.stage.in_place and not request.activate:
                 self._drop()
                 why = self._staging.report().reason or "staging is off"
@@ -348,7 +343,7 @@ class WeightChanges:
                 self._staging.give_up(f"a swap was refused: {exc}")
                 if again is None:
                     raise
-                live = self._open_stage(self._weights.model())
+                live = self._open_stage()
                 try:
                     return self._write_in_place(live, again, target=target, timings=timings)
                 finally:
@@ -427,12 +422,12 @@ class WeightChanges:
     def _signature(self) -> Signature:
         return signature(self._weights.model())  # the model never changes shape
 
-    def _open_stage(self, model: torch.nn.Module) -> Stage:
+    def _open_stage(self) -> Stage:
         """The stage of a change beginning now, announced to long reads (``WeightsLock.announce``)
         until it is closed."""
         self._weights.lock.announce()
         try:
-            stage = self._staging.open_stage(model)
+            stage = self._staging.open_stage(self._weights.model())
         except BaseException:
             self._weights.lock.withdraw()
             raise

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.engine.weights.export import copy_weights
-from miles.engine.weights.live import LiveWeights, _require_room
+from miles.engine.weights.live import LiveWeights, _require_room, copy_weights
 from miles.engine.weights.lock import WeightsLock
 from miles.engine.weights.memory import WeightMemory
 from miles.engine.weights.stage import LiveStage
@@ -45,7 +44,7 @@ def test_the_copy_holds_the_same_weights_in_memory_of_its_own_and_keeps_ties() -
 def test_a_write_meanwhile_waits_for_one_slice_and_ends_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer gets the lock between two slices, long before the copy would have ended; the
     copy then refuses to go on with weights that are no longer the ones it started from."""
-    monkeypatch.setattr("miles.engine.weights.lock.READ_SECTION_BYTES", 64)  # thousands of read sections
+    monkeypatch.setattr("miles.engine.weights.live.READ_SECTION_BYTES", 64)  # thousands of read sections
     model = build_model("tiny", seed=3)
     lock = WeightsLock()
     writes = lock.writes
@@ -90,7 +89,7 @@ def test_a_checksum_is_hashed_in_sections_a_write_waits_for_one_and_the_hash_sta
     """A checksum of the live weights (``/weights_checker``) never holds a change back for a whole
     pass: the writer gets the lock between two slices, and the checksum, which would otherwise mix
     two versions, is hashed again and recorded as the weights held after the write."""
-    monkeypatch.setattr("miles.engine.weights.lock.READ_SECTION_BYTES", 64)
+    monkeypatch.setattr("miles.engine.weights.live.READ_SECTION_BYTES", 64)
     model = build_model("tiny", seed=3)
     lock = WeightsLock()
     weights = LiveWeights(
@@ -128,7 +127,7 @@ def test_a_checksum_is_hashed_in_sections_a_write_waits_for_one_and_the_hash_sta
 def test_a_change_that_opens_its_stage_ends_a_copy_at_its_next_slice(monkeypatch: pytest.MonkeyPatch) -> None:
     """The copy ends when a change begins, not at the change's swap: the swap then finds no reader
     in a section to wait for."""
-    monkeypatch.setattr("miles.engine.weights.lock.READ_SECTION_BYTES", 64)
+    monkeypatch.setattr("miles.engine.weights.live.READ_SECTION_BYTES", 64)
     model = build_model("tiny", seed=3)
     lock = WeightsLock()
     writes = lock.writes
@@ -251,7 +250,7 @@ async def test_an_export_holds_no_view_of_the_live_weights_between_its_slices(
 ) -> None:
     """A swap refuses while a tensor it does not know views the live memory (it would go on
     serving the old weights): an export paused between two of its slices holds no such view."""
-    monkeypatch.setattr("miles.engine.weights.lock.READ_SECTION_BYTES", 4096)
+    monkeypatch.setattr("miles.engine.weights.live.READ_SECTION_BYTES", 4096)
     model = build_model("tiny", seed=3)
     memory = WeightMemory.of(model)
     assert memory.unknown_viewers() == []
