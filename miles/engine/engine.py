@@ -189,12 +189,7 @@ class Engine:
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
         """Submit now (so a bad request raises here, before any byte is sent) and return an
         iterator of snapshots (cumulative text and ids) after every token, then the final response."""
-        pending = await self._submit(request)
-        if len(pending) != 1:
-            self._abort_pending(pending, "streaming supports a single sequence")
-            self._release(pending)
-            raise InvalidRequestError("streaming supports one prompt with n=1")
-        return self._follow(pending)
+        return self._follow(await self._submit(request, single=True))
 
     async def _follow(self, pending: list[_Pending]) -> AsyncIterator[GenerateResponse]:
         (item,) = pending
@@ -213,15 +208,18 @@ class Engine:
         try:
             yield
         except (asyncio.CancelledError, GeneratorExit):
-            self._abort_pending(pending, "the client went away")
+            for item in pending:
+                self._scheduler.abort(item.sequence.rid, message="the client went away")
             self.metrics.clients_left(len(pending))
             raise
         finally:
-            self._release(pending)
+            self._in_flight.difference_update(item.sequence.rid for item in pending)
 
-    async def _submit(self, request: GenerateRequest) -> list[_Pending]:
+    async def _submit(self, request: GenerateRequest, *, single: bool = False) -> list[_Pending]:
         params = [per_prompt(request.sampling_params, i) or SamplingParams() for i in range(request.batch_size)]
         sequences = sum(p.n for p in params)
+        if single and sequences != 1:
+            raise InvalidRequestError("streaming supports one prompt with n=1")
         self._check_room(sequences)  # before tokenizing: a request that cannot be queued costs nothing
         prompts = await self._prompt_ids(request)
         # Again: other requests may have queued while this one was tokenized on a worker thread;
@@ -326,14 +324,6 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"{what} token ids outside the vocabulary [0, {self.vocab_size})", tokens=bad[:5])
-
-    def _abort_pending(self, pending: list[_Pending], message: str) -> None:
-        for item in pending:
-            self._scheduler.abort(item.sequence.rid, message=message)
-
-    def _release(self, pending: list[_Pending]) -> None:
-        for item in pending:
-            self._in_flight.discard(item.sequence.rid)
 
     # --- control ---------------------------------------------------------------------------
 
@@ -475,17 +465,15 @@ def _eos_ids(
         generation = GenerationConfig.from_pretrained(str(model_path))
     except OSError:
         generation = None  # no generation_config.json: the model config and tokenizer decide
-    for source in (generation, config):
+    for source in (generation, config, tokenizer):
         value = getattr(source, "eos_token_id", None)
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list | tuple):
             ids.update(int(v) for v in value)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
     # An id the model cannot produce cannot end generation, and masking it (min_new_tokens) would
     # index past the logits inside every step.
-    outside = sorted(i for i in ids if not 0 <= i < vocab_size)
-    if outside:
-        logger.warning("ignoring EOS token ids outside the vocabulary [0, %d): %s", vocab_size, outside)
-    return frozenset(i for i in ids if 0 <= i < vocab_size)
+    inside = frozenset(i for i in ids if 0 <= i < vocab_size)
+    if ids - inside:
+        logger.warning("ignoring EOS token ids outside the vocabulary [0, %d): %s", vocab_size, sorted(ids - inside))
+    return inside
