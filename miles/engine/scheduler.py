@@ -134,10 +134,10 @@ class Scheduler:
             self._cond.notify_all()
         return future.result()  # type: ignore[return-value]
 
-    def stop(self, *, message: str = "server shutting down") -> None:
+    def stop(self) -> None:
         with self._cond:
             self._stopping = True
-            self._pending_aborts.append((None, message))
+            self._pending_aborts.append((None, "server shutting down"))
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
@@ -160,12 +160,7 @@ class Scheduler:
             return found + len(running)
 
     def pause(
-        self,
-        mode: PauseMode,
-        *,
-        by: Pauser = Pauser.CALLER,
-        timeout: float | None = None,
-        message: str = "aborted by pause_generation",
+        self, mode: PauseMode, *, by: Pauser = Pauser.CALLER, message: str = "aborted by pause_generation"
     ) -> int:
         """Stop admitting requests and deal with in-flight ones as ``mode`` says; generation that
         was serving is paused ``by`` (whoever paused it first keeps it).
@@ -180,11 +175,6 @@ class Scheduler:
             in_place = mode is PauseMode.IN_PLACE
             if self._state is GenerationState.SERVING:
                 self._paused_by = by
-
-            def done() -> bool:
-                # in_place waits for the running step only; the other modes for the batch to empty.
-                return not self._in_step and (in_place or self._running_count == 0)
-
             if in_place:
                 self._state = GenerationState.HELD
             else:
@@ -195,8 +185,8 @@ class Scheduler:
                 elif mode is PauseMode.RETRACT:
                     self._pending_retract = True
             self._cond.notify_all()
-            if not self._cond.wait_for(done, timeout=timeout):
-                raise TimeoutError(f"pause({mode.value}) did not complete within {timeout}s")
+            # in_place waits for the running step only; the other modes for the batch to empty.
+            self._cond.wait_for(lambda: not self._in_step and (in_place or self._running_count == 0))
             return in_flight
 
     def resume(self, *, paused_by: Pauser | None = None) -> None:
