@@ -70,10 +70,6 @@ class BatchKV:
     attention_mask: torch.Tensor  # [B, T] long, 0 on left padding
     next_positions: torch.Tensor  # [B] long
 
-    @property
-    def size(self) -> int:
-        return int(self.attention_mask.shape[0])
-
 
 def load_model(model_path: str | Path, *, device: torch.device) -> PreTrainedModel:
     """Load a Hugging Face causal LM for inference on ``device`` in the checkpoint's dtype."""
@@ -132,7 +128,7 @@ class TransformersRunner:
     def decode(self, batch: BatchKV, tokens: list[int]) -> torch.Tensor:
         """Feed one token per row; returns the next logits [B, V] and advances ``batch``."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
-        ones = torch.ones((batch.size, 1), dtype=torch.long, device=self.device)
+        ones = torch.ones((batch.attention_mask.shape[0], 1), dtype=torch.long, device=self.device)
         batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=1)
         out = self.model(
             input_ids=ids,
