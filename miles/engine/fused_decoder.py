@@ -12,7 +12,7 @@ design and its test against the Transformers forward are in docs/ENGINE.md ("Two
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,32 +43,6 @@ def supports(model: PreTrainedModel) -> str | None:
     return None
 
 
-class _Norm(Protocol):
-    weight: torch.Tensor
-
-
-class _Attention(Protocol):
-    q_proj: nn.Linear
-    k_proj: nn.Linear
-    v_proj: nn.Linear
-    o_proj: nn.Linear
-
-
-class _Mlp(Protocol):
-    gate_proj: nn.Linear
-    up_proj: nn.Linear
-    down_proj: nn.Linear
-
-
-class _DecoderLayer(Protocol):
-    """What ``_fuse_layer`` reads of a decoder layer of a supported architecture."""
-
-    self_attn: _Attention
-    mlp: _Mlp
-    input_layernorm: _Norm
-    post_attention_layernorm: _Norm
-
-
 @dataclass
 class DecoderKV:
     """KV state of the running batch (owned and mutated by the scheduler thread only)."""
@@ -82,10 +56,6 @@ class DecoderKV:
     @property
     def size(self) -> int:
         return int(self.valid.shape[0])
-
-    @property
-    def capacity(self) -> int:
-        return int(self.valid.shape[1])
 
 
 @dataclass(frozen=True)
@@ -127,7 +97,9 @@ class FusedDecoderRunner:
         self._scaling = float(self._body.layers[0].self_attn.scaling)
         self._split = [self._heads * self._head_dim, self._kv_heads * self._head_dim, self._kv_heads * self._head_dim]
 
-    def _fuse_layer(self, layer: _DecoderLayer) -> _Layer:
+    def _fuse_layer(self, layer: Any) -> _Layer:
+        """Fuse one decoder layer of a supported architecture (``self_attn``'s q/k/v/o projections,
+        ``mlp``'s gate/up/down, ``input_layernorm`` and ``post_attention_layernorm``)."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv_weight, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up_weight, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
@@ -198,7 +170,7 @@ class FusedDecoderRunner:
     @torch.inference_mode()
     def decode(self, batch: DecoderKV, tokens: list[int]) -> torch.Tensor:
         """Feed one token per row; returns the next logits [B, V] and advances ``batch``."""
-        if batch.length == batch.capacity:
+        if batch.length == batch.valid.shape[1]:  # no free column left
             self._grow(batch)
         column = batch.length
         batch.valid[:, column] = True
