@@ -33,12 +33,8 @@ cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
 def _exit_with_parent() -> None:
-    """End this process when the process that started it dies, so no engine is ever orphaned.
-
-    An engine forked by the forkserver was started by the forkserver's launcher, named in
-    ``MILES_ENGINE_LAUNCHER_PID``: it watches that process, so it outlives a forkserver that dies
-    but never its launcher.
-    """
+    """End this process when its launcher dies: its parent, or for an engine the forkserver forked,
+    the process named in ``MILES_ENGINE_LAUNCHER_PID`` (so it outlives a forkserver that dies)."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     try:
         watched = int(launcher) if launcher else os.getppid()

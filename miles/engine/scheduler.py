@@ -4,17 +4,10 @@ The scheduler thread is the only code that touches the running batch and, under 
 the ``WeightsLock``, the only code that runs the model. Other threads talk to it through
 ``submit``, ``abort``, ``pause`` and ``resume``, which change shared state under one condition
 variable; actions on running sequences (abort, retract) are carried out by the scheduler thread at
-the top of its next iteration, because it alone owns the batch.
-
-A failure inside a step fails only the rows that cause it (docs/ENGINE.md, "One request never
-costs the others"): a failed group prefill is retried one request at a time, a failed batched
-selection row by row, and a failed decode, select or merge, which leaves a KV state nobody can
-trust, rebuilds the batch by prefilling each row's history alone.
-
-One torch thread: the scheduler thread also loads the model and runs every other parallel torch
-operation of the engine (the weight copy, through ``call``). Each thread that runs a parallel
-torch op gets its own OpenMP team, and once a second team exists the decode steps of the first
-slow down by more than half on a small machine (measured: docs/PERFORMANCE.md).
+the top of its next iteration, because it alone owns the batch. A failure inside a step fails
+only the rows that cause it, and this thread runs every parallel torch operation of the engine
+(the weight copy, through ``call``): docs/ENGINE.md, "One request never costs the others" and
+"One torch thread".
 """
 
 from __future__ import annotations
@@ -111,10 +104,8 @@ class Scheduler:
     # --- control, called from other threads ------------------------------------------------
 
     def start(self, *, timeout: float | None = None) -> None:
-        """Start the thread, which builds the model runner first; returns once it is built.
-
-        Raises whatever building the runner raised (a missing or broken checkpoint).
-        """
+        """Start the thread and return once it built the model runner; raises what building it
+        raised (a missing or broken checkpoint)."""
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError(f"the model was not loaded within {timeout}s")
@@ -122,10 +113,8 @@ class Scheduler:
             raise self._setup_error
 
     def call(self, job: Callable[[], T]) -> T:
-        """Run ``job`` on the scheduler thread between two steps and return its result.
-
-        Blocks the calling thread; never call it from the scheduler thread itself.
-        """
+        """Run ``job`` on the scheduler thread between two steps and return its result (blocking:
+        never call it from the scheduler thread itself)."""
         future: Future[object] = Future()
         with self._cond:
             if self._stopping:
@@ -420,10 +409,7 @@ class Scheduler:
         merging), failing only the rows that fail alone. Only failure paths call this."""
         group = self._prefill_alone(self._rows)
         self._needs_rebuild = False
-        if group is None:
-            self._rows, self._batch, self._logits = [], None, None
-            return
-        self._rows, self._batch, self._logits = group.rows, group.batch, group.logits
+        self._rows, self._batch, self._logits = (group.rows, group.batch, group.logits) if group else ([], None, None)
         for seq in self._rows:
             seq.logits_version = version
 
