@@ -149,10 +149,8 @@ class Engine:
 
     def _build_runner(self) -> ModelRunner:
         self.model = load_model(self.model_path, device=self.device)
-        pad = self.tokenizer.pad_token_id
-        runner = build_runner(
-            self.model, device=self.device, pad_token_id=pad if pad is not None else 0, forward=self.settings.forward
-        )
+        pad = self.tokenizer.pad_token_id or 0
+        runner = build_runner(self.model, device=self.device, pad_token_id=pad, forward=self.settings.forward)
         self.forward_name = runner.name
         # Over the parameters the runner serves from (the fused decoder re-points them): the
         # memory a staged change swaps (``ModelRunner.weight_views``).
@@ -345,9 +343,8 @@ class Engine:
             return "the engine holds unverified weights"
         if self._scheduler.state is not GenerationState.SERVING:
             return f"generation is {self._scheduler.state.value}"
-        bos = self.tokenizer.bos_token_id
         request = GenerateRequest(
-            input_ids=[bos if bos is not None else 0],
+            input_ids=[self.tokenizer.bos_token_id or 0],
             sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
             rid=f"health-{uuid.uuid4().hex}",
         )
