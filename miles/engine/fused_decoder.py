@@ -1,12 +1,8 @@
 """A lean forward for the Llama family (Llama, Mistral, Qwen2, Qwen3), with fused projections.
 
-Transformers' forward is written for every use (training, many cache types, hooks, output
-dataclasses) and on a small model most of a decode step goes to that generality: about 30 module
-calls per layer and a mask rebuilt every step. This module runs the same math with plain tensor
-ops: q/k/v and gate/up fused (each Hugging Face parameter re-pointed at its slice of the fused
-tensor, so updates and checksums through the parameters see what the forward uses), a
-preallocated KV cache written in place, and a padding mask (``valid``) kept, not rebuilt; the
-design and its test against the Transformers forward are in docs/ENGINE.md ("Two forwards").
+On a small model most of a Transformers decode step goes to its generality (about 30 module calls
+per layer, a mask rebuilt every step); this runs the same math with plain tensor ops, as
+docs/ENGINE.md ("Two forwards") describes.
 """
 
 from __future__ import annotations
@@ -149,7 +145,6 @@ class FusedDecoderRunner:
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> tuple[DecoderKV, torch.Tensor]:
-        """Run the prompts as one left-padded batch; returns their KV state and last logits [B, V]."""
         width = max(len(p) for p in prompts)
         batch = self._empty(len(prompts), width + _HEADROOM)
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -169,7 +164,6 @@ class FusedDecoderRunner:
 
     @torch.inference_mode()
     def decode(self, batch: DecoderKV, tokens: list[int]) -> torch.Tensor:
-        """Feed one token per row; returns the next logits [B, V] and advances ``batch``."""
         if batch.length == batch.valid.shape[1]:  # no free column left
             self._grow(batch)
         column = batch.length
@@ -183,7 +177,6 @@ class FusedDecoderRunner:
 
     @torch.inference_mode()
     def merge(self, left: DecoderKV, right: DecoderKV) -> DecoderKV:
-        """One batch holding the rows of ``left`` then ``right`` (the shorter is padded on the left)."""
         width = max(left.length, right.length)
         merged = self._empty(left.size + right.size, width + _HEADROOM)
         for rows, part in ((slice(0, left.size), left), (slice(left.size, None), right)):
@@ -197,7 +190,6 @@ class FusedDecoderRunner:
 
     @torch.inference_mode()
     def select(self, batch: DecoderKV, keep: list[int]) -> DecoderKV:
-        """Keep only rows ``keep`` and drop leading columns that are padding for every remaining row."""
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         valid = batch.valid[:, : batch.length].index_select(0, index)
         used = valid.any(dim=0).nonzero()
