@@ -1,8 +1,7 @@
 """One generation request as the scheduler tracks it, and the responses it renders.
 
 Each output token is credited to the weights whose logits it was sampled from (``logits_version``
-when it was sampled; docs/ENGINE.md, "Weight versions"): logits are computed by one step and
-sampled by the next, so a token sampled right after an update still belongs to the old version.
+when it was sampled; docs/ENGINE.md, "Weight versions").
 """
 
 from __future__ import annotations
