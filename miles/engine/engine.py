@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +74,7 @@ class _Sink:
         self._loop.call_soon_threadsafe(self.queue.put_nowait, (True, response))
 
 
-@dataclass(frozen=True)
-class _Pending:
-    sequence: Sequence
-    sink: _Sink
+_Pending = tuple[Sequence, _Sink]  # a sequence submitted, and where its results arrive
 
 
 class Engine:
@@ -177,9 +173,9 @@ class Engine:
         """Run a (batch) request to completion; a batch or ``n > 1`` returns a list."""
         pending = await self._submit(request)
         with self._watched(pending):
-            results = [await _final(p.sink) for p in pending]
-        for item, result in zip(pending, results, strict=True):
-            self.metrics.request_done(item.sequence, result)
+            results = [await _final(sink) for _, sink in pending]
+        for (sequence, _), result in zip(pending, results, strict=True):
+            self.metrics.request_done(sequence, result)
         if request.is_batch or len(results) > 1:
             return results
         return results[0]
@@ -190,12 +186,12 @@ class Engine:
         return self._follow(await self._submit(request, single=True))
 
     async def _follow(self, pending: list[_Pending]) -> AsyncIterator[GenerateResponse]:
-        (item,) = pending
+        ((sequence, sink),) = pending
         with self._watched(pending):
             while True:
-                final, response = await item.sink.queue.get()
+                final, response = await sink.queue.get()
                 if final:
-                    self.metrics.request_done(item.sequence, response)
+                    self.metrics.request_done(sequence, response)
                 yield response
                 if final:
                     return
@@ -206,12 +202,12 @@ class Engine:
         try:
             yield
         except (asyncio.CancelledError, GeneratorExit):
-            for item in pending:
-                self._scheduler.abort(item.sequence.rid, message="the client went away")
+            for sequence, _ in pending:
+                self._scheduler.abort(sequence.rid, message="the client went away")
             self.metrics.clients_left(len(pending))
             raise
         finally:
-            self._in_flight.difference_update(item.sequence.rid for item in pending)
+            self._in_flight.difference_update(sequence.rid for sequence, _ in pending)
 
     async def _submit(self, request: GenerateRequest, *, single: bool = False) -> list[_Pending]:
         params = [per_prompt(request.sampling_params, i) or SamplingParams() for i in range(request.batch_size)]
@@ -233,7 +229,7 @@ class Engine:
             base = per_prompt(request.rid, index) or uuid.uuid4().hex
             for sample in range(sampling.n):
                 rid = base if sampling.n == 1 else f"{base}-{sample}"
-                if rid in self._in_flight or any(p.sequence.rid == rid for p in pending):
+                if rid in self._in_flight or any(s.rid == rid for s, _ in pending):
                     raise InvalidRequestError(f"request id {rid!r} is already in flight; use unique rids")
                 sink = _Sink(loop)
                 sequence = Sequence(
@@ -245,10 +241,10 @@ class Engine:
                     top_logprobs=logprobs.top_logprobs,
                     return_logprob=logprobs.return_logprob,
                 )
-                pending.append(_Pending(sequence=sequence, sink=sink))
-        for item in pending:
-            self._in_flight.add(item.sequence.rid)
-            self._scheduler.submit(item.sequence)
+                pending.append((sequence, sink))
+        for sequence, _ in pending:
+            self._in_flight.add(sequence.rid)
+            self._scheduler.submit(sequence)
         return pending
 
     def _check_room(self, sequences: int) -> None:
