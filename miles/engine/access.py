@@ -101,8 +101,7 @@ _STAGING_ALLOWED = frozenset(
 def kind_of(path: str) -> Kind:
     """The kind of ``path``; a path the engine does not serve needs the API key like inference (it
     answers 404 once let in), so an unknown path never reveals more to a caller without one."""
-    stripped = path.rstrip("/") or "/"
-    return ENDPOINTS.get(stripped, Kind.INFERENCE)
+    return ENDPOINTS.get(path.rstrip("/") or "/", Kind.INFERENCE)
 
 
 @dataclass(frozen=True)

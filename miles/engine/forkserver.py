@@ -143,8 +143,7 @@ def main() -> None:
         import torch
 
         import miles.engine.__main__
-        import miles.engine.engine
-        import miles.engine.http_server  # noqa: F401 (imported for the children to inherit)
+        import miles.engine.http_server  # noqa: F401 (imported, with the engine, for the children to inherit)
     except BaseException:  # noqa: BLE001 (the parent is told why, and launches engines the slow way)
         _write(out, {"ready": False, "error": traceback.format_exc()[-2000:]})
         return

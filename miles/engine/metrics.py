@@ -55,8 +55,7 @@ class EngineMetrics(Collector):
             names.ENGINE_WEIGHT_UPDATES, "Weight loads by source and outcome", [*labels, "source", "outcome"],
             registry=registry,
         )  # fmt: skip
-        # Itself a collector too: the scheduler's figures and the weights held are read at scrape time.
-        registry.register(self)
+        registry.register(self)  # collect(): what is read at scrape time
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
