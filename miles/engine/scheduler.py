@@ -16,7 +16,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
@@ -75,8 +75,7 @@ class Scheduler:
         # Built on the scheduler thread: see "one torch thread" in the module docstring.
         self._setup = setup
         self._runner: ModelRunner | None = None
-        self._ready = threading.Event()
-        self._setup_error: BaseException | None = None
+        self._loaded: Future[None] = Future()  # done once the runner is built, or failed to build
         self._jobs: deque[tuple[Callable[[], object], Future[object]]] = deque()
         self._detokenizer = detokenizer
         self._weights_lock = weights_lock
@@ -107,10 +106,9 @@ class Scheduler:
         """Start the thread and return once it built the model runner; raises what building it
         raised (a missing or broken checkpoint)."""
         self._thread.start()
-        if not self._ready.wait(timeout):
+        if not wait([self._loaded], timeout).done:
             raise TimeoutError(f"the model was not loaded within {timeout}s")
-        if self._setup_error is not None:
-            raise self._setup_error
+        self._loaded.result()
 
     def call(self, job: Callable[[], T]) -> T:
         """Run ``job`` on the scheduler thread between two steps and return its result (blocking:
@@ -211,10 +209,9 @@ class Scheduler:
         try:
             self._runner = self._setup()
         except BaseException as exc:  # noqa: BLE001  # reported to start(), which re-raises it in the caller
-            self._setup_error = exc
-            self._ready.set()
+            self._loaded.set_exception(exc)
             return
-        self._ready.set()
+        self._loaded.set_result(None)
         while True:
             with self._cond:
                 self._cond.wait_for(self._has_work)
