@@ -33,12 +33,8 @@ cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
 def _exit_with_parent() -> None:
-    """End this process when the process that started it dies, so no engine is ever orphaned.
-
-    An engine forked by the forkserver was started by the forkserver's launcher, named in
-    ``MILES_ENGINE_LAUNCHER_PID``: it watches that process, so it outlives a forkserver that dies
-    but never its launcher.
-    """
+    """End this process when its launcher dies: its parent, or for an engine the forkserver forked,
+    the process named in ``MILES_ENGINE_LAUNCHER_PID`` (so it outlives a forkserver that dies)."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     try:
         watched = int(launcher) if launcher else os.getppid()
@@ -106,6 +102,10 @@ def main(
     exit_with_parent: Annotated[bool, typer.Option(help="exit when the launching process dies")] = False,
 ) -> None:
     """Serve MODEL_PATH over SGLang's native HTTP API (subset) and OpenAI-compatible endpoints."""
+    # First, before any other name is bound: every flag but --exit-with-parent is the
+    # EngineSettings field of its name (which forbids any other).
+    flags = dict(locals())
+    del flags["exit_with_parent"]
     if exit_with_parent:
         _exit_with_parent()
     # The log holds what the engine says, not a bar redrawn for every model it loads.
@@ -116,29 +116,15 @@ def main(
         api_key = EngineSettings.credential_from_env(API_KEY_ENV)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    settings = EngineSettings(
-        model_path=model_path,
-        host=host,
-        port=port,
-        device=device,
-        gpu_ids=_gpu_ids(gpu_ids),
-        node_id=node_id,
-        served_model_name=served_model_name,
-        max_running_requests=max_running_requests,
-        max_queued_requests=max_queued_requests,
-        num_threads=num_threads,
-        context_length=context_length,
-        forward=forward,
-        weight_staging=weight_staging,
-        weight_staging_budget=weight_staging_budget,
-        allowed_checkpoint_roots=EngineSettings.roots_from_env(),
-        snapshot_dir=snapshot_dir.expanduser().resolve() if snapshot_dir is not None else None,
-        max_request_mib=max_request_mib,
-        http_head_timeout_s=http_head_timeout_s,
-        max_connections=max_connections,
-        log_level=log_level,
-        secret=secret,
-        api_key=api_key,
+    settings = EngineSettings.model_validate(
+        {
+            **flags,
+            "gpu_ids": _gpu_ids(gpu_ids),
+            "allowed_checkpoint_roots": EngineSettings.roots_from_env(),
+            "snapshot_dir": snapshot_dir.expanduser().resolve() if snapshot_dir is not None else None,
+            "secret": secret,
+            "api_key": api_key,
+        }
     )
     # Imported here so `--help` answers without loading torch and transformers.
     from miles.engine.engine import Engine

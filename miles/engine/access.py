@@ -1,19 +1,14 @@
 """Who may call which engine endpoint, and the fence that keeps superseded updates out (adapter).
 
-Endpoints are open, inference or control (``ENDPOINTS``; the credentials each takes are in
-docs/ENGINE.md). With only an API key, control endpoints take the API key, so setting a key never
-leaves the weights open to callers it keeps out of inference.
-
-Fencing: the check runs before the body is read (``check_first``, run by
-``miles.utils.http.CheckFirst``); the fence moves only once the handler runs (``admit``), so a
-call refused for its body changes nothing either. Everything here runs on the event loop, and no
+Endpoints are open, inference or control (``ENDPOINTS``); the credentials each takes and the
+fencing rules are in docs/ENGINE.md. The check runs before the body is read (``check_first``), the
+fence moves only once the handler runs (``admit``). Everything here runs on the event loop, and no
 check awaits between reading and writing the fence.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -106,8 +101,7 @@ _STAGING_ALLOWED = frozenset(
 def kind_of(path: str) -> Kind:
     """The kind of ``path``; a path the engine does not serve needs the API key like inference (it
     answers 404 once let in), so an unknown path never reveals more to a caller without one."""
-    stripped = path.rstrip("/") or "/"
-    return ENDPOINTS.get(stripped, Kind.INFERENCE)
+    return ENDPOINTS.get(path.rstrip("/") or "/", Kind.INFERENCE)
 
 
 @dataclass(frozen=True)
@@ -207,29 +201,25 @@ class EngineAccess:
                 raise PermissionDeniedError(f"a window credential cannot call {path}: it needs {needs}")
         raise PermissionDeniedError(f"the credential presented for {path} is wrong: it needs {needs}")
 
-    def _check_window(self, window: int, path: str, *, activates: bool = False) -> None:
-        if window != self._fence or self._window is WindowState.CLOSED:
+    def _check_grant(self, grant: ControlGrant, *, activates: bool = False) -> None:
+        window = grant.window
+        if window is not None and (window != self._fence or self._window is WindowState.CLOSED):
             raise PermissionDeniedError(
                 f"training window {window} is closed or superseded: this engine's fence is {self._fence} "
                 f"(window {self._window.value}); ask the controller for a new window",
             )
-        if self._window is not WindowState.STAGED:
-            return
-        if path.rstrip("/") not in _STAGING_ALLOWED:
-            raise PermissionDeniedError(
-                f"training window {window} is staged (its servers serve meanwhile): its credential cannot call "
-                f"{path}; push with activate=false, and the controller's commit activates the weights"
-            )
-        if activates:
-            raise PermissionDeniedError(
-                f"training window {window} is staged (its servers serve meanwhile): a push with activate=true "
-                "would change the weights they serve; push with activate=false, and the controller's commit "
-                "activates them"
-            )
-
-    def _check_grant(self, grant: ControlGrant, *, activates: bool = False) -> None:
-        if grant.window is not None:
-            self._check_window(grant.window, grant.path, activates=activates)
+        if window is not None and self._window is WindowState.STAGED:
+            if grant.path.rstrip("/") not in _STAGING_ALLOWED:
+                raise PermissionDeniedError(
+                    f"training window {window} is staged (its servers serve meanwhile): its credential cannot "
+                    f"call {grant.path}; push with activate=false, and the controller's commit activates the weights"
+                )
+            if activates:
+                raise PermissionDeniedError(
+                    f"training window {window} is staged (its servers serve meanwhile): a push with activate=true "
+                    "would change the weights they serve; push with activate=false, and the controller's commit "
+                    "activates them"
+                )
         if grant.fence is not None:
             self._check_not_stale(grant.fence)
 
@@ -238,6 +228,13 @@ class EngineAccess:
             raise ConflictError(
                 f"stale fencing token {token}: this engine has seen {self._fence}; a newer update owns it",
             )
+
+    def check_first(self, scope: Scope) -> ControlGrant | None:
+        """The check ``CheckFirst`` runs on every request before its body is read (``authorize``);
+        what it grants is kept under ``GRANT_STATE_KEY``."""
+        headers = Headers(scope=scope)
+        authorization, fence = headers.get("authorization"), headers.get(FENCE_HEADER)
+        return self.authorize(scope["path"], authorization=authorization, fence=fence)
 
     # --- changes (once the handler runs) ------------------------------------------------------
 
@@ -290,19 +287,6 @@ def _parse_fence(raw: str | None) -> int | None:
 
 
 GRANT_STATE_KEY = "miles_control_grant"
-
-
-def check_first(access: EngineAccess) -> Callable[[Scope], ControlGrant | None]:
-    """The check ``CheckFirst`` runs on every request before its body is read: its credential and
-    its fence (``EngineAccess.authorize``); what it grants is kept under ``GRANT_STATE_KEY``."""
-
-    def check(scope: Scope) -> ControlGrant | None:
-        headers = Headers(scope=scope)
-        return access.authorize(
-            scope["path"], authorization=headers.get("authorization"), fence=headers.get(FENCE_HEADER)
-        )
-
-    return check
 
 
 def grant_of(request: Request) -> ControlGrant | None:

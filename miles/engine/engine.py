@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +74,7 @@ class _Sink:
         self._loop.call_soon_threadsafe(self.queue.put_nowait, (True, response))
 
 
-@dataclass(frozen=True)
-class _Pending:
-    sequence: Sequence
-    sink: _Sink
+_Pending = tuple[Sequence, _Sink]  # a sequence submitted, and where its results arrive
 
 
 class Engine:
@@ -149,10 +145,8 @@ class Engine:
 
     def _build_runner(self) -> ModelRunner:
         self.model = load_model(self.model_path, device=self.device)
-        pad = self.tokenizer.pad_token_id
-        runner = build_runner(
-            self.model, device=self.device, pad_token_id=pad if pad is not None else 0, forward=self.settings.forward
-        )
+        pad = self.tokenizer.pad_token_id or 0
+        runner = build_runner(self.model, device=self.device, pad_token_id=pad, forward=self.settings.forward)
         self.forward_name = runner.name
         # Over the parameters the runner serves from (the fused decoder re-points them): the
         # memory a staged change swaps (``ModelRunner.weight_views``).
@@ -179,9 +173,9 @@ class Engine:
         """Run a (batch) request to completion; a batch or ``n > 1`` returns a list."""
         pending = await self._submit(request)
         with self._watched(pending):
-            results = [await _final(p.sink) for p in pending]
-        for item, result in zip(pending, results, strict=True):
-            self.metrics.request_done(item.sequence, result)
+            results = [await _final(sink) for _, sink in pending]
+        for (sequence, _), result in zip(pending, results, strict=True):
+            self.metrics.request_done(sequence, result)
         if request.is_batch or len(results) > 1:
             return results
         return results[0]
@@ -189,20 +183,15 @@ class Engine:
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
         """Submit now (so a bad request raises here, before any byte is sent) and return an
         iterator of snapshots (cumulative text and ids) after every token, then the final response."""
-        pending = await self._submit(request)
-        if len(pending) != 1:
-            self._abort_pending(pending, "streaming supports a single sequence")
-            self._release(pending)
-            raise InvalidRequestError("streaming supports one prompt with n=1")
-        return self._follow(pending)
+        return self._follow(await self._submit(request, single=True))
 
     async def _follow(self, pending: list[_Pending]) -> AsyncIterator[GenerateResponse]:
-        (item,) = pending
+        ((sequence, sink),) = pending
         with self._watched(pending):
             while True:
-                final, response = await item.sink.queue.get()
+                final, response = await sink.queue.get()
                 if final:
-                    self.metrics.request_done(item.sequence, response)
+                    self.metrics.request_done(sequence, response)
                 yield response
                 if final:
                     return
@@ -213,15 +202,18 @@ class Engine:
         try:
             yield
         except (asyncio.CancelledError, GeneratorExit):
-            self._abort_pending(pending, "the client went away")
+            for sequence, _ in pending:
+                self._scheduler.abort(sequence.rid, message="the client went away")
             self.metrics.clients_left(len(pending))
             raise
         finally:
-            self._release(pending)
+            self._in_flight.difference_update(sequence.rid for sequence, _ in pending)
 
-    async def _submit(self, request: GenerateRequest) -> list[_Pending]:
+    async def _submit(self, request: GenerateRequest, *, single: bool = False) -> list[_Pending]:
         params = [per_prompt(request.sampling_params, i) or SamplingParams() for i in range(request.batch_size)]
         sequences = sum(p.n for p in params)
+        if single and sequences != 1:
+            raise InvalidRequestError("streaming supports one prompt with n=1")
         self._check_room(sequences)  # before tokenizing: a request that cannot be queued costs nothing
         prompts = await self._prompt_ids(request)
         # Again: other requests may have queued while this one was tokenized on a worker thread;
@@ -237,7 +229,7 @@ class Engine:
             base = per_prompt(request.rid, index) or uuid.uuid4().hex
             for sample in range(sampling.n):
                 rid = base if sampling.n == 1 else f"{base}-{sample}"
-                if rid in self._in_flight or any(p.sequence.rid == rid for p in pending):
+                if rid in self._in_flight or any(s.rid == rid for s, _ in pending):
                     raise InvalidRequestError(f"request id {rid!r} is already in flight; use unique rids")
                 sink = _Sink(loop)
                 sequence = Sequence(
@@ -249,10 +241,10 @@ class Engine:
                     top_logprobs=logprobs.top_logprobs,
                     return_logprob=logprobs.return_logprob,
                 )
-                pending.append(_Pending(sequence=sequence, sink=sink))
-        for item in pending:
-            self._in_flight.add(item.sequence.rid)
-            self._scheduler.submit(item.sequence)
+                pending.append((sequence, sink))
+        for sequence, _ in pending:
+            self._in_flight.add(sequence.rid)
+            self._scheduler.submit(sequence)
         return pending
 
     def _check_room(self, sequences: int) -> None:
@@ -327,14 +319,6 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"{what} token ids outside the vocabulary [0, {self.vocab_size})", tokens=bad[:5])
 
-    def _abort_pending(self, pending: list[_Pending], message: str) -> None:
-        for item in pending:
-            self._scheduler.abort(item.sequence.rid, message=message)
-
-    def _release(self, pending: list[_Pending]) -> None:
-        for item in pending:
-            self._in_flight.discard(item.sequence.rid)
-
     # --- control ---------------------------------------------------------------------------
 
     async def pause(self, mode: PauseMode) -> int:
@@ -355,9 +339,8 @@ class Engine:
             return "the engine holds unverified weights"
         if self._scheduler.state is not GenerationState.SERVING:
             return f"generation is {self._scheduler.state.value}"
-        bos = self.tokenizer.bos_token_id
         request = GenerateRequest(
-            input_ids=[bos if bos is not None else 0],
+            input_ids=[self.tokenizer.bos_token_id or 0],
             sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
             rid=f"health-{uuid.uuid4().hex}",
         )
@@ -475,17 +458,15 @@ def _eos_ids(
         generation = GenerationConfig.from_pretrained(str(model_path))
     except OSError:
         generation = None  # no generation_config.json: the model config and tokenizer decide
-    for source in (generation, config):
+    for source in (generation, config, tokenizer):
         value = getattr(source, "eos_token_id", None)
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list | tuple):
             ids.update(int(v) for v in value)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
     # An id the model cannot produce cannot end generation, and masking it (min_new_tokens) would
     # index past the logits inside every step.
-    outside = sorted(i for i in ids if not 0 <= i < vocab_size)
-    if outside:
-        logger.warning("ignoring EOS token ids outside the vocabulary [0, %d): %s", vocab_size, outside)
-    return frozenset(i for i in ids if 0 <= i < vocab_size)
+    inside = frozenset(i for i in ids if 0 <= i < vocab_size)
+    if ids - inside:
+        logger.warning("ignoring EOS token ids outside the vocabulary [0, %d): %s", vocab_size, sorted(ids - inside))
+    return inside

@@ -1,18 +1,13 @@
 """``python -m miles.engine.forkserver``: starts engine processes by forking a warm interpreter.
 
-Importing torch and transformers takes an engine most of its start-up (about 5 s of the 6 s a tiny
-model takes on two cores). This process imports them once; every engine is then a fork of it that
-only loads its model, so a fleet starts, and a crashed server is back, in about a second.
-
-It speaks JSON lines with the process that started it (``miles.rollout.engine_process``): stdin
-takes ``{"spawn": ID, "args": [...], "env": {...}, "cwd": DIR, "log": PATH, "launcher": PID}``
-(the arguments of ``python -m miles.engine``, and the process asking); stdout answers
-``{"ready": true}`` once the imports are done, ``{"spawned": ID, "pid": PID}`` (or
-``{"spawned": ID, "error": ...}``), and ``{"exited": PID, "code": C}`` when an engine ends (C as
-``Popen.returncode``: negative for a signal). The parent signals its engines itself. When its
-stdin closes (its parent exited or died) it kills every engine it started and exits. An engine
-does not depend on it once forked: it watches its launcher (``MILES_ENGINE_LAUNCHER_PID``), so
-killing the forkserver leaves the fleet serving.
+It imports torch and transformers once, most of an engine's start-up (docs/ENGINE.md). It speaks
+JSON lines with the process that started it (``miles.rollout.engine_process``): stdin takes
+``{"spawn": ID, "args": [...], "env": {...}, "cwd": DIR, "log": PATH, "launcher": PID}`` (the
+arguments of ``python -m miles.engine``, and the process asking); stdout answers ``{"ready": true}``
+once the imports are done, ``{"spawned": ID, "pid": PID}`` (or ``{"spawned": ID, "error": ...}``),
+and ``{"exited": PID, "code": C}`` when an engine ends (C as ``Popen.returncode``: negative for a
+signal). The parent signals its engines itself. When its stdin closes (its parent exited or died)
+it kills every engine it started and exits; the engines watch their launcher, not it.
 """
 
 from __future__ import annotations
@@ -148,8 +143,7 @@ def main() -> None:
         import torch
 
         import miles.engine.__main__
-        import miles.engine.engine
-        import miles.engine.http_server  # noqa: F401 (imported for the children to inherit)
+        import miles.engine.http_server  # noqa: F401 (imported, with the engine, for the children to inherit)
     except BaseException:  # noqa: BLE001 (the parent is told why, and launches engines the slow way)
         _write(out, {"ready": False, "error": traceback.format_exc()[-2000:]})
         return

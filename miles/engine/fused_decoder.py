@@ -1,18 +1,14 @@
 """A lean forward for the Llama family (Llama, Mistral, Qwen2, Qwen3), with fused projections.
 
-Transformers' forward is written for every use (training, many cache types, hooks, output
-dataclasses) and on a small model most of a decode step goes to that generality: about 30 module
-calls per layer and a mask rebuilt every step. This module runs the same math with plain tensor
-ops: q/k/v and gate/up fused (each Hugging Face parameter re-pointed at its slice of the fused
-tensor, so updates and checksums through the parameters see what the forward uses), a
-preallocated KV cache written in place, and a padding mask (``valid``) kept, not rebuilt; the
-design and its test against the Transformers forward are in docs/ENGINE.md ("Two forwards").
+On a small model most of a Transformers decode step goes to its generality (about 30 module calls
+per layer, a mask rebuilt every step); this runs the same math with plain tensor ops, as
+docs/ENGINE.md ("Two forwards") describes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,32 +39,6 @@ def supports(model: PreTrainedModel) -> str | None:
     return None
 
 
-class _Norm(Protocol):
-    weight: torch.Tensor
-
-
-class _Attention(Protocol):
-    q_proj: nn.Linear
-    k_proj: nn.Linear
-    v_proj: nn.Linear
-    o_proj: nn.Linear
-
-
-class _Mlp(Protocol):
-    gate_proj: nn.Linear
-    up_proj: nn.Linear
-    down_proj: nn.Linear
-
-
-class _DecoderLayer(Protocol):
-    """What ``_fuse_layer`` reads of a decoder layer of a supported architecture."""
-
-    self_attn: _Attention
-    mlp: _Mlp
-    input_layernorm: _Norm
-    post_attention_layernorm: _Norm
-
-
 @dataclass
 class DecoderKV:
     """KV state of the running batch (owned and mutated by the scheduler thread only)."""
@@ -82,10 +52,6 @@ class DecoderKV:
     @property
     def size(self) -> int:
         return int(self.valid.shape[0])
-
-    @property
-    def capacity(self) -> int:
-        return int(self.valid.shape[1])
 
 
 @dataclass(frozen=True)
@@ -105,14 +71,12 @@ class _Layer:
 
 
 class FusedDecoderRunner:
-    """Prefill and decode for a Llama-family model; see the module docstring."""
+    """Prefill and decode for a Llama-family model that ``supports`` accepts (``build_runner``
+    checks); see the module docstring."""
 
     name = "fused-decoder"
 
     def __init__(self, model: PreTrainedModel, *, device: torch.device, pad_token_id: int) -> None:
-        reason = supports(model)
-        if reason is not None:
-            raise ValueError(f"the fused decoder cannot run this model: {reason}")
         config = model.config
         self.model = model
         self.device = device
@@ -129,7 +93,9 @@ class FusedDecoderRunner:
         self._scaling = float(self._body.layers[0].self_attn.scaling)
         self._split = [self._heads * self._head_dim, self._kv_heads * self._head_dim, self._kv_heads * self._head_dim]
 
-    def _fuse_layer(self, layer: _DecoderLayer) -> _Layer:
+    def _fuse_layer(self, layer: Any) -> _Layer:
+        """Fuse one decoder layer of a supported architecture (``self_attn``'s q/k/v/o projections,
+        ``mlp``'s gate/up/down, ``input_layernorm`` and ``post_attention_layernorm``)."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv_weight, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up_weight, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
@@ -179,7 +145,6 @@ class FusedDecoderRunner:
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> tuple[DecoderKV, torch.Tensor]:
-        """Run the prompts as one left-padded batch; returns their KV state and last logits [B, V]."""
         width = max(len(p) for p in prompts)
         batch = self._empty(len(prompts), width + _HEADROOM)
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -199,8 +164,7 @@ class FusedDecoderRunner:
 
     @torch.inference_mode()
     def decode(self, batch: DecoderKV, tokens: list[int]) -> torch.Tensor:
-        """Feed one token per row; returns the next logits [B, V] and advances ``batch``."""
-        if batch.length == batch.capacity:
+        if batch.length == batch.valid.shape[1]:  # no free column left
             self._grow(batch)
         column = batch.length
         batch.valid[:, column] = True
@@ -213,7 +177,6 @@ class FusedDecoderRunner:
 
     @torch.inference_mode()
     def merge(self, left: DecoderKV, right: DecoderKV) -> DecoderKV:
-        """One batch holding the rows of ``left`` then ``right`` (the shorter is padded on the left)."""
         width = max(left.length, right.length)
         merged = self._empty(left.size + right.size, width + _HEADROOM)
         for rows, part in ((slice(0, left.size), left), (slice(left.size, None), right)):
@@ -227,7 +190,6 @@ class FusedDecoderRunner:
 
     @torch.inference_mode()
     def select(self, batch: DecoderKV, keep: list[int]) -> DecoderKV:
-        """Keep only rows ``keep`` and drop leading columns that are padding for every remaining row."""
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         valid = batch.valid[:, : batch.length].index_select(0, index)
         used = valid.any(dim=0).nonzero()

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from miles.engine.access import ENDPOINTS, GRANT_STATE_KEY, EngineAccess, admit, check_first, grant_of
+from miles.engine.access import ENDPOINTS, GRANT_STATE_KEY, EngineAccess, admit, grant_of
 from miles.engine.engine import Engine
 from miles.engine.openai_routes import chat_to_generate, completion_to_generate, openai_stream
 from miles.engine.receiver import WeightGroups, tensor_bucket
@@ -75,7 +75,7 @@ def create_app(engine: Engine) -> FastAPI:
     app.add_middleware(
         BodyLimit, max_bytes=engine.settings.max_request_mib * MIB, setting="the engine's --max-request-mib"
     )
-    app.add_middleware(CheckFirst, check=check_first(access), key=GRANT_STATE_KEY)
+    app.add_middleware(CheckFirst, check=access.check_first, key=GRANT_STATE_KEY)
 
     @app.get("/health")
     async def health() -> Response:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -22,38 +21,12 @@ from miles.protocol import metrics as names
 from miles.protocol.sglang import GenerateResponse
 
 
-@dataclass(frozen=True)
-class _SchedulerCollector(Collector):
-    model_name: str
-    stats: Callable[[], SchedulerStats]
-    weights: Callable[[], dict[str, str]]
-
-    def collect(self) -> Iterator[Metric]:
-        stats = self.stats()
-        labels = ["model_name"]
-        running = GaugeMetricFamily(names.ENGINE_RUNNING, "The number of running requests.", labels=labels)
-        running.add_metric([self.model_name], stats.running)
-        yield running
-        queued = GaugeMetricFamily(names.ENGINE_QUEUED, "The number of requests in the waiting queue.", labels=labels)
-        queued.add_metric([self.model_name], stats.waiting)
-        yield queued
-        tokens = CounterMetricFamily(
-            names.ENGINE_GENERATION_TOKENS.removesuffix("_total"),
-            "Number of generation tokens processed.",
-            labels=labels,
-        )
-        tokens.add_metric([self.model_name], stats.tokens_generated)
-        yield tokens
-        info = InfoMetricFamily(names.ENGINE_WEIGHTS, "The weights this engine serves", labels=labels)
-        info.add_metric([self.model_name], self.weights())
-        yield info
-
-
-class EngineMetrics:
+class EngineMetrics(Collector):
     def __init__(
         self, model_name: str, *, stats: Callable[[], SchedulerStats], weights: Callable[[], dict[str, str]]
     ) -> None:
         self.model_name = model_name
+        self._stats, self._weights = stats, weights
         self.registry = registry = CollectorRegistry()
         labels = ["model_name"]
         self._requests = Counter(
@@ -82,7 +55,27 @@ class EngineMetrics:
             names.ENGINE_WEIGHT_UPDATES, "Weight loads by source and outcome", [*labels, "source", "outcome"],
             registry=registry,
         )  # fmt: skip
-        registry.register(_SchedulerCollector(model_name, stats, weights))
+        registry.register(self)  # collect(): what is read at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        labels = ["model_name"]
+        running = GaugeMetricFamily(names.ENGINE_RUNNING, "The number of running requests.", labels=labels)
+        running.add_metric([self.model_name], stats.running)
+        yield running
+        queued = GaugeMetricFamily(names.ENGINE_QUEUED, "The number of requests in the waiting queue.", labels=labels)
+        queued.add_metric([self.model_name], stats.waiting)
+        yield queued
+        tokens = CounterMetricFamily(
+            names.ENGINE_GENERATION_TOKENS.removesuffix("_total"),
+            "Number of generation tokens processed.",
+            labels=labels,
+        )
+        tokens.add_metric([self.model_name], stats.tokens_generated)
+        yield tokens
+        info = InfoMetricFamily(names.ENGINE_WEIGHTS, "The weights this engine serves", labels=labels)
+        info.add_metric([self.model_name], self._weights())
+        yield info
 
     def request_done(self, sequence: Sequence, response: GenerateResponse) -> None:
         """A request finished (its last response): latency, time to first token, counts."""

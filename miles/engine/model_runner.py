@@ -1,10 +1,7 @@
 """The model on its device, and the batched forward passes the scheduler drives.
 
-A runner (``ModelRunner``) keeps a running batch's KV state with its rows left-padded to a common
-length, so rows can join (``merge``) and leave (``select``) between steps (docs/ENGINE.md,
-"Continuous batching"). ``build_runner`` picks ``FusedDecoderRunner`` (``fused_decoder.py``) for
-the Llama family, else ``TransformersRunner``, the model's own forward; ``EngineSettings.forward``
-can force either.
+A runner (``ModelRunner``) keeps a running batch's KV state left-padded, so rows can join
+(``merge``) and leave (``select``) between steps (docs/ENGINE.md, "Continuous batching").
 """
 
 from __future__ import annotations
@@ -32,13 +29,17 @@ class ModelRunner(Protocol[KV]):
 
     name: str
 
-    def prefill(self, prompts: list[list[int]]) -> tuple[KV, torch.Tensor]: ...
+    def prefill(self, prompts: list[list[int]]) -> tuple[KV, torch.Tensor]:
+        """Run the prompts as one left-padded batch; returns their KV state and last logits [B, V]."""
 
-    def decode(self, batch: KV, tokens: list[int]) -> torch.Tensor: ...
+    def decode(self, batch: KV, tokens: list[int]) -> torch.Tensor:
+        """Feed one token per row; returns the next logits [B, V] and advances ``batch``."""
 
-    def merge(self, left: KV, right: KV) -> KV: ...
+    def merge(self, left: KV, right: KV) -> KV:
+        """One batch holding the rows of ``left`` then ``right`` (the shorter is padded on the left)."""
 
-    def select(self, batch: KV, keep: list[int]) -> KV: ...
+    def select(self, batch: KV, keep: list[int]) -> KV:
+        """Keep only rows ``keep`` and drop leading columns that are padding for every remaining row."""
 
     def weight_views(self) -> list[torch.Tensor]:
         """Tensors the runner holds, besides the model's parameters and buffers, that view the
@@ -69,10 +70,6 @@ class BatchKV:
     cache: DynamicCache
     attention_mask: torch.Tensor  # [B, T] long, 0 on left padding
     next_positions: torch.Tensor  # [B] long
-
-    @property
-    def size(self) -> int:
-        return int(self.attention_mask.shape[0])
 
 
 def load_model(model_path: str | Path, *, device: torch.device) -> PreTrainedModel:
@@ -108,7 +105,6 @@ class TransformersRunner:
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> tuple[BatchKV, torch.Tensor]:
-        """Run the prompts as one left-padded batch; returns their KV state and last logits [B, V]."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -130,9 +126,8 @@ class TransformersRunner:
 
     @torch.inference_mode()
     def decode(self, batch: BatchKV, tokens: list[int]) -> torch.Tensor:
-        """Feed one token per row; returns the next logits [B, V] and advances ``batch``."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
-        ones = torch.ones((batch.size, 1), dtype=torch.long, device=self.device)
+        ones = torch.ones((batch.attention_mask.shape[0], 1), dtype=torch.long, device=self.device)
         batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=1)
         out = self.model(
             input_ids=ids,
@@ -148,7 +143,6 @@ class TransformersRunner:
 
     @staticmethod
     def merge(left: BatchKV, right: BatchKV) -> BatchKV:
-        """One batch holding the rows of ``left`` then ``right`` (the shorter is padded on the left)."""
         width = max(left.attention_mask.shape[1], right.attention_mask.shape[1])
         # Keys and values are [B, heads, T, head_dim]; the zeros padded in are masked out.
         layers = [
@@ -167,7 +161,6 @@ class TransformersRunner:
 
     @staticmethod
     def select(batch: BatchKV, keep: list[int]) -> BatchKV:
-        """Keep only rows ``keep`` and crop columns that are padding for every remaining row."""
         index = torch.tensor(keep, dtype=torch.long, device=batch.attention_mask.device)
         mask = batch.attention_mask.index_select(0, index)
         # Leading columns that no remaining row uses are dead weight in every later step.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,11 +18,21 @@ from miles.protocol.sglang import GenerateRequest, GenerateResponse
 from miles.utils.http import sse
 
 
-def _translated(build: Callable[[], GenerateRequest]) -> GenerateRequest:
+def _generate_request(
+    request: CompletionRequest | ChatCompletionRequest, *, return_logprob: bool, top_logprobs_num: int, **prompt: Any
+) -> GenerateRequest:
+    """The native request ``request`` translates to, with ``prompt`` (its text or input_ids)."""
     # The OpenAI models refuse what the native ones would (miles.protocol.openai), so this only
     # guards against the two drifting apart: a 400 naming the field, not a 500.
     try:
-        return build()
+        return GenerateRequest(
+            **prompt,
+            sampling_params=request.sampling_params(),
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+            stream=request.stream,
+            rid=request.rid,
+        )
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors())
         raise InvalidRequestError(f"invalid request: {problems}") from None
@@ -30,20 +40,13 @@ def _translated(build: Callable[[], GenerateRequest]) -> GenerateRequest:
 
 def completion_to_generate(request: CompletionRequest) -> GenerateRequest:
     prompt = request.prompt
-
-    def build() -> GenerateRequest:
-        common: dict[str, Any] = {
-            "sampling_params": request.sampling_params(),
-            "return_logprob": request.logprobs is not None,
-            "top_logprobs_num": request.logprobs or 0,
-            "stream": request.stream,
-            "rid": request.rid,
-        }
-        if isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], str)):
-            return GenerateRequest(text=prompt, **common)
-        return GenerateRequest(input_ids=prompt, **common)
-
-    return _translated(build)
+    text = isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], str))
+    return _generate_request(
+        request,
+        return_logprob=request.logprobs is not None,
+        top_logprobs_num=request.logprobs or 0,
+        **{"text" if text else "input_ids": prompt},
+    )
 
 
 # apply_chat_template's own parameters: chat_template_kwargs are variables for the template (as in
@@ -80,15 +83,8 @@ async def chat_to_generate(engine: Engine, request: ChatCompletionRequest) -> Ge
     rendered = await asyncio.to_thread(render) if long else render()
     # The template writes the special tokens itself (as apply_chat_template(tokenize=True) does).
     (ids,) = await engine.encode([rendered], add_special_tokens=False)
-    return _translated(
-        lambda: GenerateRequest(
-            input_ids=ids,
-            sampling_params=request.sampling_params(),
-            return_logprob=request.logprobs,
-            top_logprobs_num=request.top_logprobs or 0,
-            stream=request.stream,
-            rid=request.rid,
-        )
+    return _generate_request(
+        request, input_ids=ids, return_logprob=request.logprobs, top_logprobs_num=request.top_logprobs or 0
     )
 
 

@@ -1,8 +1,7 @@
 """Next-token selection for a batch: penalties, temperature, top-k / top-p / min-p, seeded draws.
 
 Each row keeps its own ``torch.Generator``, and logprobs are those of the raw distribution
-(docs/ENGINE.md, "Sampling"). ``sample_rows`` is what the scheduler calls: one batched selection
-and, if that raises, one per row, so a row whose settings break sampling fails alone.
+(docs/ENGINE.md, "Sampling"); the scheduler calls ``sample_rows``.
 """
 
 from __future__ import annotations
@@ -96,8 +95,8 @@ def sample_rows(
     """
     uniforms = _uniforms(samplers)
 
-    def select(rows: slice) -> SampledTokens:
-        return sample_batch(
+    def select(rows: slice) -> list[SampledRow | SamplingFailure]:  # SampledRows only, typed as returned below
+        batch = sample_batch(
             logits[rows],
             samplers[rows],
             uniforms=uniforms[rows],
@@ -106,13 +105,13 @@ def sample_rows(
             want_logprobs=want_logprobs[rows],
             top_logprobs=top_logprobs[rows],
         )
-
-    try:
-        batch = select(slice(None))
         return [
             SampledRow(token=t, logprob=lp, top=top)
             for t, lp, top in zip(batch.tokens, batch.logprobs, batch.top, strict=True)
         ]
+
+    try:
+        return select(slice(None))
     except Exception:
         # Which row broke the batch is found by the retry below; each failing row is reported
         # (with its own traceback) by the caller.
@@ -120,8 +119,7 @@ def sample_rows(
     results: list[SampledRow | SamplingFailure] = []
     for row in range(len(samplers)):
         try:
-            one = select(slice(row, row + 1))
-            results.append(SampledRow(token=one.tokens[0], logprob=one.logprobs[0], top=one.top[0]))
+            results.extend(select(slice(row, row + 1)))
         except Exception as exc:  # noqa: BLE001  # this row alone cannot be sampled: it fails, its neighbours go on
             results.append(SamplingFailure(error=exc))
     return results
@@ -148,8 +146,7 @@ def sample_batch(
     ``histories`` are prompt + output ids per row (for penalties), ``output_lengths`` the number of
     tokens generated so far (for ``min_new_tokens``), ``want_logprobs`` / ``top_logprobs`` what each
     row wants reported, ``uniforms`` each row's random number (drawn from its generator when not
-    given). Greedy rows share one batched argmax and sampled rows one batched draw; only logit
-    biases, penalties and stop-token masks are applied row by row, to the rows that have them.
+    given). Batched as docs/ENGINE.md ("Sampling") describes.
     """
     if uniforms is None:
         uniforms = _uniforms(samplers)
@@ -193,20 +190,15 @@ def sample_batch(
         for i, row in enumerate(reporting):
             if want_logprobs[row]:
                 logprobs[row] = chosen[i]
-            if top_logprobs[row]:
-                k = top_logprobs[row]
+            if k := top_logprobs[row]:
                 top[row] = list(zip(values[i, :k].tolist(), ids[i, :k].tolist(), strict=True))
     return SampledTokens(tokens=tokens, logprobs=logprobs, top=top)
 
 
 def _draw(logits: torch.Tensor, samplers: list[RowSampler], uniform: torch.Tensor) -> list[int]:
     """One seeded draw per row of ``logits`` ([S, V], penalties applied), after temperature and the
-    top-k, top-p and min-p filters, all rows at once.
-
-    Each row draws by inverting its cumulative distribution (in token-id order) at ``uniform``, one
-    number from its own generator, so a row's token depends only on its logits, its settings and
-    its seed, never on its neighbours.
-    """
+    top-k, top-p and min-p filters, all rows at once: each row inverts its cumulative distribution
+    (in token-id order) at its ``uniform``, so its token never depends on its neighbours."""
     vocab = logits.shape[-1]
     params = [s.params for s in samplers]
     temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype)

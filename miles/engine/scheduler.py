@@ -4,17 +4,10 @@ The scheduler thread is the only code that touches the running batch and, under 
 the ``WeightsLock``, the only code that runs the model. Other threads talk to it through
 ``submit``, ``abort``, ``pause`` and ``resume``, which change shared state under one condition
 variable; actions on running sequences (abort, retract) are carried out by the scheduler thread at
-the top of its next iteration, because it alone owns the batch.
-
-A failure inside a step fails only the rows that cause it (docs/ENGINE.md, "One request never
-costs the others"): a failed group prefill is retried one request at a time, a failed batched
-selection row by row, and a failed decode, select or merge, which leaves a KV state nobody can
-trust, rebuilds the batch by prefilling each row's history alone.
-
-One torch thread: the scheduler thread also loads the model and runs every other parallel torch
-operation of the engine (the weight copy, through ``call``). Each thread that runs a parallel
-torch op gets its own OpenMP team, and once a second team exists the decode steps of the first
-slow down by more than half on a small machine (measured: docs/PERFORMANCE.md).
+the top of its next iteration, because it alone owns the batch. A failure inside a step fails
+only the rows that cause it, and this thread runs every parallel torch operation of the engine
+(the weight copy, through ``call``): docs/ENGINE.md, "One request never costs the others" and
+"One torch thread".
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
@@ -82,8 +75,7 @@ class Scheduler:
         # Built on the scheduler thread: see "one torch thread" in the module docstring.
         self._setup = setup
         self._runner: ModelRunner | None = None
-        self._ready = threading.Event()
-        self._setup_error: BaseException | None = None
+        self._loaded: Future[None] = Future()  # done once the runner is built, or failed to build
         self._jobs: deque[tuple[Callable[[], object], Future[object]]] = deque()
         self._detokenizer = detokenizer
         self._weights_lock = weights_lock
@@ -111,21 +103,16 @@ class Scheduler:
     # --- control, called from other threads ------------------------------------------------
 
     def start(self, *, timeout: float | None = None) -> None:
-        """Start the thread, which builds the model runner first; returns once it is built.
-
-        Raises whatever building the runner raised (a missing or broken checkpoint).
-        """
+        """Start the thread and return once it built the model runner; raises what building it
+        raised (a missing or broken checkpoint)."""
         self._thread.start()
-        if not self._ready.wait(timeout):
+        if not wait([self._loaded], timeout).done:
             raise TimeoutError(f"the model was not loaded within {timeout}s")
-        if self._setup_error is not None:
-            raise self._setup_error
+        self._loaded.result()
 
     def call(self, job: Callable[[], T]) -> T:
-        """Run ``job`` on the scheduler thread between two steps and return its result.
-
-        Blocks the calling thread; never call it from the scheduler thread itself.
-        """
+        """Run ``job`` on the scheduler thread between two steps and return its result (blocking:
+        never call it from the scheduler thread itself)."""
         future: Future[object] = Future()
         with self._cond:
             if self._stopping:
@@ -134,10 +121,10 @@ class Scheduler:
             self._cond.notify_all()
         return future.result()  # type: ignore[return-value]
 
-    def stop(self, *, message: str = "server shutting down") -> None:
+    def stop(self) -> None:
         with self._cond:
             self._stopping = True
-            self._pending_aborts.append((None, message))
+            self._pending_aborts.append((None, "server shutting down"))
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
@@ -160,12 +147,7 @@ class Scheduler:
             return found + len(running)
 
     def pause(
-        self,
-        mode: PauseMode,
-        *,
-        by: Pauser = Pauser.CALLER,
-        timeout: float | None = None,
-        message: str = "aborted by pause_generation",
+        self, mode: PauseMode, *, by: Pauser = Pauser.CALLER, message: str = "aborted by pause_generation"
     ) -> int:
         """Stop admitting requests and deal with in-flight ones as ``mode`` says; generation that
         was serving is paused ``by`` (whoever paused it first keeps it).
@@ -180,11 +162,6 @@ class Scheduler:
             in_place = mode is PauseMode.IN_PLACE
             if self._state is GenerationState.SERVING:
                 self._paused_by = by
-
-            def done() -> bool:
-                # in_place waits for the running step only; the other modes for the batch to empty.
-                return not self._in_step and (in_place or self._running_count == 0)
-
             if in_place:
                 self._state = GenerationState.HELD
             else:
@@ -195,8 +172,8 @@ class Scheduler:
                 elif mode is PauseMode.RETRACT:
                     self._pending_retract = True
             self._cond.notify_all()
-            if not self._cond.wait_for(done, timeout=timeout):
-                raise TimeoutError(f"pause({mode.value}) did not complete within {timeout}s")
+            # in_place waits for the running step only; the other modes for the batch to empty.
+            self._cond.wait_for(lambda: not self._in_step and (in_place or self._running_count == 0))
             return in_flight
 
     def resume(self, *, paused_by: Pauser | None = None) -> None:
@@ -232,10 +209,9 @@ class Scheduler:
         try:
             self._runner = self._setup()
         except BaseException as exc:  # noqa: BLE001  # reported to start(), which re-raises it in the caller
-            self._setup_error = exc
-            self._ready.set()
+            self._loaded.set_exception(exc)
             return
-        self._ready.set()
+        self._loaded.set_result(None)
         while True:
             with self._cond:
                 self._cond.wait_for(self._has_work)
@@ -430,10 +406,7 @@ class Scheduler:
         merging), failing only the rows that fail alone. Only failure paths call this."""
         group = self._prefill_alone(self._rows)
         self._needs_rebuild = False
-        if group is None:
-            self._rows, self._batch, self._logits = [], None, None
-            return
-        self._rows, self._batch, self._logits = group.rows, group.batch, group.logits
+        self._rows, self._batch, self._logits = (group.rows, group.batch, group.logits) if group else ([], None, None)
         for seq in self._rows:
             seq.logits_version = version
 

@@ -1,8 +1,7 @@
 """One generation request as the scheduler tracks it, and the responses it renders.
 
 Each output token is credited to the weights whose logits it was sampled from (``logits_version``
-when it was sampled; docs/ENGINE.md, "Weight versions"): logits are computed by one step and
-sampled by the next, so a token sampled right after an update still belongs to the old version.
+when it was sampled; docs/ENGINE.md, "Weight versions").
 """
 
 from __future__ import annotations
@@ -27,13 +26,6 @@ class Detokenizer(Protocol):
     def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str: ...
 
 
-@dataclass
-class _Span:
-    version: str
-    start: int
-    end: int
-
-
 @dataclass(eq=False)
 class Sequence:
     """One generation request (mutable; owned by the scheduler thread once it runs)."""
@@ -54,7 +46,8 @@ class Sequence:
     # The version of the weights that computed the logits the next token will be sampled from;
     # None while the sequence has no logits (waiting, or retracted back to the queue).
     logits_version: str | None = None
-    _spans: list[_Span] = field(default_factory=list, init=False, repr=False)
+    # (version, first output index) where each weight-version span starts; it ends where the next does.
+    _spans: list[tuple[str, int]] = field(default_factory=list, init=False, repr=False)
 
     @property
     def history(self) -> list[int]:
@@ -72,10 +65,8 @@ class Sequence:
             self.logprobs.append(logprob)
         if self.top_logprobs:
             self.top.append(top)
-        if self._spans and self._spans[-1].version == self.logits_version:
-            self._spans[-1].end = index + 1
-        else:
-            self._spans.append(_Span(self.logits_version, index, index + 1))
+        if not self._spans or self._spans[-1][0] != self.logits_version:
+            self._spans.append((self.logits_version, index))
 
     def stop_reason(self, detokenizer: Detokenizer) -> FinishReason | None:
         """Why the sequence ends after its last token, or None when it goes on."""
@@ -108,7 +99,12 @@ class Sequence:
                 text = text[: text.index(reason.matched)]
             else:
                 text = detokenizer.decode(self.output_ids[:-1], skip_special_tokens=params.skip_special_tokens)
-        spans = [WeightVersionSpan(weight_version=s.version, start=s.start, end=s.end) for s in self._spans]
+        # The last end is the output's length; zip drops it when no token was produced (no span).
+        ends = [start for _, start in self._spans[1:]] + [len(self.output_ids)]
+        spans = [
+            WeightVersionSpan(weight_version=version, start=start, end=end)
+            for (version, start), end in zip(self._spans, ends, strict=False)
+        ]
         start = spans[0].weight_version if spans else current_version
         end = spans[-1].weight_version if spans else current_version
         # SGLang's shape: (logprob, token id, token text); the text is never filled in.
