@@ -441,7 +441,19 @@ class Scheduler:
         self._finish(seq, FinishReason(type="abort", message=message), interrupted=True)
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, interrupted: bool = False) -> None:
-        seq.sink.finish(self._response(seq, reason, interrupted=interrupted))
+        try:
+            response = self._response(seq, reason, interrupted=interrupted)
+        except Exception as exc:  # its caller must still be answered, and this thread live on
+            # A tokenizer that cannot decode the output: raised again by the failure paths that end
+            # the request, it would end this thread and leave every caller waiting.
+            logger.exception("could not build the answer of request %s; it ends without its text", seq.rid)
+            detail = f"{type(exc).__name__}: {exc}"
+            message = f"the engine could not decode this request's output ({detail[:200]}); see the server log"
+            failed = FinishReason(type="abort", message=message)
+            response = seq.response(
+                failed, interrupted=True, detokenizer=_NO_TEXT, current_version=self._weight_version()
+            )
+        seq.sink.finish(response)
 
     def _response(self, seq: Sequence, reason: FinishReason | None, *, interrupted: bool) -> GenerateResponse:
         return seq.response(
@@ -453,6 +465,16 @@ class Scheduler:
         for seq in {id(s): s for s in [*self._rows, *admitted]}.values():
             self._finish(seq, reason, interrupted=True)
         self._rows, self._batch, self._logits, self._needs_rebuild = [], None, None, False
+
+
+class _NoText:
+    """Decodes nothing: the answer of a request whose output the tokenizer could not decode."""
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
+        return ""
+
+
+_NO_TEXT = _NoText()
 
 
 @dataclass(frozen=True)

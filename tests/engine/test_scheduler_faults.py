@@ -86,7 +86,12 @@ def runner_cls(request: pytest.FixtureRequest) -> type[_Poisoned]:
 
 
 def generate(
-    checkpoint: Path, runner_cls: type, requests: dict[str, tuple[list[int], SamplingParams]], *, poison: int | None
+    checkpoint: Path,
+    runner_cls: type,
+    requests: dict[str, tuple[list[int], SamplingParams]],
+    *,
+    poison: int | None,
+    detokenizer: _Detokenizer | None = None,
 ) -> dict[str, GenerateResponse]:
     """Run ``requests`` (rid -> prompt, settings) through one scheduler, admitted as one group."""
     model = load_model(checkpoint, device=CPU)
@@ -98,7 +103,7 @@ def generate(
 
     scheduler = Scheduler(
         setup=setup,
-        detokenizer=_Detokenizer(checkpoint),
+        detokenizer=detokenizer or _Detokenizer(checkpoint),
         weights_lock=WeightsLock(),
         weight_version=lambda: "1",
         max_running_requests=16,
@@ -211,3 +216,43 @@ def test_a_decode_that_fails_rebuilds_the_batch_and_fails_only_its_cause(
     # Its output up to and including the token whose decode failed comes back.
     assert results["bad"].output_ids == output[: index + 1]
     assert_logged_with_traceback(caplog, "bad")
+
+
+class _FailsOnLength(_Detokenizer):
+    """A tokenizer that cannot decode an output of ``length`` tokens."""
+
+    def __init__(self, checkpoint: Path, length: int) -> None:
+        super().__init__(checkpoint)
+        self.length = length
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
+        if len(ids) == self.length:
+            raise ValueError(f"cannot decode {len(ids)} tokens")
+        return super().decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_an_output_the_tokenizer_cannot_decode_ends_its_request_alone_without_text(
+    checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Answering the request fails at every try (its end, then the failure paths that would end it):
+    it is still answered, without its text, and the scheduler thread goes on serving the others."""
+    checkpoint = checkpoints["v1"]
+    expected = {rid: alone(checkpoint, TransformersRunner, prompt) for rid, prompt in (("a", A), ("b", B))}
+    short = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    caplog.set_level(logging.WARNING, logger="miles.engine")
+    results = generate(
+        checkpoint,
+        TransformersRunner,
+        {"a": (A, GREEDY), "bad": (C, short), "b": (B, GREEDY)},
+        poison=None,
+        detokenizer=_FailsOnLength(checkpoint, 5),
+    )
+    assert_finished_as_alone(results["a"], expected["a"])
+    assert_finished_as_alone(results["b"], expected["b"])
+    bad = results["bad"]
+    assert bad.meta_info.finish_reason is not None and bad.meta_info.finish_reason.type == "abort"
+    assert "could not decode this request's output (ValueError: cannot decode 5 tokens)" in (
+        bad.meta_info.finish_reason.message or ""
+    )
+    assert bad.text == "" and bad.output_ids == alone(checkpoint, TransformersRunner, C, short)
+    assert any(r.getMessage().startswith("could not build the answer of request bad") for r in caplog.records)
