@@ -116,17 +116,16 @@ def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tens
         digest = copy_and_digest(flat[entry.offset : entry.offset + entry.nbytes], source)
         return entry.model_copy(update={"digest": digest})
 
-    if flat.device.type != "cpu":
-        packed = BucketTable(entries=tuple(one(e) for e in table.entries))
-        torch.cuda.synchronize(flat.device)
-        return packed
     threads = min(torch.get_num_threads(), len(table.entries))
-    if threads < 2 or table.nbytes < _PARALLEL_PACK_BYTES:
-        return BucketTable(entries=tuple(one(e) for e in table.entries))
-    largest_first = sorted(table.entries, key=lambda e: e.nbytes, reverse=True)
-    with ThreadPoolExecutor(threads, thread_name_prefix="miles-pack") as pool:
-        done = dict(zip((e.name for e in largest_first), pool.map(one, largest_first), strict=True))
-    return BucketTable(entries=tuple(done[e.name] for e in table.entries))
+    if flat.device.type == "cpu" and threads >= 2 and table.nbytes >= _PARALLEL_PACK_BYTES:
+        largest_first = sorted(table.entries, key=lambda e: e.nbytes, reverse=True)
+        with ThreadPoolExecutor(threads, thread_name_prefix="miles-pack") as pool:
+            done = dict(zip((e.name for e in largest_first), pool.map(one, largest_first), strict=True))
+        return BucketTable(entries=tuple(done[e.name] for e in table.entries))
+    packed = BucketTable(entries=tuple(one(e) for e in table.entries))
+    if flat.device.type != "cpu":
+        torch.cuda.synchronize(flat.device)
+    return packed
 
 
 class Received:
