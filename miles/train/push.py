@@ -394,10 +394,8 @@ def _share(module: torch.nn.Module) -> Segment | None:
         storages.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
     if not storages:
         return None
-    offsets, size = [], 0
-    for storage, _ in storages.values():
-        offsets.append(size)
-        size += -(-storage.nbytes() // _SHARED_ALIGN) * _SHARED_ALIGN
+    aligned = [-(-storage.nbytes() // _SHARED_ALIGN) * _SHARED_ALIGN for storage, _ in storages.values()]
+    *offsets, size = [0, *itertools.accumulate(aligned)]
     segment = Segment(size)
     with torch.no_grad():
         for (storage, tensors), at in zip(storages.values(), offsets, strict=True):
