@@ -24,6 +24,14 @@ DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 TORCH_DTYPES = {dtype_name(dtype): dtype for dtype in SAFETENSORS_DTYPES.values()}
 
 
+def torch_dtype(name: str, dtype: str) -> torch.dtype:
+    """Tensor ``name``'s ``dtype`` by its torch name (``torch.`` prefix allowed); InvalidRequestError for another."""
+    try:
+        return TORCH_DTYPES[dtype.removeprefix("torch.")]
+    except KeyError:
+        raise InvalidRequestError(f"tensor {name!r} has dtype {dtype!r}; known: {', '.join(TORCH_DTYPES)}") from None
+
+
 class BucketEntry(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -35,12 +43,7 @@ class BucketEntry(BaseModel):
     digest: Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]+$")] | None = None
 
     def torch_dtype(self) -> torch.dtype:
-        try:
-            return TORCH_DTYPES[self.dtype.removeprefix("torch.")]
-        except KeyError:
-            raise InvalidRequestError(
-                f"tensor {self.name!r} has dtype {self.dtype!r}; known: {', '.join(TORCH_DTYPES)}"
-            ) from None
+        return torch_dtype(self.name, self.dtype)
 
     def tensor_digest(self) -> TensorDigest:
         assert self.digest is not None
