@@ -251,12 +251,7 @@ class PushPublisher:
             async with self._transports.sender(sending, calls, path=path, shared=self.shared_segment) as sender:
                 return await _stream(sender, sending, stats=stats, unchanged=unchanged, known=digests or {})
 
-        try:
-            checksum = await push_in_window(self.windows, window, stream, step=step, stats=stats)
-        except (PublishError, asyncio.CancelledError):
-            raise
-        except BaseException as exc:
-            raise PublishError(f"pushing step {step} failed: {exc}") from exc
+        checksum = await push_in_window(self.windows, window, stream, step=step, stats=stats)
         stats.timings["open"] = opened - started
         self.last = stats
         if self.delta:
