@@ -57,8 +57,6 @@ def write_initial_checkpoint(
 
 @dataclass(frozen=True, slots=True)
 class _Scored:
-    """A served sample with its reward, ready for the loss."""
-
     prompt_ids: tuple[int, ...]
     sample: Sample
     reward: float
