@@ -1,11 +1,7 @@
-"""The reference trainer: a tiny causal LM, SFT warm-up then GRPO on samples from the servers.
-
-``Trainer(config, sampler=..., publisher=...).run()`` trains and publishes every step's weights
-through a ``Publisher`` (``DiskPublisher``: checkpoint, checksum event, verified apply).
-"""
+"""The reference trainer: a tiny causal LM, SFT warm-up then GRPO on samples from the servers."""
 
 from miles.train.config import TrainerConfig
-from miles.train.publisher import DiskPublisher, Publisher
+from miles.train.publisher import DiskPublisher
 from miles.train.reports import Phase, StepReport
 from miles.train.sampling import HttpSampler
 from miles.train.trainer import Trainer, write_initial_checkpoint
@@ -14,7 +10,6 @@ __all__ = [
     "DiskPublisher",
     "HttpSampler",
     "Phase",
-    "Publisher",
     "StepReport",
     "Trainer",
     "TrainerConfig",

@@ -20,9 +20,7 @@ import torch
 
 def group_advantages(rewards: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
     """Advantages ``[P, G]`` for rewards ``[P, G]`` (one row per prompt, one column per sample).
-
-    Rows with zero variance give exactly zero; others give ``(r - mean) / (std + eps)``. Raises
-    ValueError when ``rewards`` is not two-dimensional or a group has fewer than two samples."""
+    Raises ValueError when ``rewards`` is not two-dimensional or a group has fewer than two samples."""
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be [prompts, group] with group >= 2, got shape {tuple(rewards.shape)}")
     rewards = rewards.double()
@@ -37,13 +35,14 @@ def group_advantages(rewards: torch.Tensor, *, eps: float = 1e-6) -> torch.Tenso
 
 @dataclass(frozen=True, slots=True)
 class PolicyLoss:
-    """The loss to backpropagate and what it says about the batch."""
+    """The loss to backpropagate and what it says about the batch (an SFT step's loss leaves the
+    rest at their neutral values)."""
 
     loss: torch.Tensor
-    num_tokens: int
+    num_tokens: int = 0
     # Share of tokens where the clipped term was the smaller one (the gradient was cut there).
-    clip_fraction: float
-    mean_ratio: float
+    clip_fraction: float = 0.0
+    mean_ratio: float = 1.0
     # How far the trainer's policy is from the behaviour policy that sampled the tokens: the
     # token mean of ``ratio - 1 - log(ratio)``, an estimate of KL(behaviour || trainer) that is
     # never negative and 0 only when the logprobs agree. (The mean ratio itself is 1 in
@@ -59,13 +58,10 @@ def clipped_policy_loss(
     mask: torch.Tensor,
     clip_eps: float,
 ) -> PolicyLoss:
-    """The clipped policy-gradient loss, token-mean over the batch.
-
-    ``logp_trainer`` (with grad) and ``logp_server`` are ``[N, T]`` per-token logprobs of the
-    sampled tokens; ``advantages`` is ``[N]`` (one per completion, shared by its tokens); ``mask``
-    ``[N, T]`` marks real completion tokens. A batch without tokens gives a zero loss that still
-    backpropagates (to keep the caller's step uniform). Raises ValueError when shapes disagree or
-    ``clip_eps`` is not in ``(0, 1)``."""
+    """The clipped policy-gradient loss of ``[N, T]`` per-token logprobs (``logp_trainer`` with grad),
+    ``[N]`` advantages (one per completion) and the ``[N, T]`` ``mask`` of real completion tokens. A
+    batch without tokens gives a zero loss that still backpropagates (to keep the caller's step
+    uniform). Raises ValueError when shapes disagree or ``clip_eps`` is not in ``(0, 1)``."""
     if not 0 < clip_eps < 1:
         raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
     if logp_trainer.shape != logp_server.shape or logp_trainer.shape != mask.shape:
@@ -83,7 +79,7 @@ def clipped_policy_loss(
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped)
     if num_tokens == 0:
-        return PolicyLoss(loss=(logp_trainer * 0.0).sum(), num_tokens=0, clip_fraction=0.0, mean_ratio=1.0)
+        return PolicyLoss(loss=(logp_trainer * 0.0).sum())
     loss = per_token.masked_fill(~mask, 0.0).sum() / num_tokens
     with torch.no_grad():
         cut = (clipped < unclipped) & mask

@@ -170,16 +170,12 @@ class PushPublisher:
         # Move a published model's weights into shared memory (``share_memory``) on its first
         # publish that may go over shared memory.
         self.share_weights = share_weights
-        self._shared: Segment | None = None
+        # The segment ``share_memory`` moved a model's weights into, while it is there.
+        self.shared_segment: Segment | None = None
         # The digest of every tensor the servers were last committed on (delta pushes).
         self._held: dict[str, str] | None = None
         self.last: PushStats | None = None
         self._transports = Transports(master_address=master_address, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
-
-    @property
-    def shared_segment(self) -> Segment | None:
-        """The segment ``share_memory`` moved a model's weights into, while it is there."""
-        return self._shared
 
     def share_memory(self, module: torch.nn.Module) -> torch.nn.Module:
         """Move ``module``'s CPU parameters and buffers (same objects, same values) into a new
@@ -187,26 +183,24 @@ class PushPublisher:
         ``module``; raises PublishError when the memory for them cannot be had."""
         segment = _share(module)
         if segment is not None:
-            previous, self._shared = self._shared, segment
+            previous, self.shared_segment = self.shared_segment, segment
             if previous is not None:
                 previous.close()  # its file; the memory goes with the last tensor viewing it
         return module
 
-    def _shares(self, module: torch.nn.Module) -> bool:
-        shared = self._shared
-        return shared is not None and all(shared.holds(t) for t in _shareable(module))
-
     async def close(self) -> None:
         """Free the segments, buffers and connections; the publisher can be used again."""
         await self._transports.close()
-        if self._shared is not None:
-            shared, self._shared = self._shared, None
+        if self.shared_segment is not None:
+            shared, self.shared_segment = self.shared_segment, None
             await asyncio.to_thread(shared.close)  # its file; the model keeps its memory
 
     async def publish(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, step: int) -> PublishResult:
         """Return once the servers serve ``model``'s weights as version ``step``, verified; raises
         PublishError when the push or the commit failed (the servers keep their verified weights)."""
-        if self.share_weights and self.path is not TransferPath.DISTRIBUTED and not self._shares(model):
+        shared = self.shared_segment
+        held = shared is not None and all(shared.holds(t) for t in _shareable(model))
+        if self.share_weights and self.path is not TransferPath.DISTRIBUTED and not held:
             try:
                 await asyncio.to_thread(self.share_memory, model)
             except PublishError as exc:
@@ -254,15 +248,10 @@ class PushPublisher:
             path = await asyncio.to_thread(self._choose, window)
             stats.path = path.value
             calls = self._transports.calls(window, step=step, stats=stats)
-            async with self._transports.sender(sending, calls, path=path, shared=self._shared) as sender:
+            async with self._transports.sender(sending, calls, path=path, shared=self.shared_segment) as sender:
                 return await _stream(sender, sending, stats=stats, unchanged=unchanged, known=digests or {})
 
-        try:
-            checksum = await push_in_window(self.windows, window, stream, step=step, stats=stats)
-        except (PublishError, asyncio.CancelledError):
-            raise
-        except BaseException as exc:
-            raise PublishError(f"pushing step {step} failed: {exc}") from exc
+        checksum = await push_in_window(self.windows, window, stream, step=step, stats=stats)
         stats.timings["open"] = opened - started
         self.last = stats
         if self.delta:
@@ -400,10 +389,8 @@ def _share(module: torch.nn.Module) -> Segment | None:
         storages.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
     if not storages:
         return None
-    offsets, size = [], 0
-    for storage, _ in storages.values():
-        offsets.append(size)
-        size += -(-storage.nbytes() // _SHARED_ALIGN) * _SHARED_ALIGN
+    aligned = [-(-storage.nbytes() // _SHARED_ALIGN) * _SHARED_ALIGN for storage, _ in storages.values()]
+    *offsets, size = [0, *itertools.accumulate(aligned)]
     segment = Segment(size)
     with torch.no_grad():
         for (storage, tensors), at in zip(storages.values(), offsets, strict=True):

@@ -67,7 +67,6 @@ class _ReportPipe:
 async def _train(
     trainer: Trainer, *, http: httpx.AsyncClient, publisher: ShardedPublisher, report: _ReportPipe | None
 ) -> None:
-    """Train to the end; rank 0 (given ``report``) reports the summary or why it failed."""
     if report is not None:
         await report.connect()
     try:

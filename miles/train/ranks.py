@@ -285,7 +285,6 @@ class TrainerRanks:
         )
 
     async def _end(self, ranks: list[_Rank]) -> None:
-        """End every rank still running: SIGTERM, then SIGKILL after the grace period."""
         alive = [r for r in ranks if r.process.returncode is None]
         for rank in alive:
             with contextlib.suppress(ProcessLookupError):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
 from typing import Annotated
 
@@ -81,12 +81,16 @@ class Staleness(_Frozen):
 
 def rewards_by_version(versions: Sequence[str], rewards: Sequence[float]) -> tuple[VersionReward, ...]:
     """Group ``rewards`` by the version that produced each, in order of first appearance."""
-    grouped: dict[str, list[float]] = defaultdict(list)
-    for version, reward in zip(versions, rewards, strict=True):
-        grouped[version].append(reward)
-    return tuple(
-        VersionReward(weight_version=v, mean_reward=sum(r) / len(r), num_samples=len(r)) for v, r in grouped.items()
-    )
+    return _version_means((v, r, 1) for v, r in zip(versions, rewards, strict=True))
+
+
+def _version_means(totals: Iterable[tuple[str, float, int]]) -> tuple[VersionReward, ...]:
+    """The mean reward per version of ``(version, reward total, sample count)`` triples."""
+    by_version: dict[str, tuple[float, int]] = {}
+    for version, total, count in totals:
+        was_total, was_count = by_version.get(version, (0.0, 0))
+        by_version[version] = (was_total + total, was_count + count)
+    return tuple(VersionReward(weight_version=v, mean_reward=t / c, num_samples=c) for v, (t, c) in by_version.items())
 
 
 class StepReport(_Frozen):
@@ -130,19 +134,15 @@ class StepReport(_Frozen):
         def mean(value: Callable[[StepReport], float]) -> float:
             return sum(value(p) for p in parts) / len(parts)
 
-        by_version: dict[str, tuple[float, int]] = {}  # a version's reward total and sample count
-        for part in parts:
-            for v in part.rewards_by_version:
-                total, count = by_version.get(v.weight_version, (0.0, 0))
-                by_version[v.weight_version] = (total + v.mean_reward * v.num_samples, count + v.num_samples)
         return parts[0].model_copy(
             update={
                 "loss": mean(lambda p: p.loss),
                 "mean_reward": _sample_mean(parts, lambda p: p.mean_reward),
                 "exact_rate": _sample_mean(parts, lambda p: p.exact_rate),
-                "rewards_by_version": tuple(
-                    VersionReward(weight_version=version, mean_reward=total / count, num_samples=count)
-                    for version, (total, count) in by_version.items()
+                "rewards_by_version": _version_means(
+                    (v.weight_version, v.mean_reward * v.num_samples, v.num_samples)
+                    for p in parts
+                    for v in p.rewards_by_version
                 ),
                 "num_samples": sum(p.num_samples for p in parts),
                 "num_interrupted": sum(p.num_interrupted for p in parts),

@@ -66,12 +66,11 @@ class HttpSampler:
         """``http`` is the caller's to close; ValueError when no URL is given."""
         if not urls:
             raise ValueError("give at least one /generate base URL")
-        self._urls = tuple(u.rstrip("/") for u in urls)
         self._http = http
         self._timeout_s = timeout_s
         # Continues across calls, so that with several URLs every server gets its share even
         # when each call has fewer prompts than there are servers.
-        self._next_url = itertools.cycle(self._urls)
+        self._next_url = itertools.cycle([u.rstrip("/") for u in urls])
 
     async def sample(
         self,

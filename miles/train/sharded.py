@@ -1,11 +1,7 @@
 """Publishing the weights of a sharded trainer: ``ShardedPublisher``, called by every rank.
 
-An FSDP2 trainer publishes without any rank holding the whole model (docs/ARCHITECTURE.md, "Pushing
-weights from memory", Sharded trainers): rank 0 opens one window and speaks to the controller and
-the engines; each bucket is filled by the ranks that own its bytes, **direct** (written into rank
-0's shared-memory bucket segment) or **gathered** (one gather to rank 0 per bucket), each rank
-hashing the 256 KiB chunks inside its rows. Every collective is on a gloo group of the publisher's
-with ``timeout_s``: a rank that dies or never comes fails the others within it, naming it.
+No rank holds the whole model; how the ranks fill each bucket is in docs/ARCHITECTURE.md, "Pushing
+weights from memory", Sharded trainers.
 """
 
 from __future__ import annotations

@@ -99,11 +99,8 @@ def parse_completion(output_ids: Sequence[int], *, tokenizer: PreTrainedTokenize
 
     Special tokens other than EOS stay in the text (as their names), so they count as junk."""
     eos = tokenizer.eos_token_id
-    kept, ending = list(output_ids), Ending.CUT
-    for index, token in enumerate(output_ids):
-        if token == eos or token == NEWLINE_TOKEN_ID:
-            kept, ending = list(output_ids[:index]), Ending.EOS if token == eos else Ending.NEWLINE
-            break
-    text = tokenizer.decode(kept, skip_special_tokens=False)
+    end = next((i for i, token in enumerate(output_ids) if token in (eos, NEWLINE_TOKEN_ID)), None)
+    ending = Ending.CUT if end is None else Ending.EOS if output_ids[end] == eos else Ending.NEWLINE
+    text = tokenizer.decode(list(output_ids[:end]), skip_special_tokens=False)
     assert isinstance(text, str)  # one sequence of ids decodes to one string
     return Completion(text=text, ending=ending)

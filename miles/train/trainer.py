@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import os
 import random
@@ -25,7 +26,7 @@ from miles.errors import TrainerError
 from miles.models.presets import build_model
 from miles.models.tokenizer import build_tokenizer
 from miles.train.config import LoopMode, TrainerConfig
-from miles.train.grpo import clipped_policy_loss, group_advantages
+from miles.train.grpo import PolicyLoss, clipped_policy_loss, group_advantages
 from miles.train.parallel import Parallelism, SingleProcess, share
 from miles.train.policy import completion_logprobs, encode_answer, encode_prompt, pack, sft_loss
 from miles.train.publisher import Publisher, PublishResult
@@ -55,19 +56,7 @@ def write_initial_checkpoint(
 
 
 @dataclass(frozen=True, slots=True)
-class _Update:
-    """What one optimizer step reports (SFT leaves the GRPO-only figures at their neutral values)."""
-
-    loss: float
-    clip_fraction: float = 0.0
-    mean_ratio: float = 1.0
-    behaviour_kl: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class _Scored:
-    """A served sample with its reward, ready for the loss."""
-
     prompt_ids: tuple[int, ...]
     sample: Sample
     reward: float
@@ -301,7 +290,7 @@ class Trainer:
         step: int,
         groups: Sequence[Group],
         scored: Sequence[Sequence[_Scored]],
-        update: _Update,
+        update: PolicyLoss,
         *,
         publish: PublishResult | None,
         step_s: float,
@@ -313,7 +302,7 @@ class Trainer:
         return StepReport(
             step=step,
             phase=phase,
-            loss=update.loss,
+            loss=float(update.loss),
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
             exact_rate=sum(s.reward == 1.0 for s in samples) / len(samples) if samples else 0.0,
             rewards_by_version=rewards_by_version([s.sample.weight_version for s in samples], rewards),
@@ -347,7 +336,7 @@ class Trainer:
             for problem, g in zip(problems, groups, strict=True)
         ]
 
-    def _sft_update(self, problems: Sequence[Problem], optimizer: torch.optim.Optimizer) -> _Update:
+    def _sft_update(self, problems: Sequence[Problem], optimizer: torch.optim.Optimizer) -> PolicyLoss:
         batch = pack(
             [encode_prompt(p, tokenizer=self.tokenizer) for p in problems],
             [encode_answer(p, tokenizer=self.tokenizer) for p in problems],
@@ -355,16 +344,16 @@ class Trainer:
         )
         loss = sft_loss(self.model, batch)
         self._apply_gradients(loss, optimizer)
-        return _Update(loss=float(loss.detach()))
+        return PolicyLoss(loss=loss.detach())
 
-    def _grpo_update(self, scored: Sequence[Sequence[_Scored]], optimizer: torch.optim.Optimizer) -> _Update:
+    def _grpo_update(self, scored: Sequence[Sequence[_Scored]], optimizer: torch.optim.Optimizer) -> PolicyLoss:
         # A group cut below two samples by interruptions has no baseline to compare against.
         kept = [group for group in scored if len(group) >= 2]
         rows = [s for group in kept for s in group]
         if not rows:
             if self._parallel.world_size > 1:
                 self._apply_gradients(self._nothing_learned(), optimizer)
-            return _Update(loss=0.0)
+            return PolicyLoss(loss=torch.zeros(()))
         batch = pack(
             [r.prompt_ids for r in rows], [r.sample.output_ids for r in rows], pad_token_id=self.tokenizer.pad_token_id
         )
@@ -383,12 +372,8 @@ class Trainer:
             clip_eps=self.config.clip_eps,
         )
         self._apply_gradients(result.loss, optimizer)
-        return _Update(
-            loss=float(result.loss.detach()),
-            clip_fraction=result.clip_fraction,
-            mean_ratio=result.mean_ratio,
-            behaviour_kl=result.behaviour_kl,
-        )
+        # Detached: the report may wait a step for its publish, and must not keep the graph alive.
+        return dataclasses.replace(result, loss=result.loss.detach())
 
     def _nothing_learned(self) -> torch.Tensor:
         """A loss of 0 with the model in its graph, for a rank whose share of a step left nothing to

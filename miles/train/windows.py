@@ -119,7 +119,7 @@ async def push_in_window(
 ) -> str:
     """Run ``push`` (it returns the model checksum) while the window's lease is renewed, publish
     that checksum and end the window; returns the checksum. Whatever fails aborts the window and is
-    raised as it is; a window the controller did not commit raises PublishError."""
+    raised as a PublishError (a cancellation as it is), as is a window the controller did not commit."""
     began = time.perf_counter()
     version = str(step)
     renewing = asyncio.create_task(keep_alive(client, window), name=f"renew-window-{window.token}")
@@ -134,7 +134,9 @@ async def push_in_window(
         ended = await client.end(window, checksum=checksum, step=step, weight_version=version)
     except BaseException as exc:
         await abort_quietly(client, window, reason=f"the push failed: {exc}")
-        raise
+        if isinstance(exc, PublishError | asyncio.CancelledError):
+            raise
+        raise PublishError(f"pushing step {step} failed: {exc}") from exc
     finally:
         renewing.cancel()
         await asyncio.gather(renewing, return_exceptions=True)

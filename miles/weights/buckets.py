@@ -24,6 +24,14 @@ DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 TORCH_DTYPES = {dtype_name(dtype): dtype for dtype in SAFETENSORS_DTYPES.values()}
 
 
+def torch_dtype(name: str, dtype: str) -> torch.dtype:
+    """Tensor ``name``'s ``dtype`` by its torch name (``torch.`` prefix allowed); InvalidRequestError for another."""
+    try:
+        return TORCH_DTYPES[dtype.removeprefix("torch.")]
+    except KeyError:
+        raise InvalidRequestError(f"tensor {name!r} has dtype {dtype!r}; known: {', '.join(TORCH_DTYPES)}") from None
+
+
 class BucketEntry(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -35,12 +43,7 @@ class BucketEntry(BaseModel):
     digest: Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]+$")] | None = None
 
     def torch_dtype(self) -> torch.dtype:
-        try:
-            return TORCH_DTYPES[self.dtype.removeprefix("torch.")]
-        except KeyError:
-            raise InvalidRequestError(
-                f"tensor {self.name!r} has dtype {self.dtype!r}; known: {', '.join(TORCH_DTYPES)}"
-            ) from None
+        return torch_dtype(self.name, self.dtype)
 
     def tensor_digest(self) -> TensorDigest:
         assert self.digest is not None
@@ -116,17 +119,16 @@ def pack(named: Mapping[str, torch.Tensor], table: BucketTable, into: torch.Tens
         digest = copy_and_digest(flat[entry.offset : entry.offset + entry.nbytes], source)
         return entry.model_copy(update={"digest": digest})
 
-    if flat.device.type != "cpu":
-        packed = BucketTable(entries=tuple(one(e) for e in table.entries))
-        torch.cuda.synchronize(flat.device)
-        return packed
     threads = min(torch.get_num_threads(), len(table.entries))
-    if threads < 2 or table.nbytes < _PARALLEL_PACK_BYTES:
-        return BucketTable(entries=tuple(one(e) for e in table.entries))
-    largest_first = sorted(table.entries, key=lambda e: e.nbytes, reverse=True)
-    with ThreadPoolExecutor(threads, thread_name_prefix="miles-pack") as pool:
-        done = dict(zip((e.name for e in largest_first), pool.map(one, largest_first), strict=True))
-    return BucketTable(entries=tuple(done[e.name] for e in table.entries))
+    if flat.device.type == "cpu" and threads >= 2 and table.nbytes >= _PARALLEL_PACK_BYTES:
+        largest_first = sorted(table.entries, key=lambda e: e.nbytes, reverse=True)
+        with ThreadPoolExecutor(threads, thread_name_prefix="miles-pack") as pool:
+            done = dict(zip((e.name for e in largest_first), pool.map(one, largest_first), strict=True))
+        return BucketTable(entries=tuple(done[e.name] for e in table.entries))
+    packed = BucketTable(entries=tuple(one(e) for e in table.entries))
+    if flat.device.type != "cpu":
+        torch.cuda.synchronize(flat.device)
+    return packed
 
 
 class Received:

@@ -227,7 +227,16 @@ def checksum_safetensors(paths_or_dir: str | os.PathLike[str] | Iterable[str | o
     """The checksum of the tensors in a safetensors file, several, or a directory (the files
     ``from_pretrained`` would load). Raises CheckpointFileMissingError, CheckpointFileTruncatedError
     or CheckpointFileInvalidError (a file missing, cut or malformed, or a tensor name in two files)."""
-    return checksum_files(_expand_paths(paths_or_dir))[0]
+    if isinstance(paths_or_dir, str | os.PathLike):
+        single = Path(paths_or_dir)
+        paths = index_files(single) if single.is_dir() else [single]
+        if not paths:
+            raise CheckpointFileMissingError("directory holds no safetensors files", path=str(single))
+    else:
+        paths = [Path(p) for p in paths_or_dir]
+        if not paths:
+            raise CheckpointFileMissingError("no safetensors files given")
+    return checksum_files(paths)[0]
 
 
 def checksum_files(paths: Sequence[Path]) -> tuple[ModelChecksum, dict[str, Path]]:
@@ -264,16 +273,3 @@ def collect_slots(files: Iterable[SafetensorsFile]) -> list[tuple[SafetensorsFil
             owner[name] = mapped.path
             slots.append((mapped, slot))
     return slots
-
-
-def _expand_paths(paths_or_dir: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[Path]:
-    if isinstance(paths_or_dir, str | os.PathLike):
-        single = Path(paths_or_dir)
-        paths = index_files(single) if single.is_dir() else [single]
-        if not paths:
-            raise CheckpointFileMissingError("directory holds no safetensors files", path=str(single))
-        return paths
-    paths = [Path(p) for p in paths_or_dir]
-    if not paths:
-        raise CheckpointFileMissingError("no safetensors files given")
-    return paths

@@ -85,15 +85,6 @@ class TensorSlot:
         return self.end - self.begin
 
 
-@dataclass(frozen=True, slots=True)
-class SafetensorsHeader:
-    """The parsed header of one safetensors file, checked against the file's size."""
-
-    path: Path
-    size: int
-    tensors: Mapping[str, TensorSlot]
-
-
 def open_regular(path: Path) -> BinaryIO:
     """Open ``path`` for reading if it is a regular file; CheckpointFileInvalidError otherwise,
     FileNotFoundError and NotADirectoryError passed through. A checkpoint is data an attacker may
@@ -115,9 +106,9 @@ def open_regular(path: Path) -> BinaryIO:
         raise
 
 
-def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
-    """The header of the safetensors file at ``path``, each tensor's bytes checked to lie in the file and
-    to match its dtype and shape. Raises CheckpointFileMissingError (no file), CheckpointFileTruncatedError
+def read_header(path: str | os.PathLike[str]) -> Mapping[str, TensorSlot]:
+    """The tensors the header of the safetensors file at ``path`` lists, each one's bytes checked to lie in
+    the file and to match its dtype and shape. Raises CheckpointFileMissingError (no file), CheckpointFileTruncatedError
     (it ends before the header or a tensor's bytes), CheckpointFileInvalidError (a malformed header)."""
     path = Path(path)
     try:
@@ -163,7 +154,7 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
                 size=size,
                 needed=slot.end,
             )
-    return SafetensorsHeader(path=path, size=size, tensors=MappingProxyType(tensors))
+    return MappingProxyType(tensors)
 
 
 def _parse_entry(path: Path, name: str, entry: object, data_start: int) -> TensorSlot:
@@ -200,9 +191,9 @@ class SafetensorsFile(AbstractContextManager["SafetensorsFile"]):
     its reader with SIGBUS; read, it gives an error naming what happened."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        header = read_header(path)
-        self.path, self.tensors = header.path, header.tensors
-        self._file: BinaryIO | None = open_regular(header.path) if header.size > 0 else None
+        self.path = Path(path)
+        self.tensors = read_header(self.path)
+        self._file: BinaryIO | None = open_regular(self.path)
 
     def digest(self, slot: TensorSlot, *, into: numpy.ndarray | None = None) -> str:
         """The digest of ``slot``'s bytes, read a slice at a time into this thread's buffer, which

@@ -290,11 +290,11 @@ def plain_checkpoint_problems(directory: Path) -> list[str]:
     seen: dict[str, str] = {}
     for path in files:
         try:
-            header = read_header(path)
+            tensors = read_header(path)
         except CheckpointFileError as exc:
             problems.append(f"{path.name}: {exc.message}")
             continue
-        for name in header.tensors:
+        for name in tensors:
             if name in seen:
                 problems.append(f"tensor {name!r} is in both {seen[name]} and {path.name}")
             seen[name] = path.name

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from miles.errors import ConflictError, InvalidRequestError
-from miles.weights.buckets import TORCH_DTYPES, BucketEntry, BucketTable, Received, unpack
+from miles.weights.buckets import BucketEntry, BucketTable, Received, torch_dtype, unpack
 
 T = TypeVar("T")
 
@@ -139,11 +139,7 @@ def broadcast_table(
             raise InvalidRequestError(f"tensor {name!r} appears twice in one bucket; name each tensor once")
         seen.add(name)
         dtype = raw_dtype.removeprefix("torch.")
-        if dtype not in TORCH_DTYPES:
-            raise InvalidRequestError(
-                f"tensor {name!r} has unknown dtype {raw_dtype!r}; known: {', '.join(TORCH_DTYPES)}"
-            )
-        nbytes = math.prod(shape) * TORCH_DTYPES[dtype].itemsize
+        nbytes = math.prod(shape) * torch_dtype(name, raw_dtype).itemsize
         offset = -(-offset // align) * align
         entries.append(
             BucketEntry(name=name, dtype=dtype, shape=tuple(shape), offset=offset, nbytes=nbytes, digest=digest)

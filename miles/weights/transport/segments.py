@@ -123,13 +123,9 @@ def _close_soon(fd: int) -> None:
     under a lock that submitting from here would wait on forever)."""
     try:
         loop = asyncio.get_running_loop()
-    except RuntimeError:
-        loop = None
-    if loop is not None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: close it here
-            loop.call_soon_threadsafe(_close_off_loop, loop, fd)
-            return
-    _close(fd)
+        loop.call_soon_threadsafe(_close_off_loop, loop, fd)
+    except RuntimeError:  # no loop runs here, or it is closed: close it here
+        _close(fd)
 
 
 def _close_off_loop(loop: asyncio.AbstractEventLoop, fd: int) -> None:
