@@ -6,10 +6,9 @@ without a controller. Server ids are never cut: the checksum and the version giv
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -72,10 +71,3 @@ def _model_table(name: str, model: dict[str, Any], servers: list[dict[str, Any]]
             str(s["restarts"]),
         )
     return table
-
-
-def render_text(view: RenderableType, *, width: int = 80) -> str:
-    """The view as plain text at ``width`` columns (what a terminal of that width shows)."""
-    console = Console(width=width, record=True, file=io.StringIO(), color_system=None, force_terminal=False)
-    console.print(view)
-    return console.export_text()
