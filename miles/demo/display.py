@@ -26,7 +26,7 @@ class LiveDisplay:
     def __init__(self, console: Console, *, total_steps: int, controller: AsyncInferenceController, live: bool) -> None:
         self._console = console
         self._controller = controller
-        self._traffic: TrafficStats | None = None
+        self._traffic = TrafficStats()
         self._status_page: str | None = None
         self._rewards: deque[float] = deque(maxlen=20)
         self._last: StepReport | None = None
@@ -73,16 +73,12 @@ class LiveDisplay:
             return "waiting for the first step"
         health = self._controller.health()
         versions = ",".join(f"{v}x{n}" for m in health.models.values() for v, n in m.versions.items())
-        served, failed = self._served_failed()
         last = self._controller.last_update
         latency = f"{last.duration_s * 1e3:.0f} ms" if last else "-"
         return (
             f"step {report.step:>4} {report.phase.value:<4} reward {statistics.fmean(self._rewards):.3f} | "
-            f"serving v{versions} | update {latency} | users {served} ok {failed} failed"
+            f"serving v{versions} | update {latency} | users {self._traffic.served} ok {self._traffic.failed} failed"
         )
-
-    def _served_failed(self) -> tuple[int, int]:
-        return (self._traffic.served, self._traffic.failed) if self._traffic else (0, 0)
 
     def _render(self) -> Group:
         table = Table.grid(padding=(0, 2))
@@ -92,7 +88,7 @@ class LiveDisplay:
         health = self._controller.health()
         versions = ", ".join(f"v{v} on {n}" for m in health.models.values() for v, n in m.versions.items()) or "-"
         last = self._controller.last_update
-        served, failed = self._served_failed()
+        served, failed = self._traffic.served, self._traffic.failed
         table.add_row("step", f"{report.step} ({report.phase.value})" if report else "-")
         table.add_row("reward (last 20 steps)", f"{statistics.fmean(self._rewards):.3f}" if self._rewards else "-")
         table.add_row("exact answers (this step)", f"{report.exact_rate:.2f}" if report else "-")
