@@ -128,21 +128,17 @@ def _event_table(events: Sequence[Event], *, total: int) -> Table:
     for column in ("source", "model", "server", "step", "version", "details"):
         table.add_column(column, overflow="fold")
     for event in events:
-        table.add_row(
-            *(
-                Text(cell)
-                for cell in (
-                    event.timestamp.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
-                    event.type,
-                    f"{event.source.component}/{event.source.id}",
-                    _text(getattr(event, "model_name", None)),
-                    _servers(event),
-                    _text(getattr(event, "step", None)),
-                    _text(getattr(event, "weight_version", None)),
-                    event.summary(),
-                )
-            )
+        cells = (
+            event.timestamp.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
+            event.type,
+            f"{event.source.component}/{event.source.id}",
+            _text(getattr(event, "model_name", None)),
+            _servers(event),
+            _text(getattr(event, "step", None)),
+            _text(getattr(event, "weight_version", None)),
+            event.summary(),
         )
+        table.add_row(*map(Text, cells))
     return table
 
 
