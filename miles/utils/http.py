@@ -235,12 +235,8 @@ class BodyLimit:
         # The HTTP layer ends a body at its declared length, so only that needs checking; a
         # chunked body has none, and is counted as it arrives.
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            refusal = error_response(
-                self._message(f"{int(declared)} bytes"),
-                code=413,
-                kind="invalid_request_error",
-                headers={"connection": "close"},
-            )
+            message = self._message(f"{int(declared)} bytes")
+            refusal = error_response(message, code=413, kind="invalid_request_error", headers={"connection": "close"})
             await answer_unread(refusal, scope, receive, send)
             return
         received = 0
