@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from rich.console import Console, RenderableType
 
-from miles.commands.health_view import health_view
+from miles.commands.controller import health_view
 
 
 def render_text(view: RenderableType, *, width: int = 80) -> str:
