@@ -65,12 +65,9 @@ class LiveDisplay:
         elif report.step - self._printed >= 25 or report.step == 1:
             # Without a live terminal (CI logs), a line every 25 steps.
             self._printed = report.step
-            self._console.print(self._line(), soft_wrap=True)
+            self._console.print(self._line(report), soft_wrap=True)
 
-    def _line(self) -> str:
-        report = self._last
-        if report is None:
-            return "waiting for the first step"
+    def _line(self, report: StepReport) -> str:
         health = self._controller.health()
         versions = ",".join(f"{v}x{n}" for m in health.models.values() for v, n in m.versions.items())
         last = self._controller.last_update
