@@ -5,19 +5,16 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from miles.controller.core import AsyncInferenceController
+from miles.demo.report import DemoSummary
 from miles.demo.traffic import TrafficStats
 from miles.train.reports import StepReport
-
-if TYPE_CHECKING:
-    from miles.controller.core import AsyncInferenceController
-    from miles.demo.report import DemoSummary
 
 
 class LiveDisplay:
