@@ -7,7 +7,6 @@ be read or an option is invalid.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import IntEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -34,14 +33,6 @@ app = command_group(
     subcommand_metavar="",
     context_settings={"allow_interspersed_args": True},
 )
-
-
-class ExitCode(IntEnum):
-    """What ``miles events`` exits with."""
-
-    OK = 0
-    FINDINGS = 1
-    UNREADABLE = 2
 
 
 @app.callback(invoke_without_command=True)
@@ -77,7 +68,7 @@ def events(
         logged = read_events(directory)
     except EventLogError as exc:
         typer.echo(f"error: cannot read event log {directory}: {exc}", err=True)
-        raise typer.Exit(ExitCode.UNREADABLE) from exc
+        raise typer.Exit(2) from exc
 
     shown = [
         event
@@ -109,7 +100,7 @@ def events(
     report = analyze_events(logged)
     _print_report(report, console=console, as_json=as_json)
     if not report.passed:
-        raise typer.Exit(ExitCode.FINDINGS)
+        raise typer.Exit(1)
 
 
 def _validate_types(types: Sequence[str]) -> frozenset[str]:
