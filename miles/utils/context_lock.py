@@ -236,13 +236,8 @@ class ContextLock:
                         "and gave up; nothing was changed",
                         lock=self._name,
                     )
-                _logger.warning(
-                    "%r has waited %.0fs for lock %r, %s",
-                    holder,
-                    time.monotonic() - waiter.since,
-                    self._name,
-                    self._describe(),
-                )
+                waited = time.monotonic() - waiter.since
+                _logger.warning("%r has waited %.0fs for lock %r, %s", holder, waited, self._name, self._describe())
         except BaseException:
             self._leave(waiter)
             raise
