@@ -82,15 +82,13 @@ class LiveDisplay:
         health = self._controller.health()
         versions = ", ".join(f"v{v} on {n}" for m in health.models.values() for v, n in m.versions.items()) or "-"
         last = self._controller.last_update
+        update = f"{last.status.value} v{last.weight_version} in {last.duration_s * 1e3:.0f} ms" if last else "-"
         served, failed = self._traffic.served, self._traffic.failed
         table.add_row("step", f"{report.step} ({report.phase.value})" if report else "-")
         table.add_row("reward (last 20 steps)", f"{statistics.fmean(self._rewards):.3f}" if self._rewards else "-")
         table.add_row("exact answers (this step)", f"{report.exact_rate:.2f}" if report else "-")
         table.add_row("serving", f"{versions}  [{health.status}]")
-        table.add_row(
-            "last update",
-            f"{last.status.value} v{last.weight_version} in {last.duration_s * 1e3:.0f} ms" if last else "-",
-        )
+        table.add_row("last update", update)
         style = "red" if failed else "green"
         table.add_row("user requests", f"{served} served, [{style}]{failed} failed[/]")
         if self._status_page:
