@@ -27,9 +27,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ModelPreset:
-    """A named model: the transformers class, the config keyword arguments, the weight dtype."""
+    """A model of ``PRESETS``: the transformers class, the config keyword arguments, the weight dtype."""
 
-    name: str
     architecture: str
     config_kwargs: Mapping[str, Any]
     dtype: torch.dtype
@@ -54,8 +53,8 @@ class ModelPreset:
         return sum(p.numel() for p in model.parameters())
 
 
-def _preset(name: str, architecture: str, dtype: torch.dtype, **config_kwargs: Any) -> ModelPreset:
-    return ModelPreset(name, architecture, MappingProxyType(config_kwargs), dtype)
+def _preset(architecture: str, dtype: torch.dtype, **config_kwargs: Any) -> ModelPreset:
+    return ModelPreset(architecture, MappingProxyType(config_kwargs), dtype)
 
 
 _TINY = dict(
@@ -81,10 +80,10 @@ _500M = _TINY | dict(
 
 PRESETS: Mapping[str, ModelPreset] = MappingProxyType(
     {
-        "tiny": _preset("tiny", "LlamaForCausalLM", torch.float32, **_TINY),
-        "tiny-tied": _preset("tiny-tied", "LlamaForCausalLM", torch.float32, **_TINY | {"tie_word_embeddings": True}),
-        "small": _preset("small", "Qwen2ForCausalLM", torch.float32, **_SMALL),
-        "500m": _preset("500m", "Qwen2ForCausalLM", torch.bfloat16, **_500M),
+        "tiny": _preset("LlamaForCausalLM", torch.float32, **_TINY),
+        "tiny-tied": _preset("LlamaForCausalLM", torch.float32, **_TINY | {"tie_word_embeddings": True}),
+        "small": _preset("Qwen2ForCausalLM", torch.float32, **_SMALL),
+        "500m": _preset("Qwen2ForCausalLM", torch.bfloat16, **_500M),
     }
 )
 
