@@ -104,19 +104,13 @@ class LiveDisplay:
             ("trainer", summary.trainer),
             ("trainer steps", f"{summary.steps}"),
             ("updates committed / not", f"{summary.updates_committed} / {summary.updates_failed}"),
-            (
-                "update latency p50 / p95",
-                f"{summary.update_latency_p50_s * 1e3:.1f} / {summary.update_latency_p95_s * 1e3:.1f} ms",
-            ),
+            ("update latency p50 / p95", _ms(summary.update_latency_p50_s, summary.update_latency_p95_s)),
             (
                 f"publish over {summary.transfer_path} p50 / p95",
-                f"{summary.publish_latency_p50_s * 1e3:.1f} / {summary.publish_latency_p95_s * 1e3:.1f} ms",
+                _ms(summary.publish_latency_p50_s, summary.publish_latency_p95_s),
             ),
             ("user requests served / failed", f"{summary.requests_served} / {summary.requests_failed}"),
-            (
-                "request latency p50 / p95",
-                f"{summary.request_latency_p50_s * 1e3:.1f} / {summary.request_latency_p95_s * 1e3:.1f} ms",
-            ),
+            ("request latency p50 / p95", _ms(summary.request_latency_p50_s, summary.request_latency_p95_s)),
             ("checksum mismatches", f"{summary.checksum_mismatches}"),
             ("reward first -> last", f"{summary.reward_first:.3f} -> {summary.reward_last:.3f}"),
             ("exact answers first -> last", f"{summary.exact_first:.3f} -> {summary.exact_last:.3f}"),
@@ -132,3 +126,7 @@ class LiveDisplay:
             table.add_row(name, value)
         self._console.print(table)
         self._console.print(f"report: {summary.run_dir}/report.md")
+
+
+def _ms(p50_s: float, p95_s: float) -> str:
+    return f"{p50_s * 1e3:.1f} / {p95_s * 1e3:.1f} ms"
