@@ -7,7 +7,6 @@ be read or an option is invalid.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import IntEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -34,14 +33,6 @@ app = command_group(
     subcommand_metavar="",
     context_settings={"allow_interspersed_args": True},
 )
-
-
-class ExitCode(IntEnum):
-    """What ``miles events`` exits with."""
-
-    OK = 0
-    FINDINGS = 1
-    UNREADABLE = 2
 
 
 @app.callback(invoke_without_command=True)
@@ -77,7 +68,7 @@ def events(
         logged = read_events(directory)
     except EventLogError as exc:
         typer.echo(f"error: cannot read event log {directory}: {exc}", err=True)
-        raise typer.Exit(ExitCode.UNREADABLE) from exc
+        raise typer.Exit(2) from exc
 
     shown = [
         event
@@ -109,7 +100,7 @@ def events(
     report = analyze_events(logged)
     _print_report(report, console=console, as_json=as_json)
     if not report.passed:
-        raise typer.Exit(ExitCode.FINDINGS)
+        raise typer.Exit(1)
 
 
 def _validate_types(types: Sequence[str]) -> frozenset[str]:
@@ -128,21 +119,17 @@ def _event_table(events: Sequence[Event], *, total: int) -> Table:
     for column in ("source", "model", "server", "step", "version", "details"):
         table.add_column(column, overflow="fold")
     for event in events:
-        table.add_row(
-            *(
-                Text(cell)
-                for cell in (
-                    event.timestamp.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
-                    event.type,
-                    f"{event.source.component}/{event.source.id}",
-                    _text(getattr(event, "model_name", None)),
-                    _servers(event),
-                    _text(getattr(event, "step", None)),
-                    _text(getattr(event, "weight_version", None)),
-                    event.summary(),
-                )
-            )
+        cells = (
+            event.timestamp.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
+            event.type,
+            f"{event.source.component}/{event.source.id}",
+            _text(getattr(event, "model_name", None)),
+            _servers(event),
+            _text(getattr(event, "step", None)),
+            _text(getattr(event, "weight_version", None)),
+            event.summary(),
         )
+        table.add_row(*map(Text, cells))
     return table
 
 

@@ -5,19 +5,16 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from miles.controller.core import AsyncInferenceController
+from miles.demo.report import DemoSummary
 from miles.demo.traffic import TrafficStats
 from miles.train.reports import StepReport
-
-if TYPE_CHECKING:
-    from miles.controller.core import AsyncInferenceController
-    from miles.demo.report import DemoSummary
 
 
 class LiveDisplay:
@@ -26,7 +23,7 @@ class LiveDisplay:
     def __init__(self, console: Console, *, total_steps: int, controller: AsyncInferenceController, live: bool) -> None:
         self._console = console
         self._controller = controller
-        self._traffic: TrafficStats | None = None
+        self._traffic = TrafficStats()
         self._status_page: str | None = None
         self._rewards: deque[float] = deque(maxlen=20)
         self._last: StepReport | None = None
@@ -65,24 +62,17 @@ class LiveDisplay:
         elif report.step - self._printed >= 25 or report.step == 1:
             # Without a live terminal (CI logs), a line every 25 steps.
             self._printed = report.step
-            self._console.print(self._line(), soft_wrap=True)
+            self._console.print(self._line(report), soft_wrap=True)
 
-    def _line(self) -> str:
-        report = self._last
-        if report is None:
-            return "waiting for the first step"
+    def _line(self, report: StepReport) -> str:
         health = self._controller.health()
         versions = ",".join(f"{v}x{n}" for m in health.models.values() for v, n in m.versions.items())
-        served, failed = self._served_failed()
         last = self._controller.last_update
         latency = f"{last.duration_s * 1e3:.0f} ms" if last else "-"
         return (
             f"step {report.step:>4} {report.phase.value:<4} reward {statistics.fmean(self._rewards):.3f} | "
-            f"serving v{versions} | update {latency} | users {served} ok {failed} failed"
+            f"serving v{versions} | update {latency} | users {self._traffic.served} ok {self._traffic.failed} failed"
         )
-
-    def _served_failed(self) -> tuple[int, int]:
-        return (self._traffic.served, self._traffic.failed) if self._traffic else (0, 0)
 
     def _render(self) -> Group:
         table = Table.grid(padding=(0, 2))
@@ -92,15 +82,13 @@ class LiveDisplay:
         health = self._controller.health()
         versions = ", ".join(f"v{v} on {n}" for m in health.models.values() for v, n in m.versions.items()) or "-"
         last = self._controller.last_update
-        served, failed = self._served_failed()
+        update = f"{last.status.value} v{last.weight_version} in {last.duration_s * 1e3:.0f} ms" if last else "-"
+        served, failed = self._traffic.served, self._traffic.failed
         table.add_row("step", f"{report.step} ({report.phase.value})" if report else "-")
         table.add_row("reward (last 20 steps)", f"{statistics.fmean(self._rewards):.3f}" if self._rewards else "-")
         table.add_row("exact answers (this step)", f"{report.exact_rate:.2f}" if report else "-")
         table.add_row("serving", f"{versions}  [{health.status}]")
-        table.add_row(
-            "last update",
-            f"{last.status.value} v{last.weight_version} in {last.duration_s * 1e3:.0f} ms" if last else "-",
-        )
+        table.add_row("last update", update)
         style = "red" if failed else "green"
         table.add_row("user requests", f"{served} served, [{style}]{failed} failed[/]")
         if self._status_page:
@@ -116,19 +104,13 @@ class LiveDisplay:
             ("trainer", summary.trainer),
             ("trainer steps", f"{summary.steps}"),
             ("updates committed / not", f"{summary.updates_committed} / {summary.updates_failed}"),
-            (
-                "update latency p50 / p95",
-                f"{summary.update_latency_p50_s * 1e3:.1f} / {summary.update_latency_p95_s * 1e3:.1f} ms",
-            ),
+            ("update latency p50 / p95", _ms(summary.update_latency_p50_s, summary.update_latency_p95_s)),
             (
                 f"publish over {summary.transfer_path} p50 / p95",
-                f"{summary.publish_latency_p50_s * 1e3:.1f} / {summary.publish_latency_p95_s * 1e3:.1f} ms",
+                _ms(summary.publish_latency_p50_s, summary.publish_latency_p95_s),
             ),
             ("user requests served / failed", f"{summary.requests_served} / {summary.requests_failed}"),
-            (
-                "request latency p50 / p95",
-                f"{summary.request_latency_p50_s * 1e3:.1f} / {summary.request_latency_p95_s * 1e3:.1f} ms",
-            ),
+            ("request latency p50 / p95", _ms(summary.request_latency_p50_s, summary.request_latency_p95_s)),
             ("checksum mismatches", f"{summary.checksum_mismatches}"),
             ("reward first -> last", f"{summary.reward_first:.3f} -> {summary.reward_last:.3f}"),
             ("exact answers first -> last", f"{summary.exact_first:.3f} -> {summary.exact_last:.3f}"),
@@ -144,3 +126,7 @@ class LiveDisplay:
             table.add_row(name, value)
         self._console.print(table)
         self._console.print(f"report: {summary.run_dir}/report.md")
+
+
+def _ms(p50_s: float, p95_s: float) -> str:
+    return f"{p50_s * 1e3:.1f} / {p95_s * 1e3:.1f} ms"

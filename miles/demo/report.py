@@ -90,7 +90,7 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def summarize(
+def write_report(
     run_dir: Path,
     *,
     training: TrainingSummary,
@@ -101,10 +101,12 @@ def summarize(
     strategy: str,
     pause_mode: str,
     wall_s: float,
-    server_cls: str = "SFTRollout",
-    loop: str = "sync",
-    trainer: str = "in this process",
+    server_cls: str,
+    loop: str,
+    trainer: str,
 ) -> DemoSummary:
+    """Summarize the run (auditing its event log) and write summary.json, training.json, report.md
+    and the plots into ``run_dir``; returns the summary."""
     events = read_events(events_dir)
     analysis = analyze_events(events)
     committed = [u.result for u in updates if u.result.status is UpdateStatus.COMMITTED]
@@ -112,7 +114,7 @@ def summarize(
     publishes = [s.publish.latency_s for s in training.steps if s.publish is not None]
     request_latencies = [r.latency_s for r in traffic.records if r.ok]
     trainer_idle, fleet_idle = training.idle_fractions()
-    return DemoSummary(
+    summary = DemoSummary(
         steps=len(training.steps),
         updates_committed=len(committed),
         updates_failed=len(updates) - len(committed),
@@ -147,33 +149,21 @@ def summarize(
         wall_s=wall_s,
         run_dir=str(run_dir),
     )
+    (run_dir / "summary.json").write_text(summary.model_dump_json(indent=2) + "\n")
+    (run_dir / "training.json").write_text(training.model_dump_json() + "\n")
+    plots = [
+        _plot_rewards(run_dir / "reward.png", training),
+        _plot_updates(run_dir / "updates.png", updates),
+        _plot_requests(run_dir / "requests.png", traffic, updates),
+    ]
+    (run_dir / "report.md").write_text(_markdown(summary, updates, plots))
+    return summary
 
 
 def _staleness_counts(training: TrainingSummary) -> list[int]:
     """How many GRPO samples were 0, 1, 2, ... versions stale, over the run."""
     grpo = [step.staleness.counts for step in training.steps if step.phase is Phase.GRPO]
     return [sum(column) for column in itertools.zip_longest(*grpo, fillvalue=0)]
-
-
-def write_report(
-    run_dir: Path,
-    summary: DemoSummary,
-    *,
-    training: TrainingSummary,
-    updates: list[UpdateRecord],
-    traffic: TrafficStats,
-) -> list[Path]:
-    """Write summary.json, training.json, report.md and the plots; returns the files written."""
-    written = [run_dir / "summary.json", run_dir / "training.json", run_dir / "report.md"]
-    written[0].write_text(summary.model_dump_json(indent=2) + "\n")
-    written[1].write_text(training.model_dump_json() + "\n")
-    plots = [
-        _plot_rewards(run_dir / "reward.png", training),
-        _plot_updates(run_dir / "updates.png", updates),
-        _plot_requests(run_dir / "requests.png", traffic, updates),
-    ]
-    written[2].write_text(_markdown(summary, updates, plots))
-    return written + plots
 
 
 def _plot_rewards(path: Path, training: TrainingSummary) -> Path:

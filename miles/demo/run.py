@@ -8,7 +8,7 @@ servers are real engine processes, and with ``trainer_ranks`` > 1 so are the tra
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import logging
 import os
 import time
@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import httpx
-import transformers
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.console import Console
 
 from miles.config import TransferPath, UpdatePauseMode, UpdateStrategy
 from miles.controller.core import AsyncInferenceController
 from miles.demo.display import LiveDisplay
-from miles.demo.report import DemoSummary, UpdateRecord, summarize, write_report
+from miles.demo.report import DemoSummary, UpdateRecord, write_report
 from miles.demo.traffic import UserTraffic
 from miles.http.runner import HttpServer
 from miles.train.config import LoopMode, TrainerConfig
@@ -33,6 +32,7 @@ from miles.train.push import PushPublisher
 from miles.train.ranks import RankSpec, TrainerRanks
 from miles.train.sampling import HttpSampler
 from miles.train.trainer import Trainer, write_initial_checkpoint
+from miles.utils.progress_bars import disable_library_progress_bars
 from miles.weights.checkpoint import Manifest
 
 
@@ -169,10 +169,10 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         **(_RAY_PLACEMENT if config.ray else {}),
     )
     controller.on_update(lambda result: updates.append(UpdateRecord(at=time.monotonic() - t0, result=result)))
-    http_server: HttpServer | None = None
-    traffic: UserTraffic | None = None
     display = LiveDisplay(console, total_steps=trainer_config.total_steps, controller=controller, live=config.live)
-    try:
+    # Closed in the reverse order: the users, their client, the HTTP API, the controller.
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(controller.close)
         console.print(f"starting {config.servers} {config.server_cls} servers on {initial.model_name} step 0 ...")
         await controller.start()
         if config.ray:
@@ -181,6 +181,7 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
                 console.print(f"  {server.server_id}: Ray node {node} at {server.node_address}, GPU {server.gpu_ids}")
         http_server = HttpServer(controller)
         await http_server.start()
+        stack.push_async_callback(http_server.stop)
         url = http_server.url
         console.print(
             f"controller at {url}; training {trainer_config.sft_steps} SFT + {trainer_config.grpo_steps} GRPO steps"
@@ -192,47 +193,37 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         # The demo's own clients present the controller's credential when one is configured.
         token = controller.settings.api_key or controller.settings.admin_token
         headers = {"authorization": f"Bearer {token.get_secret_value()}"} if token else None
-        async with httpx.AsyncClient(trust_env=False, timeout=300.0, headers=headers) as http:
-            traffic = UserTraffic(
-                url, clients=config.users, think_s=config.user_think_s, t0=t0, seed=config.seed, headers=headers
+        http = await stack.enter_async_context(httpx.AsyncClient(trust_env=False, timeout=300.0, headers=headers))
+        traffic = UserTraffic(
+            url, clients=config.users, think_s=config.user_think_s, t0=t0, seed=config.seed, headers=headers
+        )
+        stack.push_async_callback(traffic.stop)
+        display.attach_traffic(traffic.stats)
+        trainer: Trainer | TrainerRanks
+        if config.trainer_ranks > 1:
+            trainer = TrainerRanks(
+                RankSpec(trainer=trainer_config, controller_url=url, transfer=config.transfer),
+                world_size=config.trainer_ranks,
+                log_dir=run_dir / "logs",
+                on_step=display.step,
             )
-            display.attach_traffic(traffic.stats)
-            trainer: Trainer | TrainerRanks
-            if config.trainer_ranks > 1:
-                trainer = TrainerRanks(
-                    RankSpec(trainer=trainer_config, controller_url=url, transfer=config.transfer),
-                    world_size=config.trainer_ranks,
-                    log_dir=run_dir / "logs",
-                    on_step=display.step,
-                )
-            else:
-                trainer = Trainer(
-                    trainer_config,
-                    sampler=HttpSampler([url], http=http, timeout_s=300.0),
-                    publisher=_publisher(
-                        config, trainer_config, controller, http=http, url=url, checkpoints=checkpoints
-                    ),
-                    on_step=display.step,
-                )
-            traffic.start()
-            with display:
-                training = await trainer.run()
-            await traffic.stop()
-            traffic_stats = traffic.stats
-            traffic = None
-    finally:
-        if traffic is not None:
-            await traffic.stop()
-        if http_server is not None:
-            await http_server.stop()
-        await controller.close()
+        else:
+            trainer = Trainer(
+                trainer_config,
+                sampler=HttpSampler([url], http=http, timeout_s=300.0),
+                publisher=_publisher(config, trainer_config, controller, http=http, url=url, checkpoints=checkpoints),
+                on_step=display.step,
+            )
+        traffic.start()
+        with display:
+            training = await trainer.run()
     # Reading the event log back and writing the report: files, off the loop.
     summary = await asyncio.to_thread(
-        summarize,
+        write_report,
         run_dir,
         training=training,
         updates=updates,
-        traffic=traffic_stats,
+        traffic=traffic.stats,
         events_dir=events_dir,
         servers=config.servers,
         server_cls=config.server_cls,
@@ -241,9 +232,6 @@ async def run_demo(config: DemoConfig, *, console: Console) -> DemoSummary:
         wall_s=time.monotonic() - t0,
         loop=config.loop.value,
         trainer=config.trainer_description,
-    )
-    await asyncio.to_thread(
-        functools.partial(write_report, run_dir, summary, training=training, updates=updates, traffic=traffic_stats)
     )
     display.final(summary)
     return summary
@@ -287,4 +275,4 @@ def quiet_logs() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # save_pretrained draws a progress bar per checkpoint; hundreds of them would bury the view.
-    transformers.utils.logging.disable_progress_bar()
+    disable_library_progress_bars()

@@ -27,9 +27,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ModelPreset:
-    """A named model: the transformers class, the config keyword arguments, the weight dtype."""
+    """A model of ``PRESETS``: the transformers class, the config keyword arguments, the weight dtype."""
 
-    name: str
     architecture: str
     config_kwargs: Mapping[str, Any]
     dtype: torch.dtype
@@ -54,10 +53,6 @@ class ModelPreset:
         return sum(p.numel() for p in model.parameters())
 
 
-def _preset(name: str, architecture: str, dtype: torch.dtype, **config_kwargs: Any) -> ModelPreset:
-    return ModelPreset(name, architecture, MappingProxyType(config_kwargs), dtype)
-
-
 _TINY = dict(
     hidden_size=64,
     num_hidden_layers=2,
@@ -67,6 +62,7 @@ _TINY = dict(
     max_position_embeddings=512,
     tie_word_embeddings=False,
 )
+_TINY_TIED = _TINY | dict(tie_word_embeddings=True)
 _SMALL = _TINY | dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, max_position_embeddings=2048)
 # Qwen2-0.5B's body (24 layers, GQA, biased qkv) sized to ~498M parameters with our small
 # vocabulary; for benchmarks. Built directly in bfloat16: ~6 s and ~1.3 GB on 2 cores.
@@ -81,10 +77,10 @@ _500M = _TINY | dict(
 
 PRESETS: Mapping[str, ModelPreset] = MappingProxyType(
     {
-        "tiny": _preset("tiny", "LlamaForCausalLM", torch.float32, **_TINY),
-        "tiny-tied": _preset("tiny-tied", "LlamaForCausalLM", torch.float32, **_TINY | {"tie_word_embeddings": True}),
-        "small": _preset("small", "Qwen2ForCausalLM", torch.float32, **_SMALL),
-        "500m": _preset("500m", "Qwen2ForCausalLM", torch.bfloat16, **_500M),
+        "tiny": ModelPreset("LlamaForCausalLM", MappingProxyType(_TINY), torch.float32),
+        "tiny-tied": ModelPreset("LlamaForCausalLM", MappingProxyType(_TINY_TIED), torch.float32),
+        "small": ModelPreset("Qwen2ForCausalLM", MappingProxyType(_SMALL), torch.float32),
+        "500m": ModelPreset("Qwen2ForCausalLM", MappingProxyType(_500M), torch.bfloat16),
     }
 )
 

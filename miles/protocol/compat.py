@@ -1,12 +1,9 @@
 """SGLang's request fields that the engine does not use: accepted and ignored, or refused by name.
 
-SGLang's clients and router send many fields for features the embedded engine lacks, often at
-their defaults: refusing those would break them, and ignoring one that asks for something (an
-image, a grammar, a LoRA adapter) would answer a question nobody asked. So each such field is in
-one of two tables on its request model: ``ignored_fields`` (logging, scheduling, caching, routing:
-accepted with any value and dropped) or ``unsupported_fields`` (accepted while unset, otherwise a
-400 naming the field and why). Any other unknown field is a typo, refused by name.
-``tests/fast/engine/test_sglang_fields.py`` checks the tables against SGLang's pinned source.
+SGLang's clients send many of them at their defaults: refusing those would break the clients, and
+ignoring one that asks for something (an image, a grammar) would answer a question nobody asked.
+The tables (``ignored_fields``, ``unsupported_fields``) and their rules: docs/ENGINE.md, "SGLang
+compatibility"; ``tests/fast/engine/test_sglang_fields.py`` checks them against SGLang's source.
 """
 
 from __future__ import annotations

@@ -164,8 +164,5 @@ def _top_logprobs(choice: _Choice, k: int) -> list[list[Logprob]]:
     tops = choice.logprobs.top_logprobs if choice.logprobs is not None else None
     if tops is None or len(tops) != len(choice.token_ids):
         raise ValueError("the answer has no top logprobs for every output token")
-    out: list[list[Logprob]] = []
-    for top in tops:
-        ranked = sorted(((lp, _token_id(name)) for name, lp in (top or {}).items()), key=lambda p: -p[0])
-        out.append([(lp, token, None) for lp, token in ranked[:k]])
-    return out
+    ranked = (sorted(((lp, _token_id(name)) for name, lp in (top or {}).items()), key=lambda p: -p[0]) for top in tops)
+    return [[(lp, token, None) for lp, token in pairs[:k]] for pairs in ranked]

@@ -283,9 +283,8 @@ class GenerateRequest(SGLangFields):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
-        if isinstance(self.input_ids, list) and self.input_ids and isinstance(self.input_ids[0], list):
-            if any(len(ids) == 0 for ids in self.input_ids):
-                raise ValueError("input_ids must not contain an empty prompt")
+        if self.input_ids and isinstance(self.input_ids[0], list) and not all(self.input_ids):
+            raise ValueError("input_ids must not contain an empty prompt")
         return self
 
     @property

@@ -33,7 +33,6 @@ ClassT = TypeVar("ClassT", bound=type)
 class LockGrant:
     """One holding of a ContextLock, identified by its fencing token (never reused)."""
 
-    lock_name: str
     token: int
     holder: str
     acquired_at: datetime  # UTC
@@ -210,7 +209,7 @@ class ContextLock:
 
     def _open(self, holder: str, *, waited_s: float) -> LockGrant:
         self._last_token += 1
-        grant = LockGrant(lock_name=self._name, token=self._last_token, holder=holder, acquired_at=datetime.now(UTC))
+        grant = LockGrant(token=self._last_token, holder=holder, acquired_at=datetime.now(UTC))
         self._grant = grant
         self._granted_mono = time.monotonic()
         self._emit(LockTransitionKind.ACQUIRED, grant, waited_s=waited_s, held_s=None)
@@ -237,13 +236,8 @@ class ContextLock:
                         "and gave up; nothing was changed",
                         lock=self._name,
                     )
-                _logger.warning(
-                    "%r has waited %.0fs for lock %r, %s",
-                    holder,
-                    time.monotonic() - waiter.since,
-                    self._name,
-                    self._describe(),
-                )
+                waited = time.monotonic() - waiter.since
+                _logger.warning("%r has waited %.0fs for lock %r, %s", holder, waited, self._name, self._describe())
         except BaseException:
             self._leave(waiter)
             raise

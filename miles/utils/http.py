@@ -210,16 +210,13 @@ BODY_IDLE_TIMEOUT_S = 30.0
 
 class BodyLimit:
     """ASGI middleware: a body larger than ``max_bytes`` is refused with 413 (none of it past
-    ``max_bytes`` kept), one that stops arriving for ``idle_timeout_s`` with 408. ``setting`` names
+    ``max_bytes`` kept), one that stops arriving for ``BODY_IDLE_TIMEOUT_S`` with 408. ``setting`` names
     what raises the limit, for the message."""
 
-    def __init__(
-        self, app: ASGIApp, *, max_bytes: int, setting: str, idle_timeout_s: float = BODY_IDLE_TIMEOUT_S
-    ) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int, setting: str) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.setting = setting
-        self.idle_timeout_s = idle_timeout_s
 
     def _message(self, size: str) -> str:
         return (
@@ -235,12 +232,8 @@ class BodyLimit:
         # The HTTP layer ends a body at its declared length, so only that needs checking; a
         # chunked body has none, and is counted as it arrives.
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            refusal = error_response(
-                self._message(f"{int(declared)} bytes"),
-                code=413,
-                kind="invalid_request_error",
-                headers={"connection": "close"},
-            )
+            message = self._message(f"{int(declared)} bytes")
+            refusal = error_response(message, code=413, kind="invalid_request_error", headers={"connection": "close"})
             await answer_unread(refusal, scope, receive, send)
             return
         received = 0
@@ -252,11 +245,11 @@ class BodyLimit:
             if complete:
                 return await receive()  # the body is in: what comes is the client leaving
             try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout_s)
+                message = await asyncio.wait_for(receive(), BODY_IDLE_TIMEOUT_S)
             except TimeoutError:
                 raise StarletteHTTPException(
                     408,
-                    f"the request body stopped arriving: nothing came for {self.idle_timeout_s:g}s; send the "
+                    f"the request body stopped arriving: nothing came for {BODY_IDLE_TIMEOUT_S:g}s; send the "
                     "whole body without pausing",
                     {"connection": "close"},
                 ) from None

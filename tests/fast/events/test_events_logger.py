@@ -23,7 +23,6 @@ from miles.utils.audit_utils.event_logger import (
     InferenceEngineWeightChecksumEvent,
     LockAcquiredEvent,
     LockReleasedEvent,
-    iter_events,
     iter_logged_events,
     parse_event,
     read_events,
@@ -88,12 +87,13 @@ def test_log_from_a_dict_fills_type_and_source(tmp_path: Path) -> None:
     assert logged.server_id == "s0"
     assert with_type.token == 1
     assert explicit_source.source == EventSource(component="x", id="y")
-    assert list(iter_events(tmp_path)) == [logged, with_type, explicit_source]
+    assert [item.event for item in iter_logged_events(tmp_path)] == [logged, with_type, explicit_source]
 
 
 def test_source_id_defaults_to_host_and_pid() -> None:
     logger = EventLogger(None, component="trainer")
-    assert logger.source == EventSource(component="trainer", id=f"{socket.gethostname()}:{os.getpid()}")
+    logged = logger.log(LockAcquiredEvent, lock_event(1), print_log=False)
+    assert logged.source == EventSource(component="trainer", id=f"{socket.gethostname()}:{os.getpid()}")
 
 
 def test_invalid_dict_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
@@ -298,7 +298,7 @@ def test_equal_timestamps_are_ordered_by_file_name_then_line(tmp_path: Path) -> 
     (tmp_path / "notes.txt").write_text("not a log")
 
     assert read_events(tmp_path) == [same[2], same[3], same[0], same[1]]
-    assert list(iter_events(tmp_path)) == [same[2], same[3], same[0], same[1]]
+    assert [item.event for item in iter_logged_events(tmp_path)] == [same[2], same[3], same[0], same[1]]
     assert [(logged.path.name, logged.line) for logged in iter_logged_events(tmp_path)] == [
         ("a.jsonl", 1),
         ("a.jsonl", 2),

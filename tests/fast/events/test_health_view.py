@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
+from rich.console import Console, RenderableType
 
-from miles.commands.health_view import health_view, render_text
+from miles.commands.controller import health_view
+
+
+def render_text(view: RenderableType, *, width: int = 80) -> str:
+    """The view as plain text at ``width`` columns (what a terminal of that width shows)."""
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None, force_terminal=False)
+    console.print(view)
+    return console.export_text()
 
 
 def report(server_ids: list[str], *, held: bool = False) -> dict[str, Any]:

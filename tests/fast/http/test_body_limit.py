@@ -31,7 +31,7 @@ def port(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     monkeypatch.setattr(miles.utils.http, "BODY_IDLE_TIMEOUT_S", IDLE_S)
     app = FastAPI()
     install_error_handlers(app, logger=logging.getLogger("test"), not_found="no such endpoint")
-    app.add_middleware(BodyLimit, max_bytes=1 << 20, setting="TEST_LIMIT", idle_timeout_s=IDLE_S)
+    app.add_middleware(BodyLimit, max_bytes=1 << 20, setting="TEST_LIMIT")
     app.add_middleware(CheckFirst, check=needs_a_credential, key="test")
 
     @app.post("/echo")

@@ -53,17 +53,14 @@ class AnalysisReport(BaseModel):
         return not self.findings
 
 
-RuleCheck = Callable[[Sequence[Event]], Iterable[Finding]]
-"""Takes every event of a log in timestamp order and yields the violations it finds."""
-
-
 @dataclass(frozen=True, slots=True)
 class Rule:
     """A named invariant over an event log."""
 
     name: str
     description: str
-    check: RuleCheck
+    # Takes every event of a log in timestamp order and yields the violations it finds.
+    check: Callable[[Sequence[Event]], Iterable[Finding]]
 
 
 CHECKSUM_CONSISTENCY = "checksum_consistency"

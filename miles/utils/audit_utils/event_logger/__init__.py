@@ -1,6 +1,6 @@
 """Typed events and their JSONL log: ``models`` defines events, ``logger`` writes and reads them."""
 
-from miles.utils.audit_utils.event_logger.logger import EventLogger, iter_events, iter_logged_events, read_events
+from miles.utils.audit_utils.event_logger.logger import EventLogger, iter_logged_events, read_events
 from miles.utils.audit_utils.event_logger.models import (
     ChecksumRole,
     Event,
@@ -23,7 +23,6 @@ __all__ = [
     "LockReleasedEvent",
     "WeightUpdateCommittedEvent",
     "WeightUpdateStartedEvent",
-    "iter_events",
     "iter_logged_events",
     "parse_event",
     "read_events",

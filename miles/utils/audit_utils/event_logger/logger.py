@@ -108,11 +108,6 @@ class EventLogger(_ClosedOnExit):
             self._path, self._file = self._open_file(self._directory)
 
     @property
-    def source(self) -> EventSource:
-        """The source stamped on events logged from a dict."""
-        return self._source
-
-    @property
     def path(self) -> Path | None:
         """The file this logger appends to, or None when it keeps events in memory only."""
         return self._path
@@ -286,11 +281,6 @@ def iter_logged_events(directory: str | Path) -> Iterator[LoggedEvent]:
     """
     for path in _log_files(Path(directory)):
         yield from _read_file(path)
-
-
-def iter_events(directory: str | Path) -> Iterator[Event]:
-    """Yield the events of ``directory`` file by file, unsorted; see ``iter_logged_events``."""
-    return (logged.event for logged in iter_logged_events(directory))
 
 
 def read_events(directory: str | Path) -> list[Event]:
