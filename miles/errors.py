@@ -24,11 +24,10 @@ class MilesError(Exception):
     act on.
     """
 
-    # The refusal this error names, for a caller that acts on it; None for most errors.
-    refusal: Refusal | None = None
-
-    def __init__(self, message: str, **context: Any) -> None:
+    def __init__(self, message: str, *, refusal: Refusal | None = None, **context: Any) -> None:
         self.message = message
+        # The refusal this error names, for a caller that acts on it (a 409, a failed publish).
+        self.refusal = refusal
         self.context: Mapping[str, Any] = {k: v for k, v in context.items() if v is not None}
         super().__init__(self._render())
 
@@ -167,10 +166,6 @@ class ConflictError(MilesError):
     """A request conflicts with the current state (a stale fencing token, no open window, a
     setting fixed at start, unverified weights): HTTP 409. ``refusal``: see ``Refusal``."""
 
-    def __init__(self, message: str, *, refusal: Refusal | None = None, **context: Any) -> None:
-        self.refusal = refusal
-        super().__init__(message, **context)
-
 
 class InsufficientStorageError(MilesError):
     """There is not room on disk for what a request writes (an exported checkpoint): HTTP 507."""
@@ -214,10 +209,6 @@ class RolloutRequestError(TrainerError):
 class PublishError(TrainerError):
     """A trained checkpoint could not be published: written, announced, or applied to the servers.
     ``refusal``: the one a server named, when the publisher may act on it (``Refusal``)."""
-
-    def __init__(self, message: str, *, refusal: Refusal | None = None, **context: Any) -> None:
-        self.refusal = refusal
-        super().__init__(message, **context)
 
 
 class PublishNotReadyError(PublishError, TimeoutError):

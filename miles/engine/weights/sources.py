@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ class UnexpectedChecksumError(CheckpointError):
     """The checkpoint's checksum differs from ``expected_checksum``; ``computed``: hashed from its
     files, when that was done."""
 
-    def __init__(self, message: str, *, computed: str | None, **context: object) -> None:
+    def __init__(self, message: str, *, computed: str | None, **context: Any) -> None:
         self.computed = computed
         super().__init__(message, **context)
 
