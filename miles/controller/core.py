@@ -35,7 +35,7 @@ from miles.controller.published import PublishedChecksums
 from miles.controller.results import UpdateMode, UpdateResult, UpdateStatus, UpdateWindow, unlocked_result
 from miles.controller.resume import resume_fleet
 from miles.controller.router import Router
-from miles.controller.transaction import Target, WeightUpdate
+from miles.controller.transaction import WeightUpdate
 from miles.controller.windows import (
     Abort,
     Commit,
@@ -254,7 +254,7 @@ class AsyncInferenceController:
                 await update.heal()
                 # Loading changes the live weights in place: the ones served now must be on disk first.
                 await self._write_outs.flush(update.model_name)
-                vetted = await asyncio.to_thread(
+                target = await asyncio.to_thread(
                     vet_checkpoint,
                     checkpoint,
                     model_name=update.model_name,
@@ -266,23 +266,14 @@ class AsyncInferenceController:
                 )
         except CheckpointRejected as rejected:
             return self._finish(update.result(UpdateStatus.REJECTED, message=rejected.message))
-        update.set_target(
-            Target(
-                weight_version=vetted.weight_version,
-                step=vetted.step,
-                checksum=vetted.expected_checksum,
-                source=vetted.checksum_source,
-                checkpoint=vetted.path,
-                num_bytes=vetted.manifest.num_bytes if vetted.manifest else None,
-            )
-        )
+        update.set_target(target)
         self._events.started(update)
         message = ""
         with update.timed("transaction"):
             try:
                 async with asyncio.timeout(timeout):
                     schedule = Rolling(self._settings.rolling_batch_size) if mode is UpdateMode.ROLLING else Barrier()
-                    status = await update.run(Plan(source=FromCheckpoint(vetted.path), schedule=schedule))
+                    status = await update.run(Plan(source=FromCheckpoint(), schedule=schedule))
             except TimeoutError:
                 status = UpdateStatus.ROLLED_BACK
                 message = f"the update did not finish within {timeout}s; servers were put back on verified weights"
@@ -293,11 +284,11 @@ class AsyncInferenceController:
                 await update.heal()
                 raise
         actual = update.checkpoint_checksums()
-        if status is UpdateStatus.REJECTED and vetted.manifest is None and len(actual) == 1:
-            # A plain directory's weights were hashed by the servers; say which published step,
-            # if any, they belong to.
+        if status is UpdateStatus.REJECTED and target.num_bytes is None and len(actual) == 1:
+            # A plain directory's (no manifest gives its size) weights were hashed by the servers;
+            # say which published step, if any, they belong to.
             message = refused_plain_message(
-                vetted, model_name=update.model_name, published=self.published, actual=actual.pop()
+                target, model_name=update.model_name, published=self.published, actual=actual.pop()
             )
         return self._finish(update.result(status, message=message))
 

@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Protocol
 
 from miles.config import UpdatePauseMode
-from miles.controller.plans import Plan
-from miles.controller.results import ChecksumSource, ServerOutcome, ServerStep, UpdateMode, UpdateResult, UpdateStatus
+from miles.controller.plans import Plan, Target
+from miles.controller.results import ServerOutcome, ServerStep, UpdateMode, UpdateResult, UpdateStatus
 from miles.controller.router import Router
 from miles.errors import MilesError
 from miles.protocol.sglang import PauseMode
 from miles.protocol.sglang_weights import UpdateWeightsResponse
 from miles.rollout.engine_client import EngineCallError, WeightsChecksum
 from miles.rollout.mixed import ModelRollout
-from miles.rollout.state import ServerSnapshot, ServerState, VerifiedWeights
+from miles.rollout.state import ServerSnapshot, ServerState
 from miles.utils.weight_version import newest, version_number
 from miles.weights.checksum import ALGORITHM
 
@@ -51,25 +51,6 @@ class ServerProgress:
         """End the server's part in the update (failed or crashed); its first error stands."""
         self.step = step
         self.error = self.error or error
-
-
-@dataclass(frozen=True)
-class Target:
-    """The weights an update installs: decided by the checkpoint gate, or by training ending a window."""
-
-    weight_version: str
-    step: int
-    checksum: str
-    source: ChecksumSource
-    # Where restarts can reload these weights; None for weights a window pushed (on no disk yet).
-    checkpoint: Path | None
-    # The weights' size as the checkpoint's manifest records it; None when no manifest says.
-    num_bytes: int | None = None
-
-    def verified(self) -> VerifiedWeights:
-        return VerifiedWeights(
-            checkpoint=self.checkpoint, weight_version=self.weight_version, checksum=self.checksum, step=self.step
-        )
 
 
 class UpdateEvents(Protocol):
@@ -170,9 +151,11 @@ class WeightUpdate:
         with self.timed("pause"):
             await self._each(server_ids, "pause", lambda sid: self.rollout.pause(sid, mode, fence=self.token))
 
-    async def load(self, server_ids: list[str], checkpoint: Path) -> None:
-        """Have each server load ``checkpoint``; it verifies the bytes before touching its weights."""
+    async def load(self, server_ids: list[str]) -> None:
+        """Have each server load the target's checkpoint; it verifies the bytes before touching its weights."""
         target = self._target()
+        if (checkpoint := target.checkpoint) is None:
+            raise MilesError("weights a window pushed have no checkpoint to load", update_id=self.update_id)
 
         async def one(server_id: str) -> None:
             answer = await self.rollout.load(

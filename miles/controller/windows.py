@@ -18,11 +18,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from miles.controller.gate import restart_point_problem, roots_problem
+from miles.controller.gate import not_newer, restart_point_problem, roots_problem
+from miles.controller.plans import Target
 from miles.controller.results import ChecksumSource, UpdateResult, UpdateWindow, WindowServer
-from miles.controller.transaction import Target, WeightUpdate
+from miles.controller.transaction import WeightUpdate
 from miles.errors import CheckpointError, ConflictError, InvalidRequestError, MilesError, UnavailableError
-from miles.utils.weight_version import is_newer
 from miles.weights.checkpoint import read_manifest
 from miles.weights.paths import checked_path
 
@@ -192,12 +192,8 @@ def describe(update: WeightUpdate, *, ttl_s: float, staged: bool, credential: st
 
 def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | None) -> str | None:
     """Why ``ending`` may not commit at all (checked before any server is touched), or None."""
-    version = ending.weight_version or str(ending.step)
-    if is_newer(version, update.version_to_beat) is False:
-        return (
-            f"weight version {version} is not newer than the newest version the fleet has served "
-            f"({update.version_to_beat}); serving versions never go back"
-        )
+    if problem := not_newer(ending.weight_version or str(ending.step), update.version_to_beat):
+        return problem
     if published_checksum is not None and published_checksum != ending.checksum:
         return (
             f"the window's checksum {ending.checksum} differs from the one published for step {ending.step} "
