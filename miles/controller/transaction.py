@@ -285,8 +285,7 @@ class WeightUpdate:
 
     async def heal(self) -> None:
         """Put servers a failed operation left updating or quarantined back on verified weights; open the gate."""
-        stuck = [s.server_id for s in self.rollout.snapshot() if s.state in _MID_UPDATE]
-        if stuck:
+        if stuck := [s.server_id for s in self.rollout.snapshot() if s.state in _MID_UPDATE]:
             logger.warning("restoring %s left mid-update", ", ".join(stuck))
             await asyncio.gather(
                 *(self.rollout.rollback(sid, reason="recovered mid-update", fence=self.token) for sid in stuck),

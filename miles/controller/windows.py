@@ -255,9 +255,7 @@ async def close_window(update: WeightUpdate, *, reason: str) -> None:
 def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ...]) -> None:
     """Refuse (InvalidRequestError) a window's ``checkpoint`` outside the allowed checkpoint roots,
     as a disk update's is refused: it would become its servers' restart point."""
-    if checkpoint is None:
-        return
-    if (problem := roots_problem(checked_path(str(checkpoint), field="checkpoint"), roots)) is not None:
+    if checkpoint is not None and (problem := roots_problem(checked_path(str(checkpoint), field="checkpoint"), roots)):
         raise InvalidRequestError(
             f"{problem}; or end the window without a checkpoint (an engine then writes the weights out)"
         )
