@@ -11,6 +11,7 @@ import contextlib
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from miles.controller.gate import CheckpointRejected, refused_plain_message, vet
 from miles.controller.health import FleetHealth, ResumedFrom, fleet_health, lock_health
 from miles.controller.plans import Barrier, FromCheckpoint, FromWindow, Plan, Rolling
 from miles.controller.published import PublishedChecksums
-from miles.controller.results import UpdateMode, UpdateResult, UpdateStatus, UpdateWindow, unlocked_result
+from miles.controller.results import ServerOutcome, UpdateMode, UpdateResult, UpdateStatus, UpdateWindow
 from miles.controller.resume import resume_fleet
 from miles.controller.router import Router
 from miles.controller.transaction import WeightUpdate
@@ -217,16 +218,19 @@ class AsyncInferenceController:
                 started=started,
             )
         except LockTimeoutError as exc:
-            return self._remember(
-                unlocked_result(
-                    rollout.snapshot(),
-                    model_name=rollout.model_name,
-                    mode=mode,
-                    pause_mode=pause,
-                    started=started,
-                    message=f"the lock was not granted within {self.lock_timeout_s}s: {exc}",
-                )
+            # Never got the lock: nothing was touched, and nothing decided.
+            result = UpdateResult(
+                update_id=uuid.uuid4().hex[:12],
+                status=UpdateStatus.TIMED_OUT,
+                model_name=rollout.model_name,
+                strategy=mode,
+                pause_mode=pause,
+                # Each server as it is: its id, state, version and checksum.
+                servers=tuple(ServerOutcome.model_validate(s, from_attributes=True) for s in rollout.snapshot()),
+                message=f"the lock was not granted within {self.lock_timeout_s}s: {exc}",
+                duration_s=time.monotonic() - started,
             )
+            return self._remember(result)
 
     @with_lock
     async def _update_from_disk(
