@@ -107,7 +107,5 @@ class Rolling:
 
 @dataclass(frozen=True)
 class Plan:
-    """One update: its source and its schedule."""
-
     source: FromCheckpoint | FromWindow
     schedule: Barrier | Rolling

@@ -118,8 +118,7 @@ class WindowSlot:
         """Start ``hold`` (the task that takes the lock, opens the window and sets the future it
         is given) and return the window once open; raises what ended the task first."""
         opened: asyncio.Future[UpdateWindow] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(hold(opened))
-        self._task = task
+        self._task = task = asyncio.create_task(hold(opened))
         racers: set[asyncio.Future[Any]] = {opened, task}
         try:
             await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)

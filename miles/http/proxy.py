@@ -295,7 +295,4 @@ async def _first_chunk(upstream: aiohttp.ClientResponse) -> bytes:
 
 def _last_event(chunk: bytes) -> bytes:
     """The last server-sent event of ``chunk`` that carries the counts (not ``[DONE]``)."""
-    for event in reversed(chunk.split(b"\n\n")):
-        if _COUNTS in event:
-            return event
-    return b""
+    return next((event for event in reversed(chunk.split(b"\n\n")) if _COUNTS in event), b"")
