@@ -335,17 +335,11 @@ class WeightUpdate:
         target = self.target
         loaded = sum(1 for o in outcomes if o.loaded)
         return UpdateResult(
-            update_id=self.update_id,
+            **{name: getattr(self, name) for name in _IN_RESULT},
             status=status,
-            model_name=self.model_name,
-            weight_version=self.weight_version,
-            previous_version=self.previous_version,
-            step=self.step,
             checkpoint=str(target.checkpoint) if target and target.checkpoint else None,
-            expected_checksum=self.expected_checksum,
             checksum_source=target.source if target else None,
             strategy=self.mode,
-            pause_mode=self.pause_mode,
             servers=outcomes,
             message=message,
             duration_s=time.monotonic() - self.started,
@@ -439,10 +433,7 @@ class WeightUpdate:
     def _outcome(self, snap: ServerSnapshot) -> ServerOutcome:
         note = self.progress.get(snap.server_id, ServerProgress())
         return ServerOutcome(
-            server_id=snap.server_id,
-            state=snap.state,
-            weight_version=snap.weight_version,
-            checksum=snap.checksum,
+            **{name: getattr(snap, name) for name in ("server_id", "state", "weight_version", "checksum")},
             loaded=note.step in _LOADED or note.reported is not None,
             confirmed_checksum=note.confirmed,
             matched=None if note.confirmed is None else note.confirmed == self.expected_checksum,
@@ -452,6 +443,8 @@ class WeightUpdate:
         )
 
 
+# What an update's result takes from it as it is.
+_IN_RESULT = "update_id model_name weight_version previous_version step expected_checksum pause_mode".split()
 # The states an update leaves a server in until it admits or restores it.
 _MID_UPDATE = (ServerState.UPDATING, ServerState.QUARANTINED)
 _LOADED = frozenset({ServerStep.LOADED, ServerStep.CONFIRMED, ServerStep.MISMATCHED, ServerStep.ADMITTED})
