@@ -170,13 +170,10 @@ def describe(update: WeightUpdate, *, ttl_s: float, staged: bool, credential: st
     """The window as training sees it: where to push, with which credential, until when."""
     live = update.live(update.server_ids)
     return UpdateWindow(
+        **{name: getattr(update, name) for name in ("update_id", "model_name", "token", "pause_mode")},
         window_id=uuid.uuid4().hex[:12],
-        update_id=update.update_id,
-        model_name=update.model_name,
-        token=update.token,
         expires_at=datetime.now(UTC) + timedelta(seconds=ttl_s),
         ttl_s=ttl_s,
-        pause_mode=update.pause_mode,
         # Servers whose engines died while the window opened are not pushed to: they restart
         # on what the window commits.
         servers=tuple(
