@@ -249,18 +249,10 @@ class ControllerMetrics(RequestMetrics, Collector):
         in_flight = GaugeMetricFamily(names.SERVER_IN_FLIGHT, "Routed requests in flight", labels=["server"])
         restarts = CounterMetricFamily(names.SERVER_RESTARTS, "Restarts of each server", labels=["model", "server"])
         for server in report.servers:
-            info.add_metric(
-                [server.model_name, server.server_id],
-                {
-                    "state": server.state.value,
-                    "server_type": server.server_type,
-                    "weight_version": server.weight_version or "",
-                    "checksum": server.checksum or "",
-                    "verified_weight_version": server.verified_weight_version or "",
-                    "node": server.node_address or server.node_id or "",
-                    "gpus": ",".join(map(str, server.gpu_ids)),
-                },
-            )
+            held = {n: getattr(server, n) or "" for n in ("weight_version", "checksum", "verified_weight_version")}
+            placed = {"node": server.node_address or server.node_id or "", "gpus": ",".join(map(str, server.gpu_ids))}
+            labels = {"state": server.state.value, "server_type": server.server_type, **held, **placed}
+            info.add_metric([server.model_name, server.server_id], labels)
             in_flight.add_metric([server.server_id], server.in_flight)
             restarts.add_metric([server.model_name, server.server_id], server.restarts)
         yield from (info, in_flight, restarts)
