@@ -11,6 +11,7 @@ import contextlib
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,10 @@ from miles.controller.gate import CheckpointRejected, refused_plain_message, vet
 from miles.controller.health import FleetHealth, ResumedFrom, fleet_health, lock_health
 from miles.controller.plans import Barrier, FromCheckpoint, FromWindow, Plan, Rolling
 from miles.controller.published import PublishedChecksums
-from miles.controller.results import UpdateMode, UpdateResult, UpdateStatus, UpdateWindow, unlocked_result
+from miles.controller.results import ServerOutcome, UpdateMode, UpdateResult, UpdateStatus, UpdateWindow
 from miles.controller.resume import resume_fleet
 from miles.controller.router import Router
-from miles.controller.transaction import Target, WeightUpdate
+from miles.controller.transaction import WeightUpdate
 from miles.controller.windows import (
     Abort,
     Commit,
@@ -74,9 +75,9 @@ class AsyncInferenceController:
         event_logger: EventLogger | None = None,
         **overrides: Any,
     ) -> None:
-        self._settings = settings.model_copy(update=overrides) if settings else ControllerSettings(**overrides)
+        self.settings = settings.model_copy(update=overrides) if settings else ControllerSettings(**overrides)
         self.event_logger = event_logger or EventLogger(
-            self._settings.events_dir, component="controller", fsync=self._settings.events_fsync
+            self.settings.events_dir, component="controller", fsync=self.settings.events_fsync
         )
         self.published = PublishedChecksums()
         self._subscription = self.event_logger.subscribe(self.published.observe)
@@ -89,14 +90,13 @@ class AsyncInferenceController:
         self.engine_secret = secrets.token_urlsafe(32)
         self.fleet = Fleet(
             normalize_specs(rollout_server_cls, model_checkpoint, num_servers),
-            settings=self._settings,
+            settings=self.settings,
             exclusive=_fenced_section(self._lock),
             observer=self._events,
             engine_secret=self.engine_secret,
         )
         self._windows = WindowSlot()
-        self._write_outs = WriteOuts(lambda: self._settings.write_out_interval_s)
-        # The result of the update that ended last (None before any).
+        self._write_outs = WriteOuts(lambda: self.settings.write_out_interval_s)
         self.last_update: UpdateResult | None = None
         self._update_listeners: list[Callable[[UpdateResult], None]] = []
         self._started_at = time.time()
@@ -108,23 +108,18 @@ class AsyncInferenceController:
 
     @property
     @lock_exempt
-    def settings(self) -> ControllerSettings:
-        return self._settings
-
-    @property
-    @lock_exempt
     def lock_timeout_s(self) -> float:
-        return self._settings.lock_timeout_s
+        return self.settings.lock_timeout_s
 
     @with_lock
     async def reconfigure(self, patch: dict[str, Any]) -> ControllerSettings:
         """Apply runtime-changeable settings; raises InvalidRequestError naming refused fields."""
-        before = self._settings
+        before = self.settings
         # Validation resolves the checkpoint roots on the filesystem: off the loop.
-        self._settings = await asyncio.to_thread(self._settings.changed, patch)
-        self.fleet.set_health(health_from(self._settings))
-        self._events.settings_changed(before, self._settings)
-        return self._settings
+        self.settings = await asyncio.to_thread(self.settings.changed, patch)
+        self.fleet.set_health(health_from(self.settings))
+        self._events.settings_changed(before, self.settings)
+        return self.settings
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -133,18 +128,17 @@ class AsyncInferenceController:
         """Launch every server and wait until each serves verified weights."""
         self.router = Router(
             servers=self.fleet.snapshots,
-            policy=lambda: self._settings.routing_policy,
-            max_waiting=lambda: self._settings.max_waiting_requests,
+            policy=lambda: self.settings.routing_policy,
+            max_waiting=lambda: self.settings.max_waiting_requests,
         )
         await self._resume()
         await self.fleet.start()
 
     @requires_lock
     async def _resume(self) -> None:
-        directory = self._settings.events_dir
-        if directory is None:
+        if (directory := self.settings.events_dir) is None:
             return
-        roots = self._settings.allowed_checkpoint_roots
+        roots = self.settings.allowed_checkpoint_roots
         # Under roots, a copy an engine wrote out lies in the state directory (kept across
         # restarts when MILES_STATE_DIR names one), which engines may read too.
         readable = (*roots, self.fleet.state_dir) if roots else ()
@@ -211,29 +205,32 @@ class AsyncInferenceController:
         rollout = self.fleet.rollout(model_name)
         if timeout is not None:
             timeout = check_seconds(timeout, name="timeout", low=UPDATE_TIMEOUT_MIN_S, high=UPDATE_TIMEOUT_MAX_S)
-        mode = UpdateMode(choice(UpdateStrategy, strategy or self._settings.default_strategy, "strategy").value)
-        pause = choice(UpdatePauseMode, pause_mode or self._settings.default_pause_mode, "pause_mode")
+        mode = UpdateMode(choice(UpdateStrategy, strategy or self.settings.default_strategy, "strategy").value)
+        pause = choice(UpdatePauseMode, pause_mode or self.settings.default_pause_mode, "pause_mode")
         try:
             return await self._update_from_disk(
                 rollout,
                 Path(new_checkpoint),
                 mode=mode,
                 pause_mode=pause,
-                timeout=timeout or self._settings.update_timeout_s,
+                timeout=timeout or self.settings.update_timeout_s,
                 weight_version=weight_version,
                 started=started,
             )
         except LockTimeoutError as exc:
-            return self._remember(
-                unlocked_result(
-                    rollout.snapshot(),
-                    model_name=rollout.model_name,
-                    mode=mode,
-                    pause_mode=pause,
-                    started=started,
-                    message=f"the lock was not granted within {self.lock_timeout_s}s: {exc}",
-                )
+            # Never got the lock: nothing was touched, and nothing decided.
+            result = UpdateResult(
+                update_id=uuid.uuid4().hex[:12],
+                status=UpdateStatus.TIMED_OUT,
+                model_name=rollout.model_name,
+                strategy=mode,
+                pause_mode=pause,
+                # Each server as it is: its id, state, version and checksum.
+                servers=tuple(ServerOutcome.model_validate(s, from_attributes=True) for s in rollout.snapshot()),
+                message=f"the lock was not granted within {self.lock_timeout_s}s: {exc}",
+                duration_s=time.monotonic() - started,
             )
+            return self._remember(result)
 
     @with_lock
     async def _update_from_disk(
@@ -254,11 +251,11 @@ class AsyncInferenceController:
                 await update.heal()
                 # Loading changes the live weights in place: the ones served now must be on disk first.
                 await self._write_outs.flush(update.model_name)
-                vetted = await asyncio.to_thread(
+                target = await asyncio.to_thread(
                     vet_checkpoint,
                     checkpoint,
                     model_name=update.model_name,
-                    settings=self._settings,
+                    settings=self.settings,
                     published=self.published,
                     weight_version=weight_version,
                     serving_version=update.version_to_beat,
@@ -266,23 +263,14 @@ class AsyncInferenceController:
                 )
         except CheckpointRejected as rejected:
             return self._finish(update.result(UpdateStatus.REJECTED, message=rejected.message))
-        update.set_target(
-            Target(
-                weight_version=vetted.weight_version,
-                step=vetted.step,
-                checksum=vetted.expected_checksum,
-                source=vetted.checksum_source,
-                checkpoint=vetted.path,
-                num_bytes=vetted.manifest.num_bytes if vetted.manifest else None,
-            )
-        )
+        update.set_target(target)
         self._events.started(update)
         message = ""
         with update.timed("transaction"):
             try:
                 async with asyncio.timeout(timeout):
-                    schedule = Rolling(self._settings.rolling_batch_size) if mode is UpdateMode.ROLLING else Barrier()
-                    status = await update.run(Plan(source=FromCheckpoint(vetted.path), schedule=schedule))
+                    schedule = Rolling(self.settings.rolling_batch_size) if mode is UpdateMode.ROLLING else Barrier()
+                    status = await update.run(Plan(source=FromCheckpoint(), schedule=schedule))
             except TimeoutError:
                 status = UpdateStatus.ROLLED_BACK
                 message = f"the update did not finish within {timeout}s; servers were put back on verified weights"
@@ -293,11 +281,11 @@ class AsyncInferenceController:
                 await update.heal()
                 raise
         actual = update.checkpoint_checksums()
-        if status is UpdateStatus.REJECTED and vetted.manifest is None and len(actual) == 1:
-            # A plain directory's weights were hashed by the servers; say which published step,
-            # if any, they belong to.
+        if status is UpdateStatus.REJECTED and target.num_bytes is None and len(actual) == 1:
+            # A plain directory's (no manifest gives its size) weights were hashed by the servers;
+            # say which published step, if any, they belong to.
             message = refused_plain_message(
-                vetted, model_name=update.model_name, published=self.published, actual=actual.pop()
+                target, model_name=update.model_name, published=self.published, actual=actual.pop()
             )
         return self._finish(update.result(status, message=message))
 
@@ -322,10 +310,10 @@ class AsyncInferenceController:
         # A server type that cannot stage (vLLM) gets a window with its servers out of routing;
         # the window's ``staged`` says which it is.
         staged = bool(staged) and rollout.stages_pushes
-        ttl = _lease_ttl(ttl_s, self._settings.lease_ttl_s)
-        pause = choice(UpdatePauseMode, pause_mode or self._settings.default_pause_mode, "pause_mode")
+        ttl = _lease_ttl(ttl_s, self.settings.lease_ttl_s)
+        pause = choice(UpdatePauseMode, pause_mode or self.settings.default_pause_mode, "pause_mode")
         return await self._windows.open(
-            lambda opened: self._hold_window(rollout, ttl_s=ttl, pause_mode=pause, staged=bool(staged), opened=opened)
+            lambda opened: self._hold_window(rollout, ttl_s=ttl, pause_mode=pause, staged=staged, opened=opened)
         )
 
     @with_lock
@@ -392,7 +380,7 @@ class AsyncInferenceController:
         if refused := refusal(update, ending, published_checksum=published.checksum if published else None):
             await close_window(update, reason=refused)
             return update.result(UpdateStatus.ROLLED_BACK, message=refused)
-        update.set_target(await window_target(update, ending, roots=self._settings.allowed_checkpoint_roots))
+        update.set_target(await window_target(update, ending, roots=self.settings.allowed_checkpoint_roots))
         source = FromWindow(staged=staged, close=lambda ids: set_window(update, open_=False, server_ids=ids))
         status = await update.run(Plan(source=source, schedule=Barrier()))
         if status is not UpdateStatus.COMMITTED:
@@ -423,7 +411,7 @@ class AsyncInferenceController:
         ending = await asyncio.to_thread(
             Commit, checksum=checksum, step=step, checkpoint=checkpoint, weight_version=weight_version
         )
-        await asyncio.to_thread(check_window_checkpoint, ending.checkpoint, self._settings.allowed_checkpoint_roots)
+        await asyncio.to_thread(check_window_checkpoint, ending.checkpoint, self.settings.allowed_checkpoint_roots)
         return await asyncio.shield(self._windows.find(window).end(ending))
 
     @lock_exempt

@@ -29,6 +29,8 @@ from miles.utils.context_lock import LockTransition, LockTransitionKind
 
 # What an ended update's event, committed or aborted, takes from its result as it is.
 _AS_IN_RESULT = {"update_id", "model_name", "step", "duration_s", "timings", "serving_blocked_s"}
+# What the events an update logs while it runs take from it as it is.
+_AS_IN_UPDATE = ("update_id", "model_name", "weight_version", "step")
 
 
 class ControllerEvents:
@@ -45,11 +47,8 @@ class ControllerEvents:
         self._fleet_changed()
 
     def weights_written_out(self, model_name: str, checksum: str, checkpoint: Path) -> None:
-        self.logger.log(
-            WeightsWrittenOutEvent,
-            {"model_name": model_name, "checksum": checksum, "checkpoint": str(checkpoint)},
-            print_log=False,
-        )
+        fields = {"model_name": model_name, "checksum": checksum, "checkpoint": str(checkpoint)}
+        self.logger.log(WeightsWrittenOutEvent, fields, print_log=False)
 
     def weights_restored(self, server_id: str, model_name: str, verified: VerifiedWeights) -> None:
         self._checksum(
@@ -63,19 +62,11 @@ class ControllerEvents:
 
     def drifted(self, server_id: str, model_name: str, *, expected: VerifiedWeights, actual: WeightsIdentity) -> None:
         """A serving engine's weights changed without the controller: a mismatch outside any update."""
-        self.logger.log(
-            ChecksumMismatchEvent,
-            {
-                "model_name": model_name,
-                "server_id": server_id,
-                "step": expected.step,
-                "weight_version": actual.weight_version,
-                "expected": expected.checksum,
-                # An engine that keeps no checksum changed at least its version label.
-                "actual": actual.checksum or f"unknown (version {actual.weight_version})",
-            },
-            print_log=True,
-        )
+        # An engine that keeps no checksum changed at least its version label.
+        held = actual.checksum or f"unknown (version {actual.weight_version})"
+        fields = {"model_name": model_name, "server_id": server_id, "step": expected.step}
+        fields |= {"weight_version": actual.weight_version, "expected": expected.checksum, "actual": held}
+        self.logger.log(ChecksumMismatchEvent, fields, print_log=True)
 
     # --- UpdateEvents --------------------------------------------------------------------------
 
@@ -85,19 +76,9 @@ class ControllerEvents:
         )
 
     def mismatch(self, update: WeightUpdate, server_id: str, actual: str) -> None:
-        self.logger.log(
-            ChecksumMismatchEvent,
-            {
-                "update_id": update.update_id,
-                "model_name": update.model_name,
-                "server_id": server_id,
-                "step": update.step,
-                "weight_version": update.weight_version,
-                "expected": update.expected_checksum or "",
-                "actual": actual,
-            },
-            print_log=True,
-        )
+        fields = {name: getattr(update, name) for name in _AS_IN_UPDATE}
+        fields |= {"server_id": server_id, "expected": update.expected_checksum or "", "actual": actual}
+        self.logger.log(ChecksumMismatchEvent, fields, print_log=True)
 
     # --- the controller's own ------------------------------------------------------------------
 
@@ -106,21 +87,15 @@ class ControllerEvents:
         self._checksum(model_name, checksum, step, weight_version, None, ChecksumRole.PUBLISHED)
 
     def started(self, update: WeightUpdate) -> None:
-        self.logger.log(
-            WeightUpdateStartedEvent,
-            {
-                "update_id": update.update_id,
-                "model_name": update.model_name,
-                "weight_version": update.weight_version,
-                "step": update.step,
-                "checkpoint": str(update.checkpoint) if update.checkpoint else None,
-                "strategy": update.mode.value,
-                "pause_mode": update.pause_mode.value,
-                "server_ids": tuple(update.server_ids),
-                "fencing_token": update.token,
-            },
-            print_log=False,
-        )
+        fields = {name: getattr(update, name) for name in _AS_IN_UPDATE}
+        fields |= {
+            "checkpoint": str(update.checkpoint) if update.checkpoint else None,
+            "strategy": update.mode.value,
+            "pause_mode": update.pause_mode.value,
+            "server_ids": tuple(update.server_ids),
+            "fencing_token": update.token,
+        }
+        self.logger.log(WeightUpdateStartedEvent, fields, print_log=False)
 
     def finished(self, result: UpdateResult) -> None:
         """A committed update, or one that ended any other way (with every server's version)."""
@@ -160,15 +135,6 @@ class ControllerEvents:
     def _checksum(
         self, model_name: str, checksum: str, step: int, version: str | None, server_id: str | None, role: ChecksumRole
     ) -> None:
-        self.logger.log(
-            InferenceEngineWeightChecksumEvent,
-            {
-                "model_name": model_name,
-                "checksum": checksum,
-                "step": step,
-                "weight_version": version,
-                "server_id": server_id,
-                "role": role,
-            },
-            print_log=False,
-        )
+        fields = {"model_name": model_name, "checksum": checksum, "step": step, "weight_version": version}
+        fields |= {"server_id": server_id, "role": role}
+        self.logger.log(InferenceEngineWeightChecksumEvent, fields, print_log=False)

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miles.config import ControllerSettings
+from miles.controller.plans import Target
 from miles.controller.published import PublishedChecksums
 from miles.controller.results import ChecksumSource
 from miles.errors import CheckpointFileInvalidError, InvalidRequestError
 from miles.utils.weight_version import is_newer
-from miles.weights.checkpoint import MANIFEST_NAME, Manifest, verify_checkpoint
+from miles.weights.checkpoint import MANIFEST_NAME, verify_checkpoint
 from miles.weights.paths import checked_path, files_outside_roots, inside_roots
 from miles.weights.safetensors_io import open_regular
 from miles.weights.verification import plain_checkpoint_problems
@@ -31,17 +31,6 @@ class CheckpointRejected(Exception):
         super().__init__(message)
 
 
-@dataclass(frozen=True)
-class VettedCheckpoint:
-    path: Path
-    # None for a plain Hugging Face directory: servers verify it against ``expected_checksum``.
-    manifest: Manifest | None
-    expected_checksum: str
-    checksum_source: ChecksumSource
-    weight_version: str
-    step: int
-
-
 def vet_checkpoint(
     checkpoint: Path,
     *,
@@ -51,8 +40,9 @@ def vet_checkpoint(
     weight_version: str | None,
     serving_version: str | None,
     start_checkpoint: Path | None = None,
-) -> VettedCheckpoint:
-    """Check ``checkpoint`` for an update of ``model_name``; raises CheckpointRejected if it fails.
+) -> Target:
+    """The weights ``checkpoint`` holds for an update of ``model_name`` (``num_bytes`` None for a plain
+    directory, whose checksum servers check before loading); raises CheckpointRejected if it fails.
 
     ``serving_version`` must be read under the controller's lock, by the update about to run (a
     value read earlier may have been overtaken by an update that queued ahead)."""
@@ -70,13 +60,9 @@ def vet_checkpoint(
             raise CheckpointRejected(problem)
         # lexists: a manifest that is there but cannot be opened (a symlink loop) is refused as such.
         if not os.path.lexists(path / MANIFEST_NAME):
-            return _vet_plain(
-                path,
-                model_name=model_name,
-                published=published,
-                weight_version=weight_version,
-                serving_version=serving_version,
-            )
+            target = _vet_plain(path, model_name=model_name, published=published, weight_version=weight_version)
+            _check_newer(target.weight_version, serving_version)
+            return target
         # Structure only (manifest, files, headers): every server hashes the bytes against the
         # manifest before it touches its weights, so a second full pass here would only add a read of
         # the whole checkpoint per update (minutes for large models on disk).
@@ -122,26 +108,19 @@ def vet_checkpoint(
             expected, source, step = manifest.checksum, ChecksumSource.MANIFEST, manifest.step
             version = weight_version or manifest.weight_version
         _check_newer(version, serving_version)
-        return VettedCheckpoint(
-            path=path,
-            manifest=manifest,
-            expected_checksum=expected,
-            checksum_source=source,
+        return Target(
             weight_version=version,
             step=step,
+            checksum=expected,
+            source=source,
+            checkpoint=path,
+            num_bytes=manifest.num_bytes,
         )
     except OSError as exc:
         raise CheckpointRejected(f"checkpoint {checkpoint} cannot be read: {exc.strerror or exc}") from None
 
 
-def _vet_plain(
-    path: Path,
-    *,
-    model_name: str,
-    published: PublishedChecksums,
-    weight_version: str | None,
-    serving_version: str | None,
-) -> VettedCheckpoint:
+def _vet_plain(path: Path, *, model_name: str, published: PublishedChecksums, weight_version: str | None) -> Target:
     """A directory as ``save_pretrained`` writes it: accepted as the latest published step, whose
     checksum each server checks before loading."""
     latest = published.latest(model_name)
@@ -155,33 +134,28 @@ def _vet_plain(
         )
     if problems := plain_checkpoint_problems(path):
         raise CheckpointRejected(f"checkpoint {path} failed verification: {'; '.join(problems[:5])}")
-    version = weight_version or latest.weight_version or str(latest.step)
-    _check_newer(version, serving_version)
-    return VettedCheckpoint(
-        path=path,
-        manifest=None,
-        expected_checksum=latest.checksum,
-        checksum_source=ChecksumSource.PUBLISHED,
-        weight_version=version,
+    return Target(
+        weight_version=weight_version or latest.weight_version or str(latest.step),
         step=latest.step,
+        checksum=latest.checksum,
+        source=ChecksumSource.PUBLISHED,
+        checkpoint=path,
     )
 
 
-def refused_plain_message(
-    vetted: VettedCheckpoint, *, model_name: str, published: PublishedChecksums, actual: str
-) -> str:
+def refused_plain_message(target: Target, *, model_name: str, published: PublishedChecksums, actual: str) -> str:
     """Why servers refused a plain checkpoint whose weights hash to ``actual``."""
     if (older := published.matching(model_name, actual)) is not None:
         return (
-            f"checkpoint {vetted.path} holds the weights training published for step {older.step} "
-            f"({actual}), not the latest published step {vetted.step} ({vetted.expected_checksum})"
+            f"checkpoint {target.checkpoint} holds the weights training published for step {older.step} "
+            f"({actual}), not the latest published step {target.step} ({target.checksum})"
         )
     return _unpublished_message(
-        vetted.path, model_name=model_name, checksum=actual, step=vetted.step, latest=vetted.expected_checksum
+        target.checkpoint, model_name=model_name, checksum=actual, step=target.step, latest=target.checksum
     )
 
 
-def _unpublished_message(path: Path, *, model_name: str, checksum: str, step: int, latest: str) -> str:
+def _unpublished_message(path: Path | None, *, model_name: str, checksum: str, step: int, latest: str) -> str:
     return (
         f"checkpoint {path} holds weights with checksum {checksum}, which training never published "
         f"for {model_name!r}; the latest published checksum is {latest} (step {step}). Publish this "
@@ -189,13 +163,19 @@ def _unpublished_message(path: Path, *, model_name: str, checksum: str, step: in
     )
 
 
-def _check_newer(version: str, serving_version: str | None) -> None:
+def not_newer(version: str, serving_version: str | None) -> str | None:
+    """Why ``version`` may not follow ``serving_version``, the newest the fleet has served, or None."""
     if is_newer(version, serving_version) is False:
-        raise CheckpointRejected(
+        return (
             f"weight version {version} is not newer than the newest version the fleet has served "
-            f"({serving_version}); serving versions never go back. Pass a newer weight_version to "
-            "republish older weights on purpose"
+            f"({serving_version}); serving versions never go back"
         )
+    return None
+
+
+def _check_newer(version: str, serving_version: str | None) -> None:
+    if problem := not_newer(version, serving_version):
+        raise CheckpointRejected(f"{problem}. Pass a newer weight_version to republish older weights on purpose")
 
 
 CONFIG_NAME = "config.json"

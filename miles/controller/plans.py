@@ -1,4 +1,4 @@
-"""What an update does, as data: where its weights come from (a source) and who moves when (a schedule).
+"""What an update does, as data: its weights (a target), where they come from (a source), who moves when (a schedule).
 
 ``WeightUpdate.run(plan)`` runs the protocol's steps once for every plan; a plan only says what differs.
 """
@@ -10,11 +10,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from miles.controller.results import ChecksumSource
+from miles.rollout.state import VerifiedWeights
+
+
+@dataclass(frozen=True)
+class Target:
+    """The weights an update installs: decided by the checkpoint gate, or by training ending a window."""
+
+    weight_version: str
+    step: int
+    checksum: str
+    source: ChecksumSource
+    # Where restarts can reload these weights; None for weights a window pushed (on no disk yet).
+    checkpoint: Path | None
+    # The weights' size as the checkpoint's manifest records it; None when no manifest says.
+    num_bytes: int | None = None
+
+    def verified(self) -> VerifiedWeights:
+        return VerifiedWeights(
+            checkpoint=self.checkpoint, weight_version=self.weight_version, checksum=self.checksum, step=self.step
+        )
+
 
 class Steps(Protocol):
     """The steps of an update a source calls (``WeightUpdate`` has them)."""
 
-    def load(self, server_ids: list[str], checkpoint: Path) -> Awaitable[None]: ...
+    def load(self, server_ids: list[str]) -> Awaitable[None]: ...
 
     def activate(self, server_ids: list[str]) -> Awaitable[None]: ...
 
@@ -25,17 +47,16 @@ class Steps(Protocol):
 
 @dataclass(frozen=True)
 class FromCheckpoint:
-    """Each server loads ``checkpoint`` (verifying its bytes before touching its weights).
+    """Each server loads the target's checkpoint (verifying its bytes before touching its weights).
 
     ``pauses``: taking a server out pauses it (else its engine pauses itself, only for the swap);
     ``refusable``: every server refusing the weights before touching its own rejects the update."""
 
-    checkpoint: Path
     pauses: bool = True
     refusable: bool = True
 
     async def load(self, update: Steps, server_ids: list[str]) -> None:
-        await update.load(server_ids, self.checkpoint)
+        await update.load(server_ids)
 
 
 @dataclass(frozen=True)
@@ -86,7 +107,5 @@ class Rolling:
 
 @dataclass(frozen=True)
 class Plan:
-    """One update: its source and its schedule."""
-
     source: FromCheckpoint | FromWindow
     schedule: Barrier | Rolling

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from datetime import datetime
 from enum import StrEnum
 
@@ -11,7 +9,7 @@ from pydantic import BaseModel, ConfigDict
 
 from miles.config import UpdatePauseMode
 from miles.errors import MilesError
-from miles.rollout.state import EngineApi, ServerSnapshot, ServerState
+from miles.rollout.state import EngineApi, ServerState
 
 
 class UpdateStatus(StrEnum):
@@ -164,28 +162,3 @@ class UpdateWindow(BaseModel):
     # The servers keep serving while training pushes: pushes stage (``activate=false``) and the
     # commit swaps the weights in.
     staged: bool = False
-
-
-def unlocked_result(
-    snapshots: list[ServerSnapshot],
-    *,
-    model_name: str,
-    mode: UpdateMode,
-    pause_mode: UpdatePauseMode,
-    started: float,
-    message: str,
-) -> UpdateResult:
-    """The result of an update that never got the lock: nothing was touched."""
-    return UpdateResult(
-        update_id=uuid.uuid4().hex[:12],
-        status=UpdateStatus.TIMED_OUT,
-        model_name=model_name,
-        strategy=mode,
-        pause_mode=pause_mode,
-        servers=tuple(
-            ServerOutcome(server_id=s.server_id, state=s.state, weight_version=s.weight_version, checksum=s.checksum)
-            for s in snapshots
-        ),
-        message=message,
-        duration_s=time.monotonic() - started,
-    )

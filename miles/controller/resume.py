@@ -96,15 +96,12 @@ def resume_fleet(directory: Path, rollouts: Iterable[ModelRollout], *, readable_
             f"the event log in {directory} cannot be read ({exc}); repair or move the file aside to "
             "start without resuming from it"
         ) from exc
-    models = {}
-    for rollout in rollouts:
-        model = past.models.get(rollout.model_name)
-        if model is None:
-            continue
-        resumed = resume_point(model, start_checkpoint=rollout.start_checkpoint, readable_roots=readable_roots)
-        if resumed is not None:
-            models[rollout.model_name] = resumed
-    return Resumption(published=past.published, models=models)
+    points = {
+        r.model_name: resume_point(model, start_checkpoint=r.start_checkpoint, readable_roots=readable_roots)
+        for r in rollouts
+        if (model := past.models.get(r.model_name)) is not None
+    }
+    return Resumption(published=past.published, models={name: p for name, p in points.items() if p is not None})
 
 
 def resume_point(

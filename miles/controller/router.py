@@ -163,8 +163,7 @@ class Router:
                         min_weight_version=min_weight_version,
                     )
                 if not waiting:
-                    limit = self._max_waiting()
-                    if self._waiting >= limit:
+                    if self._waiting >= (limit := self._max_waiting()):
                         raise ControllerBusyError(
                             f"{self._waiting} requests are already waiting for a server; try again "
                             "shortly, or raise the controller's max_waiting_requests "
@@ -174,7 +173,7 @@ class Router:
                         )
                     waiting = True
                     self._waiting += 1
-                await self._wait_for_change(gate, remaining)
+                await self._wait_for_change(remaining)
         finally:
             if waiting:
                 self._waiting -= 1
@@ -258,7 +257,7 @@ class Router:
         while len(self._sessions) > _MAX_SESSIONS:
             self._sessions.popitem(last=False)
 
-    async def _wait_for_change(self, gate: asyncio.Event, timeout_s: float) -> None:
+    async def _wait_for_change(self, timeout_s: float) -> None:
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(timeout_s, 1.0))

@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Protocol
 
 from miles.config import UpdatePauseMode
-from miles.controller.plans import Plan
-from miles.controller.results import ChecksumSource, ServerOutcome, ServerStep, UpdateMode, UpdateResult, UpdateStatus
+from miles.controller.plans import Plan, Target
+from miles.controller.results import ServerOutcome, ServerStep, UpdateMode, UpdateResult, UpdateStatus
 from miles.controller.router import Router
 from miles.errors import MilesError
 from miles.protocol.sglang import PauseMode
 from miles.protocol.sglang_weights import UpdateWeightsResponse
 from miles.rollout.engine_client import EngineCallError, WeightsChecksum
 from miles.rollout.mixed import ModelRollout
-from miles.rollout.state import ServerSnapshot, ServerState, VerifiedWeights
+from miles.rollout.state import ServerSnapshot, ServerState
 from miles.utils.weight_version import newest, version_number
 from miles.weights.checksum import ALGORITHM
 
@@ -51,25 +51,6 @@ class ServerProgress:
         """End the server's part in the update (failed or crashed); its first error stands."""
         self.step = step
         self.error = self.error or error
-
-
-@dataclass(frozen=True)
-class Target:
-    """The weights an update installs: decided by the checkpoint gate, or by training ending a window."""
-
-    weight_version: str
-    step: int
-    checksum: str
-    source: ChecksumSource
-    # Where restarts can reload these weights; None for weights a window pushed (on no disk yet).
-    checkpoint: Path | None
-    # The weights' size as the checkpoint's manifest records it; None when no manifest says.
-    num_bytes: int | None = None
-
-    def verified(self) -> VerifiedWeights:
-        return VerifiedWeights(
-            checkpoint=self.checkpoint, weight_version=self.weight_version, checksum=self.checksum, step=self.step
-        )
 
 
 class UpdateEvents(Protocol):
@@ -170,9 +151,11 @@ class WeightUpdate:
         with self.timed("pause"):
             await self._each(server_ids, "pause", lambda sid: self.rollout.pause(sid, mode, fence=self.token))
 
-    async def load(self, server_ids: list[str], checkpoint: Path) -> None:
-        """Have each server load ``checkpoint``; it verifies the bytes before touching its weights."""
+    async def load(self, server_ids: list[str]) -> None:
+        """Have each server load the target's checkpoint; it verifies the bytes before touching its weights."""
         target = self._target()
+        if (checkpoint := target.checkpoint) is None:
+            raise MilesError("weights a window pushed have no checkpoint to load", update_id=self.update_id)
 
         async def one(server_id: str) -> None:
             answer = await self.rollout.load(
@@ -302,8 +285,7 @@ class WeightUpdate:
 
     async def heal(self) -> None:
         """Put servers a failed operation left updating or quarantined back on verified weights; open the gate."""
-        stuck = [s.server_id for s in self.rollout.snapshot() if s.state in _MID_UPDATE]
-        if stuck:
+        if stuck := [s.server_id for s in self.rollout.snapshot() if s.state in _MID_UPDATE]:
             logger.warning("restoring %s left mid-update", ", ".join(stuck))
             await asyncio.gather(
                 *(self.rollout.rollback(sid, reason="recovered mid-update", fence=self.token) for sid in stuck),
@@ -353,17 +335,11 @@ class WeightUpdate:
         target = self.target
         loaded = sum(1 for o in outcomes if o.loaded)
         return UpdateResult(
-            update_id=self.update_id,
+            **{name: getattr(self, name) for name in _IN_RESULT},
             status=status,
-            model_name=self.model_name,
-            weight_version=self.weight_version,
-            previous_version=self.previous_version,
-            step=self.step,
             checkpoint=str(target.checkpoint) if target and target.checkpoint else None,
-            expected_checksum=self.expected_checksum,
             checksum_source=target.source if target else None,
             strategy=self.mode,
-            pause_mode=self.pause_mode,
             servers=outcomes,
             message=message,
             duration_s=time.monotonic() - self.started,
@@ -457,10 +433,7 @@ class WeightUpdate:
     def _outcome(self, snap: ServerSnapshot) -> ServerOutcome:
         note = self.progress.get(snap.server_id, ServerProgress())
         return ServerOutcome(
-            server_id=snap.server_id,
-            state=snap.state,
-            weight_version=snap.weight_version,
-            checksum=snap.checksum,
+            **{name: getattr(snap, name) for name in ("server_id", "state", "weight_version", "checksum")},
             loaded=note.step in _LOADED or note.reported is not None,
             confirmed_checksum=note.confirmed,
             matched=None if note.confirmed is None else note.confirmed == self.expected_checksum,
@@ -470,6 +443,8 @@ class WeightUpdate:
         )
 
 
+# What an update's result takes from it as it is.
+_IN_RESULT = "update_id model_name weight_version previous_version step expected_checksum pause_mode".split()
 # The states an update leaves a server in until it admits or restores it.
 _MID_UPDATE = (ServerState.UPDATING, ServerState.QUARANTINED)
 _LOADED = frozenset({ServerStep.LOADED, ServerStep.CONFIRMED, ServerStep.MISMATCHED, ServerStep.ADMITTED})

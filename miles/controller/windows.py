@@ -18,11 +18,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from miles.controller.gate import restart_point_problem, roots_problem
+from miles.controller.gate import not_newer, restart_point_problem, roots_problem
+from miles.controller.plans import Target
 from miles.controller.results import ChecksumSource, UpdateResult, UpdateWindow, WindowServer
-from miles.controller.transaction import Target, WeightUpdate
+from miles.controller.transaction import WeightUpdate
 from miles.errors import CheckpointError, ConflictError, InvalidRequestError, MilesError, UnavailableError
-from miles.utils.weight_version import is_newer
 from miles.weights.checkpoint import read_manifest
 from miles.weights.paths import checked_path
 
@@ -118,8 +118,7 @@ class WindowSlot:
         """Start ``hold`` (the task that takes the lock, opens the window and sets the future it
         is given) and return the window once open; raises what ended the task first."""
         opened: asyncio.Future[UpdateWindow] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(hold(opened))
-        self._task = task
+        self._task = task = asyncio.create_task(hold(opened))
         racers: set[asyncio.Future[Any]] = {opened, task}
         try:
             await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
@@ -171,13 +170,10 @@ def describe(update: WeightUpdate, *, ttl_s: float, staged: bool, credential: st
     """The window as training sees it: where to push, with which credential, until when."""
     live = update.live(update.server_ids)
     return UpdateWindow(
+        **{name: getattr(update, name) for name in ("update_id", "model_name", "token", "pause_mode")},
         window_id=uuid.uuid4().hex[:12],
-        update_id=update.update_id,
-        model_name=update.model_name,
-        token=update.token,
         expires_at=datetime.now(UTC) + timedelta(seconds=ttl_s),
         ttl_s=ttl_s,
-        pause_mode=update.pause_mode,
         # Servers whose engines died while the window opened are not pushed to: they restart
         # on what the window commits.
         servers=tuple(
@@ -192,12 +188,8 @@ def describe(update: WeightUpdate, *, ttl_s: float, staged: bool, credential: st
 
 def refusal(update: WeightUpdate, ending: Commit, *, published_checksum: str | None) -> str | None:
     """Why ``ending`` may not commit at all (checked before any server is touched), or None."""
-    version = ending.weight_version or str(ending.step)
-    if is_newer(version, update.version_to_beat) is False:
-        return (
-            f"weight version {version} is not newer than the newest version the fleet has served "
-            f"({update.version_to_beat}); serving versions never go back"
-        )
+    if problem := not_newer(ending.weight_version or str(ending.step), update.version_to_beat):
+        return problem
     if published_checksum is not None and published_checksum != ending.checksum:
         return (
             f"the window's checksum {ending.checksum} differs from the one published for step {ending.step} "
@@ -259,9 +251,7 @@ async def close_window(update: WeightUpdate, *, reason: str) -> None:
 def check_window_checkpoint(checkpoint: str | Path | None, roots: tuple[Path, ...]) -> None:
     """Refuse (InvalidRequestError) a window's ``checkpoint`` outside the allowed checkpoint roots,
     as a disk update's is refused: it would become its servers' restart point."""
-    if checkpoint is None:
-        return
-    if (problem := roots_problem(checked_path(str(checkpoint), field="checkpoint"), roots)) is not None:
+    if checkpoint is not None and (problem := roots_problem(checked_path(str(checkpoint), field="checkpoint"), roots)):
         raise InvalidRequestError(
             f"{problem}; or end the window without a checkpoint (an engine then writes the weights out)"
         )

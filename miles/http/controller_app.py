@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from operator import attrgetter
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -66,11 +67,14 @@ def _usable_path(value: str) -> str:
 PathText = Annotated[str, AfterValidator(_usable_path)]
 # Steps are 64-bit wherever they are stored or compared.
 Step = Annotated[int, Field(ge=0, lt=2**63, strict=True)]
-_LABEL: TypeAdapter[str] = TypeAdapter(Label)
-_EVENT_ID: TypeAdapter[str] = TypeAdapter(Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")])
+_LABEL: TypeAdapter[Any] = TypeAdapter(Label)
 # How far from the controller's clock the timestamp of a posted event may be.
 MAX_POSTED_CLOCK_SKEW_S = 86_400
-_STEP: TypeAdapter[int] = TypeAdapter(Step)
+# The bounds this API keeps a posted checksum's fields to (the event model also records what
+# servers report, unbounded).
+_EVENT_ID: TypeAdapter[Any] = TypeAdapter(Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")])
+_POSTED_BOUNDS = {"model_name": _LABEL, "checksum": _LABEL, "step": TypeAdapter(Step), "weight_version": _LABEL}
+_POSTED_BOUNDS |= {"event_id": _EVENT_ID, "source.component": _LABEL, "source.id": _LABEL}
 
 
 # Each request's fields are the keywords of the controller method its route calls (a window's
@@ -114,17 +118,7 @@ class AbortWindowRequest(_WindowRequest):
 
 
 def _posted_checksum_problems(event: InferenceEngineWeightChecksumEvent) -> list[str]:
-    """What a checksum posted by another process breaks of this API's own bounds (the event model
-    also records what servers report, unbounded)."""
-    fields: list[tuple[str, Any, TypeAdapter[Any]]] = [
-        ("model_name", event.model_name, _LABEL),
-        ("checksum", event.checksum, _LABEL),
-        ("step", event.step, _STEP),
-        ("weight_version", event.weight_version, _LABEL),
-        ("event_id", event.event_id, _EVENT_ID),
-        ("source.component", event.source.component, _LABEL),
-        ("source.id", event.source.id, _LABEL),
-    ]
+    """What a checksum posted by another process breaks of ``_POSTED_BOUNDS`` and the clock."""
     problems = []
     if event.server_id is not None:
         problems.append("server_id: a published checksum is training's, not a server's; leave it out")
@@ -136,8 +130,8 @@ def _posted_checksum_problems(event: InferenceEngineWeightChecksumEvent) -> list
             f"timestamp: {event.timestamp.isoformat()} is {skew:.0f}s away from the controller's clock "
             f"(at most {MAX_POSTED_CLOCK_SKEW_S}s); leave it out to have the controller stamp the event"
         )
-    for name, value, adapter in fields:
-        if value is None:
+    for name, adapter in _POSTED_BOUNDS.items():
+        if (value := attrgetter(name)(event)) is None:
             continue
         try:
             adapter.validate_python(value)

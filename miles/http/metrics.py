@@ -7,11 +7,11 @@ docs/METRICS.md.
 from __future__ import annotations
 
 import collections
+import functools
 import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -59,66 +59,6 @@ def outcome_of(status: int) -> str:
     return "client_error" if status < 500 else "server_error"
 
 
-class _FleetCollector(Collector):
-    """Servers, their weights, in-flight and waiting requests and the lock, read at scrape time."""
-
-    def __init__(self, health: Callable[[], FleetHealth], waiting: Callable[[], int]) -> None:
-        self._health = health
-        self._waiting = waiting
-
-    def collect(self) -> Iterator[Metric]:
-        report = self._health()
-        states = GaugeMetricFamily(names.SERVERS, "Servers by model and state", labels=["model", "state"])
-        counts = collections.Counter((server.model_name, server.state.value) for server in report.servers)
-        for (model, state), count in sorted(counts.items()):
-            states.add_metric([model, state], count)
-        yield states
-        info = InfoMetricFamily(
-            names.SERVER,
-            "Each server's state and the weights it holds (version, confirmed checksum), its node and GPUs",
-            labels=["model", "server"],
-        )
-        in_flight = GaugeMetricFamily(names.SERVER_IN_FLIGHT, "Routed requests in flight", labels=["server"])
-        restarts = CounterMetricFamily(names.SERVER_RESTARTS, "Restarts of each server", labels=["model", "server"])
-        for server in report.servers:
-            info.add_metric(
-                [server.model_name, server.server_id],
-                {
-                    "state": server.state.value,
-                    "server_type": server.server_type,
-                    "weight_version": server.weight_version or "",
-                    "checksum": server.checksum or "",
-                    "verified_weight_version": server.verified_weight_version or "",
-                    "node": server.node_address or server.node_id or "",
-                    "gpus": ",".join(map(str, server.gpu_ids)),
-                },
-            )
-            in_flight.add_metric([server.server_id], server.in_flight)
-            restarts.add_metric([server.model_name, server.server_id], server.restarts)
-        yield from (info, in_flight, restarts)
-        yield GaugeMetricFamily(
-            names.REQUESTS_WAITING, "Routed requests waiting for a server (held by an update)", value=self._waiting()
-        )
-        yield GaugeMetricFamily(names.LOCK_HELD, "1 while the controller lock is held", value=int(report.lock.held))
-        yield GaugeMetricFamily(names.LOCK_WAITERS, "Tasks waiting for the controller lock", value=report.lock.waiters)
-        yield GaugeMetricFamily(names.FLEET_OK, "1 while every model can serve", value=int(report.ok))
-
-
-class _Children:
-    """A metric's children by label values, kept in a dict for the per-request path:
-    prometheus_client's ``labels()`` validates and locks on every call (~2.5 us each, measured)."""
-
-    def __init__(self, metric: Counter | Histogram) -> None:
-        self._metric = metric
-        self._children: dict[tuple[str, ...], Any] = {}
-
-    def __call__(self, *values: str) -> Any:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self._metric.labels(*values)
-        return child
-
-
 class RequestHistory:
     """Routed requests per second over the last ``seconds`` (count, failed, latency): a ring of
     one slot per second, so recording costs a few integer operations."""
@@ -162,19 +102,23 @@ class RequestWindow:
     mean_latency_ms: list[float | None]
 
 
-class ControllerMetrics(RequestMetrics):
+class ControllerMetrics(RequestMetrics, Collector):
     """The controller's series."""
 
     def __init__(self, health: Callable[[], FleetHealth], *, waiting: Callable[[], int] = lambda: 0) -> None:
+        self._health = health
+        self._waiting = waiting
         self.registry = registry = CollectorRegistry()
 
-        def counter(name: str, doc: str, labels: list[str]) -> _Children:
-            return _Children(Counter(name, doc, labels, registry=registry))
+        # Each series' children are cached by label values for the per-request path:
+        # prometheus_client's labels() validates and locks on every call (~2.5 us each, measured).
+        def counter(name: str, doc: str, labels: list[str]) -> Callable[..., Counter]:
+            return functools.cache(Counter(name, doc, labels, registry=registry).labels)
 
         def histogram(
             name: str, doc: str, labels: list[str], buckets: tuple[float, ...] = names.UPDATE_BUCKETS
-        ) -> _Children:
-            return _Children(Histogram(name, doc, labels, registry=registry, buckets=buckets))
+        ) -> Callable[..., Histogram]:
+            return functools.cache(Histogram(name, doc, labels, registry=registry, buckets=buckets).labels)
 
         self._requests = counter(names.REQUESTS, "Routed inference requests", ["model", "server", "outcome"])
         self._latency = histogram(
@@ -218,7 +162,7 @@ class ControllerMetrics(RequestMetrics):
         self.history = RequestHistory()
         # Each model's committed versions, oldest first (bounded): what staleness is counted in.
         self._versions: dict[str, list[str]] = {}
-        registry.register(_FleetCollector(health, waiting))
+        registry.register(self)
 
     # --- RequestMetrics ------------------------------------------------------------------------
 
@@ -288,3 +232,33 @@ class ControllerMetrics(RequestMetrics):
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        """Servers, their weights, in-flight and waiting requests and the lock, read at scrape time."""
+        report = self._health()
+        states = GaugeMetricFamily(names.SERVERS, "Servers by model and state", labels=["model", "state"])
+        counts = collections.Counter((server.model_name, server.state.value) for server in report.servers)
+        for (model, state), count in sorted(counts.items()):
+            states.add_metric([model, state], count)
+        yield states
+        info = InfoMetricFamily(
+            names.SERVER,
+            "Each server's state and the weights it holds (version, confirmed checksum), its node and GPUs",
+            labels=["model", "server"],
+        )
+        in_flight = GaugeMetricFamily(names.SERVER_IN_FLIGHT, "Routed requests in flight", labels=["server"])
+        restarts = CounterMetricFamily(names.SERVER_RESTARTS, "Restarts of each server", labels=["model", "server"])
+        for server in report.servers:
+            held = {n: getattr(server, n) or "" for n in ("weight_version", "checksum", "verified_weight_version")}
+            placed = {"node": server.node_address or server.node_id or "", "gpus": ",".join(map(str, server.gpu_ids))}
+            labels = {"state": server.state.value, "server_type": server.server_type, **held, **placed}
+            info.add_metric([server.model_name, server.server_id], labels)
+            in_flight.add_metric([server.server_id], server.in_flight)
+            restarts.add_metric([server.model_name, server.server_id], server.restarts)
+        yield from (info, in_flight, restarts)
+        yield GaugeMetricFamily(
+            names.REQUESTS_WAITING, "Routed requests waiting for a server (held by an update)", value=self._waiting()
+        )
+        yield GaugeMetricFamily(names.LOCK_HELD, "1 while the controller lock is held", value=int(report.lock.held))
+        yield GaugeMetricFamily(names.LOCK_WAITERS, "Tasks waiting for the controller lock", value=report.lock.waiters)
+        yield GaugeMetricFamily(names.FLEET_OK, "1 while every model can serve", value=int(report.ok))

@@ -99,44 +99,37 @@ class _Attempts:
         self.excluded = (*self.excluded, Exclusion.of(lease))
 
 
+@dataclass(kw_only=True)
 class Proxy:
-    def __init__(
-        self,
-        *,
-        router: Router,
-        session: aiohttp.ClientSession,
-        metrics: RequestMetrics,
-        max_attempts: int,
-        on_unreachable: Callable[[str, str], None],
-        engine_secret: str | None = None,
-    ) -> None:
-        self._router = router
+    router: Router
+    session: aiohttp.ClientSession
+    metrics: RequestMetrics
+    max_attempts: int
+    # (model_name, server_id): a request could not reach that server; probe it now.
+    on_unreachable: Callable[[str, str], None]
+    engine_secret: str | None = None
+
+    def __post_init__(self) -> None:
         # Engines launched by the controller may require their secret for inference too (when the
         # controller's own API key is set): the proxy is the controller, so it presents it.
-        self._headers = {**_JSON, "authorization": f"Bearer {engine_secret}"} if engine_secret else dict(_JSON)
-        # Servers someone else runs (attached) never see the secret: it would let them, or anyone
-        # on the way to them, change the weights of the engines this controller launched.
-        self._attached_headers = dict(_JSON)
-        self._session = session
-        self._metrics = metrics
-        self._max_attempts = max_attempts
-        # (model_name, server_id): a request could not reach that server; probe it now.
-        self._on_unreachable = on_unreachable
+        # Servers someone else runs (attached) never see it (``_JSON`` alone): it would let them, or
+        # anyone on the way to them, change the weights of the engines this controller launched.
+        self._headers = {**_JSON, "authorization": f"Bearer {self.engine_secret}"} if self.engine_secret else _JSON
 
     async def lease(self, options: RouteOptions) -> RouteLease:
         """Claim the server the router picks for a request (waiting as ``forward`` does), to shape
         the request for it; ``forward`` or ``stream`` given it sends there first and releases it."""
-        return await self._lease(_Attempts(options, left=self._max_attempts))
+        return await self._lease(_Attempts(options, left=self.max_attempts))
 
     def release(self, lease: RouteLease) -> None:
         """Give back a lease claimed with ``lease`` that will not be sent (the request was refused)."""
-        self._router.release(lease)
+        self.router.release(lease)
 
     async def forward(
         self, path: str, payload: bytes, options: RouteOptions, *, lease: RouteLease | None = None
     ) -> Response:
         """Send ``payload`` to ``path`` on a routed server (``lease``'s first); its answer unchanged."""
-        tries = _Attempts(options, left=self._max_attempts)
+        tries = _Attempts(options, left=self.max_attempts)
         lease = lease or await self._lease(tries)
         while True:
             tries.left -= 1
@@ -147,23 +140,23 @@ class Proxy:
                     media_type = upstream.headers.get("content-type", "application/json")
                     retry_after = upstream.headers.get("retry-after")
             except BaseException as exc:
-                self._router.release(lease)
+                self.router.release(lease)
                 if isinstance(exc, _NOT_DELIVERED):
                     # Run again elsewhere, or on the restarted server.
                     lease = await self._after_unreachable(lease, tries, exc)
                     continue
                 if isinstance(exc, TimeoutError):
-                    self._metrics.request_done(
+                    self.metrics.request_done(
                         options.model_name, server=lease.server_id, outcome="timeout", started=tries.started
                     )
                 raise
-            self._router.release(lease)
+            self.router.release(lease)
             if status in _TRY_ELSEWHERE and tries.left > 0:
                 if (other := self._elsewhere(lease, tries)) is not None:
                     logger.warning("%s answered %d; retrying on %s", lease.server_id, status, other.server_id)
                     lease = other
                     continue
-            self._metrics.request_done(
+            self.metrics.request_done(
                 options.model_name,
                 server=lease.server_id,
                 outcome=outcome_of(status),
@@ -181,7 +174,7 @@ class Proxy:
         """Stream a server's server-sent events through (first ``lease``'s server's, when given).
         The first chunk is read before the response starts: a server that dies before sending
         anything costs a retry, not a broken stream."""
-        tries = _Attempts(options, left=self._max_attempts)
+        tries = _Attempts(options, left=self.max_attempts)
         lease = lease or await self._lease(tries)
         while True:
             tries.left -= 1
@@ -189,11 +182,11 @@ class Proxy:
             try:
                 upstream = await self._post(lease, path, payload, tries)
                 first = await _first_chunk(upstream)
-                self._metrics.first_byte(options.model_name, started=tries.started)
+                self.metrics.first_byte(options.model_name, started=tries.started)
             except BaseException as exc:
                 if upstream is not None:
                     upstream.release()
-                self._router.release(lease)
+                self.router.release(lease)
                 if not isinstance(exc, _NOT_DELIVERED):
                     raise
                 lease = await self._after_unreachable(lease, tries, exc)
@@ -206,10 +199,10 @@ class Proxy:
             )
 
     def _post(self, lease: RouteLease, path: str, payload: bytes, tries: _Attempts) -> Any:
-        return self._session.post(
+        return self.session.post(
             f"{lease.url}{path}",
             data=payload,
-            headers=self._attached_headers if lease.attached else self._headers,
+            headers=_JSON if lease.attached else self._headers,
             timeout=aiohttp.ClientTimeout(total=max(tries.remaining(), 0.01)),
         )
 
@@ -230,8 +223,8 @@ class Proxy:
             raise
         finally:
             upstream.release()
-            self._router.release(lease)
-            self._metrics.request_done(
+            self.router.release(lease)
+            self.metrics.request_done(
                 tries.options.model_name,
                 server=lease.server_id,
                 outcome=outcome,
@@ -243,13 +236,13 @@ class Proxy:
         """Exclude the incarnation that failed, have it probed now, and wait for another lease."""
         logger.warning("%s unreachable (%s); retrying (%d tries left)", lease.server_id, exc, tries.left)
         tries.exclude(lease)
-        self._on_unreachable(lease.model_name, lease.server_id)
+        self.on_unreachable(lease.model_name, lease.server_id)
         if tries.left <= 0:
-            self._metrics.request_done(
+            self.metrics.request_done(
                 tries.options.model_name, server=lease.server_id, outcome="unreachable", started=tries.started
             )
             raise NoServerAvailableError(
-                f"no server of {tries.options.model_name!r} could be reached after {self._max_attempts} attempts",
+                f"no server of {tries.options.model_name!r} could be reached after {self.max_attempts} attempts",
                 tried=sorted({e.server_id for e in tries.excluded}),
             )
         return await self._lease(tries)
@@ -257,7 +250,7 @@ class Proxy:
     def _elsewhere(self, failed: RouteLease, tries: _Attempts) -> RouteLease | None:
         """Another server that can take the request right now, excluding the one that failed."""
         options = tries.options
-        other = self._router.try_acquire(
+        other = self.router.try_acquire(
             options.model_name,
             session_id=None,
             min_weight_version=options.min_weight_version,
@@ -271,7 +264,7 @@ class Proxy:
     async def _lease(self, tries: _Attempts) -> RouteLease:
         options = tries.options
         try:
-            return await self._router.acquire(
+            return await self.router.acquire(
                 options.model_name,
                 timeout_s=tries.remaining(),
                 session_id=options.session_id,
@@ -281,7 +274,7 @@ class Proxy:
             )
         except (NoServerAvailableError, ControllerBusyError) as exc:
             outcome = "busy" if isinstance(exc, ControllerBusyError) else "unavailable"
-            self._metrics.request_done(options.model_name, server="", outcome=outcome, started=tries.started)
+            self.metrics.request_done(options.model_name, server="", outcome=outcome, started=tries.started)
             raise
 
 
@@ -295,7 +288,4 @@ async def _first_chunk(upstream: aiohttp.ClientResponse) -> bytes:
 
 def _last_event(chunk: bytes) -> bytes:
     """The last server-sent event of ``chunk`` that carries the counts (not ``[DONE]``)."""
-    for event in reversed(chunk.split(b"\n\n")):
-        if _COUNTS in event:
-            return event
-    return b""
+    return next((event for event in reversed(chunk.split(b"\n\n")) if _COUNTS in event), b"")

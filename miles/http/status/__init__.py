@@ -31,26 +31,6 @@ _ASSETS = {
 }
 
 
-def status_report(controller: AsyncInferenceController, metrics: ControllerMetrics | None) -> dict[str, Any]:
-    """What the page shows, as JSON: ``health``, ``updates``, ``requests`` (None with metrics off), ``events``."""
-    events = controller.event_logger.events[-_EVENTS_READ:]
-    updates = update_timelines(events)[-_UPDATES_SHOWN:]
-    return {
-        "health": controller.health().model_dump(mode="json"),
-        "updates": [u.model_dump(mode="json") for u in reversed(updates)],
-        "requests": asdict(metrics.history.window()) if metrics is not None else None,
-        "events": [
-            {
-                "timestamp": e.timestamp.isoformat(),
-                "type": e.type,
-                "servers": list(e.involved_servers()),
-                "summary": e.summary(),
-            }
-            for e in reversed(events[-_EVENTS_SHOWN:])
-        ],
-    }
-
-
 def add_status_page(
     app: FastAPI,
     controller: AsyncInferenceController,
@@ -75,4 +55,20 @@ def add_status_page(
 
     @app.get("/status", dependencies=[Depends(reader)])
     async def status() -> dict[str, Any]:
-        return status_report(controller, metrics)
+        # What the page shows: health, updates, requests (None with metrics off), events.
+        events = controller.event_logger.events[-_EVENTS_READ:]
+        updates = update_timelines(events)[-_UPDATES_SHOWN:]
+        return {
+            "health": controller.health().model_dump(mode="json"),
+            "updates": [u.model_dump(mode="json") for u in reversed(updates)],
+            "requests": asdict(metrics.history.window()) if metrics is not None else None,
+            "events": [
+                {
+                    "timestamp": e.timestamp.isoformat(),
+                    "type": e.type,
+                    "servers": list(e.involved_servers()),
+                    "summary": e.summary(),
+                }
+                for e in reversed(events[-_EVENTS_SHOWN:])
+            ],
+        }

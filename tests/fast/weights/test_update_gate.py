@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 
 from miles.config import ControllerSettings
-from miles.controller.gate import CheckpointRejected, VettedCheckpoint, vet_checkpoint
+from miles.controller.gate import CheckpointRejected, vet_checkpoint
+from miles.controller.plans import Target
 from miles.controller.published import PublishedChecksums
 from miles.weights.checkpoint import MANIFEST_NAME
 
 MakeCheckpoint = Callable[..., tuple[Path, object]]
 
 
-def admit(checkpoint: Path, start: Path | None) -> VettedCheckpoint:
+def admit(checkpoint: Path, start: Path | None) -> Target:
     return vet_checkpoint(
         checkpoint,
         model_name="tiny-test",
@@ -102,7 +103,7 @@ def test_settings_that_describe_the_file_not_the_model_may_differ(make_checkpoin
         (new / name).unlink(missing_ok=True)
     (new / "tokenizer.json").rename(new / "vocab.json")
     admitted = admit(new, start)
-    assert admitted.expected_checksum == manifest.checksum  # type: ignore[attr-defined]
+    assert admitted.checksum == manifest.checksum  # type: ignore[attr-defined]
     assert admitted.weight_version == "2"
 
 
