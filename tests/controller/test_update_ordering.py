@@ -127,3 +127,38 @@ async def test_a_version_that_is_no_integer_is_no_way_back(fleet, checkpoints: d
     )
     assert newer.status_code == 200 and newer.json()["status"] == "committed", newer.text
     assert serving_versions(controller) == {str(current + 1)}
+
+
+async def test_an_update_the_lock_is_not_granted_to_in_time_times_out_and_changes_nothing(
+    fleet, checkpoints: dict[str, Path]
+) -> None:
+    controller, http = fleet
+
+    def servers() -> dict[str, tuple[str, str | None, str | None]]:
+        return {s.server_id: (s.state.value, s.weight_version, s.checksum) for s in controller.fleet.snapshots("tiny")}
+
+    before = servers()
+    mark = len(controller.event_logger.events)
+    # Set first: a change of settings waits for the lock too.
+    assert (await http.patch("/config", json={"lock_timeout_s": 0.2})).status_code == 200
+    try:
+        window = await controller.start_update_weights(ttl_s=60)  # holds the lock
+        during = servers()
+        try:
+            answer = await http.post(
+                "/update_weights", json={"checkpoint": str(checkpoints["v2"]), "weight_version": "99"}
+            )
+            reported = controller.last_update
+        finally:
+            await controller.abort_update_weights(window)
+    finally:
+        assert (await http.patch("/config", json={"lock_timeout_s": 600})).status_code == 200
+    assert answer.status_code == 409
+    body = answer.json()
+    assert body["status"] == "timed_out", body
+    assert body["message"].startswith("the lock was not granted within 0.2s"), body["message"]
+    # Each server as it was when the update gave up, and the result is the one reported last.
+    assert {s["server_id"]: (s["state"], s["weight_version"], s["checksum"]) for s in body["servers"]} == during
+    assert reported is not None and reported.update_id == body["update_id"]
+    assert "99" not in committed_versions(controller, mark)
+    assert servers() == before
