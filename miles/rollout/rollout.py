@@ -219,15 +219,15 @@ class Rollout(ABC):
 
     def drifted(self, cell: ServerCell, *, verified: VerifiedWeights, reported: WeightsIdentity) -> None:
         """The serving engine reports other weights than ``verified``: record, report, quarantine."""
+        reason = (
+            f"weights changed outside the controller: the engine reports {reported.weight_version} "
+            f"({reported.checksum}), verified was {verified.weight_version} ({verified.checksum})"
+        )
+        logger.error("%s: %s", cell.server_id, reason)
         cell.weight_version, cell.checksum = reported.weight_version, reported.checksum or cell.checksum
         if self.observer is not None:
             self.observer.drifted(cell.server_id, cell.model_name, expected=verified, actual=reported)
-        self.transition(
-            cell,
-            ServerState.QUARANTINED,
-            f"weights changed outside the controller: the engine reports {reported.weight_version} "
-            f"({reported.checksum}), verified was {verified.weight_version} ({verified.checksum})",
-        )
+        self.transition(cell, ServerState.QUARANTINED, reason)
 
     async def died(self, server_id: str) -> bool:
         """Whether the server's engine process has ended, after a call to it found nobody there."""
