@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +37,9 @@ logger = logging.getLogger("miles.ray")
 class InferenceControllerActor:
     """One controller in an actor (async: every call runs on the actor's event loop)."""
 
-    def __init__(
-        self,
-        rollout_server_cls: str | Mapping[str, Any],
-        model_checkpoint: str | None,
-        *,
-        num_servers: int,
-        serve_http: bool,
-        settings: dict[str, Any],
-    ) -> None:
+    def __init__(self, build: Callable[[], AsyncInferenceController], *, serve_http: bool) -> None:
         # Built in start(), on the actor's loop: the lock and the router bind to the loop they run on.
-        self._build = functools.partial(
-            AsyncInferenceController, rollout_server_cls, model_checkpoint, num_servers=num_servers, **settings
-        )
+        self._build = build
         self._serve_http = serve_http
         self._controller: AsyncInferenceController | None = None
         self._http: HttpServer | None = None
@@ -142,11 +132,14 @@ def serve_controller(
         # start on the first checkpoint and forget every verified update.
         max_restarts=0,
     ).remote(
-        rollout_server_cls,
-        None if model_checkpoint is None else str(model_checkpoint),
-        num_servers=num_servers,
+        functools.partial(
+            AsyncInferenceController,
+            rollout_server_cls,
+            None if model_checkpoint is None else str(model_checkpoint),
+            num_servers=num_servers,
+            **settings,
+        ),
         serve_http=serve_http,
-        settings=settings,
     )
     try:
         ray.get(actor.start.remote())
