@@ -306,7 +306,8 @@ class _Ports:
         self._lock = threading.Lock()
         self._given: collections.deque[tuple[str, int]] = collections.deque(maxlen=keep)
 
-    def take(self, host: str) -> int:
+    def take(self, host: str = "127.0.0.1") -> int:
+        """A TCP port free on ``host`` right now that was not handed out lately (the last ``keep``)."""
         with self._lock:
             # Bounded: on a machine whose ephemeral range is hardly larger than what is kept, a port
             # handed out before is better than a launch that never gets one.
@@ -320,13 +321,8 @@ class _Ports:
             return port
 
 
-_PORTS = _Ports()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now and that this interpreter has not handed out
-    lately (the last 4096 ports)."""
-    return _PORTS.take(host)
+# One per interpreter: every launch of this process draws its ports from it.
+free_port = _Ports().take
 
 
 class EngineProcess:
