@@ -143,11 +143,11 @@ class EngineClient:
 
     async def health(self, *, timeout: float = 5.0) -> bool:
         """True when ``/health`` answers 200 (the process is up and its HTTP loop responsive)."""
-        return await self._answers_200("GET", "/health", timeout=timeout)
+        return await self._answers_200("/health", timeout=timeout)
 
-    async def _answers_200(self, method: str, path: str, *, json: Any = None, timeout: float) -> bool:
+    async def _answers_200(self, path: str, *, timeout: float) -> bool:
         try:
-            response = await self._call(method, path, json=json, timeout=timeout)
+            response = await self._call("GET", path, timeout=timeout)
         except EngineCallError:
             return False
         return response.status_code == 200
@@ -236,7 +236,7 @@ class EngineClient:
 
     async def health_generate(self, *, timeout: float = 30.0) -> bool:
         """True when ``/health_generate`` answers 200: the server generated a token just now."""
-        return await self._answers_200("GET", "/health_generate", timeout=timeout)
+        return await self._answers_200("/health_generate", timeout=timeout)
 
     async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
         """``/model_info`` (SGLang's newer name), or ``/get_model_info`` on servers without it."""

@@ -200,17 +200,6 @@ class VLLMClient(EngineClient):
     async def flush_cache(self, *, fence: int | None = None) -> None:
         await self._checked("POST", "/reset_prefix_cache", fence=fence)
 
-    async def abort_request(
-        self, rid: str = "", *, abort_all: bool = False, abort_message: str | None = None, fence: int | None = None
-    ) -> None:
-        await self._checked("POST", "/abort_requests", json={"request_ids": [] if abort_all else [rid]}, fence=fence)
-
-    async def health_generate(self, *, timeout: float = 30.0) -> bool:
-        """One token generated now, through the OpenAI completions route."""
-        return await self._answers_200(
-            "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=timeout
-        )
-
     async def warm_up(self, *, timeout: float) -> None:
         """Tokens with their logprobs, for one sequence and then several at once (torch compiles a
         graph for each on first use); EngineCallError unless they are answered."""
@@ -219,13 +208,6 @@ class VLLMClient(EngineClient):
             response = await self._call("POST", "/v1/completions", json=body, timeout=timeout)
             if response.status_code != 200:
                 raise self._refused("POST /v1/completions (warming up)", response)
-
-    async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
-        response = await self._checked("GET", "/v1/models", timeout=timeout)
-        return {"models": response.json().get("data", []), "weight_version": await self._weight_version()}
-
-    async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
-        return {"engine": "vllm", **await self.model_info(timeout=timeout)}
 
     async def fence(self, token: int, *, window_open: bool, staged: bool = False) -> FenceState:
         """vLLM has no fence; closing a window ends a push it left unfinished (``miles_end_push``)."""
