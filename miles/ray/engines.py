@@ -389,8 +389,7 @@ class RayRuntime(EngineRuntime):
         for host in (host for host in self._hosts.values() if host is not target):
             try:
                 if await host.sees.remote(str(checkpoint), None):
-                    files: list[tuple[str, list[ray.ObjectRef]]] = await host.pack.remote(str(checkpoint))
-                    return files
+                    return await host.pack.remote(str(checkpoint))
             except RayActorError:
                 continue
         raise CheckpointShipError(

@@ -25,8 +25,7 @@ def _to_owner(method: Callable[Concatenate[Rollout, str, P], R]) -> Callable[Con
 
     @functools.wraps(method)
     def forward(self: MixedRollout, server_id: str, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        result: R = getattr(self.owner(server_id), method.__name__)(server_id, *args, **kwargs)
-        return result
+        return getattr(self.owner(server_id), method.__name__)(server_id, *args, **kwargs)
 
     return forward
 
