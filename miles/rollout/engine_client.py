@@ -55,13 +55,9 @@ class WeightsChecksum:
     layout: str | None = None
 
 
-@dataclass(frozen=True)
-class WeightsIdentity:
-    """What an engine says it holds, without hashing (checksum, instance: None where it does not say)."""
-
-    weight_version: str
-    checksum: str | None
-    instance_id: str | None = None
+# What an engine says it holds, without hashing (checksum, instance: None where it does not say):
+# every server type's answer is read into the embedded engine's /get_weight_version answer.
+WeightsIdentity = WeightVersionResponse
 
 
 @dataclass(frozen=True)
@@ -157,10 +153,7 @@ class EngineClient:
         if not self._model_info_versions:
             response = await self._call("GET", "/get_weight_version", timeout=timeout)
             if response.status_code != 404:
-                body = self._answer("GET", "/get_weight_version", response, WeightVersionResponse)
-                return WeightsIdentity(
-                    weight_version=body.weight_version, checksum=body.checksum, instance_id=body.instance_id
-                )
+                return self._answer("GET", "/get_weight_version", response, WeightsIdentity)
             self._model_info_versions = True
         info = await self.model_info(timeout=timeout)
         return WeightsIdentity(weight_version=str(info.get("weight_version")), checksum=None)
