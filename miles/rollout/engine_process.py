@@ -156,14 +156,7 @@ class _ForkServer:
     def spawn(self, args: Sequence[str], *, env: dict[str, str], log_path: Path) -> _ForkedEngine:
         ident = next(self._ids)
         self._send(
-            {
-                "spawn": ident,
-                "args": list(args),
-                "env": env,
-                "cwd": os.getcwd(),
-                "log": str(log_path),
-                "launcher": os.getpid(),
-            }
+            dict(spawn=ident, args=list(args), env=env, cwd=os.getcwd(), log=str(log_path), launcher=os.getpid())
         )
         with self._changed:
             self._changed.wait_for(lambda: ident in self._spawned or not self._ready, timeout=60.0)
