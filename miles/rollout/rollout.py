@@ -380,9 +380,7 @@ class Rollout(ABC):
             if confirmed is not None and confirmed.checksum != verified.checksum:
                 source = await source_of(self.model_servers, verified, besides=server_id, fence=fence)
                 if source is None:
-                    self.transition(
-                        cell, ServerState.QUARANTINED, "its verified weights are on no disk and no peer holds them"
-                    )
+                    self.quarantine(server_id, reason="its verified weights are on no disk and no peer holds them")
                     raise RolloutError(
                         "the verified weights are on no disk and no serving peer holds them; the server "
                         "stays quarantined until the next update",
@@ -399,7 +397,7 @@ class Rollout(ABC):
             confirmed = None
         if confirmed is not None and confirmed.checksum == verified.checksum:
             try:
-                await self.client(server_id).continue_generation(fence=fence)
+                await self.resume(server_id, fence=fence)
             except EngineCallError as exc:
                 logger.warning("could not resume %s after rollback: %s", server_id, exc)
             self.admit(server_id, verified, reason=f"rolled back to {verified.weight_version}: {reason}")
