@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from ray.exceptions import RayTaskError
 
 from miles.config import ControllerSettings, RuntimeKind
 from miles.controller.core import AsyncInferenceController
-from miles.controller.fleet import normalize_specs
+from miles.controller.fleet import ModelServerSpec, normalize_specs
 from miles.controller.health import FleetHealth
 from miles.controller.results import UpdateResult, UpdateWindow
 from miles.errors import MilesError
@@ -120,9 +120,8 @@ def serve_controller(
     validated = ControllerSettings(**settings)  # raises ValidationError naming the bad setting
     started = connect(settings.get("ray_address"), namespace=namespace)
     if started and validated.runtime is RuntimeKind.RAY and validated.num_cpus_per_engine is None:
-        settings["num_cpus_per_engine"] = _cpu_share(
-            rollout_server_cls, model_checkpoint, num_servers=num_servers, reserved=num_cpus
-        )
+        specs = normalize_specs(rollout_server_cls, model_checkpoint, num_servers).values()
+        settings["num_cpus_per_engine"] = _cpu_share(specs, reserved=num_cpus)
     actor = InferenceControllerActor.options(  # type: ignore[attr-defined]
         name=name,
         namespace=namespace,
@@ -151,16 +150,10 @@ def serve_controller(
     return actor
 
 
-def _cpu_share(
-    rollout_server_cls: str | Mapping[str, Any],
-    model_checkpoint: str | Path | None,
-    *,
-    num_servers: int,
-    reserved: float,
-) -> float:
+def _cpu_share(fleet: Iterable[ModelServerSpec], *, reserved: float) -> float:
     """CPUs per engine that let every engine of the fleet fit on the cluster just started."""
     # Attached servers run elsewhere and ask the cluster for nothing.
-    specs = [s for s in normalize_specs(rollout_server_cls, model_checkpoint, num_servers).values() if not s.urls]
+    specs = [s for s in fleet if not s.urls]
     engines = sum(spec.num_servers or 1 for spec in specs if spec.num_cpus_per_engine is None)
     reserved += sum((spec.num_servers or 1) * (spec.num_cpus_per_engine or 0.0) for spec in specs)
     cpus = float(ray.cluster_resources().get("CPU", 0.0))
