@@ -34,22 +34,11 @@ class MixedRollout:
     """The servers of one model, run by several rollouts (server types); see the module docstring."""
 
     def __init__(self, rollouts: Sequence[Rollout], *, observer: RolloutObserver | None = None) -> None:
-        first = rollouts[0]
-        for rollout in rollouts[1:]:
-            # The fleet refuses such specs by name before any rollout is built.
-            if rollout.model_name != first.model_name or rollout.start_checkpoint != first.start_checkpoint:
-                raise RolloutError(
-                    "the rollouts of one model must serve one model from one checkpoint",
-                    model=first.model_name,
-                    other=rollout.model_name,
-                    checkpoint=str(first.start_checkpoint),
-                    other_checkpoint=str(rollout.start_checkpoint),
-                )
+        """``rollouts`` serve one model from one checkpoint, under server ids of their own: the fleet
+        (``models_of``, ``Fleet._check_ids``) refuses specs that would not, naming the spec to change."""
         self.rollouts = tuple(rollouts)
         self.observer = observer
         self._owners = {server_id: rollout for rollout in rollouts for server_id in rollout.server_ids}
-        if len(self._owners) != sum(len(r.server_ids) for r in rollouts):
-            raise RolloutError("two rollouts of one model name the same server id", model=first.model_name)
         for rollout in rollouts:
             rollout.model_servers = self
         # As Rollout.committed_high: the controller's record for the model, not any one rollout's.
