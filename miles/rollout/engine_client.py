@@ -113,7 +113,6 @@ class EngineClient:
     async def _checked(
         self, method: str, path: str, *, json: Any = None, timeout: float | None = None, fence: int | None = None
     ) -> httpx.Response:
-        """A call's answer, which must be a success (EngineCallError otherwise)."""
         response = await self._call(method, path, json=json, timeout=timeout, fence=fence)
         if response.status_code >= 400:
             raise self._refused(f"{method} {path}", response)
@@ -155,14 +154,12 @@ class EngineClient:
             if response.status_code != 404:
                 return self._answer("GET", "/get_weight_version", response, WeightsIdentity)
             self._model_info_versions = True
-        info = await self.model_info(timeout=timeout)
-        return WeightsIdentity(weight_version=str(info.get("weight_version")), checksum=None)
+        return WeightsIdentity(weight_version=str((await self.model_info(timeout=timeout)).get("weight_version")))
 
     async def fence(self, token: int, *, window_open: bool, staged: bool = False) -> FenceState:
         """``/fence``: the engine refuses weight changes fenced below ``token`` from now on, and
         accepts window ``token``'s credential while ``window_open`` (only to stage when ``staged``)."""
-        request = FenceRequest(token=token, window_open=window_open, staged=staged)
-        return await self._post("/fence", request, FenceState)
+        return await self._post("/fence", FenceRequest(token=token, window_open=window_open, staged=staged), FenceState)
 
     async def export_weights(
         self, *, step: int, timeout: float | None = None, fence: int | None = None
