@@ -96,14 +96,13 @@ class EngineHost:
     ) -> dict[str, Any]:
         """Start the engine and wait until it answers; its report of device and GPUs, or ``{"error", "tail"}``
         (exceptions with context do not cross processes). ``checkpoint_roots``: None, its work dir only."""
+        roots = (self.work_dir,) if checkpoint_roots is None else readable_roots(checkpoint_roots, self.work_dir)
         slot = LaunchSlot(
             host=self.node_address,
             port=free_port(self.node_address),
             placement=self.placement(),
             work_dir=self.work_dir,
-            checkpoint_roots=(
-                (self.work_dir,) if checkpoint_roots is None else readable_roots(checkpoint_roots, self.work_dir)
-            ),
+            checkpoint_roots=roots,
         )
         # A command may prepare its node's files (vLLM's directories): off the actor's loop.
         environment = await asyncio.to_thread(command.environment, slot)
