@@ -69,13 +69,9 @@ class _Export(_Answer):
     checksum: str
 
 
-class _Load(_Answer):
-    success: bool
+class _Load(UpdateWeightsResponse):
+    # Whether the worker's weights changed (even half a reload): then ``checksum`` is what it holds.
     changed: bool
-    message: str
-    checksum: str | None = None
-    checkpoint_checksum: str | None = None
-    timings: dict[str, float] = {}
 
 
 class VLLMClient(EngineClient):
@@ -99,7 +95,7 @@ class VLLMClient(EngineClient):
         self._identity_at = 0.0
         self._busy_since: float | None = None
 
-    async def _rpc(self, method: str, answer: type[_Answer], *, timeout: float | None = None, **kwargs: str) -> Any:
+    async def _rpc(self, method: str, answer: type[BaseModel], *, timeout: float | None = None, **kwargs: str) -> Any:
         """``/collective_rpc``: the extension's answer on the (one) worker; fails once ``/health``
         fails twice in a row while it runs (checked every ``cadence.watch_s``: the engine died)."""
         if method != "miles_identity":
