@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from miles.errors import MilesError
 from miles.protocol.auth import FENCE_HEADER, FenceRequest, FenceState
+from miles.protocol.base import ResponseModel
 from miles.protocol.sglang import AbortRequest, PauseGenerationRequest, PauseMode
 from miles.protocol.sglang_weights import (
     ActivateWeightsRequest,
@@ -60,8 +61,7 @@ class WeightsChecksum:
 WeightsIdentity = WeightVersionResponse
 
 
-@dataclass(frozen=True)
-class WeightsExport:
+class WeightsExport(ResponseModel):
     """A checkpoint an engine wrote of the weights it held."""
 
     path: Path

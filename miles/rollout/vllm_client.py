@@ -13,7 +13,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -62,11 +61,6 @@ class _Checksum(_Answer):
 class _Ended(_Answer):
     ended: bool
     left: str | None = None  # the torch.distributed group the push formed
-
-
-class _Export(_Answer):
-    path: str
-    checksum: str
 
 
 class _Load(UpdateWeightsResponse):
@@ -222,5 +216,4 @@ class VLLMClient(EngineClient):
         self, *, step: int, timeout: float | None = None, fence: int | None = None
     ) -> WeightsExport:
         """The worker writes what it holds as a sealed checkpoint under the server's snapshot directory."""
-        written = await self._rpc("miles_export", _Export, timeout=timeout, step=str(step))
-        return WeightsExport(path=Path(written.path), checksum=written.checksum)
+        return await self._rpc("miles_export", WeightsExport, timeout=timeout, step=str(step))
