@@ -169,12 +169,7 @@ class VLLMClient(EngineClient):
         await self.update_weight_version(version, fence=fence)
         await self.flush_cache(fence=fence)
         return UpdateWeightsResponse(
-            success=True,
-            message=answer.message,
-            weight_version=version,
-            checksum=answer.checksum,
-            checkpoint_checksum=answer.checkpoint_checksum,
-            timings=answer.timings,
+            **answer.model_dump(exclude={"changed"}) | {"success": True, "weight_version": version}
         )
 
     async def update_weight_version(self, new_version: str, *, fence: int | None = None) -> None:
