@@ -122,6 +122,9 @@ def serve_controller(
     if started and validated.runtime is RuntimeKind.RAY and validated.num_cpus_per_engine is None:
         specs = normalize_specs(rollout_server_cls, model_checkpoint, num_servers).values()
         settings["num_cpus_per_engine"] = _cpu_share(specs, reserved=num_cpus)
+    build = functools.partial(
+        AsyncInferenceController, rollout_server_cls, model_checkpoint, num_servers=num_servers, **settings
+    )
     actor = InferenceControllerActor.options(  # type: ignore[attr-defined]
         name=name,
         namespace=namespace,
@@ -130,16 +133,7 @@ def serve_controller(
         # The controller must not be restarted by Ray behind training's back: a new one would
         # start on the first checkpoint and forget every verified update.
         max_restarts=0,
-    ).remote(
-        functools.partial(
-            AsyncInferenceController,
-            rollout_server_cls,
-            None if model_checkpoint is None else str(model_checkpoint),
-            num_servers=num_servers,
-            **settings,
-        ),
-        serve_http=serve_http,
-    )
+    ).remote(build, serve_http=serve_http)
     try:
         ray.get(actor.start.remote())
     except BaseException as exc:
