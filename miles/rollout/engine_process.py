@@ -259,10 +259,9 @@ def _forkserver() -> _ForkServer | None:
         return None
     with _FORKSERVER_LOCK:
         pid = os.getpid()
-        if pid in _FORKSERVERS:
-            server = _FORKSERVERS[pid]
-            if server is None or server.usable:
-                return server  # None: it could not start in this process, engines start the slow way
+        server = _FORKSERVERS.get(pid)
+        if pid in _FORKSERVERS and (server is None or server.usable):
+            return server  # None: it could not start in this process, engines start the slow way
         try:
             server = _ForkServer()
         except (EngineStartError, OSError) as exc:
