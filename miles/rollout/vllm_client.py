@@ -111,8 +111,7 @@ class VLLMClient(EngineClient):
         if response.status_code >= 400:
             raise self._refused(f"collective_rpc {method}", response)
         try:
-            results = response.json()["results"]
-            return answer.model_validate(results[0])
+            return answer.model_validate(response.json()["results"][0])
         except (ValueError, KeyError, IndexError, TypeError, ValidationError) as exc:
             raise EngineCallError(
                 f"collective_rpc {method} answered something unexpected ({exc}); is the server running with "
