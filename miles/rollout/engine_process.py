@@ -298,8 +298,7 @@ class _Ports:
         self._lock = threading.Lock()
         self._given: collections.deque[tuple[str, int]] = collections.deque(maxlen=keep)
 
-    def take(self, host: str = "127.0.0.1") -> int:
-        """A TCP port free on ``host`` right now that was not handed out lately (the last ``keep``)."""
+    def take(self, host: str) -> int:
         with self._lock:
             # Bounded: on a machine whose ephemeral range is hardly larger than what is kept, a port
             # handed out before is better than a launch that never gets one.
@@ -313,8 +312,15 @@ class _Ports:
             return port
 
 
-# One per interpreter: every launch of this process draws its ports from it.
-free_port = _Ports().take
+_PORTS = _Ports()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now and that this interpreter has not handed out
+    lately (the last 4096 ports)."""
+    # A function, not the bound method: Ray pickles an actor's globals by value, and the method
+    # would carry the lock of the ports kept here.
+    return _PORTS.take(host)
 
 
 class EngineProcess:
