@@ -359,9 +359,7 @@ class Rollout(ABC):
     def admit(self, server_id: str, verified: VerifiedWeights, *, reason: str) -> None:
         """Mark the server as serving ``verified`` (its checksum was confirmed by the caller)."""
         cell = self.cell(server_id)
-        cell.verified = verified
-        cell.weight_version = verified.weight_version
-        cell.checksum = verified.checksum
+        cell.verified, cell.weight_version, cell.checksum = verified, verified.weight_version, verified.checksum
         self.transition(cell, ServerState.SERVING, reason)
 
     def quarantine(self, server_id: str, *, reason: str) -> None:
