@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from ray.exceptions import RayTaskError
 
 from miles.config import ControllerSettings, RuntimeKind
 from miles.controller.core import AsyncInferenceController
-from miles.controller.fleet import normalize_specs
+from miles.controller.fleet import ModelServerSpec, normalize_specs
 from miles.controller.health import FleetHealth
 from miles.controller.results import UpdateResult, UpdateWindow
 from miles.errors import MilesError
@@ -37,19 +37,9 @@ logger = logging.getLogger("miles.ray")
 class InferenceControllerActor:
     """One controller in an actor (async: every call runs on the actor's event loop)."""
 
-    def __init__(
-        self,
-        rollout_server_cls: str | Mapping[str, Any],
-        model_checkpoint: str | None,
-        *,
-        num_servers: int,
-        serve_http: bool,
-        settings: dict[str, Any],
-    ) -> None:
+    def __init__(self, build: Callable[[], AsyncInferenceController], *, serve_http: bool) -> None:
         # Built in start(), on the actor's loop: the lock and the router bind to the loop they run on.
-        self._build = functools.partial(
-            AsyncInferenceController, rollout_server_cls, model_checkpoint, num_servers=num_servers, **settings
-        )
+        self._build = build
         self._serve_http = serve_http
         self._controller: AsyncInferenceController | None = None
         self._http: HttpServer | None = None
@@ -130,9 +120,11 @@ def serve_controller(
     validated = ControllerSettings(**settings)  # raises ValidationError naming the bad setting
     started = connect(settings.get("ray_address"), namespace=namespace)
     if started and validated.runtime is RuntimeKind.RAY and validated.num_cpus_per_engine is None:
-        settings["num_cpus_per_engine"] = _cpu_share(
-            rollout_server_cls, model_checkpoint, num_servers=num_servers, reserved=num_cpus
-        )
+        specs = normalize_specs(rollout_server_cls, model_checkpoint, num_servers).values()
+        settings["num_cpus_per_engine"] = _cpu_share(specs, reserved=num_cpus)
+    build = functools.partial(
+        AsyncInferenceController, rollout_server_cls, model_checkpoint, num_servers=num_servers, **settings
+    )
     actor = InferenceControllerActor.options(  # type: ignore[attr-defined]
         name=name,
         namespace=namespace,
@@ -141,13 +133,7 @@ def serve_controller(
         # The controller must not be restarted by Ray behind training's back: a new one would
         # start on the first checkpoint and forget every verified update.
         max_restarts=0,
-    ).remote(
-        rollout_server_cls,
-        None if model_checkpoint is None else str(model_checkpoint),
-        num_servers=num_servers,
-        serve_http=serve_http,
-        settings=settings,
-    )
+    ).remote(build, serve_http=serve_http)
     try:
         ray.get(actor.start.remote())
     except BaseException as exc:
@@ -158,16 +144,10 @@ def serve_controller(
     return actor
 
 
-def _cpu_share(
-    rollout_server_cls: str | Mapping[str, Any],
-    model_checkpoint: str | Path | None,
-    *,
-    num_servers: int,
-    reserved: float,
-) -> float:
+def _cpu_share(fleet: Iterable[ModelServerSpec], *, reserved: float) -> float:
     """CPUs per engine that let every engine of the fleet fit on the cluster just started."""
     # Attached servers run elsewhere and ask the cluster for nothing.
-    specs = [s for s in normalize_specs(rollout_server_cls, model_checkpoint, num_servers).values() if not s.urls]
+    specs = [s for s in fleet if not s.urls]
     engines = sum(spec.num_servers or 1 for spec in specs if spec.num_cpus_per_engine is None)
     reserved += sum((spec.num_servers or 1) * (spec.num_cpus_per_engine or 0.0) for spec in specs)
     cpus = float(ray.cluster_resources().get("CPU", 0.0))

@@ -96,14 +96,13 @@ class EngineHost:
     ) -> dict[str, Any]:
         """Start the engine and wait until it answers; its report of device and GPUs, or ``{"error", "tail"}``
         (exceptions with context do not cross processes). ``checkpoint_roots``: None, its work dir only."""
+        roots = (self.work_dir,) if checkpoint_roots is None else readable_roots(checkpoint_roots, self.work_dir)
         slot = LaunchSlot(
             host=self.node_address,
             port=free_port(self.node_address),
             placement=self.placement(),
             work_dir=self.work_dir,
-            checkpoint_roots=(
-                (self.work_dir,) if checkpoint_roots is None else readable_roots(checkpoint_roots, self.work_dir)
-            ),
+            checkpoint_roots=roots,
         )
         # A command may prepare its node's files (vLLM's directories): off the actor's loop.
         environment = await asyncio.to_thread(command.environment, slot)
@@ -209,24 +208,22 @@ class RayRuntime(EngineRuntime):
     def __init__(self, spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = None) -> None:
         super().__init__(spec, on_exit=on_exit)
         self._group: PlacementGroup | None = None
-        self._bundles: dict[str, int] = {}
+        self._bundle_index: dict[str, int] = {}
         self._hosts: dict[str, Any] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._ended: set[str] = set()
+        # What each engine asks of the cluster: one bundle of the placement group per engine.
+        self._bundle = {"CPU": spec.num_cpus_per_engine}
+        if spec.num_gpus_per_engine:
+            self._bundle["GPU"] = spec.num_gpus_per_engine
 
     # --- placement -------------------------------------------------------------------------
-
-    def _bundle(self) -> dict[str, float]:
-        bundle = {"CPU": self.spec.num_cpus_per_engine}
-        if self.spec.num_gpus_per_engine:
-            bundle["GPU"] = self.spec.num_gpus_per_engine
-        return bundle
 
     async def start(self, server_ids: Sequence[str]) -> None:
         spec = self.spec
         await asyncio.to_thread(connect, spec.ray_address, namespace=spec.ray_namespace)
-        self._bundles = {server_id: i for i, server_id in enumerate(server_ids)}
-        bundle = self._bundle()
+        self._bundle_index = {server_id: i for i, server_id in enumerate(server_ids)}
+        bundle = self._bundle
         # A placement group no node could hold stays pending for ever: refuse it now, with the
         # numbers. One that fits in all but not in what is free now (held by someone who may
         # release it) gets the bounded wait.
@@ -266,7 +263,7 @@ class RayRuntime(EngineRuntime):
             num_gpus=spec.num_gpus_per_engine,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._group,
-                placement_group_bundle_index=self._bundles[server_id],
+                placement_group_bundle_index=self._bundle_index[server_id],
                 placement_group_capture_child_tasks=True,
             ),
             # The engine is given its GPU ids explicitly; Ray must not renumber them for it.
@@ -280,8 +277,8 @@ class RayRuntime(EngineRuntime):
                 placement: Placement = await asyncio.wait_for(host.placement.remote(), timeout=spec.startup_timeout_s)
             except TimeoutError:
                 raise PlacementError(
-                    f"no node could take {server_id}'s engine ({self._bundle()}) within "
-                    f"{spec.startup_timeout_s:g}s: {await asyncio.to_thread(_shortfall, self._bundle(), 1)}",
+                    f"no node could take {server_id}'s engine ({self._bundle}) within "
+                    f"{spec.startup_timeout_s:g}s: {await asyncio.to_thread(_shortfall, self._bundle, 1)}",
                     server_id=server_id,
                 ) from None
             placed = True
@@ -389,8 +386,7 @@ class RayRuntime(EngineRuntime):
         for host in (host for host in self._hosts.values() if host is not target):
             try:
                 if await host.sees.remote(str(checkpoint), None):
-                    files: list[tuple[str, list[ray.ObjectRef]]] = await host.pack.remote(str(checkpoint))
-                    return files
+                    return await host.pack.remote(str(checkpoint))
             except RayActorError:
                 continue
         raise CheckpointShipError(

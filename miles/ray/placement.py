@@ -37,9 +37,6 @@ class ClusterView:
     free: Mapping[str, float]
     held: Mapping[str, float] = field(default_factory=dict)
 
-    def total(self, resource: str) -> float:
-        return sum(node.get(resource, 0.0) for node in self.capacity)
-
 
 class Fit(StrEnum):
     """How a placement group stands against the cluster, decided before waiting on it."""
@@ -101,7 +98,7 @@ def _need(bundle: Mapping[str, float], resource: str, *, count: int, view: Clust
     """What ``count`` bundles ask of ``resource`` against what the cluster has, in words."""
     amount = bundle[resource]
     held = view.held.get(resource, 0.0)
-    everything = view.total(resource) + held
+    everything = sum(node.get(resource, 0.0) for node in view.capacity) + held
     held_note = f", {held:g} held by this controller" if held else ""
     asked = (
         f"1 engine needs {_amount(amount, resource)}"

@@ -25,8 +25,7 @@ class RayWindows:
         self._actor = actor
 
     async def open(self, *, model_name: str | None, ttl_s: float, staged: bool) -> UpdateWindow:
-        window: UpdateWindow = await self._actor.start_update_weights.remote(model_name, ttl_s=ttl_s, staged=staged)
-        return window
+        return await self._actor.start_update_weights.remote(model_name, ttl_s=ttl_s, staged=staged)
 
     async def renew(self, window: UpdateWindow) -> None:
         await self._actor.renew_update_weights.remote(window.token)
@@ -35,10 +34,9 @@ class RayWindows:
         await self._actor.log_event.remote(event)
 
     async def end(self, window: UpdateWindow, *, checksum: str, step: int, weight_version: str) -> UpdateResult:
-        result: UpdateResult = await self._actor.end_update_weights.remote(
+        return await self._actor.end_update_weights.remote(
             window.token, checksum=checksum, step=step, weight_version=weight_version
         )
-        return result
 
     async def abort(self, window: UpdateWindow, *, reason: str) -> None:
         await self._actor.abort_update_weights.remote(window.token, reason=reason)

@@ -1,2 +1,1 @@
-"""Rollouts: the servers of one model, run by one server type (``Rollout``), each server's state
-machine (``state``), and the one client every server type is spoken to with (``engine_client``)."""
+"""Rollouts: the servers of one model, run by one server type, each server a state machine."""

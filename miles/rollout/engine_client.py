@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from miles.errors import MilesError
 from miles.protocol.auth import FENCE_HEADER, FenceRequest, FenceState
+from miles.protocol.base import ResponseModel
 from miles.protocol.sglang import AbortRequest, PauseGenerationRequest, PauseMode
 from miles.protocol.sglang_weights import (
     ActivateWeightsRequest,
@@ -55,17 +56,12 @@ class WeightsChecksum:
     layout: str | None = None
 
 
-@dataclass(frozen=True)
-class WeightsIdentity:
-    """What an engine says it holds, without hashing (checksum, instance: None where it does not say)."""
-
-    weight_version: str
-    checksum: str | None
-    instance_id: str | None = None
+# What an engine says it holds, without hashing (checksum, instance: None where it does not say):
+# every server type's answer is read into the embedded engine's /get_weight_version answer.
+WeightsIdentity = WeightVersionResponse
 
 
-@dataclass(frozen=True)
-class WeightsExport:
+class WeightsExport(ResponseModel):
     """A checkpoint an engine wrote of the weights it held."""
 
     path: Path
@@ -117,7 +113,6 @@ class EngineClient:
     async def _checked(
         self, method: str, path: str, *, json: Any = None, timeout: float | None = None, fence: int | None = None
     ) -> httpx.Response:
-        """A call's answer, which must be a success (EngineCallError otherwise)."""
         response = await self._call(method, path, json=json, timeout=timeout, fence=fence)
         if response.status_code >= 400:
             raise self._refused(f"{method} {path}", response)
@@ -143,11 +138,11 @@ class EngineClient:
 
     async def health(self, *, timeout: float = 5.0) -> bool:
         """True when ``/health`` answers 200 (the process is up and its HTTP loop responsive)."""
-        return await self._answers_200("GET", "/health", timeout=timeout)
+        return await self._answers_200("/health", timeout=timeout)
 
-    async def _answers_200(self, method: str, path: str, *, json: Any = None, timeout: float) -> bool:
+    async def _answers_200(self, path: str, *, timeout: float) -> bool:
         try:
-            response = await self._call(method, path, json=json, timeout=timeout)
+            response = await self._call("GET", path, timeout=timeout)
         except EngineCallError:
             return False
         return response.status_code == 200
@@ -157,19 +152,14 @@ class EngineClient:
         if not self._model_info_versions:
             response = await self._call("GET", "/get_weight_version", timeout=timeout)
             if response.status_code != 404:
-                body = self._answer("GET", "/get_weight_version", response, WeightVersionResponse)
-                return WeightsIdentity(
-                    weight_version=body.weight_version, checksum=body.checksum, instance_id=body.instance_id
-                )
+                return self._answer("GET", "/get_weight_version", response, WeightsIdentity)
             self._model_info_versions = True
-        info = await self.model_info(timeout=timeout)
-        return WeightsIdentity(weight_version=str(info.get("weight_version")), checksum=None)
+        return WeightsIdentity(weight_version=str((await self.model_info(timeout=timeout)).get("weight_version")))
 
     async def fence(self, token: int, *, window_open: bool, staged: bool = False) -> FenceState:
         """``/fence``: the engine refuses weight changes fenced below ``token`` from now on, and
         accepts window ``token``'s credential while ``window_open`` (only to stage when ``staged``)."""
-        request = FenceRequest(token=token, window_open=window_open, staged=staged)
-        return await self._post("/fence", request, FenceState)
+        return await self._post("/fence", FenceRequest(token=token, window_open=window_open, staged=staged), FenceState)
 
     async def export_weights(
         self, *, step: int, timeout: float | None = None, fence: int | None = None
@@ -236,7 +226,7 @@ class EngineClient:
 
     async def health_generate(self, *, timeout: float = 30.0) -> bool:
         """True when ``/health_generate`` answers 200: the server generated a token just now."""
-        return await self._answers_200("GET", "/health_generate", timeout=timeout)
+        return await self._answers_200("/health_generate", timeout=timeout)
 
     async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
         """``/model_info`` (SGLang's newer name), or ``/get_model_info`` on servers without it."""

@@ -156,14 +156,7 @@ class _ForkServer:
     def spawn(self, args: Sequence[str], *, env: dict[str, str], log_path: Path) -> _ForkedEngine:
         ident = next(self._ids)
         self._send(
-            {
-                "spawn": ident,
-                "args": list(args),
-                "env": env,
-                "cwd": os.getcwd(),
-                "log": str(log_path),
-                "launcher": os.getpid(),
-            }
+            dict(spawn=ident, args=list(args), env=env, cwd=os.getcwd(), log=str(log_path), launcher=os.getpid())
         )
         with self._changed:
             self._changed.wait_for(lambda: ident in self._spawned or not self._ready, timeout=60.0)
@@ -266,10 +259,9 @@ def _forkserver() -> _ForkServer | None:
         return None
     with _FORKSERVER_LOCK:
         pid = os.getpid()
-        if pid in _FORKSERVERS:
-            server = _FORKSERVERS[pid]
-            if server is None or server.usable:
-                return server  # None: it could not start in this process, engines start the slow way
+        server = _FORKSERVERS.get(pid)
+        if pid in _FORKSERVERS and (server is None or server.usable):
+            return server  # None: it could not start in this process, engines start the slow way
         try:
             server = _ForkServer()
         except (EngineStartError, OSError) as exc:
@@ -326,6 +318,8 @@ _PORTS = _Ports()
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now and that this interpreter has not handed out
     lately (the last 4096 ports)."""
+    # A function, not the bound method: Ray pickles an actor's globals by value, and the method
+    # would carry the lock of the ports kept here.
     return _PORTS.take(host)
 
 

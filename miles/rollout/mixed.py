@@ -25,8 +25,7 @@ def _to_owner(method: Callable[Concatenate[Rollout, str, P], R]) -> Callable[Con
 
     @functools.wraps(method)
     def forward(self: MixedRollout, server_id: str, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        result: R = getattr(self.owner(server_id), method.__name__)(server_id, *args, **kwargs)
-        return result
+        return getattr(self.owner(server_id), method.__name__)(server_id, *args, **kwargs)
 
     return forward
 
@@ -35,22 +34,11 @@ class MixedRollout:
     """The servers of one model, run by several rollouts (server types); see the module docstring."""
 
     def __init__(self, rollouts: Sequence[Rollout], *, observer: RolloutObserver | None = None) -> None:
-        first = rollouts[0]
-        for rollout in rollouts[1:]:
-            # The fleet refuses such specs by name before any rollout is built.
-            if rollout.model_name != first.model_name or rollout.start_checkpoint != first.start_checkpoint:
-                raise RolloutError(
-                    "the rollouts of one model must serve one model from one checkpoint",
-                    model=first.model_name,
-                    other=rollout.model_name,
-                    checkpoint=str(first.start_checkpoint),
-                    other_checkpoint=str(rollout.start_checkpoint),
-                )
+        """``rollouts`` serve one model from one checkpoint, under server ids of their own: the fleet
+        (``models_of``, ``Fleet._check_ids``) refuses specs that would not, naming the spec to change."""
         self.rollouts = tuple(rollouts)
         self.observer = observer
         self._owners = {server_id: rollout for rollout in rollouts for server_id in rollout.server_ids}
-        if len(self._owners) != sum(len(r.server_ids) for r in rollouts):
-            raise RolloutError("two rollouts of one model name the same server id", model=first.model_name)
         for rollout in rollouts:
             rollout.model_servers = self
         # As Rollout.committed_high: the controller's record for the model, not any one rollout's.
@@ -121,12 +109,10 @@ class MixedRollout:
     record_checksum = _to_owner(Rollout.record_checksum)
     fence = _to_owner(Rollout.fence)
     relabel = _to_owner(Rollout.relabel)
-    identity = _to_owner(Rollout.identity)
     export = _to_owner(Rollout.export)
     admit = _to_owner(Rollout.admit)
     quarantine = _to_owner(Rollout.quarantine)
     rollback = _to_owner(Rollout.rollback)
-    restart = _to_owner(Rollout.restart)
     restart_on = _to_owner(Rollout.restart_on)
     died = _to_owner(Rollout.died)
     lost = _to_owner(Rollout.lost)

@@ -8,11 +8,12 @@ confirms each one's weights by checksum before it serves, and stops what it star
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import ClassVar
 
@@ -60,11 +61,6 @@ def refuse_miles_flags(engine_args: tuple[str, ...], where: Mapping[str, str], *
             )
 
 
-@asynccontextmanager
-async def _no_guard(_: str) -> AsyncIterator[int | None]:
-    yield None
-
-
 class Rollout(ABC):
     """Base of every server type (``SFTRollout`` ...): one model's servers; see the module docstring."""
 
@@ -85,7 +81,7 @@ class Rollout(ABC):
         self.spec = spec
         # Restarts triggered by the health loop run inside this section (the controller passes
         # its lock) so a restart never interleaves with an update or a training window.
-        self.exclusive = exclusive or _no_guard
+        self.exclusive = exclusive or (lambda _holder: contextlib.nullcontext())
         self.observer = observer
         manifest = manifest_or_none(spec.checkpoint)
         self.model_name = spec.model_name or (manifest.model_name if manifest else spec.checkpoint.name)
@@ -219,15 +215,15 @@ class Rollout(ABC):
 
     def drifted(self, cell: ServerCell, *, verified: VerifiedWeights, reported: WeightsIdentity) -> None:
         """The serving engine reports other weights than ``verified``: record, report, quarantine."""
+        reason = (
+            f"weights changed outside the controller: the engine reports {reported.weight_version} "
+            f"({reported.checksum}), verified was {verified.weight_version} ({verified.checksum})"
+        )
+        logger.error("%s: %s", cell.server_id, reason)
         cell.weight_version, cell.checksum = reported.weight_version, reported.checksum or cell.checksum
         if self.observer is not None:
             self.observer.drifted(cell.server_id, cell.model_name, expected=verified, actual=reported)
-        self.transition(
-            cell,
-            ServerState.QUARANTINED,
-            f"weights changed outside the controller: the engine reports {reported.weight_version} "
-            f"({reported.checksum}), verified was {verified.weight_version} ({verified.checksum})",
-        )
+        self.transition(cell, ServerState.QUARANTINED, reason)
 
     async def died(self, server_id: str) -> bool:
         """Whether the server's engine process has ended, after a call to it found nobody there."""
@@ -363,9 +359,7 @@ class Rollout(ABC):
     def admit(self, server_id: str, verified: VerifiedWeights, *, reason: str) -> None:
         """Mark the server as serving ``verified`` (its checksum was confirmed by the caller)."""
         cell = self.cell(server_id)
-        cell.verified = verified
-        cell.weight_version = verified.weight_version
-        cell.checksum = verified.checksum
+        cell.verified, cell.weight_version, cell.checksum = verified, verified.weight_version, verified.checksum
         self.transition(cell, ServerState.SERVING, reason)
 
     def quarantine(self, server_id: str, *, reason: str) -> None:
@@ -384,9 +378,7 @@ class Rollout(ABC):
             if confirmed is not None and confirmed.checksum != verified.checksum:
                 source = await source_of(self.model_servers, verified, besides=server_id, fence=fence)
                 if source is None:
-                    self.transition(
-                        cell, ServerState.QUARANTINED, "its verified weights are on no disk and no peer holds them"
-                    )
+                    self.quarantine(server_id, reason="its verified weights are on no disk and no peer holds them")
                     raise RolloutError(
                         "the verified weights are on no disk and no serving peer holds them; the server "
                         "stays quarantined until the next update",
@@ -403,7 +395,7 @@ class Rollout(ABC):
             confirmed = None
         if confirmed is not None and confirmed.checksum == verified.checksum:
             try:
-                await self.client(server_id).continue_generation(fence=fence)
+                await self.resume(server_id, fence=fence)
             except EngineCallError as exc:
                 logger.warning("could not resume %s after rollback: %s", server_id, exc)
             self.admit(server_id, verified, reason=f"rolled back to {verified.weight_version}: {reason}")
@@ -447,16 +439,14 @@ class Rollout(ABC):
         cell.consecutive_failures, cell.last_probe, cell.engine_instance = 0, None, None
         # A server someone else runs (attached) never sees the controller's secret: it does not
         # check it, and it would let that server change the weights of the engines launched here.
-        attached = cell.placement is not None and cell.placement.attached
-        secret = self.spec.engine_secret.get_secret_value() if self.spec.engine_secret and not attached else None
+        secret = self.spec.engine_secret.get_secret_value() if self.spec.engine_secret and not self.attached else None
         self._clients[cell.server_id] = self.new_client(url, server_id=cell.server_id, http=self.http, secret=secret)
         self.transition(cell, ServerState.PENDING_WEIGHTS, "engine healthy")
         expected = cell.verified if cell.verified is not None else await asyncio.to_thread(start_weights, checkpoint)
-        client = self._clients[cell.server_id]
         try:
             # Which process answers at the URL: a probe that meets another one knows the engine
             # was restarted behind the controller's back (SGLang does not say; then None).
-            cell.engine_instance = (await client.weight_identity(timeout=self.spec.health.timeout_s)).instance_id
+            cell.engine_instance = (await self.identity(cell.server_id)).instance_id
             # Confirm first, rename after: a label is only moved onto weights proven to be the
             # verified ones, so an engine that came up on other weights reports its own version.
             confirmed = await self.confirm(cell.server_id, fence=fence)
@@ -464,7 +454,7 @@ class Rollout(ABC):
                 confirmed = await self._adopt(cell, expected, confirmed, fence=fence)
             if confirmed.checksum == expected.checksum and confirmed.weight_version != expected.weight_version:
                 # A checkpoint's manifest carries its own version; restore the one it was admitted as.
-                await client.update_weight_version(expected.weight_version, fence=fence)
+                await self.relabel(cell.server_id, expected.weight_version, fence=fence)
         except EngineCallError as exc:
             # Leave the cell restarting so the health loop tries again, rather than stuck pending.
             self.transition(cell, ServerState.RESTARTING, f"engine stopped answering after start: {exc.message}")

@@ -303,8 +303,7 @@ def runtime_for(spec: RolloutSpec, *, on_exit: Callable[[str], None] | None = No
             f"the {spec.runtime.value} runtime cannot be loaded ({exc}); install miles with the 'ray' extra "
             "(pip install 'miles[ray]')"
         ) from exc
-    runtime: EngineRuntime = module.RayRuntime(spec, on_exit=on_exit)
-    return runtime
+    return module.RayRuntime(spec, on_exit=on_exit)
 
 
 def readable_roots(allowed: Sequence[Path], work_dir: Path) -> tuple[Path, ...]:

@@ -37,7 +37,3 @@ class DigestBook:
         self._canonical[(layout, digest)] = loaded
         self._digest[(layout, loaded)] = digest
         return loaded
-
-    def digest_of(self, checksum: str, *, layout: str | None) -> str | None:
-        """The SGLang digest recorded for canonical ``checksum`` under ``layout``, if any."""
-        return self._digest.get((layout, checksum))

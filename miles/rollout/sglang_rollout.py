@@ -181,7 +181,7 @@ class SGLangRollout(Rollout):
 
 def check_ray_gpus(spec: RolloutSpec) -> None:
     """On Ray, each bundle must hold the tp_size * dp_size GPUs SGLang uses (or a share of one, for one GPU)."""
-    wanted = spec.sglang.gpus_per_engine
+    wanted = spec.sglang.tp_size * spec.sglang.dp_size
     given = spec.num_gpus_per_engine
     if given == wanted or (wanted == 1 and 0 < given < 1):
         return

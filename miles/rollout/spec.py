@@ -67,10 +67,6 @@ class SGLangServerArgs(_Frozen):
     # with this interpreter. Another program taking SGLang's arguments may stand in for it.
     launcher: Annotated[tuple[Annotated[str, Field(min_length=1)], ...], Field(min_length=1)] | None = None
 
-    @property
-    def gpus_per_engine(self) -> int:
-        return self.tp_size * self.dp_size
-
 
 class VLLMServerArgs(_Frozen):
     """What each launched vLLM server is given beside what miles sets (see

@@ -131,14 +131,6 @@ class Supervisor:
             reported = await self._still_serving(cell, incarnation)
             if reported is None or verified is None or not drifted(verified, reported):
                 return
-            logger.error(
-                "%s holds %s (%s) but was verified on %s (%s): its weights changed outside the controller",
-                cell.server_id,
-                reported.weight_version,
-                reported.checksum,
-                verified.weight_version,
-                verified.checksum,
-            )
             self._rollout.drifted(cell, verified=verified, reported=reported)
             reason = "weights changed outside the controller"
             await self._repair(cell, "rollback", self._rollout.rollback(cell.server_id, reason=reason, fence=fence))

@@ -13,7 +13,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -64,18 +63,9 @@ class _Ended(_Answer):
     left: str | None = None  # the torch.distributed group the push formed
 
 
-class _Export(_Answer):
-    path: str
-    checksum: str
-
-
-class _Load(_Answer):
-    success: bool
+class _Load(UpdateWeightsResponse):
+    # Whether the worker's weights changed (even half a reload): then ``checksum`` is what it holds.
     changed: bool
-    message: str
-    checksum: str | None = None
-    checkpoint_checksum: str | None = None
-    timings: dict[str, float] = {}
 
 
 class VLLMClient(EngineClient):
@@ -87,11 +77,11 @@ class VLLMClient(EngineClient):
         *,
         http: httpx.AsyncClient,
         server_id: str,
-        secret: str | None = None,
         cadence: WorkerCadence = WorkerCadence(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(base_url, http=http, server_id=server_id, secret=secret)
+        # No secret: vLLM checks none of miles' (its server is protected by its network).
+        super().__init__(base_url, http=http, server_id=server_id)
         self.cadence, self._clock = cadence, clock
         # The worker's last answer to an identity probe (None: ask it; its weights changed), when
         # it came, and since when the worker answers none.
@@ -99,7 +89,7 @@ class VLLMClient(EngineClient):
         self._identity_at = 0.0
         self._busy_since: float | None = None
 
-    async def _rpc(self, method: str, answer: type[_Answer], *, timeout: float | None = None, **kwargs: str) -> Any:
+    async def _rpc(self, method: str, answer: type[BaseModel], *, timeout: float | None = None, **kwargs: str) -> Any:
         """``/collective_rpc``: the extension's answer on the (one) worker; fails once ``/health``
         fails twice in a row while it runs (checked every ``cadence.watch_s``: the engine died)."""
         if method != "miles_identity":
@@ -121,8 +111,7 @@ class VLLMClient(EngineClient):
         if response.status_code >= 400:
             raise self._refused(f"collective_rpc {method}", response)
         try:
-            results = response.json()["results"]
-            return answer.model_validate(results[0])
+            return answer.model_validate(response.json()["results"][0])
         except (ValueError, KeyError, IndexError, TypeError, ValidationError) as exc:
             raise EngineCallError(
                 f"collective_rpc {method} answered something unexpected ({exc}); is the server running with "
@@ -179,12 +168,7 @@ class VLLMClient(EngineClient):
         await self.update_weight_version(version, fence=fence)
         await self.flush_cache(fence=fence)
         return UpdateWeightsResponse(
-            success=True,
-            message=answer.message,
-            weight_version=version,
-            checksum=answer.checksum,
-            checkpoint_checksum=answer.checkpoint_checksum,
-            timings=answer.timings,
+            **answer.model_dump(exclude={"changed"}) | {"success": True, "weight_version": version}
         )
 
     async def update_weight_version(self, new_version: str, *, fence: int | None = None) -> None:
@@ -200,17 +184,6 @@ class VLLMClient(EngineClient):
     async def flush_cache(self, *, fence: int | None = None) -> None:
         await self._checked("POST", "/reset_prefix_cache", fence=fence)
 
-    async def abort_request(
-        self, rid: str = "", *, abort_all: bool = False, abort_message: str | None = None, fence: int | None = None
-    ) -> None:
-        await self._checked("POST", "/abort_requests", json={"request_ids": [] if abort_all else [rid]}, fence=fence)
-
-    async def health_generate(self, *, timeout: float = 30.0) -> bool:
-        """One token generated now, through the OpenAI completions route."""
-        return await self._answers_200(
-            "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=timeout
-        )
-
     async def warm_up(self, *, timeout: float) -> None:
         """Tokens with their logprobs, for one sequence and then several at once (torch compiles a
         graph for each on first use); EngineCallError unless they are answered."""
@@ -219,13 +192,6 @@ class VLLMClient(EngineClient):
             response = await self._call("POST", "/v1/completions", json=body, timeout=timeout)
             if response.status_code != 200:
                 raise self._refused("POST /v1/completions (warming up)", response)
-
-    async def model_info(self, *, timeout: float | None = None) -> dict[str, Any]:
-        response = await self._checked("GET", "/v1/models", timeout=timeout)
-        return {"models": response.json().get("data", []), "weight_version": await self._weight_version()}
-
-    async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
-        return {"engine": "vllm", **await self.model_info(timeout=timeout)}
 
     async def fence(self, token: int, *, window_open: bool, staged: bool = False) -> FenceState:
         """vLLM has no fence; closing a window ends a push it left unfinished (``miles_end_push``)."""
@@ -244,5 +210,4 @@ class VLLMClient(EngineClient):
         self, *, step: int, timeout: float | None = None, fence: int | None = None
     ) -> WeightsExport:
         """The worker writes what it holds as a sealed checkpoint under the server's snapshot directory."""
-        written = await self._rpc("miles_export", _Export, timeout=timeout, step=str(step))
-        return WeightsExport(path=Path(written.path), checksum=written.checksum)
+        return await self._rpc("miles_export", WeightsExport, timeout=timeout, step=str(step))

@@ -17,11 +17,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 from vllm.config import ModelConfig
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
@@ -85,13 +81,12 @@ class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
             return MilesUpdateInfo(bucket=document)
         if set(update_dict) == {"distributed"}:
             try:
-                return MilesUpdateInfo(
-                    bucket=UpdateWeightsFromDistributedRequest.model_validate(update_dict["distributed"])
-                )
+                request = UpdateWeightsFromDistributedRequest.model_validate(update_dict["distributed"])
             except ValidationError as exc:
                 raise ValueError(
                     f"update_info.distributed must be an UpdateWeightsFromDistributedRequest: {exc}"
                 ) from None
+            return MilesUpdateInfo(bucket=request)
         raise ValueError(
             f"update_info holds {sorted(update_dict)}; send {{'document': ShmDocument}} (a bucket in shared "
             "memory on this node) or {'distributed': UpdateWeightsFromDistributedRequest} (the group's next broadcast)"

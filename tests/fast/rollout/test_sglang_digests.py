@@ -11,7 +11,6 @@ def test_a_digest_after_a_verified_load_is_that_checkpoints_checksum_from_then_o
     book = DigestBook()
     assert book.translate("d1", layout=TP1, loaded="C1") == "C1"
     assert book.translate("d1", layout=TP1, loaded=None) == "C1"  # a probe, a restart
-    assert book.digest_of("C1", layout=TP1) == "d1"
 
 
 def test_without_a_verified_load_a_digest_is_nobodys_checksum() -> None:
