@@ -1,6 +1,8 @@
 """One call to every engine of a window at once (``post_all``; ``EngineCalls`` for one push's),
 and what a push's calls cost (``PushStats``). A refusal is a PublishError naming each engine that
-refused (and the ``Refusal`` one named); a vLLM server is called through ``miles.train.vllm_calls``."""
+refused (and the ``Refusal`` one named). A vLLM server (``WindowServer.engine == "vllm"``) is called
+with vLLM's native weight-transfer routes, which miles' backend in its worker
+(``miles.vllm.transfer``) reads; which route stands for which call is in docs/VLLM.md."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -15,8 +18,18 @@ from pydantic import BaseModel, ValidationError
 from miles.controller.results import UpdateWindow, WindowServer
 from miles.errors import PublishError, Refusal
 from miles.protocol.base import ErrorAnswer
-from miles.protocol.sglang_weights import GroupResponse, UpdateWeightsResponse
-from miles.train.vllm_calls import QUOTED_CHARS, post_to_vllm
+from miles.protocol.sglang_weights import (
+    DestroyWeightsUpdateGroupRequest,
+    GroupResponse,
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightsResponse,
+)
+from miles.weights.transport.documents import SHM_LOAD_FORMAT
+
+# How much of a server's message a failure quotes.
+QUOTED_CHARS = 500
 
 # What each endpoint a push calls answers when it did what it was asked.
 _ANSWERS: dict[str, type[UpdateWeightsResponse] | type[GroupResponse]] = {
@@ -154,3 +167,50 @@ def answered() -> asyncio.Future[None]:
     done = asyncio.get_running_loop().create_future()
     done.set_result(None)
     return done
+
+
+async def post_to_vllm(
+    http: httpx.AsyncClient, server: WindowServer, request: BaseModel, *, sessions: set[str] | None
+) -> None:
+    """Make the vLLM calls that stand for ``request`` on ``server`` (``sessions``: the servers whose
+    session this push has begun); PublishError naming the call that failed and what it said."""
+    for route, body in _calls(server, request, began=sessions is not None and server.server_id in sessions):
+        try:
+            answer = await http.post(f"{server.url}{route}", json=body)
+        except httpx.HTTPError as exc:
+            raise PublishError(
+                f"{server.server_id} at {server.url} did not answer {route} ({type(exc).__name__}: {exc})"
+            ) from None
+        if answer.status_code >= 400:
+            raise PublishError(
+                f"{server.server_id}: {route} answered {answer.status_code}: {answer.text[:QUOTED_CHARS]}"
+            )
+        if sessions is not None and route == "/start_weight_update":
+            sessions.add(server.server_id)
+        if sessions is not None and route == "/finish_weight_update":
+            sessions.discard(server.server_id)
+
+
+def _calls(server: WindowServer, request: BaseModel, *, began: bool) -> list[tuple[str, dict[str, Any] | None]]:
+    """The routes and bodies that stand for ``request``, in order."""
+    if isinstance(request, InitWeightsUpdateGroupRequest):
+        return [("/init_weight_transfer_engine", {"init_info": request.model_dump(mode="json")})]
+    if isinstance(request, DestroyWeightsUpdateGroupRequest):
+        return [("/shutdown_weight_transfer_engine", None)]
+    if isinstance(request, UpdateWeightsFromTensorRequest):
+        if request.load_format != SHM_LOAD_FORMAT:
+            raise PublishError(
+                f"{server.server_id} is a vLLM server: it reads buckets from shared memory or a broadcast, not "
+                f"{request.load_format}; push from CPU tensors"
+            )
+        bucket: dict[str, Any] = {"document": request.serialized_named_tensors[0]}
+    elif isinstance(request, UpdateWeightsFromDistributedRequest):
+        bucket = {"distributed": request.model_dump(mode="json")}
+    else:
+        raise PublishError(f"{server.server_id} is a vLLM server: a push cannot send it {type(request).__name__}")
+    calls: list[tuple[str, dict[str, Any] | None]] = [] if began else [("/start_weight_update", None)]
+    calls.append(("/update_weights", {"update_info": bucket}))
+    if request.expected_checksum is not None:
+        calls.append(("/finish_weight_update", {"weight_version": request.weight_version}))
+        calls.append(("/reset_prefix_cache", None))
+    return calls
