@@ -117,7 +117,7 @@ class EngineHost:
                 await self.process.wait_healthy(url, timeout_s=startup_timeout_s, http=http)
                 report = command.reported((await http.get(f"{url}{command.info_route}")).json(), slot)
             except (EngineStartError, httpx.HTTPError, ValueError) as exc:
-                await self.process.stop(grace_s=2.0)
+                await self.process.stop()
                 return {"error": str(exc), "tail": await asyncio.to_thread(self.process.log_tail)}
         return {"url": url, "pid": self.process.pid, "device": report.device, "gpu_ids": report.gpu_ids}
 

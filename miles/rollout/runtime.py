@@ -212,7 +212,7 @@ class LocalRuntime(EngineRuntime):
                 await process.wait_healthy(url, timeout_s=self.spec.startup_timeout_s, http=http)
             except EngineStartError as exc:
                 last_error = exc
-                await process.stop(grace_s=2.0)
+                await process.stop()
                 if "address already in use" not in str(exc.context.get("tail", "")).lower():
                     break
             else:
@@ -245,7 +245,7 @@ async def _started(process: EngineProcess) -> None:
         await asyncio.shield(starting)
     except asyncio.CancelledError:
         await asyncio.gather(starting, return_exceptions=True)
-        await process.stop(grace_s=2.0)
+        await process.stop()
         raise
 
 

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
-from vllm_fleet import VLLM_MODEL, complete, corrupted, greedy, update, versions, vllm_server, wait_serving_again
+from vllm_fleet import EAGER, VLLM_MODEL, complete, corrupted, greedy, update, versions, vllm_server, wait_serving_again
 
 from miles.controller.results import UpdateStatus
-from miles.rollout.state import ServerState
+from miles.rollout.state import RolloutError, ServerState
 from miles.rollout.vllm_rollout import PROJECT_VLLM_PYTHON, VLLM_PYTHON_ENV
-from miles.testing import descendants, process_alive, wait_until
+from miles.testing import descendants, process_alive, running_controller, wait_until
 from miles.utils.audit_utils.event_logger.models import InferenceEngineWeightChecksumEvent
 from miles.weights.checkpoint import read_manifest
 
@@ -189,3 +191,23 @@ async def test_an_idle_server_whose_api_server_is_killed_leaves_no_process_behin
         what="every process of the killed server gone",
     )
     assert (await complete(url, "after the restart")).status_code == 200
+
+
+async def test_a_server_that_does_not_start_in_time_leaves_no_socket_directory(
+    small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM, stopped part of the way through its start, takes seconds to end: the wrapper removes
+    its sockets' directory once it has, before its launcher would kill it (seen left behind while a
+    failed start gave the wrapper 2 s)."""
+    # Where the server's sockets' directory is made, in this process; short, as socket paths must be.
+    sockets_root = Path(tempfile.mkdtemp(prefix="mv-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(sockets_root))
+    spec = {"vllm": {"cls": "VLLMRollout", "checkpoint": small["s0"], "num_servers": 1, "engine_args": EAGER}}
+    try:
+        # Long enough that vLLM's processes are up and take their time to end.
+        with pytest.raises(RolloutError, match="did not become healthy within 15"):
+            async with running_controller(spec, num_servers=1, state_dir=tmp_path / "state", startup_timeout_s=15):
+                pass
+        assert os.listdir(sockets_root) == []
+    finally:
+        shutil.rmtree(sockets_root, ignore_errors=True)
