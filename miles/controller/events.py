@@ -64,8 +64,14 @@ class ControllerEvents:
         """A serving engine's weights changed without the controller: a mismatch outside any update."""
         # An engine that keeps no checksum changed at least its version label.
         held = actual.checksum or f"unknown (version {actual.weight_version})"
-        fields = {"model_name": model_name, "server_id": server_id, "step": expected.step}
-        fields |= {"weight_version": actual.weight_version, "expected": expected.checksum, "actual": held}
+        fields = {
+            "model_name": model_name,
+            "server_id": server_id,
+            "step": expected.step,
+            "weight_version": actual.weight_version,
+            "expected": expected.checksum,
+            "actual": held,
+        }
         self.logger.log(ChecksumMismatchEvent, fields, print_log=True)
 
     # --- UpdateEvents --------------------------------------------------------------------------
@@ -135,6 +141,12 @@ class ControllerEvents:
     def _checksum(
         self, model_name: str, checksum: str, step: int, version: str | None, server_id: str | None, role: ChecksumRole
     ) -> None:
-        fields = {"model_name": model_name, "checksum": checksum, "step": step, "weight_version": version}
-        fields |= {"server_id": server_id, "role": role}
+        fields = {
+            "model_name": model_name,
+            "checksum": checksum,
+            "step": step,
+            "weight_version": version,
+            "server_id": server_id,
+            "role": role,
+        }
         self.logger.log(InferenceEngineWeightChecksumEvent, fields, print_log=False)

@@ -73,8 +73,15 @@ MAX_POSTED_CLOCK_SKEW_S = 86_400
 # The bounds this API keeps a posted checksum's fields to (the event model also records what
 # servers report, unbounded).
 _EVENT_ID: TypeAdapter[Any] = TypeAdapter(Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")])
-_POSTED_BOUNDS = {"model_name": _LABEL, "checksum": _LABEL, "step": TypeAdapter(Step), "weight_version": _LABEL}
-_POSTED_BOUNDS |= {"event_id": _EVENT_ID, "source.component": _LABEL, "source.id": _LABEL}
+_POSTED_BOUNDS = {
+    "model_name": _LABEL,
+    "checksum": _LABEL,
+    "step": TypeAdapter(Step),
+    "weight_version": _LABEL,
+    "event_id": _EVENT_ID,
+    "source.component": _LABEL,
+    "source.id": _LABEL,
+}
 
 
 # Each request's fields are the keywords of the controller method its route calls (a window's

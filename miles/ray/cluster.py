@@ -97,8 +97,13 @@ class LocalCluster:
         self._cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
         ray_constants.ENABLE_RAY_CLUSTER = False
         try:
-            head = dict(node_ip_address="127.0.0.1", num_cpus=self.head.num_cpus, num_gpus=self.head.num_gpus)
-            head |= dict(include_dashboard=False, _system_config=_NODE_HEALTH)
+            head = {
+                "node_ip_address": "127.0.0.1",
+                "num_cpus": self.head.num_cpus,
+                "num_gpus": self.head.num_gpus,
+                "include_dashboard": False,
+                "_system_config": _NODE_HEALTH,
+            }
             self._cluster = Cluster(initialize_head=True, head_node_args=head)
             self.worker_nodes = [self._add(w) for w in self.workers]
             self._cluster.wait_for_nodes()
