@@ -162,3 +162,16 @@ async def test_an_update_the_lock_is_not_granted_to_in_time_times_out_and_change
     assert reported is not None and reported.update_id == body["update_id"]
     assert "99" not in committed_versions(controller, mark)
     assert servers() == before
+
+
+async def test_version_0_is_a_committed_version_like_any_other(checkpoints: dict[str, Path]) -> None:
+    """The first numbered version a fleet commits may be 0 (after labels that are no number): it
+    becomes what every later version must beat."""
+    async with running_controller(model_checkpoint=checkpoints["v1"], num_servers=1) as (controller, _):
+        for label in ("abc", "0"):
+            result = await controller.update_rollout_weights(checkpoints["v2"], weight_version=label)
+            assert result.status is UpdateStatus.COMMITTED, result.message
+        assert controller.fleet.rollout(None).committed_high == 0
+        older = await controller.update_rollout_weights(checkpoints["v3"], weight_version="-1")
+        assert older.status is UpdateStatus.REJECTED and "not newer" in older.message, older.message
+        assert serving_versions(controller) == {"0"}
