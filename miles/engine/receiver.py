@@ -176,11 +176,7 @@ class WeightGroups:
             return await asyncio.wait_for(answer, timeout=request.timeout_s + JOIN_GRACE_S)
         except TimeoutError:
             state.abandoned.set()
-            raise ConflictError(
-                f"group {request.group_name!r} did not form within {request.timeout_s:g}s: still {state.phase} "
-                f"(rank 0 at {request.master_address}:{request.master_port}); check that the sender is "
-                "running and that every rank joins"
-            ) from None
+            raise groups.given_up(request, state.phase) from None
         except asyncio.CancelledError:
             state.abandoned.set()
             raise
@@ -189,8 +185,7 @@ class WeightGroups:
         """Join the group (blocking); returns a message. Raises ConflictError naming the ranks that
         did not join within ``timeout_s``. ``state`` tracks the phase and whether its caller gave up."""
         state = state or _JoinState()
-        name, rank, world = request.group_name, request.rank_offset, request.world_size
-        backend, device = groups.member_device(request.backend, rank=rank, world=world, device=self._device)
+        name = request.group_name
         joining = (name, request.master_address, request.master_port)
         with self._lock:
             if name in self._groups:
@@ -203,16 +198,7 @@ class WeightGroups:
                 )
             self._joining.add(joining)
         try:
-            joined = groups.join(
-                address=request.master_address,
-                port=request.master_port,
-                group_name=name,
-                rank=rank,
-                world=world,
-                backend=backend,
-                timeout_s=request.timeout_s,
-                phase=state.at,
-            )
+            joined = groups.join(request, device=self._device, phase=state.at)
             with self._lock:
                 if state.abandoned.is_set():  # its caller was answered already: the group goes with it
                     raise ConflictError(f"group {name!r} formed after its join was given up")
@@ -224,14 +210,14 @@ class WeightGroups:
                     raise ConflictError(
                         f"group {name!r} was joined meanwhile (at another rank 0); destroy it and join again"
                     )
-                spare = [*self._spare.pop(device, []), None, None]
-                buffers = (_Buffer(device, spare[0]), _Buffer(device, spare[1]))
+                spare = [*self._spare.pop(joined.device, []), None, None]
+                buffers = (_Buffer(joined.device, spare[0]), _Buffer(joined.device, spare[1]))
                 self._groups[name] = _Group(joined, state.owner, buffers)
         finally:
             with self._lock:
                 self._joining.discard(joining)
-        logger.info("joined weight-update group %s as rank %d of %d", name, rank, world)
-        return f"joined group {name!r} as rank {rank} of {world}"
+        logger.info("joined weight-update group %s as rank %d of %d", name, request.rank_offset, request.world_size)
+        return f"joined group {name!r} as rank {request.rank_offset} of {request.world_size}"
 
     @contextlib.asynccontextmanager
     async def bucket(
@@ -243,27 +229,17 @@ class WeightGroups:
         InvalidRequestError for a table the model refuses (``check``, before a byte is allocated)
         or that names a tensor twice or an unknown dtype, ConflictError when the broadcast does not
         finish within ``timeout_s``."""
-        flattened = request.flattened()
         with self._lock:
             member = self._groups.get(request.group_name)
         if member is None:
             raise NotFoundError(
                 f"this engine is in no group {request.group_name!r}; join it first (/init_weights_update_group)"
             )
-        table = groups.broadcast_table(
-            request.names, request.dtypes, request.shapes, request.digests, flattened=flattened
-        )
+        table = groups.broadcast_table(request)
         check(table)
 
         def receive(buffer: _Buffer) -> Received:
-            return groups.receive(
-                member.joined.group,
-                table,
-                buffer.flat(table.total_bytes),
-                flattened=flattened,
-                group_name=request.group_name,
-                timeout_s=request.timeout_s,
-            )
+            return member.joined.receive(request, table, buffer.flat(table.total_bytes))
 
         async with member.receiving:
             buffer = member.buffers[member.turn]

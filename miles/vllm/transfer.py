@@ -48,15 +48,6 @@ class MilesUpdateInfo(WeightTransferUpdateInfo):
     bucket: ShmDocument | UpdateWeightsFromDistributedRequest
 
 
-@dataclass(frozen=True)
-class _Group:
-    """The group this worker joined, and where its broadcasts land."""
-
-    name: str
-    joined: groups.Joined
-    device: torch.device
-
-
 class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
     init_info_cls = MilesInitInfo
     update_info_cls = MilesUpdateInfo
@@ -66,7 +57,7 @@ class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
         super().__init__(*args, **kwargs)
         # The segments pushes name, mapped once and kept while their trainer holds them.
         self.segments = SegmentMaps(forget_every_s=1.0)
-        self._group: _Group | None = None
+        self._group: groups.Joined | None = None
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> MilesInitInfo:
         try:
@@ -94,37 +85,27 @@ class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
 
     def init_transfer_engine(self, init_info: MilesInitInfo) -> None:
         request = init_info.group
-        rank, world = request.rank_offset, request.world_size
-        backend, device = groups.member_device(request.backend, rank=rank, world=world, device=self.device)
+        groups.member_device(request, self.device)  # a request refused leaves the group held as it was
         # One group at a time: a group still held was joined for a window that is over (the
         # controller opens one at a time) and whose close did not reach this worker.
         self.leave()
-        # Where the join is, for the message when it is given up.
-        where = {"phase": "starting"}
+        where = ["starting"]  # where the join is, for the message when it is given up
 
         def join() -> groups.Joined:
-            return groups.join(
-                address=request.master_address,
-                port=request.master_port,
-                group_name=request.group_name,
-                rank=rank,
-                world=world,
-                backend=backend,
-                timeout_s=request.timeout_s,
-                phase=lambda now: where.update(phase=now),
-            )
+            return groups.join(request, device=self.device, phase=lambda now: where.append(now))
 
         # Bounded whatever rank 0 does: torch's store handshake has no time limit of its own, and
         # this is the worker's only thread (a join left running keeps no group).
         try:
-            joined = groups.within(join, timeout_s=request.timeout_s + groups.JOIN_GRACE_S, name="miles-join")
+            self._group = groups.within(join, timeout_s=request.timeout_s + groups.JOIN_GRACE_S, name="miles-join")
         except TimeoutError:
-            raise ConflictError(
-                f"group {request.group_name!r} did not form within {request.timeout_s:g}s: still {where['phase']} "
-                f"(rank 0 at {request.master_address}:{request.master_port}); check that the sender is running"
-            ) from None
-        self._group = _Group(request.group_name, joined, device)
-        logger.info("joined weight-update group %s as rank %d of %d", request.group_name, rank, world)
+            raise groups.given_up(request, where[-1]) from None
+        logger.info(
+            "joined weight-update group %s as rank %d of %d",
+            request.group_name,
+            request.rank_offset,
+            request.world_size,
+        )
 
     def leave(self) -> str | None:
         """Leave the group this worker is in; its name, None when it was in none."""
@@ -160,28 +141,19 @@ class MilesTransferEngine(WeightTransferEngine[MilesInitInfo, MilesUpdateInfo]):
             mapped = self.segments.flat(bucket.shm, bucket.table.total_bytes)
             received = unpack(bucket.table, mapped[: bucket.table.total_bytes].clone())
         else:
-            flattened = bucket.flattened()
             group = self._group
             if group is None or group.name != bucket.group_name:
                 raise ConflictError(
                     f"this worker is in no group {bucket.group_name!r}: join it first (/init_weight_transfer_engine)"
                 )
-            table = groups.broadcast_table(
-                bucket.names, bucket.dtypes, bucket.shapes, bucket.digests, flattened=flattened
-            )
+            table = groups.broadcast_table(bucket)
             try:
-                received = groups.receive(
-                    group.joined.group,
-                    table,
-                    # A buffer of its own per bucket: vLLM's layerwise reload keeps the tensors it
-                    # is given until the rest of their layer arrives, so a buffer kept for the next
-                    # bucket would be overwritten under them (the loaded weights then fail the
-                    # checksum). The shared-memory path reads into new tensors alike.
-                    torch.empty(table.total_bytes, dtype=torch.uint8, device=group.device),
-                    flattened=flattened,
-                    group_name=group.name,
-                    timeout_s=bucket.timeout_s,
-                )
+                # A buffer of its own per bucket: vLLM's layerwise reload keeps the tensors it is
+                # given until the rest of their layer arrives, so a buffer kept for the next bucket
+                # would be overwritten under them (the loaded weights then fail the checksum). The
+                # shared-memory path reads into new tensors alike.
+                flat = torch.empty(table.total_bytes, dtype=torch.uint8, device=group.device)
+                received = group.receive(bucket, table, flat)
             except ConflictError:
                 self.leave()  # a broadcast that failed leaves the group out of step: of no more use
                 raise

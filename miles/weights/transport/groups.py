@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from miles.errors import ConflictError, InvalidRequestError
+from miles.protocol.sglang_weights import InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest
 from miles.weights.buckets import BucketEntry, BucketTable, Received, torch_dtype, unpack
 
 T = TypeVar("T")
@@ -120,21 +121,15 @@ def broadcast(group: Any, tensors: Sequence[torch.Tensor], *, timeout_s: float) 
 TENSOR_ALIGN = 64
 
 
-def broadcast_table(
-    names: Sequence[str],
-    dtypes: Sequence[str],
-    shapes: Sequence[Sequence[int]],
-    digests: Sequence[str | None] | None,
-    *,
-    flattened: bool,
-) -> BucketTable:
-    """Where the tensors a broadcast will carry land in the receive buffer: back to back when
-    ``flattened``, else each at an aligned offset (one broadcast per tensor, as SGLang sends).
+def broadcast_table(request: UpdateWeightsFromDistributedRequest) -> BucketTable:
+    """Where the tensors the broadcast of ``request`` will carry land in the receive buffer: back to
+    back when flattened, else each at an aligned offset (one broadcast per tensor, as SGLang sends).
     Raises InvalidRequestError for a tensor named twice or a dtype torch does not know."""
-    align = 1 if flattened else TENSOR_ALIGN
+    align = 1 if request.flattened() else TENSOR_ALIGN
     entries: list[BucketEntry] = []
     offset, seen = 0, set()
-    for name, raw_dtype, shape, digest in zip(names, dtypes, shapes, digests or [None] * len(names), strict=True):
+    digests: list[str | None] = [*request.digests] if request.digests else [None] * len(request.names)
+    for name, raw_dtype, shape, digest in zip(request.names, request.dtypes, request.shapes, digests, strict=True):
         if name in seen:
             raise InvalidRequestError(f"tensor {name!r} appears twice in one bucket; name each tensor once")
         seen.add(name)
@@ -146,24 +141,6 @@ def broadcast_table(
         )
         offset += nbytes
     return BucketTable(entries=tuple(entries))
-
-
-def receive(
-    group: Any, table: BucketTable, flat: torch.Tensor, *, flattened: bool, group_name: str, timeout_s: float
-) -> Received:
-    """The bucket of ``table`` broadcast by rank 0 into ``flat``, unchecked. Raises ConflictError when
-    the broadcast does not complete within ``timeout_s``: the group is then of no more use."""
-    tensors = [flat]
-    if not flattened:
-        tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape) for e in table.entries]
-    try:
-        broadcast(group, tensors, timeout_s=timeout_s)
-    except (RuntimeError, dist.DistError) as exc:
-        raise ConflictError(
-            f"the broadcast of group {group_name!r} did not complete within {timeout_s:g}s "
-            f"(the sender stopped or never sent): {exc}; destroy the group and push again"
-        ) from None
-    return unpack(table, flat.cpu())
 
 
 class Rank0:
@@ -199,10 +176,11 @@ class Rank0:
         self._server = None
 
 
-def member_device(backend: str, *, rank: int, world: int, device: torch.device) -> tuple[str, torch.device]:
-    """The backend a member running on ``device`` joins a group with (by its lower-case name), and
-    where it receives the group's broadcasts: its GPU with NCCL, the CPU with gloo. Raises
-    InvalidRequestError for another backend, NCCL off a GPU, or a rank outside the group."""
+def member_device(request: InitWeightsUpdateGroupRequest, device: torch.device) -> tuple[str, torch.device]:
+    """The backend a member running on ``device`` joins the group of ``request`` with (by its
+    lower-case name), and where it receives the group's broadcasts: its GPU with NCCL, the CPU with
+    gloo. Raises InvalidRequestError for another backend, NCCL off a GPU, or a rank outside the group."""
+    backend, rank, world = request.backend, request.rank_offset, request.world_size
     name = backend.lower()
     if name == "nccl" and device.type != "cuda":
         raise InvalidRequestError(
@@ -219,34 +197,48 @@ def member_device(backend: str, *, rank: int, world: int, device: torch.device) 
 class Joined:
     """A member's side of a formed group; the store it formed through lives as long as the group."""
 
+    name: str
     store: dist.Store
     group: Any  # ProcessGroupGloo or ProcessGroupNCCL
+    device: torch.device  # where its broadcasts land (``member_device``)
+
+    def receive(self, request: UpdateWeightsFromDistributedRequest, table: BucketTable, flat: torch.Tensor) -> Received:
+        """The bucket of ``table`` (``broadcast_table(request)``) broadcast by rank 0 into ``flat``,
+        unchecked. Raises ConflictError when the broadcast does not complete within the request's
+        ``timeout_s``: the group is then of no more use."""
+        tensors = [flat]
+        if not request.flattened():
+            tensors = [flat[e.offset : e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape) for e in table.entries]
+        try:
+            broadcast(self.group, tensors, timeout_s=request.timeout_s)
+        except (RuntimeError, dist.DistError) as exc:
+            raise ConflictError(
+                f"the broadcast of group {self.name!r} did not complete within {request.timeout_s:g}s "
+                f"(the sender stopped or never sent): {exc}; destroy the group and push again"
+            ) from None
+        return unpack(table, flat.cpu())
 
 
 def join(
-    *,
-    address: str,
-    port: int,
-    group_name: str,
-    rank: int,
-    world: int,
-    backend: str,
-    timeout_s: float,
-    phase: Callable[[str], None],
+    request: InitWeightsUpdateGroupRequest, *, device: torch.device, phase: Callable[[str], None] = lambda _: None
 ) -> Joined:
-    """Join the group whose rank 0 serves its store at ``address``:``port``, as ``rank`` of
-    ``world`` (blocking; ``phase`` is told where the join is). Raises ConflictError when rank 0
-    cannot be reached, or the group does not form within ``timeout_s`` (naming who never joined)."""
+    """Join the group of ``request`` as its rank ``rank_offset``, from a member running on
+    ``device`` (blocking; ``phase`` is told where the join is). Raises InvalidRequestError as
+    ``member_device`` does, ConflictError when rank 0 cannot be reached, or the group does not form
+    within ``timeout_s`` (naming who never joined)."""
+    name, rank, world, timeout_s = request.group_name, request.rank_offset, request.world_size, request.timeout_s
+    address, port = request.master_address, request.master_port
+    backend, receives_on = member_device(request, device)
     timeout = timedelta(seconds=timeout_s)
     phase("connecting to the store of rank 0")
     try:
         store = dist.TCPStore(address, port, world, False, timeout=timeout)
     except (RuntimeError, dist.DistError) as exc:
         raise ConflictError(
-            f"group {group_name!r} did not form: its rank 0 at {address}:{port} could not be reached "
+            f"group {name!r} did not form: its rank 0 at {address}:{port} could not be reached "
             f"within {timeout_s:g}s ({exc})"
         ) from None
-    prefixed = dist.PrefixStore(group_name, store)
+    prefixed = dist.PrefixStore(name, store)
     phase("announcing this rank in the store of rank 0")
     prefixed.set(_joined_key(rank), "1")
     phase("waiting for the other ranks to join")
@@ -255,7 +247,16 @@ def join(
     except (RuntimeError, dist.DistError) as exc:
         missing = _missing(prefixed, range(world))
         raise ConflictError(
-            f"group {group_name!r} did not form within {timeout_s:g}s: "
+            f"group {name!r} did not form within {timeout_s:g}s: "
             + (f"ranks {missing} never joined" if missing else f"every rank joined but the group failed: {exc}")
         ) from None
-    return Joined(store=store, group=group)
+    return Joined(name=name, store=store, group=group, device=receives_on)
+
+
+def given_up(request: InitWeightsUpdateGroupRequest, phase: str) -> ConflictError:
+    """The answer to a join given up on past its ``timeout_s`` (and ``JOIN_GRACE_S``), still in ``phase``."""
+    return ConflictError(
+        f"group {request.group_name!r} did not form within {request.timeout_s:g}s: still {phase} "
+        f"(rank 0 at {request.master_address}:{request.master_port}); check that the sender is running "
+        "and that every rank joins"
+    )

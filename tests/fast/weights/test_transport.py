@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from miles.errors import ConflictError, InvalidRequestError
+from miles.protocol.sglang_weights import InitWeightsUpdateGroupRequest
 from miles.weights.buckets import BucketEntry, BucketTable
 from miles.weights.transport import groups
 from miles.weights.transport.cuda_ipc import CudaIpcHandle
@@ -62,22 +63,25 @@ def test_a_document_is_decoded_only_as_its_own_format_and_whole() -> None:
         decode(SHM_LOAD_FORMAT, [ShmDocument(shm=REF, table=unsigned).encode()])
 
 
+def member_of(rank0: groups.Rank0, *, rank: int, timeout_s: float) -> InitWeightsUpdateGroupRequest:
+    return InitWeightsUpdateGroupRequest(
+        master_address=rank0.address,
+        master_port=rank0.port,
+        rank_offset=rank,
+        world_size=rank0.world,
+        group_name="test",
+        backend="gloo",
+        timeout_s=timeout_s,
+    )
+
+
 def test_a_group_formed_by_rank_0_is_joined_and_broadcast_to() -> None:
     async def scenario() -> None:
         rank0 = groups.Rank0(address="127.0.0.1", world=2, group_name="test", timeout_s=20)
         joined: list[groups.Joined] = []
         member = threading.Thread(
             target=lambda: joined.append(
-                groups.join(
-                    address=rank0.address,
-                    port=rank0.port,
-                    group_name="test",
-                    rank=1,
-                    world=2,
-                    backend="gloo",
-                    timeout_s=20,
-                    phase=lambda _: None,
-                )
+                groups.join(member_of(rank0, rank=1, timeout_s=20), device=torch.device("cpu"))
             )
         )
         member.start()
@@ -101,17 +105,7 @@ def test_a_member_that_never_joins_is_named_on_both_sides() -> None:
         rank0 = groups.Rank0(address="127.0.0.1", world=3, group_name="test", timeout_s=1)
         try:
             with pytest.raises(ConflictError, match=r"ranks \[2\] never joined"):
-                await asyncio.to_thread(
-                    groups.join,
-                    address=rank0.address,
-                    port=rank0.port,
-                    group_name="test",
-                    rank=1,
-                    world=3,
-                    backend="gloo",
-                    timeout_s=1,
-                    phase=lambda _: None,
-                )
+                await asyncio.to_thread(groups.join, member_of(rank0, rank=1, timeout_s=1), device=torch.device("cpu"))
             assert rank0.missing() == [2]
         finally:
             rank0.close()
