@@ -18,7 +18,7 @@ from miles.controller.results import ChecksumSource
 from miles.errors import CheckpointFileInvalidError, InvalidRequestError
 from miles.utils.weight_version import is_newer
 from miles.weights.checkpoint import MANIFEST_NAME, verify_checkpoint
-from miles.weights.paths import checked_path, files_outside_roots, inside_roots
+from miles.weights.paths import checked_path, roots_problem
 from miles.weights.safetensors_io import open_regular
 from miles.weights.verification import plain_checkpoint_problems
 
@@ -193,24 +193,6 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024
 # checkpoint it starts on. The other tokenizer files (tokenizer_config.json, special_tokens_map.json,
 # a chat template) come and go between library versions, so their absence is no reason to refuse.
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def roots_problem(path: Path, roots: tuple[Path, ...]) -> str | None:
-    """Why checkpoint ``path`` (resolved) may not be read under the allowed checkpoint ``roots``:
-    it, or a file in it, resolves outside every root; None when it may (or there are no roots).
-    Every path that can become a restart point passes it, so no restart reads outside the roots."""
-    if not inside_roots(path, roots):
-        return (
-            f"checkpoint {path} is outside the allowed checkpoint roots ({', '.join(map(str, roots))}); "
-            "move it under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS"
-        )
-    escaping = files_outside_roots(path, roots) if path.is_dir() else []
-    if escaping:
-        return (
-            f"checkpoint {path} has files that resolve outside the allowed checkpoint roots "
-            f"({', '.join(escaping[:5])}); copy the files in instead of linking to them"
-        )
-    return None
 
 
 def restart_point_problem(checkpoint: Path, start_checkpoint: Path | None) -> str | None:

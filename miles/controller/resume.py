@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.controller.gate import restart_point_problem, roots_problem
+from miles.controller.gate import restart_point_problem
 from miles.controller.health import ResumedFrom
 from miles.errors import CheckpointError, EventLogError, MilesError
 from miles.rollout.mixed import ModelRollout
@@ -27,6 +27,7 @@ from miles.utils.audit_utils.event_logger.models import (
 from miles.utils.weight_version import version_number
 from miles.weights.checkpoint import MANIFEST_NAME, read_manifest
 from miles.weights.checksum import model_checksum
+from miles.weights.paths import roots_problem
 
 logger = logging.getLogger("miles.controller")
 

@@ -18,13 +18,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from miles.controller.gate import not_newer, restart_point_problem, roots_problem
+from miles.controller.gate import not_newer, restart_point_problem
 from miles.controller.plans import Target
 from miles.controller.results import ChecksumSource, UpdateResult, UpdateWindow, WindowServer
 from miles.controller.transaction import WeightUpdate
 from miles.errors import CheckpointError, ConflictError, InvalidRequestError, MilesError, UnavailableError
 from miles.weights.checkpoint import read_manifest
-from miles.weights.paths import checked_path
+from miles.weights.paths import checked_path, roots_problem
 
 logger = logging.getLogger("miles.controller")
 

@@ -67,3 +67,22 @@ def files_outside_roots(directory: Path, roots: tuple[Path, ...], *, limit: int 
         if escapes:
             outside.append(entry.relative_to(directory).as_posix())
     return outside
+
+
+def roots_problem(path: Path, roots: tuple[Path, ...]) -> str | None:
+    """Why checkpoint ``path`` (resolved) may not be read under the allowed checkpoint ``roots``:
+    it, or an entry in it, resolves outside every root; None when it may (or there are no roots).
+    Every path that is read as a checkpoint or becomes a restart point passes it."""
+    if not inside_roots(path, roots):
+        return (
+            f"checkpoint {path} is outside the allowed checkpoint roots ({', '.join(map(str, roots))}); "
+            "move it under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS"
+        )
+    escaping = files_outside_roots(path, roots)
+    if escaping:
+        return (
+            f"checkpoint {path} has entries that resolve outside the allowed checkpoint roots "
+            f"({', '.join(escaping[:5])}{' ...' if len(escaping) > 5 else ''}); copy the files in instead "
+            "of linking to them, or extend MILES_ALLOWED_CHECKPOINT_ROOTS"
+        )
+    return None

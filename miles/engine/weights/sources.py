@@ -27,7 +27,7 @@ from miles.weights.buckets import BucketEntry
 from miles.weights.checkpoint import CheckpointReader, open_checkpoint, verify_checkpoint_or_raise
 from miles.weights.checksum import saved_state_dict
 from miles.weights.manifest import manifest_from_files
-from miles.weights.paths import checked_path, files_outside_roots, inside_roots
+from miles.weights.paths import checked_path, roots_problem
 from miles.weights.safetensors_io import dtype_name
 
 # A model's tensors by checkpoint name, as (dtype, shape): what every change must match.
@@ -56,31 +56,18 @@ def signature(model: torch.nn.Module) -> Signature:
 def checkpoint_path(raw: str, *, roots: tuple[Path, ...]) -> Path:
     """The checkpoint directory ``raw`` names, checked before any filesystem call sees the text.
     Raises InvalidRequestError for bad text or an unreadable path, PermissionDeniedError for a
-    directory outside ``roots`` or holding entries that resolve outside them, NotFoundError for a
-    path that is not a directory."""
+    directory outside ``roots`` or holding entries that resolve outside them (``roots_problem``),
+    NotFoundError for a path that is not a directory."""
     path = checked_path(raw, field="model_path")
-    if not inside_roots(path, roots):
-        raise PermissionDeniedError(
-            f"model_path {str(path)!r} is outside the allowed checkpoint roots; put the checkpoint "
-            "under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS",
-            allowed=[str(r) for r in roots],
-        )
+    problem = roots_problem(path, roots)
+    if problem is not None:
+        raise PermissionDeniedError(problem)
     try:
         is_dir = path.is_dir()
     except OSError as exc:  # e.g. a resolved path longer than the system allows
         raise InvalidRequestError(f"model_path {str(path)[:200]!r} cannot be read: {exc.strerror}") from exc
     if not is_dir:
         raise NotFoundError(f"model_path {str(path)!r} is not a directory")
-    # The directory is inside a root, but each file in it may be a symlink to anywhere: every
-    # entry must resolve inside a root too, or reading it would leave them.
-    outside = files_outside_roots(path, roots)
-    if outside:
-        raise PermissionDeniedError(
-            f"checkpoint {str(path)!r} holds entries that resolve outside the allowed checkpoint roots: "
-            f"{', '.join(outside[:10])}{' ...' if len(outside) > 10 else ''}; copy the files into the "
-            "checkpoint instead of linking them, or extend MILES_ALLOWED_CHECKPOINT_ROOTS",
-            allowed=[str(r) for r in roots],
-        )
     return path
 
 
