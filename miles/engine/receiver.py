@@ -185,6 +185,7 @@ class WeightGroups:
         """Join the group (blocking); returns a message. Raises ConflictError naming the ranks that
         did not join within ``timeout_s``. ``state`` tracks the phase and whether its caller gave up."""
         state = state or _JoinState()
+        groups.member_device(request, self._device)  # refused before anything else is looked at
         name = request.group_name
         joining = (name, request.master_address, request.master_port)
         with self._lock:
