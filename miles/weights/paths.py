@@ -78,7 +78,10 @@ def roots_problem(path: Path, roots: tuple[Path, ...]) -> str | None:
             f"checkpoint {path} is outside the allowed checkpoint roots ({', '.join(map(str, roots))}); "
             "move it under one of them or extend MILES_ALLOWED_CHECKPOINT_ROOTS"
         )
-    escaping = files_outside_roots(path, roots)
+    try:
+        escaping = files_outside_roots(path, roots)
+    except OSError as exc:  # e.g. a resolved path longer than the system allows
+        return f"checkpoint {str(path)[:200]!r} cannot be listed to check where its files lead: {exc.strerror}"
     if escaping:
         return (
             f"checkpoint {path} has entries that resolve outside the allowed checkpoint roots "

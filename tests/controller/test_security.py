@@ -282,12 +282,18 @@ async def test_a_windows_checkpoint_outside_the_roots_is_refused_and_never_a_res
         pushed = await engine.post(f"{url}/update_weights_from_disk", json=load, headers=bearer(window["credential"]))
         assert pushed.status_code == 200 and pushed.json()["success"], pushed.text
     end = {"token": window["token"], "checksum": v2.checksum, "step": 300}
-    for escaping in (roots["outside_v2"], roots["linked_v2"]):
+    # Inside the roots but longer in bytes than any path the system can open: refused as well.
+    too_long = roots["allowed"].joinpath(*["é" * 120] * 30)
+    for escaping, why in [
+        (roots["outside_v2"], "outside the allowed checkpoint roots"),
+        (roots["linked_v2"], "outside the allowed checkpoint roots"),
+        (too_long, "cannot be listed"),
+    ]:
         refused = await http.post(
             "/update_weights/end", json={**end, "checkpoint": str(escaping)}, headers=bearer(ADMIN)
         )
         assert refused.status_code == 400, refused.text
-        assert "outside the allowed checkpoint roots" in refused.json()["error"]["message"]
+        assert why in refused.json()["error"]["message"]
         assert controller.health().lock.held  # the window is still open
     ended = await http.post("/update_weights/end", json=end, headers=bearer(ADMIN))
     assert ended.status_code == 200 and ended.json()["status"] == "committed", ended.text

@@ -223,6 +223,10 @@ def test_paths_outside_allowed_roots_lists_and_missing_dirs_are_refused(
     assert listed.status_code == 400 and "not a list" in listed.json()["error"]["message"]
     missing = load(http, checkpoints["v1"].parent / "nope")
     assert missing.status_code == 404
+    # Inside a root, within the text limits (4,096 characters, 255 bytes a name), but longer in
+    # bytes than any path the system can open: refused as such, never a 500.
+    long = load(http, checkpoints["v1"].parent.joinpath(*["é" * 120] * 30))
+    assert long.status_code == 403 and "cannot be listed" in long.json()["error"]["message"], long.text
     assert http.get("/get_weight_version").json()["weight_version"] == "1"
 
 
