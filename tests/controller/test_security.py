@@ -181,11 +181,16 @@ async def test_nothing_but_the_controller_changes_an_engines_weights(
 
 async def test_the_gate_refuses_checkpoint_files_linked_from_outside_the_roots(guarded, roots: dict[str, Path]) -> None:
     _, http = guarded
-    for target in (roots["linked"], roots["outside"] / "v4"):
+    too_long = roots["allowed"].joinpath(*["é" * 120] * 30)  # longer in bytes than the system can open
+    for target, why in [
+        (roots["linked"], "outside the allowed checkpoint roots"),
+        (roots["outside"] / "v4", "outside the allowed checkpoint roots"),
+        (too_long, "cannot be listed"),
+    ]:
         refused = await http.post("/update_weights", json={"checkpoint": str(target)}, headers=bearer(ADMIN))
-        assert refused.status_code == 409
+        assert refused.status_code == 409, refused.text
         assert refused.json()["status"] == "rejected"
-        assert "outside the allowed checkpoint roots" in refused.json()["message"]
+        assert why in refused.json()["message"]
 
 
 async def test_a_window_credential_works_only_while_its_window_is_open(
